@@ -1,0 +1,57 @@
+"""The contract between the model and an attention backend.
+
+A step's tokens are one flattened batch: ``T`` query tokens from ``B`` requests,
+prefill chunks and decodes mixed, request ``i`` owning query rows
+``query_start_loc[i]:query_start_loc[i+1]``.  Each request's keys and values live
+in a paged KV cache: per layer one tensor of shape
+``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values);
+token ``t`` of request ``i`` sits in block ``block_tables[i, t // block_size]`` at
+offset ``t % block_size``.  A backend first writes this step's K/V into the cache
+at ``slot_mapping`` (``block_id * block_size + offset``), then lets every query
+token attend causally to all keys of its request up to and including its own
+position, prefix-cached blocks included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors shared by every layer (built once per step by the runner)."""
+
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each query token's K/V
+    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int32, context length after this step (computed + scheduled)
+    block_tables: torch.Tensor  # [B, max_blocks_per_req] int32, rows padded with 0
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+class AttentionBackend(Protocol):
+    """One implementation per device family (torch, Triton, FlashInfer)."""
+
+    name: str
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Per-step planning shared by all layers (e.g. FlashInfer's plan()); may be a no-op."""
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write this step's K/V at ``slot_mapping``, then attend causally over the cache."""
+        ...

@@ -1,0 +1,365 @@
+//! A request as the scheduler sees it (DESIGN §4): tokens, progress, status.
+
+use crate::error::{Error, Result};
+use crate::kv::prefix_cache::BlockHasher;
+
+/// Index of a live request in the scheduler's slab; handed to callers so
+/// per-step data can be arrays of integers instead of strings.
+pub type Handle = u32;
+
+/// Lifecycle states. Finished states sort after every live one so "is
+/// finished" is one comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RequestStatus {
+    Waiting,
+    WaitingForRemoteKvs,
+    WaitingForStreamingReq,
+    Running,
+    Preempted,
+    FinishedStopped,
+    FinishedLengthCapped,
+    FinishedAborted,
+    FinishedIgnored,
+}
+
+impl RequestStatus {
+    pub fn is_finished(self) -> bool {
+        self >= RequestStatus::FinishedStopped
+    }
+
+    pub fn finish_reason(self) -> Option<FinishReason> {
+        match self {
+            RequestStatus::FinishedStopped => Some(FinishReason::Stop),
+            RequestStatus::FinishedLengthCapped => Some(FinishReason::Length),
+            RequestStatus::FinishedAborted => Some(FinishReason::Abort),
+            RequestStatus::FinishedIgnored => Some(FinishReason::Ignored),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestStatus::Waiting => "waiting",
+            RequestStatus::WaitingForRemoteKvs => "waiting_for_remote_kvs",
+            RequestStatus::WaitingForStreamingReq => "waiting_for_streaming_req",
+            RequestStatus::Running => "running",
+            RequestStatus::Preempted => "preempted",
+            RequestStatus::FinishedStopped => "finished_stopped",
+            RequestStatus::FinishedLengthCapped => "finished_length_capped",
+            RequestStatus::FinishedAborted => "finished_aborted",
+            RequestStatus::FinishedIgnored => "finished_ignored",
+        }
+    }
+}
+
+/// Why a request ended, as reported to the frontend. The numeric values are
+/// the codes used in per-step output arrays (0 = not finished).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FinishReason {
+    Stop = 1,
+    Length = 2,
+    Abort = 3,
+    Ignored = 4,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+            FinishReason::Ignored => "ignored",
+        }
+    }
+}
+
+/// What a caller supplies to add a request.
+#[derive(Debug, Clone)]
+pub struct NewRequest {
+    pub request_id: String,
+    pub prompt_token_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub min_tokens: usize,
+    pub eos_token_id: Option<u32>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub priority: i64,
+    pub arrival_time: f64,
+    pub lora_id: Option<u32>,
+    /// A streaming-input session (S15): more input may arrive after each
+    /// generation segment; it ends when the client closes it.
+    pub streaming: bool,
+}
+
+impl NewRequest {
+    pub fn new(
+        request_id: impl Into<String>,
+        prompt_token_ids: Vec<u32>,
+        max_tokens: usize,
+    ) -> Self {
+        NewRequest {
+            request_id: request_id.into(),
+            prompt_token_ids,
+            max_tokens,
+            min_tokens: 0,
+            eos_token_id: None,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            priority: 0,
+            arrival_time: 0.0,
+            lora_id: None,
+            streaming: false,
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidRequest(m));
+        if self.prompt_token_ids.is_empty() {
+            return bad(format!(
+                "request {:?}: prompt_token_ids must not be empty",
+                self.request_id
+            ));
+        }
+        if self.max_tokens == 0 {
+            return bad(format!(
+                "request {:?}: max_tokens (0) must be at least 1",
+                self.request_id
+            ));
+        }
+        if self.min_tokens > self.max_tokens {
+            return bad(format!(
+                "request {:?}: min_tokens ({}) must be less than or equal to max_tokens ({})",
+                self.request_id, self.min_tokens, self.max_tokens
+            ));
+        }
+        if !self.arrival_time.is_finite() {
+            return bad(format!(
+                "request {:?}: arrival_time ({}) must be finite",
+                self.request_id, self.arrival_time
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub request_id: String,
+    pub handle: Handle,
+    pub status: RequestStatus,
+    pub priority: i64,
+    pub arrival_time: f64,
+    /// Prompt followed by outputs; a streaming session appends new input too.
+    pub token_ids: Vec<u32>,
+    pub num_prompt_tokens: usize,
+    /// Outputs of the current generation segment (the whole request unless streaming).
+    pub num_output_tokens: usize,
+    pub num_computed_tokens: usize,
+    /// Draft tokens proposed for the next step (speculative decoding).
+    pub spec_token_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub min_tokens: usize,
+    pub eos_token_id: Option<u32>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub lora_id: Option<u32>,
+    /// Chained hashes of every full block of `token_ids` (S8).
+    pub block_hashes: Vec<u64>,
+    /// The parent hash of the first block (per LoRA adapter).
+    pub hash_root: u64,
+    pub num_preemptions: u32,
+    /// Prefix-cache hit of the first admission; `None` until admitted.
+    pub num_cached_tokens: Option<usize>,
+    /// `num_computed_tokens < num_tokens` as of the last time it was scheduled.
+    pub is_prefill_chunk: bool,
+    /// Set while a streaming session accepts more input (S15).
+    pub streaming: bool,
+    /// Input that arrived for a streaming session while it was still generating.
+    pub pending_stream_inputs: std::collections::VecDeque<StreamInput>,
+    /// Sampled token outputs not yet returned (async scheduling placeholders).
+    pub num_output_placeholders: usize,
+    /// Tokens loaded from a remote KV source (connector), once the load completes.
+    pub num_external_computed_tokens: usize,
+    pub first_scheduled: bool,
+    pub ignore_reason: Option<String>,
+}
+
+/// One more piece of input for a streaming session.
+#[derive(Debug, Clone)]
+pub struct StreamInput {
+    pub token_ids: Vec<u32>,
+    pub max_tokens: usize,
+    /// The session ends after this segment.
+    pub is_last: bool,
+}
+
+impl Request {
+    pub fn from_new(new: NewRequest, handle: Handle, hasher: &BlockHasher) -> Self {
+        let mut req = Request {
+            request_id: new.request_id,
+            handle,
+            status: RequestStatus::Waiting,
+            priority: new.priority,
+            arrival_time: new.arrival_time,
+            num_prompt_tokens: new.prompt_token_ids.len(),
+            token_ids: new.prompt_token_ids,
+            num_output_tokens: 0,
+            num_computed_tokens: 0,
+            spec_token_ids: Vec::new(),
+            max_tokens: new.max_tokens,
+            min_tokens: new.min_tokens,
+            eos_token_id: new.eos_token_id,
+            stop_token_ids: new.stop_token_ids,
+            ignore_eos: new.ignore_eos,
+            lora_id: new.lora_id,
+            block_hashes: Vec::new(),
+            hash_root: BlockHasher::root(new.lora_id),
+            num_preemptions: 0,
+            num_cached_tokens: None,
+            is_prefill_chunk: false,
+            streaming: new.streaming,
+            pending_stream_inputs: Default::default(),
+            num_output_placeholders: 0,
+            num_external_computed_tokens: 0,
+            first_scheduled: false,
+            ignore_reason: None,
+        };
+        req.update_block_hashes(hasher);
+        req
+    }
+
+    #[inline]
+    pub fn num_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    #[inline]
+    pub fn num_tokens_with_spec(&self) -> usize {
+        self.token_ids.len() + self.spec_token_ids.len()
+    }
+
+    #[inline]
+    pub fn is_finished(&self) -> bool {
+        self.status.is_finished()
+    }
+
+    /// Appends a sampled token and hashes any block it completes.
+    pub fn append_output_token(&mut self, token: u32, hasher: &BlockHasher) {
+        self.token_ids.push(token);
+        self.num_output_tokens += 1;
+        self.update_block_hashes(hasher);
+    }
+
+    /// Appends new streaming input (S15) as a fresh generation segment.
+    pub fn append_stream_input(&mut self, input: StreamInput, hasher: &BlockHasher) {
+        self.token_ids.extend_from_slice(&input.token_ids);
+        self.max_tokens = input.max_tokens;
+        self.num_output_tokens = 0;
+        if input.is_last {
+            self.streaming = false;
+        }
+        self.update_block_hashes(hasher);
+    }
+
+    pub fn update_block_hashes(&mut self, hasher: &BlockHasher) {
+        let bs = hasher.block_size();
+        while (self.block_hashes.len() + 1) * bs <= self.token_ids.len() {
+            let i = self.block_hashes.len();
+            let parent = if i == 0 {
+                self.hash_root
+            } else {
+                self.block_hashes[i - 1]
+            };
+            let h = hasher.hash_block(parent, &self.token_ids[i * bs..(i + 1) * bs]);
+            self.block_hashes.push(h);
+        }
+    }
+
+    /// S17 stop conditions for the token just appended, in vLLM's order:
+    /// EOS and stop tokens (once `min_tokens` are out), then the length limits.
+    pub fn check_stop(&self, max_model_len: usize) -> Option<RequestStatus> {
+        let last = *self.token_ids.last()?;
+        if self.num_output_tokens >= self.min_tokens {
+            if !self.ignore_eos && Some(last) == self.eos_token_id {
+                return Some(RequestStatus::FinishedStopped);
+            }
+            if self.stop_token_ids.contains(&last) {
+                return Some(RequestStatus::FinishedStopped);
+            }
+        }
+        if self.num_tokens() >= max_model_len || self.num_output_tokens >= self.max_tokens {
+            return Some(RequestStatus::FinishedLengthCapped);
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(prompt: Vec<u32>, max_tokens: usize) -> Request {
+        let mut n = NewRequest::new("r", prompt, max_tokens);
+        n.eos_token_id = Some(2);
+        Request::from_new(n, 0, &BlockHasher::new(4))
+    }
+
+    #[test]
+    fn s17_eos_on_last_allowed_token_reports_stop() {
+        let mut r = req(vec![5, 6, 7], 1);
+        r.append_output_token(2, &BlockHasher::new(4));
+        assert_eq!(r.check_stop(100), Some(RequestStatus::FinishedStopped));
+    }
+
+    #[test]
+    fn s17_max_tokens_and_max_model_len_report_length() {
+        let h = BlockHasher::new(4);
+        let mut r = req(vec![5, 6, 7], 2);
+        r.append_output_token(9, &h);
+        assert_eq!(r.check_stop(100), None);
+        r.append_output_token(9, &h);
+        assert_eq!(r.check_stop(100), Some(RequestStatus::FinishedLengthCapped));
+        let mut r = req(vec![5, 6, 7], 10);
+        r.append_output_token(9, &h);
+        assert_eq!(r.check_stop(4), Some(RequestStatus::FinishedLengthCapped));
+    }
+
+    #[test]
+    fn s17_min_tokens_defers_eos_and_ignore_eos_disables_it() {
+        let h = BlockHasher::new(4);
+        let mut r = req(vec![5], 10);
+        r.min_tokens = 2;
+        r.append_output_token(2, &h);
+        assert_eq!(r.check_stop(100), None);
+        r.append_output_token(2, &h);
+        assert_eq!(r.check_stop(100), Some(RequestStatus::FinishedStopped));
+        let mut r = req(vec![5], 10);
+        r.ignore_eos = true;
+        r.stop_token_ids = vec![8];
+        r.append_output_token(2, &h);
+        assert_eq!(r.check_stop(100), None);
+        r.append_output_token(8, &h);
+        assert_eq!(r.check_stop(100), Some(RequestStatus::FinishedStopped));
+    }
+
+    #[test]
+    fn s8_block_hashes_cover_full_blocks_of_prompt_and_outputs() {
+        let h = BlockHasher::new(4);
+        let mut r = req(vec![1, 2, 3, 4, 5, 6, 7], 10);
+        assert_eq!(r.block_hashes.len(), 1);
+        r.append_output_token(8, &h);
+        assert_eq!(r.block_hashes.len(), 2);
+        assert_eq!(
+            r.block_hashes[1],
+            h.hash_block(r.block_hashes[0], &[5, 6, 7, 8])
+        );
+    }
+
+    #[test]
+    fn s4_finished_states_sort_after_live_ones() {
+        assert!(!RequestStatus::Preempted.is_finished());
+        assert!(RequestStatus::FinishedIgnored.is_finished());
+        assert!(RequestStatus::FinishedStopped > RequestStatus::Running);
+    }
+}

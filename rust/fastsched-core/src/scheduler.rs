@@ -1,0 +1,1033 @@
+//! The per-step scheduler (DESIGN §5): one `schedule()` per forward pass,
+//! `update_from_output()` with what the model sampled.
+//!
+//! Requests live in a slab indexed by [`Handle`]; queues and the running
+//! list hold handles. A step first extends running requests (preempting on
+//! KV shortage), then admits waiting ones while slots, budget and KV last.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::config::{Policy, SchedulerConfig};
+use crate::connector::KvConnector;
+use crate::error::{Error, Result};
+use crate::kv::manager::AllocRequest;
+use crate::kv::{BlockHasher, CacheHit, KvCacheManager, PrefixCacheStats};
+use crate::output::{EngineCoreOutputs, ModelRunnerOutput, ScheduledKind, SchedulerOutput};
+use crate::queue::{new_queue, QueueEntry, RequestQueue};
+use crate::request::{FinishReason, Handle, NewRequest, Request, RequestStatus, StreamInput};
+
+/// S13: what the engine is allowed to schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseState {
+    Unpaused,
+    /// Running and KV-holding waiting requests only.
+    PausedNew,
+    /// Nothing.
+    PausedAll,
+}
+
+/// Counters and gauges for metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct SchedulerStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub num_waiting_for_streaming_input: usize,
+    pub kv_cache_usage: f64,
+    pub num_free_blocks: usize,
+    pub num_preemptions_total: u64,
+    pub prefix_cache: PrefixCacheStats,
+    pub num_steps: u64,
+}
+
+/// One scheduled request while the step is being built.
+#[derive(Debug, Clone, Copy)]
+struct Scheduled {
+    handle: Handle,
+    num_tokens: usize,
+    kind: ScheduledKind,
+    num_computed_before: usize,
+    num_cached_tokens: usize,
+    /// Blocks the runner already knows (whole table is sent for new/resumed).
+    blocks_known: usize,
+    num_spec: usize,
+}
+
+/// What `update_from_output` needs to remember of a step.
+#[derive(Debug)]
+struct InFlightStep {
+    step_id: u64,
+    handles: Vec<Handle>,
+    num_spec: Vec<u32>,
+    /// The request was to sample a token this step (its prefill completed).
+    samples: Vec<bool>,
+}
+
+/// S12 bookkeeping.
+#[derive(Debug)]
+struct PrefillInterval {
+    executed: i64,
+    last_prefill: i64,
+    capacity_bound: bool,
+}
+
+/// Which waiting queue a request was taken from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WhichQueue {
+    KvHolding,
+    Waiting,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    hasher: BlockHasher,
+    kv: KvCacheManager,
+    requests: Vec<Option<Request>>,
+    free_handles: Vec<Handle>,
+    ids: HashMap<String, Handle>,
+    waiting: Box<dyn RequestQueue>,
+    /// Waiting requests that already hold KV blocks (remote loads, streaming
+    /// sessions with new input); served before `waiting` (S6).
+    kv_holding: Box<dyn RequestQueue>,
+    running: Vec<Handle>,
+    num_waiting_for_streaming_input: usize,
+    /// Finished, aborted or ignored since the last `schedule()`.
+    finished_since_schedule: Vec<Handle>,
+    /// Reported finished by a `schedule()`; released once no step is in flight.
+    to_release: Vec<Handle>,
+    /// Ignored requests whose output is emitted by the next update.
+    pending_ignored: Vec<Handle>,
+    in_flight: VecDeque<InFlightStep>,
+    pause: PauseState,
+    connector: Option<Box<dyn KvConnector>>,
+    async_scheduling: bool,
+    interval: PrefillInterval,
+    next_step_id: u64,
+    num_preemptions_total: u64,
+    // Reused per-step buffers.
+    scheduled: Vec<Scheduled>,
+    block_scratch: Vec<u32>,
+    stopped: Vec<bool>,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Result<Self> {
+        cfg.validate()?;
+        let interval = PrefillInterval {
+            executed: 0,
+            last_prefill: -(cfg.prefill_schedule_interval as i64),
+            capacity_bound: false,
+        };
+        Ok(Scheduler {
+            hasher: BlockHasher::new(cfg.block_size),
+            kv: KvCacheManager::new(
+                cfg.num_gpu_blocks,
+                cfg.block_size,
+                cfg.max_model_len,
+                cfg.enable_prefix_caching,
+            ),
+            requests: Vec::new(),
+            free_handles: Vec::new(),
+            ids: HashMap::new(),
+            waiting: new_queue(cfg.policy),
+            kv_holding: new_queue(cfg.policy),
+            running: Vec::new(),
+            num_waiting_for_streaming_input: 0,
+            finished_since_schedule: Vec::new(),
+            to_release: Vec::new(),
+            pending_ignored: Vec::new(),
+            in_flight: VecDeque::new(),
+            pause: PauseState::Unpaused,
+            connector: None,
+            async_scheduling: false,
+            interval,
+            next_step_id: 0,
+            num_preemptions_total: 0,
+            scheduled: Vec::new(),
+            block_scratch: Vec::new(),
+            stopped: Vec::new(),
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn set_connector(&mut self, connector: Box<dyn KvConnector>) {
+        self.connector = Some(connector);
+    }
+
+    /// With async scheduling the next step is scheduled before the previous
+    /// step's tokens are known: a decode's next token is a placeholder.
+    pub fn set_async_scheduling(&mut self, on: bool) {
+        self.async_scheduling = on;
+    }
+
+    pub fn set_pause_state(&mut self, state: PauseState) {
+        self.pause = state;
+    }
+
+    pub fn pause_state(&self) -> PauseState {
+        self.pause
+    }
+
+    // ----------------------------------------------------------------- requests
+
+    /// Adds a request to the waiting queue. A prompt that can never run
+    /// (S4: longer than `max_model_len` or than the whole KV pool) is
+    /// finished as ignored at once, with the reason in [`Self::ignore_reason`].
+    pub fn add_request(&mut self, new: NewRequest) -> Result<Handle> {
+        new.validate()?;
+        if self.ids.contains_key(&new.request_id) {
+            return Err(Error::DuplicateRequest(new.request_id));
+        }
+        let handle = match self.free_handles.pop() {
+            Some(h) => h,
+            None => {
+                self.requests.push(None);
+                (self.requests.len() - 1) as Handle
+            }
+        };
+        let mut req = Request::from_new(new, handle, &self.hasher);
+        self.ids.insert(req.request_id.clone(), handle);
+        if let Some(reason) = self.never_fits(&req) {
+            req.status = RequestStatus::FinishedIgnored;
+            req.ignore_reason = Some(reason);
+            self.ids.remove(&req.request_id);
+            self.finished_since_schedule.push(handle);
+            self.pending_ignored.push(handle);
+        } else {
+            self.waiting.push(QueueEntry::of(&req));
+        }
+        self.requests[handle as usize] = Some(req);
+        Ok(handle)
+    }
+
+    fn never_fits(&self, req: &Request) -> Option<String> {
+        let n = req.num_prompt_tokens;
+        if n >= self.cfg.max_model_len {
+            return Some(format!(
+                "prompt of {n} tokens leaves no room to generate within max_model_len ({})",
+                self.cfg.max_model_len
+            ));
+        }
+        let blocks = self.kv.blocks_for(n);
+        let usable = self.kv.pool.num_usable_blocks();
+        if blocks > usable {
+            return Some(format!(
+                "prompt of {n} tokens needs {blocks} KV blocks but the whole pool has {usable} ({} tokens)",
+                usable * self.cfg.block_size
+            ));
+        }
+        None
+    }
+
+    pub fn handle_of(&self, request_id: &str) -> Option<Handle> {
+        self.ids.get(request_id).copied()
+    }
+
+    pub fn request(&self, handle: Handle) -> Option<&Request> {
+        self.requests.get(handle as usize)?.as_ref()
+    }
+
+    fn req(&self, h: Handle) -> &Request {
+        self.requests[h as usize].as_ref().expect("live handle")
+    }
+
+    fn req_mut(&mut self, h: Handle) -> &mut Request {
+        self.requests[h as usize].as_mut().expect("live handle")
+    }
+
+    pub fn ignore_reason(&self, handle: Handle) -> Option<&str> {
+        self.request(handle)?.ignore_reason.as_deref()
+    }
+
+    pub fn blocks_of(&self, handle: Handle) -> &[u32] {
+        self.kv.blocks(handle)
+    }
+
+    /// S18: aborts a live request, freeing its blocks at once. Returns its
+    /// status just before the abort, or `None` for unknown or finished ids.
+    pub fn abort_request(&mut self, request_id: &str) -> Option<RequestStatus> {
+        let h = *self.ids.get(request_id)?;
+        let status = self.req(h).status;
+        match status {
+            RequestStatus::Running => {
+                if let Some(i) = self.running.iter().position(|&x| x == h) {
+                    self.running.remove(i);
+                }
+            }
+            RequestStatus::Waiting
+            | RequestStatus::Preempted
+            | RequestStatus::WaitingForRemoteKvs => {
+                if !self.waiting.remove(h) {
+                    self.kv_holding.remove(h);
+                }
+            }
+            RequestStatus::WaitingForStreamingReq => self.num_waiting_for_streaming_input -= 1,
+            _ => return None,
+        }
+        self.finish(h, RequestStatus::FinishedAborted);
+        Some(status)
+    }
+
+    /// Ends a request: frees its blocks now and reports it to the runner at
+    /// the next `schedule()`.
+    fn finish(&mut self, h: Handle, status: RequestStatus) {
+        let req = self.requests[h as usize].as_mut().expect("live handle");
+        req.status = status;
+        if self.ids.get(&req.request_id) == Some(&h) {
+            self.ids.remove(&req.request_id);
+        }
+        self.kv.free(h);
+        if let Some(c) = self.connector.as_mut() {
+            c.request_finished(h);
+        }
+        self.finished_since_schedule.push(h);
+    }
+
+    /// S15: more input for a streaming session.
+    pub fn add_stream_input(&mut self, request_id: &str, input: StreamInput) -> Result<()> {
+        let h = *self
+            .ids
+            .get(request_id)
+            .ok_or_else(|| Error::UnknownRequest(format!("no live request {request_id:?}")))?;
+        if !self.req(h).streaming {
+            return Err(Error::InvalidRequest(format!(
+                "request {request_id:?} is not an open streaming session"
+            )));
+        }
+        if input.max_tokens == 0 {
+            return Err(Error::InvalidRequest(format!(
+                "request {request_id:?}: max_tokens (0) must be at least 1"
+            )));
+        }
+        if self.req(h).status == RequestStatus::WaitingForStreamingReq {
+            self.num_waiting_for_streaming_input -= 1;
+            self.resume_session(h, input);
+        } else {
+            self.req_mut(h).pending_stream_inputs.push_back(input);
+        }
+        Ok(())
+    }
+
+    /// Moves a session with new input back to waiting; it keeps its blocks.
+    fn resume_session(&mut self, h: Handle, input: StreamInput) {
+        let hasher = self.hasher.clone();
+        let req = self.req_mut(h);
+        req.append_stream_input(input, &hasher);
+        req.status = RequestStatus::Waiting;
+        let entry = QueueEntry::of(req);
+        self.kv_holding.push(entry);
+    }
+
+    // ----------------------------------------------------------------- queries
+
+    /// S18: whether `schedule()` should be called: any request waiting or
+    /// running, or any finish/abort not yet reported.
+    pub fn has_requests(&self) -> bool {
+        !self.running.is_empty()
+            || !self.waiting.is_empty()
+            || !self.kv_holding.is_empty()
+            || !self.finished_since_schedule.is_empty()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Waiting requests, preempted and KV-holding ones included.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len() + self.kv_holding.len()
+    }
+
+    pub fn num_waiting_for_streaming_input(&self) -> usize {
+        self.num_waiting_for_streaming_input
+    }
+
+    pub fn running(&self) -> &[Handle] {
+        &self.running
+    }
+
+    pub fn waiting_order(&self) -> Vec<Handle> {
+        let mut v = self.kv_holding.ordered();
+        v.extend(self.waiting.ordered());
+        v
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.kv.num_free_blocks()
+    }
+
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            num_running: self.running.len(),
+            num_waiting: self.num_waiting(),
+            num_waiting_for_streaming_input: self.num_waiting_for_streaming_input,
+            kv_cache_usage: self.kv.usage(),
+            num_free_blocks: self.kv.num_free_blocks(),
+            num_preemptions_total: self.num_preemptions_total,
+            prefix_cache: self.kv.stats,
+            num_steps: self.next_step_id,
+        }
+    }
+
+    /// Live requests by handle (tests and invariant checks).
+    pub fn live_requests(&self) -> impl Iterator<Item = &Request> {
+        self.requests.iter().flatten().filter(|r| !r.is_finished())
+    }
+
+    // ----------------------------------------------------------------- schedule
+
+    /// S9: the per-request token cap of this step.
+    fn effective_long_prefill_threshold(&self) -> usize {
+        let e = self.running.len() + self.num_waiting();
+        let t = self.cfg.long_prefill_token_threshold;
+        if e <= 1 || t == 0 {
+            return 0;
+        }
+        if self.cfg.long_prefill_token_threshold_adaptive {
+            t.max(self.cfg.max_num_batched_tokens / e)
+        } else {
+            t
+        }
+    }
+
+    /// S12: hold prefill work this step?
+    fn prefill_deferred(&self) -> bool {
+        let k = self.cfg.prefill_schedule_interval as i64;
+        k > 1
+            && !self.interval.capacity_bound
+            && (self.interval.executed + 1) - self.interval.last_prefill < k
+            && self.running.iter().any(|&h| !self.req(h).is_prefill_chunk)
+    }
+
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        if self.in_flight.is_empty() {
+            for h in self.to_release.drain(..) {
+                self.requests[h as usize] = None;
+                self.free_handles.push(h);
+            }
+        }
+        if let Some(c) = self.connector.as_mut() {
+            c.on_step();
+        }
+        let mut out = SchedulerOutput {
+            step_id: self.next_step_id,
+            ..Default::default()
+        };
+        self.next_step_id += 1;
+        out.finished = std::mem::take(&mut self.finished_since_schedule);
+        self.to_release.extend_from_slice(&out.finished);
+
+        let mut token_budget = if self.pause == PauseState::PausedAll {
+            0
+        } else {
+            self.cfg.max_num_scheduled_tokens()
+        };
+        let mut input_budget = self.cfg.max_num_batched_tokens;
+        let threshold = self.effective_long_prefill_threshold();
+        let defer = self.prefill_deferred();
+        let lookahead = self.cfg.num_speculative_tokens;
+        let mut carried_prefill = false;
+        let mut scheduled = std::mem::take(&mut self.scheduled);
+        scheduled.clear();
+
+        // S2/S3: running requests first.
+        let mut i = 0;
+        'running: while i < self.running.len() && token_budget > 0 {
+            let h = self.running[i];
+            let req = self.req(h);
+            if defer && req.is_prefill_chunk {
+                i += 1;
+                continue;
+            }
+            let mut n =
+                req.num_tokens_with_spec() + req.num_output_placeholders - req.num_computed_tokens;
+            if threshold > 0 && n > threshold {
+                n = threshold;
+            }
+            n = n
+                .min(token_budget)
+                .min(input_budget)
+                .min((self.cfg.max_model_len - 1).saturating_sub(req.num_computed_tokens));
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let blocks_known = self.kv.blocks(h).len();
+            let was_prefill_chunk = req.is_prefill_chunk;
+            loop {
+                let alloc = AllocRequest {
+                    num_new_tokens: n,
+                    num_lookahead_tokens: lookahead,
+                    ..Default::default()
+                };
+                self.block_scratch.clear();
+                let req = self.requests[h as usize].as_ref().expect("live handle");
+                if self
+                    .kv
+                    .allocate_slots(req, alloc, None, &mut self.block_scratch)
+                    .is_some()
+                {
+                    break;
+                }
+                // S3: preempt a victim and retry.
+                let victim = match self.cfg.policy {
+                    Policy::Fcfs => self
+                        .running
+                        .pop()
+                        .expect("running holds the request itself"),
+                    Policy::Priority => {
+                        let pos = self.priority_victim_position();
+                        let victim = self.running.remove(pos);
+                        if let Some(j) = scheduled.iter().position(|s| s.handle == victim) {
+                            let s = scheduled.remove(j);
+                            token_budget += s.num_tokens;
+                            input_budget += s.num_tokens;
+                            i -= 1;
+                        }
+                        victim
+                    }
+                };
+                self.preempt(victim);
+                out.preempted.push(victim);
+                if victim == h {
+                    match self.cfg.policy {
+                        Policy::Fcfs => break 'running,
+                        Policy::Priority => continue 'running,
+                    }
+                }
+            }
+            let req = self.req(h);
+            let num_spec = n.saturating_sub(
+                req.num_tokens() + req.num_output_placeholders - req.num_computed_tokens,
+            );
+            scheduled.push(Scheduled {
+                handle: h,
+                num_tokens: n,
+                kind: ScheduledKind::Cached,
+                num_computed_before: req.num_computed_tokens,
+                num_cached_tokens: 0,
+                blocks_known,
+                num_spec,
+            });
+            token_budget -= n;
+            input_budget -= n;
+            carried_prefill |= was_prefill_chunk;
+            i += 1;
+        }
+
+        // S5: a step that preempted admits nobody.
+        if out.preempted.is_empty() && self.pause != PauseState::PausedAll {
+            carried_prefill |= self.schedule_waiting(
+                &mut scheduled,
+                &mut token_budget,
+                &mut input_budget,
+                threshold,
+                defer,
+            );
+        }
+
+        self.finish_step(&mut out, &scheduled, carried_prefill);
+        self.scheduled = scheduled;
+        out
+    }
+
+    /// FCFS takes the last running request; priority the max of
+    /// `(priority, arrival_time)` over the whole running list (first on ties).
+    fn priority_victim_position(&self) -> usize {
+        let mut best = 0;
+        for (pos, &h) in self.running.iter().enumerate().skip(1) {
+            let (r, b) = (self.req(h), self.req(self.running[best]));
+            let greater = r.priority > b.priority
+                || (r.priority == b.priority && r.arrival_time.total_cmp(&b.arrival_time).is_gt());
+            if greater {
+                best = pos;
+            }
+        }
+        best
+    }
+
+    /// S4: recompute preemption.
+    fn preempt(&mut self, h: Handle) {
+        self.kv.free(h);
+        let req = self.req_mut(h);
+        debug_assert_eq!(req.status, RequestStatus::Running);
+        req.status = RequestStatus::Preempted;
+        req.num_computed_tokens = 0;
+        req.spec_token_ids.clear();
+        req.num_preemptions += 1;
+        let entry = QueueEntry::of(req);
+        self.waiting.prepend(entry);
+        self.num_preemptions_total += 1;
+    }
+
+    /// S6/S7/S10/S11: admits waiting requests. Returns whether it admitted
+    /// prefill work (for S12).
+    fn schedule_waiting(
+        &mut self,
+        scheduled: &mut Vec<Scheduled>,
+        token_budget: &mut usize,
+        input_budget: &mut usize,
+        threshold: usize,
+        defer: bool,
+    ) -> bool {
+        let draft_slots = self.cfg.num_speculative_tokens;
+        let max_active = self.cfg.max_num_active_seqs();
+        let watermark_blocks =
+            (self.cfg.watermark * self.kv.pool.num_usable_blocks() as f64) as usize;
+        let mut lora_set: Vec<u32> = if self.cfg.max_loras > 0 {
+            let mut v: Vec<u32> = scheduled
+                .iter()
+                .filter_map(|s| self.req(s.handle).lora_id)
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        } else {
+            Vec::new()
+        };
+        let mut deferred: Vec<(WhichQueue, QueueEntry)> = Vec::new();
+        let mut admitted_prefill = false;
+
+        while *token_budget > 0 {
+            let which = if !self.kv_holding.is_empty() {
+                WhichQueue::KvHolding
+            } else if self.pause == PauseState::Unpaused && !self.waiting.is_empty() {
+                WhichQueue::Waiting
+            } else {
+                break;
+            };
+            if *input_budget <= draft_slots {
+                break;
+            }
+            if self.running.len() + self.num_waiting_for_streaming_input >= max_active {
+                break;
+            }
+            let queue = match which {
+                WhichQueue::KvHolding => &mut self.kv_holding,
+                WhichQueue::Waiting => &mut self.waiting,
+            };
+            let h = queue.peek().expect("non-empty queue");
+
+            // S7: skips for the request's own reasons.
+            if self.req(h).status == RequestStatus::WaitingForRemoteKvs {
+                let done = self.connector.as_ref().is_some_and(|c| c.is_load_done(h));
+                if !done {
+                    self.defer_head(which, h, &mut deferred);
+                    continue;
+                }
+                self.finish_remote_load(h);
+            }
+            let req = self.requests[h as usize].as_ref().expect("live handle");
+            if req.num_output_placeholders > 0 {
+                self.defer_head(which, h, &mut deferred);
+                continue;
+            }
+            if let Some(lora) = req.lora_id {
+                if lora_set.len() >= self.cfg.max_loras && lora_set.binary_search(&lora).is_err() {
+                    self.defer_head(which, h, &mut deferred);
+                    continue;
+                }
+            }
+
+            // S8: prefix cache (and connector) hits for a request holding no KV.
+            let mut hit = CacheHit::default();
+            let mut num_external = 0;
+            let mut load_async = false;
+            if req.num_computed_tokens == 0 {
+                let req = self.requests[h as usize].as_ref().expect("live handle");
+                hit = self.kv.get_computed_blocks(req);
+                if let Some(c) = self.connector.as_mut() {
+                    (num_external, load_async) = c.get_num_new_matched_tokens(req, hit.num_tokens);
+                }
+            }
+            let req = self.requests[h as usize].as_ref().expect("live handle");
+            let num_computed = req.num_computed_tokens + hit.num_tokens + num_external;
+            let is_prefill_work = num_computed + 1 < req.num_tokens();
+            if defer && is_prefill_work {
+                break;
+            }
+            let mut n = 0;
+            if !load_async {
+                n = req.num_tokens() - num_computed;
+                if threshold > 0 && n > threshold {
+                    n = threshold;
+                }
+                if !self.cfg.enable_chunked_prefill && n > *token_budget {
+                    break;
+                }
+                n = n.min(*token_budget).min(*input_budget - draft_slots);
+            }
+            let alloc = AllocRequest {
+                num_new_tokens: n + num_external,
+                num_lookahead_tokens: self.cfg.num_speculative_tokens,
+                full_sequence_must_fit: self.cfg.scheduler_reserve_full_isl,
+                reserve_blocks: if scheduled.is_empty() {
+                    0
+                } else {
+                    watermark_blocks
+                },
+                delay_cache: load_async,
+            };
+            self.block_scratch.clear();
+            let blocks_known_before = self.kv.blocks(h).len();
+            if self
+                .kv
+                .allocate_slots(req, alloc, Some(&hit), &mut self.block_scratch)
+                .is_none()
+            {
+                break; // S10: a request that does not fit stops the scan.
+            }
+            let queue = match which {
+                WhichQueue::KvHolding => &mut self.kv_holding,
+                WhichQueue::Waiting => &mut self.waiting,
+            };
+            queue.pop();
+            if load_async {
+                let req = self.req_mut(h);
+                req.status = RequestStatus::WaitingForRemoteKvs;
+                req.num_external_computed_tokens = num_external;
+                let entry = QueueEntry::of(req);
+                deferred.push((WhichQueue::KvHolding, entry));
+                if let Some(c) = self.connector.as_mut() {
+                    c.start_load(h);
+                }
+                continue;
+            }
+            // S11: admission.
+            self.running.push(h);
+            let req = self.req_mut(h);
+            let kind = match req.status {
+                RequestStatus::Preempted => ScheduledKind::Resumed,
+                _ if req.first_scheduled => ScheduledKind::Resumed,
+                _ => ScheduledKind::New,
+            };
+            req.status = RequestStatus::Running;
+            req.num_computed_tokens = num_computed;
+            req.first_scheduled = true;
+            if req.num_cached_tokens.is_none() {
+                req.num_cached_tokens = Some(num_computed);
+            }
+            if let Some(lora) = req.lora_id {
+                if let Err(pos) = lora_set.binary_search(&lora) {
+                    lora_set.insert(pos, lora);
+                }
+            }
+            scheduled.push(Scheduled {
+                handle: h,
+                num_tokens: n,
+                kind,
+                num_computed_before: num_computed,
+                num_cached_tokens: num_computed,
+                blocks_known: if kind == ScheduledKind::Cached {
+                    blocks_known_before
+                } else {
+                    0
+                },
+                num_spec: 0,
+            });
+            *token_budget -= n;
+            *input_budget -= n;
+            admitted_prefill |= is_prefill_work;
+        }
+
+        // S12 capacity escape: a release step that leaves requests waiting
+        // (beyond those skipped for their own reasons) turns throttling off.
+        if !defer && self.cfg.prefill_schedule_interval > 1 {
+            self.interval.capacity_bound = self.num_waiting() > 0;
+        }
+        // S7: skipped requests go back to the head of their queue in order.
+        let (kv_back, wait_back): (Vec<_>, Vec<_>) = deferred
+            .into_iter()
+            .partition(|(q, _)| *q == WhichQueue::KvHolding);
+        self.kv_holding
+            .prepend_all(kv_back.into_iter().map(|(_, e)| e).collect());
+        self.waiting
+            .prepend_all(wait_back.into_iter().map(|(_, e)| e).collect());
+        admitted_prefill
+    }
+
+    fn defer_head(
+        &mut self,
+        which: WhichQueue,
+        h: Handle,
+        deferred: &mut Vec<(WhichQueue, QueueEntry)>,
+    ) {
+        match which {
+            WhichQueue::KvHolding => self.kv_holding.pop(),
+            WhichQueue::Waiting => self.waiting.pop(),
+        };
+        deferred.push((which, QueueEntry::of(self.req(h))));
+    }
+
+    /// A remote load completed: its blocks count as computed (never the
+    /// last token, which must produce logits).
+    fn finish_remote_load(&mut self, h: Handle) {
+        let bs = self.cfg.block_size;
+        let held = self.kv.blocks(h).len();
+        let req = self.req(h);
+        let mut computed = (held * bs).min(req.num_tokens());
+        if computed == req.num_tokens() {
+            computed -= 1;
+        }
+        let status = if req.num_preemptions > 0 {
+            RequestStatus::Preempted
+        } else {
+            RequestStatus::Waiting
+        };
+        let req = self.requests[h as usize].as_mut().expect("live handle");
+        req.num_computed_tokens = computed;
+        req.status = status;
+        self.kv.cache_blocks(req, computed);
+    }
+
+    /// Advances computed counts (vLLM's `_update_after_schedule`), fills the
+    /// output arrays, and records the step for `update_from_output`.
+    fn finish_step(
+        &mut self,
+        out: &mut SchedulerOutput,
+        scheduled: &[Scheduled],
+        carried_prefill: bool,
+    ) {
+        let n = scheduled.len();
+        out.req_handles.reserve(n);
+        out.num_scheduled_tokens.reserve(n);
+        out.num_computed_tokens.reserve(n);
+        out.kinds.reserve(n);
+        out.num_cached_tokens.reserve(n);
+        out.num_spec_tokens.reserve(n);
+        out.block_offsets.reserve(n + 1);
+        out.block_offsets.push(0);
+        let mut in_flight = InFlightStep {
+            step_id: out.step_id,
+            handles: Vec::with_capacity(n),
+            num_spec: Vec::with_capacity(n),
+            samples: Vec::with_capacity(n),
+        };
+        let async_scheduling = self.async_scheduling;
+        for s in scheduled {
+            let blocks = self.kv.blocks(s.handle);
+            out.block_ids.extend_from_slice(&blocks[s.blocks_known..]);
+            out.block_offsets.push(out.block_ids.len() as u32);
+            out.req_handles.push(s.handle);
+            out.num_scheduled_tokens.push(s.num_tokens as u32);
+            out.num_computed_tokens.push(s.num_computed_before as u32);
+            out.kinds.push(s.kind as u8);
+            out.num_cached_tokens.push(s.num_cached_tokens as u32);
+            out.num_spec_tokens.push(s.num_spec as u32);
+            out.total_num_scheduled_tokens += s.num_tokens;
+            let req = self.requests[s.handle as usize]
+                .as_mut()
+                .expect("live handle");
+            req.num_computed_tokens += s.num_tokens;
+            let target = req.num_tokens() + req.num_output_placeholders;
+            req.is_prefill_chunk = req.num_computed_tokens < target;
+            let samples = !req.is_prefill_chunk;
+            if async_scheduling && samples {
+                req.num_output_placeholders += 1;
+            }
+            in_flight.handles.push(s.handle);
+            in_flight.num_spec.push(s.num_spec as u32);
+            in_flight.samples.push(samples);
+        }
+        if out.total_num_scheduled_tokens > 0 {
+            self.interval.executed += 1;
+            if carried_prefill {
+                self.interval.last_prefill = self.interval.executed;
+            }
+        }
+        self.in_flight.push_back(in_flight);
+    }
+
+    // ----------------------------------------------------------------- outputs
+
+    /// S17: appends sampled tokens to the requests of the oldest step in
+    /// flight, applies stop conditions, frees finished requests at once.
+    pub fn update_from_output(&mut self, mro: &ModelRunnerOutput) -> Result<EngineCoreOutputs> {
+        let step = self.in_flight.front().ok_or_else(|| {
+            Error::OutputMismatch(
+                "update_from_output called with no scheduled step in flight".into(),
+            )
+        })?;
+        let n = step.handles.len();
+        if mro.sampled_offsets.len() != n + 1 {
+            return Err(Error::OutputMismatch(format!(
+                "step {} scheduled {n} requests but sampled_offsets has {} entries (expected {})",
+                step.step_id,
+                mro.sampled_offsets.len(),
+                n + 1
+            )));
+        }
+        check_csr("sampled", &mro.sampled_offsets, mro.sampled_token_ids.len())?;
+        let has_drafts = !mro.draft_offsets.is_empty();
+        if has_drafts {
+            if mro.draft_offsets.len() != n + 1 {
+                return Err(Error::OutputMismatch(format!(
+                    "draft_offsets has {} entries, expected {}",
+                    mro.draft_offsets.len(),
+                    n + 1
+                )));
+            }
+            check_csr("draft", &mro.draft_offsets, mro.draft_token_ids.len())?;
+        }
+        let step = self.in_flight.pop_front().expect("checked above");
+        let mut outs = EngineCoreOutputs::default();
+        outs.token_offsets.push(0);
+        self.stopped.clear();
+        let hasher = self.hasher.clone();
+        let max_model_len = self.cfg.max_model_len;
+        for (j, &h) in step.handles.iter().enumerate() {
+            let Some(req) = self.requests[h as usize].as_mut() else {
+                continue;
+            };
+            if req.is_finished() {
+                continue; // aborted while the step was in flight
+            }
+            if step.samples[j] && req.num_output_placeholders > 0 {
+                req.num_output_placeholders -= 1;
+            }
+            let sampled = &mro.sampled_token_ids
+                [mro.sampled_offsets[j] as usize..mro.sampled_offsets[j + 1] as usize];
+            let num_spec = step.num_spec[j] as usize;
+            if num_spec > 0 && req.num_computed_tokens > 0 && !sampled.is_empty() {
+                let accepted = sampled.len() - 1;
+                req.num_computed_tokens -= num_spec.saturating_sub(accepted);
+            }
+            let start = req.num_tokens();
+            let mut stop = None;
+            for &t in sampled {
+                req.append_output_token(t, &hasher);
+                stop = req.check_stop(max_model_len);
+                if stop.is_some() {
+                    break;
+                }
+            }
+            if has_drafts && stop.is_none() {
+                let drafts = &mro.draft_token_ids
+                    [mro.draft_offsets[j] as usize..mro.draft_offsets[j + 1] as usize];
+                let room = max_model_len.saturating_sub(req.num_tokens() + 1);
+                req.spec_token_ids.clear();
+                req.spec_token_ids.extend_from_slice(
+                    &drafts[..drafts.len().min(self.cfg.num_speculative_tokens).min(room)],
+                );
+            }
+            let new_tokens = req.num_tokens() - start;
+            if new_tokens == 0 && stop.is_none() {
+                continue;
+            }
+            outs.handles.push(h);
+            outs.token_ids.extend_from_slice(&req.token_ids[start..]);
+            outs.token_offsets.push(outs.token_ids.len() as u32);
+            let prefill_done = !req.is_prefill_chunk;
+            outs.num_cached_tokens.push(match req.num_cached_tokens {
+                Some(c) if prefill_done => c as i64,
+                _ => -1,
+            });
+            let mut reason = 0;
+            let mut segment_ended = false;
+            if let Some(status) = stop {
+                let ends_session = !req.streaming || req.num_tokens() >= max_model_len;
+                if ends_session {
+                    reason = status.finish_reason().map_or(0, |r| r as u8);
+                    self.finish_from_output(h, status);
+                } else {
+                    segment_ended = true;
+                    self.end_segment(h);
+                }
+            }
+            outs.finish_reasons.push(reason);
+            outs.segment_ended.push(segment_ended);
+        }
+        if !self.stopped.is_empty() {
+            let stopped = &self.stopped;
+            let requests = &self.requests;
+            self.running.retain(|&h| {
+                !stopped.get(h as usize).copied().unwrap_or(false)
+                    || requests[h as usize]
+                        .as_ref()
+                        .is_some_and(|r| r.status == RequestStatus::Running)
+            });
+            self.stopped.clear();
+        }
+        for h in std::mem::take(&mut self.pending_ignored) {
+            outs.handles.push(h);
+            outs.token_offsets.push(outs.token_ids.len() as u32);
+            outs.num_cached_tokens.push(-1);
+            outs.finish_reasons.push(FinishReason::Ignored as u8);
+            outs.segment_ended.push(false);
+        }
+        Ok(outs)
+    }
+
+    fn mark_stopped(&mut self, h: Handle) {
+        let i = h as usize;
+        if self.stopped.len() <= i {
+            self.stopped.resize(i + 1, false);
+        }
+        self.stopped[i] = true;
+    }
+
+    /// A request stopped by the model: off `running` (or its queue, when it
+    /// was preempted while the step was in flight) and freed now.
+    fn finish_from_output(&mut self, h: Handle, status: RequestStatus) {
+        match self.req(h).status {
+            RequestStatus::Running => self.mark_stopped(h),
+            _ => {
+                if !self.waiting.remove(h) {
+                    self.kv_holding.remove(h);
+                }
+            }
+        }
+        self.finish(h, status);
+    }
+
+    /// S15: a streaming session finished a segment. It keeps its blocks and
+    /// runner slot; with input already pending it goes straight back to
+    /// waiting, otherwise it waits for input.
+    fn end_segment(&mut self, h: Handle) {
+        if self.req(h).status == RequestStatus::Running {
+            self.mark_stopped(h);
+        }
+        let req = self.req_mut(h);
+        req.status = RequestStatus::WaitingForStreamingReq;
+        match req.pending_stream_inputs.pop_front() {
+            Some(input) => self.resume_session(h, input),
+            None => self.num_waiting_for_streaming_input += 1,
+        }
+    }
+
+    /// Ends an open streaming session: at once if it waits for input,
+    /// otherwise after its current segment.
+    pub fn close_stream(&mut self, request_id: &str) -> Result<()> {
+        let h = *self
+            .ids
+            .get(request_id)
+            .ok_or_else(|| Error::UnknownRequest(format!("no live request {request_id:?}")))?;
+        let req = self.req_mut(h);
+        req.streaming = false;
+        if req.status == RequestStatus::WaitingForStreamingReq {
+            self.num_waiting_for_streaming_input -= 1;
+            self.finish(h, RequestStatus::FinishedStopped);
+        }
+        Ok(())
+    }
+}
+
+fn check_csr(name: &str, offsets: &[u32], len: usize) -> Result<()> {
+    let ok = offsets.first() == Some(&0)
+        && offsets.windows(2).all(|w| w[0] <= w[1])
+        && offsets.last().is_some_and(|&l| l as usize == len);
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::OutputMismatch(format!(
+            "{name}_offsets must start at 0, never decrease and end at len({name}_token_ids) = {len}"
+        )))
+    }
+}

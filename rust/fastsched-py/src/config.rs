@@ -1,0 +1,123 @@
+//! `SchedulerConfig` for Python: keyword arguments, validated at construction.
+
+use fastsched_core::config::{Policy, SchedulerConfig};
+use pyo3::prelude::*;
+
+use crate::errors::to_py;
+
+#[pyclass(name = "SchedulerConfig", module = "fastsched._core", frozen)]
+#[derive(Clone)]
+pub struct PySchedulerConfig {
+    pub inner: SchedulerConfig,
+}
+
+#[pymethods]
+impl PySchedulerConfig {
+    #[new]
+    #[pyo3(signature = (
+        *,
+        max_num_seqs = 256,
+        max_num_active_seqs = None,
+        max_num_batched_tokens = 8192,
+        max_num_scheduled_tokens = None,
+        max_model_len = 8192,
+        long_prefill_token_threshold = 0,
+        long_prefill_token_threshold_adaptive = false,
+        prefill_schedule_interval = 1,
+        enable_chunked_prefill = true,
+        policy = "fcfs",
+        max_loras = 0,
+        num_speculative_tokens = 0,
+        block_size = 16,
+        num_gpu_blocks = 4096,
+        enable_prefix_caching = true,
+        scheduler_reserve_full_isl = true,
+        watermark = 0.0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        max_num_seqs: usize,
+        max_num_active_seqs: Option<usize>,
+        max_num_batched_tokens: usize,
+        max_num_scheduled_tokens: Option<usize>,
+        max_model_len: usize,
+        long_prefill_token_threshold: usize,
+        long_prefill_token_threshold_adaptive: bool,
+        prefill_schedule_interval: usize,
+        enable_chunked_prefill: bool,
+        policy: &str,
+        max_loras: usize,
+        num_speculative_tokens: usize,
+        block_size: usize,
+        num_gpu_blocks: usize,
+        enable_prefix_caching: bool,
+        scheduler_reserve_full_isl: bool,
+        watermark: f64,
+    ) -> PyResult<Self> {
+        let inner = SchedulerConfig {
+            max_num_seqs,
+            max_num_active_seqs,
+            max_num_batched_tokens,
+            max_num_scheduled_tokens,
+            max_model_len,
+            long_prefill_token_threshold,
+            long_prefill_token_threshold_adaptive,
+            prefill_schedule_interval,
+            enable_chunked_prefill,
+            policy: policy.parse::<Policy>().map_err(to_py)?,
+            max_loras,
+            num_speculative_tokens,
+            block_size,
+            num_gpu_blocks,
+            enable_prefix_caching,
+            scheduler_reserve_full_isl,
+            watermark,
+        };
+        inner.validate().map_err(to_py)?;
+        Ok(PySchedulerConfig { inner })
+    }
+
+    #[getter]
+    fn max_num_seqs(&self) -> usize {
+        self.inner.max_num_seqs
+    }
+    #[getter]
+    fn max_num_active_seqs(&self) -> usize {
+        self.inner.max_num_active_seqs()
+    }
+    #[getter]
+    fn max_num_batched_tokens(&self) -> usize {
+        self.inner.max_num_batched_tokens
+    }
+    #[getter]
+    fn max_num_scheduled_tokens(&self) -> usize {
+        self.inner.max_num_scheduled_tokens()
+    }
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.inner.max_model_len
+    }
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size
+    }
+    #[getter]
+    fn num_gpu_blocks(&self) -> usize {
+        self.inner.num_gpu_blocks
+    }
+    #[getter]
+    fn enable_prefix_caching(&self) -> bool {
+        self.inner.enable_prefix_caching
+    }
+    #[getter]
+    fn policy(&self) -> &'static str {
+        match self.inner.policy {
+            Policy::Fcfs => "fcfs",
+            Policy::Priority => "priority",
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("SchedulerConfig({:?})", self.inner)
+    }
+}

@@ -1,0 +1,333 @@
+//! `Scheduler` for Python: owns one core scheduler, used through `&mut self`;
+//! `schedule()` and `update_from_output()` run with the GIL released.
+
+use fastsched_core::connector::TestConnector;
+use fastsched_core::{Handle, ModelRunnerOutput, NewRequest, PauseState, Scheduler, StreamInput};
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::exceptions::{PyKeyError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::config::PySchedulerConfig;
+use crate::errors::to_py;
+use crate::output::{PyEngineCoreOutputs, PySchedulerOutput};
+
+#[pyclass(name = "Scheduler", module = "fastsched._core")]
+pub struct PyScheduler {
+    inner: Scheduler,
+}
+
+fn token_ids(field: &str, ids: Vec<i64>) -> PyResult<Vec<u32>> {
+    ids.into_iter()
+        .map(|t| {
+            u32::try_from(t).map_err(|_| {
+                PyValueError::new_err(format!(
+                    "{field} contains {t}, which is not a valid token id"
+                ))
+            })
+        })
+        .collect()
+}
+
+fn slice<'a>(name: &str, a: &'a PyReadonlyArray1<'_, u32>) -> PyResult<&'a [u32]> {
+    a.as_slice()
+        .map_err(|_| PyValueError::new_err(format!("{name} must be a contiguous uint32 array")))
+}
+
+impl PyScheduler {
+    fn live(&self, handle: Handle) -> PyResult<&fastsched_core::Request> {
+        self.inner
+            .request(handle)
+            .ok_or_else(|| PyKeyError::new_err(format!("no request with handle {handle}")))
+    }
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    fn new(config: &PySchedulerConfig) -> PyResult<Self> {
+        Ok(PyScheduler {
+            inner: Scheduler::new(config.inner.clone()).map_err(to_py)?,
+        })
+    }
+
+    #[getter]
+    fn config(&self) -> PySchedulerConfig {
+        PySchedulerConfig {
+            inner: self.inner.config().clone(),
+        }
+    }
+
+    #[pyo3(signature = (
+        request_id, prompt_token_ids, max_tokens, *, min_tokens = 0, eos_token_id = None,
+        stop_token_ids = None, ignore_eos = false, priority = 0, arrival_time = 0.0,
+        lora_id = None, streaming = false,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        request_id: String,
+        prompt_token_ids: Vec<i64>,
+        max_tokens: i64,
+        min_tokens: i64,
+        eos_token_id: Option<u32>,
+        stop_token_ids: Option<Vec<i64>>,
+        ignore_eos: bool,
+        priority: i64,
+        arrival_time: f64,
+        lora_id: Option<u32>,
+        streaming: bool,
+    ) -> PyResult<Handle> {
+        let nonneg = |name: &str, v: i64| {
+            usize::try_from(v)
+                .map_err(|_| PyValueError::new_err(format!("{name} ({v}) must be non-negative")))
+        };
+        let new = NewRequest {
+            request_id,
+            prompt_token_ids: token_ids("prompt_token_ids", prompt_token_ids)?,
+            max_tokens: nonneg("max_tokens", max_tokens)?,
+            min_tokens: nonneg("min_tokens", min_tokens)?,
+            eos_token_id,
+            stop_token_ids: token_ids("stop_token_ids", stop_token_ids.unwrap_or_default())?,
+            ignore_eos,
+            priority,
+            arrival_time,
+            lora_id,
+            streaming,
+        };
+        self.inner.add_request(new).map_err(to_py)
+    }
+
+    /// Aborts a live request; returns its status before the abort
+    /// ("waiting", "running", "preempted", ...) or None if unknown/finished.
+    fn abort_request(&mut self, request_id: &str) -> Option<&'static str> {
+        self.inner.abort_request(request_id).map(|s| s.as_str())
+    }
+
+    fn schedule(&mut self, py: Python<'_>) -> PySchedulerOutput {
+        let inner = &mut self.inner;
+        let out = py.detach(|| inner.schedule());
+        PySchedulerOutput::new(py, out)
+    }
+
+    /// Sampled tokens of the oldest step in flight, as CSR aligned with that
+    /// step's `req_handles` (an empty row for a partial prefill).
+    #[pyo3(signature = (sampled_offsets, sampled_token_ids, draft_offsets = None, draft_token_ids = None))]
+    fn update_from_output(
+        &mut self,
+        py: Python<'_>,
+        sampled_offsets: PyReadonlyArray1<'_, u32>,
+        sampled_token_ids: PyReadonlyArray1<'_, u32>,
+        draft_offsets: Option<PyReadonlyArray1<'_, u32>>,
+        draft_token_ids: Option<PyReadonlyArray1<'_, u32>>,
+    ) -> PyResult<PyEngineCoreOutputs> {
+        let mro = ModelRunnerOutput {
+            sampled_offsets: slice("sampled_offsets", &sampled_offsets)?.to_vec(),
+            sampled_token_ids: slice("sampled_token_ids", &sampled_token_ids)?.to_vec(),
+            draft_offsets: match &draft_offsets {
+                Some(a) => slice("draft_offsets", a)?.to_vec(),
+                None => Vec::new(),
+            },
+            draft_token_ids: match &draft_token_ids {
+                Some(a) => slice("draft_token_ids", a)?.to_vec(),
+                None => Vec::new(),
+            },
+        };
+        let inner = &mut self.inner;
+        let out = py
+            .detach(|| inner.update_from_output(&mro))
+            .map_err(to_py)?;
+        Ok(PyEngineCoreOutputs::new(py, out))
+    }
+
+    /// The common case: at most one token per scheduled request, `-1` for
+    /// none (a partial prefill).
+    fn update_from_tokens(
+        &mut self,
+        py: Python<'_>,
+        tokens: PyReadonlyArray1<'_, i64>,
+    ) -> PyResult<PyEngineCoreOutputs> {
+        let tokens = tokens
+            .as_slice()
+            .map_err(|_| PyValueError::new_err("tokens must be a contiguous int64 array"))?;
+        let mut mro = ModelRunnerOutput {
+            sampled_offsets: Vec::with_capacity(tokens.len() + 1),
+            sampled_token_ids: Vec::with_capacity(tokens.len()),
+            ..Default::default()
+        };
+        mro.sampled_offsets.push(0);
+        for &t in tokens {
+            if t >= 0 {
+                let t = u32::try_from(t).map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "tokens contains {t}, which is not a valid token id"
+                    ))
+                })?;
+                mro.sampled_token_ids.push(t);
+            }
+            mro.sampled_offsets.push(mro.sampled_token_ids.len() as u32);
+        }
+        let inner = &mut self.inner;
+        let out = py
+            .detach(|| inner.update_from_output(&mro))
+            .map_err(to_py)?;
+        Ok(PyEngineCoreOutputs::new(py, out))
+    }
+
+    fn has_requests(&self) -> bool {
+        self.inner.has_requests()
+    }
+
+    #[getter]
+    fn num_running(&self) -> usize {
+        self.inner.num_running()
+    }
+
+    #[getter]
+    fn num_waiting(&self) -> usize {
+        self.inner.num_waiting()
+    }
+
+    #[getter]
+    fn num_free_blocks(&self) -> usize {
+        self.inner.num_free_blocks()
+    }
+
+    #[getter]
+    fn num_waiting_for_streaming_input(&self) -> usize {
+        self.inner.num_waiting_for_streaming_input()
+    }
+
+    /// Counters and gauges for metrics, as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("num_running", s.num_running)?;
+        d.set_item("num_waiting", s.num_waiting)?;
+        d.set_item(
+            "num_waiting_for_streaming_input",
+            s.num_waiting_for_streaming_input,
+        )?;
+        d.set_item("kv_cache_usage", s.kv_cache_usage)?;
+        d.set_item("num_free_blocks", s.num_free_blocks)?;
+        d.set_item("num_preemptions_total", s.num_preemptions_total)?;
+        d.set_item("prefix_cache_requests", s.prefix_cache.requests)?;
+        d.set_item("prefix_cache_queries", s.prefix_cache.queries)?;
+        d.set_item("prefix_cache_hits", s.prefix_cache.hits)?;
+        d.set_item(
+            "prefix_cache_preempted_queries",
+            s.prefix_cache.preempted_queries,
+        )?;
+        d.set_item("prefix_cache_preempted_hits", s.prefix_cache.preempted_hits)?;
+        d.set_item("num_steps", s.num_steps)?;
+        Ok(d)
+    }
+
+    fn request_id(&self, handle: Handle) -> PyResult<String> {
+        Ok(self.live(handle)?.request_id.clone())
+    }
+
+    /// Request ids for an array of handles (diagnostics; the engine keeps
+    /// its own handle -> request map on the hot path).
+    fn request_ids(&self, handles: PyReadonlyArray1<'_, u32>) -> PyResult<Vec<String>> {
+        slice("handles", &handles)?
+            .iter()
+            .map(|&h| Ok(self.live(h)?.request_id.clone()))
+            .collect()
+    }
+
+    fn handle_of(&self, request_id: &str) -> Option<Handle> {
+        self.inner.handle_of(request_id)
+    }
+
+    /// A request's state as a dict (diagnostics).
+    fn request_info<'py>(&self, py: Python<'py>, handle: Handle) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.live(handle)?;
+        let d = PyDict::new(py);
+        d.set_item("request_id", &r.request_id)?;
+        d.set_item("status", r.status.as_str())?;
+        d.set_item("num_tokens", r.num_tokens())?;
+        d.set_item("num_prompt_tokens", r.num_prompt_tokens)?;
+        d.set_item("num_output_tokens", r.num_output_tokens)?;
+        d.set_item("num_computed_tokens", r.num_computed_tokens)?;
+        d.set_item("num_cached_tokens", r.num_cached_tokens)?;
+        d.set_item("num_preemptions", r.num_preemptions)?;
+        d.set_item("priority", r.priority)?;
+        d.set_item("blocks", self.inner.blocks_of(handle).to_vec())?;
+        d.set_item("ignore_reason", r.ignore_reason.as_deref())?;
+        Ok(d)
+    }
+
+    /// Prompt and output tokens of a request.
+    fn token_ids<'py>(
+        &self,
+        py: Python<'py>,
+        handle: Handle,
+    ) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        Ok(PyArray1::from_slice(py, &self.live(handle)?.token_ids))
+    }
+
+    fn ignore_reason(&self, handle: Handle) -> Option<String> {
+        self.inner.ignore_reason(handle).map(str::to_owned)
+    }
+
+    fn running_handles(&self) -> Vec<Handle> {
+        self.inner.running().to_vec()
+    }
+
+    fn waiting_handles(&self) -> Vec<Handle> {
+        self.inner.waiting_order()
+    }
+
+    /// "unpaused", "paused_new" (running and KV-holding only) or "paused_all".
+    fn set_pause_state(&mut self, state: &str) -> PyResult<()> {
+        let s = match state {
+            "unpaused" => PauseState::Unpaused,
+            "paused_new" => PauseState::PausedNew,
+            "paused_all" => PauseState::PausedAll,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "pause state ({other:?}) must be \"unpaused\", \"paused_new\" or \"paused_all\""
+                )))
+            }
+        };
+        self.inner.set_pause_state(s);
+        Ok(())
+    }
+
+    #[pyo3(signature = (request_id, token_ids, max_tokens, is_last = false))]
+    fn add_stream_input(
+        &mut self,
+        request_id: &str,
+        token_ids: Vec<i64>,
+        max_tokens: usize,
+        is_last: bool,
+    ) -> PyResult<()> {
+        let input = StreamInput {
+            token_ids: self::token_ids("token_ids", token_ids)?,
+            max_tokens,
+            is_last,
+        };
+        self.inner
+            .add_stream_input(request_id, input)
+            .map_err(to_py)
+    }
+
+    fn close_stream(&mut self, request_id: &str) -> PyResult<()> {
+        self.inner.close_stream(request_id).map_err(to_py)
+    }
+
+    /// Installs the test KV connector (remote KV ready after N steps).
+    fn use_test_connector(&mut self, num_external_tokens: usize, ready_after_steps: u32) {
+        let bs = self.inner.config().block_size;
+        self.inner.set_connector(Box::new(TestConnector::new(
+            num_external_tokens,
+            ready_after_steps,
+            bs,
+        )));
+    }
+
+    fn set_async_scheduling(&mut self, on: bool) {
+        self.inner.set_async_scheduling(on);
+    }
+}
