@@ -179,8 +179,9 @@ pub struct Request {
     pub pending_stream_inputs: std::collections::VecDeque<StreamInput>,
     /// Sampled token outputs not yet returned (async scheduling placeholders).
     pub num_output_placeholders: usize,
-    /// Tokens loaded from a remote KV source (connector), once the load completes.
-    pub num_external_computed_tokens: usize,
+    /// Tokens that count as computed once an asynchronous remote KV load
+    /// completes (local prefix hit + remote tokens).
+    pub num_loaded_tokens: usize,
     pub first_scheduled: bool,
     pub ignore_reason: Option<String>,
 }
@@ -221,7 +222,7 @@ impl Request {
             streaming: new.streaming,
             pending_stream_inputs: Default::default(),
             num_output_placeholders: 0,
-            num_external_computed_tokens: 0,
+            num_loaded_tokens: 0,
             first_scheduled: false,
             ignore_reason: None,
         };

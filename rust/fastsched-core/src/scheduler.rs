@@ -94,8 +94,9 @@ pub struct Scheduler {
     finished_since_schedule: Vec<Handle>,
     /// Reported finished by a `schedule()`; released once no step is in flight.
     to_release: Vec<Handle>,
-    /// Ignored requests whose output is emitted by the next update.
-    pending_ignored: Vec<Handle>,
+    /// Requests finished by the scheduler itself (ignored, or unable to
+    /// ever grow again), whose output the next update emits.
+    pending_finished: Vec<(Handle, FinishReason)>,
     in_flight: VecDeque<InFlightStep>,
     pause: PauseState,
     connector: Option<Box<dyn KvConnector>>,
@@ -134,7 +135,7 @@ impl Scheduler {
             num_waiting_for_streaming_input: 0,
             finished_since_schedule: Vec::new(),
             to_release: Vec::new(),
-            pending_ignored: Vec::new(),
+            pending_finished: Vec::new(),
             in_flight: VecDeque::new(),
             pause: PauseState::Unpaused,
             connector: None,
@@ -195,7 +196,7 @@ impl Scheduler {
             req.ignore_reason = Some(reason);
             self.ids.remove(&req.request_id);
             self.finished_since_schedule.push(handle);
-            self.pending_ignored.push(handle);
+            self.pending_finished.push((handle, FinishReason::Ignored));
         } else {
             self.waiting.push(QueueEntry::of(&req));
         }
@@ -211,7 +212,7 @@ impl Scheduler {
                 self.cfg.max_model_len
             ));
         }
-        let blocks = self.kv.blocks_for(n);
+        let blocks = self.kv_blocks_needed(n);
         let usable = self.kv.pool.num_usable_blocks();
         if blocks > usable {
             return Some(format!(
@@ -220,6 +221,12 @@ impl Scheduler {
             ));
         }
         None
+    }
+
+    /// Blocks a sequence of `num_tokens` needs to be computed, draft slots included.
+    fn kv_blocks_needed(&self, num_tokens: usize) -> usize {
+        let slots = (num_tokens + self.cfg.num_speculative_tokens).min(self.cfg.max_model_len);
+        self.kv.blocks_for(slots)
     }
 
     pub fn handle_of(&self, request_id: &str) -> Option<Handle> {
@@ -302,6 +309,19 @@ impl Scheduler {
                 "request {request_id:?}: max_tokens (0) must be at least 1"
             )));
         }
+        let pending: usize = self
+            .req(h)
+            .pending_stream_inputs
+            .iter()
+            .map(|i| i.token_ids.len())
+            .sum();
+        let total = self.req(h).num_tokens() + pending + input.token_ids.len();
+        if total >= self.cfg.max_model_len {
+            return Err(Error::InvalidRequest(format!(
+                "request {request_id:?}: streaming input would grow the session to {total} tokens, beyond max_model_len ({})",
+                self.cfg.max_model_len
+            )));
+        }
         if self.req(h).status == RequestStatus::WaitingForStreamingReq {
             self.num_waiting_for_streaming_input -= 1;
             self.resume_session(h, input);
@@ -379,6 +399,86 @@ impl Scheduler {
     /// Live requests by handle (tests and invariant checks).
     pub fn live_requests(&self) -> impl Iterator<Item = &Request> {
         self.requests.iter().flatten().filter(|r| !r.is_finished())
+    }
+
+    /// S16: every live request is in exactly one place, and the block pool's
+    /// accounting holds (free + referenced = pool, held blocks referenced).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.kv.pool.check_invariants()?;
+        let mut place: HashMap<Handle, &'static str> = HashMap::new();
+        let mut put = |h: Handle, where_: &'static str| match place.insert(h, where_) {
+            Some(prev) => Err(format!("request handle {h} is both in {prev} and {where_}")),
+            None => Ok(()),
+        };
+        for &h in &self.running {
+            put(h, "running")?;
+        }
+        for h in self.waiting.ordered() {
+            put(h, "waiting")?;
+        }
+        for h in self.kv_holding.ordered() {
+            put(h, "kv_holding")?;
+        }
+        let mut streaming = 0;
+        for r in self.live_requests() {
+            let expected = match r.status {
+                RequestStatus::Running => "running",
+                RequestStatus::Waiting
+                | RequestStatus::Preempted
+                | RequestStatus::WaitingForRemoteKvs => {
+                    if place.get(&r.handle) == Some(&"kv_holding") {
+                        "kv_holding"
+                    } else {
+                        "waiting"
+                    }
+                }
+                RequestStatus::WaitingForStreamingReq => {
+                    streaming += 1;
+                    "streaming"
+                }
+                _ => unreachable!("live requests are not finished"),
+            };
+            let actual = place.get(&r.handle).copied().unwrap_or("streaming");
+            if actual != expected {
+                return Err(format!(
+                    "request {:?} has status {} but sits in {actual}",
+                    r.request_id,
+                    r.status.as_str()
+                ));
+            }
+            if r.status != RequestStatus::Running
+                && r.status != RequestStatus::WaitingForStreamingReq
+                && !self.kv.blocks(r.handle).is_empty()
+                && actual != "kv_holding"
+            {
+                return Err(format!("waiting request {:?} holds blocks", r.request_id));
+            }
+            for &b in self.kv.blocks(r.handle) {
+                if self.kv.pool.ref_cnt(b) == 0 {
+                    return Err(format!(
+                        "request {:?} holds unreferenced block {b}",
+                        r.request_id
+                    ));
+                }
+            }
+        }
+        if place.len() + streaming != self.live_requests().count() {
+            return Err("a queued handle is not a live request".into());
+        }
+        if streaming != self.num_waiting_for_streaming_input {
+            return Err(format!(
+                "{streaming} sessions wait for input but the counter says {}",
+                self.num_waiting_for_streaming_input
+            ));
+        }
+        if self.running.len() > self.cfg.max_num_seqs {
+            return Err(format!(
+                "{} running requests exceed max_num_seqs ({})",
+                self.running.len(),
+                self.cfg.max_num_seqs
+            ));
+        }
+        Ok(())
     }
 
     // ----------------------------------------------------------------- schedule
@@ -636,6 +736,18 @@ impl Scheduler {
                 }
             }
 
+            // S16: a preempted request whose sequence outgrew the whole pool
+            // can never run again; it ends as length-capped instead of waiting forever.
+            if self.kv_blocks_needed(req.num_tokens()) > self.kv.pool.num_usable_blocks() {
+                match which {
+                    WhichQueue::KvHolding => self.kv_holding.pop(),
+                    WhichQueue::Waiting => self.waiting.pop(),
+                };
+                self.finish(h, RequestStatus::FinishedLengthCapped);
+                self.pending_finished.push((h, FinishReason::Length));
+                continue;
+            }
+
             // S8: prefix cache (and connector) hits for a request holding no KV.
             let mut hit = CacheHit::default();
             let mut num_external = 0;
@@ -653,9 +765,13 @@ impl Scheduler {
             if defer && is_prefill_work {
                 break;
             }
-            let mut n = 0;
-            if !load_async {
-                n = req.num_tokens() - num_computed;
+            let mut n = req.num_tokens() - num_computed;
+            if load_async {
+                // Reserve the whole prompt now: a request that holds only the
+                // loaded blocks could wait forever for the rest while others
+                // holding KV wait for it.
+                n = req.num_tokens() - hit.num_tokens - num_external;
+            } else {
                 if threshold > 0 && n > threshold {
                     n = threshold;
                 }
@@ -692,7 +808,7 @@ impl Scheduler {
             if load_async {
                 let req = self.req_mut(h);
                 req.status = RequestStatus::WaitingForRemoteKvs;
-                req.num_external_computed_tokens = num_external;
+                req.num_loaded_tokens = num_computed;
                 let entry = QueueEntry::of(req);
                 deferred.push((WhichQueue::KvHolding, entry));
                 if let Some(c) = self.connector.as_mut() {
@@ -766,24 +882,17 @@ impl Scheduler {
         deferred.push((which, QueueEntry::of(self.req(h))));
     }
 
-    /// A remote load completed: its blocks count as computed (never the
-    /// last token, which must produce logits).
+    /// A remote load completed: the hit and the loaded tokens count as
+    /// computed (never the last token, which must produce logits).
     fn finish_remote_load(&mut self, h: Handle) {
-        let bs = self.cfg.block_size;
-        let held = self.kv.blocks(h).len();
-        let req = self.req(h);
-        let mut computed = (held * bs).min(req.num_tokens());
-        if computed == req.num_tokens() {
-            computed -= 1;
-        }
-        let status = if req.num_preemptions > 0 {
+        let req = self.requests[h as usize].as_mut().expect("live handle");
+        let computed = req.num_loaded_tokens.min(req.num_tokens() - 1);
+        req.num_computed_tokens = computed;
+        req.status = if req.num_preemptions > 0 {
             RequestStatus::Preempted
         } else {
             RequestStatus::Waiting
         };
-        let req = self.requests[h as usize].as_mut().expect("live handle");
-        req.num_computed_tokens = computed;
-        req.status = status;
         self.kv.cache_blocks(req, computed);
     }
 
@@ -931,9 +1040,17 @@ impl Scheduler {
             });
             let mut reason = 0;
             let mut segment_ended = false;
-            if let Some(status) = stop {
-                let ends_session = !req.streaming || req.num_tokens() >= max_model_len;
-                if ends_session {
+            if let Some(mut status) = stop {
+                // S15: a session whose next input cannot fit ends here.
+                let next_input = req
+                    .pending_stream_inputs
+                    .front()
+                    .map_or(0, |i| i.token_ids.len());
+                let overflow = req.streaming && req.num_tokens() + next_input >= max_model_len;
+                if overflow {
+                    status = RequestStatus::FinishedLengthCapped;
+                }
+                if !req.streaming || overflow {
                     reason = status.finish_reason().map_or(0, |r| r as u8);
                     self.finish_from_output(h, status);
                 } else {
@@ -955,11 +1072,11 @@ impl Scheduler {
             });
             self.stopped.clear();
         }
-        for h in std::mem::take(&mut self.pending_ignored) {
+        for (h, reason) in std::mem::take(&mut self.pending_finished) {
             outs.handles.push(h);
             outs.token_offsets.push(outs.token_ids.len() as u32);
             outs.num_cached_tokens.push(-1);
-            outs.finish_reasons.push(FinishReason::Ignored as u8);
+            outs.finish_reasons.push(reason as u8);
             outs.segment_ended.push(false);
         }
         Ok(outs)
@@ -1031,3 +1148,7 @@ fn check_csr(name: &str, offsets: &[u32], len: usize) -> Result<()> {
         )))
     }
 }
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

@@ -3,7 +3,7 @@
 use fastsched_core::config::{Policy, SchedulerConfig};
 use pyo3::prelude::*;
 
-use crate::errors::to_py;
+use crate::errors::{non_negative, to_py};
 
 #[pyclass(name = "SchedulerConfig", module = "fastsched._core", frozen)]
 #[derive(Clone)]
@@ -36,39 +36,46 @@ impl PySchedulerConfig {
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        max_num_seqs: usize,
-        max_num_active_seqs: Option<usize>,
-        max_num_batched_tokens: usize,
-        max_num_scheduled_tokens: Option<usize>,
-        max_model_len: usize,
-        long_prefill_token_threshold: usize,
+        max_num_seqs: i64,
+        max_num_active_seqs: Option<i64>,
+        max_num_batched_tokens: i64,
+        max_num_scheduled_tokens: Option<i64>,
+        max_model_len: i64,
+        long_prefill_token_threshold: i64,
         long_prefill_token_threshold_adaptive: bool,
-        prefill_schedule_interval: usize,
+        prefill_schedule_interval: i64,
         enable_chunked_prefill: bool,
         policy: &str,
-        max_loras: usize,
-        num_speculative_tokens: usize,
-        block_size: usize,
-        num_gpu_blocks: usize,
+        max_loras: i64,
+        num_speculative_tokens: i64,
+        block_size: i64,
+        num_gpu_blocks: i64,
         enable_prefix_caching: bool,
         scheduler_reserve_full_isl: bool,
         watermark: f64,
     ) -> PyResult<Self> {
+        let opt = |name: &str, v: Option<i64>| v.map(|v| non_negative(name, v)).transpose();
         let inner = SchedulerConfig {
-            max_num_seqs,
-            max_num_active_seqs,
-            max_num_batched_tokens,
-            max_num_scheduled_tokens,
-            max_model_len,
-            long_prefill_token_threshold,
+            max_num_seqs: non_negative("max_num_seqs", max_num_seqs)?,
+            max_num_active_seqs: opt("max_num_active_seqs", max_num_active_seqs)?,
+            max_num_batched_tokens: non_negative("max_num_batched_tokens", max_num_batched_tokens)?,
+            max_num_scheduled_tokens: opt("max_num_scheduled_tokens", max_num_scheduled_tokens)?,
+            max_model_len: non_negative("max_model_len", max_model_len)?,
+            long_prefill_token_threshold: non_negative(
+                "long_prefill_token_threshold",
+                long_prefill_token_threshold,
+            )?,
             long_prefill_token_threshold_adaptive,
-            prefill_schedule_interval,
+            prefill_schedule_interval: non_negative(
+                "prefill_schedule_interval",
+                prefill_schedule_interval,
+            )?,
             enable_chunked_prefill,
             policy: policy.parse::<Policy>().map_err(to_py)?,
-            max_loras,
-            num_speculative_tokens,
-            block_size,
-            num_gpu_blocks,
+            max_loras: non_negative("max_loras", max_loras)?,
+            num_speculative_tokens: non_negative("num_speculative_tokens", num_speculative_tokens)?,
+            block_size: non_negative("block_size", block_size)?,
+            num_gpu_blocks: non_negative("num_gpu_blocks", num_gpu_blocks)?,
             enable_prefix_caching,
             scheduler_reserve_full_isl,
             watermark,

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::config::PySchedulerConfig;
-use crate::errors::to_py;
+use crate::errors::{non_negative, to_id, to_py, token_id};
 use crate::output::{PyEngineCoreOutputs, PySchedulerOutput};
 
 #[pyclass(name = "Scheduler", module = "fastsched._core")]
@@ -18,15 +18,7 @@ pub struct PyScheduler {
 }
 
 fn token_ids(field: &str, ids: Vec<i64>) -> PyResult<Vec<u32>> {
-    ids.into_iter()
-        .map(|t| {
-            u32::try_from(t).map_err(|_| {
-                PyValueError::new_err(format!(
-                    "{field} contains {t}, which is not a valid token id"
-                ))
-            })
-        })
-        .collect()
+    ids.into_iter().map(|t| token_id(field, t)).collect()
 }
 
 fn slice<'a>(name: &str, a: &'a PyReadonlyArray1<'_, u32>) -> PyResult<&'a [u32]> {
@@ -70,29 +62,27 @@ impl PyScheduler {
         prompt_token_ids: Vec<i64>,
         max_tokens: i64,
         min_tokens: i64,
-        eos_token_id: Option<u32>,
+        eos_token_id: Option<i64>,
         stop_token_ids: Option<Vec<i64>>,
         ignore_eos: bool,
         priority: i64,
         arrival_time: f64,
-        lora_id: Option<u32>,
+        lora_id: Option<i64>,
         streaming: bool,
     ) -> PyResult<Handle> {
-        let nonneg = |name: &str, v: i64| {
-            usize::try_from(v)
-                .map_err(|_| PyValueError::new_err(format!("{name} ({v}) must be non-negative")))
-        };
         let new = NewRequest {
             request_id,
             prompt_token_ids: token_ids("prompt_token_ids", prompt_token_ids)?,
-            max_tokens: nonneg("max_tokens", max_tokens)?,
-            min_tokens: nonneg("min_tokens", min_tokens)?,
-            eos_token_id,
+            max_tokens: non_negative("max_tokens", max_tokens)?,
+            min_tokens: non_negative("min_tokens", min_tokens)?,
+            eos_token_id: eos_token_id
+                .map(|t| token_id("eos_token_id", t))
+                .transpose()?,
             stop_token_ids: token_ids("stop_token_ids", stop_token_ids.unwrap_or_default())?,
             ignore_eos,
             priority,
             arrival_time,
-            lora_id,
+            lora_id: lora_id.map(|l| to_id("lora_id", l)).transpose()?,
             streaming,
         };
         self.inner.add_request(new).map_err(to_py)
@@ -300,12 +290,12 @@ impl PyScheduler {
         &mut self,
         request_id: &str,
         token_ids: Vec<i64>,
-        max_tokens: usize,
+        max_tokens: i64,
         is_last: bool,
     ) -> PyResult<()> {
         let input = StreamInput {
             token_ids: self::token_ids("token_ids", token_ids)?,
-            max_tokens,
+            max_tokens: non_negative("max_tokens", max_tokens)?,
             is_last,
         };
         self.inner

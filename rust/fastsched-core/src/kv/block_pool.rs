@@ -141,6 +141,30 @@ impl BlockPool {
         out
     }
 
+    /// S16 accounting: every usable block is either free or referenced,
+    /// never both, and the free count matches the queue.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let queue = self.free_queue();
+        if queue.len() != self.num_free {
+            return Err(format!(
+                "free queue holds {} blocks, counter says {}",
+                queue.len(),
+                self.num_free
+            ));
+        }
+        for b in 1..self.num_blocks {
+            let free = self.in_free[b];
+            let referenced = self.ref_cnt[b] > 0;
+            if free == referenced {
+                return Err(format!(
+                    "block {b}: in_free={free} ref_cnt={}",
+                    self.ref_cnt[b]
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn unlink(&mut self, b: u32) {
         let i = b as usize;
         debug_assert!(self.in_free[i]);

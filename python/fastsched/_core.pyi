@@ -1,0 +1,350 @@
+"""Type stubs for ``fastsched._core``, the PyO3 binding of the Rust scheduler
+core (``rust/fastsched-py``). Rule ids (S1, S7, ...) refer to DESIGN.md §5.
+
+Requests are named by *handles*: small integers (``u32``) that index the
+scheduler's request slab, so per-step data crosses the binding as numpy arrays
+of integers instead of one Python object per request. A handle stays valid
+until the ``schedule()`` after the one that reported it in ``finished``; it may
+be reused for a new request after that.
+"""
+
+from collections.abc import Sequence
+from typing import Any, Literal, TypedDict, final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "EngineCoreOutputs", "__version__"]
+
+__version__: str
+"""Version of the ``fastsched-py`` crate the extension was built from."""
+
+_TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
+_Policy = Literal["fcfs", "priority"]
+_PauseState = Literal["unpaused", "paused_new", "paused_all"]
+_LiveStatus = Literal["waiting", "waiting_for_remote_kvs", "waiting_for_streaming_req", "running", "preempted"]
+_Status = (
+    _LiveStatus
+    | Literal["finished_stopped", "finished_length_capped", "finished_aborted", "finished_ignored"]
+)
+
+class _SchedulerStats(TypedDict):
+    """``Scheduler.stats()``: counters and gauges for metrics (DESIGN §7)."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_for_streaming_input: int
+    kv_cache_usage: float
+    """Fraction of usable KV blocks held by requests, in [0, 1]."""
+    num_free_blocks: int
+    num_preemptions_total: int
+    prefix_cache_requests: int
+    """Prefix-cache lookups by requests never preempted."""
+    prefix_cache_queries: int
+    """Tokens looked up by those requests."""
+    prefix_cache_hits: int
+    """Tokens found cached by those requests."""
+    prefix_cache_preempted_queries: int
+    """Tokens looked up by resumed (preempted) requests, kept apart from new traffic."""
+    prefix_cache_preempted_hits: int
+    num_steps: int
+    """``schedule()`` calls so far."""
+
+class _RequestInfo(TypedDict):
+    """``Scheduler.request_info()``: one request's state (diagnostics)."""
+
+    request_id: str
+    status: _Status
+    num_tokens: int
+    """Prompt plus output tokens (plus later streaming input)."""
+    num_prompt_tokens: int
+    num_output_tokens: int
+    """Outputs of the current generation segment."""
+    num_computed_tokens: int
+    """Tokens whose KV is computed (or scheduled to be, this step)."""
+    num_cached_tokens: int | None
+    """Prefix-cache (and remote) hit of the first admission; None before it."""
+    num_preemptions: int
+    priority: int
+    blocks: list[int]
+    """KV block ids the request holds, in order."""
+    ignore_reason: str | None
+
+@final
+class SchedulerConfig:
+    """Scheduler settings (DESIGN §3), validated at construction: a broken value or
+    relation raises ``ValueError`` naming both values, e.g.
+    ``max_num_active_seqs (300) cannot be greater than max_num_seqs (256)``.
+    Immutable. Only the settings below have getters."""
+
+    def __new__(
+        cls,
+        *,
+        max_num_seqs: int = 256,
+        max_num_active_seqs: int | None = None,
+        max_num_batched_tokens: int = 8192,
+        max_num_scheduled_tokens: int | None = None,
+        max_model_len: int = 8192,
+        long_prefill_token_threshold: int = 0,
+        long_prefill_token_threshold_adaptive: bool = False,
+        prefill_schedule_interval: int = 1,
+        enable_chunked_prefill: bool = True,
+        policy: _Policy = "fcfs",
+        max_loras: int = 0,
+        num_speculative_tokens: int = 0,
+        block_size: int = 16,
+        num_gpu_blocks: int = 4096,
+        enable_prefix_caching: bool = True,
+        scheduler_reserve_full_isl: bool = True,
+        watermark: float = 0.0,
+    ) -> SchedulerConfig:
+        """All settings are keyword-only.
+
+        - ``max_num_seqs``: model-runner request slots (per-request buffers, CUDA-graph sizes).
+        - ``max_num_active_seqs``: admission cap into RUNNING (S6), ``<= max_num_seqs``; None = ``max_num_seqs``.
+        - ``max_num_batched_tokens``: input budget per step, in tokens (S1), ``>= max_num_seqs``.
+        - ``max_num_scheduled_tokens``: compute budget per step in tokens; None = ``max_num_batched_tokens``.
+        - ``max_model_len``: prompt + output limit per request, in tokens.
+        - ``long_prefill_token_threshold``: per-request token cap per step (S9), 0 = off.
+        - ``long_prefill_token_threshold_adaptive``: raise that cap to ``input budget // (running + waiting)``.
+        - ``prefill_schedule_interval``: run prefill only every k-th executed step while decoding (S12), 1 = off.
+        - ``enable_chunked_prefill``: allow a prompt to span steps; without it the input budget must
+          cover ``max_model_len``.
+        - ``policy``: ``"fcfs"`` or ``"priority"`` (lower number = more urgent).
+        - ``max_loras``: LoRA adapters active in one batch, 0 = no LoRA.
+        - ``num_speculative_tokens``: draft slots kept free in the input budget.
+        - ``block_size``: tokens per KV block (also the prefix-cache hash granularity).
+        - ``num_gpu_blocks``: KV blocks in the pool *including* the reserved null block 0.
+        - ``enable_prefix_caching``: reuse cached whole blocks at admission (S8).
+        - ``scheduler_reserve_full_isl``: admit only if the whole current sequence fits in free KV (S10).
+        - ``watermark``: fraction of the pool, in [0, 1), kept free when admitting (S10).
+        """
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Model-runner request slots."""
+    @property
+    def max_num_active_seqs(self) -> int:
+        """Admission cap into RUNNING, resolved (``max_num_seqs`` when not set)."""
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Input budget per step, in tokens."""
+    @property
+    def max_num_scheduled_tokens(self) -> int:
+        """Compute budget per step, in tokens, resolved (``max_num_batched_tokens`` when not set)."""
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output limit per request, in tokens."""
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+    @property
+    def num_gpu_blocks(self) -> int:
+        """KV blocks in the pool, including the null block 0 (so ``num_gpu_blocks - 1`` are usable)."""
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """Whether admission reuses cached prefix blocks."""
+    @property
+    def policy(self) -> _Policy:
+        """``"fcfs"`` or ``"priority"``."""
+
+@final
+class SchedulerOutput:
+    """One step's decisions (one forward pass), as parallel arrays indexed by
+    scheduled position ``i`` in ``[0, num_reqs)``. Read-only."""
+
+    def __len__(self) -> int:
+        """``num_reqs``."""
+    @property
+    def step_id(self) -> int:
+        """Increases by one per ``schedule()``; updates consume steps in this order."""
+    @property
+    def num_reqs(self) -> int:
+        """Requests scheduled this step."""
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """Sum of ``num_scheduled_tokens``."""
+    @property
+    def req_handles(self) -> npt.NDArray[np.uint32]:
+        """Handle of the request at each scheduled position."""
+    @property
+    def num_scheduled_tokens(self) -> npt.NDArray[np.uint32]:
+        """Tokens to compute this step, per request (always > 0)."""
+    @property
+    def num_computed_tokens(self) -> npt.NDArray[np.uint32]:
+        """Tokens computed before this step: the position of the first scheduled token."""
+    @property
+    def kinds(self) -> npt.NDArray[np.uint8]:
+        """0 = cached (known to the runner: only new blocks are sent), 1 = new
+        (scheduled for the first time), 2 = resumed (re-admitted after a
+        preemption or a streaming segment: the whole block table is sent again)."""
+    @property
+    def num_cached_tokens(self) -> npt.NDArray[np.uint32]:
+        """For kinds 1 and 2: tokens counted as computed at admission (prefix-cache
+        and remote hit, in tokens); 0 for kind 0."""
+    @property
+    def num_spec_tokens(self) -> npt.NDArray[np.uint32]:
+        """Draft tokens scheduled for verification, per request (speculative decoding)."""
+    @property
+    def block_offsets(self) -> npt.NDArray[np.uint32]:
+        """CSR offsets (``num_reqs + 1`` entries) into ``block_ids``."""
+    @property
+    def block_ids(self) -> npt.NDArray[np.uint32]:
+        """KV block ids: request ``i`` owns ``block_ids[block_offsets[i]:block_offsets[i+1]]``,
+        its whole block table for kinds 1 and 2, only the blocks added this step for kind 0."""
+    @property
+    def preempted(self) -> npt.NDArray[np.uint32]:
+        """Handles preempted during this ``schedule()`` (S4): they lost their KV and wait again."""
+    @property
+    def finished(self) -> npt.NDArray[np.uint32]:
+        """Handles finished, aborted or ignored since the previous ``schedule()``: the
+        runner drops their state; the handles may be reused after this step."""
+
+@final
+class EngineCoreOutputs:
+    """What one update produced, for the requests that progressed (or finished),
+    as parallel arrays indexed by ``i`` in ``[0, num_reqs)``. Read-only."""
+
+    def __len__(self) -> int:
+        """``num_reqs``."""
+    @property
+    def num_reqs(self) -> int:
+        """Requests reported by this update."""
+    @property
+    def handles(self) -> npt.NDArray[np.uint32]:
+        """Handle of each reported request."""
+    @property
+    def token_offsets(self) -> npt.NDArray[np.uint32]:
+        """CSR offsets (``num_reqs + 1`` entries) into ``token_ids``."""
+    @property
+    def token_ids(self) -> npt.NDArray[np.uint32]:
+        """New tokens: request ``i`` got ``token_ids[token_offsets[i]:token_offsets[i+1]]``."""
+    @property
+    def finish_reasons(self) -> npt.NDArray[np.uint8]:
+        """0 = still running, 1 = stop (EOS or a stop token id), 2 = length
+        (``max_tokens`` or ``max_model_len``), 3 = abort, 4 = ignored (the prompt
+        can never fit: longer than ``max_model_len`` or the whole KV pool)."""
+    @property
+    def segment_ended(self) -> npt.NDArray[np.bool_]:
+        """A streaming-input session finished a segment and now waits for input (S15)."""
+    @property
+    def num_cached_tokens(self) -> npt.NDArray[np.int64]:
+        """Prefix-cache hit of the first admission, in tokens; -1 while the prompt
+        is not yet fully computed."""
+
+@final
+class Scheduler:
+    """The per-step scheduler (DESIGN §5). One ``schedule()`` per forward pass,
+    then one ``update_from_output()`` (or ``update_from_tokens()``) with what the
+    model sampled for that step. Both run with the GIL released."""
+
+    def __new__(cls, config: SchedulerConfig) -> Scheduler: ...
+    @property
+    def config(self) -> SchedulerConfig:
+        """A copy of the configuration in use."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: _TokenIds,
+        max_tokens: int,
+        *,
+        min_tokens: int = 0,
+        eos_token_id: int | None = None,
+        stop_token_ids: _TokenIds | None = None,
+        ignore_eos: bool = False,
+        priority: int = 0,
+        arrival_time: float = 0.0,
+        lora_id: int | None = None,
+        streaming: bool = False,
+    ) -> int:
+        """Queues a request and returns its handle.
+
+        ``ValueError`` (naming the field) for an empty prompt, a token id outside
+        ``[0, 2**32)``, ``max_tokens < 1``, ``min_tokens > max_tokens``, a
+        non-finite ``arrival_time``, or a ``request_id`` already live. A prompt
+        that can never run (``>= max_model_len`` tokens, or more blocks than the
+        whole pool) is accepted but finished as ignored at once: it is in the next
+        ``schedule()``'s ``finished`` and the next update reports finish reason 4;
+        see ``ignore_reason()``. ``priority``: lower = more urgent (priority
+        policy). ``arrival_time``: seconds, any clock, orders equal priorities.
+        ``streaming``: a session that waits for more input after each segment (S15).
+        """
+    def abort_request(self, request_id: str) -> _LiveStatus | None:
+        """Aborts a live request and frees its blocks at once (S18); returns its status
+        just before the abort, or None for an unknown or already finished id (a no-op).
+        The abort is reported in the next ``schedule()``'s ``finished``, never as a
+        finish by the model."""
+    def schedule(self) -> SchedulerOutput:
+        """Decides the next step (S1–S14)."""
+    def update_from_output(
+        self,
+        sampled_offsets: npt.NDArray[np.uint32],
+        sampled_token_ids: npt.NDArray[np.uint32],
+        draft_offsets: npt.NDArray[np.uint32] | None = None,
+        draft_token_ids: npt.NDArray[np.uint32] | None = None,
+    ) -> EngineCoreOutputs:
+        """Feeds the sampled tokens of the oldest step in flight, as CSR aligned with
+        that step's ``req_handles`` (an empty row for a partial prefill), plus
+        optional draft proposals for the next step in the same layout (S17).
+        Appends tokens, applies stop conditions and frees finished requests at once.
+        ``ValueError`` when no step is in flight or the arrays do not match the step
+        (``len(sampled_offsets) != num_reqs + 1``, offsets not starting at 0,
+        decreasing, or not ending at ``len(sampled_token_ids)``); the step then stays
+        in flight. ``TypeError`` for arrays that are not contiguous uint32."""
+    def update_from_tokens(self, tokens: npt.NDArray[np.int64]) -> EngineCoreOutputs:
+        """The common case of ``update_from_output``: one sampled token per scheduled
+        request, -1 for none (a partial prefill)."""
+    def has_requests(self) -> bool:
+        """Whether the engine should call ``schedule()``: any request waiting or
+        running, or any finish/abort not yet reported by a ``schedule()`` (S18)."""
+    @property
+    def num_running(self) -> int:
+        """Requests in RUNNING."""
+    @property
+    def num_waiting(self) -> int:
+        """Waiting requests, preempted and KV-holding ones included."""
+    @property
+    def num_free_blocks(self) -> int:
+        """Free KV blocks, cached-but-unreferenced (evictable) ones included, the null block excluded."""
+    @property
+    def num_waiting_for_streaming_input(self) -> int:
+        """Streaming sessions waiting for input; they keep their runner slot (S6, S15)."""
+    def stats(self) -> _SchedulerStats:
+        """Counters and gauges for metrics."""
+    def request_id(self, handle: int) -> str:
+        """The id of a handle still in the slab; ``KeyError`` otherwise."""
+    def request_ids(self, handles: npt.NDArray[np.uint32]) -> list[str]:
+        """Ids of an array of handles (diagnostics; ``KeyError`` for a stale handle)."""
+    def handle_of(self, request_id: str) -> int | None:
+        """The handle of a live (not finished) request id, else None."""
+    def request_info(self, handle: int) -> _RequestInfo:
+        """A request's state as a dict (diagnostics); ``KeyError`` for a stale handle."""
+    def token_ids(self, handle: int) -> npt.NDArray[np.uint32]:
+        """Prompt and output tokens of a request."""
+    def ignore_reason(self, handle: int) -> str | None:
+        """Why a request was finished as ignored (names the sizes), else None."""
+    def running_handles(self) -> list[int]:
+        """Handles in RUNNING, in scan order."""
+    def waiting_handles(self) -> list[int]:
+        """Waiting handles in admission order: KV-holding queue first, then the waiting queue."""
+    def set_pause_state(self, state: _PauseState) -> None:
+        """S13: ``"paused_new"`` schedules running and KV-holding requests only,
+        ``"paused_all"`` schedules nothing; ``"unpaused"`` resumes. Nothing is lost.
+        ``ValueError`` for another string."""
+    def add_stream_input(
+        self, request_id: str, token_ids: _TokenIds, max_tokens: int, is_last: bool = False
+    ) -> None:
+        """S15: more input for a streaming session, generating up to ``max_tokens``
+        more; queued if the session is still generating. ``is_last`` ends the
+        session after that segment. ``KeyError`` for an unknown id, ``ValueError``
+        for a request that is not an open session or ``max_tokens == 0``."""
+    def close_stream(self, request_id: str) -> None:
+        """Ends a streaming session: at once if it waits for input, otherwise when its
+        current segment ends. ``KeyError`` for an unknown id."""
+    def use_test_connector(self, num_external_tokens: int, ready_after_steps: int) -> None:
+        """Installs the test KV connector (S7): every request has up to
+        ``num_external_tokens`` tokens (whole blocks, never the last token) of
+        remote KV, loaded asynchronously in ``ready_after_steps`` scheduler steps."""
+    def set_async_scheduling(self, on: bool) -> None:
+        """With async scheduling the next step is scheduled before the previous
+        step's tokens are known (a decode's next token is a placeholder)."""

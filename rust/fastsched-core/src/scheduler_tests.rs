@@ -1,0 +1,912 @@
+//! Unit tests of the scheduling step, one or more per DESIGN rule id.
+
+use super::*;
+use crate::connector::TestConnector;
+
+/// 4-token blocks, a 64-token budget and `usable` blocks (plus the null block).
+fn sched_with(usable: usize, f: impl FnOnce(&mut SchedulerConfig)) -> Scheduler {
+    let mut cfg = SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 64,
+        max_model_len: 256,
+        block_size: 4,
+        num_gpu_blocks: usable + 1,
+        ..Default::default()
+    };
+    f(&mut cfg);
+    Scheduler::new(cfg).expect("valid test config")
+}
+
+fn sched(usable: usize) -> Scheduler {
+    sched_with(usable, |_| {})
+}
+
+/// Distinct prompts per id, so no accidental prefix sharing.
+fn prompt(id: &str, len: usize) -> Vec<u32> {
+    let seed = id
+        .bytes()
+        .fold(17u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
+    (0..len as u32)
+        .map(|i| 3 + (seed.wrapping_mul(7919).wrapping_add(i * 104_729)) % 997)
+        .collect()
+}
+
+fn add(s: &mut Scheduler, id: &str, len: usize, max_tokens: usize) -> Handle {
+    s.add_request(NewRequest::new(id, prompt(id, len), max_tokens))
+        .unwrap()
+}
+
+fn add_with(
+    s: &mut Scheduler,
+    id: &str,
+    len: usize,
+    max_tokens: usize,
+    f: impl FnOnce(&mut NewRequest),
+) -> Handle {
+    let mut n = NewRequest::new(id, prompt(id, len), max_tokens);
+    f(&mut n);
+    s.add_request(n).unwrap()
+}
+
+/// The fake model: token 7 for every request whose prefill completed.
+fn outputs_for(s: &Scheduler, out: &SchedulerOutput) -> ModelRunnerOutput {
+    let tokens: Vec<Option<u32>> = out
+        .req_handles
+        .iter()
+        .map(|&h| (!s.req(h).is_prefill_chunk).then_some(7))
+        .collect();
+    ModelRunnerOutput::from_tokens(&tokens)
+}
+
+fn step(s: &mut Scheduler) -> (SchedulerOutput, EngineCoreOutputs) {
+    let out = s.schedule();
+    let mro = outputs_for(s, &out);
+    let res = s.update_from_output(&mro).unwrap();
+    s.check_invariants().unwrap();
+    (out, res)
+}
+
+fn id(s: &Scheduler, h: Handle) -> String {
+    s.request(h).unwrap().request_id.clone()
+}
+
+fn scheduled(s: &Scheduler, out: &SchedulerOutput) -> Vec<(String, u32)> {
+    out.req_handles
+        .iter()
+        .zip(&out.num_scheduled_tokens)
+        .map(|(&h, &n)| (id(s, h), n))
+        .collect()
+}
+
+fn names(s: &Scheduler, hs: &[Handle]) -> Vec<String> {
+    hs.iter().map(|&h| id(s, h)).collect()
+}
+
+fn sv(xs: &[(&str, u32)]) -> Vec<(String, u32)> {
+    xs.iter().map(|(a, n)| (a.to_string(), *n)).collect()
+}
+
+// ------------------------------------------------------------------ S1, S2
+
+#[test]
+fn s1_token_budget_caps_the_sum_of_scheduled_tokens() {
+    let mut s = sched(64);
+    add(&mut s, "a", 40, 4);
+    add(&mut s, "b", 40, 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(scheduled(&s, &out), sv(&[("a", 40), ("b", 24)]));
+    assert_eq!(out.total_num_scheduled_tokens, 64);
+}
+
+#[test]
+fn s1_paused_all_sets_the_budget_to_zero() {
+    let mut s = sched(64);
+    add(&mut s, "a", 10, 4);
+    step(&mut s);
+    s.set_pause_state(PauseState::PausedAll);
+    let (out, _) = step(&mut s);
+    assert!(out.is_empty());
+    assert_eq!(s.num_running(), 1);
+}
+
+#[test]
+fn s2_running_request_gets_the_rest_of_its_prompt_then_one_token_per_step() {
+    let mut s = sched(64);
+    add(&mut s, "a", 100, 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![64]);
+    let (out, res) = step(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![36]);
+    assert_eq!(out.num_computed_tokens, vec![64]);
+    assert_eq!(res.token_ids, vec![7]);
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![1]);
+}
+
+#[test]
+fn s2_position_never_passes_max_model_len() {
+    let mut s = sched_with(64, |c| c.max_model_len = 12);
+    add(&mut s, "a", 8, 100);
+    let mut total_outputs = 0;
+    for _ in 0..10 {
+        let (out, res) = step(&mut s);
+        for (&n, &c) in out
+            .num_scheduled_tokens
+            .iter()
+            .zip(&out.num_computed_tokens)
+        {
+            assert!(
+                (n + c) as usize <= 11,
+                "computes position {} >= max_model_len - 1",
+                n + c
+            );
+        }
+        total_outputs += res.token_ids.len();
+        if res
+            .finish_reasons
+            .iter()
+            .any(|&r| r == FinishReason::Length as u8)
+        {
+            break;
+        }
+    }
+    assert_eq!(
+        total_outputs, 4,
+        "stops at max_model_len: 8 prompt + 4 outputs"
+    );
+}
+
+// ------------------------------------------------------------------ S3, S4, S5
+
+/// Three 7-token requests in six blocks: all fit, then grow into a shortage.
+fn three_in_six_blocks(policy: Policy) -> Scheduler {
+    let mut s = sched_with(6, |c| c.policy = policy);
+    for r in ["r0", "r1", "r2"] {
+        add(&mut s, r, 7, 20);
+    }
+    step(&mut s); // prefill: 2 blocks each
+    step(&mut s); // decode to 9 tokens, still 2 blocks of computed
+    s
+}
+
+#[test]
+fn s3_fcfs_victim_is_the_last_running_request() {
+    let mut s = three_in_six_blocks(Policy::Fcfs);
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.preempted), vec!["r2"]);
+    assert_eq!(scheduled(&s, &out), sv(&[("r0", 1), ("r1", 1)]));
+}
+
+#[test]
+fn s4_preempted_request_restarts_at_the_head_of_waiting_keeping_its_outputs() {
+    let mut s = three_in_six_blocks(Policy::Fcfs);
+    add(&mut s, "late", 3, 4);
+    let (out, _) = step(&mut s);
+    let victim = out.preempted[0];
+    let r = s.request(victim).unwrap();
+    assert_eq!(r.status, RequestStatus::Preempted);
+    assert_eq!(r.num_computed_tokens, 0);
+    assert_eq!(r.num_output_tokens, 2, "outputs survive preemption");
+    assert_eq!(r.num_preemptions, 1);
+    assert!(s.blocks_of(victim).is_empty());
+    assert_eq!(s.waiting_order()[0], victim, "head of the waiting queue");
+    assert_eq!(s.stats().num_preemptions_total, 1);
+}
+
+#[test]
+fn s5_a_step_that_preempts_admits_nobody() {
+    let mut s = three_in_six_blocks(Policy::Fcfs);
+    add(&mut s, "tiny", 1, 1);
+    let (out, _) = step(&mut s);
+    assert!(!out.preempted.is_empty());
+    assert!(out.kinds.iter().all(|&k| k == ScheduledKind::Cached as u8));
+    assert!(s.waiting_order().iter().any(|&h| id(&s, h) == "tiny"));
+}
+
+/// running = [a, b, c] where b (latest arrival) is the one that needs a block.
+fn b_needs_a_block(policy: Policy) -> Scheduler {
+    let mut s = sched_with(6, |c| c.policy = policy);
+    add_with(&mut s, "a", 5, 20, |r| r.arrival_time = 1.0);
+    add_with(&mut s, "b", 7, 20, |r| r.arrival_time = 3.0);
+    step(&mut s);
+    add_with(&mut s, "c", 5, 20, |r| r.arrival_time = 2.0);
+    step(&mut s);
+    assert_eq!(names(&s, s.running()), vec!["a", "b", "c"]);
+    assert_eq!(s.num_free_blocks(), 0);
+    s
+}
+
+#[test]
+fn s3_priority_victim_is_lowest_priority_latest_arrival_and_self_preemption_continues() {
+    let mut s = b_needs_a_block(Policy::Priority);
+    let (out, _) = step(&mut s);
+    assert_eq!(
+        names(&s, &out.preempted),
+        vec!["b"],
+        "b is max (priority, arrival)"
+    );
+    assert_eq!(
+        scheduled(&s, &out),
+        sv(&[("a", 1), ("c", 1)]),
+        "c still runs"
+    );
+}
+
+#[test]
+fn s3_fcfs_takes_the_last_request_in_the_same_situation() {
+    let mut s = b_needs_a_block(Policy::Fcfs);
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.preempted), vec!["c"]);
+    assert_eq!(scheduled(&s, &out), sv(&[("a", 1), ("b", 1)]));
+}
+
+#[test]
+fn s3_fcfs_self_preemption_stops_the_running_phase() {
+    // big is the last running request: the FCFS victim is big itself.
+    let mut s = sched(4);
+    add(&mut s, "small", 3, 2);
+    add(&mut s, "big", 12, 20);
+    add(&mut s, "queued", 1, 1);
+    step(&mut s);
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.preempted), vec!["big"]);
+    assert_eq!(scheduled(&s, &out), sv(&[("small", 1)]));
+    assert_eq!(names(&s, &s.waiting_order()), vec!["big", "queued"]);
+}
+
+#[test]
+fn s3_priority_victim_already_scheduled_gives_back_its_budget() {
+    let mut s = sched_with(4, |c| c.policy = Policy::Priority);
+    add_with(&mut s, "x", 5, 20, |r| r.priority = 9);
+    step(&mut s);
+    add_with(&mut s, "y", 8, 20, |r| r.arrival_time = 1.0);
+    step(&mut s);
+    assert_eq!(s.num_free_blocks(), 0);
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.preempted), vec!["x"]);
+    assert_eq!(scheduled(&s, &out), sv(&[("y", 1)]));
+    assert_eq!(out.total_num_scheduled_tokens, 1, "x's token was refunded");
+}
+
+// ------------------------------------------------------------------ S6, S7
+
+#[test]
+fn s6_max_num_active_seqs_caps_admission() {
+    let mut s = sched_with(64, |c| c.max_num_active_seqs = Some(2));
+    for r in ["a", "b", "c", "d"] {
+        add(&mut s, r, 4, 10);
+    }
+    let (out, _) = step(&mut s);
+    assert_eq!(out.len(), 2);
+    assert_eq!(s.num_waiting(), 2);
+}
+
+#[test]
+fn s6_kv_holding_queue_is_served_first() {
+    let mut s = sched(64);
+    s.set_connector(Box::new(TestConnector::new(8, 1, 4)));
+    add(&mut s, "remote", 13, 4); // 8 tokens load remotely
+    step(&mut s); // load starts; the request waits aside holding blocks
+    add(&mut s, "local", 2, 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.req_handles), vec!["remote", "local"]);
+    assert_eq!(out.num_cached_tokens[0], 8);
+}
+
+#[test]
+fn s7_remote_kv_not_ready_is_skipped_and_later_requests_pass() {
+    let mut s = sched(64);
+    s.set_connector(Box::new(TestConnector::new(8, 2, 4)));
+    let remote = add(&mut s, "remote", 13, 4);
+    add(&mut s, "short", 3, 4); // under one block: nothing to load
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.req_handles), vec!["short"]);
+    assert_eq!(
+        s.request(remote).unwrap().status,
+        RequestStatus::WaitingForRemoteKvs
+    );
+    assert_eq!(
+        s.blocks_of(remote).len(),
+        4,
+        "blocks for the whole prompt are reserved"
+    );
+    let (out, _) = step(&mut s);
+    assert!(!out.req_handles.contains(&remote), "one step is not enough");
+    let (out, _) = step(&mut s);
+    let i = out.req_handles.iter().position(|&h| h == remote).unwrap();
+    assert_eq!(out.num_scheduled_tokens[i], 5);
+    assert_eq!(out.num_cached_tokens[i], 8);
+    assert_eq!(out.kinds[i], ScheduledKind::New as u8);
+}
+
+#[test]
+fn s7_lora_slots_full_skips_and_deferred_requests_keep_their_order() {
+    let mut s = sched_with(64, |c| c.max_loras = 1);
+    add_with(&mut s, "l1", 4, 10, |r| r.lora_id = Some(1));
+    step(&mut s);
+    add_with(&mut s, "l2a", 4, 10, |r| r.lora_id = Some(2));
+    add_with(&mut s, "l2b", 4, 10, |r| r.lora_id = Some(2));
+    add_with(&mut s, "l1b", 4, 10, |r| r.lora_id = Some(1));
+    add(&mut s, "base", 4, 10);
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.req_handles), vec!["l1", "l1b", "base"]);
+    assert_eq!(names(&s, &s.waiting_order()), vec!["l2a", "l2b"]);
+}
+
+#[test]
+fn s7_stale_outputs_in_flight_defer_a_preempted_request() {
+    let mut s = sched_with(4, |c| c.max_model_len = 64);
+    s.set_async_scheduling(true);
+    let r0 = add(&mut s, "r0", 7, 20);
+    let r1 = add(&mut s, "r1", 7, 20);
+    let o0 = s.schedule(); // prefill both
+    let o1 = s.schedule(); // decode on placeholders
+    assert_eq!(o1.num_scheduled_tokens, vec![1, 1]);
+    s.update_from_output(&outputs_for(&s, &o0)).unwrap();
+    let o2 = s.schedule(); // r0 needs a third block: r1 preempted, its step-1 token in flight
+    assert_eq!(o2.preempted, vec![r1]);
+    assert_eq!(s.request(r1).unwrap().num_output_placeholders, 1);
+    s.update_from_output(&ModelRunnerOutput::from_tokens(&[Some(7), Some(7)]))
+        .unwrap(); // step 1's tokens arrive
+    assert_eq!(
+        s.request(r1).unwrap().num_output_tokens,
+        2,
+        "kept through preemption"
+    );
+    s.update_from_output(&ModelRunnerOutput::from_tokens(&[Some(7)]))
+        .unwrap();
+    s.abort_request("r0");
+    let o3 = s.schedule();
+    assert_eq!(o3.req_handles, vec![r1], "resumed once its output landed");
+    assert_eq!(o3.kinds, vec![ScheduledKind::Resumed as u8]);
+    let _ = r0;
+}
+
+#[test]
+fn s7_stale_output_request_is_skipped_while_its_token_is_in_flight() {
+    let mut s = sched_with(4, |c| c.max_model_len = 64);
+    s.set_async_scheduling(true);
+    add(&mut s, "r0", 7, 20);
+    let r1 = add(&mut s, "r1", 7, 20);
+    let o0 = s.schedule();
+    s.schedule();
+    s.update_from_output(&outputs_for(&s, &o0)).unwrap();
+    s.schedule(); // r1 preempted with a placeholder outstanding
+    s.abort_request("r0"); // room for r1 again
+    let o3 = s.schedule();
+    assert!(
+        !o3.req_handles.contains(&r1),
+        "skipped: its output is still in flight"
+    );
+    assert_eq!(s.waiting_order(), vec![r1]);
+}
+
+// ------------------------------------------------------------------ S8
+
+#[test]
+fn s8_duplicate_prompt_hits_whole_blocks_capped_below_num_tokens() {
+    let mut s = sched(64);
+    let p: Vec<u32> = (10..18).collect(); // 8 tokens = 2 full blocks
+    s.add_request(NewRequest::new("a", p.clone(), 4)).unwrap();
+    s.add_request(NewRequest::new("b", p.clone(), 4)).unwrap();
+    let mut q = p.clone();
+    q.push(99); // 9 tokens: both blocks may hit
+    s.add_request(NewRequest::new("c", q, 4)).unwrap();
+    let (out, _) = step(&mut s);
+    // Blocks are cached at schedule time, so b and c hit a's blocks in the same step.
+    assert_eq!(out.num_cached_tokens, vec![0, 4, 8]);
+    assert_eq!(out.num_scheduled_tokens, vec![8, 4, 1]);
+    let st = s.stats().prefix_cache;
+    assert_eq!((st.queries, st.hits), (25, 12));
+}
+
+#[test]
+fn s8_cached_blocks_of_finished_requests_stay_until_evicted_lru() {
+    let mut s = sched(6);
+    let p: Vec<u32> = (10..18).collect();
+    s.add_request(NewRequest::new("a", p.clone(), 1)).unwrap();
+    let (_, res) = step(&mut s);
+    assert_eq!(res.finish_reasons, vec![FinishReason::Length as u8]);
+    assert_eq!(s.num_free_blocks(), 6, "freed at once, but still cached");
+    s.add_request(NewRequest::new("again", p.clone(), 1))
+        .unwrap();
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_cached_tokens, vec![4]);
+    // Unhashed blocks are reused first: a small request leaves the cache alone.
+    add(&mut s, "other", 3, 1);
+    step(&mut s);
+    s.add_request(NewRequest::new("third", p.clone(), 1))
+        .unwrap();
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_cached_tokens, vec![4]);
+    // A request needing the whole pool evicts everything.
+    add(&mut s, "huge", 24, 1);
+    step(&mut s);
+    s.add_request(NewRequest::new("last", p, 1)).unwrap();
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_cached_tokens, vec![0]);
+}
+
+#[test]
+fn s8_freed_blocks_go_tail_first_uncached_to_the_front() {
+    let mut s = sched(8);
+    let h = add(&mut s, "a", 9, 1); // blocks [1, 2, 3]; 1 and 2 full and cached
+    step(&mut s);
+    assert!(s.request(h).is_some());
+    assert_eq!(s.kv().pool.free_queue(), vec![3, 4, 5, 6, 7, 8, 2, 1]);
+}
+
+#[test]
+fn s8_no_prefix_caching_means_no_hits() {
+    let mut s = sched_with(64, |c| c.enable_prefix_caching = false);
+    let p: Vec<u32> = (10..30).collect();
+    s.add_request(NewRequest::new("a", p.clone(), 4)).unwrap();
+    s.add_request(NewRequest::new("b", p, 4)).unwrap();
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_cached_tokens, vec![0, 0]);
+}
+
+// ------------------------------------------------------------------ S9
+
+#[test]
+fn s9_a_lone_request_is_never_capped() {
+    let mut s = sched_with(64, |c| c.long_prefill_token_threshold = 8);
+    add(&mut s, "a", 40, 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![40]);
+}
+
+#[test]
+fn s9_threshold_caps_every_request_when_several_compete() {
+    let mut s = sched_with(64, |c| c.long_prefill_token_threshold = 8);
+    add(&mut s, "a", 40, 4);
+    add(&mut s, "b", 40, 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![8, 8]);
+    let (out, _) = step(&mut s);
+    assert_eq!(
+        out.num_scheduled_tokens,
+        vec![8, 8],
+        "running chunks are capped too"
+    );
+}
+
+#[test]
+fn s9_adaptive_threshold_rises_to_the_fair_share() {
+    let mut s = sched_with(64, |c| {
+        c.long_prefill_token_threshold = 4;
+        c.long_prefill_token_threshold_adaptive = true;
+    });
+    add(&mut s, "a", 40, 4);
+    add(&mut s, "b", 40, 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![32, 32]);
+}
+
+#[test]
+fn s9_without_chunking_a_prompt_over_the_budget_stops_the_scan() {
+    let mut s = sched_with(64, |c| {
+        c.enable_chunked_prefill = false;
+        c.max_model_len = 64;
+    });
+    add(&mut s, "a", 40, 4);
+    add(&mut s, "b", 30, 4);
+    add(&mut s, "c", 10, 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(
+        scheduled(&s, &out),
+        sv(&[("a", 40)]),
+        "c is not admitted past b"
+    );
+}
+
+// ------------------------------------------------------------------ S10, S11
+
+#[test]
+fn s10_waiting_requests_never_preempt_running_ones() {
+    let mut s = sched(6);
+    add(&mut s, "a", 16, 40);
+    step(&mut s);
+    add(&mut s, "b", 12, 4); // needs 3 blocks, 2 free
+    let (out, _) = step(&mut s);
+    assert!(out.preempted.is_empty());
+    assert_eq!(names(&s, &out.req_handles), vec!["a"]);
+}
+
+#[test]
+fn s10_full_prompt_must_fit_even_when_the_first_chunk_would() {
+    let mut s = sched_with(6, |c| c.max_num_batched_tokens = 8);
+    add(&mut s, "a", 8, 40);
+    step(&mut s); // a holds 2 blocks (+1 once it decodes)
+    add(&mut s, "b", 20, 4); // first chunk of 7 tokens fits in 2 blocks, the prompt needs 5
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.req_handles), vec!["a"]);
+    let mut s = sched_with(6, |c| {
+        c.max_num_batched_tokens = 8;
+        c.scheduler_reserve_full_isl = false;
+    });
+    add(&mut s, "a", 8, 40);
+    step(&mut s);
+    add(&mut s, "b", 20, 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(
+        names(&s, &out.req_handles),
+        vec!["a", "b"],
+        "only the chunk is checked"
+    );
+}
+
+#[test]
+fn s10_watermark_keeps_a_fraction_free_once_something_is_scheduled() {
+    let mut s = sched_with(8, |c| c.watermark = 0.5);
+    add(&mut s, "a", 8, 4); // 2 blocks; first admission of the step: no watermark
+    add(&mut s, "b", 8, 4); // 2 more would leave 4 free: allowed
+    add(&mut s, "c", 4, 4); // 1 more would leave 3 < 4: refused
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.req_handles), vec!["a", "b"]);
+}
+
+#[test]
+fn s11_admission_reports_new_then_resumed_with_full_block_tables() {
+    let mut s = sched(7);
+    for r in ["r0", "r1", "r2"] {
+        add(&mut s, r, 7, 20);
+    }
+    step(&mut s);
+    step(&mut s);
+    let (out, _) = step(&mut s); // r0 takes the last free block, r1 preempts r2
+    let victim = out.preempted[0];
+    s.abort_request("r0");
+    let (out, _) = step(&mut s);
+    let i = out.req_handles.iter().position(|&h| h == victim).unwrap();
+    assert_eq!(out.kinds[i], ScheduledKind::Resumed as u8);
+    assert_eq!(
+        out.block_ids_of(i),
+        s.blocks_of(victim),
+        "whole table for a resumed request"
+    );
+    // r1 reused r2's freed tail block; its first block is still cached.
+    assert_eq!(out.num_cached_tokens[i], 4, "hit on its own cached blocks");
+    let j = out.req_handles.iter().position(|&h| h != victim).unwrap();
+    assert_eq!(out.kinds[j], ScheduledKind::Cached as u8);
+}
+
+// ------------------------------------------------------------------ S12
+
+#[test]
+fn s12_prefill_waits_for_the_interval_while_decodes_run_every_step() {
+    let mut s = sched_with(64, |c| c.prefill_schedule_interval = 3);
+    add(&mut s, "d", 4, 50);
+    step(&mut s); // release step: d's prefill
+    let mut admitted_at = None;
+    for k in 1..6 {
+        if k == 1 {
+            add(&mut s, "p", 8, 4);
+        }
+        let (out, _) = step(&mut s);
+        assert!(
+            out.req_handles.contains(&s.handle_of("d").unwrap()),
+            "decode at step {k}"
+        );
+        if admitted_at.is_none() && out.kinds.contains(&(ScheduledKind::New as u8)) {
+            admitted_at = Some(k);
+        }
+    }
+    assert_eq!(
+        admitted_at,
+        Some(3),
+        "held for k=3 executed steps since the last prefill"
+    );
+}
+
+#[test]
+fn s12_release_step_that_leaves_a_queue_turns_throttling_off() {
+    let mut s = sched_with(64, |c| {
+        c.prefill_schedule_interval = 3;
+        c.max_num_active_seqs = Some(2);
+    });
+    add(&mut s, "d", 4, 50);
+    step(&mut s);
+    for r in ["p1", "p2", "p3"] {
+        add(&mut s, r, 8, 30);
+    }
+    let new = |out: &SchedulerOutput| {
+        out.kinds
+            .iter()
+            .filter(|&&k| k == ScheduledKind::New as u8)
+            .count()
+    };
+    let (mut out, _) = step(&mut s);
+    while new(&out) == 0 {
+        (out, _) = step(&mut s);
+    }
+    assert_eq!(
+        new(&out),
+        1,
+        "release step: p1 takes the last slot, p2 and p3 wait"
+    );
+    // Capacity escape: once a slot frees up, no interval is waited for.
+    s.abort_request("d");
+    let (out, _) = step(&mut s);
+    assert_eq!(new(&out), 1, "admits on the very next step");
+}
+
+#[test]
+fn s12_in_flight_chunks_are_held_too() {
+    let mut s = sched_with(64, |c| {
+        c.prefill_schedule_interval = 3;
+        c.max_num_batched_tokens = 16;
+        c.max_num_seqs = 4;
+    });
+    add(&mut s, "d", 4, 50);
+    step(&mut s);
+    add(&mut s, "long", 40, 4);
+    let mut chunk_steps = Vec::new();
+    for k in 1..8 {
+        let (out, _) = step(&mut s);
+        if let Some(h) = s.handle_of("long") {
+            if let Some(i) = out.req_handles.iter().position(|&x| x == h) {
+                if out.num_scheduled_tokens[i] > 1 {
+                    chunk_steps.push(k);
+                }
+            }
+        }
+    }
+    assert_eq!(chunk_steps, vec![3, 6], "one chunk per interval");
+}
+
+// ------------------------------------------------------------------ S13
+
+#[test]
+fn s13_paused_new_runs_running_and_kv_holding_only_and_resume_loses_nothing() {
+    let mut s = sched(64);
+    add(&mut s, "a", 4, 10);
+    step(&mut s);
+    s.set_pause_state(PauseState::PausedNew);
+    add(&mut s, "b", 4, 10);
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.req_handles), vec!["a"]);
+    assert_eq!(s.num_waiting(), 1);
+    s.set_pause_state(PauseState::Unpaused);
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.req_handles), vec!["a", "b"]);
+}
+
+#[test]
+fn s13_paused_new_still_admits_kv_holding_sessions() {
+    let mut s = sched(64);
+    add_with(&mut s, "sess", 4, 1, |r| r.streaming = true);
+    step(&mut s);
+    s.set_pause_state(PauseState::PausedNew);
+    s.add_stream_input(
+        "sess",
+        StreamInput {
+            token_ids: vec![5, 6],
+            max_tokens: 1,
+            is_last: false,
+        },
+    )
+    .unwrap();
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.req_handles), vec!["sess"]);
+}
+
+// ------------------------------------------------------------------ S15
+
+#[test]
+fn s15_streaming_session_keeps_its_slot_and_the_counter_pairs() {
+    let mut s = sched_with(64, |c| c.max_num_active_seqs = Some(1));
+    let h = add_with(&mut s, "sess", 5, 2, |r| r.streaming = true);
+    add(&mut s, "other", 4, 2);
+    step(&mut s);
+    let (_, res) = step(&mut s);
+    assert_eq!(res.segment_ended, vec![true]);
+    assert_eq!(res.finish_reasons, vec![0]);
+    assert_eq!(
+        s.request(h).unwrap().status,
+        RequestStatus::WaitingForStreamingReq
+    );
+    assert_eq!(s.num_waiting_for_streaming_input(), 1);
+    assert!(!s.blocks_of(h).is_empty(), "keeps its KV");
+    let (out, _) = step(&mut s);
+    assert!(
+        out.is_empty(),
+        "its slot counts against max_num_active_seqs"
+    );
+    s.add_stream_input(
+        "sess",
+        StreamInput {
+            token_ids: vec![8, 9, 10],
+            max_tokens: 1,
+            is_last: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(s.num_waiting_for_streaming_input(), 0);
+    let (out, res) = step(&mut s);
+    // 5 prompt + 2 outputs, the last output not yet computed, + 3 new tokens.
+    assert_eq!(
+        out.num_computed_tokens,
+        vec![6],
+        "continues from its cached KV"
+    );
+    assert_eq!(out.num_scheduled_tokens, vec![4]);
+    assert_eq!(
+        res.finish_reasons,
+        vec![FinishReason::Length as u8],
+        "last segment ends it"
+    );
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn s15_closing_a_waiting_session_finishes_it_and_decrements() {
+    let mut s = sched(64);
+    add_with(&mut s, "sess", 5, 1, |r| r.streaming = true);
+    step(&mut s);
+    assert_eq!(s.num_waiting_for_streaming_input(), 1);
+    s.close_stream("sess").unwrap();
+    assert_eq!(s.num_waiting_for_streaming_input(), 0);
+    assert_eq!(s.num_free_blocks(), 64);
+    assert!(s
+        .add_stream_input(
+            "sess",
+            StreamInput {
+                token_ids: vec![1],
+                max_tokens: 1,
+                is_last: true
+            }
+        )
+        .is_err());
+}
+
+// ------------------------------------------------------------------ S17, S18
+
+#[test]
+fn s17_finished_requests_are_freed_in_the_same_update_and_reported_next_step() {
+    let mut s = sched(64);
+    let h = add_with(&mut s, "a", 5, 10, |r| r.stop_token_ids = vec![7]);
+    let (_, res) = step(&mut s);
+    assert_eq!(res.finish_reasons, vec![FinishReason::Stop as u8]);
+    assert_eq!(s.num_free_blocks(), 64);
+    assert_eq!(s.num_running(), 0);
+    assert!(s.has_requests(), "the finish is still to be reported");
+    let out = s.schedule();
+    assert_eq!(out.finished, vec![h]);
+    s.update_from_output(&ModelRunnerOutput::from_tokens(&[]))
+        .unwrap();
+    assert!(!s.has_requests());
+}
+
+#[test]
+fn s17_mismatched_outputs_are_an_error_naming_the_sizes() {
+    let mut s = sched(64);
+    add(&mut s, "a", 5, 10);
+    s.schedule();
+    let err = s.update_from_output(&ModelRunnerOutput::from_tokens(&[Some(1), Some(2)]));
+    let msg = err.unwrap_err().to_string();
+    assert!(
+        msg.contains("scheduled 1 requests") && msg.contains("expected 2"),
+        "{msg}"
+    );
+    assert!(s
+        .update_from_output(&ModelRunnerOutput::from_tokens(&[Some(1)]))
+        .is_ok());
+    assert!(
+        s.update_from_output(&ModelRunnerOutput::from_tokens(&[]))
+            .is_err(),
+        "no step in flight"
+    );
+}
+
+#[test]
+fn s17_speculative_tokens_are_scheduled_and_rejected_ones_rolled_back() {
+    let mut s = sched_with(64, |c| c.num_speculative_tokens = 2);
+    let h = add(&mut s, "a", 5, 20);
+    let out = s.schedule();
+    let mut mro = outputs_for(&s, &out);
+    mro.draft_offsets = vec![0, 2];
+    mro.draft_token_ids = vec![40, 41];
+    s.update_from_output(&mro).unwrap();
+    let out = s.schedule();
+    assert_eq!(out.num_scheduled_tokens, vec![3]);
+    assert_eq!(out.num_spec_tokens, vec![2]);
+    // The first draft is accepted, the second rejected; plus the bonus token.
+    let mro = ModelRunnerOutput {
+        sampled_offsets: vec![0, 2],
+        sampled_token_ids: vec![40, 50],
+        ..Default::default()
+    };
+    let res = s.update_from_output(&mro).unwrap();
+    assert_eq!(res.token_ids, vec![40, 50]);
+    let r = s.request(h).unwrap();
+    assert_eq!(r.num_tokens(), 8);
+    assert_eq!(r.num_computed_tokens, 7, "one rejected draft rolled back");
+}
+
+#[test]
+fn s18_abort_frees_at_once_and_unknown_or_finished_ids_are_no_ops() {
+    let mut s = sched(64);
+    add(&mut s, "run", 8, 10);
+    step(&mut s);
+    add(&mut s, "wait", 8, 10);
+    assert_eq!(s.abort_request("run"), Some(RequestStatus::Running));
+    assert_eq!(s.abort_request("wait"), Some(RequestStatus::Waiting));
+    assert_eq!(s.num_free_blocks(), 64);
+    assert_eq!(s.abort_request("run"), None);
+    assert_eq!(s.abort_request("nobody"), None);
+    assert!(s.has_requests(), "the step after an abort is not idle");
+    let out = s.schedule();
+    assert_eq!(out.finished.len(), 2);
+    assert!(out.is_empty());
+    s.update_from_output(&ModelRunnerOutput::from_tokens(&[]))
+        .unwrap();
+    assert!(!s.has_requests());
+}
+
+#[test]
+fn s18_aborted_requests_are_never_reported_as_finished_by_the_model() {
+    let mut s = sched(64);
+    add(&mut s, "a", 8, 10);
+    let out = s.schedule();
+    s.abort_request("a");
+    let res = s.update_from_output(&outputs_for(&s, &out)).unwrap();
+    assert!(res.is_empty());
+}
+
+#[test]
+fn s16_a_lone_request_that_outgrows_the_pool_ends_instead_of_waiting_forever() {
+    let mut s = sched(4); // 16 tokens
+    let h = add(&mut s, "r", 12, 10);
+    let mut reasons = Vec::new();
+    for _ in 0..20 {
+        let (_, res) = step(&mut s);
+        reasons.extend(res.finish_reasons.iter().copied().filter(|&r| r != 0));
+        if !s.has_requests() {
+            break;
+        }
+    }
+    assert_eq!(reasons, vec![FinishReason::Length as u8]);
+    assert!(!s.has_requests());
+    assert_eq!(s.num_free_blocks(), 4);
+    let _ = h;
+}
+
+// ------------------------------------------------------------------ §4 ignored
+
+#[test]
+fn s4_prompt_that_can_never_fit_is_finished_as_ignored_with_a_reason() {
+    let mut s = sched_with(4, |c| c.max_model_len = 32);
+    let long = add(&mut s, "long", 32, 1);
+    let big = add(&mut s, "big", 17, 1);
+    assert!(s
+        .ignore_reason(long)
+        .unwrap()
+        .contains("max_model_len (32)"));
+    assert!(s
+        .ignore_reason(big)
+        .unwrap()
+        .contains("17 tokens needs 5 KV blocks"));
+    let out = s.schedule();
+    assert_eq!(out.finished, vec![long, big]);
+    let res = s
+        .update_from_output(&ModelRunnerOutput::from_tokens(&[]))
+        .unwrap();
+    assert_eq!(res.finish_reasons, vec![4, 4]);
+    assert!(!s.has_requests());
+}
+
+#[test]
+fn s4_invalid_requests_are_rejected_naming_the_field() {
+    let mut s = sched(4);
+    let e = s.add_request(NewRequest::new("e", vec![], 1)).unwrap_err();
+    assert!(e.to_string().contains("prompt_token_ids"));
+    let e = s.add_request(NewRequest::new("z", vec![1], 0)).unwrap_err();
+    assert!(e.to_string().contains("max_tokens (0)"));
+    add(&mut s, "dup", 1, 1);
+    assert_eq!(
+        s.add_request(NewRequest::new("dup", vec![1], 1))
+            .unwrap_err(),
+        Error::DuplicateRequest("dup".into())
+    );
+}
