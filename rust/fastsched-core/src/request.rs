@@ -143,46 +143,53 @@ impl NewRequest {
     }
 }
 
+/// Fields are laid out by temperature (`repr(C)`, cache-line aligned): the
+/// first 64 bytes hold what every step reads for every running request.
 #[derive(Debug, Clone)]
+#[repr(C, align(64))]
 pub struct Request {
-    pub request_id: String,
-    pub handle: Handle,
-    pub status: RequestStatus,
-    pub priority: i64,
-    pub arrival_time: f64,
+    // --- hot: read by schedule() and update_from_output() every step ---
     /// Prompt followed by outputs; a streaming session appends new input too.
     pub token_ids: Vec<u32>,
-    pub num_prompt_tokens: usize,
+    pub num_computed_tokens: usize,
+    /// Sampled token outputs not yet returned (async scheduling placeholders).
+    pub num_output_placeholders: usize,
     /// Outputs of the current generation segment (the whole request unless streaming).
     pub num_output_tokens: usize,
-    pub num_computed_tokens: usize,
+    pub max_tokens: usize,
+    pub status: RequestStatus,
+    /// `num_computed_tokens < num_tokens` as of the last time it was scheduled.
+    pub is_prefill_chunk: bool,
+    pub ignore_eos: bool,
+    /// Set while a streaming session accepts more input (S15).
+    pub streaming: bool,
+    pub handle: Handle,
+    // --- warm: stop conditions, drafts ---
     /// Draft tokens proposed for the next step (speculative decoding).
     pub spec_token_ids: Vec<u32>,
-    pub max_tokens: usize,
-    pub min_tokens: usize,
     pub eos_token_id: Option<u32>,
+    pub min_tokens: usize,
     pub stop_token_ids: Vec<u32>,
-    pub ignore_eos: bool,
-    pub lora_id: Option<u32>,
+    // --- read when a block fills, or at admission ---
     /// Chained hashes of every full block of `token_ids` (S8).
     pub block_hashes: Vec<u64>,
     /// The parent hash of the first block (per LoRA adapter).
     pub hash_root: u64,
+    pub priority: i64,
+    pub arrival_time: f64,
+    pub num_prompt_tokens: usize,
+    pub lora_id: Option<u32>,
     pub num_preemptions: u32,
     /// Prefix-cache hit of the first admission; `None` until admitted.
     pub num_cached_tokens: Option<usize>,
-    /// `num_computed_tokens < num_tokens` as of the last time it was scheduled.
-    pub is_prefill_chunk: bool,
-    /// Set while a streaming session accepts more input (S15).
-    pub streaming: bool,
-    /// Input that arrived for a streaming session while it was still generating.
-    pub pending_stream_inputs: std::collections::VecDeque<StreamInput>,
-    /// Sampled token outputs not yet returned (async scheduling placeholders).
-    pub num_output_placeholders: usize,
     /// Tokens that count as computed once an asynchronous remote KV load
     /// completes (local prefix hit + remote tokens).
     pub num_loaded_tokens: usize,
     pub first_scheduled: bool,
+    // --- cold ---
+    pub request_id: String,
+    /// Input that arrived for a streaming session while it was still generating.
+    pub pending_stream_inputs: std::collections::VecDeque<StreamInput>,
     pub ignore_reason: Option<String>,
 }
 

@@ -50,6 +50,8 @@ struct Scheduled {
     /// Blocks the runner already knows (whole table is sent for new/resumed).
     blocks_known: usize,
     num_spec: usize,
+    /// S12: a prefill chunk, or an admission with prefill work.
+    carries_prefill: bool,
 }
 
 /// What `update_from_output` needs to remember of a step.
@@ -92,12 +94,15 @@ pub struct Scheduler {
     num_waiting_for_streaming_input: usize,
     /// Finished, aborted or ignored since the last `schedule()`.
     finished_since_schedule: Vec<Handle>,
-    /// Reported finished by a `schedule()`; released once no step is in flight.
-    to_release: Vec<Handle>,
+    /// Reported finished by the `schedule()` of the given step; released once
+    /// that step and every earlier one has been consumed.
+    to_release: Vec<(u64, Handle)>,
     /// Requests finished by the scheduler itself (ignored, or unable to
     /// ever grow again), whose output the next update emits.
     pending_finished: Vec<(Handle, FinishReason)>,
     in_flight: VecDeque<InFlightStep>,
+    /// A consumed step's buffers, reused by the next one.
+    spare_step: Option<InFlightStep>,
     pause: PauseState,
     connector: Option<Box<dyn KvConnector>>,
     async_scheduling: bool,
@@ -107,7 +112,8 @@ pub struct Scheduler {
     // Reused per-step buffers.
     scheduled: Vec<Scheduled>,
     block_scratch: Vec<u32>,
-    stopped: Vec<bool>,
+    /// Some running request stopped in this update.
+    any_stopped: bool,
 }
 
 impl Scheduler {
@@ -137,6 +143,7 @@ impl Scheduler {
             to_release: Vec::new(),
             pending_finished: Vec::new(),
             in_flight: VecDeque::new(),
+            spare_step: None,
             pause: PauseState::Unpaused,
             connector: None,
             async_scheduling: false,
@@ -145,7 +152,7 @@ impl Scheduler {
             num_preemptions_total: 0,
             scheduled: Vec::new(),
             block_scratch: Vec::new(),
-            stopped: Vec::new(),
+            any_stopped: false,
             cfg,
         })
     }
@@ -190,6 +197,12 @@ impl Scheduler {
             }
         };
         let mut req = Request::from_new(new, handle, &self.hasher);
+        // Room for every output up front: appending a token never reallocates.
+        let room = req
+            .max_tokens
+            .min(self.cfg.max_model_len.saturating_sub(req.num_prompt_tokens));
+        req.token_ids
+            .reserve_exact(room + self.cfg.num_speculative_tokens);
         self.ids.insert(req.request_id.clone(), handle);
         if let Some(reason) = self.never_fits(&req) {
             req.status = RequestStatus::FinishedIgnored;
@@ -507,12 +520,16 @@ impl Scheduler {
     }
 
     pub fn schedule(&mut self) -> SchedulerOutput {
-        if self.in_flight.is_empty() {
-            for h in self.to_release.drain(..) {
-                self.requests[h as usize] = None;
-                self.free_handles.push(h);
+        let oldest_in_flight = self.in_flight.front().map_or(u64::MAX, |s| s.step_id);
+        let (requests, free_handles) = (&mut self.requests, &mut self.free_handles);
+        self.to_release.retain(|&(step, h)| {
+            let done = step < oldest_in_flight;
+            if done {
+                requests[h as usize] = None;
+                free_handles.push(h);
             }
-        }
+            !done
+        });
         if let Some(c) = self.connector.as_mut() {
             c.on_step();
         }
@@ -522,7 +539,8 @@ impl Scheduler {
         };
         self.next_step_id += 1;
         out.finished = std::mem::take(&mut self.finished_since_schedule);
-        self.to_release.extend_from_slice(&out.finished);
+        self.to_release
+            .extend(out.finished.iter().map(|&h| (out.step_id, h)));
 
         let mut token_budget = if self.pause == PauseState::PausedAll {
             0
@@ -533,7 +551,6 @@ impl Scheduler {
         let threshold = self.effective_long_prefill_threshold();
         let defer = self.prefill_deferred();
         let lookahead = self.cfg.num_speculative_tokens;
-        let mut carried_prefill = false;
         let mut scheduled = std::mem::take(&mut self.scheduled);
         scheduled.clear();
 
@@ -546,21 +563,24 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let mut n =
-                req.num_tokens_with_spec() + req.num_output_placeholders - req.num_computed_tokens;
+            // S1: drafts use compute budget (token_budget) but no input budget.
+            let real = req.num_tokens() + req.num_output_placeholders - req.num_computed_tokens;
+            let mut n = real + req.spec_token_ids.len();
             if threshold > 0 && n > threshold {
                 n = threshold;
             }
             n = n
                 .min(token_budget)
-                .min(input_budget)
                 .min((self.cfg.max_model_len - 1).saturating_sub(req.num_computed_tokens));
+            if n.min(real) > input_budget {
+                n = input_budget;
+            }
             if n == 0 {
                 i += 1;
                 continue;
             }
             let blocks_known = self.kv.blocks(h).len();
-            let was_prefill_chunk = req.is_prefill_chunk;
+            let carries_prefill = req.is_prefill_chunk;
             loop {
                 let alloc = AllocRequest {
                     num_new_tokens: n,
@@ -588,7 +608,7 @@ impl Scheduler {
                         if let Some(j) = scheduled.iter().position(|s| s.handle == victim) {
                             let s = scheduled.remove(j);
                             token_budget += s.num_tokens;
-                            input_budget += s.num_tokens;
+                            input_budget += s.num_tokens - s.num_spec;
                             i -= 1;
                         }
                         victim
@@ -615,16 +635,16 @@ impl Scheduler {
                 num_cached_tokens: 0,
                 blocks_known,
                 num_spec,
+                carries_prefill,
             });
             token_budget -= n;
-            input_budget -= n;
-            carried_prefill |= was_prefill_chunk;
+            input_budget -= n - num_spec;
             i += 1;
         }
 
         // S5: a step that preempted admits nobody.
         if out.preempted.is_empty() && self.pause != PauseState::PausedAll {
-            carried_prefill |= self.schedule_waiting(
+            self.schedule_waiting(
                 &mut scheduled,
                 &mut token_budget,
                 &mut input_budget,
@@ -633,6 +653,8 @@ impl Scheduler {
             );
         }
 
+        // A refunded victim's chunk no longer counts as carried prefill.
+        let carried_prefill = scheduled.iter().any(|s| s.carries_prefill);
         self.finish_step(&mut out, &scheduled, carried_prefill);
         self.scheduled = scheduled;
         out
@@ -667,8 +689,7 @@ impl Scheduler {
         self.num_preemptions_total += 1;
     }
 
-    /// S6/S7/S10/S11: admits waiting requests. Returns whether it admitted
-    /// prefill work (for S12).
+    /// S6/S7/S10/S11: admits waiting requests.
     fn schedule_waiting(
         &mut self,
         scheduled: &mut Vec<Scheduled>,
@@ -676,7 +697,7 @@ impl Scheduler {
         input_budget: &mut usize,
         threshold: usize,
         defer: bool,
-    ) -> bool {
+    ) {
         let draft_slots = self.cfg.num_speculative_tokens;
         let max_active = self.cfg.max_num_active_seqs();
         let watermark_blocks =
@@ -693,7 +714,6 @@ impl Scheduler {
             Vec::new()
         };
         let mut deferred: Vec<(WhichQueue, QueueEntry)> = Vec::new();
-        let mut admitted_prefill = false;
 
         while *token_budget > 0 {
             let which = if !self.kv_holding.is_empty() {
@@ -757,6 +777,9 @@ impl Scheduler {
                 hit = self.kv.get_computed_blocks(req);
                 if let Some(c) = self.connector.as_mut() {
                     (num_external, load_async) = c.get_num_new_matched_tokens(req, hit.num_tokens);
+                    // The last token is always computed, whatever the connector offers.
+                    num_external = num_external.min(req.num_tokens() - 1 - hit.num_tokens);
+                    load_async &= num_external > 0;
                 }
             }
             let req = self.requests[h as usize].as_ref().expect("live handle");
@@ -775,10 +798,11 @@ impl Scheduler {
                 if threshold > 0 && n > threshold {
                     n = threshold;
                 }
-                if !self.cfg.enable_chunked_prefill && n > *token_budget {
+                let cap = (*token_budget).min(*input_budget - draft_slots);
+                if !self.cfg.enable_chunked_prefill && n > cap {
                     break;
                 }
-                n = n.min(*token_budget).min(*input_budget - draft_slots);
+                n = n.min(cap);
             }
             let alloc = AllocRequest {
                 num_new_tokens: n + num_external,
@@ -798,6 +822,22 @@ impl Scheduler {
                 .allocate_slots(req, alloc, Some(&hit), &mut self.block_scratch)
                 .is_none()
             {
+                // S16: KV-holding requests that all wait for more blocks while
+                // nothing runs would wait forever: the latest of them gives its
+                // KV back (recompute later) so the head can go.
+                if which == WhichQueue::KvHolding && self.running.is_empty() && scheduled.is_empty()
+                {
+                    if let Some(victim) = self
+                        .kv_holding
+                        .ordered()
+                        .into_iter()
+                        .rev()
+                        .find(|&v| v != h)
+                    {
+                        self.release_waiting_kv(victim);
+                        continue;
+                    }
+                }
                 break; // S10: a request that does not fit stops the scan.
             }
             let queue = match which {
@@ -847,10 +887,10 @@ impl Scheduler {
                     0
                 },
                 num_spec: 0,
+                carries_prefill: is_prefill_work,
             });
             *token_budget -= n;
             *input_budget -= n;
-            admitted_prefill |= is_prefill_work;
         }
 
         // S12 capacity escape: a release step that leaves requests waiting
@@ -866,7 +906,23 @@ impl Scheduler {
             .prepend_all(kv_back.into_iter().map(|(_, e)| e).collect());
         self.waiting
             .prepend_all(wait_back.into_iter().map(|(_, e)| e).collect());
-        admitted_prefill
+    }
+
+    /// Frees the KV of a waiting request that holds some; it starts over
+    /// like a preempted request.
+    fn release_waiting_kv(&mut self, h: Handle) {
+        self.kv_holding.remove(h);
+        self.kv.free(h);
+        if let Some(c) = self.connector.as_mut() {
+            c.request_finished(h);
+        }
+        let req = self.req_mut(h);
+        req.status = RequestStatus::Preempted;
+        req.num_computed_tokens = 0;
+        req.num_preemptions += 1;
+        let entry = QueueEntry::of(req);
+        self.waiting.prepend(entry);
+        self.num_preemptions_total += 1;
     }
 
     fn defer_head(
@@ -913,12 +969,16 @@ impl Scheduler {
         out.num_spec_tokens.reserve(n);
         out.block_offsets.reserve(n + 1);
         out.block_offsets.push(0);
-        let mut in_flight = InFlightStep {
-            step_id: out.step_id,
-            handles: Vec::with_capacity(n),
-            num_spec: Vec::with_capacity(n),
-            samples: Vec::with_capacity(n),
-        };
+        let mut in_flight = self.spare_step.take().unwrap_or(InFlightStep {
+            step_id: 0,
+            handles: Vec::new(),
+            num_spec: Vec::new(),
+            samples: Vec::new(),
+        });
+        in_flight.step_id = out.step_id;
+        in_flight.handles.clear();
+        in_flight.num_spec.clear();
+        in_flight.samples.clear();
         let async_scheduling = self.async_scheduling;
         for s in scheduled {
             let blocks = self.kv.blocks(s.handle);
@@ -986,9 +1046,17 @@ impl Scheduler {
             check_csr("draft", &mro.draft_offsets, mro.draft_token_ids.len())?;
         }
         let step = self.in_flight.pop_front().expect("checked above");
-        let mut outs = EngineCoreOutputs::default();
+        let n = step.handles.len();
+        let mut outs = EngineCoreOutputs {
+            handles: Vec::with_capacity(n),
+            token_offsets: Vec::with_capacity(n + 1),
+            token_ids: Vec::with_capacity(mro.sampled_token_ids.len()),
+            finish_reasons: Vec::with_capacity(n),
+            segment_ended: Vec::with_capacity(n),
+            num_cached_tokens: Vec::with_capacity(n),
+        };
         outs.token_offsets.push(0);
-        self.stopped.clear();
+        self.any_stopped = false;
         let hasher = self.hasher.clone();
         let max_model_len = self.cfg.max_model_len;
         for (j, &h) in step.handles.iter().enumerate() {
@@ -1017,7 +1085,9 @@ impl Scheduler {
                     break;
                 }
             }
-            if has_drafts && stop.is_none() {
+            if !has_drafts {
+                req.spec_token_ids.clear();
+            } else if stop.is_none() {
                 let drafts = &mro.draft_token_ids
                     [mro.draft_offsets[j] as usize..mro.draft_offsets[j + 1] as usize];
                 let room = max_model_len.saturating_sub(req.num_tokens() + 1);
@@ -1061,17 +1131,15 @@ impl Scheduler {
             outs.finish_reasons.push(reason);
             outs.segment_ended.push(segment_ended);
         }
-        if !self.stopped.is_empty() {
-            let stopped = &self.stopped;
+        if self.any_stopped {
             let requests = &self.requests;
             self.running.retain(|&h| {
-                !stopped.get(h as usize).copied().unwrap_or(false)
-                    || requests[h as usize]
-                        .as_ref()
-                        .is_some_and(|r| r.status == RequestStatus::Running)
+                requests[h as usize]
+                    .as_ref()
+                    .is_some_and(|r| r.status == RequestStatus::Running)
             });
-            self.stopped.clear();
         }
+        self.spare_step = Some(step);
         for (h, reason) in std::mem::take(&mut self.pending_finished) {
             outs.handles.push(h);
             outs.token_offsets.push(outs.token_ids.len() as u32);
@@ -1082,19 +1150,11 @@ impl Scheduler {
         Ok(outs)
     }
 
-    fn mark_stopped(&mut self, h: Handle) {
-        let i = h as usize;
-        if self.stopped.len() <= i {
-            self.stopped.resize(i + 1, false);
-        }
-        self.stopped[i] = true;
-    }
-
     /// A request stopped by the model: off `running` (or its queue, when it
     /// was preempted while the step was in flight) and freed now.
     fn finish_from_output(&mut self, h: Handle, status: RequestStatus) {
         match self.req(h).status {
-            RequestStatus::Running => self.mark_stopped(h),
+            RequestStatus::Running => self.any_stopped = true,
             _ => {
                 if !self.waiting.remove(h) {
                     self.kv_holding.remove(h);
@@ -1108,8 +1168,14 @@ impl Scheduler {
     /// runner slot; with input already pending it goes straight back to
     /// waiting, otherwise it waits for input.
     fn end_segment(&mut self, h: Handle) {
-        if self.req(h).status == RequestStatus::Running {
-            self.mark_stopped(h);
+        match self.req(h).status {
+            RequestStatus::Running => self.any_stopped = true,
+            // Preempted while its last token was in flight (async scheduling).
+            _ => {
+                if !self.waiting.remove(h) {
+                    self.kv_holding.remove(h);
+                }
+            }
         }
         let req = self.req_mut(h);
         req.status = RequestStatus::WaitingForStreamingReq;
@@ -1127,6 +1193,10 @@ impl Scheduler {
             .get(request_id)
             .ok_or_else(|| Error::UnknownRequest(format!("no live request {request_id:?}")))?;
         let req = self.req_mut(h);
+        if let Some(last) = req.pending_stream_inputs.back_mut() {
+            last.is_last = true; // input already sent is still served
+            return Ok(());
+        }
         req.streaming = false;
         if req.status == RequestStatus::WaitingForStreamingReq {
             self.num_waiting_for_streaming_input -= 1;

@@ -99,6 +99,30 @@ fn s1_token_budget_caps_the_sum_of_scheduled_tokens() {
 }
 
 #[test]
+fn s1_drafts_use_compute_budget_but_not_input_budget() {
+    let mut s = sched_with(64, |c| {
+        c.max_num_seqs = 4;
+        c.max_num_batched_tokens = 12;
+        c.max_num_scheduled_tokens = Some(16);
+        c.num_speculative_tokens = 3;
+    });
+    for r in ["a", "b", "c", "d"] {
+        add(&mut s, r, 2, 20);
+    }
+    let out = s.schedule(); // 4 x 2 prompt tokens, 3 input slots kept for drafts
+    assert_eq!(out.total_num_scheduled_tokens, 8);
+    let mut mro = outputs_for(&s, &out);
+    mro.draft_offsets = vec![0, 3, 6, 9, 12];
+    mro.draft_token_ids = vec![9; 12];
+    s.update_from_output(&mro).unwrap();
+    let out = s.schedule();
+    // 4 real tokens + 12 drafts: more than the 12-token input budget, within
+    // the 16-token compute budget.
+    assert_eq!(out.num_scheduled_tokens, vec![4, 4, 4, 4]);
+    assert_eq!(out.num_spec_tokens, vec![3, 3, 3, 3]);
+}
+
+#[test]
 fn s1_paused_all_sets_the_budget_to_zero() {
     let mut s = sched(64);
     add(&mut s, "a", 10, 4);
@@ -737,6 +761,35 @@ fn s15_streaming_session_keeps_its_slot_and_the_counter_pairs() {
         "last segment ends it"
     );
     s.check_invariants().unwrap();
+}
+
+#[test]
+fn s15_closing_a_session_still_serves_input_already_sent() {
+    let mut s = sched(64);
+    add_with(&mut s, "sess", 5, 3, |r| r.streaming = true);
+    step(&mut s);
+    s.add_stream_input(
+        "sess",
+        StreamInput {
+            token_ids: vec![8, 9],
+            max_tokens: 1,
+            is_last: false,
+        },
+    )
+    .unwrap();
+    s.close_stream("sess").unwrap();
+    let mut reasons = Vec::new();
+    for _ in 0..6 {
+        let (_, res) = step(&mut s);
+        reasons.extend(res.finish_reasons.iter().copied().filter(|&r| r != 0));
+    }
+    assert_eq!(
+        reasons,
+        vec![FinishReason::Length as u8],
+        "ends after the queued segment"
+    );
+    assert_eq!(s.num_waiting_for_streaming_input(), 0);
+    assert_eq!(s.num_free_blocks(), 64);
 }
 
 #[test]

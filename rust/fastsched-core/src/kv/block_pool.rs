@@ -10,15 +10,20 @@ use super::prefix_cache::PrefixCache;
 
 const NIL: u32 = u32::MAX;
 
+/// Everything the free queue and reference counting touch for one block,
+/// in one place: a block operation costs one cache line, not four.
+#[derive(Debug, Clone, Copy)]
+struct Link {
+    prev: u32,
+    next: u32,
+    ref_cnt: u32,
+    in_free: bool,
+}
+
 #[derive(Debug)]
 pub struct BlockPool {
     num_blocks: usize,
-    ref_cnt: Vec<u32>,
-    /// `Some(hash)` while the block is in the prefix cache.
-    hash: Vec<Option<u64>>,
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    in_free: Vec<bool>,
+    links: Vec<Link>,
     head: u32,
     tail: u32,
     num_free: usize,
@@ -29,11 +34,15 @@ impl BlockPool {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         let mut pool = BlockPool {
             num_blocks,
-            ref_cnt: vec![0; num_blocks],
-            hash: vec![None; num_blocks],
-            prev: vec![NIL; num_blocks],
-            next: vec![NIL; num_blocks],
-            in_free: vec![false; num_blocks],
+            links: vec![
+                Link {
+                    prev: NIL,
+                    next: NIL,
+                    ref_cnt: 0,
+                    in_free: false
+                };
+                num_blocks
+            ],
             head: NIL,
             tail: NIL,
             num_free: 0,
@@ -64,11 +73,11 @@ impl BlockPool {
     }
 
     pub fn ref_cnt(&self, block: u32) -> u32 {
-        self.ref_cnt[block as usize]
+        self.links[block as usize].ref_cnt
     }
 
     pub fn block_hash(&self, block: u32) -> Option<u64> {
-        self.hash[block as usize]
+        self.cache.hash_of(block)
     }
 
     /// Pops `n` blocks from the front, evicting any cached content they hold.
@@ -78,10 +87,8 @@ impl BlockPool {
         for _ in 0..n {
             let b = self.head;
             self.unlink(b);
-            if let Some(h) = self.hash[b as usize].take() {
-                self.cache.remove(b, h);
-            }
-            self.ref_cnt[b as usize] = 1;
+            self.cache.evict(b);
+            self.links[b as usize].ref_cnt = 1;
             out.push(b);
         }
     }
@@ -89,10 +96,10 @@ impl BlockPool {
     /// A prefix hit takes its blocks: free ones leave the free queue.
     pub fn touch(&mut self, blocks: &[u32]) {
         for &b in blocks {
-            if self.ref_cnt[b as usize] == 0 && b != 0 {
+            if self.links[b as usize].ref_cnt == 0 && b != 0 {
                 self.unlink(b);
             }
-            self.ref_cnt[b as usize] += 1;
+            self.links[b as usize].ref_cnt += 1;
         }
     }
 
@@ -102,11 +109,11 @@ impl BlockPool {
     pub fn free_blocks(&mut self, ordered: impl Iterator<Item = u32>, scratch: &mut Vec<u32>) {
         scratch.clear();
         for b in ordered {
-            let rc = &mut self.ref_cnt[b as usize];
+            let rc = &mut self.links[b as usize].ref_cnt;
             debug_assert!(*rc > 0, "double free of block {b}");
             *rc -= 1;
             if *rc == 0 && b != 0 {
-                if self.hash[b as usize].is_some() {
+                if self.cache.hash_of(b).is_some() {
                     self.push_back(b);
                 } else {
                     scratch.push(b);
@@ -120,8 +127,6 @@ impl BlockPool {
 
     /// Registers a full block's content in the prefix cache.
     pub fn cache_block(&mut self, block: u32, hash: u64, parent: u64, tokens: &[u32]) {
-        debug_assert!(self.hash[block as usize].is_none());
-        self.hash[block as usize] = Some(hash);
         self.cache.insert(block, hash, parent, tokens);
     }
 
@@ -136,7 +141,7 @@ impl BlockPool {
         let mut b = self.head;
         while b != NIL {
             out.push(b);
-            b = self.next[b as usize];
+            b = self.links[b as usize].next;
         }
         out
     }
@@ -153,12 +158,11 @@ impl BlockPool {
             ));
         }
         for b in 1..self.num_blocks {
-            let free = self.in_free[b];
-            let referenced = self.ref_cnt[b] > 0;
-            if free == referenced {
+            let link = self.links[b];
+            if link.in_free == (link.ref_cnt > 0) {
                 return Err(format!(
-                    "block {b}: in_free={free} ref_cnt={}",
-                    self.ref_cnt[b]
+                    "block {b}: in_free={} ref_cnt={}",
+                    link.in_free, link.ref_cnt
                 ));
             }
         }
@@ -166,52 +170,54 @@ impl BlockPool {
     }
 
     fn unlink(&mut self, b: u32) {
-        let i = b as usize;
-        debug_assert!(self.in_free[i]);
-        let (p, n) = (self.prev[i], self.next[i]);
-        if p == NIL {
-            self.head = n;
+        let Link { prev, next, .. } = self.links[b as usize];
+        debug_assert!(self.links[b as usize].in_free);
+        if prev == NIL {
+            self.head = next;
         } else {
-            self.next[p as usize] = n;
+            self.links[prev as usize].next = next;
         }
-        if n == NIL {
-            self.tail = p;
+        if next == NIL {
+            self.tail = prev;
         } else {
-            self.prev[n as usize] = p;
+            self.links[next as usize].prev = prev;
         }
-        self.prev[i] = NIL;
-        self.next[i] = NIL;
-        self.in_free[i] = false;
+        let link = &mut self.links[b as usize];
+        link.prev = NIL;
+        link.next = NIL;
+        link.in_free = false;
         self.num_free -= 1;
     }
 
     fn push_back(&mut self, b: u32) {
-        let i = b as usize;
-        debug_assert!(!self.in_free[i]);
-        self.prev[i] = self.tail;
-        self.next[i] = NIL;
-        if self.tail == NIL {
+        debug_assert!(!self.links[b as usize].in_free);
+        let tail = self.tail;
+        let link = &mut self.links[b as usize];
+        link.prev = tail;
+        link.next = NIL;
+        link.in_free = true;
+        if tail == NIL {
             self.head = b;
         } else {
-            self.next[self.tail as usize] = b;
+            self.links[tail as usize].next = b;
         }
         self.tail = b;
-        self.in_free[i] = true;
         self.num_free += 1;
     }
 
     fn push_front(&mut self, b: u32) {
-        let i = b as usize;
-        debug_assert!(!self.in_free[i]);
-        self.next[i] = self.head;
-        self.prev[i] = NIL;
-        if self.head == NIL {
+        debug_assert!(!self.links[b as usize].in_free);
+        let head = self.head;
+        let link = &mut self.links[b as usize];
+        link.next = head;
+        link.prev = NIL;
+        link.in_free = true;
+        if head == NIL {
             self.tail = b;
         } else {
-            self.prev[self.head as usize] = b;
+            self.links[head as usize].prev = b;
         }
         self.head = b;
-        self.in_free[i] = true;
         self.num_free += 1;
     }
 }

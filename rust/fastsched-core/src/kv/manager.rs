@@ -153,6 +153,22 @@ impl KvCacheManager {
         hit: Option<&CacheHit>,
         new_blocks_out: &mut Vec<u32>,
     ) -> Option<usize> {
+        if hit.is_none() && !alloc.full_sequence_must_fit {
+            // A running request: most steps need no new block and fill none.
+            let h = req.handle as usize;
+            let held = self.req_blocks[h].len();
+            let need =
+                (req.num_computed_tokens + alloc.num_new_tokens + alloc.num_lookahead_tokens)
+                    .min(self.max_model_len);
+            let full = (req.num_computed_tokens + alloc.num_new_tokens).min(req.num_tokens())
+                / self.block_size;
+            if need <= held * self.block_size
+                && (!self.enable_caching || full <= self.num_cached_blocks[h])
+                && alloc.reserve_blocks <= self.pool.num_free_blocks()
+            {
+                return Some(0);
+            }
+        }
         let hit_blocks: &[u32] = hit.map_or(&[], |h| h.blocks.as_slice());
         let hit_tokens = hit.map_or(0, |h| h.num_tokens);
         self.ensure_slot(req.handle);

@@ -5,6 +5,7 @@
 //! same content (an exact duplicate prompt recomputes its capped last block);
 //! lookups return the earliest-inserted one still cached.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -41,18 +42,31 @@ impl BlockHasher {
         mix(ROOT_SEED ^ lora_id.map_or(0, |id| u64::from(id) + 1))
     }
 
+    /// Four tokens per multiply (a folded 64x64->128 multiply, as in the wy
+    /// family of hashes): blocks are hashed on every admission and every
+    /// block a decode fills, so this is on the hot path.
     pub fn hash_block(&self, parent: u64, tokens: &[u32]) -> u64 {
         let mut h = mix(parent ^ (tokens.len() as u64).wrapping_mul(MUL));
-        let mut pairs = tokens.chunks_exact(2);
-        for p in &mut pairs {
-            let word = u64::from(p[0]) | (u64::from(p[1]) << 32);
-            h = mix(h ^ word).rotate_left(17);
+        let mut quads = tokens.chunks_exact(4);
+        for q in &mut quads {
+            let a = u64::from(q[0]) | (u64::from(q[1]) << 32);
+            let b = u64::from(q[2]) | (u64::from(q[3]) << 32);
+            h = fold(a ^ h ^ K1, b ^ K2);
         }
-        if let [last] = pairs.remainder() {
-            h = mix(h ^ u64::from(*last) ^ (1 << 63));
+        for (i, &t) in quads.remainder().iter().enumerate() {
+            h = fold(h ^ K1, u64::from(t) ^ K2 ^ (i as u64 + 1));
         }
-        h
+        mix(h)
     }
+}
+
+const K1: u64 = 0xa076_1d64_78bd_642f;
+const K2: u64 = 0xe703_7ed1_a0b4_28db;
+
+#[inline]
+fn fold(a: u64, b: u64) -> u64 {
+    let p = u128::from(a) * u128::from(b);
+    (p as u64) ^ ((p >> 64) as u64)
 }
 
 /// Keys are already well-mixed hashes: hashing them again is wasted work.
@@ -75,89 +89,165 @@ impl Hasher for IdentityHasher {
 
 pub type IdentityBuild = BuildHasherDefault<IdentityHasher>;
 
-/// Blocks sharing one hash, in insertion order. One block is the norm, so it
-/// is stored inline.
-#[derive(Debug, Clone)]
-enum Slot {
-    One(u32),
-    Many(Vec<u32>),
-}
+/// Map values: a block id, or (high bit set) an index into the overflow
+/// lists used when several blocks share a hash. One block per hash is the
+/// norm, so an entry stays 16 bytes.
+const MANY: u32 = 1 << 31;
 
-/// hash -> cached block ids, plus what each cached block holds so a hit can
-/// be confirmed against the request's tokens.
+/// hash -> cached block ids in insertion order, plus what each cached block
+/// holds so a hit can be confirmed against the request's tokens.
+///
+/// Eviction is lazy: an evicted block only loses its `hash_of` mark, and
+/// map entries pointing at it are dropped when that hash is next inserted,
+/// or in a sweep once stale entries could outnumber the pool. A block's
+/// lifetime thus costs one map operation, not two.
 #[derive(Debug)]
 pub struct PrefixCache {
     block_size: usize,
-    map: HashMap<u64, Slot, IdentityBuild>,
-    /// Per block: its parent hash and token ids (valid while it is cached).
-    parent: Vec<u64>,
+    map: HashMap<u64, u32, IdentityBuild>,
+    overflow: Vec<Vec<u32>>,
+    free_overflow: Vec<u32>,
+    /// Per block: the hash it is cached under (if cached) and its parent's.
+    meta: Vec<CacheMeta>,
+    /// Per block: its token ids (valid while it is cached).
     tokens: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct CacheMeta {
+    hash: Option<u64>,
+    parent: u64,
 }
 
 impl PrefixCache {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        let mut map = HashMap::default();
+        map.reserve(num_blocks);
         PrefixCache {
             block_size,
-            map: HashMap::default(),
-            parent: vec![0; num_blocks],
+            map,
+            overflow: Vec::new(),
+            free_overflow: Vec::new(),
+            meta: vec![CacheMeta::default(); num_blocks],
             tokens: vec![0; num_blocks * block_size],
         }
     }
 
+    pub fn hash_of(&self, block: u32) -> Option<u64> {
+        self.meta[block as usize].hash
+    }
+
     pub fn insert(&mut self, block: u32, hash: u64, parent: u64, tokens: &[u32]) {
         let b = block as usize;
-        self.parent[b] = parent;
+        debug_assert!(
+            self.meta[b].hash.is_none(),
+            "block {block} is already cached"
+        );
+        self.meta[b] = CacheMeta {
+            hash: Some(hash),
+            parent,
+        };
         self.tokens[b * self.block_size..(b + 1) * self.block_size].copy_from_slice(tokens);
-        match self.map.get_mut(&hash) {
-            None => {
-                self.map.insert(hash, Slot::One(block));
+        if self.map.len() >= 2 * self.meta.len() {
+            self.sweep();
+        }
+        let meta = &self.meta;
+        let live = |x: u32| x != block && meta[x as usize].hash == Some(hash);
+        match self.map.entry(hash) {
+            Entry::Vacant(e) => {
+                e.insert(block);
             }
-            Some(slot) => match slot {
-                Slot::One(first) => *slot = Slot::Many(vec![*first, block]),
-                Slot::Many(v) => v.push(block),
-            },
+            Entry::Occupied(mut e) => {
+                let v = *e.get();
+                if v & MANY == 0 {
+                    if live(v) {
+                        let list = vec![v, block];
+                        let idx = match self.free_overflow.pop() {
+                            Some(i) => {
+                                self.overflow[i as usize] = list;
+                                i
+                            }
+                            None => {
+                                self.overflow.push(list);
+                                (self.overflow.len() - 1) as u32
+                            }
+                        };
+                        e.insert(idx | MANY);
+                    } else {
+                        e.insert(block);
+                    }
+                } else {
+                    let list = &mut self.overflow[(v & !MANY) as usize];
+                    list.retain(|&x| live(x));
+                    list.push(block);
+                }
+            }
         }
     }
 
-    pub fn remove(&mut self, block: u32, hash: u64) {
-        if let Some(slot) = self.map.get_mut(&hash) {
-            match slot {
-                Slot::One(b) if *b == block => {
-                    self.map.remove(&hash);
-                }
-                Slot::One(_) => {}
-                Slot::Many(v) => {
-                    if let Some(i) = v.iter().position(|&b| b == block) {
-                        v.remove(i);
-                    }
-                    if v.len() == 1 {
-                        *slot = Slot::One(v[0]);
-                    }
-                }
-            }
-        }
+    /// Drops a block from the cache (its map entry goes stale).
+    pub fn evict(&mut self, block: u32) {
+        self.meta[block as usize].hash = None;
     }
 
     /// The earliest-inserted cached block with this hash whose content really
     /// is `parent` + `tokens`.
     pub fn get(&self, hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
+        let bs = self.block_size;
         let matches = |b: u32| {
             let i = b as usize;
-            self.parent[i] == parent
-                && &self.tokens[i * self.block_size..(i + 1) * self.block_size] == tokens
+            self.meta[i].hash == Some(hash)
+                && self.meta[i].parent == parent
+                && &self.tokens[i * bs..(i + 1) * bs] == tokens
         };
-        match self.map.get(&hash)? {
-            Slot::One(b) => matches(*b).then_some(*b),
-            Slot::Many(v) => v.iter().copied().find(|&b| matches(b)),
+        let v = *self.map.get(&hash)?;
+        if v & MANY == 0 {
+            matches(v).then_some(v)
+        } else {
+            self.overflow[(v & !MANY) as usize]
+                .iter()
+                .copied()
+                .find(|&b| matches(b))
         }
     }
 
+    /// Removes every stale entry.
+    fn sweep(&mut self) {
+        let (meta, overflow, free_overflow) =
+            (&self.meta, &mut self.overflow, &mut self.free_overflow);
+        self.map.retain(|&hash, v| {
+            if *v & MANY == 0 {
+                return meta[*v as usize].hash == Some(hash);
+            }
+            let idx = *v & !MANY;
+            let list = &mut overflow[idx as usize];
+            list.retain(|&x| meta[x as usize].hash == Some(hash));
+            match list.len() {
+                0 => {
+                    free_overflow.push(idx);
+                    false
+                }
+                1 => {
+                    *v = list[0];
+                    free_overflow.push(idx);
+                    true
+                }
+                _ => true,
+            }
+        });
+    }
+
+    /// Distinct hashes currently cached.
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.meta
+            .iter()
+            .filter_map(|m| m.hash)
+            .collect::<std::collections::HashSet<_>>()
+            .len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.meta.iter().all(|m| m.hash.is_none())
     }
 }
 
@@ -190,9 +280,28 @@ mod tests {
         c.insert(3, 42, 7, &[1, 2]);
         c.insert(1, 42, 7, &[1, 2]);
         assert_eq!(c.get(42, 7, &[1, 2]), Some(3));
-        c.remove(3, 42);
+        c.evict(3);
         assert_eq!(c.get(42, 7, &[1, 2]), Some(1));
-        c.remove(1, 42);
+        c.insert(3, 42, 7, &[1, 2]);
+        assert_eq!(c.get(42, 7, &[1, 2]), Some(1), "re-inserted goes last");
+        c.evict(1);
+        c.evict(3);
         assert!(c.is_empty());
+        assert_eq!(c.get(42, 7, &[1, 2]), None);
+    }
+
+    #[test]
+    fn s8_stale_entries_are_swept_and_never_returned() {
+        let mut c = PrefixCache::new(2, 1);
+        for round in 0..50u64 {
+            c.insert(1, 100 + round, 0, &[round as u32]);
+            c.evict(1);
+        }
+        assert!(
+            c.map.len() <= 4,
+            "sweeps keep stale entries bounded: {}",
+            c.map.len()
+        );
+        assert_eq!(c.get(149, 0, &[49]), None);
     }
 }

@@ -1,0 +1,163 @@
+"""Reading a llama.cpp GGUF file: hyperparameters, tokenizer and (dequantized) weights.
+
+Weights are dequantized once at load time to the serving dtype and renamed to the
+Hugging Face layout, so the model code is the same for GGUF and safetensors. llama.cpp's
+converter reorders the rows of q/k projections for the ``llama`` architecture (it wants
+RoPE on adjacent pairs; Hugging Face rotates halves), and we undo that here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+from tqdm import tqdm
+
+from fastsched.model_loader.tokenizer import Tokenizer
+from fastsched.models.config import ModelConfig
+
+# GGUF tensor names -> Hugging Face names; ``{}`` is the layer index.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# llama.cpp token types (llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Pre-tokenizer regexes by ``tokenizer.ggml.pre``: text must be split the way the merges were learned.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _split_pre(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+_PRE_TOKENIZERS = {
+    "default": _gpt2_pre,
+    "gpt2": _gpt2_pre,
+    # SmolLM: every digit is its own token, then GPT-2 splitting.
+    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_pre()]),
+    "llama3": lambda: _split_pre(_LLAMA3_SPLIT),
+    "llama-bpe": lambda: _split_pre(_LLAMA3_SPLIT),
+    "qwen2": lambda: _split_pre(_QWEN2_SPLIT),
+}
+
+
+class GGUFFile:
+    """A GGUF file opened once (memory-mapped); metadata parsed to plain Python values."""
+
+    def __init__(self, path: Path) -> None:
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        self.path = path
+        self.reader = GGUFReader(path)
+        self.metadata: dict[str, Any] = {name: field.contents() for name, field in self.reader.fields.items()}
+        self.tensor_names = {tensor.name for tensor in self.reader.tensors}
+
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names)
+
+    def tokenizer(self) -> Tokenizer:
+        meta = self.metadata
+        model_type = meta.get("tokenizer.ggml.model")
+        if model_type != "gpt2":
+            raise ValueError(
+                f"GGUF tokenizer.ggml.model {model_type!r} is not supported; only 'gpt2' (byte-level BPE) is"
+            )
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in _PRE_TOKENIZERS:
+            raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: {sorted(_PRE_TOKENIZERS)}")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
+        backend = tokenizers.Tokenizer(tokenizers.models.BPE(
+            vocab={token: i for i, token in enumerate(tokens)}, merges=merges
+        ))
+        if pre == "qwen2":
+            backend.normalizer = normalizers.NFC()
+        backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+        backend.decoder = decoders.ByteLevel()
+        # Control tokens (<|im_start|>...) and user-defined ones must match whole, never be merged from pieces.
+        token_types = meta.get("tokenizer.ggml.token_type") or [0] * len(tokens)
+        typed = list(zip(tokens, token_types, strict=True))
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
+        bos_id = meta.get("tokenizer.ggml.bos_token_id")
+        eos_id = meta.get("tokenizer.ggml.eos_token_id")
+        eot_id = meta.get("tokenizer.ggml.eot_token_id")  # chat models' end-of-turn, stops generation too
+        eos_ids = tuple(dict.fromkeys(i for i in (eos_id, eot_id) if i is not None))
+        return Tokenizer(
+            backend,
+            eos_token_ids=eos_ids,
+            chat_template=meta.get("tokenizer.chat_template"),
+            bos_token=tokens[bos_id] if bos_id is not None else None,
+            eos_token=tokens[eos_id] if eos_id is not None else None,
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    def iter_weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor as (Hugging Face name, float32 CPU tensor), dequantized, with a progress bar."""
+        unpermute = self.metadata["general.architecture"] == "llama"
+        for tensor in tqdm(self.reader.tensors, desc=f"Loading {self.path.name}", unit="tensor"):
+            name = _hf_name(tensor.name)
+            weights = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):
+                weights = _unpermute_rope_rows(weights, config.num_heads)
+            elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
+                weights = _unpermute_rope_rows(weights, config.num_kv_heads)
+            yield name, torch.from_numpy(weights)
+
+
+def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k permutation: within each head its converter moved row
+    ``half * head_dim/2 + i`` to ``2 * i + half``; put the rows back in rotate-half order."""
+    head_dim = weights.shape[0] // num_heads
+    w = weights.reshape(num_heads, head_dim // 2, 2, *weights.shape[1:])
+    return np.ascontiguousarray(w.swapaxes(1, 2).reshape(weights.shape))
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match[2] not in _LAYER_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name} has no place in a Llama-family model")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"

@@ -1,0 +1,103 @@
+"""The tokenizer the frontend uses: a ``tokenizers.Tokenizer`` plus what a checkpoint says
+around it (chat template, special tokens, EOS ids).
+
+Built on the Rust ``tokenizers`` library rather than ``transformers.AutoTokenizer`` so a
+frontend process imports neither transformers nor torch-heavy code, and the same
+object serves HF directories and GGUF files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        eos_token_ids: Sequence[int],
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool = False,
+    ) -> None:
+        """``add_bos_token`` is for vocabularies whose BOS is not added by the backend's own
+        post-processor (GGUF files carry it as a flag); HF ``tokenizer.json`` files already add it."""
+        self.backend = backend
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
+        self.add_bos_token = add_bos_token and self.bos_token_id is not None
+        self._compiled_template: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **template_kwargs: Any,
+    ) -> str | list[int]:
+        """Render ``messages`` with the checkpoint's Jinja template, the way transformers does
+        (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``bos_token``...).
+
+        When tokenizing, special tokens are not added again: the template writes them.
+        """
+        if self.chat_template is None:
+            raise ValueError("this checkpoint has no chat template (tokenizer_config.json chat_template, "
+                             "chat_template.jinja, or GGUF tokenizer.chat_template)")
+        if self._compiled_template is None:
+            self._compiled_template = _jinja_environment().from_string(self.chat_template)
+        text = self._compiled_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **template_kwargs,
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters, which would change the prompt text.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _jinja_environment() -> ImmutableSandboxedEnvironment:
+    # Chat templates come with downloaded checkpoints: render them sandboxed.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

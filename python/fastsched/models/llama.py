@@ -1,0 +1,247 @@
+"""One decoder for the Llama family: Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2, Qwen3.
+
+They differ only in switches that ``ModelConfig`` carries (q/k/v bias, o_proj bias,
+per-head q/k RMSNorm, tied embeddings, RoPE scaling), so one implementation keeps
+them numerically identical to ``transformers`` with a single code path to test.
+
+Tokens arrive flattened (``[T]``, requests back to back, prefill chunks and decodes
+mixed); attention is the backend's job, everything else is position-wise. q/k/v and
+gate/up are fused into one matmul each; ``load_weights`` packs the checkpoint's
+separate tensors into them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastsched.attention.base import AttentionBackend, AttentionMetadata
+from fastsched.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and scaled after casting back, in transformers' order, so
+    low-precision serving rounds the same way as the reference."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies (fp32, CPU), with Llama-3's frequency-dependent scaling:
+    long wavelengths are slowed by ``factor``, short ones kept, the band between blended."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = ~(wavelen < old_context / high) & ~(wavelen > old_context / low)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for the given positions, computed per step (no max-length table to size)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        # A plain tensor, not a buffer: the model is built on the meta device and a buffer
+        # would come back uninitialized from ``to_empty``.
+        self.inv_freq = rope_inv_freq(config)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim], broadcast over heads
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on ``[T, heads, head_dim]`` (the Hugging Face layout, not interleaved)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = backend.forward(q, k, v.contiguous(), kv_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# Checkpoint projection name -> (fused parameter, index of its shard in the fused output).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow the Hugging Face checkpoint minus its ``model.`` prefix."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64, position of each token within its request
+        kv_caches: list[torch.Tensor],  # one per layer, see fastsched.attention.base
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, hidden_size], final-normed
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata, backend)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]``; the runner passes only the rows it samples from."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, packing q/k/v and gate/up into the fused
+        parameters; fails naming any tensor without a place and any tensor never given."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+                continue  # recomputed / shared with embed_tokens
+            parts = name.rsplit(".", 2)  # e.g. ["layers.0.self_attn", "q_proj", "weight"]
+            if len(parts) == 3 and parts[1] in _FUSED:
+                fused, shard = _FUSED[parts[1]]
+                target = f"{parts[0]}.{fused}.{parts[2]}"
+                start, size = self._shard_range(fused, shard)
+            else:
+                target, start, size = name, 0, None
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {hf_name} has no place in {self.config.architecture}")
+            dest = params[target].data
+            dest = dest if size is None else dest[start : start + size]
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(name)
+        missing = [_hf_name(n) for n in _checkpoint_names(params) if n not in loaded]
+        if missing:
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ValueError(f"checkpoint is missing tensors for {self.config.architecture}: {missing[:8]}{more}")
+
+    def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
+        c = self.config
+        if fused == "gate_up_proj":
+            return shard * c.intermediate_size, c.intermediate_size
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return (0, q_size) if shard == 0 else (q_size + (shard - 1) * kv_size, kv_size)
+
+
+def _checkpoint_names(params: dict[str, nn.Parameter]) -> list[str]:
+    """The checkpoint tensors (without ``model.``) that fill ``params``, fused ones unpacked."""
+    names = []
+    for name in params:
+        prefix, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", name, "")
+        parts = [p for p, (fused, _) in _FUSED.items() if fused == proj]
+        names += [f"{prefix}.{p}.{kind}" for p in parts] if parts else [name]
+    return names
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"

@@ -1,0 +1,21 @@
+"""Turning a step's logits into tokens (``sampler``) and finding stop strings in text (``stop``)."""
+
+from fastsched.sample.sampler import (
+    LogprobsTensors,
+    PenaltyTensors,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    make_generator,
+)
+from fastsched.sample.stop import StopChecker
+
+__all__ = [
+    "LogprobsTensors",
+    "PenaltyTensors",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "StopChecker",
+    "make_generator",
+]

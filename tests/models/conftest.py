@@ -1,0 +1,27 @@
+"""Model tests run offline and share one tiny checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+# Before transformers is imported anywhere: the tests must never reach a model hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+try:
+    import fastsched  # noqa: F401  (installed, e.g. by maturin develop)
+except ImportError:  # running from a bare checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+
+
+from fastsched.tiny_model import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
