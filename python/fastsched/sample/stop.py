@@ -27,17 +27,19 @@ class StopChecker:
     def stopped(self) -> bool:
         return self.matched_stop is not None
 
-    def append(self, delta: str) -> str:
+    def append(self, delta: str, check: bool = True) -> str:
         """Add newly detokenized text; return the text that may be streamed now.
 
-        After a match the request is finished: the caller stops generating and must
-        not append again.
+        ``check=False`` adds text without looking for stop strings in it (vLLM does
+        not stop on a string before ``min_tokens`` are out); later checks only look
+        at text added after it.  After a match the request is finished: the caller
+        stops generating and must not append again.
         """
         if self.stopped:
             raise RuntimeError(f"append after the output already stopped at {self.matched_stop!r}")
         previous_len = len(self.text)
         self.text += delta
-        match = self._find_stop(previous_len)
+        match = self._find_stop(previous_len) if check else None
         if match is None:
             return self._release(len(self.text) - self._num_held_back())
         start, stop = match

@@ -1,0 +1,88 @@
+"""Turns the engine's token deltas into text: incremental detokenization, stop
+strings, logprobs with decoded tokens, and the ``n`` completions of a request.
+
+This is frontend work (DESIGN §1): ``fastsched.LLM`` runs it in-process, the gRPC
+frontend runs it beside its AsyncLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastsched.engine.core import EngineCoreOutput
+from fastsched.model_loader.tokenizer import Tokenizer
+from fastsched.outputs import CompletionOutput, Logprob, RequestOutput
+from fastsched.sample import StopChecker
+from fastsched.sampling_params import SamplingParams
+
+
+@dataclass
+class _Completion:
+    """State of one engine request (one of a parent's ``n`` completions)."""
+
+    parent: RequestOutput
+    output: CompletionOutput
+    params: SamplingParams
+    stop: StopChecker
+    decoded: str = ""  # detokenized text so far, before stop-string handling
+    new_text: str = ""  # text released by the last step (for streaming)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._completions: dict[str, _Completion] = {}
+
+    def add_request(self, engine_request_id: str, parent: RequestOutput, index: int, params: SamplingParams) -> None:
+        output = parent.outputs[index]
+        if params.logprobs is not None:
+            output.logprobs = []
+        stop = StopChecker(params.stop or [], params.include_stop_str_in_output)
+        self._completions[engine_request_id] = _Completion(parent, output, params, stop)
+
+    def num_unfinished(self) -> int:
+        return len(self._completions)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Applies one step; returns the parents that changed and the engine requests
+        a stop string ended (the caller aborts them in the engine)."""
+        changed: dict[int, RequestOutput] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            c = self._completions.get(out.request_id)
+            if c is None:
+                continue  # ended by a stop string; the engine's last words are dropped
+            o = c.output
+            o.token_ids.extend(out.new_token_ids)
+            if out.num_cached_tokens is not None and c.parent.num_cached_tokens is None:
+                c.parent.num_cached_tokens = out.num_cached_tokens
+            if out.new_logprobs and o.logprobs is not None:
+                for entry in out.new_logprobs:
+                    o.logprobs.append(
+                        {t: Logprob(lp, rank, self.tokenizer.decode([t], False)) for t, (lp, rank) in entry.items()}
+                    )
+            c.new_text = self._detokenize(c, out)
+            if c.stop.stopped:
+                o.finish_reason, o.stop_reason = "stop", c.stop.matched_stop
+                if out.finish_reason is None:
+                    to_abort.append(out.request_id)
+            elif out.finish_reason is not None:
+                c.new_text += c.stop.flush()
+                o.finish_reason = out.finish_reason
+                o.stop_reason = out.error if out.finish_reason == "ignored" else out.stop_reason
+            o.text += c.new_text
+            if o.finish_reason is not None:
+                del self._completions[out.request_id]
+            changed[id(c.parent)] = c.parent
+        return list(changed.values()), to_abort
+
+    def _detokenize(self, c: _Completion, out: EngineCoreOutput) -> str:
+        """The newly releasable text: decode everything generated, keep what is new, and
+        hold back a trailing partial UTF-8 character until its bytes are complete."""
+        full = self.tokenizer.decode(c.output.token_ids, skip_special_tokens=c.params.skip_special_tokens)
+        if full.endswith("\ufffd") and out.finish_reason is None:
+            return ""
+        delta = full[len(c.decoded) :]
+        c.decoded = full
+        check = len(c.output.token_ids) >= c.params.min_tokens
+        return c.stop.append(delta, check=check)

@@ -1,0 +1,56 @@
+"""Engine statistics: counters for metrics and a periodic log line (DESIGN §7)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fastsched._core import SchedulerOutput
+
+logger = logging.getLogger("fastsched.engine")
+
+
+@dataclass
+class StatsLogger:
+    """Accumulates throughput counters and logs them every ``interval`` seconds under load."""
+
+    interval: float
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    _last_log: float = field(default_factory=time.monotonic)
+    _prompt_since: int = 0
+    _generation_since: int = 0
+    _prefix_queries: int = 0
+    _prefix_hits: int = 0
+
+    def on_arrival(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens_total += num_prompt_tokens
+        self._prompt_since += num_prompt_tokens
+
+    def on_step(self, so: SchedulerOutput, sched_stats: dict, outputs: list) -> None:
+        generated = sum(len(o.new_token_ids) for o in outputs)
+        self.generation_tokens_total += generated
+        self._generation_since += generated
+        if self.interval <= 0:
+            return
+        now = time.monotonic()
+        elapsed = now - self._last_log
+        if elapsed < self.interval:
+            return
+        queries = sched_stats["prefix_cache_queries"] - self._prefix_queries
+        hits = sched_stats["prefix_cache_hits"] - self._prefix_hits
+        logger.info(
+            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d reqs, "
+            "waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
+            self._prompt_since / elapsed,
+            self._generation_since / elapsed,
+            sched_stats["num_running"],
+            sched_stats["num_waiting"],
+            100 * sched_stats["kv_cache_usage"],
+            100 * hits / queries if queries else 0.0,
+        )
+        self._last_log = now
+        self._prompt_since = self._generation_since = 0
+        self._prefix_queries = sched_stats["prefix_cache_queries"]
+        self._prefix_hits = sched_stats["prefix_cache_hits"]

@@ -1,0 +1,125 @@
+"""``fastsched.LLM``: offline generation with an in-process EngineCore (no IPC)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+
+from tqdm.auto import tqdm
+
+from fastsched.config import EngineConfig
+from fastsched.engine.core import EngineCore, EngineCoreRequest
+from fastsched.engine.output_processor import OutputProcessor
+from fastsched.model_loader import load_tokenizer
+from fastsched.outputs import CompletionOutput, RequestOutput
+from fastsched.sampling_params import SamplingParams
+
+PromptType = str | Sequence[int]
+
+
+class LLM:
+    """Loads a model and generates for batches of prompts, continuously batched.
+
+    ``LLM()`` serves the embedded SmolLM2-135M-Instruct; ``LLM(model=path, **engine_args)``
+    any supported HF directory or GGUF file, with the engine arguments of
+    :class:`fastsched.config.EngineConfig` (``max_num_seqs``, ``max_num_batched_tokens``,
+    ``num_gpu_blocks``, ``dtype``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self.tokenizer = load_tokenizer(model)
+        self.engine = EngineCore(self.config)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (text, or a list of token ids); outputs in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; "
+                    "pass one, or one per prompt"
+                )
+        processor = OutputProcessor(self.tokenizer)
+        results: list[RequestOutput] = []
+        added: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                results.append(self._add(prompt, params, processor, added))
+            self._run(processor, len(results), use_tqdm)
+        except BaseException:
+            self.engine.abort_requests(added)  # nothing lingers in the engine
+            raise
+        return results
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template (with the assistant prompt) to each conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=True, tokenize=True)
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add(
+        self, prompt: PromptType, params: SamplingParams, processor: OutputProcessor, added: list[str]
+    ) -> RequestOutput:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        request_id = str(next(self._ids))
+        parent = RequestOutput(
+            request_id, text, token_ids, [CompletionOutput(index=i) for i in range(params.n)]
+        )
+        for i in range(params.n):
+            # Each of the n completions is its own engine request; seeded ones get
+            # distinct seeds so they do not all draw the same tokens.
+            child = params if params.n == 1 else replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i
+            )
+            child_id = request_id if params.n == 1 else f"{request_id}-{i}"
+            self.engine.add_request(EngineCoreRequest(child_id, token_ids, child))
+            added.append(child_id)
+            processor.add_request(child_id, parent, i, child)
+        return parent
+
+    def _run(self, processor: OutputProcessor, num_requests: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=num_requests, desc="Generating", unit="req", disable=not use_tqdm)
+        done: set[int] = set()
+        with bar:
+            while processor.num_unfinished():
+                changed, to_abort = processor.process(self.engine.step())
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for parent in changed:
+                    if parent.finished and id(parent) not in done:
+                        done.add(id(parent))
+                        bar.update(1)
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return list(prompts)

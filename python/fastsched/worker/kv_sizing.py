@@ -1,0 +1,67 @@
+"""How many KV blocks the pool gets: given, or from the memory left after the model."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fastsched.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from fastsched.models.config import ModelConfig
+from fastsched.worker.model_runner import kv_cache_bytes_per_block
+
+logger = logging.getLogger(__name__)
+
+
+def determine_num_blocks(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    profile_peak_bytes: int = 0,
+) -> int:
+    """Blocks in the pool, the null block included.
+
+    ``--num-gpu-blocks`` wins.  On CUDA the pool takes ``gpu_memory_utilization`` of
+    the device minus the peak measured while profiling a max-size batch
+    (``profile_peak_bytes``); on CPU it takes ``kv_cache_memory`` bytes.  A pool that
+    cannot hold one request of ``max_model_len`` tokens is a start-up error.
+    """
+    per_block = kv_cache_bytes_per_block(model_config, config.block_size, dtype)
+    if config.num_gpu_blocks is not None:
+        num_blocks = config.num_gpu_blocks
+        source = "--num-gpu-blocks"
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(total * config.gpu_memory_utilization) - profile_peak_bytes
+        num_blocks = max(budget, 0) // per_block + 1
+        source = (
+            f"{config.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB minus "
+            f"{profile_peak_bytes / 2**30:.2f} GiB profiled peak"
+        )
+    else:
+        budget = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // per_block + 1
+        source = f"--kv-cache-memory {budget / 2**30:.2f} GiB"
+    usable_tokens = (num_blocks - 1) * config.block_size
+    if usable_tokens < max_model_len:
+        raise ValueError(
+            f"the KV cache pool ({num_blocks - 1} blocks x {config.block_size} tokens = {usable_tokens} tokens, "
+            f"from {source}) cannot hold one request of max_model_len ({max_model_len}) tokens; "
+            "give it more memory or lower --max-model-len"
+        )
+    logger.info(
+        "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, from %s)",
+        num_blocks - 1,
+        config.block_size,
+        usable_tokens,
+        (num_blocks - 1) * per_block / 2**30,
+        source,
+    )
+    logger.info(
+        "Maximum concurrency for %d tokens per request: %.2fx",
+        max_model_len,
+        usable_tokens / max_model_len,
+    )
+    return num_blocks
