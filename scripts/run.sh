@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/python bench/scheduler_bench.py "$@"
+exec .venv/bin/fastsched generate "$@"

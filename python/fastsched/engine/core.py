@@ -16,7 +16,7 @@ from fastsched import _core
 from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
 from fastsched.engine.stats import StatsLogger
-from fastsched.model_loader import load_model, load_model_config
+from fastsched.model_loader import load_model, load_model_config, load_tokenizer
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, make_generator
 from fastsched.sampling_params import SamplingParams
@@ -89,12 +89,20 @@ class EngineCore:
             dtype=dtype,
             seed=config.seed,
         )
-        self.eos_token_ids = self.model_config.eos_token_ids
+        # The tokenizer may add an end-of-turn id (GGUF chat models) to the model's EOS ids.
+        tokenizer_eos = load_tokenizer(config.model).eos_token_ids
+        self.eos_token_ids = tuple(dict.fromkeys((*self.model_config.eos_token_ids, *tokenizer_eos)))
         self.vocab_size = self.model_config.vocab_size
         self._requests: dict[int, _Request] = {}
         self._handles: dict[str, int] = {}
         self.stats = StatsLogger(config.log_stats_interval)
-        logger.info("attention backend: %s; scheduler: %s", backend.name, self.scheduler.config)
+        sc = self.scheduler.config
+        logger.info(
+            "attention backend: %s; scheduler: policy=%s max_num_seqs=%d max_num_active_seqs=%d "
+            "max_num_batched_tokens=%d max_model_len=%d block_size=%d prefix_caching=%s",
+            backend.name, sc.policy, sc.max_num_seqs, sc.max_num_active_seqs, sc.max_num_batched_tokens,
+            sc.max_model_len, sc.block_size, sc.enable_prefix_caching,
+        )
 
     # ------------------------------------------------------------ requests
 

@@ -1,0 +1,143 @@
+"""The ``fastsched`` command: generate, make-tiny-model (and, later, serve)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+DEFAULT_QUESTION = "What is the capital of France?"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every command that runs a model (see fastsched.config.EngineConfig)."""
+    g = parser.add_argument_group("model and device")
+    g.add_argument("--model", default=None,
+                   help="HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: cuda when available)")
+    g.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"],
+                   help="attention implementation (default: flashinfer, else triton on CUDA; torch on CPU)")
+    g.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
+    s = parser.add_argument_group("scheduler (DESIGN.md §3)")
+    s.add_argument("--max-num-seqs", type=int, default=256, help="model-runner request slots")
+    s.add_argument("--max-num-active-seqs", type=int, default=None,
+                   help="cap on requests admitted into RUNNING (default: --max-num-seqs)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output limit per request (default: the model's context length)")
+    s.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="cap on one long prefill's tokens per step when several requests compete (0: off)")
+    s.add_argument("--long-prefill-token-threshold-adaptive", action="store_true",
+                   help="raise that cap to the fair share of the budget")
+    s.add_argument("--prefill-schedule-interval", type=int, default=1,
+                   help="run prefill work only every k-th step while decodes run (1: every step)")
+    s.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="never split a prompt across steps")
+    s.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="waiting-queue order")
+    s.add_argument("--watermark", type=float, default=0.0,
+                   help="fraction of the KV pool kept free when admitting requests")
+    k = parser.add_argument_group("KV cache")
+    k.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    k.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse KV blocks of identical prompt prefixes")
+    k.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV blocks in the pool, the null block included (default: from memory)")
+    k.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights, activations and the KV pool (CUDA)")
+    k.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes for the KV pool on CPU (default: 1 GiB)")
+
+
+ENGINE_ARG_NAMES = (
+    "model", "dtype", "device", "attention_backend", "seed", "max_num_seqs", "max_num_active_seqs",
+    "max_num_batched_tokens", "max_model_len", "long_prefill_token_threshold",
+    "long_prefill_token_threshold_adaptive", "prefill_schedule_interval", "enable_chunked_prefill",
+    "policy", "watermark", "block_size", "enable_prefix_caching", "num_gpu_blocks",
+    "gpu_memory_utilization", "kv_cache_memory",
+)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from fastsched.entrypoints.llm import LLM
+    from fastsched.sampling_params import SamplingParams
+
+    prompts = args.prompts or [DEFAULT_QUESTION]
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.request_seed,
+        stop=args.stop,
+    )
+    llm = LLM(**engine_kwargs(args))
+    if args.raw:
+        outputs = llm.generate(prompts, params)
+    else:
+        outputs = [llm.chat([{"role": "user", "content": p}], params, use_tqdm=False)[0] for p in prompts]
+    for prompt, out in zip(prompts, outputs):
+        for completion in out.outputs:
+            print(f"### {prompt}\n{completion.text.strip()}\n[{completion.finish_reason}, "
+                  f"{len(completion.token_ids)} tokens]")
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from fastsched.tiny_model import make_tiny_model
+
+    path = make_tiny_model(args.dir, seed=args.seed)
+    print(f"wrote a random-weight Llama checkpoint to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastsched",
+        description="fastsched: an admission-controlled LLM inference server with a Rust scheduler.",
+    )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging verbosity")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions offline for a few prompts",
+                         description="Load a model and answer prompts (as chat messages unless --raw).")
+    gen.add_argument("prompts", nargs="*", help=f"prompts (default: {DEFAULT_QUESTION!r})")
+    gen.add_argument("--raw", action="store_true", help="send prompts as plain text, not chat messages")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per completion")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    gen.add_argument("-n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--request-seed", type=int, default=None, help="seed for every request's sampling")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a small random-weight Llama checkpoint for tests",
+                          description="Write a seeded random-weight Llama checkpoint (HF format, ~1 MB).")
+    tiny.add_argument("dir", help="directory to write")
+    tiny.add_argument("--seed", type=int, default=0, help="weights and tokenizer seed")
+    tiny.set_defaults(func=cmd_make_tiny_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"fastsched: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
