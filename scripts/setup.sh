@@ -12,7 +12,9 @@ fi
 
 # Python dependencies: reinstalled only when a requirements file changes.
 reqs=(requirements.txt)
-[ -f requirements-engine.txt ] && reqs+=(requirements-engine.txt)
+for extra in requirements-engine.txt requirements-serve.txt; do
+    [ -f "$extra" ] && reqs+=("$extra")
+done
 nodeps=()
 [ -f requirements-nodeps.txt ] && nodeps=(requirements-nodeps.txt)
 stamp=.venv/.fastsched-requirements

@@ -20,7 +20,7 @@ from fastsched.model_loader import load_model, load_model_config, load_tokenizer
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, make_generator
 from fastsched.sampling_params import SamplingParams
-from fastsched.worker.kv_sizing import determine_num_blocks
+from fastsched.worker.kv_sizing import determine_num_blocks, profile_peak_bytes
 from fastsched.worker.model_runner import ModelRunner, RowState, StepResult
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,10 @@ class EngineCore:
         logger.info("loading model %s (%s, %s)", config.model or "SmolLM2-135M-Instruct (embedded)", dtype, device)
         model = load_model(config.model, dtype=dtype, device=device)
         backend = select_backend(device, config.attention_backend)
-        num_blocks = determine_num_blocks(config, self.model_config, dtype, device, self.max_model_len)
+        peak = 0
+        if device.type == "cuda" and config.num_gpu_blocks is None:
+            peak = profile_peak_bytes(model, backend, config, dtype, device, self.max_model_len)
+        num_blocks = determine_num_blocks(config, self.model_config, dtype, device, self.max_model_len, peak)
         self.scheduler = _core.Scheduler(config.scheduler_config(self.max_model_len, num_blocks))
         self.runner = ModelRunner(
             model,

@@ -6,11 +6,67 @@ import logging
 
 import torch
 
+from fastsched.attention import AttentionBackend, AttentionMetadata
 from fastsched.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from fastsched.models.config import ModelConfig
 from fastsched.worker.model_runner import kv_cache_bytes_per_block
 
 logger = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def profile_peak_bytes(
+    model: torch.nn.Module,
+    backend: AttentionBackend,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> int:
+    """Peak CUDA memory of one max-size step (``max_num_batched_tokens`` prefill tokens,
+    logits for ``max_num_seqs`` rows), with a throwaway KV cache just big enough for it.
+
+    What the pool may use is then the device's budget minus this peak, so the first
+    real full-budget step cannot run out of memory.
+    """
+    cfg = model.config
+    bs = config.block_size
+    total = config.max_num_batched_tokens
+    lens = [min(max_model_len, total - start) for start in range(0, total, max_model_len)]
+    blocks_per_req = [-(-n // bs) for n in lens]
+    num_blocks = sum(blocks_per_req) + 1
+    kv = [torch.empty(2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+          for _ in range(cfg.num_layers)]
+    width = max(blocks_per_req)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    slots, positions, first = [], [], 1
+    for i, (n, nb) in enumerate(zip(lens, blocks_per_req)):
+        tables[i, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
+        pos = torch.arange(n)
+        positions.append(pos)
+        slots.append(tables[i, pos // bs].long() * bs + pos % bs)
+        first += nb
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(device),
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), seq_lens.cumsum(0).int()]).to(device),
+        seq_lens=seq_lens.to(device),
+        block_tables=tables.to(device),
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+    )
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    backend.prepare(metadata)
+    hidden = model(torch.zeros(total, dtype=torch.long, device=device), torch.cat(positions).to(device),
+                   kv, metadata, backend)
+    model.compute_logits(hidden[: min(config.max_num_seqs, total)]).float()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    kv_bytes = sum(t.numel() * t.element_size() for t in kv)
+    del kv, hidden
+    torch.cuda.empty_cache()
+    return peak - kv_bytes
 
 
 def determine_num_blocks(
