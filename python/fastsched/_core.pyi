@@ -14,7 +14,14 @@ from typing import Any, Literal, TypedDict, final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "EngineCoreOutputs", "__version__"]
+__all__ = [
+    "SchedulerConfig",
+    "Scheduler",
+    "SchedulerOutput",
+    "EngineCoreOutputs",
+    "SharedAdmissionStats",
+    "__version__",
+]
 
 __version__: str
 """Version of the ``fastsched-py`` crate the extension was built from."""
@@ -348,3 +355,65 @@ class Scheduler:
     def set_async_scheduling(self, on: bool) -> None:
         """With async scheduling the next step is scheduled before the previous
         step's tokens are known (a decode's next token is a placeholder)."""
+
+@final
+class SharedAdmissionStats:
+    """A6: in-flight request counters shared by the gRPC frontend processes, so
+    that ``max_num_queued_reqs`` (A2) is enforced globally: in-flight = the sum of
+    every frontend's counter.
+
+    A shared-memory file (``/dev/shm/<name>`` unless ``dir`` is given, mode 0600)
+    holds a 64-byte header and one 64-byte (cache-line) slot per frontend. A
+    frontend writes only its own slot's counter, with one atomic add and no lock;
+    ``total()`` sums all slots. The launcher ``create``s the segment before forking
+    the frontends and keeps the returned handle alive (dropping it unlinks the
+    file); frontend ``i`` calls ``open(name, i)``.
+
+    Every method is a few atomic operations (nanoseconds) and holds the GIL.
+    Errors: ``ValueError`` for a bad name, ``num_slots`` or ``slot``;
+    ``OSError`` for a segment that cannot be created, opened or written (and for
+    ``add``/``set``/``own`` on the creator's handle, which has no slot). Linux only
+    in practice (``/dev/shm`` and ``/proc``)."""
+
+    @staticmethod
+    def create(name: str, num_slots: int, dir: str | None = None) -> SharedAdmissionStats:
+        """Creates segment ``name`` with ``num_slots`` zeroed slots (1 to 4096).
+        ``name`` is 1 to 255 ASCII letters, digits, ``-``, ``_`` or ``.``, not only
+        dots. The file is created exclusively; if it exists and its recorded
+        creator process is dead (a crashed run) it is removed and recreated, if the
+        creator is alive ``OSError`` names its PID. The returned handle has no
+        slot (``slot is None``)."""
+    @staticmethod
+    def open(name: str, slot: int, dir: str | None = None) -> SharedAdmissionStats:
+        """Attaches a frontend to ``slot`` after checking the segment's header
+        (magic, layout version, size). Claims the slot: its counter is reset to 0,
+        so a restarted frontend does not inherit a crashed predecessor's count.
+        ``ValueError`` if ``slot >= num_slots``, ``OSError`` if the segment is
+        missing or malformed."""
+    def add(self, delta: int) -> None:
+        """Adds ``delta`` to this frontend's counter (``+n`` on admission, ``-1``
+        when a request finishes or is aborted). Sequentially consistent, so the
+        pattern "add, then check ``total()``, add back on overflow" never admits
+        past the limit even when frontends race."""
+    def set(self, value: int) -> None:
+        """Sets this frontend's counter, e.g. to its exact unfinished count."""
+    def own(self) -> int:
+        """This frontend's counter."""
+    def total(self) -> int:
+        """The sum of every frontend's counter: the global in-flight count (A2)."""
+    def unlink(self) -> None:
+        """Removes the segment's file (idempotent). Mapped handles keep working;
+        later ``open`` calls fail. The creator calls this on shutdown; dropping the
+        creator's handle does it too."""
+    @property
+    def num_slots(self) -> int:
+        """Number of frontend slots in the segment."""
+    @property
+    def name(self) -> str:
+        """The segment name given to ``create``/``open``."""
+    @property
+    def slot(self) -> int | None:
+        """This frontend's slot, or None for the creator's handle."""
+    @property
+    def path(self) -> str:
+        """The segment's file path."""

@@ -15,6 +15,8 @@ pub enum Error {
     UnknownRequest(String),
     /// `update_from_output` arrays do not match the last `schedule()`.
     OutputMismatch(String),
+    /// A shared admission segment (A6) cannot be created, opened or used.
+    SharedMemory(String),
 }
 
 impl fmt::Display for Error {
@@ -23,7 +25,8 @@ impl fmt::Display for Error {
             Error::InvalidConfig(m)
             | Error::InvalidRequest(m)
             | Error::UnknownRequest(m)
-            | Error::OutputMismatch(m) => f.write_str(m),
+            | Error::OutputMismatch(m)
+            | Error::SharedMemory(m) => f.write_str(m),
             Error::DuplicateRequest(id) => write!(f, "request id {id:?} is already in use"),
         }
     }

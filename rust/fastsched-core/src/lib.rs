@@ -8,7 +8,9 @@
 //! - [`scheduler`]: `schedule()` and `update_from_output()` (S1–S18)
 //! - [`output`]: the compact per-step arrays exchanged with the runner
 //! - [`connector`]: pluggable KV sources (remote loads, S7)
+//! - [`admission`]: in-flight counters shared by frontend processes (A6)
 
+pub mod admission;
 pub mod config;
 pub mod connector;
 pub mod error;
@@ -18,6 +20,7 @@ pub mod queue;
 pub mod request;
 pub mod scheduler;
 
+pub use admission::SharedAdmissionStats;
 pub use config::{Policy, SchedulerConfig};
 pub use error::{Error, Result};
 pub use output::{EngineCoreOutputs, ModelRunnerOutput, ScheduledKind, SchedulerOutput};

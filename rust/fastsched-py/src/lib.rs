@@ -1,6 +1,7 @@
 //! `fastsched._core`: a thin PyO3 binding of fastsched-core. Modules mirror
 //! the core's; no scheduling logic lives here.
 
+mod admission;
 mod config;
 mod errors;
 mod output;
@@ -14,6 +15,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<output::PySchedulerOutput>()?;
     m.add_class::<output::PyEngineCoreOutputs>()?;
+    m.add_class::<admission::PySharedAdmissionStats>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
