@@ -153,6 +153,15 @@ class EngineCore:
             if self.scheduler.abort_request(request_id) is not None:
                 self._handles.pop(request_id, None)
 
+    def request_times(self, request_id: str) -> tuple[float, float | None, float | None] | None:
+        """(arrival, first scheduled, first token) wall-clock times of a request the engine
+        still holds (live, or finished in the last step); None otherwise."""
+        handle = self._handles.get(request_id)
+        record = self._requests.get(handle) if handle is not None else None
+        if record is None:
+            return None
+        return record.core.arrival_time, record.first_scheduled_time, record.first_token_time
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_requests()
 

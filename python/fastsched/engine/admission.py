@@ -1,0 +1,206 @@
+"""Frontend admission (DESIGN §6, A1–A5): the gates a request meets before it is sent
+to an engine, as a small synchronous class that needs no network.
+
+Check and charge are one synchronous call. The frontend runs on one asyncio event
+loop, so no other coroutine can run between a request's check and its charge: a burst
+on one frontend can never overshoot a limit, however many requests arrive at once.
+
+Across frontends (A6) the in-flight count is the sum of the per-frontend slots of a
+``SharedAdmissionStats`` segment, read without a lock. Read-then-increment would let
+the sum lag: another frontend that read it just before this one's increment landed
+could admit too, so the global count could overshoot by up to K−1 requests (each with
+its ``n``) for K frontends. Instead a frontend increments its own slot first and then
+reads the sum (the counters are sequentially consistent), undoing its increment if the
+sum is over the limit. Whichever of two racing frontends reads second sees both
+increments, so the limit is never exceeded; the price is that two frontends racing at
+the very edge may both back off, a rare spurious (and retryable) rejection. A rejected
+request's increment is visible to other frontends for the nanoseconds before it is
+undone, and no longer (A5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+ENGINE_FAULTED = "engine_faulted"
+MAX_NUM_QUEUED_REQS = "max_num_queued_reqs"
+MAX_NUM_QUEUED_TOKENS = "max_num_queued_tokens"
+REASONS = (ENGINE_FAULTED, MAX_NUM_QUEUED_REQS, MAX_NUM_QUEUED_TOKENS)
+
+
+class AdmissionError(Exception):
+    """A request refused at the door; retryable elsewhere or later (A5: gRPC UNAVAILABLE,
+    HTTP 503 with Retry-After). ``reason`` is the label of ``admission_rejections_total``;
+    ``limit`` and ``current`` are the numbers the message names (None for A1)."""
+
+    reason: str = ""
+
+    def __init__(self, message: str, *, limit: int | None = None, current: int | None = None) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.current = current
+
+
+class EngineFaultedError(AdmissionError):
+    """A1: fault tolerance is on and an engine is not healthy."""
+
+    reason = ENGINE_FAULTED
+
+
+class QueueOverflowError(AdmissionError):
+    """A2: the requests in flight plus this one's ``n`` exceed ``max_num_queued_reqs``."""
+
+    reason = MAX_NUM_QUEUED_REQS
+
+
+class MaxQueuedTokensError(AdmissionError):
+    """A3: the prompt tokens still in prefill reach ``max_num_queued_tokens``."""
+
+    reason = MAX_NUM_QUEUED_TOKENS
+
+
+class SharedInFlightCounter(Protocol):
+    """What admission uses of ``fastsched._core.SharedAdmissionStats`` (A6): the handle
+    ``SharedAdmissionStats.open(name, frontend_index)`` returns (not the creator's, which
+    has no slot). It writes only its own slot and reads the sum of all."""
+
+    def add(self, delta: int) -> object: ...
+    def set(self, value: int) -> object: ...
+    def own(self) -> int: ...
+    def total(self) -> int: ...
+
+
+@dataclass
+class _Charge:
+    n: int  # sequences this request holds (A4: a parent of n holds n)
+    prompt_len: int
+    num_prefilling: int  # of its n sequences, those without a first token yet (A3)
+
+
+class AdmissionController:
+    """A1–A5 for one frontend; A6 when given this frontend's shared slot.
+
+    ``max_num_queued_reqs`` / ``max_num_queued_tokens``: None = that gate is off.
+    In-flight and queued-token counts are in *sequences*: a request with ``n = 3``
+    holds 3 in-flight slots and, until each of its 3 sequences has produced a token,
+    3 × prompt_len queued tokens — every one of them is a prefill in an engine. It is
+    checked once for all of them (A4).
+    """
+
+    def __init__(
+        self,
+        max_num_queued_reqs: int | None = None,
+        max_num_queued_tokens: int | None = None,
+        fault_tolerance: bool = False,
+        shared_stats: SharedInFlightCounter | None = None,
+    ) -> None:
+        limits = {"max_num_queued_reqs": max_num_queued_reqs, "max_num_queued_tokens": max_num_queued_tokens}
+        for name, value in limits.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        self.max_num_queued_reqs = max_num_queued_reqs
+        self.max_num_queued_tokens = max_num_queued_tokens
+        self.fault_tolerance = fault_tolerance
+        self.shared_stats = shared_stats
+        if shared_stats is not None:
+            # This frontend has nothing in flight yet: a count left in its slot by a
+            # crashed predecessor must not hold capacity forever.
+            shared_stats.set(0)
+        self._charges: dict[str, _Charge] = {}
+        self._num_in_flight = 0
+        self._num_queued_tokens = 0
+        self._rejections = dict.fromkeys(REASONS, 0)
+
+    # ------------------------------------------------------------ the gates
+
+    def check_and_charge(self, request_id: str, n: int, prompt_len: int, *, engine_healthy: bool = True) -> None:
+        """Admit the request (and charge it) or raise an :class:`AdmissionError` leaving
+        no trace but the rejection counter (A5). Never awaits: see the module docstring."""
+        if request_id in self._charges:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        if prompt_len < 0:
+            raise ValueError(f"prompt_len must be non-negative, got {prompt_len}")
+        if self.fault_tolerance and not engine_healthy:  # A1
+            self._reject(EngineFaultedError(
+                "the engine is not healthy (fault tolerance is on); retry on another instance"
+            ))
+        shared = self.shared_stats
+        if shared is not None:
+            shared.add(n)  # increment first, then read the sum: see the module docstring
+        try:
+            if self.max_num_queued_reqs is not None:  # A2 (A4: n slots at once)
+                in_flight = shared.total() - n if shared is not None else self._num_in_flight
+                if in_flight + n > self.max_num_queued_reqs:
+                    what = f"{in_flight} requests in flight" + (f" + {n} requested" if n > 1 else "")
+                    self._reject(QueueOverflowError(
+                        f"queue full: {what} would exceed max_num_queued_reqs ({self.max_num_queued_reqs})",
+                        limit=self.max_num_queued_reqs, current=in_flight,
+                    ))
+            if self.max_num_queued_tokens is not None:  # A3
+                queued = self._num_queued_tokens
+                if queued >= self.max_num_queued_tokens:
+                    self._reject(MaxQueuedTokensError(
+                        f"prefill backlog full: {queued} prompt tokens queued reach "
+                        f"max_num_queued_tokens ({self.max_num_queued_tokens})",
+                        limit=self.max_num_queued_tokens, current=queued,
+                    ))
+        except AdmissionError:
+            if shared is not None:
+                shared.add(-n)  # A5: no trace
+            raise
+        self._charges[request_id] = _Charge(n, prompt_len, n)
+        self._num_in_flight += n
+        self._num_queued_tokens += n * prompt_len
+
+    def mark_first_token(self, request_id: str) -> None:
+        """One sequence of the request produced its first token: its prompt leaves the
+        prefill backlog (A3). Call once per sequence; extra calls are no-ops."""
+        charge = self._charges.get(request_id)
+        if charge is not None and charge.num_prefilling > 0:
+            charge.num_prefilling -= 1
+            self._num_queued_tokens -= charge.prompt_len
+
+    def release(self, request_id: str) -> None:
+        """The request finished, failed or was aborted: give back everything it holds.
+        Unknown (already released or never admitted) ids are a no-op."""
+        charge = self._charges.pop(request_id, None)
+        if charge is None:
+            return
+        self._num_in_flight -= charge.n
+        self._num_queued_tokens -= charge.num_prefilling * charge.prompt_len
+        if self.shared_stats is not None:
+            self.shared_stats.add(-charge.n)
+
+    def _reject(self, error: AdmissionError) -> None:
+        self._rejections[error.reason] += 1
+        raise error
+
+    # ------------------------------------------------------------ counters
+
+    @property
+    def num_in_flight(self) -> int:
+        """Sequences admitted by this frontend and not yet released."""
+        return self._num_in_flight
+
+    @property
+    def num_in_flight_total(self) -> int:
+        """A2's count: the sum over all frontends' shared slots, or this frontend's own."""
+        return self.shared_stats.total() if self.shared_stats is not None else self._num_in_flight
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """A3's count: prompt tokens of this frontend's sequences still in prefill."""
+        return self._num_queued_tokens
+
+    @property
+    def num_requests(self) -> int:
+        """Requests (parents) admitted and not yet released."""
+        return len(self._charges)
+
+    @property
+    def rejections(self) -> dict[str, int]:
+        """``admission_rejections_total{reason}``: a copy, every reason present."""
+        return dict(self._rejections)

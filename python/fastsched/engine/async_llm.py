@@ -1,0 +1,674 @@
+"""AsyncLLM: a frontend's client of D engine processes (DESIGN §1, §6).
+
+It does the frontend's share of a request — tokenize, validate, admit (A1–A5, A6 via
+the shared counters), route, fan out ``n``, detokenize and cut at stop strings — and
+talks to the engines over ZMQ with msgpack (``protocol``). One output-reader task
+receives every engine's messages and dispatches them to per-request streams; a
+monitor task marks an engine dead when it goes silent or its process exits, so no
+request ever waits on a dead engine.
+
+Streaming contract: ``generate()`` admits the request *when called* (so an
+:class:`AdmissionError` or ``ValueError`` surfaces before a response is started) and
+returns a :class:`RequestStream`. Iterating it yields :class:`StreamOutput` — a
+cumulative ``RequestOutput`` snapshot (never mutated afterwards) plus ``deltas``: per
+completion, what is new since the previous snapshot. A slow consumer gets fewer,
+larger deltas (steps are coalesced), never a backlog. The last snapshot has
+``finished`` set and carries ``metrics``. Stopping early (``break``, ``aclose()``,
+cancelling the task, dropping the stream) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from fastsched.engine import protocol
+from fastsched.engine.admission import (
+    AdmissionController,
+    AdmissionError,
+    EngineFaultedError,
+    MaxQueuedTokensError,
+    QueueOverflowError,
+    SharedInFlightCounter,
+)
+from fastsched.engine.core import EngineCoreOutput, EngineCoreRequest
+from fastsched.engine.output_processor import OutputProcessor
+from fastsched.engine.protocol import EngineStats, ModelInfo
+from fastsched.model_loader import Tokenizer, load_tokenizer
+from fastsched.outputs import CompletionOutput, Logprob, RequestOutput
+from fastsched.sampling_params import SamplingParams
+
+__all__ = [
+    "AdmissionError",
+    "AsyncLLM",
+    "CompletionDelta",
+    "EngineDeadError",
+    "EngineFaultedError",
+    "MaxQueuedTokensError",
+    "QueueOverflowError",
+    "RequestMetrics",
+    "RequestStream",
+    "StreamOutput",
+]
+
+logger = logging.getLogger("fastsched.frontend")
+
+HELLO_INTERVAL = 1.0  # seconds between HELLOs to an engine that has not answered READY
+
+
+class EngineDeadError(RuntimeError):
+    """The engine serving a request died (or this AsyncLLM shut down): the request
+    cannot finish. Without fault tolerance also what new requests get (fail fast)."""
+
+
+class _ProcessHandle(Protocol):
+    def is_alive(self) -> bool: ...
+
+
+@dataclass
+class CompletionDelta:
+    """What one completion gained since the previous snapshot of its stream."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Latencies of one request, in seconds since ``arrival_time`` (``time.time()``).
+
+    ``queue_time`` is measured by the engine (first scheduled − arrival; the smallest over
+    the ``n`` sequences), None if no sequence was reported scheduled. ``ttft`` and ``e2e``
+    are measured here, when the first token and the end reached this frontend.
+    """
+
+    arrival_time: float
+    queue_time: float | None = None
+    ttft: float | None = None
+    e2e: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class StreamOutput(RequestOutput):
+    """A cumulative snapshot of a request plus the per-completion ``deltas`` since the
+    previous one (only completions that changed); ``metrics`` on the final one."""
+
+    deltas: list[CompletionDelta] = field(default_factory=list)
+    metrics: RequestMetrics | None = None
+
+
+# ------------------------------------------------------------------ per-request state
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    engine_index: int
+    n: int
+    parent: RequestOutput
+    processor: OutputProcessor  # one per request: it is dropped whole when the request ends
+    child_ids: list[str]
+    metrics: RequestMetrics
+    queue: asyncio.Queue[BaseException | None] = field(default_factory=asyncio.Queue)
+    prefilling: set[str] = field(default_factory=set)  # children without a first token (A3)
+    done: bool = False
+    # What the previous snapshot contained, per completion: text, tokens, logprobs, finished.
+    sent: list[tuple[int, int, int, bool]] = field(default_factory=list)
+
+    def snapshot(self) -> StreamOutput:
+        parent, deltas, outputs = self.parent, [], []
+        for i, o in enumerate(parent.outputs):
+            text0, tokens0, logprobs0, finished0 = self.sent[i]
+            logprobs = o.logprobs
+            if len(o.text) != text0 or len(o.token_ids) != tokens0 or o.finished != finished0:
+                deltas.append(CompletionDelta(
+                    o.index, o.text[text0:], o.token_ids[tokens0:],
+                    None if logprobs is None else logprobs[logprobs0:], o.finish_reason, o.stop_reason,
+                ))
+            self.sent[i] = (len(o.text), len(o.token_ids), len(logprobs or ()), o.finished)
+            outputs.append(CompletionOutput(
+                o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason,
+                None if logprobs is None else list(logprobs),
+            ))
+        metrics = None
+        if parent.finished:
+            self.metrics.num_generation_tokens = sum(len(o.token_ids) for o in parent.outputs)
+            metrics = replace(self.metrics)
+        return StreamOutput(
+            parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, parent.num_cached_tokens,
+            deltas=deltas, metrics=metrics,
+        )
+
+
+class RequestStream:
+    """An admitted request's outputs: ``async for out in stream`` (see the module docstring).
+
+    Usable as ``async with stream:`` too; leaving the block early aborts the request.
+    """
+
+    def __init__(self, llm: AsyncLLM, state: _RequestState) -> None:
+        self._llm = llm
+        self._state = state
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    @property
+    def engine_index(self) -> int:
+        return self._state.engine_index
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        state = self._state
+        try:
+            items = [await state.queue.get()]
+        except BaseException:  # cancelled: the consumer is gone, so is the request
+            self._close()
+            raise
+        while not state.queue.empty():
+            items.append(state.queue.get_nowait())
+        for item in items:
+            if item is not None:
+                self._closed = True
+                raise item
+        out = state.snapshot()
+        if out.finished:
+            self._closed = True
+        return out
+
+    async def aclose(self) -> None:
+        """Stop listening; aborts the request in the engine if it is still running."""
+        self._close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._llm._drop(self._state)
+
+    def __del__(self) -> None:
+        # A consumer that broke out of `async for` without aclose(): still abort.
+        if not self._closed:
+            try:
+                self._close()
+            except Exception:
+                pass
+
+
+# ------------------------------------------------------------------ AsyncLLM
+
+
+@dataclass
+class _Engine:
+    index: int
+    push: zmq.Socket
+    process: _ProcessHandle | None
+    info: ModelInfo | None = None
+    stats: EngineStats = field(default_factory=EngineStats)
+    healthy: bool = True
+    dead_reason: str | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+    num_in_flight: int = 0  # sequences this frontend has on it (routing)
+
+
+class AsyncLLM:
+    """The frontend's engine client. Create with ``await AsyncLLM.start(...)``; one per
+    frontend process, used from one event loop."""
+
+    def __init__(
+        self,
+        engine_input_addrs: Sequence[str],
+        output_addr: str,
+        *,
+        frontend_index: int,
+        admission: AdmissionController,
+        engine_procs: Sequence[_ProcessHandle | None] | None,
+        engine_timeout: float,
+    ) -> None:
+        if not engine_input_addrs:
+            raise ValueError("at least one engine input address is needed")
+        if engine_procs is not None and len(engine_procs) != len(engine_input_addrs):
+            raise ValueError(
+                f"got {len(engine_procs)} engine process handles for {len(engine_input_addrs)} engines"
+            )
+        if engine_timeout <= 0:
+            raise ValueError(f"engine_timeout must be positive, got {engine_timeout}")
+        self.frontend_index = frontend_index
+        self.output_addr = output_addr
+        self.admission = admission
+        self.engine_timeout = engine_timeout
+        self.tokenizer: Tokenizer | None = None
+        self._ctx = zmq.asyncio.Context()
+        self._send_ctx = zmq.Context()  # plain sockets: a send never awaits (abort from __del__ / finally)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        try:
+            self._pull.bind(output_addr)
+        except zmq.ZMQError as e:
+            self._pull.close()
+            self._ctx.term()
+            self._send_ctx.term()
+            raise OSError(f"frontend {frontend_index} cannot bind its output address {output_addr}: {e}") from e
+        self._engines: list[_Engine] = []
+        for i, addr in enumerate(engine_input_addrs):
+            push = self._send_ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(addr)
+            self._engines.append(_Engine(i, push, None if engine_procs is None else engine_procs[i]))
+        self._requests: dict[str, _RequestState] = {}
+        self._children: dict[str, _RequestState] = {}  # engine request id -> its request
+        # Engine request ids must be unique in the engine across frontends and restarts.
+        self._id_prefix = f"{frontend_index}.{secrets.token_hex(3)}."
+        self._ids = itertools.count()
+        self._ready = asyncio.Event()
+        self._started = False
+        self._closed = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    async def start(
+        cls,
+        engine_input_addrs: Sequence[str],
+        output_addr: str,
+        *,
+        frontend_index: int = 0,
+        max_num_queued_reqs: int | None = None,
+        max_num_queued_tokens: int | None = None,
+        fault_tolerance: bool = False,
+        shared_stats: SharedInFlightCounter | None = None,
+        engine_procs: Sequence[_ProcessHandle | None] | None = None,
+        engine_timeout: float = 5.0,
+        ready_timeout: float = 300.0,
+        tokenizer: Tokenizer | None = None,
+    ) -> AsyncLLM:
+        """Bind ``output_addr`` (this frontend's PULL), connect to every engine's input,
+        and wait until each has answered READY (``TimeoutError`` after ``ready_timeout``
+        seconds; ``RuntimeError`` at once if an engine reports failure or its process,
+        when given, exits). The tokenizer comes from the model the engines report unless
+        given. ``shared_stats``: this frontend's opened ``SharedAdmissionStats`` slot (A6)."""
+        admission = AdmissionController(max_num_queued_reqs, max_num_queued_tokens, fault_tolerance, shared_stats)
+        llm = cls(
+            engine_input_addrs, output_addr, frontend_index=frontend_index, admission=admission,
+            engine_procs=engine_procs, engine_timeout=engine_timeout,
+        )
+        try:
+            await llm._start(ready_timeout, tokenizer)
+        except BaseException:
+            await llm.shutdown()
+            raise
+        return llm
+
+    async def _start(self, ready_timeout: float, tokenizer: Tokenizer | None) -> None:
+        self._tasks.append(asyncio.create_task(self._read_outputs(), name="fastsched-output-reader"))
+        deadline = time.monotonic() + ready_timeout
+        hello = protocol.encode(protocol.Hello(self.frontend_index))
+        while not all(e.info is not None for e in self._engines):
+            for e in self._engines:
+                if not e.healthy:
+                    raise RuntimeError(f"engine {e.index} failed before it was ready: {e.dead_reason}")
+                if e.process is not None and not e.process.is_alive():
+                    code = getattr(e.process, "exitcode", None)
+                    raise RuntimeError(f"engine {e.index} exited (exit code {code}) before it was ready; see its log")
+                if e.info is None:
+                    self._send(e, hello)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [e.index for e in self._engines if e.info is None]
+                raise TimeoutError(f"engine(s) {missing} did not report ready within {ready_timeout:g} s")
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), min(HELLO_INTERVAL, remaining))
+            except TimeoutError:
+                pass
+        first = self._engines[0].info
+        assert first is not None
+        for e in self._engines[1:]:
+            assert e.info is not None
+            if (e.info.model, e.info.max_model_len, e.info.vocab_size) != (
+                first.model, first.max_model_len, first.vocab_size
+            ):
+                raise RuntimeError(f"engine {e.index} serves {e.info} but engine 0 serves {first}")
+        self.tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, first.model)
+        now = time.monotonic()
+        for e in self._engines:
+            e.last_seen = now
+        self._tasks.append(asyncio.create_task(self._monitor(), name="fastsched-engine-monitor"))
+        self._started = True
+        logger.info(
+            "frontend %d connected to %d engine(s): model=%s max_model_len=%d",
+            self.frontend_index, len(self._engines), first.model_name, first.max_model_len,
+        )
+
+    # ------------------------------------------------------------ requests
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Admit and send one request; returns its stream (see the module docstring).
+
+        Raises at once, with nothing sent and nothing charged: ``ValueError`` (empty
+        prompt, token id out of range, prompt + max_tokens > max_model_len, request id
+        in use), :class:`AdmissionError` (A1–A3), :class:`EngineDeadError` (no engine
+        alive, fault tolerance off). Iterating raises :class:`EngineDeadError` if its
+        engine dies and ``ValueError`` if the engine refuses the prompt (DESIGN §4:
+        ignored, e.g. longer than the whole KV pool).
+        """
+        self._check_started()
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        info = self.model_info()
+        assert self.tokenizer is not None
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if len(token_ids) + params.max_tokens > info.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is longer than "
+                f"max_model_len ({info.max_model_len})"
+            )
+        bad = next((t for t in token_ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range for a vocabulary of {info.vocab_size}")
+        healthy = [e for e in self._engines if e.healthy]
+        if not healthy and not self.admission.fault_tolerance:
+            reasons = "; ".join(f"engine {e.index}: {e.dead_reason}" for e in self._engines)
+            raise EngineDeadError(f"no engine is alive ({reasons})")
+        # Check and charge, then register and send: no await anywhere in between.
+        self.admission.check_and_charge(request_id, params.n, len(token_ids), engine_healthy=self.is_healthy())
+        engine = min(healthy, key=lambda e: (e.num_in_flight, e.index))  # least loaded; ties: lowest index
+        state = self._register(request_id, text, token_ids, params, engine)
+        arrival = state.metrics.arrival_time
+        try:
+            for i, child_id in enumerate(state.child_ids):
+                # Each of the n completions is its own engine request; seeded ones get
+                # distinct seeds so they do not all draw the same tokens (as fastsched.LLM).
+                child = params if params.n == 1 else replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + i
+                )
+                request = EngineCoreRequest(child_id, token_ids, child, arrival, priority)
+                self._send(engine, protocol.encode(protocol.AddRequest(request, self.frontend_index)))
+        except BaseException:
+            self._drop(state)
+            raise
+        return RequestStream(self, state)
+
+    def _register(
+        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, engine: _Engine
+    ) -> _RequestState:
+        assert self.tokenizer is not None
+        base = f"{self._id_prefix}{next(self._ids)}:{request_id}"
+        child_ids = [base] if params.n == 1 else [f"{base}#{i}" for i in range(params.n)]
+        parent = RequestOutput(request_id, text, token_ids, [CompletionOutput(index=i) for i in range(params.n)])
+        processor = OutputProcessor(self.tokenizer)
+        state = _RequestState(
+            request_id, engine.index, params.n, parent, processor, child_ids,
+            RequestMetrics(time.time(), num_prompt_tokens=len(token_ids)),
+            prefilling=set(child_ids), sent=[(0, 0, 0, False)] * params.n,
+        )
+        for i, child_id in enumerate(child_ids):
+            child = params if params.n == 1 else replace(params, n=1)
+            processor.add_request(child_id, parent, i, child)
+            self._children[child_id] = state
+        self._requests[request_id] = state
+        engine.num_in_flight += params.n
+        return state
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request: the engine frees its KV blocks; its stream ends with a final
+        snapshot whose unfinished completions have finish_reason "abort". Returns whether
+        the request was in flight."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return False
+        for o in state.parent.outputs:
+            if o.finish_reason is None:
+                o.finish_reason = "abort"
+        self._drop(state)
+        state.queue.put_nowait(None)
+        return True
+
+    def _drop(self, state: _RequestState) -> None:
+        """End a request early (consumer gone, abort): abort what still runs in the engine
+        and give everything back."""
+        if state.done:
+            return
+        engine = self._engines[state.engine_index]
+        live = [c for c in state.child_ids if c in self._children]
+        if live and engine.healthy and not self._closed:
+            self._send(engine, protocol.encode(protocol.Abort(live)))
+        self._finish(state)
+
+    def _finish(self, state: _RequestState) -> None:
+        if state.done:
+            return
+        state.done = True
+        if state.metrics.e2e is None:
+            state.metrics.e2e = time.time() - state.metrics.arrival_time
+        self.admission.release(state.request_id)
+        self._requests.pop(state.request_id, None)
+        for child_id in state.child_ids:
+            self._children.pop(child_id, None)
+        self._engines[state.engine_index].num_in_flight -= state.n
+
+    def _fail(self, state: _RequestState, error: BaseException) -> None:
+        self._finish(state)
+        state.queue.put_nowait(error)
+
+    # ------------------------------------------------------------ engine messages
+
+    async def _read_outputs(self) -> None:
+        while True:
+            data = await self._pull.recv()
+            try:
+                msg = protocol.decode(data)
+            except protocol.ProtocolError as e:
+                logger.warning("frontend %d: dropped a malformed engine message: %s", self.frontend_index, e)
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # one bad message must not stop every stream
+                logger.exception("frontend %d: failed to handle %s", self.frontend_index, type(msg).__name__)
+
+    def _dispatch(self, msg: protocol.Message) -> None:
+        index = getattr(msg, "engine_index", None)
+        if index is None or index >= len(self._engines):
+            logger.warning("frontend %d: unexpected %s message", self.frontend_index, type(msg).__name__)
+            return
+        engine = self._engines[index]
+        if not engine.healthy:
+            return  # dead is final: its requests have already failed
+        engine.last_seen = time.monotonic()
+        if isinstance(msg, protocol.Outputs):
+            engine.stats = msg.stats
+            self._process_outputs(msg)
+        elif isinstance(msg, protocol.Heartbeat):
+            engine.stats = msg.stats
+        elif isinstance(msg, protocol.Ready):
+            if engine.info is None:
+                logger.info("frontend %d: engine %d ready: %s", self.frontend_index, index, msg.model_info)
+            engine.info = msg.model_info
+            self._ready.set()
+        elif isinstance(msg, protocol.Failed):
+            self._mark_dead(engine, msg.message)
+            self._ready.set()
+
+    def _process_outputs(self, msg: protocol.Outputs) -> None:
+        for timing in msg.timings:
+            state = self._children.get(timing.request_id)
+            if state is not None and timing.queue_time is not None:
+                q = state.metrics.queue_time
+                state.metrics.queue_time = timing.queue_time if q is None else min(q, timing.queue_time)
+        by_request: dict[str, tuple[_RequestState, list[EngineCoreOutput]]] = {}
+        orphans = []
+        for out in msg.outputs:
+            state = self._children.get(out.request_id)
+            if state is None:
+                # Aborted or ended by a stop string: its last words are dropped. Still
+                # running (e.g. sent by a crashed predecessor on this address): stop it.
+                if out.finish_reason is None:
+                    orphans.append(out.request_id)
+                continue
+            by_request.setdefault(state.request_id, (state, []))[1].append(out)
+            if out.new_token_ids and out.request_id in state.prefilling:
+                state.prefilling.discard(out.request_id)
+                self.admission.mark_first_token(state.request_id)
+                if state.metrics.ttft is None:
+                    state.metrics.ttft = time.time() - state.metrics.arrival_time
+        if orphans:
+            self._send(self._engines[msg.engine_index], protocol.encode(protocol.Abort(orphans)))
+        for state, outs in by_request.values():
+            self._apply(state, outs)
+
+    def _apply(self, state: _RequestState, outs: list[EngineCoreOutput]) -> None:
+        changed, to_abort = state.processor.process(outs)
+        engine = self._engines[state.engine_index]
+        if to_abort:  # ended by a stop string: the engine would go on generating
+            self._send(engine, protocol.encode(protocol.Abort(to_abort)))
+        for i, child_id in enumerate(state.child_ids):
+            if state.parent.outputs[i].finished:
+                self._children.pop(child_id, None)
+        ignored = next((o for o in state.parent.outputs if o.finish_reason == "ignored"), None)
+        if ignored is not None:
+            self._drop(state)  # aborts the other children, if any
+            state.queue.put_nowait(ValueError(str(ignored.stop_reason or "the engine refused the request")))
+            return
+        if state.parent.finished:
+            self._finish(state)
+        if changed:
+            state.queue.put_nowait(None)
+
+    # ------------------------------------------------------------ health
+
+    async def _monitor(self) -> None:
+        interval = min(0.25, self.engine_timeout / 4)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for e in self._engines:
+                if not e.healthy:
+                    continue
+                if e.process is not None and not e.process.is_alive():
+                    code = getattr(e.process, "exitcode", None)
+                    self._mark_dead(e, f"its process exited (exit code {code})")
+                elif now - e.last_seen > self.engine_timeout:
+                    silence = now - e.last_seen
+                    self._mark_dead(e, f"no message for {silence:.1f} s (engine_timeout {self.engine_timeout:g} s)")
+
+    def _mark_dead(self, engine: _Engine, reason: str) -> None:
+        if not engine.healthy:
+            return
+        engine.healthy = False
+        engine.dead_reason = reason
+        logger.error("frontend %d: engine %d is dead: %s", self.frontend_index, engine.index, reason)
+        for state in [s for s in self._requests.values() if s.engine_index == engine.index]:
+            self._fail(state, EngineDeadError(f"engine {engine.index} died: {reason}"))
+
+    def is_healthy(self) -> bool:
+        """True while started and every engine is alive (A1 uses this)."""
+        return self._started and not self._closed and all(e.healthy for e in self._engines)
+
+    # ------------------------------------------------------------ introspection
+
+    def model_info(self) -> ModelInfo:
+        self._check_started()
+        info = self._engines[0].info
+        assert info is not None
+        return info
+
+    def stats(self) -> dict[str, Any]:
+        """Engine stats summed over engines (``kv_cache_usage``: the mean), as last reported,
+        plus this frontend's admission counters. Names as in DESIGN §7 without prefix."""
+        engines = self._engines
+        total = {
+            name: sum(getattr(e.stats, name) for e in engines)
+            for name in ("num_running", "num_waiting", "num_preemptions_total", "prefix_cache_queries",
+                         "prefix_cache_hits", "prompt_tokens_total", "generation_tokens_total")
+        }
+        total["kv_cache_usage"] = sum(e.stats.kv_cache_usage for e in engines) / len(engines)
+        total["engines"] = [
+            {"index": e.index, "healthy": e.healthy, "dead_reason": e.dead_reason,
+             "num_in_flight": e.num_in_flight, **vars(e.stats)}
+            for e in engines
+        ]
+        total["admission_rejections_total"] = self.admission.rejections
+        total["num_requests_in_flight"] = self.admission.num_requests
+        total["num_sequences_in_flight"] = self.admission.num_in_flight
+        total["num_sequences_in_flight_total"] = self.admission.num_in_flight_total
+        total["num_queued_tokens"] = self.admission.num_queued_tokens
+        total["healthy"] = self.is_healthy()
+        return total
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def shutdown(self) -> None:
+        """Abort every request in flight (their streams raise EngineDeadError), stop the
+        tasks and close the sockets. The engine processes belong to whoever started them."""
+        if self._closed:
+            return
+        for state in list(self._requests.values()):
+            self._drop(state)
+            state.queue.put_nowait(EngineDeadError("the frontend is shutting down"))
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._pull.close(linger=0)
+        for e in self._engines:
+            e.push.close(linger=500 if e.healthy else 0)  # let the aborts above reach live engines
+        self._ctx.term()
+        self._send_ctx.term()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    def _check_started(self) -> None:
+        if self._closed:
+            raise EngineDeadError("this AsyncLLM is shut down")
+        if not self._started:
+            raise RuntimeError("AsyncLLM is not started; create it with `await AsyncLLM.start(...)`")
+
+    def _send(self, engine: _Engine, data: bytes) -> None:
+        try:
+            engine.push.send(data, zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            raise EngineDeadError(f"cannot send to engine {engine.index}: {e}") from e
+

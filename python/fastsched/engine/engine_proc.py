@@ -1,0 +1,403 @@
+"""The engine process (DESIGN §1): one EngineCore behind ZMQ sockets.
+
+It binds a PULL socket at its input address (every frontend pushes ADD / ABORT /
+HELLO there) and connects one PUSH socket to each frontend's output address; a
+request's outputs go to the frontend named in its ADD. The loop never blocks while
+it has work: it drains the input without waiting, steps, and sends. Idle, it waits on
+the input with a short poll timeout so that signals and the parent check still run.
+A thread sends every frontend a heartbeat each second, busy or idle. Messages are
+msgpack (``protocol``), never pickle.
+
+``start_engine_process`` / ``stop_engine_process(es)`` are the launcher's side: a spawned
+(not forked: torch and ZMQ state must not be copied) daemon process running
+``run_engine``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from fastsched.config import EngineConfig
+from fastsched.engine import protocol
+from fastsched.engine.core import EngineCore, EngineCoreOutput
+from fastsched.engine.protocol import EngineStats, ModelInfo, RequestTiming
+
+logger = logging.getLogger("fastsched.engine")
+
+IDLE_POLL_MS = 100  # how long an idle loop waits for input before its housekeeping
+SEND_HWM = 100_000  # messages queued for one frontend before the engine drops its outputs
+
+
+def run_engine(
+    engine_config: dict[str, Any],
+    engine_index: int,
+    input_addr: str,
+    output_addrs: Sequence[str],
+    ready_pipe: Connection | None = None,
+    *,
+    heartbeat_interval: float = 1.0,
+    torch_num_threads: int | None = None,
+    log_level: str | int = "INFO",
+) -> None:
+    """The process main. ``engine_config`` holds :class:`EngineConfig` keyword arguments;
+    frontend ``i`` listens at ``output_addrs[i]``. ``ready_pipe`` (optional, for a launcher)
+    receives one msgpack READY or FAILED message as bytes. Exits 0 on SIGTERM/SIGINT or
+    when the parent process dies, 1 when the engine fails (after telling the frontends)."""
+    _setup_logging(engine_index, log_level)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    parent_pid = os.getppid()
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pushes: list[zmq.Socket] = []
+    failed = True
+    try:
+        try:
+            pull.bind(input_addr)
+            for addr in output_addrs:
+                push = ctx.socket(zmq.PUSH)
+                push.setsockopt(zmq.SNDHWM, SEND_HWM)
+                push.connect(addr)
+                pushes.append(push)
+            core, info = _build_engine(engine_config, torch_num_threads)
+        except Exception as e:
+            logger.exception("engine %d failed to start", engine_index)
+            _report_failure(engine_index, f"engine {engine_index} failed to start: {e}", pushes, ready_pipe)
+            return
+        loop = _EngineLoop(core, engine_index, pull, pushes, info)
+        ready = protocol.encode(protocol.Ready(engine_index, info))
+        if ready_pipe is not None:
+            ready_pipe.send_bytes(ready)
+        for frontend in range(len(pushes)):
+            loop.send(frontend, ready)
+        logger.info(
+            "engine %d ready: model=%s max_model_len=%d vocab_size=%d KV blocks=%d input=%s frontends=%s",
+            engine_index, info.model_name, info.max_model_len, info.vocab_size, info.num_gpu_blocks,
+            input_addr, list(output_addrs),
+        )
+        heartbeat = _Heartbeat(ctx, loop, output_addrs, heartbeat_interval)
+        heartbeat.start()
+        try:
+            loop.run(stop, parent_pid)
+        except Exception as e:
+            logger.exception("engine %d failed", engine_index)
+            _report_failure(engine_index, f"engine {engine_index} failed: {type(e).__name__}: {e}", pushes, None)
+            return
+        finally:
+            heartbeat.stop()
+        failed = False
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            # Exiting already: a repeated signal must not kill the interpreter's
+            # finalization (which would turn exit code 0 into -15).
+            signal.signal(sig, signal.SIG_IGN)
+        for sock in (pull, *pushes):
+            sock.close(linger=500 if failed else 0)  # let a FAILED message reach the frontends
+        ctx.term()
+        if ready_pipe is not None:
+            ready_pipe.close()
+        logger.info("engine %d exiting", engine_index)
+        if failed:
+            sys.exit(1)
+
+
+def _build_engine(engine_config: dict[str, Any], torch_num_threads: int | None) -> tuple[EngineCore, ModelInfo]:
+    if torch_num_threads is not None:
+        torch.set_num_threads(torch_num_threads)
+    config = EngineConfig.from_kwargs(**engine_config)
+    core = EngineCore(config)
+    sc = core.scheduler.config
+    model = None if config.model is None else str(config.model)
+    info = ModelInfo(
+        model=model,
+        model_name=_model_name(model),
+        max_model_len=core.max_model_len,
+        vocab_size=core.vocab_size,
+        block_size=sc.block_size,
+        num_gpu_blocks=sc.num_gpu_blocks,
+        max_num_seqs=sc.max_num_seqs,
+    )
+    return core, info
+
+
+def _model_name(model: str | None) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _report_failure(engine_index: int, message: str, pushes: list[zmq.Socket], ready_pipe: Connection | None) -> None:
+    data = protocol.encode(protocol.Failed(engine_index, message))
+    if ready_pipe is not None:
+        try:
+            ready_pipe.send_bytes(data)
+        except OSError:
+            pass
+    for push in pushes:
+        try:
+            push.send(data, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+
+def _setup_logging(engine_index: int, level: str | int) -> None:
+    root = logging.getLogger()
+    if not root.handlers:  # a spawned process starts without any
+        logging.basicConfig(
+            level=level,
+            format=f"%(asctime)s %(levelname)s [engine {engine_index}] %(name)s: %(message)s",
+        )
+    logging.getLogger("fastsched").setLevel(level)
+
+
+class _EngineLoop:
+    def __init__(
+        self,
+        core: EngineCore,
+        engine_index: int,
+        pull: zmq.Socket,
+        pushes: list[zmq.Socket],
+        info: ModelInfo,
+    ) -> None:
+        self.core = core
+        self.engine_index = engine_index
+        self.pull = pull
+        self.pushes = pushes
+        self.info = info
+        self.latest_stats = self._stats()  # read by the heartbeat thread
+        self._frontend_of: dict[str, int] = {}  # live request id -> frontend index
+        self._first_token_sent: set[str] = set()
+        self._dropped = [0] * len(pushes)
+
+    def run(self, stop: threading.Event, parent_pid: int) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        core = self.core
+        while not stop.is_set():
+            timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
+            if poller.poll(timeout):
+                self._drain()
+                self.latest_stats = self._stats()  # an abort frees blocks at once
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                self.latest_stats = self._stats()
+                self._send_outputs(outputs)
+            if os.getppid() != parent_pid:
+                logger.warning("engine %d: parent process %d is gone; exiting", self.engine_index, parent_pid)
+                return
+        logger.info("engine %d: stop requested", self.engine_index)
+
+    # ------------------------------------------------------------ input
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = protocol.decode(data)
+            except protocol.ProtocolError as e:
+                logger.warning("engine %d: dropped a malformed message: %s", self.engine_index, e)
+                continue
+            if isinstance(msg, protocol.AddRequest):
+                self._add(msg)
+            elif isinstance(msg, protocol.Abort):
+                self.core.abort_requests(msg.request_ids)
+                for request_id in msg.request_ids:
+                    self._forget(request_id)
+            elif isinstance(msg, protocol.Hello):
+                if msg.frontend_index < len(self.pushes):
+                    self.send(msg.frontend_index, protocol.encode(protocol.Ready(self.engine_index, self.info)))
+            else:
+                logger.warning("engine %d: unexpected %s message", self.engine_index, type(msg).__name__)
+
+    def _add(self, msg: protocol.AddRequest) -> None:
+        request, frontend = msg.request, msg.frontend_index
+        if frontend >= len(self.pushes):
+            logger.warning(
+                "engine %d: request %s names unknown frontend %d", self.engine_index, request.request_id, frontend
+            )
+            return
+        try:
+            self.core.add_request(request)
+        except ValueError as e:
+            # Answered as ignored (DESIGN §4), never left unanswered.
+            out = EngineCoreOutput(request.request_id, [], "ignored", error=str(e))
+            self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, [out], self._stats())))
+            return
+        self._frontend_of[request.request_id] = frontend
+
+    def _forget(self, request_id: str) -> None:
+        self._frontend_of.pop(request_id, None)
+        self._first_token_sent.discard(request_id)
+
+    # ------------------------------------------------------------ output
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        if not outputs:
+            return
+        by_frontend: dict[int, tuple[list[EngineCoreOutput], list[RequestTiming]]] = {}
+        for out in outputs:
+            frontend = self._frontend_of.get(out.request_id)
+            if frontend is None:
+                continue  # aborted meanwhile
+            group = by_frontend.setdefault(frontend, ([], []))
+            group[0].append(out)
+            first = bool(out.new_token_ids) and out.request_id not in self._first_token_sent
+            if first:
+                self._first_token_sent.add(out.request_id)
+            if first or out.finish_reason is not None:
+                timing = self._timing(out.request_id, out.finish_reason is not None)
+                if timing is not None:
+                    group[1].append(timing)
+            if out.finish_reason is not None:
+                self._forget(out.request_id)
+        if not by_frontend:
+            return
+        stats = self._stats()
+        for frontend, (outs, timings) in by_frontend.items():
+            self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, outs, stats, timings)))
+
+    def _timing(self, request_id: str, finished: bool) -> RequestTiming | None:
+        times = self.core.request_times(request_id)
+        if times is None:
+            return None
+        arrival, first_scheduled, first_token = times
+
+        def since(t: float | None) -> float | None:
+            return None if t is None else max(0.0, t - arrival)
+
+        return RequestTiming(
+            request_id,
+            since(first_scheduled),
+            since(first_token),
+            since(time.time()) if finished else None,
+        )
+
+    def _stats(self) -> EngineStats:
+        s = self.core.scheduler.stats()
+        counters = self.core.stats
+        return EngineStats(
+            num_running=s["num_running"],
+            num_waiting=s["num_waiting"],
+            kv_cache_usage=float(s["kv_cache_usage"]),
+            num_preemptions_total=s["num_preemptions_total"],
+            prefix_cache_queries=s["prefix_cache_queries"],
+            prefix_cache_hits=s["prefix_cache_hits"],
+            prompt_tokens_total=counters.prompt_tokens_total,
+            generation_tokens_total=counters.generation_tokens_total,
+        )
+
+    def send(self, frontend: int, data: bytes) -> None:
+        """Never blocks: a frontend that stopped reading (gone, or stuck) must not stall
+        the others. Past SEND_HWM queued messages its outputs are dropped, with a log line."""
+        try:
+            self.pushes[frontend].send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            self._dropped[frontend] += 1
+            if self._dropped[frontend] in (1, 10, 100) or self._dropped[frontend] % 1000 == 0:
+                logger.warning(
+                    "engine %d: frontend %d is not reading; %d messages dropped",
+                    self.engine_index, frontend, self._dropped[frontend],
+                )
+
+
+class _Heartbeat(threading.Thread):
+    """Sends HEARTBEAT (with the loop's latest stats) to every frontend every interval,
+    from sockets of its own, whatever the loop is doing: one step longer than the
+    frontends' engine_timeout (a long prefill on CPU) must not read as a dead engine.
+    Death of the process stops it; a loop stuck inside a live process is not detected."""
+
+    def __init__(self, ctx: zmq.Context, loop: _EngineLoop, output_addrs: Sequence[str], interval: float) -> None:
+        super().__init__(name=f"fastsched-engine-{loop.engine_index}-heartbeat", daemon=True)
+        self._ctx = ctx
+        self._loop = loop
+        self._output_addrs = list(output_addrs)
+        self._interval = interval
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        socks = []
+        try:
+            for addr in self._output_addrs:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, 100)  # a gone frontend's heartbeats are worthless
+                sock.connect(addr)
+                socks.append(sock)
+            while not self._done.wait(self._interval):
+                data = protocol.encode(protocol.Heartbeat(self._loop.engine_index, self._loop.latest_stats))
+                for sock in socks:
+                    try:
+                        sock.send(data, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+
+# ------------------------------------------------------------------ launcher side
+
+
+def start_engine_process(
+    engine_config: dict[str, Any],
+    engine_index: int,
+    input_addr: str,
+    output_addrs: Sequence[str],
+    **kwargs: Any,
+) -> BaseProcess:
+    """Spawn a daemon process running :func:`run_engine` (keyword arguments pass through)."""
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(
+        target=run_engine,
+        args=(dict(engine_config), engine_index, input_addr, list(output_addrs)),
+        kwargs=kwargs,
+        name=f"fastsched-engine-{engine_index}",
+        daemon=True,
+    )
+    proc.start()
+    return proc
+
+
+def stop_engine_process(proc: BaseProcess, timeout: float = 10.0) -> int | None:
+    """SIGTERM, wait up to ``timeout`` seconds, then SIGKILL; returns the exit code."""
+    return stop_engine_processes([proc], timeout)[0]
+
+
+def stop_engine_processes(procs: Sequence[BaseProcess], timeout: float = 10.0) -> list[int | None]:
+    """Stop several engines at once (each takes a moment to exit): SIGTERM to all, wait up
+    to ``timeout`` seconds in total, SIGKILL what is left; returns the exit codes."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            logger.warning("engine process %s did not exit on SIGTERM; killing it", proc.pid)
+            proc.kill()
+            proc.join(timeout)
+    return [proc.exitcode for proc in procs]

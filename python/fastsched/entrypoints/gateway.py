@@ -1,0 +1,452 @@
+"""The gateway: OpenAI's HTTP API (Starlette on uvicorn) over K gRPC frontends.
+
+One channel per frontend; each request goes to the frontend with the fewest requests
+in flight from this gateway, ties broken round-robin. A frontend that cannot be reached
+(UNAVAILABLE without a rejection reason) is skipped and the next one tried; an
+admission rejection is not retried elsewhere, because A2 counts in-flight requests over
+all frontends — the client gets the 503 and its ``Retry-After`` instead.
+
+Status codes follow DESIGN §8, in OpenAI's error shape. A streaming response starts
+only once the frontend has sent its first chunk, so a rejection (which comes before any
+chunk) is still a 503, never an error inside a 200 stream. When the client goes away,
+the gRPC call is cancelled and the frontend aborts the request in the engine.
+
+``--api-key`` guards ``/v1/*``; ``/health`` and ``/metrics`` stay open for probes and
+scrapers, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from fastsched.entrypoints import gateway_metrics
+from fastsched.entrypoints.openai_protocol import (
+    ApiError,
+    ParsedRequest,
+    ResponseFormatter,
+    bad_request,
+    parse_chat,
+    parse_completion,
+)
+from fastsched.proto_gen import import_stubs
+
+pb, pb_grpc = import_stubs()
+
+logger = logging.getLogger("fastsched.gateway")
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+REJECTION_REASON_KEY = "rejection-reason"  # trailing metadata set by grpc_server
+INVALID_PARAM_KEY = "invalid-param"
+_PROBE_TIMEOUT_S = 2.0
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # as the frontend's (grpc_server.MAX_MESSAGE_BYTES)
+_CHANNEL_OPTIONS = [
+    ("grpc.enable_http_proxy", 0),  # frontends are local: never route through $http_proxy
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+]
+T = TypeVar("T")
+
+
+def _metadata(error: grpc.aio.AioRpcError) -> dict[str, str]:
+    return {key: value for key, value in (error.trailing_metadata() or ()) if isinstance(value, str)}
+
+
+def _unavailable(reason: str, retry_after_s: int) -> ApiError:
+    if reason == "engine_faulted":
+        message = "The engine is not healthy (engine_faulted); the request was not admitted."
+    elif reason == "frontend_unavailable":
+        message = "No frontend could be reached (frontend_unavailable)."
+    else:
+        message = f"The server is overloaded: the request was rejected at admission ({reason})."
+    return ApiError(503, f"{message} Retry after {retry_after_s} s.", type="service_unavailable_error",
+                    code=reason, headers={"Retry-After": str(retry_after_s)})
+
+
+def api_error_from_rpc(error: grpc.aio.AioRpcError, retry_after_s: int) -> ApiError:
+    """DESIGN §8: the frontend's status codes as HTTP errors."""
+    code, details, metadata = error.code(), error.details() or "", _metadata(error)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        too_long = "max_model_len" in details or "maximum context length" in details
+        return bad_request(details, metadata.get(INVALID_PARAM_KEY) or None,
+                           code="context_length_exceeded" if too_long else None)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return ApiError(404, details, type="invalid_request_error", param="model", code="model_not_found")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return _unavailable(metadata.get(REJECTION_REASON_KEY, "frontend_unavailable"), retry_after_s)
+    return ApiError(500, f"the frontend failed: {code.name}: {details}", type="internal_error")
+
+
+class Frontend:
+    """One frontend's channel and the number of this gateway's requests in flight on it."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.stub = pb_grpc.FrontendStub(self.channel)
+        self.outstanding = 0
+
+
+class FrontendStream:
+    """A Generate call whose first response has arrived; iterate for the rest."""
+
+    def __init__(self, frontend: Frontend, call: Any, first: Any) -> None:
+        self.frontend, self.call, self.first = frontend, call, first
+        self._released = False
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.frontend.outstanding -= 1
+
+    def cancel(self) -> None:
+        """Cancels the call (the frontend then aborts the request in the engine)."""
+        if not self.call.done():
+            self.call.cancel()
+        self._release()
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        try:
+            if self.first is not grpc.aio.EOF:
+                yield self.first
+                while (msg := await self.call.read()) is not grpc.aio.EOF:
+                    yield msg
+        finally:
+            self.cancel()
+
+
+class FrontendPool:
+    """The K frontends. Channels are made in ``start`` (inside the serving event loop)."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        if not addresses:
+            raise ValueError("frontend_addrs must name at least one frontend")
+        self.addresses = list(addresses)
+        self.frontends: list[Frontend] = []
+        self._next = 0
+        self._model_info: dict[str, Any] | None = None
+
+    async def start(self) -> None:
+        if not self.frontends:
+            self.frontends = [Frontend(address) for address in self.addresses]
+
+    async def close(self) -> None:
+        frontends, self.frontends = self.frontends, []
+        await asyncio.gather(*(f.channel.close() for f in frontends), return_exceptions=True)
+
+    def _order(self) -> list[Frontend]:
+        """Least outstanding first; equal counts in round-robin order."""
+        k = len(self.frontends)
+        start, self._next = self._next, (self._next + 1) % k
+        rotated = [self.frontends[(start + i) % k] for i in range(k)]
+        return sorted(rotated, key=lambda f: f.outstanding)  # stable: keeps the rotation among ties
+
+    async def open(self, request: Any, retry_after_s: int) -> FrontendStream:
+        """Starts ``request`` on a frontend and waits for its first response (or its error)."""
+        await self.start()
+        last_error: grpc.aio.AioRpcError | None = None
+        for frontend in self._order():
+            call = frontend.stub.Generate(request)
+            frontend.outstanding += 1
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as e:
+                frontend.outstanding -= 1
+                if e.code() == grpc.StatusCode.UNAVAILABLE and REJECTION_REASON_KEY not in _metadata(e):
+                    logger.warning("frontend %s unreachable: %s", frontend.address, e.details())
+                    last_error = e
+                    continue
+                raise api_error_from_rpc(e, retry_after_s) from e
+            except BaseException:  # cancelled (client gone) while waiting for the first token
+                call.cancel()
+                frontend.outstanding -= 1
+                raise
+            return FrontendStream(frontend, call, first)
+        raise _unavailable("frontend_unavailable", retry_after_s) from last_error
+
+    async def _each(self, rpc: str, request: Any) -> list[Any | BaseException]:
+        await self.start()
+        calls = [getattr(f.stub, rpc)(request, timeout=_PROBE_TIMEOUT_S) for f in self.frontends]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    async def model_info(self) -> dict[str, Any] | None:
+        """The served model's limits from the first frontend that answers; cached."""
+        if self._model_info is None:
+            for reply in await self._each("ModelInfo", pb.ModelInfoRequest()):
+                if not isinstance(reply, BaseException):
+                    self._model_info = {"model": reply.model, "max_model_len": reply.max_model_len,
+                                        "vocab_size": reply.vocab_size}
+                    break
+        return self._model_info
+
+    async def health(self) -> dict[str, str]:
+        replies = await self._each("Health", pb.HealthRequest())
+        return {
+            f.address: "unreachable" if isinstance(r, BaseException) else pb.ServingStatus.Name(r.status).lower()
+            for f, r in zip(self.frontends, replies)
+        }
+
+    async def stats(self) -> list[Any]:
+        replies = await self._each("GetStats", pb.GetStatsRequest())
+        for f, r in zip(self.frontends, replies):
+            if isinstance(r, BaseException):
+                logger.warning("GetStats from %s failed: %s", f.address, r)
+        return [r for r in replies if not isinstance(r, BaseException)]
+
+
+async def _merge(streams: Sequence[FrontendStream]) -> AsyncIterator[tuple[int, Any]]:
+    """``(prompt_index, response)`` from all streams as they arrive."""
+    if len(streams) == 1:
+        async for resp in streams[0]:
+            yield 0, resp
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: FrontendStream) -> None:
+        try:
+            async for resp in stream:
+                await queue.put((i, resp))
+        except grpc.aio.AioRpcError as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Runs ``work``; if the client disconnects first, cancels it and returns None."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done() and task.cancelled():
+            return None
+        raise
+    finally:
+        watcher.cancel()
+
+
+class Gateway:
+    """The routes' state: the frontend pool, the model's name and tokenizer, the limits."""
+
+    def __init__(self, frontend_addrs: Sequence[str], model_name: str, tokenizer: Any, api_key: str | None,
+                 max_body_bytes: int, retry_after_s: int) -> None:
+        self.pool = FrontendPool(frontend_addrs)
+        self.model_name, self.tokenizer, self.api_key = model_name, tokenizer, api_key
+        self.max_body_bytes, self.retry_after_s = max_body_bytes, retry_after_s
+        self.created = int(time.time())
+
+    def _check_api_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                           type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        too_large = ApiError(413, f"The request body exceeds {self.max_body_bytes} bytes.",
+                             code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"The request body is not valid JSON: {e}", None) from e
+        if not isinstance(body, dict):
+            raise bad_request("The request body must be a JSON object.", None)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad_request(f"model must be a string, got {model!r}", "model")
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+        return body
+
+    async def completions(self, request: Request) -> Response:
+        self._check_api_key(request)
+        return await self._generate(request, parse_completion(await self._read_json(request)))
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._check_api_key(request)
+        body = await self._read_json(request)
+        info = await self.pool.model_info()
+        return await self._generate(request, parse_chat(body, self.tokenizer, info and info["max_model_len"]))
+
+    async def _open_all(self, parsed: ParsedRequest) -> list[FrontendStream]:
+        tasks = [asyncio.ensure_future(self.pool.open(r, self.retry_after_s)) for r in parsed.grpc_requests()]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(result, FrontendStream):
+                    result.cancel()
+            raise
+
+    async def _generate(self, request: Request, parsed: ParsedRequest) -> Response:
+        formatter = ResponseFormatter(parsed, self.model_name, self.tokenizer)
+        if not parsed.stream:
+            body = await _until_disconnect(request, self._collect(parsed, formatter))
+            return JSONResponse(body) if body is not None else Response(status_code=499)
+        streams = await _until_disconnect(request, self._open_all(parsed))
+        if streams is None:
+            return Response(status_code=499)
+        return StreamingResponse(self._sse(parsed, formatter, streams), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _collect(self, parsed: ParsedRequest, formatter: ResponseFormatter) -> dict[str, Any]:
+        streams = await self._open_all(parsed)
+        try:
+            async for prompt_index, resp in _merge(streams):
+                formatter.consume(prompt_index, resp)
+        except grpc.aio.AioRpcError as e:
+            raise api_error_from_rpc(e, self.retry_after_s) from e
+        finally:
+            for stream in streams:
+                stream.cancel()
+        return formatter.final()
+
+    async def _sse(self, parsed: ParsedRequest, formatter: ResponseFormatter,
+                   streams: list[FrontendStream]) -> AsyncIterator[str]:
+        try:
+            try:
+                async for prompt_index, resp in _merge(streams):
+                    if entries := formatter.consume(prompt_index, resp):
+                        yield _sse_event(formatter.chunk(entries))
+                if parsed.include_usage:
+                    yield _sse_event(formatter.usage_chunk())
+            except grpc.aio.AioRpcError as e:  # after the 200 has been sent: report inside the stream
+                yield _sse_event(api_error_from_rpc(e, self.retry_after_s).body())
+            yield "data: [DONE]\n\n"
+        finally:  # also on disconnect: Starlette cancels this generator
+            for stream in streams:
+                stream.cancel()
+
+    async def models(self, request: Request) -> Response:
+        self._check_api_key(request)
+        info = await self.pool.model_info() or {}
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fastsched",
+                "root": info.get("model", self.model_name), "max_model_len": info.get("max_model_len")}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        frontends = await self.pool.health()
+        healthy = all(status == "serving" for status in frontends.values())
+        return JSONResponse({"status": "healthy" if healthy else "unhealthy", "frontends": frontends},
+                            status_code=200 if healthy else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        body = gateway_metrics.render(await self.pool.stats())
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(ApiError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return JSONResponse(ApiError(500, "Internal server error; see the gateway's log.", type="internal_error").body(),
+                        status_code=500)
+
+
+def create_app(
+    frontend_addrs: Sequence[str],
+    model_name: str,
+    tokenizer: Any,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    retry_after_s: int = 1,
+) -> Starlette:
+    """The gateway's ASGI app over the frontends at ``frontend_addrs`` (``host:port``).
+
+    ``model_name`` is the name clients send as ``model`` (another one is a 404);
+    ``tokenizer`` (a ``fastsched.model_loader.Tokenizer``) renders chat templates and
+    decodes logprob tokens; ``retry_after_s`` is the ``Retry-After`` of every 503.
+    """
+    gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, max_body_bytes, retry_after_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.pool.start()
+        try:
+            yield
+        finally:
+            await gateway.pool.close()
+
+    routes = [
+        Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/metrics", gateway.metrics, methods=["GET"]),
+    ]
+    handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.state.gateway = gateway
+    return app
+
+
+def gateway_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, **uvicorn_kwargs: Any) -> uvicorn.Server:
+    """A uvicorn server for ``app``: ``await server.serve()`` (or ``server.run()``) runs it,
+    ``server.should_exit = True`` stops it."""
+    uvicorn_kwargs.setdefault("log_level", "info")
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, lifespan="on", **uvicorn_kwargs))

@@ -1,0 +1,122 @@
+"""``/metrics``: DESIGN §7's metrics, summed over the frontends' ``GetStats``.
+
+A scrape first fetches every frontend's stats (async, in the gateway's event loop),
+then renders them through a prometheus_client collector that holds that snapshot, so
+the registry's sync ``collect()`` never blocks the loop on gRPC.
+
+What is summed over frontends: admission rejections and the latency histograms (each
+frontend counts its own requests). Engine-level metrics are different: every frontend
+talks to the same D engines and reports what they last told it, so summing over K
+frontends would count each engine K times. They are taken per engine instead (the
+freshest report of each engine index: the one with the most tokens counted), then
+summed over engines; ``kv_cache_usage_perc`` is averaged over engines. A frontend that
+does not break its stats down by engine is added as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+PREFIX = "fastsched:"
+# Every reason is exported from the start, so a dashboard sees a 0 line before the first rejection.
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "engine_faulted")
+
+_GAUGES = {
+    "num_requests_running": "Requests in the engine's running set.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+}
+_COUNTERS = {
+    "num_preemptions_total": "Preemptions (recompute) since start.",
+    "prompt_tokens_total": "Prompt tokens processed.",
+    "generation_tokens_total": "Tokens generated.",
+    "prefix_cache_queries_total": "Tokens looked up in the prefix cache.",
+    "prefix_cache_hits_total": "Tokens found in the prefix cache.",
+}
+_HISTOGRAMS = {
+    "request_queue_time_seconds": "Time from arrival to first scheduling (first scheduling only).",
+    "time_to_first_token_seconds": "Time from arrival to the first generated token.",
+    "inter_token_latency_seconds": "Time between consecutive generated tokens.",
+    "e2e_request_latency_seconds": "Time from arrival to the end of the request.",
+}
+
+
+def _histogram(name: str, doc: str, histograms: Sequence[Any]) -> HistogramMetricFamily:
+    per_bound: dict[float, int] = {}
+    inf = total_sum = 0.0
+    for h in histograms:
+        for bound, count in zip(h.upper_bounds, h.bucket_counts):
+            per_bound[bound] = per_bound.get(bound, 0) + count
+        inf += sum(h.bucket_counts[len(h.upper_bounds):])
+        total_sum += h.sum
+    buckets, cumulative = [], 0
+    for bound in sorted(per_bound):
+        cumulative += per_bound[bound]
+        buckets.append((floatToGoString(bound), cumulative))
+    buckets.append(("+Inf", cumulative + int(inf)))
+    return HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=total_sum)
+
+
+def _progress(engine: Any) -> int:
+    """Counters only grow: the report that counted more is the newer one."""
+    return (engine.prompt_tokens_total + engine.generation_tokens_total + engine.num_preemptions_total
+            + engine.prefix_cache_queries_total)
+
+
+def engine_rows(stats: Sequence[Any]) -> list[Any]:
+    """Each engine once (its freshest report over the frontends), plus the whole of any
+    frontend that reports no per-engine breakdown."""
+    freshest: dict[int, Any] = {}
+    rows = []
+    for s in stats:
+        if not s.engines:
+            rows.append(s)
+        for e in s.engines:
+            if e.engine_index not in freshest or _progress(e) > _progress(freshest[e.engine_index]):
+                freshest[e.engine_index] = e
+    return rows + [freshest[i] for i in sorted(freshest)]
+
+
+def metric_families(stats: Sequence[Any]) -> list[Metric]:
+    """Families for the ``GetStatsResponse`` of every frontend that answered."""
+    rejections = CounterMetricFamily(PREFIX + "admission_rejections_total",
+                                     "Requests rejected at admission (A5), by reason.", labels=["reason"])
+    by_reason = dict.fromkeys(ADMISSION_REASONS, 0)
+    for s in stats:
+        for reason, count in s.admission_rejections_total.items():
+            by_reason[reason] = by_reason.get(reason, 0) + count
+    for reason, count in by_reason.items():
+        rejections.add_metric([reason], count)
+    families: list[Metric] = [rejections]
+    engines = engine_rows(stats)
+    for name, doc in _GAUGES.items():
+        families.append(GaugeMetricFamily(PREFIX + name, doc, value=sum(getattr(e, name) for e in engines)))
+    usage = [e.kv_cache_usage_perc for e in engines]
+    families.append(GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of the KV block pools in use.",
+                                      value=sum(usage) / len(usage) if usage else 0.0))
+    for name, doc in _COUNTERS.items():
+        families.append(CounterMetricFamily(PREFIX + name, doc, value=sum(getattr(e, name) for e in engines)))
+    for name, doc in _HISTOGRAMS.items():
+        families.append(_histogram(name, doc, [getattr(s, name) for s in stats]))
+    return families
+
+
+class _Snapshot:
+    """A prometheus_client collector over one scrape's stats."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def render(stats: Sequence[Any]) -> bytes:
+    """The Prometheus text exposition of the frontends' summed stats."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(metric_families(stats)))
+    return generate_latest(registry)

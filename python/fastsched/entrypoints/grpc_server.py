@@ -1,0 +1,298 @@
+"""The frontend's gRPC server: ``proto/fastsched/v1/generate.proto`` over one AsyncLLM.
+
+It only translates. Requests become ``SamplingParams`` (whose ``__post_init__`` is the
+one place that judges values; AsyncLLM judges the prompt), AsyncLLM's cumulative
+``RequestOutput`` snapshots become deltas per completion index, and exceptions become
+status codes (DESIGN §8):
+
+- ``ValueError`` → INVALID_ARGUMENT with the message (prompt + max_tokens >
+  max_model_len included); trailing metadata ``invalid-param`` names the field the
+  message is about.
+- ``AdmissionError`` (A1–A3) → UNAVAILABLE, the reason as details and as trailing
+  metadata ``rejection-reason`` (A5). Any other failure while the engine is unhealthy
+  (e.g. it died mid-request) is reported the same way, as ``engine_faulted``.
+- The client cancelling the call → ``AsyncLLM.abort`` (blocks are freed at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+import grpc
+
+from fastsched.engine.admission import AdmissionError
+from fastsched.entrypoints.frontend_stats import LatencyHistograms, stats_to_proto
+from fastsched.outputs import CompletionOutput, RequestOutput
+from fastsched.proto_gen import import_stubs
+from fastsched.sampling_params import SamplingParams
+
+pb, pb_grpc = import_stubs()
+
+logger = logging.getLogger("fastsched.grpc")
+
+REJECTION_REASON_KEY = "rejection-reason"
+INVALID_PARAM_KEY = "invalid-param"
+ENGINE_FAULTED = "engine_faulted"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Field names an error message may be about, for `invalid-param` (OpenAI's `param`).
+_PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams)) | {"prompt", "priority", "request_id", "model"}
+_WORD = re.compile(r"[A-Za-z_]+")
+_OPTIONAL_PARAMS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+    "include_stop_str_in_output", "skip_special_tokens",
+)
+
+
+def sampling_params_from_proto(msg: Any) -> SamplingParams:
+    """Unset optional fields keep SamplingParams' defaults; invalid values raise ValueError."""
+    kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_PARAMS if msg.HasField(name)}
+    kwargs["stop"] = list(msg.stop)
+    kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    return SamplingParams(**kwargs)
+
+
+def param_named_in(message: str) -> str:
+    """The first request field a ValueError message mentions ('' if none)."""
+    return next((w for w in _WORD.findall(message) if w in _PARAM_NAMES), "")
+
+
+def model_info_dict(info: Any) -> dict[str, Any]:
+    """AsyncLLM's ``model_info()`` (a mapping, or ``protocol.ModelInfo``) as
+    ``{"model", "max_model_len", "vocab_size"}``."""
+    if isinstance(info, Mapping):
+        return {"model": info["model"], "max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"]}
+    name = getattr(info, "model_name", None) or getattr(info, "model", None) or ""
+    return {"model": name, "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}
+
+
+def _token_logprob(token_id: int, lp: Any) -> Any:
+    msg = pb.TokenLogprob(token_id=token_id, logprob=lp.logprob, rank=lp.rank)
+    if lp.decoded_token is not None:
+        msg.decoded_token = lp.decoded_token
+    return msg
+
+
+class _ResponseStream:
+    """Turns AsyncLLM's cumulative snapshots into per-index deltas, and times them for
+    the latency histograms (TTFT, inter-token latency, e2e as this frontend sees them)."""
+
+    def __init__(self, request_id: str, num_top_logprobs: int | None, latencies: LatencyHistograms) -> None:
+        self.request_id = request_id
+        self.num_top_logprobs = num_top_logprobs
+        self.latencies = latencies
+        self.start = time.monotonic()
+        self.first_token_seen = False
+        self.last_token_time: dict[int, float] = {}
+        self.sent_tokens: dict[int, int] = {}
+        self.sent_text: dict[int, int] = {}
+        self.finished: set[int] = set()
+        self.usage_sent = False
+        self.last: RequestOutput | None = None
+
+    def delta(self, output: RequestOutput) -> Any | None:
+        now = time.monotonic()
+        self.last = output
+        response = pb.GenerateResponse(request_id=self.request_id)
+        for completion in output.outputs:
+            delta = None if completion.index in self.finished else self._completion_delta(completion, now)
+            if delta is not None:
+                response.completions.append(delta)
+        if output.finished:
+            response.usage.CopyFrom(self.usage())
+            self.usage_sent = True
+            self._observe_end(output, now)
+        return response if response.completions or output.finished else None
+
+    def _completion_delta(self, c: CompletionOutput, now: float) -> Any | None:
+        i = c.index
+        tokens_from, text_from = self.sent_tokens.get(i, 0), self.sent_text.get(i, 0)
+        num_new = len(c.token_ids) - tokens_from
+        if num_new == 0 and len(c.text) == text_from and c.finish_reason is None:
+            return None
+        if num_new > 0:
+            self._observe_tokens(i, num_new, now)
+        delta = pb.CompletionDelta(index=i, token_ids=c.token_ids[tokens_from:], text=c.text[text_from:])
+        if c.logprobs is not None and self.num_top_logprobs is not None:
+            for token_id, position in zip(c.token_ids[tokens_from:], c.logprobs[tokens_from:]):
+                entry = pb.PositionLogprobs()
+                if token_id in position:
+                    entry.sampled.CopyFrom(_token_logprob(token_id, position[token_id]))
+                top = sorted((lp.rank, tid) for tid, lp in position.items() if lp.rank <= self.num_top_logprobs)
+                entry.top.extend(_token_logprob(tid, position[tid]) for _, tid in top)
+                delta.logprobs.append(entry)
+        if c.finish_reason is not None:
+            delta.finish_reason = c.finish_reason
+            if isinstance(c.stop_reason, str):
+                delta.stop_str = c.stop_reason
+            elif isinstance(c.stop_reason, int):
+                delta.stop_token_id = c.stop_reason
+            self.finished.add(i)
+        self.sent_tokens[i], self.sent_text[i] = len(c.token_ids), len(c.text)
+        return delta
+
+    def _observe_tokens(self, index: int, num_new: int, now: float) -> None:
+        previous = self.last_token_time.get(index)
+        self.last_token_time[index] = now
+        if previous is None:  # gaps inside a completion's first snapshot cannot be measured
+            if not self.first_token_seen:
+                self.first_token_seen = True
+                self.latencies.observe("time_to_first_token_seconds", now - self.start)
+            return
+        # Steps coalesced into one snapshot: spread the gap over its tokens.
+        self.latencies.observe("inter_token_latency_seconds", (now - previous) / num_new, num_new)
+
+    def _observe_end(self, output: RequestOutput, now: float) -> None:
+        if any(c.finish_reason == "abort" for c in output.outputs):
+            return
+        self.latencies.observe("e2e_request_latency_seconds", now - self.start)
+        queue_time = getattr(getattr(output, "metrics", None), "queue_time", None)
+        if queue_time is not None:
+            self.latencies.observe("request_queue_time_seconds", queue_time)
+
+    def usage(self) -> Any:
+        out = self.last
+        if out is None:
+            return pb.Usage()
+        return pb.Usage(
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=sum(len(c.token_ids) for c in out.outputs),
+            cached_tokens=out.num_cached_tokens or 0,
+        )
+
+
+class FrontendServicer(pb_grpc.FrontendServicer):
+    """Serves one AsyncLLM (see the module docstring for the error mapping)."""
+
+    def __init__(self, async_llm: Any) -> None:
+        self.async_llm = async_llm
+        self.latencies = LatencyHistograms()
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        try:
+            prompt, params = self._parse(request)
+        except ValueError as e:
+            await self._abort_invalid(context, e)
+            return
+        tracker = _ResponseStream(request_id, params.logprobs, self.latencies)
+        outputs = None
+        needs_abort = False  # until admitted: a rejected request leaves no trace (A5)
+        try:
+            try:
+                # AsyncLLM admits when called (or, as an async generator, on the first step):
+                # rejections and invalid prompts surface here, before any response.
+                outputs = self.async_llm.generate(request_id, prompt, params, request.priority)
+                if inspect.isawaitable(outputs):
+                    outputs = await outputs
+                outputs = outputs.__aiter__()
+                needs_abort = True
+                first = await outputs.__anext__()
+            except AdmissionError as e:
+                needs_abort = False
+                await self._abort_unavailable(context, e.reason)
+            except ValueError as e:
+                needs_abort = False
+                await self._abort_invalid(context, e)
+            except StopAsyncIteration:
+                first = None
+            output = first
+            while output is not None:
+                if output.finished:
+                    needs_abort = False
+                if (response := tracker.delta(output)) is not None:
+                    yield response
+                try:
+                    output = await outputs.__anext__()
+                except StopAsyncIteration:
+                    output = None
+            if not tracker.usage_sent:  # ended without a finished snapshot
+                yield pb.GenerateResponse(request_id=request_id, usage=tracker.usage())
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:
+            if not self.async_llm.is_healthy():
+                logger.warning("request %s failed, the engine is not healthy: %s", request_id, e)
+                await self._abort_unavailable(context, ENGINE_FAULTED)
+            if isinstance(e, ValueError):  # e.g. the engine refused the prompt (DESIGN §4: ignored)
+                await self._abort_invalid(context, e)
+            logger.exception("request %s failed", request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"request {request_id} failed: {e}")
+        finally:
+            if needs_abort:
+                # The client cancelled (or the stream broke): free the request's blocks now.
+                await asyncio.shield(self.async_llm.abort(request_id))
+            if outputs is not None and (aclose := getattr(outputs, "aclose", None)) is not None:
+                with contextlib.suppress(RuntimeError):  # an async generator cancelled mid-step closes itself
+                    await aclose()
+
+    def _parse(self, request: Any) -> tuple[str | list[int], SamplingParams]:
+        if request.model:
+            served = model_info_dict(self.async_llm.model_info())["model"]
+            if request.model != served:
+                raise _NotFound(f"The model `{request.model}` does not exist; this frontend serves `{served}`.")
+        params = sampling_params_from_proto(request.sampling_params)
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise ValueError("prompt is required: set `text` or `token_ids`")
+        return (request.text if kind == "text" else list(request.token_ids.ids)), params
+
+    @staticmethod
+    async def _abort_invalid(context: grpc.aio.ServicerContext, error: ValueError) -> None:
+        if isinstance(error, _NotFound):
+            code, param = grpc.StatusCode.NOT_FOUND, "model"
+        else:
+            code, param = grpc.StatusCode.INVALID_ARGUMENT, param_named_in(str(error))
+        context.set_trailing_metadata(((INVALID_PARAM_KEY, param),))
+        await context.abort(code, str(error))
+
+    @staticmethod
+    async def _abort_unavailable(context: grpc.aio.ServicerContext, reason: str) -> None:
+        context.set_trailing_metadata(((REJECTION_REASON_KEY, reason),))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+
+    async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.HealthResponse(status=pb.SERVING if self.async_llm.is_healthy() else pb.NOT_SERVING)
+
+    async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.ModelInfoResponse(**model_info_dict(self.async_llm.model_info()))
+
+    async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return stats_to_proto(self.async_llm.stats(), self.latencies)
+
+
+class _NotFound(ValueError):
+    """The request names a model this frontend does not serve."""
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve_frontend(async_llm: Any, host: str = "127.0.0.1", port: int = 50051) -> grpc.aio.Server:
+    """Starts a grpc.aio server for ``async_llm`` on ``host:port`` and returns it (stop it
+    with ``await server.stop(grace)``). Fails if the port is taken: SO_REUSEPORT is off so
+    two frontends can never silently share one port."""
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 0),
+        # A long prompt sent as token ids (the gateway's chat path) outgrows the 4 MiB default.
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ])
+    pb_grpc.add_FrontendServicer_to_server(FrontendServicer(async_llm), server)
+    try:
+        server.add_insecure_port(_address(host, port))
+    except RuntimeError as e:
+        raise OSError(f"the gRPC frontend cannot listen on {_address(host, port)}: {e}") from e
+    await server.start()
+    return server

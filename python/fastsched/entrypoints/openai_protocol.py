@@ -1,0 +1,401 @@
+"""OpenAI's JSON ↔ the frontend's protobuf, for the gateway.
+
+Parsing checks only *types* (and the protobuf integer ranges); *values* are judged by
+the frontend, where ``SamplingParams.__post_init__`` is the single authority, and come
+back as INVALID_ARGUMENT naming the field. Unknown fields are ignored, as vLLM does.
+
+Chat prompts are rendered *and tokenized* here with the checkpoint's chat template and
+sent as token ids: the template already writes the special tokens, so the frontend
+must not add a BOS again, and with the ids in hand the gateway can check
+``prompt + max_tokens <= max_model_len`` and default ``max_tokens`` to the room left,
+as OpenAI's chat API does. Completion prompts go as text (the frontend tokenizes).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastsched.proto_gen import import_stubs
+
+pb, _ = import_stubs()
+
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+# JSON cannot carry -inf; vLLM writes this instead.
+_MIN_LOGPROB = -9999.0
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _get_int(body: dict, name: str, default: int | None = None, bounds: tuple[int, int] = INT32) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{name} must be an integer, got {_short(value)}", name)
+    if not bounds[0] <= value <= bounds[1]:
+        raise bad_request(f"{name} must be in [{bounds[0]}, {bounds[1]}], got {value}", name)
+    return value
+
+
+def _get_float(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"{name} must be a number, got {_short(value)}", name)
+    return float(value)
+
+
+def _get_bool(body: dict, name: str, default: bool | None = None) -> bool | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean, got {_short(value)}", name)
+    return value
+
+
+def _get_int_list(body: dict, name: str) -> list[int]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list) or any(
+        isinstance(v, bool) or not isinstance(v, int) or not INT32[0] <= v <= INT32[1] for v in value
+    ):
+        raise bad_request(f"{name} must be a list of integers, got {_short(value)}", name)
+    return value
+
+
+def _get_stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise bad_request(f"stop must be a string or a list of strings, got {_short(value)}", "stop")
+    return value
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(v, int) and not isinstance(v, bool) and INT32[0] <= v <= INT32[1] for v in value
+    )
+
+
+@dataclass
+class ParsedRequest:
+    """One OpenAI request, ready to become one GenerateRequest per prompt."""
+
+    kind: Literal["completion", "chat"]
+    prompts: list[str | list[int]]
+    sampling: Any  # pb.SamplingParams
+    priority: int
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    top_logprobs: int | None = None  # the number asked for; None = no logprobs
+    request_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self) -> int:
+        return self.sampling.n if self.sampling.HasField("n") else 1
+
+    def grpc_requests(self) -> list[Any]:
+        requests = []
+        for i, prompt in enumerate(self.prompts):
+            req = pb.GenerateRequest(request_id=f"{self.request_id}-{i}", sampling_params=self.sampling,
+                                     priority=self.priority)
+            if isinstance(prompt, str):
+                req.text = prompt
+            else:
+                req.token_ids.ids.extend(prompt)
+            requests.append(req)
+        return requests
+
+
+def _sampling_params(body: dict, max_tokens: int | None) -> Any:
+    msg = pb.SamplingParams(stop=_get_stop(body), stop_token_ids=_get_int_list(body, "stop_token_ids"))
+    for name in ("n", "top_k", "min_tokens"):
+        if (value := _get_int(body, name)) is not None:
+            setattr(msg, name, value)
+    if (seed := _get_int(body, "seed", bounds=INT64)) is not None:
+        msg.seed = seed
+    if max_tokens is not None:
+        msg.max_tokens = max_tokens
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if (value := _get_float(body, name)) is not None:
+            setattr(msg, name, value)
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if (value := _get_bool(body, name)) is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = bool(_get_bool(body, "stream", False))
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise bad_request(f"stream_options must be an object, got {_short(options)}", "stream_options")
+    include_usage = _get_bool(options, "include_usage", False)
+    return stream, bool(include_usage)
+
+
+def _unsupported(body: dict, name: str) -> None:
+    if body.get(name):  # absent, null, [] and {} all mean "not used"
+        raise bad_request(f"{name} is not supported by this server", name)
+
+
+def context_length_error(prompt_len: int, max_tokens: int, max_model_len: int, where: str) -> ApiError:
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} in max_tokens). "
+        f"Please reduce the length of the {where} or max_tokens.",
+        "max_tokens" if prompt_len < max_model_len else where,
+        code="context_length_exceeded",
+    )
+
+
+def parse_completion(body: dict) -> ParsedRequest:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
+                          f"lists of token ids, got {_short(prompt)}", "prompt")
+    _unsupported(body, "suffix")
+    _unsupported(body, "logit_bias")
+    best_of = _get_int(body, "best_of")
+    if best_of is not None and best_of != _get_int(body, "n", 1):
+        raise bad_request("best_of other than n is not supported by this server", "best_of")
+    echo = bool(_get_bool(body, "echo", False))
+    logprobs = _get_int(body, "logprobs")
+    if echo and logprobs is not None:
+        raise bad_request("echo with logprobs (prompt logprobs) is not supported by this server", "echo")
+    sampling = _sampling_params(body, _get_int(body, "max_tokens", 16))
+    if logprobs is not None:
+        sampling.logprobs = logprobs
+    stream, include_usage = _stream_flags(body)
+    return ParsedRequest("completion", prompts, sampling, _get_int(body, "priority", 0), stream, include_usage,
+                         echo=echo, top_logprobs=logprobs, request_id=f"cmpl-{uuid.uuid4().hex}")
+
+
+def _message_content(message: dict, i: int) -> dict:
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str):
+        raise bad_request(f"messages[{i}].role must be a string, got {_short(role)}", "messages")
+    if isinstance(content, list):  # content parts: only text is understood
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content: only text parts are supported, got {_short(part)}",
+                                  "messages")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise bad_request(f"messages[{i}].content must be a string or a list of parts, got {_short(content)}",
+                          "messages")
+    return {**message, "content": content if content is not None else ""}
+
+
+def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None) -> ParsedRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise bad_request(f"messages must be a non-empty list of message objects, got {_short(messages)}",
+                          "messages")
+    messages = [_message_content(m, i) for i, m in enumerate(messages)]
+    add_generation_prompt = _get_bool(body, "add_generation_prompt", True)
+    try:
+        prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                        tokenize=True))
+    except Exception as e:  # a template's raise_exception(), or no template at all
+        raise bad_request(f"messages could not be rendered with the chat template: {e}", "messages") from e
+    _unsupported(body, "logit_bias")
+    _unsupported(body, "tools")
+    max_tokens = _get_int(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _get_int(body, "max_tokens")
+    if max_model_len is not None:
+        if max_tokens is None:  # OpenAI's chat default: all the room left
+            max_tokens = max(max_model_len - len(prompt_ids), 0)
+        if len(prompt_ids) >= max_model_len or len(prompt_ids) + max_tokens > max_model_len:
+            raise context_length_error(len(prompt_ids), max_tokens, max_model_len, "messages")
+    logprobs = _get_bool(body, "logprobs", False)
+    top_logprobs = _get_int(body, "top_logprobs")
+    if top_logprobs and not logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    sampling = _sampling_params(body, max_tokens)
+    if logprobs:
+        sampling.logprobs = top_logprobs or 0
+    stream, include_usage = _stream_flags(body)
+    return ParsedRequest("chat", [prompt_ids], sampling, _get_int(body, "priority", 0), stream, include_usage,
+                         top_logprobs=(top_logprobs or 0) if logprobs else None,
+                         request_id=f"chatcmpl-{uuid.uuid4().hex}")
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[Any] = field(default_factory=list)  # formatted entries (chat) or raw positions (completion)
+    text_offset: int = 0
+    started: bool = False
+
+
+class ResponseFormatter:
+    """Turns GenerateResponse deltas into OpenAI stream chunks, or into one response.
+
+    Choices are numbered ``prompt_index * n + completion_index``, as OpenAI numbers
+    the choices of a batched prompt.
+    """
+
+    def __init__(self, req: ParsedRequest, model: str, tokenizer: Any) -> None:
+        self.req, self.model, self.tokenizer = req, model, tokenizer
+        self.object = "text_completion" if req.kind == "completion" else "chat.completion"
+        self.choices: dict[int, _Choice] = {}
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+
+    def _token_text(self, lp: Any) -> str:
+        return lp.decoded_token if lp.HasField("decoded_token") else self.tokenizer.decode([lp.token_id])
+
+    def _prompt_text(self, prompt_index: int) -> str:
+        prompt = self.req.prompts[prompt_index]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+    def consume(self, prompt_index: int, resp: Any) -> list[dict]:
+        """Records ``resp`` and returns its choices as stream-chunk entries."""
+        if resp.HasField("usage"):
+            self.prompt_tokens += resp.usage.prompt_tokens
+            self.completion_tokens += resp.usage.completion_tokens
+            self.cached_tokens += resp.usage.cached_tokens
+        entries = []
+        for delta in resp.completions:
+            index = prompt_index * self.req.n + delta.index
+            choice = self.choices.setdefault(index, _Choice())
+            text = delta.text
+            if self.req.echo and not choice.started:
+                text = self._prompt_text(prompt_index) + text
+            first = not choice.started
+            choice.started = True
+            choice.text.append(text)
+            if delta.finish_reason:
+                choice.finish_reason = delta.finish_reason
+                kind = delta.WhichOneof("stop_reason")
+                choice.stop_reason = getattr(delta, kind) if kind else None
+            logprobs = self._logprobs(choice, delta) if self.req.top_logprobs is not None else None
+            if self.req.kind == "completion":
+                entry = {"index": index, "text": text, "logprobs": logprobs}
+            else:
+                message = {"role": "assistant", "content": text} if first else {"content": text}
+                entry = {"index": index, "delta": message, "logprobs": logprobs}
+            entry["finish_reason"] = choice.finish_reason if delta.finish_reason else None
+            entry["stop_reason"] = choice.stop_reason if delta.finish_reason else None
+            entries.append(entry)
+        return entries
+
+    def _logprobs(self, choice: _Choice, delta: Any) -> dict:
+        if self.req.kind == "chat":
+            content = []
+            for position in delta.logprobs:
+                token = self._token_text(position.sampled)
+                content.append({
+                    "token": token, "logprob": max(position.sampled.logprob, _MIN_LOGPROB),
+                    "bytes": list(token.encode()),
+                    "top_logprobs": [
+                        {"token": (t := self._token_text(lp)), "logprob": max(lp.logprob, _MIN_LOGPROB),
+                         "bytes": list(t.encode())}
+                        for lp in position.top
+                    ],
+                })
+            choice.logprobs.extend(content)
+            return {"content": content}
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for position in delta.logprobs:
+            token = self._token_text(position.sampled)
+            tokens.append(token)
+            token_logprobs.append(max(position.sampled.logprob, _MIN_LOGPROB))
+            top = {self._token_text(lp): max(lp.logprob, _MIN_LOGPROB) for lp in position.top}
+            top.setdefault(token, token_logprobs[-1])
+            top_logprobs.append(top)
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(token)
+        part = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+        choice.logprobs.append(part)
+        return part
+
+    def usage(self) -> dict:
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
+
+    def chunk(self, entries: list[dict]) -> dict:
+        body = {"id": self.req.request_id, "object": self.object + ("" if self.req.kind == "completion" else ".chunk"),
+                "created": self.req.created, "model": self.model, "choices": entries}
+        if self.req.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self) -> dict:
+        return {**self.chunk([]), "usage": self.usage()}
+
+    def final(self) -> dict:
+        choices = []
+        for index in sorted(self.choices):
+            c = self.choices[index]
+            text = "".join(c.text)
+            logprobs = None
+            if self.req.top_logprobs is not None:
+                if self.req.kind == "chat":
+                    logprobs = {"content": c.logprobs}
+                else:
+                    logprobs = {key: [v for part in c.logprobs for v in part[key]]
+                                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+            if self.req.kind == "completion":
+                choice = {"index": index, "text": text, "logprobs": logprobs}
+            else:
+                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+            choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            choices.append(choice)
+        return {"id": self.req.request_id, "object": self.object, "created": self.req.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}

@@ -1,0 +1,125 @@
+"""The whole serving path on real processes (DESIGN §1, §9): the official ``openai``
+client → gateway → two gRPC frontends (real AsyncLLMs) → two engine processes on the
+tiny model. Greedy output must equal the offline ``fastsched.LLM``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+grpc = pytest.importorskip("grpc", reason="grpcio is not installed (requirements-serve.txt)")
+httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirements-serve.txt)")
+openai = pytest.importorskip("openai", reason="openai is not installed (requirements-serve.txt)")
+pytest.importorskip("starlette", reason="starlette is not installed (requirements-serve.txt)")
+
+from fastsched.engine.async_llm import AsyncLLM  # noqa: E402
+from fastsched.entrypoints.gateway import create_app  # noqa: E402
+from fastsched.entrypoints.grpc_server import serve_frontend  # noqa: E402
+from fastsched.model_loader import load_tokenizer  # noqa: E402
+from fastsched.sampling_params import SamplingParams  # noqa: E402
+from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
+
+if TYPE_CHECKING:
+    from conftest import Engines
+
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+MODEL = "tiny"
+
+
+@dataclass
+class Stack:
+    loop: LoopThread
+    llms: list[AsyncLLM]
+    url: str
+    tokenizer: Any
+
+
+@pytest.fixture(scope="module")
+def stack(engines: Engines, tiny_model_dir: Any) -> Iterator[Stack]:
+    loop = LoopThread()
+    llms = [loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[i], frontend_index=i,
+                                     ready_timeout=60))
+            for i in range(2)]
+    addrs = [f"127.0.0.1:{free_port()}" for _ in llms]
+    servers = [loop.call(serve_frontend(llm, "127.0.0.1", int(a.rsplit(":", 1)[1]))) for llm, a in zip(llms, addrs)]
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    url = loop.start_gateway(create_app(addrs, MODEL, tokenizer))
+    try:
+        yield Stack(loop, llms, url, tokenizer)
+    finally:
+        loop.stop_gateways()
+        for server in servers:
+            loop.call(server.stop(0))
+        for llm in llms:
+            loop.call(llm.shutdown())
+        loop.close()
+
+
+@pytest.fixture
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+
+def engines_idle(stack: Stack) -> bool:
+    stats = [llm.stats() for llm in stack.llms]
+    return all(s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_cache_usage"] == 0.0 for s in stats)
+
+
+def test_e2e_completion_equals_offline_llm(client: openai.OpenAI, oracle: Any) -> None:
+    prompt = "def main():\n    return"
+    want = oracle.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)[0]
+    for _ in range(2):  # both frontends (round-robin)
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY)
+        assert out.choices[0].text == want.outputs[0].text
+        assert out.usage.prompt_tokens == len(want.prompt_token_ids) and out.usage.completion_tokens == 12
+
+
+def test_e2e_chat_stream_equals_offline_llm_on_the_templated_prompt(client: openai.OpenAI, stack: Stack,
+                                                                    oracle: Any) -> None:
+    messages = [{"role": "user", "content": "Write a queue class."}]
+    prompt_ids = stack.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    want = oracle.generate(prompt_ids, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=2),
+                           use_tqdm=False)[0]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, n=2, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {0: want.outputs[0].text, 1: want.outputs[1].text}
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == len(prompt_ids)
+
+
+def test_e2e_s8_prompt_over_max_model_len_is_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
+    assert "1000000" in str(info.value)
+
+
+def test_e2e_s8_disconnect_mid_stream_frees_the_engines(stack: Stack) -> None:
+    with httpx.Client(base_url=stack.url, timeout=30) as http:
+        body = {"prompt": "class Queue:", "max_tokens": 2000, "stream": True, "temperature": 0.0, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+    assert wait_for(lambda: engines_idle(stack), timeout=10), [llm.stats() for llm in stack.llms]
+
+
+def test_e2e_s7_metrics_count_each_engine_once(stack: Stack, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="import os", max_tokens=5, **GREEDY)
+
+    def samples() -> dict[str, float]:
+        text = httpx.get(stack.url + "/metrics", timeout=10).text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
+
+    def engine_total() -> int:  # what the engines counted, as the freshest frontend heard it
+        return max(llm.stats()["generation_tokens_total"] for llm in stack.llms)
+
+    assert wait_for(lambda: samples()["fastsched:generation_tokens_total"] == engine_total(), timeout=5)
+    assert samples()["fastsched:time_to_first_token_seconds_count"] >= 1
