@@ -24,7 +24,10 @@ class _Completion:
     output: CompletionOutput
     params: SamplingParams
     stop: StopChecker
-    decoded: str = ""  # detokenized text so far, before stop-string handling
+    # Incremental detokenization: output tokens [prefix_offset, read_offset) are the
+    # context decoded again each step; text up to read_offset is already released.
+    prefix_offset: int = 0
+    read_offset: int = 0
     new_text: str = ""  # text released by the last step (for streaming)
 
 
@@ -77,12 +80,23 @@ class OutputProcessor:
         return list(changed.values()), to_abort
 
     def _detokenize(self, c: _Completion, out: EngineCoreOutput) -> str:
-        """The newly releasable text: decode everything generated, keep what is new, and
-        hold back a trailing partial UTF-8 character until its bytes are complete."""
-        full = self.tokenizer.decode(c.output.token_ids, skip_special_tokens=c.params.skip_special_tokens)
-        if full.endswith("\ufffd") and out.finish_reason is None:
-            return ""
-        delta = full[len(c.decoded) :]
-        c.decoded = full
-        check = len(c.output.token_ids) >= c.params.min_tokens
+        """The newly releasable text, holding back a trailing partial UTF-8 character
+        until its bytes are complete.
+
+        Only a window is decoded (vLLM's incremental detokenization): the tokens since
+        the last release plus the ones before it as context, whose text is subtracted.
+        Decoding the whole output each step made a request's detokenization quadratic in
+        its length. The window starts where the released text ended on a whole
+        character, so the pieces add up to the decode of all the tokens.
+        """
+        ids = c.output.token_ids
+        skip = c.params.skip_special_tokens
+        prefix_text = self.tokenizer.decode(ids[c.prefix_offset : c.read_offset], skip_special_tokens=skip)
+        new_text = self.tokenizer.decode(ids[c.prefix_offset :], skip_special_tokens=skip)
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and out.finish_reason is None):
+            delta = ""
+        else:
+            delta = new_text[len(prefix_text) :]
+            c.prefix_offset, c.read_offset = c.read_offset, len(ids)
+        check = len(ids) >= c.params.min_tokens
         return c.stop.append(delta, check=check)

@@ -59,9 +59,14 @@ class LLM:
         try:
             for prompt, params in zip(prompt_list, params_list):
                 results.append(self._add(prompt, params, processor, added))
+        except BaseException:
+            self.engine.abort_requests(added)
+            self._drain()  # no step has run yet, so this one only reports the aborts
+            raise
+        try:
             self._run(processor, len(results), use_tqdm)
         except BaseException:
-            self.engine.abort_requests(added)  # nothing lingers in the engine
+            self.engine.abort_requests(added)  # their blocks are freed at once (S18)
             raise
         return results
 
@@ -115,6 +120,17 @@ class LLM:
                     if parent.finished and id(parent) not in done:
                         done.add(id(parent))
                         bar.update(1)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Steps until the engine has reported every finish and abort (S17, S18).
+
+        The scheduler reports a finished or aborted request one ``schedule()`` after its
+        last output, and only then does the engine drop its record and the runner its
+        row; without this step they would linger until the next call.
+        """
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

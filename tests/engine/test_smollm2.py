@@ -1,0 +1,62 @@
+"""The embedded default model, SmolLM2-135M-Instruct (GGUF, Q4_1), served by ``LLM()``
+with no model named: its greedy tokens equal transformers' on the same GGUF file, and
+its chat template makes it answer a question.
+
+tests/models checks the model alone, one request at a time; here the prompts go
+through the whole engine together, as one continuously batched run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastsched import LLM, SamplingParams
+from fastsched.model_loader import default_model_path
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
+NUM_TOKENS = 32
+# A 2 GiB default CPU pool and 8k-token rows would be wasted on two short prompts.
+ENGINE_ARGS = dict(kv_cache_memory=256 * 2**20, max_model_len=2048, log_stats_interval=0)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(**ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def prompt_token_ids(llm: LLM) -> list[list[int]]:
+    return [llm.tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(prompt_token_ids: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens, up to and including EOS, from the same GGUF file (dequantized to fp32)."""
+    import transformers
+
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        return [
+            model.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, do_sample=False)[0, len(ids) :].tolist()
+            for ids in prompt_token_ids
+        ]
+
+
+def test_default_model_greedy_tokens_match_transformers_on_the_same_gguf(
+    llm, prompt_token_ids, reference_tokens
+) -> None:
+    outputs = llm.generate(prompt_token_ids, SamplingParams(temperature=0, max_tokens=NUM_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_tokens
+
+
+def test_default_model_answers_a_chat_question(llm) -> None:
+    (output,) = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=32),
+        use_tqdm=False,
+    )
+    assert "Paris" in output.outputs[0].text
