@@ -256,3 +256,24 @@ def test_s18_requests_ended_by_a_stop_string_leave_nothing_in_the_engine(llm, ra
     outputs = llm.generate(prompts, [greedy(12, stop=s) for s in stops], use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outputs] == ["stop"] * 3
     assert_nothing_lingers(llm)
+
+
+
+def test_s18_an_interrupted_step_aborts_its_requests_and_the_engine_stays_usable(llm, monkeypatch) -> None:
+    """A failure inside a step (Ctrl-C, a runner error) must not wedge the engine."""
+    expected = complete(llm, [5, 6, 7, 8], greedy(4)).token_ids
+    real_execute = llm.engine.runner.execute
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[9, 10, 11], [12, 13]], greedy(8), use_tqdm=False)
+    monkeypatch.setattr(llm.engine.runner, "execute", real_execute)
+    assert complete(llm, [5, 6, 7, 8], greedy(4)).token_ids == expected
+    assert_nothing_lingers(llm)

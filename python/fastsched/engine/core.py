@@ -12,6 +12,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from fastsched import _core
 from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
@@ -182,7 +184,14 @@ class EngineCore:
             record = self._requests[h]
             if record.first_scheduled_time is None:
                 record.first_scheduled_time = now
-        result = self.runner.execute(so, self._tokens_of, self._row_state_of)
+        try:
+            result = self.runner.execute(so, self._tokens_of, self._row_state_of)
+        except BaseException:
+            # The step's KV was not (fully) computed: its requests cannot go on.
+            # Abort them and close the step so the engine stays usable.
+            self.abort_requests([self._requests[h].core.request_id for h in handles])
+            self.scheduler.update_from_tokens(np.full(len(handles), -1, dtype=np.int64))
+            raise
         eco = self.scheduler.update_from_tokens(result.tokens)
         outputs = self._collect(eco, result, handles)
         self.stats.on_step(so, self.scheduler.stats(), outputs)
