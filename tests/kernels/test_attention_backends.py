@@ -38,6 +38,8 @@ STEPS = {
         dict(num_heads=6, num_kv_heads=2, head_dim=40, block_size=8),
     ),
     "decode_only": ([69, 2, 32], [1, 1, 1], {}),
+    # seq_len 1: all of a request's padding reads the slot this step just wrote
+    "one_token_prompts_beside_a_long_decode": ([0, 47, 0], [1, 1, 1], {}),
 }
 
 
@@ -67,6 +69,33 @@ def test_torch_native_splits_decodes_past_the_gather_cap(scenario, close, monkey
     monkeypatch.setattr(torch_native, "DECODE_GATHER_TOKENS", 100)  # one decode of 70 per call
     out, expected, n = _run_step(TorchNativeBackend(), scenario, "decode_only", torch.float32)
     close(out[:n], expected, torch.float32)
+
+
+def test_torch_native_layers_share_one_step_plan(scenario, close):
+    """The plan built at a step's first layer serves the others; each layer reads its own cache."""
+    spans = [(0, 21), (36, 37), (16, 25), (4, 5)]
+    layers = [scenario([end for _, end in spans], seed=seed) for seed in (0, 1)]
+    layers[1].block_tables = layers[0].block_tables  # one block table per step, as the runner has
+    backend = TorchNativeBackend()
+    metadata = None
+    for s in layers:
+        s.write_context([start for start, _ in spans])
+        query, key, value, step_metadata = s.step(spans)
+        metadata = metadata or step_metadata
+        if s is layers[0]:
+            backend.prepare(metadata)
+        out = backend.forward(query, key, value, s.kv_cache, metadata, s.scale)
+        close(out, s.dense_attention(spans, query.shape[0]), torch.float32)
+
+
+def test_torch_native_plans_a_step_whose_caller_skipped_prepare(scenario, close):
+    """New metadata without prepare() gets its own plan, not the previous step's."""
+    backend = TorchNativeBackend()
+    s = scenario([40, 9])
+    for spans in ([(0, 23), (0, 8)], [(23, 40), (8, 9)]):
+        query, key, value, metadata = s.step(spans)
+        out = backend.forward(query, key, value, s.kv_cache, metadata, s.scale)
+        close(out, s.dense_attention(spans, query.shape[0]), torch.float32)
 
 
 @pytest.mark.parametrize(
