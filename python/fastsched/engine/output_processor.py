@@ -32,8 +32,11 @@ class _Completion:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, stream: bool = True) -> None:
+        """``stream=False`` (offline generation) detokenizes a completion without stop
+        strings once, when it finishes, instead of step by step."""
         self.tokenizer = tokenizer
+        self.stream = stream
         self._completions: dict[str, _Completion] = {}
 
     def add_request(self, engine_request_id: str, parent: RequestOutput, index: int, params: SamplingParams) -> None:
@@ -64,7 +67,10 @@ class OutputProcessor:
                     o.logprobs.append(
                         {t: Logprob(lp, rank, self.tokenizer.decode([t], False)) for t, (lp, rank) in entry.items()}
                     )
-            c.new_text = self._detokenize(c, out)
+            if self.stream or c.params.stop:
+                c.new_text = self._detokenize(c, out)
+            elif out.finish_reason is not None:
+                c.new_text = self.tokenizer.decode(o.token_ids, skip_special_tokens=c.params.skip_special_tokens)
             if c.stop.stopped:
                 o.finish_reason, o.stop_reason = "stop", c.stop.matched_stop
                 if out.finish_reason is None:

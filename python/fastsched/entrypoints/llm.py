@@ -53,7 +53,7 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; "
                     "pass one, or one per prompt"
                 )
-        processor = OutputProcessor(self.tokenizer)
+        processor = OutputProcessor(self.tokenizer, stream=False)
         results: list[RequestOutput] = []
         added: list[str] = []
         try:
