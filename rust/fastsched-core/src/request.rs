@@ -144,11 +144,16 @@ impl NewRequest {
 }
 
 /// Fields are laid out by temperature (`repr(C)`, cache-line aligned): the
-/// first 64 bytes hold what every step reads for every running request.
+/// first two 64-byte lines hold everything `schedule()` and
+/// `update_from_output()` read for a running request in an ordinary step, so
+/// a step costs two (adjacent) cache lines per request, not four. The
+/// scheduler keeps requests boxed so that its slab's `Option` test reads the
+/// pointer, not a field of a cold line. `hot_fields_fit_in_two_cache_lines`
+/// guards the layout.
 #[derive(Debug, Clone)]
 #[repr(C, align(64))]
 pub struct Request {
-    // --- hot: read by schedule() and update_from_output() every step ---
+    // --- line 1: progress, read and written every step ---
     /// Prompt followed by outputs; a streaming session appends new input too.
     pub token_ids: Vec<u32>,
     pub num_computed_tokens: usize,
@@ -164,24 +169,24 @@ pub struct Request {
     /// Set while a streaming session accepts more input (S15).
     pub streaming: bool,
     pub handle: Handle,
-    // --- warm: stop conditions, drafts ---
+    // --- line 2: drafts, stop tokens, the reported prefix hit ---
     /// Draft tokens proposed for the next step (speculative decoding).
     pub spec_token_ids: Vec<u32>,
     pub eos_token_id: Option<u32>,
-    pub min_tokens: usize,
-    pub stop_token_ids: Vec<u32>,
-    // --- read when a block fills, or at admission ---
+    pub stop_token_ids: Box<[u32]>,
+    /// Prefix-cache hit of the first admission; `None` until admitted.
+    pub num_cached_tokens: Option<usize>,
+    // --- read when a block fills, a stop token matches, or at admission ---
     /// Chained hashes of every full block of `token_ids` (S8).
     pub block_hashes: Vec<u64>,
     /// The parent hash of the first block (per LoRA adapter).
     pub hash_root: u64,
+    pub min_tokens: usize,
     pub priority: i64,
     pub arrival_time: f64,
     pub num_prompt_tokens: usize,
     pub lora_id: Option<u32>,
     pub num_preemptions: u32,
-    /// Prefix-cache hit of the first admission; `None` until admitted.
-    pub num_cached_tokens: Option<usize>,
     /// Tokens that count as computed once an asynchronous remote KV load
     /// completes (local prefix hit + remote tokens).
     pub num_loaded_tokens: usize,
@@ -218,7 +223,7 @@ impl Request {
             max_tokens: new.max_tokens,
             min_tokens: new.min_tokens,
             eos_token_id: new.eos_token_id,
-            stop_token_ids: new.stop_token_ids,
+            stop_token_ids: new.stop_token_ids.into_boxed_slice(),
             ignore_eos: new.ignore_eos,
             lora_id: new.lora_id,
             block_hashes: Vec::new(),
@@ -252,11 +257,16 @@ impl Request {
         self.status.is_finished()
     }
 
-    /// Appends a sampled token and hashes any block it completes.
+    /// Appends a sampled token and hashes the block it completes, if any.
+    #[inline]
     pub fn append_output_token(&mut self, token: u32, hasher: &BlockHasher) {
         self.token_ids.push(token);
         self.num_output_tokens += 1;
-        self.update_block_hashes(hasher);
+        // Every full block is hashed as soon as it fills, so only a token that
+        // ends a block can add one: the common case never reads `block_hashes`.
+        if hasher.ends_block(self.token_ids.len()) {
+            self.update_block_hashes(hasher);
+        }
     }
 
     /// Appends new streaming input (S15) as a fresh generation segment.
@@ -286,15 +296,23 @@ impl Request {
 
     /// S17 stop conditions for the token just appended, in vLLM's order:
     /// EOS and stop tokens (once `min_tokens` are out), then the length limits.
+    #[inline]
     pub fn check_stop(&self, max_model_len: usize) -> Option<RequestStatus> {
         let last = *self.token_ids.last()?;
-        if self.num_output_tokens >= self.min_tokens {
-            if !self.ignore_eos && Some(last) == self.eos_token_id {
-                return Some(RequestStatus::FinishedStopped);
-            }
-            if self.stop_token_ids.contains(&last) {
-                return Some(RequestStatus::FinishedStopped);
-            }
+        self.check_stop_after(last, max_model_len)
+    }
+
+    /// [`Self::check_stop`] given the token just appended, which the caller
+    /// has at hand (reading it back from `token_ids` waits on the store).
+    #[inline]
+    pub fn check_stop_after(&self, last: u32, max_model_len: usize) -> Option<RequestStatus> {
+        debug_assert_eq!(self.token_ids.last(), Some(&last));
+        // Cheapest test first: `min_tokens` sits on a colder line and only
+        // matters when the token is a stop token.
+        let is_stop_token = (!self.ignore_eos && Some(last) == self.eos_token_id)
+            || self.stop_token_ids.contains(&last);
+        if is_stop_token && self.num_output_tokens >= self.min_tokens {
+            return Some(RequestStatus::FinishedStopped);
         }
         if self.num_tokens() >= max_model_len || self.num_output_tokens >= self.max_tokens {
             return Some(RequestStatus::FinishedLengthCapped);
@@ -344,7 +362,7 @@ mod tests {
         assert_eq!(r.check_stop(100), Some(RequestStatus::FinishedStopped));
         let mut r = req(vec![5], 10);
         r.ignore_eos = true;
-        r.stop_token_ids = vec![8];
+        r.stop_token_ids = vec![8].into();
         r.append_output_token(2, &h);
         assert_eq!(r.check_stop(100), None);
         r.append_output_token(8, &h);
@@ -369,5 +387,13 @@ mod tests {
         assert!(!RequestStatus::Preempted.is_finished());
         assert!(RequestStatus::FinishedIgnored.is_finished());
         assert!(RequestStatus::FinishedStopped > RequestStatus::Running);
+    }
+
+    #[test]
+    fn hot_fields_fit_in_two_cache_lines() {
+        use std::mem::{offset_of, size_of};
+        let end_of_line_2 = offset_of!(Request, num_cached_tokens) + size_of::<Option<usize>>();
+        assert!(end_of_line_2 <= 128, "line 2 ends at byte {end_of_line_2}");
+        assert_eq!(offset_of!(Request, spec_token_ids), 64, "line 1 is full");
     }
 }

@@ -39,29 +39,39 @@ pub struct SchedulerStats {
     pub num_steps: u64,
 }
 
-/// One scheduled request while the step is being built.
+/// One row of the step being built. The request itself is advanced when the
+/// row is pushed (see `advance`), so building the output arrays at the end
+/// of the step reads only these rows, never the requests again.
 #[derive(Debug, Clone, Copy)]
 struct Scheduled {
     handle: Handle,
-    num_tokens: usize,
+    num_tokens: u32,
+    num_computed_before: u32,
+    num_cached_tokens: u32,
+    num_spec: u32,
+    /// Block ids this row appended to the step's `block_ids`: the new ones
+    /// of a running request, the whole table of a new or resumed one.
+    num_blocks: u32,
     kind: ScheduledKind,
-    num_computed_before: usize,
-    num_cached_tokens: usize,
-    /// Blocks the runner already knows (whole table is sent for new/resumed).
-    blocks_known: usize,
-    num_spec: usize,
     /// S12: a prefill chunk, or an admission with prefill work.
     carries_prefill: bool,
+    /// The request samples a token this step (its prefill completes).
+    samples: bool,
 }
 
-/// What `update_from_output` needs to remember of a step.
+/// What `update_from_output` needs to remember of a step, one row per
+/// scheduled request (read together, so kept together).
 #[derive(Debug)]
 struct InFlightStep {
     step_id: u64,
-    handles: Vec<Handle>,
-    num_spec: Vec<u32>,
-    /// The request was to sample a token this step (its prefill completed).
-    samples: Vec<bool>,
+    rows: Vec<InFlightRow>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct InFlightRow {
+    handle: Handle,
+    num_spec: u32,
+    samples: bool,
 }
 
 /// S12 bookkeeping.
@@ -83,7 +93,9 @@ pub struct Scheduler {
     cfg: SchedulerConfig,
     hasher: BlockHasher,
     kv: KvCacheManager,
-    requests: Vec<Option<Request>>,
+    /// Boxed: `Option<Request>` would keep its tag in a cold line of the
+    /// request (its largest niche), costing a cache miss per lookup.
+    requests: Vec<Option<Box<Request>>>,
     free_handles: Vec<Handle>,
     ids: HashMap<String, Handle>,
     waiting: Box<dyn RequestQueue>,
@@ -112,8 +124,12 @@ pub struct Scheduler {
     // Reused per-step buffers.
     scheduled: Vec<Scheduled>,
     block_scratch: Vec<u32>,
-    /// Some running request stopped in this update.
-    any_stopped: bool,
+    /// Running requests that stopped in this update; they leave `running`
+    /// in one pass at its end.
+    stopped: Vec<Handle>,
+    /// Running requests of this step with newly full blocks to cache, and
+    /// up to which token (see `cache_pending_blocks`).
+    pending_caching: Vec<(Handle, usize)>,
 }
 
 impl Scheduler {
@@ -152,7 +168,8 @@ impl Scheduler {
             num_preemptions_total: 0,
             scheduled: Vec::new(),
             block_scratch: Vec::new(),
-            any_stopped: false,
+            stopped: Vec::new(),
+            pending_caching: Vec::new(),
             cfg,
         })
     }
@@ -197,12 +214,16 @@ impl Scheduler {
             }
         };
         let mut req = Request::from_new(new, handle, &self.hasher);
-        // Room for every output up front: appending a token never reallocates.
+        // Room for every output (and its block hash) up front: appending a
+        // token never reallocates.
         let room = req
             .max_tokens
             .min(self.cfg.max_model_len.saturating_sub(req.num_prompt_tokens));
         req.token_ids
             .reserve_exact(room + self.cfg.num_speculative_tokens);
+        let max_blocks = (req.num_prompt_tokens + room) / self.cfg.block_size;
+        req.block_hashes
+            .reserve_exact(max_blocks - req.block_hashes.len());
         self.ids.insert(req.request_id.clone(), handle);
         if let Some(reason) = self.never_fits(&req) {
             req.status = RequestStatus::FinishedIgnored;
@@ -213,7 +234,7 @@ impl Scheduler {
         } else {
             self.waiting.push(QueueEntry::of(&req));
         }
-        self.requests[handle as usize] = Some(req);
+        self.requests[handle as usize] = Some(Box::new(req));
         Ok(handle)
     }
 
@@ -247,7 +268,7 @@ impl Scheduler {
     }
 
     pub fn request(&self, handle: Handle) -> Option<&Request> {
-        self.requests.get(handle as usize)?.as_ref()
+        self.requests.get(handle as usize)?.as_deref()
     }
 
     fn req(&self, h: Handle) -> &Request {
@@ -411,7 +432,11 @@ impl Scheduler {
 
     /// Live requests by handle (tests and invariant checks).
     pub fn live_requests(&self) -> impl Iterator<Item = &Request> {
-        self.requests.iter().flatten().filter(|r| !r.is_finished())
+        self.requests
+            .iter()
+            .flatten()
+            .map(|r| &**r)
+            .filter(|r| !r.is_finished())
     }
 
     /// S16: every live request is in exactly one place, and the block pool's
@@ -551,6 +576,7 @@ impl Scheduler {
         let threshold = self.effective_long_prefill_threshold();
         let defer = self.prefill_deferred();
         let lookahead = self.cfg.num_speculative_tokens;
+        let async_scheduling = self.async_scheduling;
         let mut scheduled = std::mem::take(&mut self.scheduled);
         scheduled.clear();
 
@@ -579,22 +605,23 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let blocks_known = self.kv.blocks(h).len();
-            let carries_prefill = req.is_prefill_chunk;
-            loop {
+            // A running request's row sends only its new blocks, which
+            // `allocate_slots` appends to the step's block ids.
+            let blocks_before = loop {
                 let alloc = AllocRequest {
                     num_new_tokens: n,
                     num_lookahead_tokens: lookahead,
+                    delay_cache: true,
                     ..Default::default()
                 };
-                self.block_scratch.clear();
                 let req = self.requests[h as usize].as_ref().expect("live handle");
+                let blocks_before = out.block_ids.len();
                 if self
                     .kv
-                    .allocate_slots(req, alloc, None, &mut self.block_scratch)
+                    .allocate_slots(req, alloc, None, &mut out.block_ids)
                     .is_some()
                 {
-                    break;
+                    break blocks_before;
                 }
                 // S3: preempt a victim and retry.
                 let victim = match self.cfg.policy {
@@ -606,14 +633,16 @@ impl Scheduler {
                         let pos = self.priority_victim_position();
                         let victim = self.running.remove(pos);
                         if let Some(j) = scheduled.iter().position(|s| s.handle == victim) {
-                            let s = scheduled.remove(j);
-                            token_budget += s.num_tokens;
-                            input_budget += s.num_tokens - s.num_spec;
+                            let s = self.unschedule(&mut scheduled, j, &mut out.block_ids);
+                            token_budget += s.num_tokens as usize;
+                            input_budget += (s.num_tokens - s.num_spec) as usize;
                             i -= 1;
                         }
                         victim
                     }
                 };
+                // Freeing blocks must not overtake the caching of earlier rows'.
+                self.cache_pending_blocks();
                 self.preempt(victim);
                 out.preempted.push(victim);
                 if victim == h {
@@ -622,30 +651,42 @@ impl Scheduler {
                         Policy::Priority => continue 'running,
                     }
                 }
+            };
+            // Preempting others left this request as it was: `real` still holds.
+            let num_spec = n.saturating_sub(real);
+            let req = self.requests[h as usize]
+                .as_deref_mut()
+                .expect("live handle");
+            // S8 caching at schedule time (Difference 3), batched: see
+            // `cache_pending_blocks`.
+            let cache_upto = (req.num_computed_tokens + n).min(req.num_tokens());
+            if self.kv.has_blocks_to_cache(h, cache_upto) {
+                self.pending_caching.push((h, cache_upto));
             }
-            let req = self.req(h);
-            let num_spec = n.saturating_sub(
-                req.num_tokens() + req.num_output_placeholders - req.num_computed_tokens,
-            );
-            scheduled.push(Scheduled {
+            let row = Scheduled {
                 handle: h,
-                num_tokens: n,
-                kind: ScheduledKind::Cached,
-                num_computed_before: req.num_computed_tokens,
+                num_tokens: n as u32,
+                num_computed_before: req.num_computed_tokens as u32,
                 num_cached_tokens: 0,
-                blocks_known,
-                num_spec,
-                carries_prefill,
-            });
+                num_spec: num_spec as u32,
+                num_blocks: (out.block_ids.len() - blocks_before) as u32,
+                kind: ScheduledKind::Cached,
+                carries_prefill: req.is_prefill_chunk,
+                samples: false,
+            };
+            scheduled.push(advance(req, row, async_scheduling));
             token_budget -= n;
             input_budget -= n - num_spec;
             i += 1;
         }
 
+        self.cache_pending_blocks();
+
         // S5: a step that preempted admits nobody.
         if out.preempted.is_empty() && self.pause != PauseState::PausedAll {
             self.schedule_waiting(
                 &mut scheduled,
+                &mut out.block_ids,
                 &mut token_budget,
                 &mut input_budget,
                 threshold,
@@ -653,11 +694,58 @@ impl Scheduler {
             );
         }
 
-        // A refunded victim's chunk no longer counts as carried prefill.
-        let carried_prefill = scheduled.iter().any(|s| s.carries_prefill);
-        self.finish_step(&mut out, &scheduled, carried_prefill);
+        self.finish_step(&mut out, &scheduled);
         self.scheduled = scheduled;
         out
+    }
+
+    /// Caches the newly full blocks of this step's running rows, in row
+    /// order, as `allocate_slots` would have done row by row. Done as one
+    /// batch so that the cache misses of all those blocks (their records,
+    /// index slots and token copies are cold) overlap instead of being paid
+    /// one row at a time. Nothing between a row's allocation and this call
+    /// reads or frees those blocks: they are held, lookups happen in the
+    /// waiting phase, and a preemption calls this first.
+    fn cache_pending_blocks(&mut self) {
+        if self.pending_caching.is_empty() {
+            return;
+        }
+        let requests = &self.requests;
+        let req = |h: Handle| requests[h as usize].as_deref().expect("live handle");
+        self.kv
+            .warm_for_caching(self.pending_caching.iter().map(|&(h, upto)| (req(h), upto)));
+        for &(h, upto) in &self.pending_caching {
+            self.kv.cache_blocks(req(h), upto);
+        }
+        self.pending_caching.clear();
+    }
+
+    /// Takes back row `j` of the step being built (a priority victim that
+    /// was already scheduled): undoes `advance` and drops its block ids.
+    /// Rare, so the O(n) removals are fine.
+    fn unschedule(
+        &mut self,
+        scheduled: &mut Vec<Scheduled>,
+        j: usize,
+        block_ids: &mut Vec<u32>,
+    ) -> Scheduled {
+        let s = scheduled.remove(j);
+        debug_assert_eq!(
+            s.kind,
+            ScheduledKind::Cached,
+            "only running rows are taken back"
+        );
+        let start: usize = scheduled[..j].iter().map(|r| r.num_blocks as usize).sum();
+        block_ids.drain(start..start + s.num_blocks as usize);
+        let async_scheduling = self.async_scheduling;
+        let req = self.req_mut(s.handle);
+        req.num_computed_tokens = s.num_computed_before as usize;
+        // A running row's `carries_prefill` is the flag as it was before.
+        req.is_prefill_chunk = s.carries_prefill;
+        if async_scheduling && s.samples {
+            req.num_output_placeholders -= 1;
+        }
+        s
     }
 
     /// FCFS takes the last running request; priority the max of
@@ -693,6 +781,7 @@ impl Scheduler {
     fn schedule_waiting(
         &mut self,
         scheduled: &mut Vec<Scheduled>,
+        block_ids: &mut Vec<u32>,
         token_budget: &mut usize,
         input_budget: &mut usize,
         threshold: usize,
@@ -816,7 +905,6 @@ impl Scheduler {
                 delay_cache: load_async,
             };
             self.block_scratch.clear();
-            let blocks_known_before = self.kv.blocks(h).len();
             if self
                 .kv
                 .allocate_slots(req, alloc, Some(&hit), &mut self.block_scratch)
@@ -856,8 +944,12 @@ impl Scheduler {
                 }
                 continue;
             }
-            // S11: admission.
+            // S11: admission. New and resumed rows send the whole block table.
             self.running.push(h);
+            let blocks = self.kv.blocks(h);
+            block_ids.extend_from_slice(blocks);
+            let num_blocks = blocks.len() as u32;
+            let async_scheduling = self.async_scheduling;
             let req = self.req_mut(h);
             let kind = match req.status {
                 RequestStatus::Preempted => ScheduledKind::Resumed,
@@ -875,20 +967,18 @@ impl Scheduler {
                     lora_set.insert(pos, lora);
                 }
             }
-            scheduled.push(Scheduled {
+            let row = Scheduled {
                 handle: h,
-                num_tokens: n,
-                kind,
-                num_computed_before: num_computed,
-                num_cached_tokens: num_computed,
-                blocks_known: if kind == ScheduledKind::Cached {
-                    blocks_known_before
-                } else {
-                    0
-                },
+                num_tokens: n as u32,
+                num_computed_before: num_computed as u32,
+                num_cached_tokens: num_computed as u32,
                 num_spec: 0,
+                num_blocks,
+                kind,
                 carries_prefill: is_prefill_work,
-            });
+                samples: false,
+            };
+            scheduled.push(advance(req, row, async_scheduling));
             *token_budget -= n;
             *input_budget -= n;
         }
@@ -952,65 +1042,47 @@ impl Scheduler {
         self.kv.cache_blocks(req, computed);
     }
 
-    /// Advances computed counts (vLLM's `_update_after_schedule`), fills the
-    /// output arrays, and records the step for `update_from_output`.
-    fn finish_step(
-        &mut self,
-        out: &mut SchedulerOutput,
-        scheduled: &[Scheduled],
-        carried_prefill: bool,
-    ) {
-        let n = scheduled.len();
-        out.req_handles.reserve(n);
-        out.num_scheduled_tokens.reserve(n);
-        out.num_computed_tokens.reserve(n);
-        out.kinds.reserve(n);
-        out.num_cached_tokens.reserve(n);
-        out.num_spec_tokens.reserve(n);
-        out.block_offsets.reserve(n + 1);
-        out.block_offsets.push(0);
-        let mut in_flight = self.spare_step.take().unwrap_or(InFlightStep {
-            step_id: 0,
-            handles: Vec::new(),
-            num_spec: Vec::new(),
-            samples: Vec::new(),
-        });
-        in_flight.step_id = out.step_id;
-        in_flight.handles.clear();
-        in_flight.num_spec.clear();
-        in_flight.samples.clear();
-        let async_scheduling = self.async_scheduling;
-        for s in scheduled {
-            let blocks = self.kv.blocks(s.handle);
-            out.block_ids.extend_from_slice(&blocks[s.blocks_known..]);
-            out.block_offsets.push(out.block_ids.len() as u32);
-            out.req_handles.push(s.handle);
-            out.num_scheduled_tokens.push(s.num_tokens as u32);
-            out.num_computed_tokens.push(s.num_computed_before as u32);
-            out.kinds.push(s.kind as u8);
-            out.num_cached_tokens.push(s.num_cached_tokens as u32);
-            out.num_spec_tokens.push(s.num_spec as u32);
-            out.total_num_scheduled_tokens += s.num_tokens;
-            let req = self.requests[s.handle as usize]
-                .as_mut()
-                .expect("live handle");
-            req.num_computed_tokens += s.num_tokens;
-            let target = req.num_tokens() + req.num_output_placeholders;
-            req.is_prefill_chunk = req.num_computed_tokens < target;
-            let samples = !req.is_prefill_chunk;
-            if async_scheduling && samples {
-                req.num_output_placeholders += 1;
-            }
-            in_flight.handles.push(s.handle);
-            in_flight.num_spec.push(s.num_spec as u32);
-            in_flight.samples.push(samples);
-        }
+    /// Fills the output arrays from the step's rows, does the S12
+    /// bookkeeping, and records the step for `update_from_output`.
+    fn finish_step(&mut self, out: &mut SchedulerOutput, scheduled: &[Scheduled]) {
+        // One tight pass per column: cheaper than pushing to seven vectors
+        // per row.
+        out.req_handles = scheduled.iter().map(|s| s.handle).collect();
+        out.num_scheduled_tokens = scheduled.iter().map(|s| s.num_tokens).collect();
+        out.num_computed_tokens = scheduled.iter().map(|s| s.num_computed_before).collect();
+        out.kinds = scheduled.iter().map(|s| s.kind as u8).collect();
+        out.num_cached_tokens = scheduled.iter().map(|s| s.num_cached_tokens).collect();
+        out.num_spec_tokens = scheduled.iter().map(|s| s.num_spec).collect();
+        out.block_offsets = std::iter::once(0)
+            .chain(scheduled.iter().scan(0, |end, s| {
+                *end += s.num_blocks;
+                Some(*end)
+            }))
+            .collect();
+        debug_assert_eq!(
+            out.block_offsets.last().copied(),
+            Some(out.block_ids.len() as u32)
+        );
+        out.total_num_scheduled_tokens = scheduled.iter().map(|s| s.num_tokens as usize).sum();
+
         if out.total_num_scheduled_tokens > 0 {
             self.interval.executed += 1;
-            if carried_prefill {
+            // A refunded victim's chunk no longer counts as carried prefill.
+            if scheduled.iter().any(|s| s.carries_prefill) {
                 self.interval.last_prefill = self.interval.executed;
             }
         }
+        let mut in_flight = self.spare_step.take().unwrap_or(InFlightStep {
+            step_id: 0,
+            rows: Vec::new(),
+        });
+        in_flight.step_id = out.step_id;
+        in_flight.rows.clear();
+        in_flight.rows.extend(scheduled.iter().map(|s| InFlightRow {
+            handle: s.handle,
+            num_spec: s.num_spec,
+            samples: s.samples,
+        }));
         self.in_flight.push_back(in_flight);
     }
 
@@ -1024,7 +1096,7 @@ impl Scheduler {
                 "update_from_output called with no scheduled step in flight".into(),
             )
         })?;
-        let n = step.handles.len();
+        let n = step.rows.len();
         if mro.sampled_offsets.len() != n + 1 {
             return Err(Error::OutputMismatch(format!(
                 "step {} scheduled {n} requests but sampled_offsets has {} entries (expected {})",
@@ -1046,7 +1118,6 @@ impl Scheduler {
             check_csr("draft", &mro.draft_offsets, mro.draft_token_ids.len())?;
         }
         let step = self.in_flight.pop_front().expect("checked above");
-        let n = step.handles.len();
         let mut outs = EngineCoreOutputs {
             handles: Vec::with_capacity(n),
             token_offsets: Vec::with_capacity(n + 1),
@@ -1056,37 +1127,44 @@ impl Scheduler {
             num_cached_tokens: Vec::with_capacity(n),
         };
         outs.token_offsets.push(0);
-        self.any_stopped = false;
+        self.stopped.clear();
+        warm_rows(&self.requests, &step.rows);
         let hasher = self.hasher.clone();
         let max_model_len = self.cfg.max_model_len;
-        for (j, &h) in step.handles.iter().enumerate() {
-            let Some(req) = self.requests[h as usize].as_mut() else {
+        for (j, row) in step.rows.iter().enumerate() {
+            let h = row.handle;
+            let Some(req) = self.requests[h as usize].as_deref_mut() else {
                 continue;
             };
             if req.is_finished() {
                 continue; // aborted while the step was in flight
             }
-            if step.samples[j] && req.num_output_placeholders > 0 {
+            if row.samples && req.num_output_placeholders > 0 {
                 req.num_output_placeholders -= 1;
             }
             let sampled = &mro.sampled_token_ids
                 [mro.sampled_offsets[j] as usize..mro.sampled_offsets[j + 1] as usize];
-            let num_spec = step.num_spec[j] as usize;
+            let num_spec = row.num_spec as usize;
             if num_spec > 0 && req.num_computed_tokens > 0 && !sampled.is_empty() {
                 let accepted = sampled.len() - 1;
                 req.num_computed_tokens -= num_spec.saturating_sub(accepted);
             }
-            let start = req.num_tokens();
             let mut stop = None;
+            let tokens_before = outs.token_ids.len();
             for &t in sampled {
                 req.append_output_token(t, &hasher);
-                stop = req.check_stop(max_model_len);
+                outs.token_ids.push(t);
+                stop = req.check_stop_after(t, max_model_len);
                 if stop.is_some() {
                     break;
                 }
             }
             if !has_drafts {
-                req.spec_token_ids.clear();
+                // Written only when there is something to clear: most steps
+                // carry no drafts and leave the line clean.
+                if !req.spec_token_ids.is_empty() {
+                    req.spec_token_ids.clear();
+                }
             } else if stop.is_none() {
                 let drafts = &mro.draft_token_ids
                     [mro.draft_offsets[j] as usize..mro.draft_offsets[j + 1] as usize];
@@ -1096,12 +1174,10 @@ impl Scheduler {
                     &drafts[..drafts.len().min(self.cfg.num_speculative_tokens).min(room)],
                 );
             }
-            let new_tokens = req.num_tokens() - start;
-            if new_tokens == 0 && stop.is_none() {
+            if outs.token_ids.len() == tokens_before && stop.is_none() {
                 continue;
             }
             outs.handles.push(h);
-            outs.token_ids.extend_from_slice(&req.token_ids[start..]);
             outs.token_offsets.push(outs.token_ids.len() as u32);
             let prefill_done = !req.is_prefill_chunk;
             outs.num_cached_tokens.push(match req.num_cached_tokens {
@@ -1131,13 +1207,12 @@ impl Scheduler {
             outs.finish_reasons.push(reason);
             outs.segment_ended.push(segment_ended);
         }
-        if self.any_stopped {
-            let requests = &self.requests;
-            self.running.retain(|&h| {
-                requests[h as usize]
-                    .as_ref()
-                    .is_some_and(|r| r.status == RequestStatus::Running)
-            });
+        if !self.stopped.is_empty() {
+            // A few stops among many running requests: search the short,
+            // sorted list rather than re-read every running request.
+            self.stopped.sort_unstable();
+            let stopped = &self.stopped;
+            self.running.retain(|h| stopped.binary_search(h).is_err());
         }
         self.spare_step = Some(step);
         for (h, reason) in std::mem::take(&mut self.pending_finished) {
@@ -1154,7 +1229,7 @@ impl Scheduler {
     /// was preempted while the step was in flight) and freed now.
     fn finish_from_output(&mut self, h: Handle, status: RequestStatus) {
         match self.req(h).status {
-            RequestStatus::Running => self.any_stopped = true,
+            RequestStatus::Running => self.stopped.push(h),
             _ => {
                 if !self.waiting.remove(h) {
                     self.kv_holding.remove(h);
@@ -1169,7 +1244,7 @@ impl Scheduler {
     /// waiting, otherwise it waits for input.
     fn end_segment(&mut self, h: Handle) {
         match self.req(h).status {
-            RequestStatus::Running => self.any_stopped = true,
+            RequestStatus::Running => self.stopped.push(h),
             // Preempted while its last token was in flight (async scheduling).
             _ => {
                 if !self.waiting.remove(h) {
@@ -1204,6 +1279,37 @@ impl Scheduler {
         }
         Ok(())
     }
+}
+
+/// vLLM's `_update_after_schedule` for one row, done as the row is pushed:
+/// the scheduled tokens count as computed, and a request whose prefill
+/// completes samples a token (under async scheduling, a placeholder for it).
+/// `Scheduler::unschedule` undoes it.
+#[inline]
+fn advance(req: &mut Request, mut row: Scheduled, async_scheduling: bool) -> Scheduled {
+    req.num_computed_tokens += row.num_tokens as usize;
+    req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens() + req.num_output_placeholders;
+    row.samples = !req.is_prefill_chunk;
+    if async_scheduling && row.samples {
+        req.num_output_placeholders += 1;
+    }
+    row
+}
+
+/// Reads the lines `update_from_output` writes for each row (the request's
+/// two hot lines and the end of its tokens) in a loop short enough for the
+/// CPU to have many of those cache misses in flight at once; the update loop,
+/// whose stores would otherwise wait on them one row at a time, then finds
+/// them in cache. Only a performance hint.
+fn warm_rows(requests: &[Option<Box<Request>>], rows: &[InFlightRow]) {
+    let mut sink = 0u64;
+    for row in rows {
+        if let Some(r) = requests[row.handle as usize].as_deref() {
+            let last = r.token_ids.last().copied().unwrap_or(0);
+            sink ^= u64::from(last) ^ r.spec_token_ids.len() as u64;
+        }
+    }
+    std::hint::black_box(sink);
 }
 
 fn check_csr(name: &str, offsets: &[u32], len: usize) -> Result<()> {

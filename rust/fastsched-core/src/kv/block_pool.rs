@@ -1,51 +1,99 @@
-//! The paged KV block pool (S8): reference counts, a doubly linked free
-//! queue that doubles as the LRU of cached blocks, and lazy eviction.
+//! The paged KV block pool (S8): reference counts, a free queue that
+//! doubles as the LRU of cached blocks, and lazy eviction.
 //!
 //! Block 0 is the null block and is never handed out. Free blocks sit in one
 //! queue; allocation pops from the front and evicts a cached block only then.
 //! Freed blocks without a hash go to the front (reused first), cached ones to
 //! the back (evicted last).
 
+use std::collections::VecDeque;
+
 use super::prefix_cache::PrefixCache;
 
-const NIL: u32 = u32::MAX;
-
-/// Everything the free queue and reference counting touch for one block,
-/// in one place: a block operation costs one cache line, not four.
+/// Everything the pool knows about one block in one 32-byte record (two per
+/// cache line): its place in the free queue, its reference count and what it
+/// is cached as. Allocating a block (which evicts it), caching it, freeing it
+/// and confirming a prefix hit on it each touch this one record.
 #[derive(Debug, Clone, Copy)]
-struct Link {
-    prev: u32,
-    next: u32,
+pub struct Block {
+    /// While `in_free`: the ticket of the block's live entry in the queue.
+    ticket: u64,
     ref_cnt: u32,
     in_free: bool,
+    /// `hash` and `parent` are what the block holds (it is in the prefix cache).
+    cached: bool,
+    hash: u64,
+    parent: u64,
 }
 
+impl Block {
+    pub(super) const UNUSED: Block = Block {
+        ticket: 0,
+        ref_cnt: 0,
+        in_free: false,
+        cached: false,
+        hash: 0,
+        parent: 0,
+    };
+
+    pub(super) fn cache_as(&mut self, hash: u64, parent: u64) {
+        self.cached = true;
+        self.hash = hash;
+        self.parent = parent;
+    }
+
+    /// Forgets the content (the block is being reused).
+    pub(super) fn evict(&mut self) {
+        self.cached = false;
+    }
+
+    /// The hash the block is cached under, if it is cached.
+    #[inline]
+    pub fn cached_hash(&self) -> Option<u64> {
+        self.cached.then_some(self.hash)
+    }
+
+    /// Cached as exactly this content: `hash` of `parent` + its tokens.
+    #[inline]
+    pub fn is_cached_as(&self, hash: u64, parent: u64) -> bool {
+        self.cached && self.hash == hash && self.parent == parent
+    }
+}
+
+/// An entry of the free queue; live only while the block is free and still
+/// holds this ticket.
+#[derive(Debug, Clone, Copy)]
+struct FreeEntry {
+    block: u32,
+    ticket: u64,
+}
+
+/// The free queue is a deque of block ids rather than a linked list through
+/// the block records: popping `n` blocks reads the deque in order and each
+/// block's record independently, where a list would chase one cold record
+/// to find the next. Taking a block out of the middle (a prefix hit on a
+/// free cached block) only clears its `in_free` flag; its entry goes stale,
+/// is skipped when popped, and stale entries are compacted away once they
+/// could outnumber the live ones. Tickets are unique per push, so a stale
+/// entry never comes back to life when its block is freed again.
 #[derive(Debug)]
 pub struct BlockPool {
     num_blocks: usize,
-    links: Vec<Link>,
-    head: u32,
-    tail: u32,
+    blocks: Vec<Block>,
+    free: VecDeque<FreeEntry>,
     num_free: usize,
-    pub cache: PrefixCache,
+    next_ticket: u64,
+    cache: PrefixCache,
 }
 
 impl BlockPool {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         let mut pool = BlockPool {
             num_blocks,
-            links: vec![
-                Link {
-                    prev: NIL,
-                    next: NIL,
-                    ref_cnt: 0,
-                    in_free: false
-                };
-                num_blocks
-            ],
-            head: NIL,
-            tail: NIL,
+            blocks: vec![Block::UNUSED; num_blocks],
+            free: VecDeque::with_capacity(num_blocks),
             num_free: 0,
+            next_ticket: 1,
             cache: PrefixCache::new(num_blocks, block_size),
         };
         for b in 1..num_blocks as u32 {
@@ -73,22 +121,32 @@ impl BlockPool {
     }
 
     pub fn ref_cnt(&self, block: u32) -> u32 {
-        self.links[block as usize].ref_cnt
+        self.blocks[block as usize].ref_cnt
     }
 
     pub fn block_hash(&self, block: u32) -> Option<u64> {
-        self.cache.hash_of(block)
+        self.blocks[block as usize].cached_hash()
     }
 
-    /// Pops `n` blocks from the front, evicting any cached content they hold.
-    /// The caller has checked `n <= num_free_blocks()`.
+    /// Pops `n` blocks from the front, evicting any cached content they hold
+    /// (lazily: the index entry goes stale). The caller has checked
+    /// `n <= num_free_blocks()`.
     pub fn get_new_blocks(&mut self, n: usize, out: &mut Vec<u32>) {
         debug_assert!(n <= self.num_free);
+        if n > 1 {
+            // As in `warm_for_caching`: the records of the blocks about to be
+            // popped, loaded together rather than one pop at a time.
+            let mut sink = 0u64;
+            for e in self.free.iter().take(n) {
+                sink ^= self.blocks[e.block as usize].ticket;
+            }
+            std::hint::black_box(sink);
+        }
         for _ in 0..n {
-            let b = self.head;
-            self.unlink(b);
-            self.cache.evict(b);
-            self.links[b as usize].ref_cnt = 1;
+            let b = self.pop_front();
+            let block = &mut self.blocks[b as usize];
+            block.evict();
+            block.ref_cnt = 1;
             out.push(b);
         }
     }
@@ -96,10 +154,16 @@ impl BlockPool {
     /// A prefix hit takes its blocks: free ones leave the free queue.
     pub fn touch(&mut self, blocks: &[u32]) {
         for &b in blocks {
-            if self.links[b as usize].ref_cnt == 0 && b != 0 {
-                self.unlink(b);
+            let block = &mut self.blocks[b as usize];
+            if block.ref_cnt == 0 && b != 0 {
+                debug_assert!(block.in_free);
+                block.in_free = false; // its queue entry is now stale
+                self.num_free -= 1;
             }
-            self.links[b as usize].ref_cnt += 1;
+            block.ref_cnt += 1;
+        }
+        if self.free.len() > 2 * self.num_free + 64 {
+            self.compact();
         }
     }
 
@@ -109,11 +173,11 @@ impl BlockPool {
     pub fn free_blocks(&mut self, ordered: impl Iterator<Item = u32>, scratch: &mut Vec<u32>) {
         scratch.clear();
         for b in ordered {
-            let rc = &mut self.links[b as usize].ref_cnt;
-            debug_assert!(*rc > 0, "double free of block {b}");
-            *rc -= 1;
-            if *rc == 0 && b != 0 {
-                if self.cache.hash_of(b).is_some() {
+            let block = &mut self.blocks[b as usize];
+            debug_assert!(block.ref_cnt > 0, "double free of block {b}");
+            block.ref_cnt -= 1;
+            if block.ref_cnt == 0 && b != 0 {
+                if block.cached {
                     self.push_back(b);
                 } else {
                     scratch.push(b);
@@ -125,25 +189,38 @@ impl BlockPool {
         }
     }
 
+    /// Loads what caching `blocks` (with these hashes) will write, in a loop
+    /// short enough for the CPU to have all those cache misses in flight at
+    /// once; `cache_block` then finds the lines in cache instead of paying
+    /// the misses one after another. Only a performance hint.
+    pub fn warm_for_caching(&self, blocks: &[u32], hashes: &[u64]) {
+        let mut sink = 0u64;
+        for (&b, &hash) in blocks.iter().zip(hashes) {
+            sink ^= self.blocks[b as usize].hash ^ self.cache.warm(b, hash);
+        }
+        std::hint::black_box(sink);
+    }
+
     /// Registers a full block's content in the prefix cache.
     pub fn cache_block(&mut self, block: u32, hash: u64, parent: u64, tokens: &[u32]) {
-        self.cache.insert(block, hash, parent, tokens);
+        let record = &mut self.blocks[block as usize];
+        debug_assert!(!record.cached, "block {block} is already cached");
+        record.cache_as(hash, parent);
+        self.cache.insert(&self.blocks, block, hash, tokens);
     }
 
     /// A cached block whose content is `parent` + `tokens`, if any.
     pub fn get_cached_block(&self, hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
-        self.cache.get(hash, parent, tokens)
+        self.cache.get(&self.blocks, hash, parent, tokens)
     }
 
     /// Free queue from front to back (tests and diagnostics).
     pub fn free_queue(&self) -> Vec<u32> {
-        let mut out = Vec::with_capacity(self.num_free);
-        let mut b = self.head;
-        while b != NIL {
-            out.push(b);
-            b = self.links[b as usize].next;
-        }
-        out
+        self.free
+            .iter()
+            .filter(|e| self.is_live(e))
+            .map(|e| e.block)
+            .collect()
     }
 
     /// S16 accounting: every usable block is either free or referenced,
@@ -158,67 +235,62 @@ impl BlockPool {
             ));
         }
         for b in 1..self.num_blocks {
-            let link = self.links[b];
-            if link.in_free == (link.ref_cnt > 0) {
+            let block = self.blocks[b];
+            if block.in_free == (block.ref_cnt > 0) {
                 return Err(format!(
                     "block {b}: in_free={} ref_cnt={}",
-                    link.in_free, link.ref_cnt
+                    block.in_free, block.ref_cnt
                 ));
             }
         }
         Ok(())
     }
 
-    fn unlink(&mut self, b: u32) {
-        let Link { prev, next, .. } = self.links[b as usize];
-        debug_assert!(self.links[b as usize].in_free);
-        if prev == NIL {
-            self.head = next;
-        } else {
-            self.links[prev as usize].next = next;
+    #[inline]
+    fn is_live(&self, e: &FreeEntry) -> bool {
+        let block = &self.blocks[e.block as usize];
+        block.in_free && block.ticket == e.ticket
+    }
+
+    fn pop_front(&mut self) -> u32 {
+        loop {
+            let e = self.free.pop_front().expect("the caller checked num_free");
+            if self.is_live(&e) {
+                self.blocks[e.block as usize].in_free = false;
+                self.num_free -= 1;
+                return e.block;
+            }
         }
-        if next == NIL {
-            self.tail = prev;
-        } else {
-            self.links[next as usize].prev = prev;
-        }
-        let link = &mut self.links[b as usize];
-        link.prev = NIL;
-        link.next = NIL;
-        link.in_free = false;
-        self.num_free -= 1;
+    }
+
+    /// Drops the stale entries.
+    fn compact(&mut self) {
+        let blocks = &self.blocks;
+        self.free.retain(|e| {
+            let block = &blocks[e.block as usize];
+            block.in_free && block.ticket == e.ticket
+        });
+    }
+
+    fn new_entry(&mut self, b: u32) -> FreeEntry {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        let block = &mut self.blocks[b as usize];
+        debug_assert!(!block.in_free);
+        block.in_free = true;
+        block.ticket = ticket;
+        self.num_free += 1;
+        FreeEntry { block: b, ticket }
     }
 
     fn push_back(&mut self, b: u32) {
-        debug_assert!(!self.links[b as usize].in_free);
-        let tail = self.tail;
-        let link = &mut self.links[b as usize];
-        link.prev = tail;
-        link.next = NIL;
-        link.in_free = true;
-        if tail == NIL {
-            self.head = b;
-        } else {
-            self.links[tail as usize].next = b;
-        }
-        self.tail = b;
-        self.num_free += 1;
+        let e = self.new_entry(b);
+        self.free.push_back(e);
     }
 
     fn push_front(&mut self, b: u32) {
-        debug_assert!(!self.links[b as usize].in_free);
-        let head = self.head;
-        let link = &mut self.links[b as usize];
-        link.next = head;
-        link.prev = NIL;
-        link.in_free = true;
-        if head == NIL {
-            self.tail = b;
-        } else {
-            self.links[head as usize].prev = b;
-        }
-        self.head = b;
-        self.num_free += 1;
+        let e = self.new_entry(b);
+        self.free.push_front(e);
     }
 }
 
@@ -269,6 +341,11 @@ mod tests {
         assert_eq!(more, vec![2, 1]);
         assert_eq!(pool.get_cached_block(11, 0, &[7]), None, "evicted on reuse");
         assert_eq!(pool.block_hash(1), None);
+    }
+
+    #[test]
+    fn a_block_record_is_a_half_cache_line() {
+        assert_eq!(std::mem::size_of::<Block>(), 32);
     }
 
     #[test]

@@ -37,8 +37,18 @@ pub struct AllocRequest {
     pub full_sequence_must_fit: bool,
     /// Blocks that must stay free after this allocation (watermark).
     pub reserve_blocks: usize,
-    /// The KV is being loaded asynchronously: cache the blocks once it lands.
+    /// Do not cache the blocks now: the caller calls `cache_blocks` later
+    /// (an asynchronous load that has not landed, or a batch at the end of
+    /// the running phase).
     pub delay_cache: bool,
+}
+
+/// The blocks one request holds, and how many of them (from the start) are
+/// registered in the prefix cache.
+#[derive(Debug, Default)]
+struct ReqBlocks {
+    blocks: Vec<u32>,
+    num_cached: usize,
 }
 
 #[derive(Debug)]
@@ -47,8 +57,9 @@ pub struct KvCacheManager {
     block_size: usize,
     max_model_len: usize,
     enable_caching: bool,
-    req_blocks: Vec<Vec<u32>>,
-    num_cached_blocks: Vec<usize>,
+    /// By handle. One entry per request (32 bytes) so that the per-step
+    /// check of a running request reads one cache line, not two arrays.
+    reqs: Vec<ReqBlocks>,
     pub stats: PrefixCacheStats,
     scratch: Vec<u32>,
 }
@@ -65,8 +76,7 @@ impl KvCacheManager {
             block_size,
             max_model_len,
             enable_caching,
-            req_blocks: Vec::new(),
-            num_cached_blocks: Vec::new(),
+            reqs: Vec::new(),
             stats: PrefixCacheStats::default(),
             scratch: Vec::new(),
         }
@@ -77,9 +87,9 @@ impl KvCacheManager {
     }
 
     pub fn blocks(&self, handle: Handle) -> &[u32] {
-        self.req_blocks
+        self.reqs
             .get(handle as usize)
-            .map_or(&[], |v| v.as_slice())
+            .map_or(&[], |r| r.blocks.as_slice())
     }
 
     pub fn num_free_blocks(&self) -> usize {
@@ -97,9 +107,8 @@ impl KvCacheManager {
 
     fn ensure_slot(&mut self, handle: Handle) {
         let i = handle as usize;
-        if i >= self.req_blocks.len() {
-            self.req_blocks.resize_with(i + 1, Vec::new);
-            self.num_cached_blocks.resize(i + 1, 0);
+        if i >= self.reqs.len() {
+            self.reqs.resize_with(i + 1, ReqBlocks::default);
         }
     }
 
@@ -145,7 +154,9 @@ impl KvCacheManager {
 
     /// Allocates the slots for `num_new_tokens` more tokens (after any prefix
     /// hit), or returns `None` and changes nothing when the pool is short.
-    /// Returns the number of blocks newly taken from the free queue.
+    /// Returns the number of blocks newly taken from the free queue; their
+    /// ids are appended to `new_blocks_out`.
+    #[inline]
     pub fn allocate_slots(
         &mut self,
         req: &Request,
@@ -155,24 +166,41 @@ impl KvCacheManager {
     ) -> Option<usize> {
         if hit.is_none() && !alloc.full_sequence_must_fit {
             // A running request: most steps need no new block and fill none.
-            let h = req.handle as usize;
-            let held = self.req_blocks[h].len();
+            // This test is inlined into the scheduler's loop; the rest is not.
+            let r = &self.reqs[req.handle as usize];
+            let held = r.blocks.len();
             let need =
                 (req.num_computed_tokens + alloc.num_new_tokens + alloc.num_lookahead_tokens)
                     .min(self.max_model_len);
-            let full = (req.num_computed_tokens + alloc.num_new_tokens).min(req.num_tokens())
-                / self.block_size;
+            // Tokens whose blocks must be cached (all full ones among them);
+            // compared as token counts to keep divisions out of this path.
+            let to_cache = (req.num_computed_tokens + alloc.num_new_tokens).min(req.num_tokens());
             if need <= held * self.block_size
-                && (!self.enable_caching || full <= self.num_cached_blocks[h])
+                && (!self.enable_caching
+                    || alloc.delay_cache
+                    || to_cache < (r.num_cached + 1) * self.block_size)
                 && alloc.reserve_blocks <= self.pool.num_free_blocks()
             {
                 return Some(0);
             }
         }
+        self.allocate_new_slots(req, alloc, hit, new_blocks_out)
+    }
+
+    /// The general case of `allocate_slots`, kept out of line so that the
+    /// test above stays small where it is inlined.
+    #[inline(never)]
+    fn allocate_new_slots(
+        &mut self,
+        req: &Request,
+        alloc: AllocRequest,
+        hit: Option<&CacheHit>,
+        new_blocks_out: &mut Vec<u32>,
+    ) -> Option<usize> {
         let hit_blocks: &[u32] = hit.map_or(&[], |h| h.blocks.as_slice());
         let hit_tokens = hit.map_or(0, |h| h.num_tokens);
         self.ensure_slot(req.handle);
-        let held = self.req_blocks[req.handle as usize].len();
+        let held = self.reqs[req.handle as usize].blocks.len();
         let num_computed = req.num_computed_tokens + hit_tokens;
         let need_slots = (num_computed + alloc.num_new_tokens + alloc.num_lookahead_tokens)
             .min(self.max_model_len);
@@ -192,10 +220,11 @@ impl KvCacheManager {
         }
         if !hit_blocks.is_empty() {
             self.pool.touch(hit_blocks);
-            self.req_blocks[req.handle as usize].extend_from_slice(hit_blocks);
-            self.num_cached_blocks[req.handle as usize] = hit_blocks.len();
+            let r = &mut self.reqs[req.handle as usize];
+            r.blocks.extend_from_slice(hit_blocks);
+            r.num_cached = hit_blocks.len();
         }
-        let blocks = &mut self.req_blocks[req.handle as usize];
+        let blocks = &mut self.reqs[req.handle as usize].blocks;
         let want = cdiv(need_slots, self.block_size).saturating_sub(blocks.len());
         let start = new_blocks_out.len();
         self.pool.get_new_blocks(want, new_blocks_out);
@@ -209,6 +238,28 @@ impl KvCacheManager {
         Some(want)
     }
 
+    /// Whether `cache_blocks(req, num_tokens)` would register any block.
+    #[inline]
+    pub fn has_blocks_to_cache(&self, handle: Handle, num_tokens: usize) -> bool {
+        self.enable_caching
+            && num_tokens >= (self.reqs[handle as usize].num_cached + 1) * self.block_size
+    }
+
+    /// Loads what `cache_blocks` will touch for each `(request, num_tokens)`,
+    /// all at once (see `BlockPool::warm_for_caching`).
+    pub fn warm_for_caching<'a>(&self, batch: impl Iterator<Item = (&'a Request, usize)>) {
+        for (req, num_tokens) in batch {
+            let r = &self.reqs[req.handle as usize];
+            let num_full = num_tokens / self.block_size;
+            if r.num_cached < num_full {
+                self.pool.warm_for_caching(
+                    &r.blocks[r.num_cached..num_full],
+                    &req.block_hashes[r.num_cached..num_full],
+                );
+            }
+        }
+    }
+
     /// Registers every full block among the first `num_tokens` tokens.
     pub fn cache_blocks(&mut self, req: &Request, num_tokens: usize) {
         if !self.enable_caching {
@@ -216,13 +267,19 @@ impl KvCacheManager {
         }
         let h = req.handle as usize;
         let num_full = num_tokens / self.block_size;
-        let start = self.num_cached_blocks[h];
+        let start = self.reqs[h].num_cached;
         if start >= num_full {
             return;
         }
         let bs = self.block_size;
+        if num_full - start > 1 {
+            self.pool.warm_for_caching(
+                &self.reqs[h].blocks[start..num_full],
+                &req.block_hashes[start..num_full],
+            );
+        }
         for i in start..num_full {
-            let block = self.req_blocks[h][i];
+            let block = self.reqs[h].blocks[i];
             let parent = if i == 0 {
                 req.hash_root
             } else {
@@ -235,27 +292,24 @@ impl KvCacheManager {
                 &req.token_ids[i * bs..(i + 1) * bs],
             );
         }
-        self.num_cached_blocks[h] = num_full;
+        self.reqs[h].num_cached = num_full;
     }
 
     /// Frees a request's blocks tail first (S8).
     pub fn free(&mut self, handle: Handle) {
         let i = handle as usize;
-        if i >= self.req_blocks.len() {
+        let Some(r) = self.reqs.get_mut(i) else {
             return;
-        }
-        let blocks = std::mem::take(&mut self.req_blocks[i]);
+        };
         self.pool
-            .free_blocks(blocks.iter().rev().copied(), &mut self.scratch);
-        self.num_cached_blocks[i] = 0;
+            .free_blocks(r.blocks.iter().rev().copied(), &mut self.scratch);
         // Keep the allocation for the next request that reuses this handle.
-        let mut blocks = blocks;
-        blocks.clear();
-        self.req_blocks[i] = blocks;
+        r.blocks.clear();
+        r.num_cached = 0;
     }
 
     /// Sum of blocks held by requests (for the S16 accounting check).
     pub fn num_held_blocks(&self) -> usize {
-        self.req_blocks.iter().map(Vec::len).sum()
+        self.reqs.iter().map(|r| r.blocks.len()).sum()
     }
 }

@@ -5,9 +5,7 @@
 //! same content (an exact duplicate prompt recomputes its capped last block);
 //! lookups return the earliest-inserted one still cached.
 
-use std::collections::hash_map::Entry;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use super::block_pool::Block;
 
 /// Hashes one full block of token ids, chained to its parent block's hash.
 #[derive(Debug, Clone)]
@@ -34,6 +32,18 @@ impl BlockHasher {
 
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// Whether a sequence of `num_tokens` tokens ends on a block boundary.
+    /// Block sizes are powers of two in practice: a mask keeps a division
+    /// off the per-token path.
+    #[inline]
+    pub fn ends_block(&self, num_tokens: usize) -> bool {
+        if self.block_size.is_power_of_two() {
+            num_tokens & (self.block_size - 1) == 0
+        } else {
+            num_tokens % self.block_size == 0
+        }
     }
 
     /// The parent value of a request's first block: distinct per LoRA
@@ -69,139 +79,162 @@ fn fold(a: u64, b: u64) -> u64 {
     (p as u64) ^ ((p >> 64) as u64)
 }
 
-/// Keys are already well-mixed hashes: hashing them again is wasted work.
-#[derive(Default)]
-pub struct IdentityHasher(u64);
+/// Index values: a block id, or (high bit set) an index into the overflow
+/// lists used when several blocks share a hash. One block per hash is the
+/// norm, so a slot stays 16 bytes.
+const MANY: u32 = 1 << 31;
+/// An unused slot (block ids and overflow indices stay far below it).
+const EMPTY: u32 = u32::MAX;
 
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 << 8) | u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    hash: u64,
+    value: u32,
 }
 
-pub type IdentityBuild = BuildHasherDefault<IdentityHasher>;
-
-/// Map values: a block id, or (high bit set) an index into the overflow
-/// lists used when several blocks share a hash. One block per hash is the
-/// norm, so an entry stays 16 bytes.
-const MANY: u32 = 1 << 31;
+const EMPTY_SLOT: Slot = Slot {
+    hash: 0,
+    value: EMPTY,
+};
 
 /// hash -> cached block ids in insertion order, plus what each cached block
-/// holds so a hit can be confirmed against the request's tokens.
+/// holds so a hit can be confirmed against the request's tokens. What a block
+/// is cached as (hash and parent) lives in the pool's per-block records,
+/// which every method here reads through `blocks`.
 ///
-/// Eviction is lazy: an evicted block only loses its `hash_of` mark, and
-/// map entries pointing at it are dropped when that hash is next inserted,
-/// or in a sweep once stale entries could outnumber the pool. A block's
-/// lifetime thus costs one map operation, not two.
+/// The index is an open-addressing table with linear probing whose slots
+/// hold the key next to the value: an insert or a lookup touches one cache
+/// line in the common case. (A general-purpose map keeps control bytes apart
+/// from its buckets: two lines, and on a table this size both tend to be
+/// misses, since the model's work evicts it between steps.) Keys are
+/// already well-mixed hashes, so their low bits pick the slot.
+///
+/// Eviction is lazy: an evicted block only loses its mark in the pool, and
+/// index entries pointing at it are dropped when that hash is next inserted,
+/// or in a sweep once the table is half full. A block's lifetime thus costs
+/// one index operation, not two.
 #[derive(Debug)]
 pub struct PrefixCache {
     block_size: usize,
-    map: HashMap<u64, u32, IdentityBuild>,
+    slots: Vec<Slot>,
+    /// Occupied slots.
+    len: usize,
     overflow: Vec<Vec<u32>>,
     free_overflow: Vec<u32>,
-    /// Per block: the hash it is cached under (if cached) and its parent's.
-    meta: Vec<CacheMeta>,
-    /// Per block: its token ids (valid while it is cached).
+    /// The live entries during a sweep (kept to reuse the allocation).
+    sweep_scratch: Vec<Slot>,
+    /// Per block: its token ids (valid while it is cached), from `tokens_start`.
     tokens: Vec<u32>,
-}
-
-#[derive(Debug, Clone, Copy, Default)]
-struct CacheMeta {
-    hash: Option<u64>,
-    parent: u64,
+    /// Where block 0's tokens start in `tokens`: chosen so that every
+    /// block's tokens start on a 64-byte boundary whenever a block's tokens
+    /// fill whole cache lines (block size a multiple of 16), so caching a
+    /// block writes one line, not two.
+    tokens_start: usize,
 }
 
 impl PrefixCache {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        let mut map = HashMap::default();
-        map.reserve(num_blocks);
+        // At most one live key per block: sweeping at half full leaves at
+        // most a quarter of the slots used, so sweeps are rare and probes short.
+        let num_slots = (4 * num_blocks).next_power_of_two().max(8);
+        const LINE: usize = 64 / std::mem::size_of::<u32>();
+        let tokens = vec![0; num_blocks * block_size + LINE];
+        // The allocation never moves (the vector never grows), so an offset
+        // computed from its address once stays aligned.
+        let misalignment = (tokens.as_ptr() as usize % 64) / std::mem::size_of::<u32>();
+        let tokens_start = (LINE - misalignment) % LINE;
         PrefixCache {
             block_size,
-            map,
+            slots: vec![EMPTY_SLOT; num_slots],
+            len: 0,
             overflow: Vec::new(),
             free_overflow: Vec::new(),
-            meta: vec![CacheMeta::default(); num_blocks],
-            tokens: vec![0; num_blocks * block_size],
+            sweep_scratch: Vec::new(),
+            tokens,
+            tokens_start,
         }
     }
 
-    pub fn hash_of(&self, block: u32) -> Option<u64> {
-        self.meta[block as usize].hash
+    #[inline]
+    fn tokens_of(&self, block: u32) -> std::ops::Range<usize> {
+        let start = self.tokens_start + block as usize * self.block_size;
+        start..start + self.block_size
     }
 
-    pub fn insert(&mut self, block: u32, hash: u64, parent: u64, tokens: &[u32]) {
-        let b = block as usize;
-        debug_assert!(
-            self.meta[b].hash.is_none(),
-            "block {block} is already cached"
-        );
-        self.meta[b] = CacheMeta {
-            hash: Some(hash),
-            parent,
-        };
-        self.tokens[b * self.block_size..(b + 1) * self.block_size].copy_from_slice(tokens);
-        if self.map.len() >= 2 * self.meta.len() {
-            self.sweep();
-        }
-        let meta = &self.meta;
-        let live = |x: u32| x != block && meta[x as usize].hash == Some(hash);
-        match self.map.entry(hash) {
-            Entry::Vacant(e) => {
-                e.insert(block);
+    /// The slot holding `hash`, or the empty slot where it would go.
+    #[inline]
+    fn probe(&self, hash: u64) -> usize {
+        let mask = self.slots.len() - 1;
+        let mut i = hash as usize & mask;
+        loop {
+            let slot = &self.slots[i];
+            if slot.value == EMPTY || slot.hash == hash {
+                return i;
             }
-            Entry::Occupied(mut e) => {
-                let v = *e.get();
-                if v & MANY == 0 {
-                    if live(v) {
-                        let list = vec![v, block];
-                        let idx = match self.free_overflow.pop() {
-                            Some(i) => {
-                                self.overflow[i as usize] = list;
-                                i
-                            }
-                            None => {
-                                self.overflow.push(list);
-                                (self.overflow.len() - 1) as u32
-                            }
-                        };
-                        e.insert(idx | MANY);
-                    } else {
-                        e.insert(block);
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Reads the lines `insert(_, block, hash, _)` will touch (see
+    /// `BlockPool::warm_for_caching`).
+    #[inline]
+    pub fn warm(&self, block: u32, hash: u64) -> u64 {
+        let home = hash as usize & (self.slots.len() - 1);
+        self.slots[home].hash ^ u64::from(self.tokens[self.tokens_of(block).start])
+    }
+
+    /// Indexes `block`, whose record in `blocks` already says it is cached
+    /// as `hash`, and keeps a copy of its tokens.
+    pub fn insert(&mut self, blocks: &[Block], block: u32, hash: u64, tokens: &[u32]) {
+        debug_assert_eq!(blocks[block as usize].cached_hash(), Some(hash));
+        let range = self.tokens_of(block);
+        self.tokens[range].copy_from_slice(tokens);
+        let mut i = self.probe(hash);
+        if self.slots[i].value == EMPTY && 2 * (self.len + 1) > self.slots.len() {
+            self.sweep(blocks);
+            i = self.probe(hash);
+        }
+        let live = |x: u32| x != block && blocks[x as usize].cached_hash() == Some(hash);
+        let slot = &mut self.slots[i];
+        let v = slot.value;
+        if v == EMPTY {
+            *slot = Slot { hash, value: block };
+            self.len += 1;
+        } else if v & MANY == 0 {
+            if live(v) {
+                let list = vec![v, block];
+                let idx = match self.free_overflow.pop() {
+                    Some(i) => {
+                        self.overflow[i as usize] = list;
+                        i
                     }
-                } else {
-                    let list = &mut self.overflow[(v & !MANY) as usize];
-                    list.retain(|&x| live(x));
-                    list.push(block);
-                }
+                    None => {
+                        self.overflow.push(list);
+                        (self.overflow.len() - 1) as u32
+                    }
+                };
+                slot.value = idx | MANY;
+            } else {
+                slot.value = block;
             }
+        } else {
+            let list = &mut self.overflow[(v & !MANY) as usize];
+            list.retain(|&x| live(x));
+            list.push(block);
         }
-    }
-
-    /// Drops a block from the cache (its map entry goes stale).
-    pub fn evict(&mut self, block: u32) {
-        self.meta[block as usize].hash = None;
     }
 
     /// The earliest-inserted cached block with this hash whose content really
     /// is `parent` + `tokens`.
-    pub fn get(&self, hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
-        let bs = self.block_size;
+    pub fn get(&self, blocks: &[Block], hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
         let matches = |b: u32| {
-            let i = b as usize;
-            self.meta[i].hash == Some(hash)
-                && self.meta[i].parent == parent
-                && &self.tokens[i * bs..(i + 1) * bs] == tokens
+            blocks[b as usize].is_cached_as(hash, parent)
+                && &self.tokens[self.tokens_of(b)] == tokens
         };
-        let v = *self.map.get(&hash)?;
-        if v & MANY == 0 {
+        let v = self.slots[self.probe(hash)].value;
+        if v == EMPTY {
+            None
+        } else if v & MANY == 0 {
             matches(v).then_some(v)
         } else {
             self.overflow[(v & !MANY) as usize]
@@ -211,43 +244,45 @@ impl PrefixCache {
         }
     }
 
-    /// Removes every stale entry.
-    fn sweep(&mut self) {
-        let (meta, overflow, free_overflow) =
-            (&self.meta, &mut self.overflow, &mut self.free_overflow);
-        self.map.retain(|&hash, v| {
-            if *v & MANY == 0 {
-                return meta[*v as usize].hash == Some(hash);
+    /// Rebuilds the table with only the live entries (in place: a fresh
+    /// table this size would cost page faults on every sweep).
+    fn sweep(&mut self, blocks: &[Block]) {
+        let live = |x: u32, hash: u64| blocks[x as usize].cached_hash() == Some(hash);
+        let mut kept = std::mem::take(&mut self.sweep_scratch);
+        kept.clear();
+        for &Slot { hash, mut value } in &self.slots {
+            if value == EMPTY {
+                continue;
             }
-            let idx = *v & !MANY;
-            let list = &mut overflow[idx as usize];
-            list.retain(|&x| meta[x as usize].hash == Some(hash));
-            match list.len() {
-                0 => {
-                    free_overflow.push(idx);
-                    false
+            if value & MANY == 0 {
+                if !live(value, hash) {
+                    continue;
                 }
-                1 => {
-                    *v = list[0];
-                    free_overflow.push(idx);
-                    true
+            } else {
+                let idx = value & !MANY;
+                let list = &mut self.overflow[idx as usize];
+                list.retain(|&x| live(x, hash));
+                match list.len() {
+                    0 => {
+                        self.free_overflow.push(idx);
+                        continue;
+                    }
+                    1 => {
+                        value = list[0];
+                        self.free_overflow.push(idx);
+                    }
+                    _ => {}
                 }
-                _ => true,
             }
-        });
-    }
-
-    /// Distinct hashes currently cached.
-    pub fn len(&self) -> usize {
-        self.meta
-            .iter()
-            .filter_map(|m| m.hash)
-            .collect::<std::collections::HashSet<_>>()
-            .len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.meta.iter().all(|m| m.hash.is_none())
+            kept.push(Slot { hash, value });
+        }
+        self.slots.fill(EMPTY_SLOT);
+        self.len = kept.len();
+        for &slot in &kept {
+            let i = self.probe(slot.hash);
+            self.slots[i] = slot;
+        }
+        self.sweep_scratch = kept;
     }
 }
 
@@ -265,9 +300,37 @@ mod tests {
         assert_ne!(BlockHasher::root(Some(1)), root);
     }
 
+    /// The index with the pool's per-block records, driven as the pool does.
+    struct Fixture {
+        c: PrefixCache,
+        blocks: Vec<Block>,
+    }
+
+    impl Fixture {
+        fn new(num_blocks: usize, block_size: usize) -> Self {
+            Fixture {
+                c: PrefixCache::new(num_blocks, block_size),
+                blocks: vec![Block::UNUSED; num_blocks],
+            }
+        }
+        fn insert(&mut self, block: u32, hash: u64, parent: u64, tokens: &[u32]) {
+            self.blocks[block as usize].cache_as(hash, parent);
+            self.c.insert(&self.blocks, block, hash, tokens);
+        }
+        fn evict(&mut self, block: u32) {
+            self.blocks[block as usize].evict();
+        }
+        fn get(&self, hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
+            self.c.get(&self.blocks, hash, parent, tokens)
+        }
+        fn is_empty(&self) -> bool {
+            self.blocks.iter().all(|b| b.cached_hash().is_none())
+        }
+    }
+
     #[test]
     fn s8_lookup_confirms_tokens_so_a_forged_hash_misses() {
-        let mut c = PrefixCache::new(4, 2);
+        let mut c = Fixture::new(4, 2);
         c.insert(1, 42, 7, &[1, 2]);
         assert_eq!(c.get(42, 7, &[1, 2]), Some(1));
         assert_eq!(c.get(42, 7, &[1, 3]), None, "same hash, other tokens");
@@ -276,7 +339,7 @@ mod tests {
 
     #[test]
     fn s8_duplicates_resolve_to_earliest_inserted_still_cached() {
-        let mut c = PrefixCache::new(4, 2);
+        let mut c = Fixture::new(4, 2);
         c.insert(3, 42, 7, &[1, 2]);
         c.insert(1, 42, 7, &[1, 2]);
         assert_eq!(c.get(42, 7, &[1, 2]), Some(3));
@@ -292,16 +355,25 @@ mod tests {
 
     #[test]
     fn s8_stale_entries_are_swept_and_never_returned() {
-        let mut c = PrefixCache::new(2, 1);
+        let mut c = Fixture::new(2, 1);
         for round in 0..50u64 {
             c.insert(1, 100 + round, 0, &[round as u32]);
             c.evict(1);
         }
         assert!(
-            c.map.len() <= 4,
+            c.c.len <= c.c.slots.len() / 2,
             "sweeps keep stale entries bounded: {}",
-            c.map.len()
+            c.c.len
         );
         assert_eq!(c.get(149, 0, &[49]), None);
+    }
+
+    #[test]
+    fn s8_block_tokens_start_on_a_cache_line_when_they_fill_lines() {
+        let c = PrefixCache::new(8, 16);
+        for b in 0..8 {
+            let start = &c.tokens[c.tokens_of(b)][0] as *const u32 as usize;
+            assert_eq!(start % 64, 0, "block {b}");
+        }
     }
 }
