@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs everything, then runs fastsched's main job.
+# Installs everything, then serves the model (default: the embedded SmolLM2-135M-Instruct)
+# on http://127.0.0.1:8000 (OpenAI API) with gRPC frontends on 127.0.0.1:50051.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/fastsched generate "$@"
+exec .venv/bin/fastsched serve "$@"

@@ -1,4 +1,4 @@
-"""The ``fastsched`` command: generate, make-tiny-model (and, later, serve)."""
+"""The ``fastsched`` command: serve, bench serve, generate, make-tiny-model."""
 
 from __future__ import annotations
 
@@ -98,6 +98,78 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from fastsched.entrypoints.serve import ServeConfig, ServeError, serve
+
+    config = ServeConfig(
+        engine_config=engine_kwargs(args),
+        host=args.host,
+        port=args.port,
+        grpc_host=args.grpc_host,
+        grpc_port=args.grpc_port,
+        data_parallel_size=args.data_parallel_size,
+        api_server_count=args.api_server_count,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        max_num_queued_tokens=args.max_num_queued_tokens,
+        enable_fault_tolerance=args.enable_fault_tolerance,
+        api_key=args.api_key,
+        engine_timeout=args.engine_timeout,
+        ready_timeout=args.ready_timeout,
+        served_model_name=args.served_model_name,
+        torch_num_threads=args.torch_num_threads,
+        access_log=not args.disable_access_log,
+        log_level=args.log_level,
+    )
+    try:
+        return serve(config)
+    except ServeError as e:
+        print(f"fastsched serve: error: {e}", file=sys.stderr)
+        return 1
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """``fastsched serve``'s own flags (the engine's come from add_engine_args)."""
+    n = parser.add_argument_group("network")
+    n.add_argument("--host", default="127.0.0.1", help="address the HTTP gateway listens on")
+    n.add_argument("--port", type=int, default=8000, help="port of the HTTP gateway (OpenAI API, /health, /metrics)")
+    n.add_argument("--grpc-host", default="127.0.0.1", help="address the gRPC frontends listen on")
+    n.add_argument("--grpc-port", type=int, default=50051,
+                   help="gRPC port of frontend 0; frontend k listens on this port + k")
+    n.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open)")
+    n.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the checkpoint's directory or file name)")
+    n.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+    p = parser.add_argument_group("processes (DESIGN §1)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine processes (D), each a full copy of the model with its own scheduler and KV pool")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="gRPC frontend processes (K), sharing the admission limits through shared memory (A6)")
+    p.add_argument("--torch-num-threads", type=int, default=None,
+                   help="CPU threads of each engine's torch (default: torch's choice)")
+    p.add_argument("--engine-timeout", type=float, default=5.0,
+                   help="seconds without a message (heartbeats are sent each second) before a frontend "
+                        "declares an engine dead")
+    p.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds allowed for the engines (model load) and frontends to start")
+    a = parser.add_argument_group("admission control (DESIGN §6)")
+    a.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="A2: reject (503) a request when the requests in flight over all frontends would exceed "
+                        "this (default: no limit)")
+    a.add_argument("--max-num-queued-tokens", type=int, default=None,
+                   help="A3: reject (503) a request when the prompt tokens still in prefill reach this "
+                        "(default: no limit)")
+    a.add_argument("--enable-fault-tolerance", action="store_true",
+                   help="A1: keep serving when an engine dies, answering 503 engine_faulted and /health 503 "
+                        "(default: the whole server exits)")
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from fastsched.entrypoints.bench_serve import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastsched",
@@ -126,6 +198,32 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", help="directory to write")
     tiny.add_argument("--seed", type=int, default=0, help="weights and tokenizer seed")
     tiny.set_defaults(func=cmd_make_tiny_model)
+
+    srv = sub.add_parser(
+        "serve", help="serve a model over OpenAI's HTTP API (gateway, gRPC frontends, engines)",
+        description="Start D engine processes, K gRPC frontends and the HTTP gateway; Ctrl-C or SIGTERM "
+                    "stops them all (gateway, then frontends, then engines).",
+    )
+    add_serve_args(srv)
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks against a running server",
+                           description="Benchmarks against a running server.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from fastsched.entrypoints.bench_serve import add_bench_serve_args
+
+    bench_serve = bench_sub.add_parser(
+        "serve", help="open-loop Poisson load at one or more request rates against a gateway",
+        description="Send streaming completions at Poisson arrivals (open loop) for each --qps; report TTFT, "
+                    "inter-token and end-to-end latency percentiles, throughput and 503s by reason.",
+    )
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
+
+    from fastsched.entrypoints.plan import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 

@@ -1,0 +1,625 @@
+"""``fastsched serve``: the whole server of DESIGN §1 from one command.
+
+The launcher (this process) starts, in order:
+
+1. D EngineCore processes (spawned; ``engine_proc.run_engine``), engine ``i`` bound at
+   ``ipc://<dir>/engine<i>.in`` and pushing to every frontend;
+2. K gRPC frontend processes (spawned; :func:`run_frontend`), frontend ``k`` bound at
+   ``ipc://<dir>/frontend<k>.out`` and serving gRPC on ``grpc_port + k``, each with its
+   own event loop, one ``AsyncLLM`` and its slot ``k`` of the shared admission counters
+   (A6);
+3. the gateway (uvicorn, in this process's event loop) over the K frontends.
+
+``<dir>`` is a private temporary directory (0700). The shared-memory segment of the A6
+counters is created here before any frontend starts, named
+``fastsched-serve-<pid>-<random>``. Both are removed at exit; a later launcher also
+removes those left by a launcher that was killed (its pid is in the name).
+
+Shutdown (SIGINT or SIGTERM to the launcher) goes gateway → frontends → engines: the
+gateway stops accepting and lets requests in flight finish for up to
+``DRAIN_TIMEOUT_S`` (the engines still run meanwhile), then each kind of child gets
+SIGTERM, and SIGKILL if it is still there ``STOP_TIMEOUT_S`` later. A second signal
+skips the waiting. Children block SIGINT so that Ctrl-C in a terminal (which signals
+the whole process group) reaches only the launcher and this order holds; they stop
+on SIGTERM, and on their own when the launcher disappears (each polls its parent).
+
+A child that fails while starting makes the launcher stop the others and exit 1 with
+the child's error (:class:`ServeError`). A child that dies later: without fault
+tolerance, the launcher shuts everything down and exits 1, as vLLM does; with
+``enable_fault_tolerance`` a dead engine leaves the server up and answering
+``/health`` 503 and requests 503 ``engine_faulted`` (A1), so a load balancer can route
+around it. A dead frontend or gateway always ends the launcher.
+
+Log lines meant to be read by people and by scripts (the process tests rely on them)::
+
+    ipc dir /tmp/fastsched-serve-123-abcd; shared admission stats /dev/shm/fastsched-serve-123-9f3e
+    engine 0 ready (pid 4567): model=... max_model_len=... KV blocks=...
+    frontend 1 serving gRPC on 127.0.0.1:50052 (pid 4570)
+    gateway listening on http://127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import glob
+import logging
+import multiprocessing
+import os
+import secrets
+import select
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_connections
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("fastsched.serve")
+
+NAME_PREFIX = "fastsched-serve-"  # of the ipc directory and the shared-memory segment
+DRAIN_TIMEOUT_S = 5.0  # the gateway's grace for requests in flight at shutdown
+STOP_TIMEOUT_S = 5.0  # per kind of child, between SIGTERM and SIGKILL
+PARENT_POLL_S = 0.5  # how often a frontend checks that the launcher is still there
+FRONTEND_GRACE_S = 1.0  # the gRPC server's grace for calls in flight when a frontend stops
+
+
+class ServeError(RuntimeError):
+    """The server could not start (a child failed, a port is taken) or a child died."""
+
+
+@dataclass
+class ServeConfig:
+    """What ``fastsched serve`` takes; validated here, before anything starts."""
+
+    engine_config: dict[str, Any] = field(default_factory=dict)  # EngineConfig keyword arguments
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 50051  # frontend k listens on grpc_port + k
+    data_parallel_size: int = 1
+    api_server_count: int = 1
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    enable_fault_tolerance: bool = False
+    api_key: str | None = None
+    engine_timeout: float = 5.0
+    ready_timeout: float = 300.0
+    served_model_name: str | None = None
+    torch_num_threads: int | None = None
+    access_log: bool = True
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        for name in ("data_parallel_size", "api_server_count"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens", "torch_num_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value}")
+        for name in ("engine_timeout", "ready_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not 1 <= self.grpc_port <= 65535 - (self.api_server_count - 1):
+            raise ValueError(f"grpc_port + api_server_count - 1 must be in 1..65535, got grpc_port {self.grpc_port}")
+        if self.host == self.grpc_host and self.port in self.grpc_ports:
+            raise ValueError(f"port ({self.port}) collides with the gRPC ports {self.grpc_ports}")
+
+    @property
+    def grpc_ports(self) -> list[int]:
+        return [self.grpc_port + k for k in range(self.api_server_count)]
+
+
+# ------------------------------------------------------------------ children
+
+
+@dataclass
+class _Child:
+    kind: str  # "engine" | "frontend"
+    index: int
+    proc: BaseProcess
+    ready_pipe: Connection | None  # the launcher's end; None once it has answered
+    ready: bool = False
+    info: Any = None  # an engine's protocol.ModelInfo
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.index}"
+
+
+def _block_sigint() -> None:
+    # Ctrl-C signals the whole process group: only the launcher acts on it (see the module docstring).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def _engine_main(*args: Any, **kwargs: Any) -> None:
+    _block_sigint()  # before torch's import starts threads: they inherit the mask
+    from fastsched.engine.engine_proc import run_engine
+
+    run_engine(*args, **kwargs)
+
+
+def _spawn(target: Any, name: str, args: tuple, kwargs: dict[str, Any]) -> BaseProcess:
+    # Spawned, not forked: torch, gRPC and ZMQ state must not be copied (as engine_proc does).
+    proc = multiprocessing.get_context("spawn").Process(target=target, args=args, kwargs=kwargs, name=name,
+                                                        daemon=True)
+    proc.start()
+    return proc
+
+
+def _ready_pipe() -> tuple[Connection, Connection]:
+    """(the launcher's end, the child's end) of a one-way pipe for the child's READY/FAILED."""
+    launcher_end, child_end = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    return launcher_end, child_end
+
+
+class _SiblingProcess:
+    """``is_alive()`` for an engine process a frontend did not start (its sibling): a
+    pidfd turns readable when the process exits, zombie or not, and never names a
+    reused pid. Lets AsyncLLM notice a dead engine at once, not after engine_timeout."""
+
+    exitcode = None  # only the parent can know it
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd: int | None
+        try:
+            self._fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._fd = -1  # already gone
+        except (AttributeError, OSError):
+            self._fd = None  # no pidfd (old kernel): fall back to /proc
+
+    def is_alive(self) -> bool:
+        if self._fd == -1:
+            return False
+        if self._fd is not None:
+            readable, _, _ = select.select([self._fd], [], [], 0)
+            return not readable
+        try:
+            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state not in ("Z", "X")
+
+    def close(self) -> None:
+        if self._fd is not None and self._fd >= 0:
+            os.close(self._fd)
+            self._fd = None
+
+
+def run_frontend(
+    frontend_index: int,
+    engine_input_addrs: Sequence[str],
+    engine_pids: Sequence[int],
+    output_addr: str,
+    grpc_host: str,
+    grpc_port: int,
+    shm_name: str,
+    ready_pipe: Connection,
+    admission: dict[str, Any],
+    engine_timeout: float,
+    ready_timeout: float,
+    log_level: str,
+) -> None:
+    """A frontend process's main: AsyncLLM + gRPC server until SIGTERM or the launcher's
+    death. Sends ``("ready", address)`` or ``("failed", message)`` on ``ready_pipe``."""
+    _block_sigint()
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(levelname)s [frontend {frontend_index}] %(name)s: %(message)s")
+    code = asyncio.run(_frontend_main(
+        frontend_index, engine_input_addrs, engine_pids, output_addr, grpc_host, grpc_port, shm_name, ready_pipe,
+        admission, engine_timeout, ready_timeout,
+    ))
+    sys.exit(code)
+
+
+async def _frontend_main(
+    frontend_index: int,
+    engine_input_addrs: Sequence[str],
+    engine_pids: Sequence[int],
+    output_addr: str,
+    grpc_host: str,
+    grpc_port: int,
+    shm_name: str,
+    ready_pipe: Connection,
+    admission: dict[str, Any],
+    engine_timeout: float,
+    ready_timeout: float,
+) -> int:
+    from fastsched._core import SharedAdmissionStats
+    from fastsched.engine.async_llm import AsyncLLM
+    from fastsched.entrypoints.grpc_server import serve_frontend
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    parent_pid = os.getppid()
+
+    async def watch_parent() -> None:
+        while os.getppid() == parent_pid:
+            await asyncio.sleep(PARENT_POLL_S)
+        logger.warning("the launcher (pid %d) is gone; exiting", parent_pid)
+        stop.set()
+
+    watcher = asyncio.create_task(watch_parent())
+    engines = [_SiblingProcess(pid) for pid in engine_pids]
+    llm = server = None
+    address = f"{grpc_host}:{grpc_port}"
+    try:
+        try:
+            shared = SharedAdmissionStats.open(shm_name, frontend_index)
+            starting = asyncio.create_task(AsyncLLM.start(
+                engine_input_addrs, output_addr, frontend_index=frontend_index, shared_stats=shared,
+                engine_procs=engines, engine_timeout=engine_timeout, ready_timeout=ready_timeout, **admission,
+            ))
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not starting.done():  # stopped while waiting for the engines
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+                return 0
+            llm = starting.result()
+            server = await serve_frontend(llm, grpc_host, grpc_port)
+        except Exception as e:
+            logger.error("frontend %d failed to start: %s", frontend_index, e)
+            with contextlib.suppress(OSError):
+                ready_pipe.send(("failed", f"frontend {frontend_index} failed to start: {type(e).__name__}: {e}"))
+            return 1
+        ready_pipe.send(("ready", address))
+        ready_pipe.close()
+        await stop.wait()
+        logger.info("frontend %d stopping", frontend_index)
+        return 0
+    finally:
+        # Stopping already: a second SIGTERM (the launcher's, after a signal to the whole
+        # process group) must not kill the clean-up half way.
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        watcher.cancel()
+        if server is not None:
+            await server.stop(FRONTEND_GRACE_S)
+        if llm is not None:
+            await llm.shutdown()
+        for engine in engines:
+            engine.close()
+        logger.info("frontend %d stopped", frontend_index)
+
+
+# ------------------------------------------------------------------ the launcher
+
+
+class _Signals:
+    """SIGINT/SIGTERM to the launcher: the first asks for a clean shutdown, the next
+    ones for a fast one. Handlers only record (logging from a handler can deadlock)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+
+    def install(self) -> dict[int, Any]:
+        return {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self._loop is not None and self._event is not None:
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    def attach(self, loop: asyncio.AbstractEventLoop | None, event: asyncio.Event | None) -> None:
+        self._loop, self._event = loop, event
+
+    @property
+    def stop(self) -> bool:
+        return self.count > 0
+
+    @property
+    def force(self) -> bool:
+        return self.count > 1
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(shm_dir: str = "/dev/shm", tmp_dir: str | None = None) -> list[str]:
+    """Removes the ipc directories and shared-memory segments of launchers that died
+    without cleaning up (A6: stale segments are cleaned up); returns what it removed."""
+    removed = []
+    tmp_dir = tmp_dir or tempfile.gettempdir()
+    candidates = glob.glob(os.path.join(shm_dir, NAME_PREFIX + "*")) + glob.glob(os.path.join(tmp_dir, NAME_PREFIX + "*"))
+    for path in candidates:
+        try:
+            pid = int(os.path.basename(path)[len(NAME_PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        with contextlib.suppress(OSError):
+            if pid == os.getpid() or _pid_alive(pid) or os.stat(path).st_uid != os.getuid():
+                continue
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"the gateway cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Best effort, so that a taken gRPC port fails before any process starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ServeError(f"a gRPC frontend cannot listen on {host}:{port}: the port is in use") from e
+            raise ServeError(f"a gRPC frontend cannot listen on {host}:{port}: {e}") from e
+
+
+class Launcher:
+    """One run of ``fastsched serve``: :meth:`run` returns the exit code."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.signals = _Signals()
+        self.engines: list[_Child] = []
+        self.frontends: list[_Child] = []
+        self.ipc_dir: str | None = None
+        self.shm: Any = None
+        self.http_sock: socket.socket | None = None
+        self.exit_code = 0
+
+    # ------------------------------------------------------------ start-up
+
+    def run(self) -> int:
+        previous = self.signals.install()
+        try:
+            self._start()
+            if not self.signals.stop:
+                asyncio.run(self._serve_gateway())
+        finally:
+            self.signals.attach(None, None)
+            self._shutdown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return self.exit_code
+
+    def _start(self) -> None:
+        from fastsched._core import SharedAdmissionStats
+
+        c = self.config
+        for path in remove_stale():
+            logger.info("removed %s, left by a launcher that is gone", path)
+        self.http_sock = _listen(c.host, c.port)
+        for port in c.grpc_ports:
+            _check_port_free(c.grpc_host, port)
+        self.ipc_dir = tempfile.mkdtemp(prefix=f"{NAME_PREFIX}{os.getpid()}-")  # mode 0700
+        self.shm = SharedAdmissionStats.create(f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(4)}",
+                                               c.api_server_count)
+        logger.info("ipc dir %s; shared admission stats %s", self.ipc_dir, self.shm.path)
+        engine_inputs = [f"ipc://{self.ipc_dir}/engine{i}.in" for i in range(c.data_parallel_size)]
+        frontend_outputs = [f"ipc://{self.ipc_dir}/frontend{k}.out" for k in range(c.api_server_count)]
+        for i, addr in enumerate(engine_inputs):
+            ours_ready, theirs_ready = _ready_pipe()
+            engine_kwargs = {"ready_pipe": theirs_ready, "log_level": c.log_level,
+                             "torch_num_threads": c.torch_num_threads}
+            proc = _spawn(_engine_main, f"fastsched-engine-{i}",
+                          (dict(c.engine_config), i, addr, frontend_outputs), engine_kwargs)
+            theirs_ready.close()
+            self.engines.append(_Child("engine", i, proc, ours_ready))
+            logger.info("engine %d starting (pid %d)", i, proc.pid)
+        admission = {"max_num_queued_reqs": c.max_num_queued_reqs, "max_num_queued_tokens": c.max_num_queued_tokens,
+                     "fault_tolerance": c.enable_fault_tolerance}
+        engine_pids = [e.proc.pid for e in self.engines]
+        for k, (addr, port) in enumerate(zip(frontend_outputs, c.grpc_ports)):
+            ours_ready, theirs_ready = _ready_pipe()
+            proc = _spawn(run_frontend, f"fastsched-frontend-{k}",
+                          (k, engine_inputs, engine_pids, addr, c.grpc_host, port, self.shm.name, theirs_ready,
+                           admission, c.engine_timeout, c.ready_timeout, c.log_level), {})
+            theirs_ready.close()
+            self.frontends.append(_Child("frontend", k, proc, ours_ready))
+            logger.info("frontend %d starting (pid %d)", k, proc.pid)
+        self._wait_ready(self.engines + self.frontends, time.monotonic() + c.ready_timeout + 10)
+
+    def _wait_ready(self, children: list[_Child], deadline: float) -> None:
+        from fastsched.engine import protocol
+
+        while not self.signals.stop:
+            waiting = [ch for ch in children if not ch.ready]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(ch.name for ch in waiting)
+                raise ServeError(f"{names} did not report ready within {self.config.ready_timeout:g} s")
+            handles: list[Any] = [ch.ready_pipe for ch in waiting] + [ch.proc.sentinel for ch in waiting]
+            wait_connections(handles, timeout=0.2)
+            for ch in waiting:
+                pipe = ch.ready_pipe
+                assert pipe is not None
+                if pipe.poll():  # before the sentinel: a failing child reports, then exits
+                    try:
+                        # An engine answers in msgpack (engine_proc), a frontend with a pickled tuple.
+                        message = pipe.recv_bytes() if ch.kind == "engine" else pipe.recv()
+                    except EOFError:
+                        message = None
+                    if message is not None and ch.kind == "engine":
+                        msg = protocol.decode(message)
+                        if isinstance(msg, protocol.Failed):
+                            raise ServeError(msg.message)
+                        ch.info = msg.model_info
+                        logger.info(
+                            "engine %d ready (pid %d): model=%s max_model_len=%d KV blocks=%d", ch.index,
+                            ch.proc.pid, ch.info.model_name, ch.info.max_model_len, ch.info.num_gpu_blocks,
+                        )
+                        self._mark_ready(ch)
+                        continue
+                    if message is not None:
+                        status, detail = message
+                        if status == "failed":
+                            raise ServeError(detail)
+                        logger.info("frontend %d serving gRPC on %s (pid %d)", ch.index, detail, ch.proc.pid)
+                        self._mark_ready(ch)
+                        continue
+                if not ch.proc.is_alive():
+                    raise ServeError(f"{ch.name} exited with code {ch.proc.exitcode} before it was ready; "
+                                     "see its log above")
+
+    @staticmethod
+    def _mark_ready(ch: _Child) -> None:
+        ch.ready = True
+        if ch.ready_pipe is not None:
+            ch.ready_pipe.close()
+            ch.ready_pipe = None
+
+    # ------------------------------------------------------------ serving
+
+    async def _serve_gateway(self) -> None:
+        from fastsched.entrypoints.gateway import create_app, gateway_server
+        from fastsched.model_loader import load_tokenizer
+
+        c = self.config
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        self.signals.attach(loop, stop)
+        if self.signals.stop:
+            return
+        info = self.engines[0].info
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, info.model)
+        except Exception as e:
+            model = info.model or "the default model"
+            raise ServeError(f"the gateway cannot load the tokenizer of {model}: {e}") from e
+        addrs = [f"{c.grpc_host}:{port}" for port in c.grpc_ports]
+        app = create_app(addrs, c.served_model_name or info.model_name, tokenizer, api_key=c.api_key)
+        server = gateway_server(app, c.host, c.port, log_config=None, log_level=c.log_level.lower(),
+                                access_log=c.access_log, timeout_graceful_shutdown=DRAIN_TIMEOUT_S)
+        # The launcher owns SIGINT/SIGTERM (shutdown order, second signal): uvicorn must not take them.
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        dead: list[_Child] = []
+        for ch in self.engines + self.frontends:
+            loop.add_reader(ch.proc.sentinel, self._on_child_exit, loop, ch, dead, stop)
+        assert self.http_sock is not None
+        serving = asyncio.create_task(server.serve(sockets=[self.http_sock]))
+        try:
+            while not server.started and not serving.done() and not stop.is_set():
+                await asyncio.sleep(0.02)
+            if server.started:
+                logger.info("gateway listening on http://%s:%d", _url_host(c.host), self.http_sock.getsockname()[1])
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if serving.done():
+                error = serving.exception() if not serving.cancelled() else None
+                raise ServeError(f"the gateway stopped unexpectedly: {error!r}")
+            if self.signals.stop:
+                logger.info("shutting down (signal): gateway, then frontends, then engines")
+            elif dead:
+                self.exit_code = 1
+                logger.error("shutting down: %s", ", ".join(f"{ch.name} died" for ch in dead))
+        finally:
+            for ch in self.engines + self.frontends:
+                loop.remove_reader(ch.proc.sentinel)
+            await self._stop_gateway(server, serving)
+            logger.info("gateway stopped")
+
+    async def _stop_gateway(self, server: Any, serving: asyncio.Task[None]) -> None:
+        """Let requests in flight finish (uvicorn's graceful shutdown, DRAIN_TIMEOUT_S),
+        cut them off at once on a second signal, give up on uvicorn a little later."""
+        server.should_exit = True
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S + 2
+        while not serving.done():
+            if self.signals.force or time.monotonic() > deadline:
+                server.force_exit = True
+            if time.monotonic() > deadline + 3:
+                serving.cancel()
+            await asyncio.wait({serving}, timeout=0.1)
+        if not serving.cancelled() and serving.exception() is not None:
+            logger.debug("the gateway ended with %r", serving.exception())
+
+    def _on_child_exit(self, loop: asyncio.AbstractEventLoop, ch: _Child, dead: list[_Child],
+                       stop: asyncio.Event) -> None:
+        loop.remove_reader(ch.proc.sentinel)
+        ch.proc.join(0)
+        logger.error("%s (pid %d) exited unexpectedly with code %s", ch.name, ch.proc.pid, ch.proc.exitcode)
+        if ch.kind == "engine" and self.config.enable_fault_tolerance:
+            logger.error("serving goes on with %s dead: /health reports unhealthy and requests get 503 "
+                         "engine_faulted (--enable-fault-tolerance)", ch.name)
+            return
+        dead.append(ch)
+        stop.set()
+
+    # ------------------------------------------------------------ shutdown
+
+    def _shutdown(self) -> None:
+        if self.http_sock is not None:
+            self.http_sock.close()
+        self._stop_children(self.frontends)
+        self._stop_children(self.engines)
+        for ch in self.frontends + self.engines:
+            if ch.ready_pipe is not None:
+                ch.ready_pipe.close()
+        if self.shm is not None:
+            self.shm.unlink()
+            self.shm = None
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
+
+    def _stop_children(self, children: list[_Child]) -> None:
+        if not children:
+            return
+        for ch in children:
+            if ch.proc.is_alive():
+                ch.proc.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while any(ch.proc.is_alive() for ch in children) and time.monotonic() < deadline and not self.signals.force:
+            wait_connections([ch.proc.sentinel for ch in children if ch.proc.is_alive()], timeout=0.1)
+        for ch in children:
+            if ch.proc.is_alive():
+                logger.warning("%s (pid %d) did not exit on SIGTERM; killing it", ch.name, ch.proc.pid)
+                ch.proc.kill()
+            ch.proc.join(STOP_TIMEOUT_S)
+        logger.info("%ss stopped (exit codes %s)", children[0].kind, [ch.proc.exitcode for ch in children])
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def serve(config: ServeConfig) -> int:
+    """Runs the server until SIGINT/SIGTERM; returns the exit code. Raises
+    :class:`ServeError` when it cannot start."""
+    return Launcher(config).run()
