@@ -415,12 +415,12 @@ def test_requests_are_spread_over_the_frontends(client: openai.OpenAI, fakes: li
 # ------------------------------------------------------------------ §8 errors
 
 
-def test_s8_malformed_json_is_400(http: httpx.Client) -> None:
+def test_errors_malformed_json_is_400(http: httpx.Client) -> None:
     r = http.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"})
     assert_error(r, 400, None, "JSON")
 
 
-def test_s8_body_that_is_not_an_object_is_400(http: httpx.Client) -> None:
+def test_errors_body_that_is_not_an_object_is_400(http: httpx.Client) -> None:
     assert_error(http.post("/v1/completions", json=["x"]), 400, None, "object")
 
 
@@ -428,7 +428,7 @@ def test_s8_body_that_is_not_an_object_is_400(http: httpx.Client) -> None:
     ("temperature", "hot"), ("max_tokens", 1.5), ("n", True), ("stop", 3), ("stream", "yes"), ("seed", "7"),
     ("stop_token_ids", ["a"]), ("prompt", {"text": "x"}), ("logprobs", "1"),
 ])
-def test_s8_wrong_field_type_is_400_naming_the_field(http: httpx.Client, field: str, value: Any) -> None:
+def test_errors_wrong_field_type_is_400_naming_the_field(http: httpx.Client, field: str, value: Any) -> None:
     body = {"model": MODEL, "prompt": "x", field: value}
     assert_error(http.post("/v1/completions", json=body), 400, field, field)
 
@@ -438,7 +438,7 @@ def test_s8_wrong_field_type_is_400_naming_the_field(http: httpx.Client, field: 
     ("min_tokens", 99), ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
     ("logprobs", 50), ("max_tokens", 2**40),
 ])
-def test_s8_bad_sampling_value_is_400_naming_the_field(http: httpx.Client, field: str, value: Any,
+def test_errors_bad_sampling_value_is_400_naming_the_field(http: httpx.Client, field: str, value: Any,
                                                        fakes: list[FakeAsyncLLM]) -> None:
     before = len(all_requests(fakes))
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, field: value})
@@ -446,37 +446,37 @@ def test_s8_bad_sampling_value_is_400_naming_the_field(http: httpx.Client, field
     assert len(all_requests(fakes)) == before  # never reached the engine
 
 
-def test_s8_bad_chat_messages_is_400(http: httpx.Client) -> None:
+def test_errors_bad_chat_messages_is_400(http: httpx.Client) -> None:
     assert_error(http.post("/v1/chat/completions", json={"messages": []}), 400, "messages", "messages")
     bad_role = {"messages": [{"role": 3, "content": "x"}]}
     assert_error(http.post("/v1/chat/completions", json=bad_role), 400, "messages", "role")
 
 
-def test_s8_completion_prompt_plus_max_tokens_over_max_model_len_is_400_with_both_numbers(http: httpx.Client) -> None:
+def test_errors_completion_prompt_plus_max_tokens_over_max_model_len_is_400_with_both_numbers(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={"prompt": "a b c d", "max_tokens": 61})
     error = assert_error(r, 400, None, "4", "61", str(MAX_MODEL_LEN))
     assert error["code"] == "context_length_exceeded"
 
 
-def test_s8_token_prompt_over_max_model_len_is_400_with_both_numbers(http: httpx.Client) -> None:
+def test_errors_token_prompt_over_max_model_len_is_400_with_both_numbers(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={"prompt": [5] * 60, "max_tokens": 10})
     assert_error(r, 400, None, "60", "10", str(MAX_MODEL_LEN))
 
 
-def test_s8_chat_prompt_plus_max_tokens_over_max_model_len_is_400_with_both_numbers(http: httpx.Client) -> None:
+def test_errors_chat_prompt_plus_max_tokens_over_max_model_len_is_400_with_both_numbers(http: httpx.Client) -> None:
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 30})
     prompt_len = len("<user>" + "x" * 40 + "<assistant>")
     error = assert_error(r, 400, "max_tokens", str(prompt_len), "30", str(MAX_MODEL_LEN))
     assert error["code"] == "context_length_exceeded"
 
 
-def test_s8_unknown_model_is_404(http: httpx.Client, client: openai.OpenAI) -> None:
+def test_errors_unknown_model_is_404(http: httpx.Client, client: openai.OpenAI) -> None:
     assert_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model", "gpt-9")
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
 
 
-def test_s8_missing_or_wrong_api_key_is_401(servers: Servers) -> None:
+def test_errors_missing_or_wrong_api_key_is_401(servers: Servers) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     with httpx.Client(base_url=servers.keyed_url, timeout=10) as http:
         assert_error(http.post("/v1/completions", json=body), 401)
@@ -489,7 +489,7 @@ def test_s8_missing_or_wrong_api_key_is_401(servers: Servers) -> None:
         openai.OpenAI(base_url=servers.keyed_url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_s8_body_over_the_size_limit_is_413(http: httpx.Client) -> None:
+def test_errors_body_over_the_size_limit_is_413(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={"prompt": "x" * 100_000})
     assert_error(r, 413)
 
@@ -551,7 +551,7 @@ def metric_samples(text: str) -> dict[str, float]:
             for line in text.splitlines() if line and not line.startswith("#")}
 
 
-def test_s7_metrics_count_each_engine_once_under_design_names(http: httpx.Client) -> None:
+def test_metrics_metrics_count_each_engine_once_under_design_names(http: httpx.Client) -> None:
     http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
     text = http.get("/metrics").text
     samples = metric_samples(text)
@@ -575,7 +575,7 @@ def test_s7_metrics_count_each_engine_once_under_design_names(http: httpx.Client
     assert samples["fastsched:e2e_request_latency_seconds_count"] >= 1
 
 
-def test_s7_frontends_without_an_engine_breakdown_are_summed() -> None:
+def test_metrics_frontends_without_an_engine_breakdown_are_summed() -> None:
     from fastsched.entrypoints.gateway_metrics import render
 
     def frontend(running: int, usage: float, ttft: list[int]) -> Any:
@@ -597,7 +597,7 @@ def test_s7_frontends_without_an_engine_breakdown_are_summed() -> None:
     assert samples["fastsched:time_to_first_token_seconds_sum"] == 3.0
 
 
-def test_s7_get_stats_maps_both_namings_and_keeps_the_engine_breakdown(stub: Any) -> None:
+def test_metrics_get_stats_maps_both_namings_and_keeps_the_engine_breakdown(stub: Any) -> None:
     engine_style, design_style = stub(0).GetStats(pb.GetStatsRequest()), stub(1).GetStats(pb.GetStatsRequest())
     assert (engine_style.num_requests_running, engine_style.kv_cache_usage_perc,
             engine_style.prefix_cache_queries_total) == (3, 0.5, 36)
@@ -619,7 +619,7 @@ def test_health_is_200_when_every_frontend_serves_and_503_otherwise(http: httpx.
     assert sorted(r.json()["frontends"].values()) == ["not_serving", "serving"]
 
 
-def test_s8_client_disconnect_mid_stream_aborts_in_the_engine(servers: Servers, fakes: list[FakeAsyncLLM]) -> None:
+def test_errors_client_disconnect_mid_stream_aborts_in_the_engine(servers: Servers, fakes: list[FakeAsyncLLM]) -> None:
     for f in fakes:
         f.token_delay = 0.05
     before = len(all_requests(fakes))
@@ -632,7 +632,7 @@ def test_s8_client_disconnect_mid_stream_aborts_in_the_engine(servers: Servers, 
     assert wait_for(lambda: any(request_id in f.aborts for f in fakes)), "the engine never saw the abort"
 
 
-def test_s8_client_disconnect_while_waiting_for_a_full_response_aborts(servers: Servers,
+def test_errors_client_disconnect_while_waiting_for_a_full_response_aborts(servers: Servers,
                                                                        fakes: list[FakeAsyncLLM]) -> None:
     for f in fakes:
         f.token_delay = 0.05
@@ -688,7 +688,7 @@ def test_a5_grpc_rejection_is_unavailable_with_the_reason(stub: Any, fakes: list
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["eager-generate", "async-generator"])
-def test_s8_grpc_invalid_argument_names_the_field(stub: Any, index: int) -> None:
+def test_errors_grpc_invalid_argument_names_the_field(stub: Any, index: int) -> None:
     request = pb.GenerateRequest(text="x", sampling_params=pb.SamplingParams(top_p=0.0))
     with pytest.raises(grpc.RpcError) as info:
         list(stub(index).Generate(request))
@@ -701,7 +701,7 @@ def test_s8_grpc_invalid_argument_names_the_field(stub: Any, index: int) -> None
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "60" in info.value.details()
 
 
-def test_s8_grpc_unknown_model_is_not_found(stub: Any) -> None:
+def test_errors_grpc_unknown_model_is_not_found(stub: Any) -> None:
     with pytest.raises(grpc.RpcError) as info:
         list(stub(0).Generate(pb.GenerateRequest(text="x", model="gpt-9")))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
