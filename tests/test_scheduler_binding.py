@@ -868,3 +868,43 @@ def test_lifecycle_kinds_are_new_then_cached():
     add(sched, "r", max_tokens=3)
     run = drive(sched)
     assert [s.kinds["r"] for s in run.steps if "r" in s.kinds] == [KIND_NEW, KIND_CACHED, KIND_CACHED]
+
+
+# --------------------------------------------------------------------------- gate telemetry
+
+SCAN_STOPS = {
+    "active_seqs",
+    "token_budget",
+    "kv_blocks",
+    "draft_slots",
+    "paused",
+    "prefill_interval",
+    "no_waiting",
+    "preempted",
+}
+SKIP_REASONS = {"lora_slots", "remote_kv", "stale_output"}
+
+
+def test_gates_stats_carry_every_gate_and_skip_reason_starting_at_zero():
+    stats = make_scheduler().stats()
+    assert stats["scan_stops_total"] == dict.fromkeys(SCAN_STOPS, 0)
+    assert stats["skips_total"] == dict.fromkeys(SKIP_REASONS, 0)
+    assert stats["last_scan_stop"] is None
+
+
+def test_gates_active_seqs_stop_and_lora_skips_are_observed_through_the_binding():
+    sched = make_scheduler(max_num_active_seqs=2)
+    for i in range(4):
+        add(sched, f"r{i}", num_prompt_tokens=4, prompt_token_ids=prompt(4, 100 + 10 * i))
+    step(sched)
+    stats = sched.stats()
+    assert stats["last_scan_stop"] == "active_seqs"
+    assert stats["scan_stops_total"]["active_seqs"] == 1
+    assert sum(stats["scan_stops_total"].values()) == stats["num_steps"] == 1
+
+    sched = make_scheduler(max_loras=1)
+    add(sched, "l1", lora_id=1)
+    add(sched, "l2a", lora_id=2, prompt_token_ids=prompt(8, 200))
+    add(sched, "l2b", lora_id=2, prompt_token_ids=prompt(8, 300))
+    step(sched)
+    assert sched.stats()["skips_total"]["lora_slots"] == 2

@@ -35,6 +35,11 @@ _Status = (
     | Literal["finished_stopped", "finished_length_capped", "finished_aborted", "finished_ignored"]
 )
 
+_ScanStop = Literal[
+    "active_seqs", "token_budget", "kv_blocks", "draft_slots", "paused", "prefill_interval", "no_waiting", "preempted"
+]
+_SkipReason = Literal["lora_slots", "remote_kv", "stale_output"]
+
 class _SchedulerStats(TypedDict):
     """``Scheduler.stats()``: counters and gauges for metrics (DESIGN §7)."""
 
@@ -56,6 +61,13 @@ class _SchedulerStats(TypedDict):
     prefix_cache_preempted_hits: int
     num_steps: int
     """``schedule()`` calls so far."""
+    scan_stops_total: dict[_ScanStop, int]
+    """Why each step's waiting scan stopped (or did not run): one per ``schedule()``, so
+    the counts sum to ``num_steps``. Every gate is present. See docs/scheduler.md, "Gate telemetry"."""
+    skips_total: dict[_SkipReason, int]
+    """Waiting requests skipped (S7), one per skipped request per step. Every reason is present."""
+    last_scan_stop: _ScanStop | None
+    """The gate of the latest ``schedule()``; None before the first."""
 
 class _RequestInfo(TypedDict):
     """``Scheduler.request_info()``: one request's state (diagnostics)."""

@@ -8,6 +8,7 @@
 //! - [`scheduler`]: `schedule()` and `update_from_output()` (S1–S18)
 //! - [`output`]: the compact per-step arrays exchanged with the runner
 //! - [`connector`]: pluggable KV sources (remote loads, S7)
+//! - [`telemetry`]: why each step's waiting scan stopped, why requests were skipped
 //! - [`admission`]: in-flight counters shared by frontend processes (A6)
 
 pub mod admission;
@@ -19,6 +20,7 @@ pub mod output;
 pub mod queue;
 pub mod request;
 pub mod scheduler;
+pub mod telemetry;
 
 pub use admission::SharedAdmissionStats;
 pub use config::{Policy, SchedulerConfig};
@@ -26,3 +28,4 @@ pub use error::{Error, Result};
 pub use output::{EngineCoreOutputs, ModelRunnerOutput, ScheduledKind, SchedulerOutput};
 pub use request::{FinishReason, Handle, NewRequest, Request, RequestStatus, StreamInput};
 pub use scheduler::{PauseState, Scheduler, SchedulerStats};
+pub use telemetry::{GateCounters, ScanStop, SkipReason};

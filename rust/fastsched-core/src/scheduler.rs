@@ -15,6 +15,7 @@ use crate::kv::{BlockHasher, CacheHit, KvCacheManager, PrefixCacheStats};
 use crate::output::{EngineCoreOutputs, ModelRunnerOutput, ScheduledKind, SchedulerOutput};
 use crate::queue::{new_queue, QueueEntry, RequestQueue};
 use crate::request::{FinishReason, Handle, NewRequest, Request, RequestStatus, StreamInput};
+use crate::telemetry::{GateCounters, ScanStop, SkipReason};
 
 /// S13: what the engine is allowed to schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +38,8 @@ pub struct SchedulerStats {
     pub num_preemptions_total: u64,
     pub prefix_cache: PrefixCacheStats,
     pub num_steps: u64,
+    /// Why each step's waiting scan stopped, why requests were skipped.
+    pub gates: GateCounters,
 }
 
 /// One row of the step being built. The request itself is advanced when the
@@ -121,6 +124,7 @@ pub struct Scheduler {
     interval: PrefillInterval,
     next_step_id: u64,
     num_preemptions_total: u64,
+    gates: GateCounters,
     // Reused per-step buffers.
     scheduled: Vec<Scheduled>,
     block_scratch: Vec<u32>,
@@ -166,6 +170,7 @@ impl Scheduler {
             interval,
             next_step_id: 0,
             num_preemptions_total: 0,
+            gates: GateCounters::default(),
             scheduled: Vec::new(),
             block_scratch: Vec::new(),
             stopped: Vec::new(),
@@ -427,6 +432,7 @@ impl Scheduler {
             num_preemptions_total: self.num_preemptions_total,
             prefix_cache: self.kv.stats,
             num_steps: self.next_step_id,
+            gates: self.gates,
         }
     }
 
@@ -683,7 +689,15 @@ impl Scheduler {
         self.cache_pending_blocks();
 
         // S5: a step that preempted admits nobody.
-        if out.preempted.is_empty() && self.pause != PauseState::PausedAll {
+        let stop = if !out.preempted.is_empty() {
+            ScanStop::Preempted
+        } else if self.pause == PauseState::PausedAll {
+            if self.num_waiting() > 0 {
+                ScanStop::Paused
+            } else {
+                ScanStop::NoWaiting
+            }
+        } else {
             self.schedule_waiting(
                 &mut scheduled,
                 &mut out.block_ids,
@@ -691,8 +705,9 @@ impl Scheduler {
                 &mut input_budget,
                 threshold,
                 defer,
-            );
-        }
+            )
+        };
+        self.gates.record_stop(stop);
 
         self.finish_step(&mut out, &scheduled);
         self.scheduled = scheduled;
@@ -777,7 +792,8 @@ impl Scheduler {
         self.num_preemptions_total += 1;
     }
 
-    /// S6/S7/S10/S11: admits waiting requests.
+    /// S6/S7/S10/S11: admits waiting requests; returns the gate that
+    /// stopped the scan.
     fn schedule_waiting(
         &mut self,
         scheduled: &mut Vec<Scheduled>,
@@ -786,7 +802,7 @@ impl Scheduler {
         input_budget: &mut usize,
         threshold: usize,
         defer: bool,
-    ) {
+    ) -> ScanStop {
         let draft_slots = self.cfg.num_speculative_tokens;
         let max_active = self.cfg.max_num_active_seqs();
         let watermark_blocks =
@@ -804,19 +820,31 @@ impl Scheduler {
         };
         let mut deferred: Vec<(WhichQueue, QueueEntry)> = Vec::new();
 
-        while *token_budget > 0 {
+        // The queue is looked at before the budget (neither has side
+        // effects) so that an empty queue reads as `NoWaiting`.
+        let stop = loop {
             let which = if !self.kv_holding.is_empty() {
                 WhichQueue::KvHolding
-            } else if self.pause == PauseState::Unpaused && !self.waiting.is_empty() {
+            } else if self.waiting.is_empty() {
+                break ScanStop::NoWaiting;
+            } else if self.pause == PauseState::Unpaused {
                 WhichQueue::Waiting
             } else {
-                break;
+                break ScanStop::Paused;
             };
+            if *token_budget == 0 {
+                break ScanStop::TokenBudget;
+            }
             if *input_budget <= draft_slots {
-                break;
+                // An exhausted input budget is a budget stop, not a draft one.
+                break if *input_budget == 0 {
+                    ScanStop::TokenBudget
+                } else {
+                    ScanStop::DraftSlots
+                };
             }
             if self.running.len() + self.num_waiting_for_streaming_input >= max_active {
-                break;
+                break ScanStop::ActiveSeqs;
             }
             let queue = match which {
                 WhichQueue::KvHolding => &mut self.kv_holding,
@@ -828,19 +856,19 @@ impl Scheduler {
             if self.req(h).status == RequestStatus::WaitingForRemoteKvs {
                 let done = self.connector.as_ref().is_some_and(|c| c.is_load_done(h));
                 if !done {
-                    self.defer_head(which, h, &mut deferred);
+                    self.defer_head(which, h, SkipReason::RemoteKv, &mut deferred);
                     continue;
                 }
                 self.finish_remote_load(h);
             }
             let req = self.requests[h as usize].as_ref().expect("live handle");
             if req.num_output_placeholders > 0 {
-                self.defer_head(which, h, &mut deferred);
+                self.defer_head(which, h, SkipReason::StaleOutput, &mut deferred);
                 continue;
             }
             if let Some(lora) = req.lora_id {
                 if lora_set.len() >= self.cfg.max_loras && lora_set.binary_search(&lora).is_err() {
-                    self.defer_head(which, h, &mut deferred);
+                    self.defer_head(which, h, SkipReason::LoraSlots, &mut deferred);
                     continue;
                 }
             }
@@ -875,7 +903,7 @@ impl Scheduler {
             let num_computed = req.num_computed_tokens + hit.num_tokens + num_external;
             let is_prefill_work = num_computed + 1 < req.num_tokens();
             if defer && is_prefill_work {
-                break;
+                break ScanStop::PrefillInterval;
             }
             let mut n = req.num_tokens() - num_computed;
             if load_async {
@@ -889,7 +917,7 @@ impl Scheduler {
                 }
                 let cap = (*token_budget).min(*input_budget - draft_slots);
                 if !self.cfg.enable_chunked_prefill && n > cap {
-                    break;
+                    break ScanStop::TokenBudget;
                 }
                 n = n.min(cap);
             }
@@ -926,7 +954,7 @@ impl Scheduler {
                         continue;
                     }
                 }
-                break; // S10: a request that does not fit stops the scan.
+                break ScanStop::KvBlocks; // S10: a request that does not fit stops the scan.
             }
             let queue = match which {
                 WhichQueue::KvHolding => &mut self.kv_holding,
@@ -981,7 +1009,7 @@ impl Scheduler {
             scheduled.push(advance(req, row, async_scheduling));
             *token_budget -= n;
             *input_budget -= n;
-        }
+        };
 
         // S12 capacity escape: a release step that leaves requests waiting
         // (beyond those skipped for their own reasons) turns throttling off.
@@ -996,6 +1024,7 @@ impl Scheduler {
             .prepend_all(kv_back.into_iter().map(|(_, e)| e).collect());
         self.waiting
             .prepend_all(wait_back.into_iter().map(|(_, e)| e).collect());
+        stop
     }
 
     /// Frees the KV of a waiting request that holds some; it starts over
@@ -1019,8 +1048,10 @@ impl Scheduler {
         &mut self,
         which: WhichQueue,
         h: Handle,
+        reason: SkipReason,
         deferred: &mut Vec<(WhichQueue, QueueEntry)>,
     ) {
+        self.gates.record_skip(reason);
         match which {
             WhichQueue::KvHolding => self.kv_holding.pop(),
             WhichQueue::Waiting => self.waiting.pop(),

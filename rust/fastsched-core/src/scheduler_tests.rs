@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::connector::TestConnector;
+use crate::telemetry::{GateCounters, ScanStop, SkipReason};
 
 /// 4-token blocks, a 64-token budget and `usable` blocks (plus the null block).
 fn sched_with(usable: usize, f: impl FnOnce(&mut SchedulerConfig)) -> Scheduler {
@@ -962,4 +963,190 @@ fn s4_invalid_requests_are_rejected_naming_the_field() {
             .unwrap_err(),
         Error::DuplicateRequest("dup".into())
     );
+}
+
+// ------------------------------------------------------------------ gate telemetry
+
+fn stops(s: &Scheduler, gate: ScanStop) -> u64 {
+    s.stats().gates.scan_stops(gate)
+}
+
+fn last_stop(s: &Scheduler) -> Option<ScanStop> {
+    s.stats().gates.last_scan_stop
+}
+
+fn skips(s: &Scheduler, reason: SkipReason) -> u64 {
+    s.stats().gates.skips(reason)
+}
+
+#[test]
+fn gate_counters_start_at_zero_and_record_one_stop_per_step() {
+    let mut s = sched(64);
+    assert_eq!(s.stats().gates, GateCounters::default());
+    assert_eq!(last_stop(&s), None);
+    add(&mut s, "a", 4, 3);
+    for _ in 0..5 {
+        s.schedule();
+    }
+    let g = s.stats().gates;
+    assert_eq!(g.scan_stops_total.iter().sum::<u64>(), 5);
+    assert_eq!(g.skips_total, [0; SkipReason::COUNT]);
+}
+
+#[test]
+fn gate_active_seqs_is_recorded_when_the_active_cap_is_reached() {
+    let mut s = sched_with(64, |c| c.max_num_active_seqs = Some(2));
+    for r in ["a", "b", "c", "d"] {
+        add(&mut s, r, 4, 10);
+    }
+    step(&mut s);
+    assert_eq!(last_stop(&s), Some(ScanStop::ActiveSeqs));
+    assert_eq!(stops(&s, ScanStop::ActiveSeqs), 1);
+}
+
+#[test]
+fn gate_token_budget_is_recorded_when_the_budget_runs_out() {
+    let mut s = sched(64);
+    add(&mut s, "a", 40, 4);
+    add(&mut s, "b", 40, 4);
+    add(&mut s, "c", 10, 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(out.total_num_scheduled_tokens, 64);
+    assert_eq!(last_stop(&s), Some(ScanStop::TokenBudget));
+    assert_eq!(stops(&s, ScanStop::TokenBudget), 1);
+}
+
+#[test]
+fn gate_token_budget_is_recorded_when_a_whole_prompt_does_not_fit_without_chunking() {
+    let mut s = sched_with(64, |c| {
+        c.enable_chunked_prefill = false;
+        c.max_model_len = 64;
+    });
+    add(&mut s, "a", 40, 4);
+    add(&mut s, "b", 30, 4);
+    step(&mut s);
+    assert_eq!(last_stop(&s), Some(ScanStop::TokenBudget));
+}
+
+#[test]
+fn gate_kv_blocks_is_recorded_when_the_next_request_does_not_fit() {
+    let mut s = sched(6);
+    add(&mut s, "a", 16, 40);
+    step(&mut s);
+    add(&mut s, "b", 12, 4); // needs 3 blocks, 2 free
+    step(&mut s);
+    assert_eq!(last_stop(&s), Some(ScanStop::KvBlocks));
+    assert_eq!(stops(&s, ScanStop::KvBlocks), 1);
+}
+
+#[test]
+fn gate_draft_slots_is_recorded_when_only_draft_slots_are_left_of_the_input_budget() {
+    let mut s = sched_with(64, |c| {
+        c.max_num_seqs = 4;
+        c.max_num_batched_tokens = 12;
+        c.num_speculative_tokens = 3;
+    });
+    add(&mut s, "a", 9, 4); // takes 12 - 3 draft slots: 3 left, all of them drafts'
+    add(&mut s, "b", 2, 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![9]);
+    assert_eq!(last_stop(&s), Some(ScanStop::DraftSlots));
+}
+
+#[test]
+fn gate_paused_is_recorded_when_a_pause_holds_back_waiting_requests() {
+    let mut s = sched(64);
+    add(&mut s, "a", 4, 10);
+    step(&mut s);
+    s.set_pause_state(PauseState::PausedNew);
+    add(&mut s, "b", 4, 10);
+    step(&mut s);
+    assert_eq!(last_stop(&s), Some(ScanStop::Paused));
+    s.set_pause_state(PauseState::PausedAll); // S5: the waiting phase does not run
+    step(&mut s);
+    assert_eq!(last_stop(&s), Some(ScanStop::Paused));
+    assert_eq!(stops(&s, ScanStop::Paused), 2);
+}
+
+#[test]
+fn gate_prefill_interval_is_recorded_when_s12_holds_a_prefill() {
+    let mut s = sched_with(64, |c| c.prefill_schedule_interval = 3);
+    add(&mut s, "d", 4, 50);
+    step(&mut s); // release step: d's prefill
+    add(&mut s, "p", 8, 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.req_handles), vec!["d"]);
+    assert_eq!(last_stop(&s), Some(ScanStop::PrefillInterval));
+}
+
+#[test]
+fn gate_no_waiting_is_recorded_when_nothing_is_left_to_take() {
+    let mut s = sched(64);
+    add(&mut s, "a", 4, 10);
+    step(&mut s);
+    assert_eq!(
+        last_stop(&s),
+        Some(ScanStop::NoWaiting),
+        "a admitted, queue empty"
+    );
+    s.set_pause_state(PauseState::PausedAll);
+    step(&mut s);
+    assert_eq!(
+        last_stop(&s),
+        Some(ScanStop::NoWaiting),
+        "paused, but nothing waits"
+    );
+    assert_eq!(stops(&s, ScanStop::NoWaiting), 2);
+}
+
+#[test]
+fn gate_preempted_is_recorded_when_the_step_preempts() {
+    let mut s = three_in_six_blocks(Policy::Fcfs);
+    assert_eq!(stops(&s, ScanStop::Preempted), 0);
+    let (out, _) = step(&mut s);
+    assert!(!out.preempted.is_empty());
+    assert_eq!(last_stop(&s), Some(ScanStop::Preempted));
+    assert_eq!(stops(&s, ScanStop::Preempted), 1);
+}
+
+#[test]
+fn skip_lora_slots_is_counted_once_per_skipped_request() {
+    let mut s = sched_with(64, |c| c.max_loras = 1);
+    add_with(&mut s, "l1", 4, 10, |r| r.lora_id = Some(1));
+    step(&mut s);
+    add_with(&mut s, "l2a", 4, 10, |r| r.lora_id = Some(2));
+    add_with(&mut s, "l2b", 4, 10, |r| r.lora_id = Some(2));
+    add(&mut s, "base", 4, 10);
+    step(&mut s);
+    assert_eq!(skips(&s, SkipReason::LoraSlots), 2);
+    assert_eq!(last_stop(&s), Some(ScanStop::NoWaiting), "all else skipped");
+}
+
+#[test]
+fn skip_remote_kv_is_counted_while_a_load_is_not_done() {
+    let mut s = sched(64);
+    s.set_connector(Box::new(TestConnector::new(8, 2, 4)));
+    add(&mut s, "remote", 13, 4);
+    step(&mut s); // the load starts: not a skip
+    assert_eq!(skips(&s, SkipReason::RemoteKv), 0);
+    step(&mut s); // one step is not enough
+    assert_eq!(skips(&s, SkipReason::RemoteKv), 1);
+    step(&mut s); // done: admitted
+    assert_eq!(skips(&s, SkipReason::RemoteKv), 1);
+}
+
+#[test]
+fn skip_stale_output_is_counted_while_a_token_is_in_flight() {
+    let mut s = sched_with(4, |c| c.max_model_len = 64);
+    s.set_async_scheduling(true);
+    add(&mut s, "r0", 7, 20);
+    add(&mut s, "r1", 7, 20);
+    let o0 = s.schedule();
+    s.schedule();
+    s.update_from_output(&outputs_for(&s, &o0)).unwrap();
+    s.schedule(); // r1 preempted with a placeholder outstanding
+    assert_eq!(last_stop(&s), Some(ScanStop::Preempted));
+    s.abort_request("r0");
+    s.schedule();
+    assert_eq!(skips(&s, SkipReason::StaleOutput), 1);
 }

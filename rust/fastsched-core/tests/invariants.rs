@@ -4,8 +4,8 @@
 
 use fastsched_core::connector::TestConnector;
 use fastsched_core::{
-    Handle, ModelRunnerOutput, NewRequest, PauseState, Policy, Scheduler, SchedulerConfig,
-    StreamInput,
+    Handle, ModelRunnerOutput, NewRequest, PauseState, Policy, ScanStop, Scheduler,
+    SchedulerConfig, StreamInput,
 };
 use proptest::prelude::*;
 
@@ -197,6 +197,16 @@ impl Driver {
             return true;
         }
         let out = self.s.schedule();
+        let stats = self.s.stats();
+        assert_eq!(
+            stats.gates.scan_stops_total.iter().sum::<u64>(),
+            stats.num_steps,
+            "exactly one scan stop per schedule()"
+        );
+        assert_eq!(
+            stats.gates.last_scan_stop == Some(ScanStop::Preempted),
+            !out.preempted.is_empty()
+        );
         let cfg = self.s.config().clone();
         let total: u32 = out.num_scheduled_tokens.iter().sum();
         assert_eq!(total as usize, out.total_num_scheduled_tokens);

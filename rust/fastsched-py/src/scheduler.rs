@@ -2,7 +2,9 @@
 //! `schedule()` and `update_from_output()` run with the GIL released.
 
 use fastsched_core::connector::TestConnector;
-use fastsched_core::{Handle, ModelRunnerOutput, NewRequest, PauseState, Scheduler, StreamInput};
+use fastsched_core::{
+    Handle, ModelRunnerOutput, NewRequest, PauseState, ScanStop, Scheduler, SkipReason, StreamInput,
+};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
@@ -210,6 +212,20 @@ impl PyScheduler {
         )?;
         d.set_item("prefix_cache_preempted_hits", s.prefix_cache.preempted_hits)?;
         d.set_item("num_steps", s.num_steps)?;
+        let stops = PyDict::new(py);
+        for gate in ScanStop::ALL {
+            stops.set_item(gate.as_str(), s.gates.scan_stops(gate))?;
+        }
+        d.set_item("scan_stops_total", stops)?;
+        let skips = PyDict::new(py);
+        for reason in SkipReason::ALL {
+            skips.set_item(reason.as_str(), s.gates.skips(reason))?;
+        }
+        d.set_item("skips_total", skips)?;
+        d.set_item(
+            "last_scan_stop",
+            s.gates.last_scan_stop.map(ScanStop::as_str),
+        )?;
         Ok(d)
     }
 
