@@ -95,13 +95,13 @@ def test_e2e_chat_stream_equals_offline_llm_on_the_templated_prompt(client: open
     assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == len(prompt_ids)
 
 
-def test_e2e_s8_prompt_over_max_model_len_is_400(client: openai.OpenAI) -> None:
+def test_e2e_errors_prompt_over_max_model_len_is_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
     assert "1000000" in str(info.value)
 
 
-def test_e2e_s8_disconnect_mid_stream_frees_the_engines(stack: Stack) -> None:
+def test_e2e_errors_disconnect_mid_stream_frees_the_engines(stack: Stack) -> None:
     with httpx.Client(base_url=stack.url, timeout=30) as http:
         body = {"prompt": "class Queue:", "max_tokens": 2000, "stream": True, "temperature": 0.0, "ignore_eos": True}
         with http.stream("POST", "/v1/completions", json=body) as r:
@@ -110,7 +110,7 @@ def test_e2e_s8_disconnect_mid_stream_frees_the_engines(stack: Stack) -> None:
     assert wait_for(lambda: engines_idle(stack), timeout=10), [llm.stats() for llm in stack.llms]
 
 
-def test_e2e_s7_metrics_count_each_engine_once(stack: Stack, client: openai.OpenAI) -> None:
+def test_e2e_metrics_metrics_count_each_engine_once(stack: Stack, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt="import os", max_tokens=5, **GREEDY)
 
     def samples() -> dict[str, float]:
@@ -123,3 +123,28 @@ def test_e2e_s7_metrics_count_each_engine_once(stack: Stack, client: openai.Open
 
     assert wait_for(lambda: samples()["fastsched:generation_tokens_total"] == engine_total(), timeout=5)
     assert samples()["fastsched:time_to_first_token_seconds_count"] >= 1
+
+
+def test_e2e_gate_telemetry_says_which_gate_stopped_each_engine(stack: Stack, client: openai.OpenAI) -> None:
+    """Issue 5 gate telemetry on /metrics: scan stops by gate, skips by reason, and each
+    engine's last stop as at most one 1 among its gates (none before its first step)."""
+    client.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0)
+
+    def gate_lines() -> list[str]:
+        text = httpx.get(stack.url + "/metrics", timeout=10).text
+        return [line for line in text.splitlines() if line.startswith("fastsched:scheduler_")]
+
+    wait_for(lambda: any(line.startswith("fastsched:scheduler_scan_stops_total{") for line in gate_lines()),
+             timeout=10)
+    lines = gate_lines()
+    stops = {line.split('gate="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+             for line in lines if line.startswith("fastsched:scheduler_scan_stops_total{")}
+    assert {"token_budget", "no_waiting", "kv_blocks", "active_seqs"} <= set(stops)
+    assert sum(stops.values()) > 0
+    assert any(line.startswith("fastsched:scheduler_skips_total{") for line in lines)
+    last = [line for line in lines if line.startswith("fastsched:scheduler_last_scan_stop{")]
+    ones_per_engine = [
+        sum(1 for line in last if f'engine="{engine}"' in line and line.endswith(" 1.0"))
+        for engine in {line.split('engine="')[1].split('"')[0] for line in last}
+    ]
+    assert ones_per_engine and max(ones_per_engine) == 1 and all(n <= 1 for n in ones_per_engine), last

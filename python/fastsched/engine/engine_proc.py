@@ -304,6 +304,9 @@ class _EngineLoop:
             prefix_cache_hits=s["prefix_cache_hits"],
             prompt_tokens_total=counters.prompt_tokens_total,
             generation_tokens_total=counters.generation_tokens_total,
+            scan_stops_total=dict(s["scan_stops_total"]),
+            skips_total=dict(s["skips_total"]),
+            last_scan_stop=s["last_scan_stop"],
         )
 
     def send(self, frontend: int, data: bytes) -> None:

@@ -79,6 +79,10 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # Gate telemetry: why the scheduler's scans stopped / requests were skipped.
+    scan_stops_total: dict[str, int] = field(default_factory=dict)
+    skips_total: dict[str, int] = field(default_factory=dict)
+    last_scan_stop: str | None = None
 
 
 @dataclass
@@ -279,10 +283,16 @@ def _decode_model_info(value: Any) -> ModelInfo:
 def _decode_stats(value: Any) -> EngineStats:
     stats = _decode_dataclass(EngineStats, value, "stats")
     for f in fields(EngineStats):
+        value = getattr(stats, f.name)
         if f.name == "kv_cache_usage":
-            stats.kv_cache_usage = _float(stats.kv_cache_usage, "stats.kv_cache_usage")
+            stats.kv_cache_usage = _float(value, "stats.kv_cache_usage")
+        elif f.name in ("scan_stops_total", "skips_total"):
+            for key, count in _map(value, f"stats.{f.name}").items():
+                _index(count, f"stats.{f.name}[{_str(key, f'stats.{f.name} key')}]")
+        elif f.name == "last_scan_stop":
+            _check(value is None or isinstance(value, str), "stats.last_scan_stop must be a string or nil")
         else:
-            _index(getattr(stats, f.name), f"stats.{f.name}")
+            _index(value, f"stats.{f.name}")
     return stats
 
 

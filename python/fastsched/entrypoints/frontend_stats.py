@@ -100,6 +100,16 @@ def _set_engine_fields(msg: Any, stats: Mapping[str, Any]) -> None:
         setattr(msg, field, float(value) if field == "kv_cache_usage_perc" else int(value))
 
 
+def _set_gate_fields(msg: Any, engine: Mapping[str, Any]) -> None:
+    """Gate telemetry is per engine only: summing it over frontends would count it K times."""
+    for gate, count in (engine.get("scan_stops_total") or {}).items():
+        msg.scan_stops_total[gate] = int(count)
+    for reason, count in (engine.get("skips_total") or {}).items():
+        msg.skips_total[reason] = int(count)
+    if engine.get("last_scan_stop"):
+        msg.last_scan_stop = engine["last_scan_stop"]
+
+
 def stats_to_proto(stats: Mapping[str, Any], latencies: LatencyHistograms) -> Any:
     """``stats``: AsyncLLM's ``stats()``; per-engine stats, when it has them, under
     ``engines`` as mappings with an ``index`` (or ``engine_index``) and the same names."""
@@ -108,6 +118,7 @@ def stats_to_proto(stats: Mapping[str, Any], latencies: LatencyHistograms) -> An
     for engine in stats.get("engines") or ():
         entry = msg.engines.add(engine_index=int(engine.get("engine_index", engine.get("index", 0))))
         _set_engine_fields(entry, engine)
+        _set_gate_fields(entry, engine)
     for reason, count in (stats.get("admission_rejections_total") or {}).items():
         msg.admission_rejections_total[reason] = int(count)
     for name, own in latencies.histograms.items():

@@ -102,7 +102,34 @@ def metric_families(stats: Sequence[Any]) -> list[Metric]:
         families.append(CounterMetricFamily(PREFIX + name, doc, value=sum(getattr(e, name) for e in engines)))
     for name, doc in _HISTOGRAMS.items():
         families.append(_histogram(name, doc, [getattr(s, name) for s in stats]))
+    families.extend(_gate_families([e for e in engines if hasattr(e, "engine_index")]))
     return families
+
+
+def _gate_families(engines: Sequence[Any]) -> list[Metric]:
+    """Which scheduler gate is red: scan stops and skips summed over engines, and each
+    engine's last stop as a 0/1 gauge per gate."""
+    stops = CounterMetricFamily(PREFIX + "scheduler_scan_stops_total",
+                                "Scheduler steps whose waiting-queue scan stopped at each gate.", labels=["gate"])
+    skips = CounterMetricFamily(PREFIX + "scheduler_skips_total",
+                                "Waiting requests skipped for their own reasons (S7).", labels=["reason"])
+    last = GaugeMetricFamily(PREFIX + "scheduler_last_scan_stop",
+                             "1 for the gate that stopped each engine's last scheduler step.",
+                             labels=["engine", "gate"])
+    gates: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    for e in engines:
+        for gate, count in e.scan_stops_total.items():
+            gates[gate] = gates.get(gate, 0) + count
+        for reason, count in e.skips_total.items():
+            reasons[reason] = reasons.get(reason, 0) + count
+        for gate in e.scan_stops_total:
+            last.add_metric([str(e.engine_index), gate], 1.0 if gate == e.last_scan_stop else 0.0)
+    for gate, count in sorted(gates.items()):
+        stops.add_metric([gate], count)
+    for reason, count in sorted(reasons.items()):
+        skips.add_metric([reason], count)
+    return [stops, skips, last]
 
 
 class _Snapshot:
