@@ -1,7 +1,10 @@
 //! Unit tests of the scheduling step, one or more per DESIGN rule id.
 
 use super::*;
+use crate::config::Policy;
 use crate::connector::TestConnector;
+use crate::output::{EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput};
+use crate::request::StreamInput;
 use crate::telemetry::{GateCounters, ScanStop, SkipReason};
 
 /// 4-token blocks, a 64-token budget and `usable` blocks (plus the null block).

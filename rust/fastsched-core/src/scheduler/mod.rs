@@ -1,0 +1,408 @@
+//! The per-step scheduler (DESIGN §5): one `schedule()` per forward pass,
+//! `update_from_output()` with what the model sampled.
+//!
+//! Requests live in a slab indexed by [`Handle`]; queues and the running
+//! list hold handles. A step first extends running requests (preempting on
+//! KV shortage), then admits waiting ones while slots, budget and KV last.
+
+mod invariants;
+mod running;
+mod step;
+mod streaming;
+mod update;
+mod waiting;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::config::SchedulerConfig;
+use crate::connector::KvConnector;
+use crate::error::{Error, Result};
+use crate::kv::{BlockHasher, KvCacheManager, PrefixCacheStats};
+use crate::output::ScheduledKind;
+use crate::queue::{new_queue, QueueEntry, RequestQueue};
+use crate::request::{FinishReason, Handle, NewRequest, Request, RequestStatus};
+use crate::telemetry::GateCounters;
+
+/// S13: what the engine is allowed to schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseState {
+    Unpaused,
+    /// Running and KV-holding waiting requests only.
+    PausedNew,
+    /// Nothing.
+    PausedAll,
+}
+
+/// Counters and gauges for metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct SchedulerStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub num_waiting_for_streaming_input: usize,
+    pub kv_cache_usage: f64,
+    pub num_free_blocks: usize,
+    pub num_preemptions_total: u64,
+    pub prefix_cache: PrefixCacheStats,
+    pub num_steps: u64,
+    /// Why each step's waiting scan stopped, why requests were skipped.
+    pub gates: GateCounters,
+}
+
+/// One row of the step being built. The request itself is advanced when the
+/// row is pushed (see `advance`), so building the output arrays at the end
+/// of the step reads only these rows, never the requests again.
+#[derive(Debug, Clone, Copy)]
+struct Scheduled {
+    handle: Handle,
+    num_tokens: u32,
+    num_computed_before: u32,
+    num_cached_tokens: u32,
+    num_spec: u32,
+    /// Block ids this row appended to the step's `block_ids`: the new ones
+    /// of a running request, the whole table of a new or resumed one.
+    num_blocks: u32,
+    kind: ScheduledKind,
+    /// S12: a prefill chunk, or an admission with prefill work.
+    carries_prefill: bool,
+    /// The request samples a token this step (its prefill completes).
+    samples: bool,
+}
+
+/// What `update_from_output` needs to remember of a step, one row per
+/// scheduled request (read together, so kept together).
+#[derive(Debug)]
+struct InFlightStep {
+    step_id: u64,
+    rows: Vec<InFlightRow>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct InFlightRow {
+    handle: Handle,
+    num_spec: u32,
+    samples: bool,
+}
+
+/// S12 bookkeeping.
+#[derive(Debug)]
+struct PrefillInterval {
+    executed: i64,
+    last_prefill: i64,
+    capacity_bound: bool,
+}
+
+/// Which waiting queue a request was taken from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WhichQueue {
+    KvHolding,
+    Waiting,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    hasher: BlockHasher,
+    kv: KvCacheManager,
+    /// Boxed: `Option<Request>` would keep its tag in a cold line of the
+    /// request (its largest niche), costing a cache miss per lookup.
+    requests: Vec<Option<Box<Request>>>,
+    free_handles: Vec<Handle>,
+    ids: HashMap<String, Handle>,
+    waiting: Box<dyn RequestQueue>,
+    /// Waiting requests that already hold KV blocks (remote loads, streaming
+    /// sessions with new input); served before `waiting` (S6).
+    kv_holding: Box<dyn RequestQueue>,
+    running: Vec<Handle>,
+    num_waiting_for_streaming_input: usize,
+    /// Finished, aborted or ignored since the last `schedule()`.
+    finished_since_schedule: Vec<Handle>,
+    /// Reported finished by the `schedule()` of the given step; released once
+    /// that step and every earlier one has been consumed.
+    to_release: Vec<(u64, Handle)>,
+    /// Requests finished by the scheduler itself (ignored, or unable to
+    /// ever grow again), whose output the next update emits.
+    pending_finished: Vec<(Handle, FinishReason)>,
+    in_flight: VecDeque<InFlightStep>,
+    /// A consumed step's buffers, reused by the next one.
+    spare_step: Option<InFlightStep>,
+    pause: PauseState,
+    connector: Option<Box<dyn KvConnector>>,
+    async_scheduling: bool,
+    interval: PrefillInterval,
+    next_step_id: u64,
+    num_preemptions_total: u64,
+    gates: GateCounters,
+    // Reused per-step buffers.
+    scheduled: Vec<Scheduled>,
+    block_scratch: Vec<u32>,
+    /// Running requests that stopped in this update; they leave `running`
+    /// in one pass at its end.
+    stopped: Vec<Handle>,
+    /// Running requests of this step with newly full blocks to cache, and
+    /// up to which token (see `cache_pending_blocks`).
+    pending_caching: Vec<(Handle, usize)>,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Result<Self> {
+        cfg.validate()?;
+        let interval = PrefillInterval {
+            executed: 0,
+            last_prefill: -(cfg.prefill_schedule_interval as i64),
+            capacity_bound: false,
+        };
+        Ok(Scheduler {
+            hasher: BlockHasher::new(cfg.block_size),
+            kv: KvCacheManager::new(
+                cfg.num_gpu_blocks,
+                cfg.block_size,
+                cfg.max_model_len,
+                cfg.enable_prefix_caching,
+            ),
+            requests: Vec::new(),
+            free_handles: Vec::new(),
+            ids: HashMap::new(),
+            waiting: new_queue(cfg.policy),
+            kv_holding: new_queue(cfg.policy),
+            running: Vec::new(),
+            num_waiting_for_streaming_input: 0,
+            finished_since_schedule: Vec::new(),
+            to_release: Vec::new(),
+            pending_finished: Vec::new(),
+            in_flight: VecDeque::new(),
+            spare_step: None,
+            pause: PauseState::Unpaused,
+            connector: None,
+            async_scheduling: false,
+            interval,
+            next_step_id: 0,
+            num_preemptions_total: 0,
+            gates: GateCounters::default(),
+            scheduled: Vec::new(),
+            block_scratch: Vec::new(),
+            stopped: Vec::new(),
+            pending_caching: Vec::new(),
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn set_connector(&mut self, connector: Box<dyn KvConnector>) {
+        self.connector = Some(connector);
+    }
+
+    /// With async scheduling the next step is scheduled before the previous
+    /// step's tokens are known: a decode's next token is a placeholder.
+    pub fn set_async_scheduling(&mut self, on: bool) {
+        self.async_scheduling = on;
+    }
+
+    pub fn set_pause_state(&mut self, state: PauseState) {
+        self.pause = state;
+    }
+
+    pub fn pause_state(&self) -> PauseState {
+        self.pause
+    }
+
+    // ----------------------------------------------------------------- requests
+
+    /// Adds a request to the waiting queue. A prompt that can never run
+    /// (S4: longer than `max_model_len` or than the whole KV pool) is
+    /// finished as ignored at once, with the reason in [`Self::ignore_reason`].
+    pub fn add_request(&mut self, new: NewRequest) -> Result<Handle> {
+        new.validate()?;
+        if self.ids.contains_key(&new.request_id) {
+            return Err(Error::DuplicateRequest(new.request_id));
+        }
+        let handle = match self.free_handles.pop() {
+            Some(h) => h,
+            None => {
+                self.requests.push(None);
+                (self.requests.len() - 1) as Handle
+            }
+        };
+        let mut req = Request::from_new(new, handle, &self.hasher);
+        // Room for every output (and its block hash) up front: appending a
+        // token never reallocates.
+        let room = req
+            .max_tokens
+            .min(self.cfg.max_model_len.saturating_sub(req.num_prompt_tokens));
+        req.token_ids
+            .reserve_exact(room + self.cfg.num_speculative_tokens);
+        let max_blocks = (req.num_prompt_tokens + room) / self.cfg.block_size;
+        req.block_hashes
+            .reserve_exact(max_blocks - req.block_hashes.len());
+        self.ids.insert(req.request_id.clone(), handle);
+        if let Some(reason) = self.never_fits(&req) {
+            req.status = RequestStatus::FinishedIgnored;
+            req.ignore_reason = Some(reason);
+            self.ids.remove(&req.request_id);
+            self.finished_since_schedule.push(handle);
+            self.pending_finished.push((handle, FinishReason::Ignored));
+        } else {
+            self.waiting.push(QueueEntry::of(&req));
+        }
+        self.requests[handle as usize] = Some(Box::new(req));
+        Ok(handle)
+    }
+
+    fn never_fits(&self, req: &Request) -> Option<String> {
+        let n = req.num_prompt_tokens;
+        if n >= self.cfg.max_model_len {
+            return Some(format!(
+                "prompt of {n} tokens leaves no room to generate within max_model_len ({})",
+                self.cfg.max_model_len
+            ));
+        }
+        let blocks = self.kv_blocks_needed(n);
+        let usable = self.kv.pool.num_usable_blocks();
+        if blocks > usable {
+            return Some(format!(
+                "prompt of {n} tokens needs {blocks} KV blocks but the whole pool has {usable} ({} tokens)",
+                usable * self.cfg.block_size
+            ));
+        }
+        None
+    }
+
+    /// Blocks a sequence of `num_tokens` needs to be computed, draft slots included.
+    fn kv_blocks_needed(&self, num_tokens: usize) -> usize {
+        let slots = (num_tokens + self.cfg.num_speculative_tokens).min(self.cfg.max_model_len);
+        self.kv.blocks_for(slots)
+    }
+
+    pub fn handle_of(&self, request_id: &str) -> Option<Handle> {
+        self.ids.get(request_id).copied()
+    }
+
+    pub fn request(&self, handle: Handle) -> Option<&Request> {
+        self.requests.get(handle as usize)?.as_deref()
+    }
+
+    fn req(&self, h: Handle) -> &Request {
+        self.requests[h as usize].as_ref().expect("live handle")
+    }
+
+    fn req_mut(&mut self, h: Handle) -> &mut Request {
+        self.requests[h as usize].as_mut().expect("live handle")
+    }
+
+    pub fn ignore_reason(&self, handle: Handle) -> Option<&str> {
+        self.request(handle)?.ignore_reason.as_deref()
+    }
+
+    pub fn blocks_of(&self, handle: Handle) -> &[u32] {
+        self.kv.blocks(handle)
+    }
+
+    /// S18: aborts a live request, freeing its blocks at once. Returns its
+    /// status just before the abort, or `None` for unknown or finished ids.
+    pub fn abort_request(&mut self, request_id: &str) -> Option<RequestStatus> {
+        let h = *self.ids.get(request_id)?;
+        let status = self.req(h).status;
+        match status {
+            RequestStatus::Running => {
+                if let Some(i) = self.running.iter().position(|&x| x == h) {
+                    self.running.remove(i);
+                }
+            }
+            RequestStatus::Waiting
+            | RequestStatus::Preempted
+            | RequestStatus::WaitingForRemoteKvs => {
+                if !self.waiting.remove(h) {
+                    self.kv_holding.remove(h);
+                }
+            }
+            RequestStatus::WaitingForStreamingReq => self.num_waiting_for_streaming_input -= 1,
+            _ => return None,
+        }
+        self.finish(h, RequestStatus::FinishedAborted);
+        Some(status)
+    }
+
+    /// Ends a request: frees its blocks now and reports it to the runner at
+    /// the next `schedule()`.
+    fn finish(&mut self, h: Handle, status: RequestStatus) {
+        let req = self.requests[h as usize].as_mut().expect("live handle");
+        req.status = status;
+        if self.ids.get(&req.request_id) == Some(&h) {
+            self.ids.remove(&req.request_id);
+        }
+        self.kv.free(h);
+        if let Some(c) = self.connector.as_mut() {
+            c.request_finished(h);
+        }
+        self.finished_since_schedule.push(h);
+    }
+
+    // ----------------------------------------------------------------- queries
+
+    /// S18: whether `schedule()` should be called: any request waiting or
+    /// running, or any finish/abort not yet reported.
+    pub fn has_requests(&self) -> bool {
+        !self.running.is_empty()
+            || !self.waiting.is_empty()
+            || !self.kv_holding.is_empty()
+            || !self.finished_since_schedule.is_empty()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Waiting requests, preempted and KV-holding ones included.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len() + self.kv_holding.len()
+    }
+
+    pub fn num_waiting_for_streaming_input(&self) -> usize {
+        self.num_waiting_for_streaming_input
+    }
+
+    pub fn running(&self) -> &[Handle] {
+        &self.running
+    }
+
+    pub fn waiting_order(&self) -> Vec<Handle> {
+        let mut v = self.kv_holding.ordered();
+        v.extend(self.waiting.ordered());
+        v
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.kv.num_free_blocks()
+    }
+
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            num_running: self.running.len(),
+            num_waiting: self.num_waiting(),
+            num_waiting_for_streaming_input: self.num_waiting_for_streaming_input,
+            kv_cache_usage: self.kv.usage(),
+            num_free_blocks: self.kv.num_free_blocks(),
+            num_preemptions_total: self.num_preemptions_total,
+            prefix_cache: self.kv.stats,
+            num_steps: self.next_step_id,
+            gates: self.gates,
+        }
+    }
+
+    /// Live requests by handle (tests and invariant checks).
+    pub fn live_requests(&self) -> impl Iterator<Item = &Request> {
+        self.requests
+            .iter()
+            .flatten()
+            .map(|r| &**r)
+            .filter(|r| !r.is_finished())
+    }
+}

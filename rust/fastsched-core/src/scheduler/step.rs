@@ -1,0 +1,165 @@
+//! `schedule()`: one step's orchestration (S1 budgets, S9 cap, S12
+//! interval), the output arrays, and the in-flight record.
+
+use super::{InFlightRow, InFlightStep, PauseState, Scheduled, Scheduler};
+use crate::output::SchedulerOutput;
+use crate::request::Request;
+use crate::telemetry::ScanStop;
+
+impl Scheduler {
+    // ----------------------------------------------------------------- schedule
+
+    /// S9: the per-request token cap of this step.
+    fn effective_long_prefill_threshold(&self) -> usize {
+        let e = self.running.len() + self.num_waiting();
+        let t = self.cfg.long_prefill_token_threshold;
+        if e <= 1 || t == 0 {
+            return 0;
+        }
+        if self.cfg.long_prefill_token_threshold_adaptive {
+            t.max(self.cfg.max_num_batched_tokens / e)
+        } else {
+            t
+        }
+    }
+
+    /// S12: hold prefill work this step?
+    fn prefill_deferred(&self) -> bool {
+        let k = self.cfg.prefill_schedule_interval as i64;
+        k > 1
+            && !self.interval.capacity_bound
+            && (self.interval.executed + 1) - self.interval.last_prefill < k
+            && self.running.iter().any(|&h| !self.req(h).is_prefill_chunk)
+    }
+
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let oldest_in_flight = self.in_flight.front().map_or(u64::MAX, |s| s.step_id);
+        let (requests, free_handles) = (&mut self.requests, &mut self.free_handles);
+        self.to_release.retain(|&(step, h)| {
+            let done = step < oldest_in_flight;
+            if done {
+                requests[h as usize] = None;
+                free_handles.push(h);
+            }
+            !done
+        });
+        if let Some(c) = self.connector.as_mut() {
+            c.on_step();
+        }
+        let mut out = SchedulerOutput {
+            step_id: self.next_step_id,
+            ..Default::default()
+        };
+        self.next_step_id += 1;
+        out.finished = std::mem::take(&mut self.finished_since_schedule);
+        self.to_release
+            .extend(out.finished.iter().map(|&h| (out.step_id, h)));
+
+        let mut token_budget = if self.pause == PauseState::PausedAll {
+            0
+        } else {
+            self.cfg.max_num_scheduled_tokens()
+        };
+        let mut input_budget = self.cfg.max_num_batched_tokens;
+        let threshold = self.effective_long_prefill_threshold();
+        let defer = self.prefill_deferred();
+        let mut scheduled = std::mem::take(&mut self.scheduled);
+        scheduled.clear();
+
+        // S2/S3: running requests first.
+        self.schedule_running(
+            &mut out,
+            &mut scheduled,
+            &mut token_budget,
+            &mut input_budget,
+            threshold,
+            defer,
+        );
+
+        self.cache_pending_blocks();
+
+        // S5: a step that preempted admits nobody.
+        let stop = if !out.preempted.is_empty() {
+            ScanStop::Preempted
+        } else if self.pause == PauseState::PausedAll {
+            if self.num_waiting() > 0 {
+                ScanStop::Paused
+            } else {
+                ScanStop::NoWaiting
+            }
+        } else {
+            self.schedule_waiting(
+                &mut scheduled,
+                &mut out.block_ids,
+                &mut token_budget,
+                &mut input_budget,
+                threshold,
+                defer,
+            )
+        };
+        self.gates.record_stop(stop);
+
+        self.finish_step(&mut out, &scheduled);
+        self.scheduled = scheduled;
+        out
+    }
+
+    /// Fills the output arrays from the step's rows, does the S12
+    /// bookkeeping, and records the step for `update_from_output`.
+    fn finish_step(&mut self, out: &mut SchedulerOutput, scheduled: &[Scheduled]) {
+        // One tight pass per column: cheaper than pushing to seven vectors
+        // per row.
+        out.req_handles = scheduled.iter().map(|s| s.handle).collect();
+        out.num_scheduled_tokens = scheduled.iter().map(|s| s.num_tokens).collect();
+        out.num_computed_tokens = scheduled.iter().map(|s| s.num_computed_before).collect();
+        out.kinds = scheduled.iter().map(|s| s.kind as u8).collect();
+        out.num_cached_tokens = scheduled.iter().map(|s| s.num_cached_tokens).collect();
+        out.num_spec_tokens = scheduled.iter().map(|s| s.num_spec).collect();
+        out.block_offsets = std::iter::once(0)
+            .chain(scheduled.iter().scan(0, |end, s| {
+                *end += s.num_blocks;
+                Some(*end)
+            }))
+            .collect();
+        debug_assert_eq!(
+            out.block_offsets.last().copied(),
+            Some(out.block_ids.len() as u32)
+        );
+        out.total_num_scheduled_tokens = scheduled.iter().map(|s| s.num_tokens as usize).sum();
+
+        if out.total_num_scheduled_tokens > 0 {
+            self.interval.executed += 1;
+            // A refunded victim's chunk no longer counts as carried prefill.
+            if scheduled.iter().any(|s| s.carries_prefill) {
+                self.interval.last_prefill = self.interval.executed;
+            }
+        }
+        let mut in_flight = self.spare_step.take().unwrap_or(InFlightStep {
+            step_id: 0,
+            rows: Vec::new(),
+        });
+        in_flight.step_id = out.step_id;
+        in_flight.rows.clear();
+        in_flight.rows.extend(scheduled.iter().map(|s| InFlightRow {
+            handle: s.handle,
+            num_spec: s.num_spec,
+            samples: s.samples,
+        }));
+        self.in_flight.push_back(in_flight);
+    }
+}
+
+/// vLLM's `_update_after_schedule` for one row, done as the row is pushed:
+/// the scheduled tokens count as computed, and a request whose prefill
+/// completes samples a token (under async scheduling, a placeholder for it).
+/// `Scheduler::unschedule` undoes it.
+#[inline]
+pub(super) fn advance(req: &mut Request, mut row: Scheduled, async_scheduling: bool) -> Scheduled {
+    req.num_computed_tokens += row.num_tokens as usize;
+    req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens() + req.num_output_placeholders;
+    row.samples = !req.is_prefill_chunk;
+    if async_scheduling && row.samples {
+        req.num_output_placeholders += 1;
+    }
+    row
+}

@@ -1,0 +1,293 @@
+//! The waiting phase of a step (S6/S7/S10/S11): admits waiting requests.
+
+use super::step::advance;
+use super::{PauseState, Scheduled, Scheduler, WhichQueue};
+use crate::kv::manager::AllocRequest;
+use crate::kv::CacheHit;
+use crate::output::ScheduledKind;
+use crate::queue::QueueEntry;
+use crate::request::{FinishReason, Handle, RequestStatus};
+use crate::telemetry::{ScanStop, SkipReason};
+
+impl Scheduler {
+    /// S6/S7/S10/S11: admits waiting requests; returns the gate that
+    /// stopped the scan.
+    pub(super) fn schedule_waiting(
+        &mut self,
+        scheduled: &mut Vec<Scheduled>,
+        block_ids: &mut Vec<u32>,
+        token_budget: &mut usize,
+        input_budget: &mut usize,
+        threshold: usize,
+        defer: bool,
+    ) -> ScanStop {
+        let draft_slots = self.cfg.num_speculative_tokens;
+        let max_active = self.cfg.max_num_active_seqs();
+        let watermark_blocks =
+            (self.cfg.watermark * self.kv.pool.num_usable_blocks() as f64) as usize;
+        let mut lora_set: Vec<u32> = if self.cfg.max_loras > 0 {
+            let mut v: Vec<u32> = scheduled
+                .iter()
+                .filter_map(|s| self.req(s.handle).lora_id)
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        } else {
+            Vec::new()
+        };
+        let mut deferred: Vec<(WhichQueue, QueueEntry)> = Vec::new();
+
+        // The queue is looked at before the budget (neither has side
+        // effects) so that an empty queue reads as `NoWaiting`.
+        let stop = loop {
+            let which = if !self.kv_holding.is_empty() {
+                WhichQueue::KvHolding
+            } else if self.waiting.is_empty() {
+                break ScanStop::NoWaiting;
+            } else if self.pause == PauseState::Unpaused {
+                WhichQueue::Waiting
+            } else {
+                break ScanStop::Paused;
+            };
+            if *token_budget == 0 {
+                break ScanStop::TokenBudget;
+            }
+            if *input_budget <= draft_slots {
+                // An exhausted input budget is a budget stop, not a draft one.
+                break if *input_budget == 0 {
+                    ScanStop::TokenBudget
+                } else {
+                    ScanStop::DraftSlots
+                };
+            }
+            if self.running.len() + self.num_waiting_for_streaming_input >= max_active {
+                break ScanStop::ActiveSeqs;
+            }
+            let queue = match which {
+                WhichQueue::KvHolding => &mut self.kv_holding,
+                WhichQueue::Waiting => &mut self.waiting,
+            };
+            let h = queue.peek().expect("non-empty queue");
+
+            // S7: skips for the request's own reasons.
+            if self.req(h).status == RequestStatus::WaitingForRemoteKvs {
+                let done = self.connector.as_ref().is_some_and(|c| c.is_load_done(h));
+                if !done {
+                    self.defer_head(which, h, SkipReason::RemoteKv, &mut deferred);
+                    continue;
+                }
+                self.finish_remote_load(h);
+            }
+            let req = self.requests[h as usize].as_ref().expect("live handle");
+            if req.num_output_placeholders > 0 {
+                self.defer_head(which, h, SkipReason::StaleOutput, &mut deferred);
+                continue;
+            }
+            if let Some(lora) = req.lora_id {
+                if lora_set.len() >= self.cfg.max_loras && lora_set.binary_search(&lora).is_err() {
+                    self.defer_head(which, h, SkipReason::LoraSlots, &mut deferred);
+                    continue;
+                }
+            }
+
+            // S16: a preempted request whose sequence outgrew the whole pool
+            // can never run again; it ends as length-capped instead of waiting forever.
+            if self.kv_blocks_needed(req.num_tokens()) > self.kv.pool.num_usable_blocks() {
+                match which {
+                    WhichQueue::KvHolding => self.kv_holding.pop(),
+                    WhichQueue::Waiting => self.waiting.pop(),
+                };
+                self.finish(h, RequestStatus::FinishedLengthCapped);
+                self.pending_finished.push((h, FinishReason::Length));
+                continue;
+            }
+
+            // S8: prefix cache (and connector) hits for a request holding no KV.
+            let mut hit = CacheHit::default();
+            let mut num_external = 0;
+            let mut load_async = false;
+            if req.num_computed_tokens == 0 {
+                let req = self.requests[h as usize].as_ref().expect("live handle");
+                hit = self.kv.get_computed_blocks(req);
+                if let Some(c) = self.connector.as_mut() {
+                    (num_external, load_async) = c.get_num_new_matched_tokens(req, hit.num_tokens);
+                    // The last token is always computed, whatever the connector offers.
+                    num_external = num_external.min(req.num_tokens() - 1 - hit.num_tokens);
+                    load_async &= num_external > 0;
+                }
+            }
+            let req = self.requests[h as usize].as_ref().expect("live handle");
+            let num_computed = req.num_computed_tokens + hit.num_tokens + num_external;
+            let is_prefill_work = num_computed + 1 < req.num_tokens();
+            if defer && is_prefill_work {
+                break ScanStop::PrefillInterval;
+            }
+            let mut n = req.num_tokens() - num_computed;
+            if load_async {
+                // Reserve the whole prompt now: a request that holds only the
+                // loaded blocks could wait forever for the rest while others
+                // holding KV wait for it.
+                n = req.num_tokens() - hit.num_tokens - num_external;
+            } else {
+                if threshold > 0 && n > threshold {
+                    n = threshold;
+                }
+                let cap = (*token_budget).min(*input_budget - draft_slots);
+                if !self.cfg.enable_chunked_prefill && n > cap {
+                    break ScanStop::TokenBudget;
+                }
+                n = n.min(cap);
+            }
+            let alloc = AllocRequest {
+                num_new_tokens: n + num_external,
+                num_lookahead_tokens: self.cfg.num_speculative_tokens,
+                full_sequence_must_fit: self.cfg.scheduler_reserve_full_isl,
+                reserve_blocks: if scheduled.is_empty() {
+                    0
+                } else {
+                    watermark_blocks
+                },
+                delay_cache: load_async,
+            };
+            self.block_scratch.clear();
+            if self
+                .kv
+                .allocate_slots(req, alloc, Some(&hit), &mut self.block_scratch)
+                .is_none()
+            {
+                // S16: KV-holding requests that all wait for more blocks while
+                // nothing runs would wait forever: the latest of them gives its
+                // KV back (recompute later) so the head can go.
+                if which == WhichQueue::KvHolding && self.running.is_empty() && scheduled.is_empty()
+                {
+                    if let Some(victim) = self
+                        .kv_holding
+                        .ordered()
+                        .into_iter()
+                        .rev()
+                        .find(|&v| v != h)
+                    {
+                        self.release_waiting_kv(victim);
+                        continue;
+                    }
+                }
+                break ScanStop::KvBlocks; // S10: a request that does not fit stops the scan.
+            }
+            let queue = match which {
+                WhichQueue::KvHolding => &mut self.kv_holding,
+                WhichQueue::Waiting => &mut self.waiting,
+            };
+            queue.pop();
+            if load_async {
+                let req = self.req_mut(h);
+                req.status = RequestStatus::WaitingForRemoteKvs;
+                req.num_loaded_tokens = num_computed;
+                let entry = QueueEntry::of(req);
+                deferred.push((WhichQueue::KvHolding, entry));
+                if let Some(c) = self.connector.as_mut() {
+                    c.start_load(h);
+                }
+                continue;
+            }
+            // S11: admission. New and resumed rows send the whole block table.
+            self.running.push(h);
+            let blocks = self.kv.blocks(h);
+            block_ids.extend_from_slice(blocks);
+            let num_blocks = blocks.len() as u32;
+            let async_scheduling = self.async_scheduling;
+            let req = self.req_mut(h);
+            let kind = match req.status {
+                RequestStatus::Preempted => ScheduledKind::Resumed,
+                _ if req.first_scheduled => ScheduledKind::Resumed,
+                _ => ScheduledKind::New,
+            };
+            req.status = RequestStatus::Running;
+            req.num_computed_tokens = num_computed;
+            req.first_scheduled = true;
+            if req.num_cached_tokens.is_none() {
+                req.num_cached_tokens = Some(num_computed);
+            }
+            if let Some(lora) = req.lora_id {
+                if let Err(pos) = lora_set.binary_search(&lora) {
+                    lora_set.insert(pos, lora);
+                }
+            }
+            let row = Scheduled {
+                handle: h,
+                num_tokens: n as u32,
+                num_computed_before: num_computed as u32,
+                num_cached_tokens: num_computed as u32,
+                num_spec: 0,
+                num_blocks,
+                kind,
+                carries_prefill: is_prefill_work,
+                samples: false,
+            };
+            scheduled.push(advance(req, row, async_scheduling));
+            *token_budget -= n;
+            *input_budget -= n;
+        };
+
+        // S12 capacity escape: a release step that leaves requests waiting
+        // (beyond those skipped for their own reasons) turns throttling off.
+        if !defer && self.cfg.prefill_schedule_interval > 1 {
+            self.interval.capacity_bound = self.num_waiting() > 0;
+        }
+        // S7: skipped requests go back to the head of their queue in order.
+        let (kv_back, wait_back): (Vec<_>, Vec<_>) = deferred
+            .into_iter()
+            .partition(|(q, _)| *q == WhichQueue::KvHolding);
+        self.kv_holding
+            .prepend_all(kv_back.into_iter().map(|(_, e)| e).collect());
+        self.waiting
+            .prepend_all(wait_back.into_iter().map(|(_, e)| e).collect());
+        stop
+    }
+
+    /// Frees the KV of a waiting request that holds some; it starts over
+    /// like a preempted request.
+    fn release_waiting_kv(&mut self, h: Handle) {
+        self.kv_holding.remove(h);
+        self.kv.free(h);
+        if let Some(c) = self.connector.as_mut() {
+            c.request_finished(h);
+        }
+        let req = self.req_mut(h);
+        req.status = RequestStatus::Preempted;
+        req.num_computed_tokens = 0;
+        req.num_preemptions += 1;
+        let entry = QueueEntry::of(req);
+        self.waiting.prepend(entry);
+        self.num_preemptions_total += 1;
+    }
+
+    fn defer_head(
+        &mut self,
+        which: WhichQueue,
+        h: Handle,
+        reason: SkipReason,
+        deferred: &mut Vec<(WhichQueue, QueueEntry)>,
+    ) {
+        self.gates.record_skip(reason);
+        match which {
+            WhichQueue::KvHolding => self.kv_holding.pop(),
+            WhichQueue::Waiting => self.waiting.pop(),
+        };
+        deferred.push((which, QueueEntry::of(self.req(h))));
+    }
+
+    /// A remote load completed: the hit and the loaded tokens count as
+    /// computed (never the last token, which must produce logits).
+    fn finish_remote_load(&mut self, h: Handle) {
+        let req = self.requests[h as usize].as_mut().expect("live handle");
+        let computed = req.num_loaded_tokens.min(req.num_tokens() - 1);
+        req.num_computed_tokens = computed;
+        req.status = if req.num_preemptions > 0 {
+            RequestStatus::Preempted
+        } else {
+            RequestStatus::Waiting
+        };
+        self.kv.cache_blocks(req, computed);
+    }
+}
