@@ -194,7 +194,7 @@ class EngineCore:
             raise
         eco = self.scheduler.update_from_tokens(result.tokens)
         outputs = self._collect(eco, result, handles)
-        self.stats.on_step(so, self.scheduler.stats(), outputs)
+        self.stats.on_step(outputs, self.scheduler.stats)
         return outputs
 
     def _tokens_of(self, handle: int) -> list[int]:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from fastsched._core import SchedulerOutput
 
 logger = logging.getLogger("fastsched.engine")
 
@@ -28,7 +27,8 @@ class StatsLogger:
         self.prompt_tokens_total += num_prompt_tokens
         self._prompt_since += num_prompt_tokens
 
-    def on_step(self, so: SchedulerOutput, sched_stats: dict, outputs: list) -> None:
+    def on_step(self, outputs: list, scheduler_stats: Callable[[], dict]) -> None:
+        """Counts the step's tokens; reads the scheduler's stats only when a log line is due."""
         generated = sum(len(o.new_token_ids) for o in outputs)
         self.generation_tokens_total += generated
         self._generation_since += generated
@@ -38,6 +38,7 @@ class StatsLogger:
         elapsed = now - self._last_log
         if elapsed < self.interval:
             return
+        sched_stats = scheduler_stats()
         queries = sched_stats["prefix_cache_queries"] - self._prefix_queries
         hits = sched_stats["prefix_cache_hits"] - self._prefix_hits
         logger.info(
