@@ -116,6 +116,8 @@ class SchedulerConfig:
         enable_prefix_caching: bool = True,
         scheduler_reserve_full_isl: bool = True,
         watermark: float = 0.0,
+        priority_preemption: bool = False,
+        max_preemptions_per_request: int = 3,
     ) -> SchedulerConfig:
         """All settings are keyword-only.
 
@@ -137,6 +139,10 @@ class SchedulerConfig:
         - ``enable_prefix_caching``: reuse cached whole blocks at admission (S8).
         - ``scheduler_reserve_full_isl``: admit only if the whole current sequence fits in free KV (S10).
         - ``watermark``: fraction of the pool, in [0, 1), kept free when admitting (S10).
+        - ``priority_preemption``: when the active set is full, a strictly more urgent waiting request
+          preempts the worst running one (recompute); requires ``policy="priority"``.
+        - ``max_preemptions_per_request``: a request already preempted this many times is never
+          a priority-preemption victim.
         """
 
     @property
@@ -163,6 +169,12 @@ class SchedulerConfig:
     @property
     def enable_prefix_caching(self) -> bool:
         """Whether admission reuses cached prefix blocks."""
+    @property
+    def priority_preemption(self) -> bool:
+        """Whether a more urgent waiting request preempts the worst running one."""
+    @property
+    def max_preemptions_per_request(self) -> int:
+        """Preemptions after which a request is no longer a priority-preemption victim."""
     @property
     def policy(self) -> _Policy:
         """``"fcfs"`` or ``"priority"``."""

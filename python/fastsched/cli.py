@@ -37,6 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    help="never split a prompt across steps")
     s.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="waiting-queue order")
+    s.add_argument("--priority-preemption", action="store_true",
+                   help="with --policy priority: when the active set is full, a more urgent waiting "
+                        "request preempts the least urgent running one (recompute, capped per request)")
     s.add_argument("--watermark", type=float, default=0.0,
                    help="fraction of the KV pool kept free when admitting requests")
     k = parser.add_argument_group("KV cache")
@@ -55,7 +58,7 @@ ENGINE_ARG_NAMES = (
     "model", "dtype", "device", "attention_backend", "seed", "max_num_seqs", "max_num_active_seqs",
     "max_num_batched_tokens", "max_model_len", "long_prefill_token_threshold",
     "long_prefill_token_threshold_adaptive", "prefill_schedule_interval", "enable_chunked_prefill",
-    "policy", "watermark", "block_size", "enable_prefix_caching", "num_gpu_blocks",
+    "policy", "priority_preemption", "watermark", "block_size", "enable_prefix_caching", "num_gpu_blocks",
     "gpu_memory_utilization", "kv_cache_memory",
 )
 

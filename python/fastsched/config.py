@@ -36,6 +36,7 @@ class EngineConfig:
     prefill_schedule_interval: int = 1
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    priority_preemption: bool = False  # needs policy="priority"
     block_size: int = 16
     enable_prefix_caching: bool = True
     scheduler_reserve_full_isl: bool = True
@@ -103,6 +104,7 @@ class EngineConfig:
             prefill_schedule_interval=self.prefill_schedule_interval,
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.policy,
+            priority_preemption=self.priority_preemption,
             block_size=self.block_size,
             num_gpu_blocks=num_gpu_blocks,
             enable_prefix_caching=self.enable_prefix_caching,

@@ -43,6 +43,12 @@ pub struct SchedulerConfig {
     pub enable_prefix_caching: bool,
     pub scheduler_reserve_full_isl: bool,
     pub watermark: f64,
+    /// Priority preemption (opt-in): a strictly more urgent waiting request
+    /// displaces the worst running one when the active set is full.
+    pub priority_preemption: bool,
+    /// A running request already preempted this many times is never a
+    /// victim of priority preemption.
+    pub max_preemptions_per_request: u32,
 }
 
 impl Default for SchedulerConfig {
@@ -65,6 +71,8 @@ impl Default for SchedulerConfig {
             enable_prefix_caching: true,
             scheduler_reserve_full_isl: true,
             watermark: 0.0,
+            priority_preemption: false,
+            max_preemptions_per_request: 3,
         }
     }
 }
@@ -150,6 +158,15 @@ impl SchedulerConfig {
             return bad(format!(
                 "num_speculative_tokens ({}) must be smaller than max_num_batched_tokens ({})",
                 self.num_speculative_tokens, self.max_num_batched_tokens
+            ));
+        }
+        if self.priority_preemption && self.policy != Policy::Priority {
+            return bad(format!(
+                "priority_preemption (true) requires policy \"priority\", got policy ({:?})",
+                match self.policy {
+                    Policy::Fcfs => "fcfs",
+                    Policy::Priority => "priority",
+                }
             ));
         }
         Ok(())

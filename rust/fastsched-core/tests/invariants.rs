@@ -95,6 +95,9 @@ fn knobs() -> impl Strategy<Value = Knobs> {
                     num_gpu_blocks: num_blocks,
                     enable_prefix_caching: caching,
                     scheduler_reserve_full_isl: full_isl,
+                    // Opt-in priority preemption, on for half the priority runs.
+                    priority_preemption: priority && (seed >> 1) & 1 == 1,
+                    max_preemptions_per_request: 2,
                     ..Default::default()
                 };
                 Knobs {
@@ -203,10 +206,14 @@ impl Driver {
             stats.num_steps,
             "exactly one scan stop per schedule()"
         );
-        assert_eq!(
-            stats.gates.last_scan_stop == Some(ScanStop::Preempted),
-            !out.preempted.is_empty()
-        );
+        // S5's gate is recorded exactly when the running phase preempted; opt-in
+        // priority preemption also preempts from the waiting phase, under another gate.
+        let s5_stop = stats.gates.last_scan_stop == Some(ScanStop::Preempted);
+        if self.s.config().priority_preemption {
+            assert!(!s5_stop || !out.preempted.is_empty());
+        } else {
+            assert_eq!(s5_stop, !out.preempted.is_empty());
+        }
         let cfg = self.s.config().clone();
         let total: u32 = out.num_scheduled_tokens.iter().sum();
         assert_eq!(total as usize, out.total_num_scheduled_tokens);

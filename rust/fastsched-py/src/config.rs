@@ -33,6 +33,8 @@ impl PySchedulerConfig {
         enable_prefix_caching = true,
         scheduler_reserve_full_isl = true,
         watermark = 0.0,
+        priority_preemption = false,
+        max_preemptions_per_request = 3,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -53,6 +55,8 @@ impl PySchedulerConfig {
         enable_prefix_caching: bool,
         scheduler_reserve_full_isl: bool,
         watermark: f64,
+        priority_preemption: bool,
+        max_preemptions_per_request: u32,
     ) -> PyResult<Self> {
         let opt = |name: &str, v: Option<i64>| v.map(|v| non_negative(name, v)).transpose();
         let inner = SchedulerConfig {
@@ -79,6 +83,8 @@ impl PySchedulerConfig {
             enable_prefix_caching,
             scheduler_reserve_full_isl,
             watermark,
+            priority_preemption,
+            max_preemptions_per_request,
         };
         inner.validate().map_err(to_py)?;
         Ok(PySchedulerConfig { inner })
@@ -115,6 +121,14 @@ impl PySchedulerConfig {
     #[getter]
     fn enable_prefix_caching(&self) -> bool {
         self.inner.enable_prefix_caching
+    }
+    #[getter]
+    fn priority_preemption(&self) -> bool {
+        self.inner.priority_preemption
+    }
+    #[getter]
+    fn max_preemptions_per_request(&self) -> u32 {
+        self.inner.max_preemptions_per_request
     }
     #[getter]
     fn policy(&self) -> &'static str {

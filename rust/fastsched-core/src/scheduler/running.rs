@@ -147,7 +147,7 @@ impl Scheduler {
     /// Takes back row `j` of the step being built (a priority victim that
     /// was already scheduled): undoes `advance` and drops its block ids.
     /// Rare, so the O(n) removals are fine.
-    fn unschedule(
+    pub(super) fn unschedule(
         &mut self,
         scheduled: &mut Vec<Scheduled>,
         j: usize,
@@ -174,7 +174,7 @@ impl Scheduler {
 
     /// FCFS takes the last running request; priority the max of
     /// `(priority, arrival_time)` over the whole running list (first on ties).
-    fn priority_victim_position(&self) -> usize {
+    pub(super) fn priority_victim_position(&self) -> usize {
         let mut best = 0;
         for (pos, &h) in self.running.iter().enumerate().skip(1) {
             let (r, b) = (self.req(h), self.req(self.running[best]));
@@ -188,7 +188,7 @@ impl Scheduler {
     }
 
     /// S4: recompute preemption.
-    fn preempt(&mut self, h: Handle) {
+    pub(super) fn preempt(&mut self, h: Handle) {
         self.kv.free(h);
         let req = self.req_mut(h);
         debug_assert_eq!(req.status, RequestStatus::Running);

@@ -91,6 +91,7 @@ impl Scheduler {
             self.schedule_waiting(
                 &mut scheduled,
                 &mut out.block_ids,
+                &mut out.preempted,
                 &mut token_budget,
                 &mut input_budget,
                 threshold,

@@ -1153,3 +1153,134 @@ fn skip_stale_output_is_counted_while_a_token_is_in_flight() {
     s.schedule();
     assert_eq!(skips(&s, SkipReason::StaleOutput), 1);
 }
+
+// ------------------------------------------------------- priority preemption
+
+/// Active set of 2 under S12 (interval 3): "d" decodes every step, "long"
+/// (priority 5) is a prefill chunk held on non-release steps, so it has no
+/// row in those steps. Returns once "long" runs as a held chunk.
+fn full_active_set_with_a_held_chunk(f: impl FnOnce(&mut SchedulerConfig)) -> Scheduler {
+    let mut s = sched_with(64, |c| {
+        c.policy = Policy::Priority;
+        c.prefill_schedule_interval = 3;
+        c.max_num_batched_tokens = 16;
+        c.max_num_seqs = 4;
+        c.max_num_active_seqs = Some(2);
+        f(c);
+    });
+    add(&mut s, "d", 4, 50);
+    step(&mut s);
+    add_with(&mut s, "long", 40, 4, |r| {
+        r.priority = 5;
+        r.arrival_time = 1.0;
+    });
+    let long = s.handle_of("long").unwrap();
+    while !(s.running().contains(&long) && s.req(long).is_prefill_chunk) {
+        step(&mut s);
+    }
+    s
+}
+
+/// Steps until something is preempted (at most `k` steps); returns that step.
+fn step_until_preempted(s: &mut Scheduler, k: usize) -> Option<SchedulerOutput> {
+    (0..k).find_map(|_| {
+        let (out, _) = step(s);
+        (!out.preempted.is_empty()).then_some(out)
+    })
+}
+
+#[test]
+fn priority_preemption_more_urgent_arrival_displaces_the_worst_running_request() {
+    let mut s = full_active_set_with_a_held_chunk(|c| c.priority_preemption = true);
+    add_with(&mut s, "hi", 8, 4, |r| {
+        r.priority = 1;
+        r.arrival_time = 2.0;
+    });
+    let out = step_until_preempted(&mut s, 3).expect("long is preempted");
+    assert_eq!(names(&s, &out.preempted), vec!["long"]);
+    assert!(
+        !out.req_handles.contains(&s.handle_of("long").unwrap()),
+        "only a victim without a row in the step"
+    );
+    let long = s.request(s.handle_of("long").unwrap()).unwrap();
+    assert_eq!(long.num_preemptions, 1);
+    // hi takes the freed slot at the next prefill step, ahead of long.
+    let hi = s.handle_of("hi").unwrap();
+    while !s.running().contains(&hi) {
+        step(&mut s);
+    }
+    assert_eq!(names(&s, s.running()), vec!["d", "hi"]);
+}
+
+#[test]
+fn priority_preemption_equal_priority_does_not_preempt() {
+    let mut s = full_active_set_with_a_held_chunk(|c| c.priority_preemption = true);
+    add_with(&mut s, "same", 8, 4, |r| {
+        r.priority = 5;
+        r.arrival_time = 0.5;
+    });
+    assert!(step_until_preempted(&mut s, 6).is_none());
+}
+
+#[test]
+fn priority_preemption_cap_protects_a_request_preempted_that_many_times() {
+    let mut s = full_active_set_with_a_held_chunk(|c| {
+        c.priority_preemption = true;
+        c.max_preemptions_per_request = 2;
+    });
+    let long = s.handle_of("long").unwrap();
+    s.req_mut(long).num_preemptions = 2;
+    add_with(&mut s, "hi", 8, 4, |r| r.priority = 1);
+    assert!(step_until_preempted(&mut s, 6).is_none());
+}
+
+#[test]
+fn priority_preemption_is_off_by_default() {
+    assert!(!SchedulerConfig::default().priority_preemption);
+    let mut s = full_active_set_with_a_held_chunk(|_| {});
+    add_with(&mut s, "hi", 8, 4, |r| r.priority = 1);
+    assert!(step_until_preempted(&mut s, 6).is_none());
+}
+
+#[test]
+fn priority_preemption_under_fcfs_is_a_config_error_naming_both_values() {
+    let cfg = SchedulerConfig {
+        priority_preemption: true,
+        ..Default::default()
+    };
+    match Scheduler::new(cfg) {
+        Err(crate::error::Error::InvalidConfig(m)) => {
+            assert!(
+                m.contains("priority_preemption (true)") && m.contains("fcfs"),
+                "{m}"
+            )
+        }
+        other => panic!("expected InvalidConfig, got {:?}", other.err()),
+    }
+}
+
+#[test]
+fn priority_preemption_displaces_a_decoding_low_priority_request_in_the_same_step() {
+    let mut s = sched_with(64, |c| {
+        c.policy = Policy::Priority;
+        c.priority_preemption = true;
+        c.max_num_active_seqs = Some(2);
+    });
+    add_with(&mut s, "low", 4, 20, |r| r.priority = 5);
+    add_with(&mut s, "mid", 4, 20, |r| r.priority = 3);
+    step(&mut s);
+    step(&mut s); // both decoding: each gets a row in the running phase
+    add_with(&mut s, "urgent", 4, 5, |r| r.priority = 0);
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.preempted), vec!["low"]);
+    assert_eq!(
+        scheduled(&s, &out),
+        sv(&[("mid", 1), ("urgent", 4)]),
+        "low's row was taken back"
+    );
+    assert_eq!(out.total_num_scheduled_tokens, 5);
+    assert_eq!(
+        s.request(s.handle_of("low").unwrap()).unwrap().status,
+        RequestStatus::Preempted
+    );
+}

@@ -16,6 +16,7 @@ impl Scheduler {
         &mut self,
         scheduled: &mut Vec<Scheduled>,
         block_ids: &mut Vec<u32>,
+        preempted: &mut Vec<Handle>,
         token_budget: &mut usize,
         input_budget: &mut usize,
         threshold: usize,
@@ -62,6 +63,16 @@ impl Scheduler {
                 };
             }
             if self.running.len() + self.num_waiting_for_streaming_input >= max_active {
+                if self.preempt_for_priority(
+                    which,
+                    scheduled,
+                    block_ids,
+                    preempted,
+                    token_budget,
+                    input_budget,
+                ) {
+                    continue;
+                }
                 break ScanStop::ActiveSeqs;
             }
             let queue = match which {
@@ -243,6 +254,61 @@ impl Scheduler {
         self.waiting
             .prepend_all(wait_back.into_iter().map(|(_, e)| e).collect());
         stop
+    }
+
+    /// Priority preemption (opt-in): when the active set is full, the head
+    /// of `which` displaces the S3 priority victim if the head is strictly
+    /// more urgent and the victim is below `max_preemptions_per_request`. A
+    /// victim already scheduled in the running phase gives its row back, as
+    /// in S3. A head that S7 would skip anyway displaces nobody.
+    fn preempt_for_priority(
+        &mut self,
+        which: WhichQueue,
+        scheduled: &mut Vec<Scheduled>,
+        block_ids: &mut Vec<u32>,
+        preempted: &mut Vec<Handle>,
+        token_budget: &mut usize,
+        input_budget: &mut usize,
+    ) -> bool {
+        if !self.cfg.priority_preemption || self.running.is_empty() {
+            return false;
+        }
+        let head = match which {
+            WhichQueue::KvHolding => self.kv_holding.peek(),
+            WhichQueue::Waiting => self.waiting.peek(),
+        }
+        .expect("non-empty queue");
+        let pos = self.priority_victim_position();
+        let victim = self.running[pos];
+        let (hr, vr) = (self.req(head), self.req(victim));
+        let remote_pending = hr.status == RequestStatus::WaitingForRemoteKvs
+            && !self
+                .connector
+                .as_ref()
+                .is_some_and(|c| c.is_load_done(head));
+        let row = scheduled.iter().position(|s| s.handle == victim);
+        // Only a running row can be taken back (never one admitted in this scan).
+        let row_is_running = row.is_none_or(|j| scheduled[j].kind == ScheduledKind::Cached);
+        if hr.priority >= vr.priority
+            || vr.num_preemptions >= self.cfg.max_preemptions_per_request
+            || remote_pending
+            || hr.num_output_placeholders > 0
+            || !row_is_running
+        {
+            return false;
+        }
+        self.running.remove(pos);
+        if let Some(j) = row {
+            // As in S3: the victim's row gives back its tokens and budget.
+            let s = self.unschedule(scheduled, j, block_ids);
+            *token_budget += s.num_tokens as usize;
+            *input_budget += (s.num_tokens - s.num_spec) as usize;
+        }
+        // Freeing blocks must not overtake the caching of earlier rows'.
+        self.cache_pending_blocks();
+        self.preempt(victim);
+        preempted.push(victim);
+        true
     }
 
     /// Frees the KV of a waiting request that holds some; it starts over
