@@ -55,7 +55,6 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
@@ -199,45 +198,33 @@ class _SiblingProcess:
             self._fd = None
 
 
-def run_frontend(
-    frontend_index: int,
-    engine_input_addrs: Sequence[str],
-    engine_pids: Sequence[int],
-    output_addr: str,
-    grpc_host: str,
-    grpc_port: int,
-    shm_name: str,
-    ready_pipe: Connection,
-    admission: dict[str, Any],
-    engine_timeout: float,
-    ready_timeout: float,
-    log_level: str,
-) -> None:
+@dataclass(frozen=True)
+class FrontendSpec:
+    """Everything a frontend process needs from the launcher (picklable for spawn)."""
+
+    index: int
+    engine_input_addrs: tuple[str, ...]
+    engine_pids: tuple[int, ...]
+    output_addr: str
+    grpc_host: str
+    grpc_port: int
+    shm_name: str
+    admission: dict[str, Any]
+    engine_timeout: float
+    ready_timeout: float
+    log_level: str
+
+
+def run_frontend(spec: FrontendSpec, ready_pipe: Connection) -> None:
     """A frontend process's main: AsyncLLM + gRPC server until SIGTERM or the launcher's
     death. Sends ``("ready", address)`` or ``("failed", message)`` on ``ready_pipe``."""
     _block_sigint()
-    logging.basicConfig(level=log_level,
-                        format=f"%(asctime)s %(levelname)s [frontend {frontend_index}] %(name)s: %(message)s")
-    code = asyncio.run(_frontend_main(
-        frontend_index, engine_input_addrs, engine_pids, output_addr, grpc_host, grpc_port, shm_name, ready_pipe,
-        admission, engine_timeout, ready_timeout,
-    ))
-    sys.exit(code)
+    logging.basicConfig(level=spec.log_level,
+                        format=f"%(asctime)s %(levelname)s [frontend {spec.index}] %(name)s: %(message)s")
+    sys.exit(asyncio.run(_frontend_main(spec, ready_pipe)))
 
 
-async def _frontend_main(
-    frontend_index: int,
-    engine_input_addrs: Sequence[str],
-    engine_pids: Sequence[int],
-    output_addr: str,
-    grpc_host: str,
-    grpc_port: int,
-    shm_name: str,
-    ready_pipe: Connection,
-    admission: dict[str, Any],
-    engine_timeout: float,
-    ready_timeout: float,
-) -> int:
+async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
     from fastsched._core import SharedAdmissionStats
     from fastsched.engine.async_llm import AsyncLLM
     from fastsched.entrypoints.grpc_server import serve_frontend
@@ -254,15 +241,16 @@ async def _frontend_main(
         stop.set()
 
     watcher = asyncio.create_task(watch_parent())
-    engines = [_SiblingProcess(pid) for pid in engine_pids]
+    engines = [_SiblingProcess(pid) for pid in spec.engine_pids]
     llm = server = None
-    address = f"{grpc_host}:{grpc_port}"
+    address = f"{spec.grpc_host}:{spec.grpc_port}"
     try:
         try:
-            shared = SharedAdmissionStats.open(shm_name, frontend_index)
+            shared = SharedAdmissionStats.open(spec.shm_name, spec.index)
             starting = asyncio.create_task(AsyncLLM.start(
-                engine_input_addrs, output_addr, frontend_index=frontend_index, shared_stats=shared,
-                engine_procs=engines, engine_timeout=engine_timeout, ready_timeout=ready_timeout, **admission,
+                spec.engine_input_addrs, spec.output_addr, frontend_index=spec.index, shared_stats=shared,
+                engine_procs=engines, engine_timeout=spec.engine_timeout, ready_timeout=spec.ready_timeout,
+                **spec.admission,
             ))
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -272,16 +260,16 @@ async def _frontend_main(
                 await asyncio.gather(starting, return_exceptions=True)
                 return 0
             llm = starting.result()
-            server = await serve_frontend(llm, grpc_host, grpc_port)
+            server = await serve_frontend(llm, spec.grpc_host, spec.grpc_port)
         except Exception as e:
-            logger.error("frontend %d failed to start: %s", frontend_index, e)
+            logger.error("frontend %d failed to start: %s", spec.index, e)
             with contextlib.suppress(OSError):
-                ready_pipe.send(("failed", f"frontend {frontend_index} failed to start: {type(e).__name__}: {e}"))
+                ready_pipe.send(("failed", f"frontend {spec.index} failed to start: {type(e).__name__}: {e}"))
             return 1
         ready_pipe.send(("ready", address))
         ready_pipe.close()
         await stop.wait()
-        logger.info("frontend %d stopping", frontend_index)
+        logger.info("frontend %d stopping", spec.index)
         return 0
     finally:
         # Stopping already: a second SIGTERM (the launcher's, after a signal to the whole
@@ -295,7 +283,7 @@ async def _frontend_main(
             await llm.shutdown()
         for engine in engines:
             engine.close()
-        logger.info("frontend %d stopped", frontend_index)
+        logger.info("frontend %d stopped", spec.index)
 
 
 # ------------------------------------------------------------------ the launcher
@@ -446,9 +434,9 @@ class Launcher:
         engine_pids = [e.proc.pid for e in self.engines]
         for k, (addr, port) in enumerate(zip(frontend_outputs, c.grpc_ports)):
             ours_ready, theirs_ready = _ready_pipe()
-            proc = _spawn(run_frontend, f"fastsched-frontend-{k}",
-                          (k, engine_inputs, engine_pids, addr, c.grpc_host, port, self.shm.name, theirs_ready,
-                           admission, c.engine_timeout, c.ready_timeout, c.log_level), {})
+            spec = FrontendSpec(k, tuple(engine_inputs), tuple(engine_pids), addr, c.grpc_host, port,
+                                self.shm.name, admission, c.engine_timeout, c.ready_timeout, c.log_level)
+            proc = _spawn(run_frontend, f"fastsched-frontend-{k}", (spec, theirs_ready), {})
             theirs_ready.close()
             self.frontends.append(_Child("frontend", k, proc, ours_ready))
             logger.info("frontend %d starting (pid %d)", k, proc.pid)
