@@ -52,6 +52,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="fraction of GPU memory for weights, activations and the KV pool (CUDA)")
     k.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes for the KV pool on CPU (default: 1 GiB)")
+    d = parser.add_argument_group("diagnostics")
+    d.add_argument("--step-trace", default=None, metavar="FILE",
+                   help="append one JSON line per engine step (shape and duration) to FILE, to fit a step-cost "
+                        "model with `fastsched bench fit-step-cost` for `fastsched simulate`")
 
 
 ENGINE_ARG_NAMES = (
@@ -60,6 +64,7 @@ ENGINE_ARG_NAMES = (
     "long_prefill_token_threshold_adaptive", "prefill_schedule_interval", "enable_chunked_prefill",
     "policy", "priority_preemption", "watermark", "block_size", "enable_prefix_caching", "num_gpu_blocks",
     "gpu_memory_utilization", "kv_cache_memory",
+    "step_trace",
 )
 
 
@@ -114,6 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_server_count=args.api_server_count,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
+        ttft_slo=args.ttft_slo,
         enable_fault_tolerance=args.enable_fault_tolerance,
         api_key=args.api_key,
         engine_timeout=args.engine_timeout,
@@ -139,7 +145,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--grpc-port", type=int, default=50051,
                    help="gRPC port of frontend 0; frontend k listens on this port + k")
     n.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open)")
+                   help="require `Authorization: Bearer KEY` on /v1/* and /debug/* (/health and /metrics stay open)")
     n.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the checkpoint's directory or file name)")
     n.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
@@ -162,6 +168,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--max-num-queued-tokens", type=int, default=None,
                    help="A3: reject (503) a request when the prompt tokens still in prefill reach this "
                         "(default: no limit)")
+    a.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS",
+                   help="TTFT target: reject (503, reason ttft_slo) a request when the prompt tokens in prefill, "
+                        "its own included, exceed SECONDS x the prefill throughput the engines measure while "
+                        "requests wait (until measured: one scheduler step's worth per engine). "
+                        "The limit is the metric fastsched:admission_queued_tokens_limit (default: off)")
     a.add_argument("--enable-fault-tolerance", action="store_true",
                    help="A1: keep serving when an engine dies, answering 503 engine_faulted and /health 503 "
                         "(default: the whole server exits)")
@@ -211,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks against a running server",
-                           description="Benchmarks against a running server.")
+    bench = sub.add_parser("bench", help="benchmarks against a running server; step-cost fits for simulate",
+                           description="Benchmarks against a running server (serve); the step-cost model of "
+                                       "`fastsched simulate` (fit-step-cost, steps).")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from fastsched.entrypoints.bench_serve import add_bench_serve_args
 
@@ -223,10 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(func=cmd_bench_serve)
+    from fastsched.entrypoints.bench_steps import add_bench_steps_parsers
+
+    add_bench_steps_parsers(bench_sub)
 
     from fastsched.entrypoints.plan import add_plan_parser
 
     add_plan_parser(sub)
+
+    from fastsched.entrypoints.simulate import add_simulate_parser
+
+    add_simulate_parser(sub)
+    from fastsched.entrypoints.top import add_top_parser
+
+    add_top_parser(sub)
     return parser
 
 

@@ -46,6 +46,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes, CPU
     log_stats_interval: float = 5.0  # seconds between engine stats log lines; 0 = off
+    step_trace: str | None = None  # append one JSON line per step here (fastsched.engine.step_trace)
     extra: dict[str, object] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -16,17 +16,28 @@ increments, so the limit is never exceeded; the price is that two frontends raci
 the very edge may both back off, a rare spurious (and retryable) rejection. A rejected
 request's increment is visible to other frontends for the nanoseconds before it is
 undone, and no longer (A5).
+
+The TTFT-SLO valve (``ttft_slo``) is A3 with a limit that follows the engines: the
+prefill backlog a frontend may hold is ``ttft_slo × measured prefill throughput``,
+shared equally by the K frontends. Until every engine has measured, the limit is a
+floor of one scheduler step's worth of prompt tokens per engine: enough to keep the
+engines backlogged, which is when they measure. Unlike A3 it counts the request's own
+prompt, because that prompt's last token is what the target is about; a request alone
+in the backlog is always admitted, else a prompt longer than the limit could never be
+served.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 ENGINE_FAULTED = "engine_faulted"
 MAX_NUM_QUEUED_REQS = "max_num_queued_reqs"
 MAX_NUM_QUEUED_TOKENS = "max_num_queued_tokens"
-REASONS = (ENGINE_FAULTED, MAX_NUM_QUEUED_REQS, MAX_NUM_QUEUED_TOKENS)
+TTFT_SLO = "ttft_slo"
+REASONS = (ENGINE_FAULTED, MAX_NUM_QUEUED_REQS, MAX_NUM_QUEUED_TOKENS, TTFT_SLO)
 
 
 class AdmissionError(Exception):
@@ -58,6 +69,13 @@ class MaxQueuedTokensError(AdmissionError):
     """A3: the prompt tokens still in prefill reach ``max_num_queued_tokens``."""
 
     reason = MAX_NUM_QUEUED_TOKENS
+
+
+class TtftSloError(AdmissionError):
+    """The TTFT-SLO valve: the prompt tokens in prefill plus this request's would take
+    longer than ``ttft_slo`` to drain at the engines' measured prefill throughput."""
+
+    reason = TTFT_SLO
 
 
 class SharedInFlightCounter(Protocol):
@@ -94,11 +112,20 @@ class AdmissionController:
         max_num_queued_tokens: int | None = None,
         fault_tolerance: bool = False,
         shared_stats: SharedInFlightCounter | None = None,
+        ttft_slo: float | None = None,
+        num_frontends: int = 1,
     ) -> None:
-        limits = {"max_num_queued_reqs": max_num_queued_reqs, "max_num_queued_tokens": max_num_queued_tokens}
+        limits = {"max_num_queued_reqs": max_num_queued_reqs, "max_num_queued_tokens": max_num_queued_tokens,
+                  "num_frontends": num_frontends}
         for name, value in limits.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if ttft_slo is not None and not (isinstance(ttft_slo, (int, float)) and 0 < ttft_slo < math.inf):
+            raise ValueError(f"ttft_slo must be a positive number of seconds or None, got {ttft_slo!r}")
+        self.ttft_slo = ttft_slo
+        self.num_frontends = num_frontends
+        self.prefill_tokens_per_s: float | None = None  # the engines' total, as last reported
+        self._slo_limit: int | None = None  # this frontend's share; None until the engines report
         self.max_num_queued_reqs = max_num_queued_reqs
         self.max_num_queued_tokens = max_num_queued_tokens
         self.fault_tolerance = fault_tolerance
@@ -147,6 +174,14 @@ class AdmissionController:
                         f"max_num_queued_tokens ({self.max_num_queued_tokens})",
                         limit=self.max_num_queued_tokens, current=queued,
                     ))
+            if self.ttft_slo is not None and self._slo_limit is not None:  # the TTFT-SLO valve
+                queued, own = self._num_queued_tokens, n * prompt_len
+                if queued > 0 and queued + own > self._slo_limit:
+                    self._reject(TtftSloError(
+                        f"TTFT target at risk: {queued} prompt tokens queued + {own} requested would exceed "
+                        f"{self._slo_limit} ({self._slo_limit_origin()})",
+                        limit=self._slo_limit, current=queued,
+                    ))
         except AdmissionError:
             if shared is not None:
                 shared.add(-n)  # A5: no trace
@@ -174,6 +209,24 @@ class AdmissionController:
         if self.shared_stats is not None:
             self.shared_stats.add(-charge.n)
 
+    def update_prefill_throughput(self, tokens_per_s: float | None, floor_tokens: int) -> None:
+        """The engines' latest total prefill throughput (None: not measured yet) and the
+        valve's floor in tokens (one step's worth over all engines, the limit until
+        measured): recompute this frontend's share of the TTFT-SLO limit. A no-op
+        without ``ttft_slo``."""
+        if self.ttft_slo is None:
+            return
+        self.prefill_tokens_per_s = tokens_per_s
+        total = float(floor_tokens) if tokens_per_s is None else self.ttft_slo * tokens_per_s
+        self._slo_limit = max(1, math.ceil(total / self.num_frontends))
+
+    def _slo_limit_origin(self) -> str:
+        share = f" / {self.num_frontends} frontends" if self.num_frontends > 1 else ""
+        if self.prefill_tokens_per_s is None:
+            return f"the floor of one scheduler step{share}, until prefill throughput is measured"
+        return (f"ttft_slo {self.ttft_slo:g} s x measured prefill throughput "
+                f"{self.prefill_tokens_per_s:.0f} tokens/s{share}")
+
     def _reject(self, error: AdmissionError) -> None:
         self._rejections[error.reason] += 1
         raise error
@@ -194,6 +247,12 @@ class AdmissionController:
     def num_queued_tokens(self) -> int:
         """A3's count: prompt tokens of this frontend's sequences still in prefill."""
         return self._num_queued_tokens
+
+    @property
+    def queued_tokens_limit(self) -> int | None:
+        """This frontend's TTFT-SLO limit on queued prompt tokens; None when the valve is
+        off or the engines have not reported yet."""
+        return self._slo_limit
 
     @property
     def num_requests(self) -> int:

@@ -5,7 +5,8 @@ the shared counters), route, fan out ``n``, detokenize and cut at stop strings â
 talks to the engines over ZMQ with msgpack (``protocol``). One output-reader task
 receives every engine's messages and dispatches them to per-request streams; a
 monitor task marks an engine dead when it goes silent or its process exits, so no
-request ever waits on a dead engine.
+request ever waits on a dead engine. ``request_status()`` says where a request is: it asks
+the engine (a QUERY whose STATUS the reader hands back) or remembers (``engine.request_status``).
 
 Streaming contract: ``generate()`` admits the request *when called* (so an
 :class:`AdmissionError` or ``ValueError`` surfaces before a response is started) and
@@ -39,10 +40,12 @@ from fastsched.engine.admission import (
     MaxQueuedTokensError,
     QueueOverflowError,
     SharedInFlightCounter,
+    TtftSloError,
 )
 from fastsched.engine.core import EngineCoreOutput, EngineCoreRequest
 from fastsched.engine.output_processor import OutputProcessor
-from fastsched.engine.protocol import EngineStats, ModelInfo
+from fastsched.engine.protocol import EngineRequestStatus, EngineStats, ModelInfo
+from fastsched.engine.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
 from fastsched.model_loader import Tokenizer, load_tokenizer
 from fastsched.outputs import CompletionOutput, Logprob, RequestOutput
 from fastsched.sampling_params import SamplingParams
@@ -58,6 +61,7 @@ __all__ = [
     "RequestMetrics",
     "RequestStream",
     "StreamOutput",
+    "TtftSloError",
 ]
 
 logger = logging.getLogger("fastsched.frontend")
@@ -288,6 +292,10 @@ class AsyncLLM:
         # Engine request ids must be unique in the engine across frontends and restarts.
         self._id_prefix = f"{frontend_index}.{secrets.token_hex(3)}."
         self._ids = itertools.count()
+        self._history = RequestHistory()  # rejected and ended requests, for request_status()
+        self._queries: dict[int, asyncio.Future[list[EngineRequestStatus]]] = {}  # query id -> the engine's answer
+        # A random start: an answer queued for a predecessor on this address must not answer ours.
+        self._query_ids = itertools.count(secrets.randbelow(2**62))
         self._ready = asyncio.Event()
         self._started = False
         self._closed = False
@@ -304,6 +312,8 @@ class AsyncLLM:
         max_num_queued_tokens: int | None = None,
         fault_tolerance: bool = False,
         shared_stats: SharedInFlightCounter | None = None,
+        ttft_slo: float | None = None,
+        num_frontends: int = 1,
         engine_procs: Sequence[_ProcessHandle | None] | None = None,
         engine_timeout: float = 5.0,
         ready_timeout: float = 300.0,
@@ -313,8 +323,11 @@ class AsyncLLM:
         and wait until each has answered READY (``TimeoutError`` after ``ready_timeout``
         seconds; ``RuntimeError`` at once if an engine reports failure or its process,
         when given, exits). The tokenizer comes from the model the engines report unless
-        given. ``shared_stats``: this frontend's opened ``SharedAdmissionStats`` slot (A6)."""
-        admission = AdmissionController(max_num_queued_reqs, max_num_queued_tokens, fault_tolerance, shared_stats)
+        given. ``shared_stats``: this frontend's opened ``SharedAdmissionStats`` slot (A6).
+        ``ttft_slo``: seconds; turns on the TTFT-SLO valve (see ``engine.admission``), whose
+        limit this frontend takes a ``1 / num_frontends`` share of."""
+        admission = AdmissionController(max_num_queued_reqs, max_num_queued_tokens, fault_tolerance, shared_stats,
+                                        ttft_slo=ttft_slo, num_frontends=num_frontends)
         llm = cls(
             engine_input_addrs, output_addr, frontend_index=frontend_index, admission=admission,
             engine_procs=engine_procs, engine_timeout=engine_timeout,
@@ -410,7 +423,11 @@ class AsyncLLM:
             reasons = "; ".join(f"engine {e.index}: {e.dead_reason}" for e in self._engines)
             raise EngineDeadError(f"no engine is alive ({reasons})")
         # Check and charge, then register and send: no await anywhere in between.
-        self.admission.check_and_charge(request_id, params.n, len(token_ids), engine_healthy=self.is_healthy())
+        try:
+            self.admission.check_and_charge(request_id, params.n, len(token_ids), engine_healthy=self.is_healthy())
+        except AdmissionError as e:
+            self._history.add(rejected_status(request_id, self.frontend_index, e, time.time(), len(token_ids)))
+            raise
         engine = min(healthy, key=lambda e: (e.num_in_flight, e.index))  # least loaded; ties: lowest index
         state = self._register(request_id, text, token_ids, params, engine)
         arrival = state.metrics.arrival_time
@@ -474,12 +491,14 @@ class AsyncLLM:
             self._send(engine, protocol.encode(protocol.Abort(live)))
         self._finish(state)
 
-    def _finish(self, state: _RequestState) -> None:
+    def _finish(self, state: _RequestState, error: str | None = None) -> None:
         if state.done:
             return
         state.done = True
         if state.metrics.e2e is None:
             state.metrics.e2e = time.time() - state.metrics.arrival_time
+        self._history.add(ended_status(state.request_id, self.frontend_index, state.engine_index,
+                                       state.parent.outputs, state.metrics, error))
         self.admission.release(state.request_id)
         self._requests.pop(state.request_id, None)
         for child_id in state.child_ids:
@@ -487,7 +506,7 @@ class AsyncLLM:
         self._engines[state.engine_index].num_in_flight -= state.n
 
     def _fail(self, state: _RequestState, error: BaseException) -> None:
-        self._finish(state)
+        self._finish(state, str(error))
         state.queue.put_nowait(error)
 
     # ------------------------------------------------------------ engine messages
@@ -516,17 +535,24 @@ class AsyncLLM:
         engine.last_seen = time.monotonic()
         if isinstance(msg, protocol.Outputs):
             engine.stats = msg.stats
+            self._update_ttft_slo_limit()
             self._process_outputs(msg)
         elif isinstance(msg, protocol.Heartbeat):
             engine.stats = msg.stats
+            self._update_ttft_slo_limit()
         elif isinstance(msg, protocol.Ready):
             if engine.info is None:
                 logger.info("frontend %d: engine %d ready: %s", self.frontend_index, index, msg.model_info)
             engine.info = msg.model_info
+            self._update_ttft_slo_limit()
             self._ready.set()
         elif isinstance(msg, protocol.Failed):
             self._mark_dead(engine, msg.message)
             self._ready.set()
+        elif isinstance(msg, protocol.Status):
+            answer = self._queries.get(msg.query_id)
+            if answer is not None and not answer.done():
+                answer.set_result(msg.statuses)
 
     def _process_outputs(self, msg: protocol.Outputs) -> None:
         for timing in msg.timings:
@@ -573,6 +599,17 @@ class AsyncLLM:
         if changed:
             state.queue.put_nowait(None)
 
+    def _update_ttft_slo_limit(self) -> None:
+        """Feed the valve the live engines' total prefill throughput, unmeasured until
+        every one of them has measured, and its floor: one step of prompt per engine."""
+        if self.admission.ttft_slo is None:
+            return
+        engines = [e for e in self._engines if e.healthy and e.info is not None]
+        rates = [e.stats.prefill_tokens_per_s for e in engines]
+        total = None if not rates or None in rates else sum(r for r in rates if r is not None)
+        floor = sum(e.info.max_num_batched_tokens for e in engines if e.info is not None)
+        self.admission.update_prefill_throughput(total, max(1, floor))
+
     # ------------------------------------------------------------ health
 
     async def _monitor(self) -> None:
@@ -596,6 +633,7 @@ class AsyncLLM:
         engine.healthy = False
         engine.dead_reason = reason
         logger.error("frontend %d: engine %d is dead: %s", self.frontend_index, engine.index, reason)
+        self._update_ttft_slo_limit()
         for state in [s for s in self._requests.values() if s.engine_index == engine.index]:
             self._fail(state, EngineDeadError(f"engine {engine.index} died: {reason}"))
 
@@ -610,6 +648,35 @@ class AsyncLLM:
         info = self._engines[0].info
         assert info is not None
         return info
+
+    async def request_status(self, request_id: str) -> dict[str, Any] | None:
+        """Where a request is (``engine.request_status``): rejected or ended (the last
+        ``HISTORY_SIZE`` such requests are remembered), or in flight, as its engine reports it
+        now. None when this frontend does not know the id. ``TimeoutError`` when the engine
+        does not answer within ``engine_timeout`` (busy with a step longer than that)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return self._history.get(request_id)
+        live = [c for c in state.child_ids if c in self._children]
+        replies: list[EngineRequestStatus] = []
+        if live:
+            query_id = next(self._query_ids)
+            self._queries[query_id] = answer = asyncio.get_running_loop().create_future()
+            try:
+                query = protocol.Query(query_id, live, self.frontend_index)
+                self._send(self._engines[state.engine_index], protocol.encode(query))
+                replies = await asyncio.wait_for(answer, self.engine_timeout)
+            except TimeoutError:
+                if not state.done:
+                    raise TimeoutError(
+                        f"engine {state.engine_index} did not answer within {self.engine_timeout:g} s"
+                    ) from None
+            finally:
+                self._queries.pop(query_id, None)
+        if state.done:  # it ended (or failed) while the engine answered
+            return self._history.get(request_id)
+        return in_flight_status(request_id, self.frontend_index, state.engine_index, state.parent.outputs,
+                                state.child_ids, {r.request_id: r for r in replies}, state.metrics)
 
     def stats(self) -> dict[str, Any]:
         """Engine stats summed over engines (``kv_cache_usage``: the mean), as last reported,
@@ -631,6 +698,7 @@ class AsyncLLM:
         total["num_sequences_in_flight"] = self.admission.num_in_flight
         total["num_sequences_in_flight_total"] = self.admission.num_in_flight_total
         total["num_queued_tokens"] = self.admission.num_queued_tokens
+        total["admission_queued_tokens_limit"] = self.admission.queued_tokens_limit
         total["healthy"] = self.is_healthy()
         return total
 

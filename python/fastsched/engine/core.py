@@ -17,7 +17,9 @@ import numpy as np
 from fastsched import _core
 from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
+from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
 from fastsched.engine.stats import StatsLogger
+from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.model_loader import load_model, load_model_config, load_tokenizer
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, make_generator
@@ -101,6 +103,8 @@ class EngineCore:
         self._requests: dict[int, _Request] = {}
         self._handles: dict[str, int] = {}
         self.stats = StatsLogger(config.log_stats_interval)
+        self.step_tracer = StepTracer(config.step_trace) if config.step_trace else None  # --step-trace
+        self.prefill_meter = PrefillThroughputMeter()  # read by the TTFT-SLO valve (--ttft-slo)
         sc = self.scheduler.config
         logger.info(
             "attention backend: %s; scheduler: policy=%s max_num_seqs=%d max_num_active_seqs=%d "
@@ -174,14 +178,18 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return []
         now = time.time()
+        started = time.perf_counter()
         so = self.scheduler.schedule()
+        backlogged = self.scheduler.num_waiting > 0
         for h in so.finished.tolist():
             record = self._requests.pop(h, None)
             if record is not None:
                 self._handles.pop(record.core.request_id, None)
         handles = so.req_handles.tolist()
+        prompt_lens = []
         for h in handles:
             record = self._requests[h]
+            prompt_lens.append(len(record.core.prompt_token_ids))
             if record.first_scheduled_time is None:
                 record.first_scheduled_time = now
         try:
@@ -195,7 +203,18 @@ class EngineCore:
         eco = self.scheduler.update_from_tokens(result.tokens)
         outputs = self._collect(eco, result, handles)
         self.stats.on_step(outputs, self.scheduler.stats)
+        prefill, partial = prefill_tokens(so.num_scheduled_tokens.tolist(), so.num_computed_tokens.tolist(),
+                                          prompt_lens)
+        self.prefill_meter.observe(prefill, time.perf_counter() - started, backlogged or partial)
+        if self.step_tracer is not None:
+            self._trace_step(self.step_tracer, so, prompt_lens, now)
         return outputs
+
+    def _trace_step(self, tracer: StepTracer, so: _core.SchedulerOutput, prompt_lens: list[int],
+                    start: float) -> None:
+        """--step-trace: the step's shape and the time since ``start`` (see fastsched.engine.step_trace)."""
+        end = time.time()
+        tracer.on_step(StepShape.of(so, np.asarray(prompt_lens, dtype=np.int64)), start, end)
 
     def _tokens_of(self, handle: int) -> list[int]:
         record = self._requests[handle]

@@ -1,7 +1,7 @@
 """The engine process (DESIGN §1): one EngineCore behind ZMQ sockets.
 
 It binds a PULL socket at its input address (every frontend pushes ADD / ABORT /
-HELLO there) and connects one PUSH socket to each frontend's output address; a
+HELLO / QUERY there) and connects one PUSH socket to each frontend's output address; a
 request's outputs go to the frontend named in its ADD. The loop never blocks while
 it has work: it drains the input without waiting, steps, and sends. Idle, it waits on
 the input with a short poll timeout so that signals and the parent check still run.
@@ -35,6 +35,7 @@ from fastsched.config import EngineConfig
 from fastsched.engine import protocol
 from fastsched.engine.core import EngineCore, EngineCoreOutput
 from fastsched.engine.protocol import EngineStats, ModelInfo, RequestTiming
+from fastsched.engine.request_status import engine_statuses
 
 logger = logging.getLogger("fastsched.engine")
 
@@ -132,6 +133,7 @@ def _build_engine(engine_config: dict[str, Any], torch_num_threads: int | None) 
         block_size=sc.block_size,
         num_gpu_blocks=sc.num_gpu_blocks,
         max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
     )
     return core, info
 
@@ -190,8 +192,13 @@ class _EngineLoop:
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
         core = self.core
+        tracer = core.step_tracer  # --step-trace: a served step lasts until the next one starts
+        if tracer is not None:
+            tracer.use_cycle_timing()
         while not stop.is_set():
             timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
+            if timeout and tracer is not None:
+                tracer.on_idle()
             if poller.poll(timeout):
                 self._drain()
                 self.latest_stats = self._stats()  # an abort frees blocks at once
@@ -226,6 +233,11 @@ class _EngineLoop:
             elif isinstance(msg, protocol.Hello):
                 if msg.frontend_index < len(self.pushes):
                     self.send(msg.frontend_index, protocol.encode(protocol.Ready(self.engine_index, self.info)))
+            elif isinstance(msg, protocol.Query):
+                if msg.frontend_index < len(self.pushes):
+                    statuses = engine_statuses(self.core.scheduler, msg.request_ids)
+                    self.send(msg.frontend_index, protocol.encode(protocol.Status(self.engine_index, msg.query_id,
+                                                                                  statuses)))
             else:
                 logger.warning("engine %d: unexpected %s message", self.engine_index, type(msg).__name__)
 
@@ -307,6 +319,7 @@ class _EngineLoop:
             scan_stops_total=dict(s["scan_stops_total"]),
             skips_total=dict(s["skips_total"]),
             last_scan_stop=s["last_scan_stop"],
+            prefill_tokens_per_s=self.core.prefill_meter.tokens_per_s,
         )
 
     def send(self, frontend: int, data: bytes) -> None:

@@ -8,12 +8,14 @@ frontend -> engine (the engine's PULL socket at its input address)
     ["hello",   frontend_index]                       ask for READY (a late or restarted frontend)
     ["add",     request_id, prompt_token_ids, params, arrival_time, priority, frontend_index]
     ["abort",   [request_id, ...]]
+    ["query",   query_id, [request_id, ...], frontend_index]   where are these requests? (a STATUS answers)
 
 engine -> frontend (a PUSH socket per frontend, connected to its output address)
     ["ready",     engine_index, model_info]
     ["heartbeat", engine_index, stats]
     ["outputs",   engine_index, [output, ...], stats, [timing, ...]]
     ["failed",    engine_index, message]               the engine is about to exit on an error
+    ["status",    engine_index, query_id, [status, ...]]   the answer to a QUERY, one status per id
 
 ``params`` is a map of :class:`SamplingParams` fields; ``model_info`` and ``stats``
 are maps (:class:`ModelInfo`, :class:`EngineStats`). An ``output`` is the compact list
@@ -21,7 +23,9 @@ are maps (:class:`ModelInfo`, :class:`EngineStats`). An ``output`` is the compac
 error]`` with ``logprobs`` ``nil`` or, per new token, a list of
 ``[token_id, logprob, rank]``. A ``timing`` is ``[request_id, queue_time, ttft, e2e]``
 in seconds since the request's ``arrival_time`` (``nil`` where not known yet); the
-engine sends one with a request's first token and one when it finishes.
+engine sends one with a request's first token and one when it finishes. A ``status``
+is a map of :class:`EngineRequestStatus` fields, read from the scheduler between steps
+(``engine.request_status``); an id the engine no longer holds has status ``"unknown"``.
 
 ``decode`` validates shape and types and raises :class:`ProtocolError` on anything
 else, so a malformed message is dropped by the receiver instead of crashing it.
@@ -45,6 +49,8 @@ READY = "ready"
 HEARTBEAT = "heartbeat"
 OUTPUTS = "outputs"
 FAILED = "failed"
+QUERY = "query"
+STATUS = "status"
 
 _PARAM_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 _FINISH_REASONS = frozenset({"stop", "length", "abort", "ignored"})
@@ -65,6 +71,7 @@ class ModelInfo:
     block_size: int = 16
     num_gpu_blocks: int = 0
     max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0  # the TTFT-SLO valve's floor: one step's worth of prompt
 
 
 @dataclass
@@ -83,6 +90,9 @@ class EngineStats:
     scan_stops_total: dict[str, int] = field(default_factory=dict)
     skips_total: dict[str, int] = field(default_factory=dict)
     last_scan_stop: str | None = None
+    # Prompt tokens prefilled per second while requests wait (engine.prefill_meter); None
+    # until measured. The TTFT-SLO valve (--ttft-slo) sizes the prefill backlog with it.
+    prefill_tokens_per_s: float | None = None
 
 
 @dataclass
@@ -137,7 +147,41 @@ class Failed:
     message: str
 
 
-Message = Union[Hello, AddRequest, Abort, Ready, Heartbeat, Outputs, Failed]
+@dataclass
+class EngineRequestStatus:
+    """Where one engine request is, as the scheduler sees it (``Scheduler.request_info``).
+    The counts are zero and the optional fields None when ``status`` is ``"unknown"``."""
+
+    request_id: str
+    status: str  # the scheduler's status (waiting, running, preempted, ...) or "unknown"
+    num_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # None before its first admission
+    num_preemptions: int = 0
+    priority: int = 0
+    num_blocks: int = 0  # KV blocks it holds
+    queue_position: int | None = None  # 0-based, in admission order; None unless waiting
+    num_waiting: int | None = None  # the waiting queue's length; None unless waiting
+    blocked_by: str | None = None  # the gate that stopped the last scan; None unless waiting
+
+
+@dataclass
+class Query:
+    query_id: int
+    request_ids: list[str]
+    frontend_index: int
+
+
+@dataclass
+class Status:
+    engine_index: int
+    query_id: int
+    statuses: list[EngineRequestStatus]
+
+
+Message = Union[Hello, AddRequest, Abort, Ready, Heartbeat, Outputs, Failed, Query, Status]
 
 
 # ------------------------------------------------------------------ encode
@@ -165,6 +209,10 @@ def _to_wire(msg: Message) -> list[Any]:
                 [[t.request_id, t.queue_time, t.ttft, t.e2e] for t in msg.timings]]
     if isinstance(msg, Failed):
         return [FAILED, msg.engine_index, msg.message]
+    if isinstance(msg, Query):
+        return [QUERY, msg.query_id, list(msg.request_ids), msg.frontend_index]
+    if isinstance(msg, Status):
+        return [STATUS, msg.engine_index, msg.query_id, [dataclasses.asdict(s) for s in msg.statuses]]
     raise TypeError(f"not a protocol message: {type(msg).__name__}")
 
 
@@ -275,7 +323,8 @@ def _decode_model_info(value: Any) -> ModelInfo:
     info = _decode_dataclass(ModelInfo, value, "model_info")
     _check(info.model is None or isinstance(info.model, str), "model_info.model must be a string or nil")
     _str(info.model_name, "model_info.model_name")
-    for name in ("max_model_len", "vocab_size", "block_size", "num_gpu_blocks", "max_num_seqs"):
+    for name in ("max_model_len", "vocab_size", "block_size", "num_gpu_blocks", "max_num_seqs",
+                 "max_num_batched_tokens"):
         _index(getattr(info, name), f"model_info.{name}")
     return info
 
@@ -286,6 +335,8 @@ def _decode_stats(value: Any) -> EngineStats:
         value = getattr(stats, f.name)
         if f.name == "kv_cache_usage":
             stats.kv_cache_usage = _float(value, "stats.kv_cache_usage")
+        elif f.name == "prefill_tokens_per_s":
+            stats.prefill_tokens_per_s = _opt_float(value, "stats.prefill_tokens_per_s")
         elif f.name in ("scan_stops_total", "skips_total"):
             for key, count in _map(value, f"stats.{f.name}").items():
                 _index(count, f"stats.{f.name}[{_str(key, f'stats.{f.name} key')}]")
@@ -354,6 +405,33 @@ def _decode_failed(engine_index: Any, message: Any) -> Failed:
     return Failed(_index(engine_index, "engine_index"), _str(message, "message"))
 
 
+def _decode_query(query_id: Any, request_ids: Any, frontend: Any) -> Query:
+    _check(isinstance(request_ids, list), "request_ids must be an array")
+    return Query(_index(query_id, "query_id"), [_str(r, "request_id") for r in request_ids],
+                 _index(frontend, "frontend_index"))
+
+
+def _decode_request_status(value: Any) -> EngineRequestStatus:
+    s = _decode_dataclass(EngineRequestStatus, value, "status")
+    _str(s.request_id, "status.request_id")
+    _str(s.status, "status.status")
+    for name in ("num_tokens", "num_prompt_tokens", "num_output_tokens", "num_computed_tokens", "num_preemptions",
+                 "num_blocks"):
+        _index(getattr(s, name), f"status.{name}")
+    _int(s.priority, "status.priority")
+    for name in ("num_cached_tokens", "queue_position", "num_waiting"):
+        if getattr(s, name) is not None:
+            _index(getattr(s, name), f"status.{name}")
+    _check(s.blocked_by is None or isinstance(s.blocked_by, str), "status.blocked_by must be a string or nil")
+    return s
+
+
+def _decode_status(engine_index: Any, query_id: Any, statuses: Any) -> Status:
+    _check(isinstance(statuses, list), "statuses must be an array")
+    return Status(_index(engine_index, "engine_index"), _index(query_id, "query_id"),
+                  [_decode_request_status(s) for s in statuses])
+
+
 _DECODERS = {
     HELLO: _decode_hello,
     ADD: _decode_add,
@@ -362,5 +440,7 @@ _DECODERS = {
     HEARTBEAT: _decode_heartbeat,
     OUTPUTS: _decode_outputs,
     FAILED: _decode_failed,
+    QUERY: _decode_query,
+    STATUS: _decode_status,
 }
-_ARITY = {HELLO: 1, ADD: 6, ABORT: 1, READY: 2, HEARTBEAT: 2, OUTPUTS: 4, FAILED: 2}
+_ARITY = {HELLO: 1, ADD: 6, ABORT: 1, READY: 2, HEARTBEAT: 2, OUTPUTS: 4, FAILED: 2, QUERY: 3, STATUS: 3}

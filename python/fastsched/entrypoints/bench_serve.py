@@ -407,7 +407,7 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _parse_range(text: str) -> tuple[int, int]:
+def parse_token_id_range(text: str) -> tuple[int, int]:
     lo, sep, hi = text.partition(":")
     if not sep or not lo.strip().isdigit() or not hi.strip().isdigit() or int(lo) >= int(hi):
         raise ValueError(f"--token-id-range must be LO:HI with 0 <= LO < HI, got {text!r}")
@@ -422,7 +422,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(run_bench(
             args.url.rstrip("/"), args.qps, args.num_requests, args.prompt_len, args.output_len, args.seed,
-            model=args.model, api_key=args.api_key, token_id_range=_parse_range(args.token_id_range),
+            model=args.model, api_key=args.api_key, token_id_range=parse_token_id_range(args.token_id_range),
             timeout=args.timeout, progress=not args.no_progress,
         ))
     except (OSError, asyncio.IncompleteReadError, TimeoutError) as e:

@@ -108,6 +108,8 @@ def _set_gate_fields(msg: Any, engine: Mapping[str, Any]) -> None:
         msg.skips_total[reason] = int(count)
     if engine.get("last_scan_stop"):
         msg.last_scan_stop = engine["last_scan_stop"]
+    if engine.get("prefill_tokens_per_s") is not None:
+        msg.prefill_tokens_per_s = float(engine["prefill_tokens_per_s"])
 
 
 def stats_to_proto(stats: Mapping[str, Any], latencies: LatencyHistograms) -> Any:
@@ -121,6 +123,8 @@ def stats_to_proto(stats: Mapping[str, Any], latencies: LatencyHistograms) -> An
         _set_gate_fields(entry, engine)
     for reason, count in (stats.get("admission_rejections_total") or {}).items():
         msg.admission_rejections_total[reason] = int(count)
+    if stats.get("admission_queued_tokens_limit") is not None:
+        msg.admission_queued_tokens_limit = int(stats["admission_queued_tokens_limit"])
     for name, own in latencies.histograms.items():
         theirs = stats.get(name)
         getattr(msg, name).CopyFrom(own.to_proto() if theirs is None else histogram_to_proto(theirs, own.upper_bounds))

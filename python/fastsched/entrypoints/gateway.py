@@ -11,8 +11,15 @@ only once the frontend has sent its first chunk, so a rejection (which comes bef
 chunk) is still a 503, never an error inside a 200 stream. When the client goes away,
 the gRPC call is cancelled and the frontend aborts the request in the engine.
 
-``--api-key`` guards ``/v1/*``; ``/health`` and ``/metrics`` stay open for probes and
-scrapers, as in vLLM.
+``--api-key`` guards ``/v1/*`` and ``/debug/*``; ``/health`` and ``/metrics`` stay open for
+probes and scrapers, as in vLLM.
+
+Request ids: a completion's id is the client's ``X-Request-Id`` header when it sends one
+(as vLLM honours it; used as is, so that the client can look it up by the id it chose),
+else ``cmpl-<hex>`` / ``chatcmpl-<hex>``; prompt ``i`` of it is ``<id>-<i>`` at the
+frontends. Every response of ``/v1/completions`` and ``/v1/chat/completions`` carries it
+back as ``X-Request-Id``, errors and 503s included. ``GET /debug/requests/{id}`` asks every
+frontend where a request is (``engine.request_status``), by that id or by a prompt's.
 """
 
 from __future__ import annotations
@@ -22,17 +29,23 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 import uvicorn
+from google.protobuf import json_format
 from starlette.applications import Starlette
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastsched.entrypoints import gateway_metrics
 from fastsched.entrypoints.openai_protocol import (
@@ -53,6 +66,10 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 REJECTION_REASON_KEY = "rejection-reason"  # trailing metadata set by grpc_server
 INVALID_PARAM_KEY = "invalid-param"
 _PROBE_TIMEOUT_S = 2.0
+_STATUS_TIMEOUT_S = 10.0  # longer than a frontend's wait for its engine (engine_timeout, 5 s by default)
+_PROMPT_CHUNK = 8  # prompts of an OpenAI response id looked up at once
+# An X-Request-Id the gateway accepts: printable ASCII without "/", so it fits a URL path.
+_VALID_REQUEST_ID = re.compile(r"[!-.0-~]{1,128}")
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # as the frontend's (grpc_server.MAX_MESSAGE_BYTES)
 _CHANNEL_OPTIONS = [
     ("grpc.enable_http_proxy", 0),  # frontends are local: never route through $http_proxy
@@ -200,6 +217,26 @@ class FrontendPool:
             for f, r in zip(self.frontends, replies)
         }
 
+    async def request_status(self, request_id: str, retry_after_s: int) -> dict[str, Any] | None:
+        """Where ``request_id`` is, from the frontend that knows it (the latest arrival if several
+        do: an id reused after a rejection); None when every frontend answers NOT_FOUND."""
+        await self.start()
+        request = pb.RequestStatusRequest(request_id=request_id)
+        replies = await asyncio.gather(
+            *(f.stub.GetRequestStatus(request, timeout=_STATUS_TIMEOUT_S) for f in self.frontends),
+            return_exceptions=True,
+        )
+        found = [json_format.MessageToDict(r, preserving_proto_field_name=True)
+                 for r in replies if not isinstance(r, BaseException)]
+        if found:
+            return max(found, key=lambda status: status.get("metrics", {}).get("arrival_time", 0.0))
+        for reply in replies:  # a frontend that could not answer might know it: not a 404
+            if not isinstance(reply, grpc.aio.AioRpcError):
+                raise reply
+            if reply.code() != grpc.StatusCode.NOT_FOUND:
+                raise api_error_from_rpc(reply, retry_after_s) from reply
+        return None
+
     async def stats(self) -> list[Any]:
         replies = await self._each("GetStats", pb.GetStatsRequest())
         for f, r in zip(self.frontends, replies):
@@ -308,14 +345,17 @@ class Gateway:
         return body
 
     async def completions(self, request: Request) -> Response:
+        request_id = _assign_request_id(request, "cmpl")
         self._check_api_key(request)
-        return await self._generate(request, parse_completion(await self._read_json(request)))
+        return await self._generate(request, parse_completion(await self._read_json(request), request_id))
 
     async def chat_completions(self, request: Request) -> Response:
+        request_id = _assign_request_id(request, "chatcmpl")
         self._check_api_key(request)
         body = await self._read_json(request)
         info = await self.pool.model_info()
-        return await self._generate(request, parse_chat(body, self.tokenizer, info and info["max_model_len"]))
+        return await self._generate(request, parse_chat(body, self.tokenizer, info and info["max_model_len"],
+                                                        request_id))
 
     async def _open_all(self, parsed: ParsedRequest) -> list[FrontendStream]:
         tasks = [asyncio.ensure_future(self.pool.open(r, self.retry_after_s)) for r in parsed.grpc_requests()]
@@ -385,6 +425,71 @@ class Gateway:
         body = gateway_metrics.render(await self.pool.stats())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def request_status(self, request: Request) -> Response:
+        """``{"request_id", "state", "prompts": [status of each prompt]}``; see README."""
+        self._check_api_key(request)
+        request_id = request.path_params["request_id"]
+        prompts = await self._find_prompts(request_id)
+        if not prompts:
+            raise ApiError(404, f"No frontend knows request `{request_id}` (never seen, or no longer remembered).",
+                           type="not_found_error", param="request_id", code="request_not_found")
+        states = {p["state"] for p in prompts}  # as engine.request_status.combined_state
+        return JSONResponse({"request_id": request_id, "state": states.pop() if len(states) == 1 else "mixed",
+                             "prompts": prompts})
+
+    async def _find_prompts(self, request_id: str) -> list[dict[str, Any]]:
+        """``request_id`` itself (a prompt's id), else the prompts of the OpenAI response id
+        ``request_id``: ``<id>-0``, ``<id>-1``, ... up to the first one no frontend knows."""
+
+        def lookups(start: int) -> list[Awaitable[dict[str, Any] | None]]:
+            return [self.pool.request_status(f"{request_id}-{i}", self.retry_after_s)
+                    for i in range(start, start + _PROMPT_CHUNK)]
+
+        exact, *chunk = await asyncio.gather(self.pool.request_status(request_id, self.retry_after_s), *lookups(0))
+        if exact is not None:
+            return [exact]
+        prompts: list[dict[str, Any]] = []
+        while True:
+            for status in chunk:
+                if status is None:
+                    return prompts
+                prompts.append(status)
+            chunk = await asyncio.gather(*lookups(len(prompts)))
+
+
+def _assign_request_id(request: Request, prefix: str) -> str:
+    """The client's ``X-Request-Id`` if it sends a valid one, else ``<prefix>-<hex>``; kept
+    on the request so that :class:`_RequestIdHeader` returns it."""
+    request_id = request.headers.get("x-request-id")
+    if request_id is None:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+    elif not _VALID_REQUEST_ID.fullmatch(request_id):
+        raise bad_request("X-Request-Id must be 1 to 128 printable ASCII characters other than '/' and spaces, "
+                          f"got {request_id[:80]!r}", None)
+    request.state.request_id = request_id
+    return request_id
+
+
+class _RequestIdHeader:
+    """Adds ``X-Request-Id`` to the response of every request given an id, errors included.
+    Pure ASGI (no BaseHTTPMiddleware), so streaming and disconnects pass through untouched."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})  # request.state: where _assign_request_id keeps the id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start" and "request_id" in state:
+                MutableHeaders(scope=message).append("X-Request-Id", state["request_id"])
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
 
 def _sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
@@ -438,9 +543,11 @@ def create_app(
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics, methods=["GET"]),
+        Route("/debug/requests/{request_id}", gateway.request_status, methods=["GET"]),
     ]
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
+                    middleware=[Middleware(_RequestIdHeader)])
     app.state.gateway = gateway
     return app
 

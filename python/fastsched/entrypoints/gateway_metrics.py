@@ -24,7 +24,7 @@ from prometheus_client.utils import floatToGoString
 
 PREFIX = "fastsched:"
 # Every reason is exported from the start, so a dashboard sees a 0 line before the first rejection.
-ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "engine_faulted")
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "ttft_slo", "engine_faulted")
 
 _GAUGES = {
     "num_requests_running": "Requests in the engine's running set.",
@@ -103,6 +103,27 @@ def metric_families(stats: Sequence[Any]) -> list[Metric]:
     for name, doc in _HISTOGRAMS.items():
         families.append(_histogram(name, doc, [getattr(s, name) for s in stats]))
     families.extend(_gate_families([e for e in engines if hasattr(e, "engine_index")]))
+    families.extend(_ttft_slo_families(stats, [e for e in engines if hasattr(e, "engine_index")]))
+    return families
+
+
+def _ttft_slo_families(stats: Sequence[Any], engines: Sequence[Any]) -> list[Metric]:
+    """The TTFT-SLO valve: the queued-token limit in force (the frontends' shares summed;
+    absent when the valve is off) and each engine's measured prefill throughput."""
+    families: list[Metric] = []
+    limits = [s.admission_queued_tokens_limit for s in stats if s.HasField("admission_queued_tokens_limit")]
+    if limits:
+        families.append(GaugeMetricFamily(
+            PREFIX + "admission_queued_tokens_limit",
+            "Queued prompt tokens the TTFT-SLO valve admits: ttft_slo x measured prefill throughput.",
+            value=sum(limits)))
+    throughput = GaugeMetricFamily(PREFIX + "prefill_throughput_tokens_per_s",
+                                   "Prompt tokens each engine prefills per second while requests wait.",
+                                   labels=["engine"])
+    for e in engines:
+        if e.HasField("prefill_tokens_per_s"):
+            throughput.add_metric([str(e.engine_index)], e.prefill_tokens_per_s)
+    families.append(throughput)
     return families
 
 

@@ -12,6 +12,9 @@ status codes (DESIGN §8):
   metadata ``rejection-reason`` (A5). Any other failure while the engine is unhealthy
   (e.g. it died mid-request) is reported the same way, as ``engine_faulted``.
 - The client cancelling the call → ``AsyncLLM.abort`` (blocks are freed at once).
+- ``GetRequestStatus`` of an id the frontend does not know → NOT_FOUND; an engine that
+  does not answer in time (``TimeoutError``) → DEADLINE_EXCEEDED. AsyncLLM's status dict
+  becomes ``RequestStatusResponse`` field for field.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import fields
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 
 from fastsched.engine.admission import AdmissionError
 from fastsched.entrypoints.frontend_stats import LatencyHistograms, stats_to_proto
@@ -269,6 +273,15 @@ class FrontendServicer(pb_grpc.FrontendServicer):
 
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return stats_to_proto(self.async_llm.stats(), self.latencies)
+
+    async def GetRequestStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            status = await self.async_llm.request_status(request.request_id)
+        except TimeoutError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this frontend does not know request {request.request_id!r}")
+        return json_format.ParseDict(status, pb.RequestStatusResponse())
 
 
 class _NotFound(ValueError):

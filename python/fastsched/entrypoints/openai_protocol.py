@@ -14,7 +14,6 @@ as OpenAI's chat API does. Completion prompts go as text (the frontend tokenizes
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -191,7 +190,7 @@ def context_length_error(prompt_len: int, max_tokens: int, max_model_len: int, w
     )
 
 
-def parse_completion(body: dict) -> ParsedRequest:
+def parse_completion(body: dict, request_id: str) -> ParsedRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_token_ids(prompt):
         prompts = [prompt]
@@ -214,7 +213,7 @@ def parse_completion(body: dict) -> ParsedRequest:
         sampling.logprobs = logprobs
     stream, include_usage = _stream_flags(body)
     return ParsedRequest("completion", prompts, sampling, _get_int(body, "priority", 0), stream, include_usage,
-                         echo=echo, top_logprobs=logprobs, request_id=f"cmpl-{uuid.uuid4().hex}")
+                         echo=echo, top_logprobs=logprobs, request_id=request_id)
 
 
 def _message_content(message: dict, i: int) -> dict:
@@ -235,7 +234,7 @@ def _message_content(message: dict, i: int) -> dict:
     return {**message, "content": content if content is not None else ""}
 
 
-def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None) -> ParsedRequest:
+def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id: str) -> ParsedRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise bad_request(f"messages must be a non-empty list of message objects, got {_short(messages)}",
@@ -267,7 +266,7 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None) -> ParsedR
     stream, include_usage = _stream_flags(body)
     return ParsedRequest("chat", [prompt_ids], sampling, _get_int(body, "priority", 0), stream, include_usage,
                          top_logprobs=(top_logprobs or 0) if logprobs else None,
-                         request_id=f"chatcmpl-{uuid.uuid4().hex}")
+                         request_id=request_id)
 
 
 @dataclass

@@ -88,6 +88,7 @@ class ServeConfig:
     api_server_count: int = 1
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    ttft_slo: float | None = None  # seconds; the TTFT-SLO valve (engine.admission)
     enable_fault_tolerance: bool = False
     api_key: str | None = None
     engine_timeout: float = 5.0
@@ -105,6 +106,8 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
+        if self.ttft_slo is not None and not 0 < self.ttft_slo < float("inf"):
+            raise ValueError(f"ttft_slo must be a positive number of seconds, got {self.ttft_slo}")
         for name in ("engine_timeout", "ready_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -430,7 +433,8 @@ class Launcher:
             self.engines.append(_Child("engine", i, proc, ours_ready))
             logger.info("engine %d starting (pid %d)", i, proc.pid)
         admission = {"max_num_queued_reqs": c.max_num_queued_reqs, "max_num_queued_tokens": c.max_num_queued_tokens,
-                     "fault_tolerance": c.enable_fault_tolerance}
+                     "fault_tolerance": c.enable_fault_tolerance, "ttft_slo": c.ttft_slo,
+                     "num_frontends": c.api_server_count}
         engine_pids = [e.proc.pid for e in self.engines]
         for k, (addr, port) in enumerate(zip(frontend_outputs, c.grpc_ports)):
             ours_ready, theirs_ready = _ready_pipe()

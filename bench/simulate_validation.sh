@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Validates `fastsched simulate` against a measured `fastsched bench serve` on the tiny
+# model (CPU): serve with --step-trace, run the bench at a calibration load and at two
+# validation loads, fit the step cost on the served steps, take the frontend latency
+# from the calibration load, simulate the same traces, and print measured vs simulated.
+#
+#   bench/simulate_validation.sh [CALIBRATION_QPS] [QPS_1] [QPS_2] [NUM_REQUESTS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CAL=${1:-2}
+QPS1=${2:-25}
+QPS2=${3:-50}
+NUM=${4:-500}
+PORT=${PORT:-18200}
+GRPC_PORT=${GRPC_PORT:-18250}
+FS=.venv/bin/fastsched
+OUT=bench/out/simulate
+mkdir -p "$OUT"
+rm -f "$OUT/steps.jsonl"
+[ -d "$OUT/tiny" ] || "$FS" make-tiny-model "$OUT/tiny"
+
+ENGINE_FLAGS=(--model "$OUT/tiny" --device cpu --dtype float32 --kv-cache-memory 67108864)
+LOAD=(--num-requests "$NUM" --prompt-len 128 --output-len 64 --seed 0)
+
+"$FS" serve "${ENGINE_FLAGS[@]}" --port "$PORT" --grpc-port "$GRPC_PORT" --disable-access-log \
+    --step-trace "$OUT/steps.jsonl" >"$OUT/serve.log" 2>&1 &
+pid=$!
+trap 'kill -INT $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
+for _ in $(seq 1 240); do
+  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+  kill -0 "$pid" 2>/dev/null || { echo "server exited; see $OUT/serve.log" >&2; exit 1; }
+  sleep 0.5
+done
+"$FS" bench serve --url "http://127.0.0.1:$PORT" --qps "$CAL" "$QPS1" "$QPS2" "${LOAD[@]}" --no-progress \
+    --out "$OUT/measured.json"
+kill -INT "$pid"
+wait "$pid" || true
+trap - EXIT
+
+"$FS" bench fit-step-cost "$OUT/steps.jsonl" --out "$OUT/cost.json"
+"$FS" simulate "${ENGINE_FLAGS[@]}" --cost-model "$OUT/cost.json" --qps "$CAL" "${LOAD[@]}" \
+    --no-progress --out "$OUT/calibration.json"
+FRONTEND_LATENCY=$(.venv/bin/python - "$OUT" <<'EOF'
+import json, sys
+out = sys.argv[1]
+measured = json.load(open(f"{out}/measured.json"))["results"][0]["ttft_ms"]["p50"]
+simulated = json.load(open(f"{out}/calibration.json"))["results"][0]["ttft_ms"]["p50"]
+print(f"{max(0.0, measured - simulated) / 1000:.4f}")
+EOF
+)
+echo "frontend latency from the calibration load: ${FRONTEND_LATENCY} s"
+"$FS" simulate "${ENGINE_FLAGS[@]}" --cost-model "$OUT/cost.json" --qps "$QPS1" "$QPS2" "${LOAD[@]}" \
+    --frontend-latency "$FRONTEND_LATENCY" --no-progress --out "$OUT/simulated.json"
+
+.venv/bin/python - "$OUT" <<'EOF'
+import json, sys
+out = sys.argv[1]
+measured = {r["qps"]: r for r in json.load(open(f"{out}/measured.json"))["results"]}
+simulated = {r["qps"]: r for r in json.load(open(f"{out}/simulated.json"))["results"]}
+print("| QPS | TTFT p50 measured / simulated ms | diff | out tok/s measured / simulated | diff |")
+print("|-----|----------------------------------|------|--------------------------------|------|")
+for qps, s in simulated.items():
+    m = measured[qps]
+    t_m, t_s = m["ttft_ms"]["p50"], s["ttft_ms"]["p50"]
+    o_m, o_s = m["output_throughput"], s["output_throughput"]
+    print(f"| {qps:g} | {t_m:.1f} / {t_s:.1f} | {100 * (t_s - t_m) / t_m:+.0f}% "
+          f"| {o_m:.0f} / {o_s:.0f} | {100 * (o_s - o_m) / o_m:+.0f}% |")
+EOF
