@@ -5,9 +5,10 @@
 # from the calibration load, simulate the same traces, and print measured vs simulated.
 #
 #   bench/simulate_validation.sh [CALIBRATION_QPS] [QPS_1] [QPS_2] [NUM_REQUESTS]
+# (the calibration load sends NUM_REQUESTS / 5 requests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CAL=${1:-2}
+CAL=${1:-5}
 QPS1=${2:-25}
 QPS2=${3:-50}
 NUM=${4:-500}
@@ -20,7 +21,8 @@ rm -f "$OUT/steps.jsonl"
 [ -d "$OUT/tiny" ] || "$FS" make-tiny-model "$OUT/tiny"
 
 ENGINE_FLAGS=(--model "$OUT/tiny" --device cpu --dtype float32 --kv-cache-memory 67108864)
-LOAD=(--num-requests "$NUM" --prompt-len 128 --output-len 64 --seed 0)
+LOAD=(--prompt-len 128 --output-len 64 --seed 0)
+NUM_CAL=$((NUM / 5))
 
 "$FS" serve "${ENGINE_FLAGS[@]}" --port "$PORT" --grpc-port "$GRPC_PORT" --disable-access-log \
     --step-trace "$OUT/steps.jsonl" >"$OUT/serve.log" 2>&1 &
@@ -31,25 +33,27 @@ for _ in $(seq 1 240); do
   kill -0 "$pid" 2>/dev/null || { echo "server exited; see $OUT/serve.log" >&2; exit 1; }
   sleep 0.5
 done
-"$FS" bench serve --url "http://127.0.0.1:$PORT" --qps "$CAL" "$QPS1" "$QPS2" "${LOAD[@]}" --no-progress \
-    --out "$OUT/measured.json"
+"$FS" bench serve --url "http://127.0.0.1:$PORT" --qps "$CAL" --num-requests "$NUM_CAL" "${LOAD[@]}" \
+    --no-progress --out "$OUT/calibration_measured.json"
+"$FS" bench serve --url "http://127.0.0.1:$PORT" --qps "$QPS1" "$QPS2" --num-requests "$NUM" "${LOAD[@]}" \
+    --no-progress --out "$OUT/measured.json"
 kill -INT "$pid"
 wait "$pid" || true
 trap - EXIT
 
 "$FS" bench fit-step-cost "$OUT/steps.jsonl" --out "$OUT/cost.json"
-"$FS" simulate "${ENGINE_FLAGS[@]}" --cost-model "$OUT/cost.json" --qps "$CAL" "${LOAD[@]}" \
-    --no-progress --out "$OUT/calibration.json"
+"$FS" simulate "${ENGINE_FLAGS[@]}" --cost-model "$OUT/cost.json" --qps "$CAL" --num-requests "$NUM_CAL" \
+    "${LOAD[@]}" --no-progress --out "$OUT/calibration.json"
 FRONTEND_LATENCY=$(.venv/bin/python - "$OUT" <<'EOF'
 import json, sys
 out = sys.argv[1]
-measured = json.load(open(f"{out}/measured.json"))["results"][0]["ttft_ms"]["p50"]
+measured = json.load(open(f"{out}/calibration_measured.json"))["results"][0]["ttft_ms"]["p50"]
 simulated = json.load(open(f"{out}/calibration.json"))["results"][0]["ttft_ms"]["p50"]
 print(f"{max(0.0, measured - simulated) / 1000:.4f}")
 EOF
 )
 echo "frontend latency from the calibration load: ${FRONTEND_LATENCY} s"
-"$FS" simulate "${ENGINE_FLAGS[@]}" --cost-model "$OUT/cost.json" --qps "$QPS1" "$QPS2" "${LOAD[@]}" \
+"$FS" simulate "${ENGINE_FLAGS[@]}" --cost-model "$OUT/cost.json" --qps "$QPS1" "$QPS2" --num-requests "$NUM" "${LOAD[@]}" \
     --frontend-latency "$FRONTEND_LATENCY" --no-progress --out "$OUT/simulated.json"
 
 .venv/bin/python - "$OUT" <<'EOF'

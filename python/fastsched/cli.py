@@ -171,7 +171,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS",
                    help="TTFT target: reject (503, reason ttft_slo) a request when the prompt tokens in prefill, "
                         "its own included, exceed SECONDS x the prefill throughput the engines measure while "
-                        "requests wait (until measured: one scheduler step's worth per engine). "
+                        "requests wait (until measured: two scheduler steps' worth per engine). "
                         "The limit is the metric fastsched:admission_queued_tokens_limit (default: off)")
     a.add_argument("--enable-fault-tolerance", action="store_true",
                    help="A1: keep serving when an engine dies, answering 503 engine_faulted and /health 503 "

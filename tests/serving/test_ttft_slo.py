@@ -194,14 +194,14 @@ def test_valve_through_engines_floor_first_then_the_measured_limit(launch_engine
     async def body() -> None:
         llm = await AsyncLLM.start(engines.input_addrs, engines.output_addrs[0], ready_timeout=60, ttft_slo=0.5)
         try:
-            assert llm.stats()["admission_queued_tokens_limit"] == 64  # the floor: one step of one engine
+            assert llm.stats()["admission_queued_tokens_limit"] == 128  # the floor: two steps of one engine
             params = SamplingParams(max_tokens=3, **GREEDY)
-            results = await asyncio.gather(*(_collect(llm, f"b{i}", prompt, params) for i in range(10)),
+            results = await asyncio.gather(*(_collect(llm, f"b{i}", prompt, params) for i in range(12)),
                                            return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]
-            assert len(errors) == 7  # admitted at backlog 0, 20, 40; 60 + 20 > 64
+            assert len(errors) == 6  # admitted at backlog 0, 20, ..., 100; 120 + 20 > 128
             assert all(isinstance(e, TtftSloError) and e.reason == "ttft_slo" for e in errors)
-            assert llm.stats()["admission_rejections_total"]["ttft_slo"] == 7
+            assert llm.stats()["admission_rejections_total"]["ttft_slo"] == 6
             # Keep requests waiting (max_num_seqs=2) until the engine has measured its drain rate.
             for round_ in range(40):
                 if llm.admission.prefill_tokens_per_s is not None:

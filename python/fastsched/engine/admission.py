@@ -20,8 +20,8 @@ undone, and no longer (A5).
 The TTFT-SLO valve (``ttft_slo``) is A3 with a limit that follows the engines: the
 prefill backlog a frontend may hold is ``ttft_slo × measured prefill throughput``,
 shared equally by the K frontends. Until every engine has measured, the limit is a
-floor of one scheduler step's worth of prompt tokens per engine: enough to keep the
-engines backlogged, which is when they measure. Unlike A3 it counts the request's own
+floor of two scheduler steps' worth of prompt tokens per engine: more than a step can
+take, so the engines are left backlogged, which is when they measure. Unlike A3 it counts the request's own
 prompt, because that prompt's last token is what the target is about; a request alone
 in the backlog is always admitted, else a prompt longer than the limit could never be
 served.
@@ -37,6 +37,9 @@ ENGINE_FAULTED = "engine_faulted"
 MAX_NUM_QUEUED_REQS = "max_num_queued_reqs"
 MAX_NUM_QUEUED_TOKENS = "max_num_queued_tokens"
 TTFT_SLO = "ttft_slo"
+# The TTFT-SLO limit until measured, in scheduler steps of prompt per engine: more than
+# one step's worth, so prompt tokens are left over after a step and the engines measure.
+TTFT_SLO_FLOOR_STEPS = 2
 REASONS = (ENGINE_FAULTED, MAX_NUM_QUEUED_REQS, MAX_NUM_QUEUED_TOKENS, TTFT_SLO)
 
 
@@ -211,8 +214,8 @@ class AdmissionController:
 
     def update_prefill_throughput(self, tokens_per_s: float | None, floor_tokens: int) -> None:
         """The engines' latest total prefill throughput (None: not measured yet) and the
-        valve's floor in tokens (one step's worth over all engines, the limit until
-        measured): recompute this frontend's share of the TTFT-SLO limit. A no-op
+        valve's floor in tokens (``TTFT_SLO_FLOOR_STEPS`` steps' worth over all engines,
+        the limit until measured): recompute this frontend's share of the TTFT-SLO limit. A no-op
         without ``ttft_slo``."""
         if self.ttft_slo is None:
             return
@@ -223,7 +226,7 @@ class AdmissionController:
     def _slo_limit_origin(self) -> str:
         share = f" / {self.num_frontends} frontends" if self.num_frontends > 1 else ""
         if self.prefill_tokens_per_s is None:
-            return f"the floor of one scheduler step{share}, until prefill throughput is measured"
+            return f"the floor of {TTFT_SLO_FLOOR_STEPS} scheduler steps{share}, until prefill throughput is measured"
         return (f"ttft_slo {self.ttft_slo:g} s x measured prefill throughput "
                 f"{self.prefill_tokens_per_s:.0f} tokens/s{share}")
 

@@ -39,6 +39,7 @@ from fastsched.engine.admission import (
     EngineFaultedError,
     MaxQueuedTokensError,
     QueueOverflowError,
+    TTFT_SLO_FLOOR_STEPS,
     SharedInFlightCounter,
     TtftSloError,
 )
@@ -601,13 +602,13 @@ class AsyncLLM:
 
     def _update_ttft_slo_limit(self) -> None:
         """Feed the valve the live engines' total prefill throughput, unmeasured until
-        every one of them has measured, and its floor: one step of prompt per engine."""
+        every one of them has measured, and its floor: a few steps of prompt per engine."""
         if self.admission.ttft_slo is None:
             return
         engines = [e for e in self._engines if e.healthy and e.info is not None]
         rates = [e.stats.prefill_tokens_per_s for e in engines]
         total = None if not rates or None in rates else sum(r for r in rates if r is not None)
-        floor = sum(e.info.max_num_batched_tokens for e in engines if e.info is not None)
+        floor = TTFT_SLO_FLOOR_STEPS * sum(e.info.max_num_batched_tokens for e in engines if e.info is not None)
         self.admission.update_prefill_throughput(total, max(1, floor))
 
     # ------------------------------------------------------------ health

@@ -71,7 +71,7 @@ class ModelInfo:
     block_size: int = 16
     num_gpu_blocks: int = 0
     max_num_seqs: int = 0
-    max_num_batched_tokens: int = 0  # the TTFT-SLO valve's floor: one step's worth of prompt
+    max_num_batched_tokens: int = 0  # sets the TTFT-SLO valve's floor (admission.TTFT_SLO_FLOOR_STEPS)
 
 
 @dataclass
