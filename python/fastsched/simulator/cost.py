@@ -20,8 +20,11 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from fastsched.simulator.jsonl import read_objects
 
 STEP_TRACE_FIELDS = ("batched_tokens", "running_reqs", "duration_s")
 
@@ -77,21 +80,11 @@ def read_step_trace(paths: Sequence[str | os.PathLike[str]]) -> np.ndarray:
     (batched_tokens, running_reqs, duration_s). A bad line is an error naming file and line."""
     rows: list[tuple[float, float, float]] = []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                rows.append(_parse_step(line, f"{path}:{lineno}"))
+        rows.extend(_parse_step(record, where) for record, where in read_objects(path))
     return np.array(rows, dtype=float).reshape(-1, 3)
 
 
-def _parse_step(line: str, where: str) -> tuple[float, float, float]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON: {e}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object")
+def _parse_step(record: dict[str, Any], where: str) -> tuple[float, float, float]:
     values = []
     for name in STEP_TRACE_FIELDS:
         value = record.get(name)

@@ -13,13 +13,14 @@ The generated trace is built by ``bench_serve``'s own ``make_requests`` and
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from fastsched.entrypoints.bench_serve import arrival_times, make_requests
+from fastsched.simulator.jsonl import read_objects
 
 DEFAULT_TOKEN_ID_RANGE = (10, 250)  # as bench serve's --token-id-range
 
@@ -42,25 +43,16 @@ def load_trace(path: str | os.PathLike[str], seed: int = 0,
     A bad line is a ``ValueError`` naming the file, the line and the field."""
     rng = random.Random(seed)
     requests = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            arrival, prompt_len, output_len, priority = _parse_line(line, f"{os.fspath(path)}:{lineno}")
-            ids = tuple(rng.randrange(*token_id_range) for _ in range(prompt_len))
-            requests.append(TraceRequest(arrival, ids, output_len, priority))
+    for record, where in read_objects(path):
+        arrival, prompt_len, output_len, priority = _parse_request(record, where)
+        ids = tuple(rng.randrange(*token_id_range) for _ in range(prompt_len))
+        requests.append(TraceRequest(arrival, ids, output_len, priority))
     if not requests:
         raise ValueError(f"{os.fspath(path)}: the trace has no requests")
     return sorted(requests, key=lambda r: r.arrival_time)
 
 
-def _parse_line(line: str, where: str) -> tuple[float, int, int, int]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON: {e}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+def _parse_request(record: dict[str, Any], where: str) -> tuple[float, int, int, int]:
     for name in ("arrival_time", "prompt_len", "output_len"):
         if name not in record:
             raise ValueError(f"{where}: missing field {name!r}")
