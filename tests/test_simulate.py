@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ SCHEDULER: dict[str, Any] = dict(
 
 def simulator(cost: StepCost = COST, **overrides: Any) -> Simulator:
     """A simulator over :data:`SCHEDULER`; admission and latency keywords go to the Simulator."""
-    sim_keys = {"max_num_queued_reqs", "max_num_queued_tokens", "frontend_latency", "step_tracer"}
+    sim_keys = {"max_num_queued_reqs", "max_num_queued_tokens", "ttft_slo", "frontend_latency", "step_tracer"}
     sim_kwargs = {k: v for k, v in overrides.items() if k in sim_keys}
     sched_kwargs = {k: v for k, v in overrides.items() if k not in sim_keys}
     return Simulator(SchedulerConfig(**{**SCHEDULER, **sched_kwargs}), cost, **sim_kwargs)
@@ -143,6 +144,32 @@ def test_a_request_admitted_during_a_step_is_checked_before_that_step_releases_a
     first = req(0.0, output_len=1, start=1)
     run = simulator(max_num_queued_reqs=1).run([first, req(PREFILL_10 / 2, start=100)])
     assert [r.status for r in run.results] == [200, 503]
+
+
+def test_ttft_slo_admits_only_the_floor_of_two_steps_before_the_engine_has_measured() -> None:
+    # Budget 64 tokens a step: the floor is 2 x 64 = 128 queued prompt tokens, 8 prompts of 16.
+    sim = simulator(ttft_slo=1.0)
+    assert sim.admission.queued_tokens_limit == 128
+    run = sim.run([req(0.0, prompt_len=16, start=1 + 20 * k) for k in range(10)])
+    assert [r.status for r in run.results] == [200] * 8 + [503] * 2
+    assert summarize(1.0, run.results, run.duration_s)["rejected"] == {"ttft_slo": 2}
+
+
+def test_after_measurement_the_ttft_slo_limit_is_slo_times_the_measured_prefill_throughput() -> None:
+    # Budget 16: a lone 200-token prompt is prefilled in 12 full chunks left partial (backlogged,
+    # measured) and a last 8-token chunk that leaves nothing over (not measured).
+    sim = simulator(ttft_slo=1.0, max_num_batched_tokens=16)
+    assert sim.admission.queued_tokens_limit == 32  # the floor; a request alone is admitted anyway
+    run = sim.run([req(0.0, prompt_len=200, output_len=1, start=1)], label="measure")
+    assert run.results[0].status == 200
+    chunk = 0.010 + 16 * 0.001 + 0.002
+    assert run.prefill_tokens_per_s == pytest.approx(16 / chunk)  # 571.4 tokens/s
+    assert run.queued_tokens_limit == sim.admission.queued_tokens_limit == math.ceil(1.0 * run.prefill_tokens_per_s)
+    assert run.queued_tokens_limit == 572
+    # The next burst meets the measured limit: 11 prompts of 50 = 550 <= 572, a 12th would make 600.
+    burst = sim.run([req(0.0, prompt_len=50, start=1000 + 60 * k) for k in range(13)], label="burst")
+    assert [r.status for r in burst.results] == [200] * 11 + [503] * 2
+    assert {r.reason for r in burst.results if r.status == 503} == {"ttft_slo"}
 
 
 def test_a_small_kv_pool_preempts_and_every_request_still_gets_all_its_tokens() -> None:
@@ -259,6 +286,21 @@ def test_simulate_command_reports_rejections_and_writes_json(tiny_model: Path, t
     assert result["num_steps"] > 0 and result["num_preemptions"] == 0
 
 
+def test_simulate_command_applies_ttft_slo_and_reports_its_rejections(tiny_model: Path, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "sim.json"
+    argv = simulate_args(tiny_model, "--num-gpu-blocks", "300", "--qps", "inf", "--num-requests", "6",
+                         "--prompt-len", "32", "--output-len", "8", "--max-num-seqs", "4",
+                         "--max-num-batched-tokens", "32", "--ttft-slo", "1", "--out", str(out))
+    assert main(argv) == 0
+    assert "ttft_slo limit" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["config"]["ttft_slo"] == 1.0
+    [result] = report["results"]
+    assert set(result["rejected"]) == {"ttft_slo"}  # a burst over the floor of 2 x 32 tokens
+    assert result["completed"] + result["rejected"]["ttft_slo"] == 6
+
+
 def test_simulate_sizes_the_kv_pool_like_the_engine(tiny_model: Path, tmp_path: Path) -> None:
     import torch
 
@@ -300,4 +342,4 @@ def test_simulate_help_explains_every_flag() -> None:
         assert action.help and action.help != argparse.SUPPRESS, f"{action.option_strings} has no help"
     flags = {s for a in simulate._actions for s in a.option_strings}
     assert {"--trace", "--qps", "--seed", "--cost-model", "--step-cost", "--max-num-queued-reqs",
-            "--max-num-queued-tokens", "--frontend-latency", "--out", "--num-gpu-blocks"} <= flags
+            "--max-num-queued-tokens", "--ttft-slo", "--frontend-latency", "--out", "--num-gpu-blocks"} <= flags

@@ -74,6 +74,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     adm.add_argument("--max-num-queued-tokens", type=int, default=None,
                      help="A3: reject (503) a request when the prompt tokens still in prefill reach this "
                           "(default: no limit)")
+    adm.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS",
+                     help="TTFT target: reject (503, reason ttft_slo) a request when the prompt tokens in prefill, "
+                          "its own included, exceed SECONDS x the prefill throughput the engine measures while "
+                          "requests wait (until measured: two scheduler steps' worth), its steps timed by the step-cost "
+                          "model. The limit at each run's end is in the engine table (default: off)")
     adm.add_argument("--frontend-latency", type=float, default=0.0, metavar="SECONDS",
                      help="constant added to every answer's TTFT and E2E: the HTTP/gRPC/ZMQ path that engine steps "
                           "do not include; measure it as bench serve's p50 TTFT at a load where requests do not "
@@ -102,7 +107,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     sim = Simulator(
         engine.scheduler_config, cost,
         max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
-        frontend_latency=args.frontend_latency, step_tracer=tracer,
+        ttft_slo=args.ttft_slo, frontend_latency=args.frontend_latency, step_tracer=tracer,
     )
     summaries = []
     for label, qps, trace in traces:
@@ -111,7 +116,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.trace is not None:
             summary["qps"] = label  # a trace file has no rate of its own
         summary.update(num_steps=run.num_steps, num_preemptions=run.num_preemptions,
-                       num_preempted_requests=run.num_preempted_requests, wall_time_s=run.wall_time_s)
+                       num_preempted_requests=run.num_preempted_requests, wall_time_s=run.wall_time_s,
+                       prefill_tokens_per_s=run.prefill_tokens_per_s, queued_tokens_limit=run.queued_tokens_limit)
         summaries.append(summary)
     if tracer is not None:
         tracer.close()
@@ -120,7 +126,8 @@ def run_simulate(args: argparse.Namespace) -> int:
           f"num_gpu_blocks={engine.num_gpu_blocks} max_model_len={engine.max_model_len} "
           f"max_num_seqs={sc.max_num_seqs} max_num_batched_tokens={sc.max_num_batched_tokens}; "
           f"step cost a={cost.a * 1e3:.4g} ms b={cost.b * 1e6:.4g} us/token c={cost.c * 1e6:.4g} us/request; "
-          f"frontend latency {args.frontend_latency * 1e3:.4g} ms")
+          f"frontend latency {args.frontend_latency * 1e3:.4g} ms"
+          + (f"; ttft_slo {args.ttft_slo:g} s" if args.ttft_slo is not None else ""))
     print(format_table(summaries))
     print(format_engine_table(summaries))
     if args.out:
@@ -148,6 +155,7 @@ def _config_report(args: argparse.Namespace, engine: SimulatedEngine, cost: Step
         "step_cost": {"a": cost.a, "b": cost.b, "c": cost.c},
         "max_num_queued_reqs": args.max_num_queued_reqs,
         "max_num_queued_tokens": args.max_num_queued_tokens,
+        "ttft_slo": args.ttft_slo,
         "frontend_latency": args.frontend_latency,
         "trace": args.trace,
         "qps": [str(q) for q in args.qps or [1.0]] if generated else None,
@@ -160,9 +168,14 @@ def _config_report(args: argparse.Namespace, engine: SimulatedEngine, cost: Step
 
 
 def format_engine_table(summaries: list[dict[str, Any]]) -> str:
-    """The engine's side of each run, which a client cannot see."""
-    header = ["QPS", "steps", "preemptions", "preempted reqs", "simulated s", "wall s"]
+    """The engine's side of each run, which a client cannot see; the prefill throughput
+    its meter held at the end, and the TTFT-SLO limit then when --ttft-slo is on."""
+    slo = any(s.get("queued_tokens_limit") is not None for s in summaries)
+    header = ["QPS", "steps", "preemptions", "preempted reqs", "prefill tok/s", *(["ttft_slo limit"] * slo),
+              "simulated s", "wall s"]
     rows = [[str(s["qps"]), str(s["num_steps"]), str(s["num_preemptions"]), str(s["num_preempted_requests"]),
+             "-" if s.get("prefill_tokens_per_s") is None else f"{s['prefill_tokens_per_s']:.0f}",
+             *([str(s.get("queued_tokens_limit"))] * slo),
              f"{s['duration_s']:.2f}", f"{s['wall_time_s']:.2f}"] for s in summaries]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",

@@ -16,6 +16,11 @@ What the steps do not contain — the HTTP, gRPC and ZMQ hops between a client a
 engine — is ``frontend_latency``: a constant, 0 by default, added to every answered
 request's TTFT and end-to-end latency (and to a rejection's latency), as measured by
 ``fastsched bench serve`` at a load low enough for requests not to queue.
+
+The TTFT-SLO valve (``ttft_slo``) is fed as the server feeds it: the engine's
+``PrefillThroughputMeter`` observes every step as ``EngineCore.step`` does, its duration
+being the modelled step cost, and after each step the admission controller gets the
+meter's estimate and the floor, as ``AsyncLLM`` does on each engine message.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import numpy as np
 from tqdm import tqdm
 
 from fastsched import _core
-from fastsched.engine.admission import AdmissionController, AdmissionError
+from fastsched.engine.admission import TTFT_SLO_FLOOR_STEPS, AdmissionController, AdmissionError
+from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.entrypoints.bench_serve import RequestResult
 from fastsched.simulator.cost import StepCost
@@ -62,6 +68,8 @@ class ReplayResult:
     num_preemptions: int
     num_preempted_requests: int
     wall_time_s: float  # what simulating took
+    prefill_tokens_per_s: float | None = None  # the engine's meter when the trace ended (None: not measured)
+    queued_tokens_limit: int | None = None  # the TTFT-SLO limit then (None: --ttft-slo off)
 
 
 class Simulator:
@@ -76,18 +84,23 @@ class Simulator:
         *,
         max_num_queued_reqs: int | None = None,
         max_num_queued_tokens: int | None = None,
+        ttft_slo: float | None = None,
         frontend_latency: float = 0.0,
         step_tracer: StepTracer | None = None,
     ) -> None:
-        """``step_tracer``: records every simulated step, as an engine's ``--step-trace`` does."""
+        """``step_tracer``: records every simulated step, as an engine's ``--step-trace`` does.
+        ``ttft_slo``: seconds; the server's ``--ttft-slo`` valve (see ``engine.admission``)."""
         if frontend_latency < 0:
             raise ValueError(f"frontend_latency must be >= 0 seconds, got {frontend_latency}")
         self.scheduler = _core.Scheduler(scheduler_config)
         self.max_model_len = scheduler_config.max_model_len
         self.cost = cost
         self.admission = AdmissionController(
-            max_num_queued_reqs=max_num_queued_reqs, max_num_queued_tokens=max_num_queued_tokens
+            max_num_queued_reqs=max_num_queued_reqs, max_num_queued_tokens=max_num_queued_tokens, ttft_slo=ttft_slo
         )
+        self.prefill_meter = PrefillThroughputMeter()  # the engine's, as EngineCore keeps it
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.update_ttft_slo_limit()  # the floor until measured, as AsyncLLM sets it when the engine is ready
         self.frontend_latency = frontend_latency
         self.step_tracer = step_tracer
         self.clock = 0.0
@@ -110,7 +123,14 @@ class Simulator:
             num_preemptions=sum(preempted),
             num_preempted_requests=len(preempted),
             wall_time_s=time.perf_counter() - started,
+            prefill_tokens_per_s=self.prefill_meter.tokens_per_s,
+            queued_tokens_limit=self.admission.queued_tokens_limit,
         )
+
+    def update_ttft_slo_limit(self) -> None:
+        """What ``AsyncLLM._update_ttft_slo_limit`` does with this one engine's report."""
+        floor = TTFT_SLO_FLOOR_STEPS * self.max_num_batched_tokens
+        self.admission.update_prefill_throughput(self.prefill_meter.tokens_per_s, max(1, floor))
 
 
 class _Replay:
@@ -141,6 +161,7 @@ class _Replay:
                 sim.clock = max(sim.clock, self.arrival_clock(self.arrivals[0]))
                 continue
             so = sched.schedule()
+            backlogged = sched.num_waiting > 0  # as EngineCore.step reads it for the prefill meter
             if so.num_reqs:  # a step without rows only reports finishes: no forward pass
                 sim.num_steps += 1
             if so.num_reqs == 0 and len(so.finished) == 0 and sched.num_running == 0:
@@ -159,6 +180,7 @@ class _Replay:
                 self.trace_step(sim.step_tracer, so, end)
             self.arrive(until=end)  # admission sees them before this step's outputs
             eco = sched.update_from_tokens(self.sampled_tokens(so))
+            self.measure_prefill(so, backlogged, end - sim.clock)
             sim.clock = end
             self.collect(eco)
 
@@ -169,6 +191,15 @@ class _Replay:
             [SAMPLED_TOKEN if n >= self.live[h].num_tokens else -1 for h, n in zip(so.req_handles.tolist(), computed)],
             dtype=np.int64,
         )
+
+    def measure_prefill(self, so: _core.SchedulerOutput, backlogged: bool, duration: float) -> None:
+        """The engine's meter observes the step (as ``EngineCore.step``), then the frontend
+        gets its estimate with the step's outputs (as ``AsyncLLM``)."""
+        prompt_lens = [self.trace[self.live[h].index].prompt_len for h in so.req_handles.tolist()]
+        prefill, partial = prefill_tokens(so.num_scheduled_tokens.tolist(), so.num_computed_tokens.tolist(),
+                                          prompt_lens)
+        self.sim.prefill_meter.observe(prefill, duration, backlogged or partial)
+        self.sim.update_ttft_slo_limit()
 
     def trace_step(self, tracer: StepTracer, so: _core.SchedulerOutput, end: float) -> None:
         prompt_lens = np.array([self.trace[self.live[h].index].prompt_len for h in so.req_handles.tolist()],
