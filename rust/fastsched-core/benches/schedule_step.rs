@@ -5,10 +5,10 @@
 //! `--running` requests in flight plus 256 queued; prompts of uniform length
 //! in [256, 768] with random token ids, outputs of uniform length in
 //! [64, 192] (as `max_tokens`, no EOS); a finished request is replaced at
-//! once. Each step times `schedule()` and `update_from_output()` (building
-//! the `ModelRunnerOutput` included, as the binding's `update_from_tokens`
-//! does); everything else (which requests sample, adding requests) is not
-//! timed. A plain `Instant` loop, no harness: run with
+//! once. Each step times `schedule()` and `update_from_tokens()` (one
+//! optional token per scheduled request, as the binding's
+//! `update_from_tokens` passes them); everything else (which requests
+//! sample, adding requests) is not timed. A plain `Instant` loop, no harness: run with
 //! `cargo bench -p fastsched-core` (256, 1024 and 4096 running) or
 //! `cargo bench -p fastsched-core -- 1024` for chosen sizes;
 //! `FASTSCHED_BENCH_STEPS` overrides the number of measured steps (default
@@ -16,7 +16,7 @@
 
 use std::time::Instant;
 
-use fastsched_core::{ModelRunnerOutput, NewRequest, Scheduler, SchedulerConfig};
+use fastsched_core::{NewRequest, Scheduler, SchedulerConfig};
 
 const VOCAB_SIZE: u64 = 32_000;
 
@@ -139,10 +139,9 @@ fn run(w: &Workload) -> Summary {
             tokens.push(done.then(|| (trace.rng.next_u64() % VOCAB_SIZE) as u32));
         }
         let t2 = Instant::now();
-        let mro = ModelRunnerOutput::from_tokens(&tokens);
         let eo = trace
             .sched
-            .update_from_output(&mro)
+            .update_from_tokens(&tokens)
             .expect("aligned output");
         let t3 = Instant::now();
         let mut finished = 0;
@@ -182,7 +181,7 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(1000);
     println!(
-        "schedule_step: pure-Rust schedule() + update_from_output(), {steps} steps after 200 warm-up, \
+        "schedule_step: pure-Rust schedule() + update_from_tokens(), {steps} steps after 200 warm-up, \
          waiting 256, prompt 256-768, output 64-192, 8192-token budget, ample KV blocks"
     );
     println!(

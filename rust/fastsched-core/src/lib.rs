@@ -26,6 +26,8 @@ pub use admission::SharedAdmissionStats;
 pub use config::{Policy, SchedulerConfig};
 pub use error::{Error, Result};
 pub use output::{EngineCoreOutputs, ModelRunnerOutput, ScheduledKind, SchedulerOutput};
-pub use request::{FinishReason, Handle, NewRequest, Request, RequestStatus, StreamInput};
+pub use request::{
+    FinishReason, Handle, NewRequest, Progress, Request, RequestStatus, StreamInput,
+};
 pub use scheduler::{PauseState, Scheduler, SchedulerStats};
 pub use telemetry::{GateCounters, ScanStop, SkipReason};

@@ -143,45 +143,72 @@ impl NewRequest {
     }
 }
 
+/// How far a request has got: what the running phase of every step reads,
+/// and (with the token appended) what `update_from_output` changes. The
+/// scheduler keeps it in its slab entry beside the boxed [`Request`] rather
+/// than in it (24 bytes; with the box pointer, half a cache line): the
+/// running loop of a step then never reads the request itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// `Request::num_tokens()`: prompt, outputs and streamed input. Kept
+    /// equal by the scheduler wherever it appends tokens (checked by S16).
+    pub num_tokens: usize,
+    pub num_computed_tokens: usize,
+    /// Sampled token outputs not yet returned (async scheduling
+    /// placeholders): at most one per step in flight.
+    pub num_output_placeholders: u32,
+    /// `num_computed_tokens < num_tokens` as of the last time it was scheduled.
+    pub is_prefill_chunk: bool,
+}
+
+impl Progress {
+    /// A request that has computed nothing yet.
+    pub fn new(num_tokens: usize) -> Self {
+        Progress {
+            num_tokens,
+            ..Default::default()
+        }
+    }
+}
+
 /// Fields are laid out by temperature (`repr(C)`, cache-line aligned): the
-/// first two 64-byte lines hold everything `schedule()` and
-/// `update_from_output()` read for a running request in an ordinary step, so
-/// a step costs two (adjacent) cache lines per request, not four. The
-/// scheduler keeps requests boxed so that its slab's `Option` test reads the
-/// pointer, not a field of a cold line. `hot_fields_fit_in_two_cache_lines`
-/// guards the layout.
+/// first two 64-byte lines hold everything `update_from_output()` reads for a
+/// running request in an ordinary step (line 1: the token array and the
+/// length and EOS checks; line 2: stop tokens, the reported prefix hit,
+/// drafts). What the running phase reads is the request's [`Progress`], kept
+/// beside it in the scheduler's slab. The scheduler keeps requests boxed so
+/// that its slab's `Option` test reads the pointer, not a field of a cold
+/// line.
+/// `hot_fields_fit_in_two_cache_lines` guards the layout.
 #[derive(Debug, Clone)]
 #[repr(C, align(64))]
 pub struct Request {
-    // --- line 1: progress, read and written every step ---
+    // --- line 1: the token array and the length and EOS checks ---
     /// Prompt followed by outputs; a streaming session appends new input too.
     pub token_ids: Vec<u32>,
-    pub num_computed_tokens: usize,
-    /// Sampled token outputs not yet returned (async scheduling placeholders).
-    pub num_output_placeholders: usize,
     /// Outputs of the current generation segment (the whole request unless streaming).
     pub num_output_tokens: usize,
     pub max_tokens: usize,
+    /// Read only when a stop token matches.
+    pub min_tokens: usize,
+    pub eos_token_id: Option<u32>,
+    pub handle: Handle,
     pub status: RequestStatus,
-    /// `num_computed_tokens < num_tokens` as of the last time it was scheduled.
-    pub is_prefill_chunk: bool,
     pub ignore_eos: bool,
     /// Set while a streaming session accepts more input (S15).
     pub streaming: bool,
-    pub handle: Handle,
-    // --- line 2: drafts, stop tokens, the reported prefix hit ---
-    /// Draft tokens proposed for the next step (speculative decoding).
-    pub spec_token_ids: Vec<u32>,
-    pub eos_token_id: Option<u32>,
+    // --- line 2: stop tokens, the reported prefix hit, drafts ---
     pub stop_token_ids: Box<[u32]>,
     /// Prefix-cache hit of the first admission; `None` until admitted.
     pub num_cached_tokens: Option<usize>,
-    // --- read when a block fills, a stop token matches, or at admission ---
+    /// Draft tokens proposed for the next step (speculative decoding);
+    /// always empty when `num_speculative_tokens` is 0.
+    pub spec_token_ids: Vec<u32>,
+    // --- read when a block fills, or at admission ---
     /// Chained hashes of every full block of `token_ids` (S8).
     pub block_hashes: Vec<u64>,
     /// The parent hash of the first block (per LoRA adapter).
     pub hash_root: u64,
-    pub min_tokens: usize,
     pub priority: i64,
     pub arrival_time: f64,
     pub num_prompt_tokens: usize,
@@ -207,8 +234,43 @@ pub struct StreamInput {
     pub is_last: bool,
 }
 
+/// The arrays a request owns besides its tokens: empty for a new request,
+/// cleared ones of a finished request when its box is recycled.
+#[derive(Default)]
+struct Buffers {
+    block_hashes: Vec<u64>,
+    spec_token_ids: Vec<u32>,
+    pending_stream_inputs: std::collections::VecDeque<StreamInput>,
+}
+
 impl Request {
     pub fn from_new(new: NewRequest, handle: Handle, hasher: &BlockHasher) -> Self {
+        Request::build(new, handle, hasher, Buffers::default())
+    }
+
+    /// Turns a request that has left the scheduler into `new`, as
+    /// [`Self::from_new`] would build it, but in its allocations: its token
+    /// and hash arrays are refilled instead of freed and allocated again.
+    pub fn recycle(&mut self, new: NewRequest, handle: Handle, hasher: &BlockHasher) {
+        let mut token_ids = std::mem::take(&mut self.token_ids);
+        token_ids.clear();
+        token_ids.extend_from_slice(&new.prompt_token_ids);
+        let mut buffers = Buffers {
+            block_hashes: std::mem::take(&mut self.block_hashes),
+            spec_token_ids: std::mem::take(&mut self.spec_token_ids),
+            pending_stream_inputs: std::mem::take(&mut self.pending_stream_inputs),
+        };
+        buffers.block_hashes.clear();
+        buffers.spec_token_ids.clear();
+        buffers.pending_stream_inputs.clear();
+        let new = NewRequest {
+            prompt_token_ids: token_ids,
+            ..new
+        };
+        *self = Request::build(new, handle, hasher, buffers);
+    }
+
+    fn build(new: NewRequest, handle: Handle, hasher: &BlockHasher, buffers: Buffers) -> Self {
         let mut req = Request {
             request_id: new.request_id,
             handle,
@@ -218,22 +280,19 @@ impl Request {
             num_prompt_tokens: new.prompt_token_ids.len(),
             token_ids: new.prompt_token_ids,
             num_output_tokens: 0,
-            num_computed_tokens: 0,
-            spec_token_ids: Vec::new(),
+            spec_token_ids: buffers.spec_token_ids,
             max_tokens: new.max_tokens,
             min_tokens: new.min_tokens,
             eos_token_id: new.eos_token_id,
             stop_token_ids: new.stop_token_ids.into_boxed_slice(),
             ignore_eos: new.ignore_eos,
             lora_id: new.lora_id,
-            block_hashes: Vec::new(),
+            block_hashes: buffers.block_hashes,
             hash_root: BlockHasher::root(new.lora_id),
             num_preemptions: 0,
             num_cached_tokens: None,
-            is_prefill_chunk: false,
             streaming: new.streaming,
-            pending_stream_inputs: Default::default(),
-            num_output_placeholders: 0,
+            pending_stream_inputs: buffers.pending_stream_inputs,
             num_loaded_tokens: 0,
             first_scheduled: false,
             ignore_reason: None,
@@ -307,10 +366,11 @@ impl Request {
     #[inline]
     pub fn check_stop_after(&self, last: u32, max_model_len: usize) -> Option<RequestStatus> {
         debug_assert_eq!(self.token_ids.last(), Some(&last));
-        // Cheapest test first: `min_tokens` sits on a colder line and only
-        // matters when the token is a stop token.
+        // Cheapest tests first: most requests have no stop tokens (a scan
+        // costs its setup even when empty), and `min_tokens` only matters
+        // when the token is a stop token.
         let is_stop_token = (!self.ignore_eos && Some(last) == self.eos_token_id)
-            || self.stop_token_ids.contains(&last);
+            || (!self.stop_token_ids.is_empty() && self.stop_token_ids.contains(&last));
         if is_stop_token && self.num_output_tokens >= self.min_tokens {
             return Some(RequestStatus::FinishedStopped);
         }
@@ -383,6 +443,23 @@ mod tests {
     }
 
     #[test]
+    fn a_recycled_request_is_the_new_request_built_afresh() {
+        let h = BlockHasher::new(4);
+        let mut old = req(vec![1, 2, 3, 4, 5, 6, 7, 8, 9], 10);
+        old.append_output_token(2, &h);
+        old.spec_token_ids = vec![5];
+        old.ignore_reason = Some("x".into());
+        let mut new = NewRequest::new("b", vec![4, 3, 2, 1, 0], 3);
+        new.stop_token_ids = vec![9];
+        new.lora_id = Some(1);
+        old.recycle(new.clone(), 7, &h);
+        assert_eq!(
+            format!("{old:?}"),
+            format!("{:?}", Request::from_new(new, 7, &h))
+        );
+    }
+
+    #[test]
     fn s4_finished_states_sort_after_live_ones() {
         assert!(!RequestStatus::Preempted.is_finished());
         assert!(RequestStatus::FinishedIgnored.is_finished());
@@ -392,8 +469,13 @@ mod tests {
     #[test]
     fn hot_fields_fit_in_two_cache_lines() {
         use std::mem::{offset_of, size_of};
-        let end_of_line_2 = offset_of!(Request, num_cached_tokens) + size_of::<Option<usize>>();
+        let end_of_line_2 = offset_of!(Request, spec_token_ids) + size_of::<Vec<u32>>();
         assert!(end_of_line_2 <= 128, "line 2 ends at byte {end_of_line_2}");
-        assert_eq!(offset_of!(Request, spec_token_ids), 64, "line 1 is full");
+        assert_eq!(offset_of!(Request, stop_token_ids), 64, "line 1 is full");
+    }
+
+    #[test]
+    fn progress_leaves_room_for_a_box_pointer_in_half_a_cache_line() {
+        assert_eq!(std::mem::size_of::<Progress>(), 24);
     }
 }

@@ -234,17 +234,18 @@ impl Driver {
         let mut draft_ids = Vec::new();
         for (i, &h) in out.req_handles.iter().enumerate() {
             let r = self.s.request(h).unwrap();
-            assert!(r.num_computed_tokens <= r.num_tokens_with_spec());
+            let p = self.s.progress(h).unwrap();
+            assert!(p.num_computed_tokens <= r.num_tokens_with_spec());
             assert!(
-                r.num_computed_tokens < cfg.max_model_len,
+                p.num_computed_tokens < cfg.max_model_len,
                 "{} computed {} of {} tokens ({})",
                 r.request_id,
-                r.num_computed_tokens,
+                p.num_computed_tokens,
                 r.num_tokens(),
                 r.status.as_str()
             );
             assert_eq!(out.block_ids_of(i).len() > 0 || out.kinds[i] == 0, true);
-            if r.is_prefill_chunk {
+            if p.is_prefill_chunk {
                 tokens.push(None);
             } else {
                 let t = match self.rng.below(100) {

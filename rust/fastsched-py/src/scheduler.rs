@@ -142,26 +142,18 @@ impl PyScheduler {
         let tokens = tokens
             .as_slice()
             .map_err(|_| PyValueError::new_err("tokens must be a contiguous int64 array"))?;
-        let mut mro = ModelRunnerOutput {
-            sampled_offsets: Vec::with_capacity(tokens.len() + 1),
-            sampled_token_ids: Vec::with_capacity(tokens.len()),
-            ..Default::default()
-        };
-        mro.sampled_offsets.push(0);
-        for &t in tokens {
-            if t >= 0 {
-                let t = u32::try_from(t).map_err(|_| {
-                    PyValueError::new_err(format!(
-                        "tokens contains {t}, which is not a valid token id"
-                    ))
-                })?;
-                mro.sampled_token_ids.push(t);
-            }
-            mro.sampled_offsets.push(mro.sampled_token_ids.len() as u32);
+        if let Some(t) = tokens.iter().find(|&&t| t > i64::from(u32::MAX)) {
+            return Err(PyValueError::new_err(format!(
+                "tokens contains {t}, which is not a valid token id"
+            )));
         }
+        let tokens: Vec<Option<u32>> = tokens
+            .iter()
+            .map(|&t| (t >= 0).then_some(t as u32))
+            .collect();
         let inner = &mut self.inner;
         let out = py
-            .detach(|| inner.update_from_output(&mro))
+            .detach(|| inner.update_from_tokens(&tokens))
             .map_err(to_py)?;
         Ok(PyEngineCoreOutputs::new(py, out))
     }
@@ -255,7 +247,8 @@ impl PyScheduler {
         d.set_item("num_tokens", r.num_tokens())?;
         d.set_item("num_prompt_tokens", r.num_prompt_tokens)?;
         d.set_item("num_output_tokens", r.num_output_tokens)?;
-        d.set_item("num_computed_tokens", r.num_computed_tokens)?;
+        let progress = self.inner.progress(handle).copied().unwrap_or_default();
+        d.set_item("num_computed_tokens", progress.num_computed_tokens)?;
         d.set_item("num_cached_tokens", r.num_cached_tokens)?;
         d.set_item("num_preemptions", r.num_preemptions)?;
         d.set_item("priority", r.priority)?;

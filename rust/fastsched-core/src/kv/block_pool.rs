@@ -9,6 +9,7 @@
 use std::collections::VecDeque;
 
 use super::prefix_cache::PrefixCache;
+use super::table::{Plain, Table};
 
 /// Everything the pool knows about one block in one 32-byte record (two per
 /// cache line): its place in the free queue, its reference count and what it
@@ -60,6 +61,9 @@ impl Block {
     }
 }
 
+// SAFETY: integers and bools (all-zero is `Block::UNUSED`); 8-byte alignment.
+unsafe impl Plain for Block {}
+
 /// An entry of the free queue; live only while the block is free and still
 /// holds this ticket.
 #[derive(Debug, Clone, Copy)]
@@ -79,7 +83,8 @@ struct FreeEntry {
 #[derive(Debug)]
 pub struct BlockPool {
     num_blocks: usize,
-    blocks: Vec<Block>,
+    /// By block id; mapped for huge pages when large (see `Table`).
+    blocks: Table<Block>,
     free: VecDeque<FreeEntry>,
     num_free: usize,
     next_ticket: u64,
@@ -90,7 +95,7 @@ impl BlockPool {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         let mut pool = BlockPool {
             num_blocks,
-            blocks: vec![Block::UNUSED; num_blocks],
+            blocks: Table::new(num_blocks, Block::UNUSED),
             free: VecDeque::with_capacity(num_blocks),
             num_free: 0,
             next_ticket: 1,
@@ -170,8 +175,19 @@ impl BlockPool {
     /// Releases blocks given in the order to free them (a request's tail
     /// first). Uncached blocks that drop to zero go to the front keeping that
     /// order; cached ones go to the back, also in that order.
-    pub fn free_blocks(&mut self, ordered: impl Iterator<Item = u32>, scratch: &mut Vec<u32>) {
+    pub fn free_blocks(
+        &mut self,
+        ordered: impl Iterator<Item = u32> + Clone,
+        scratch: &mut Vec<u32>,
+    ) {
         scratch.clear();
+        // As in `warm_for_caching`: the records (cold: a request's blocks were
+        // taken from all over the pool) loaded together, not one per turn.
+        let mut sink = 0u64;
+        for b in ordered.clone() {
+            sink ^= self.blocks[b as usize].ticket;
+        }
+        std::hint::black_box(sink);
         for b in ordered {
             let block = &mut self.blocks[b as usize];
             debug_assert!(block.ref_cnt > 0, "double free of block {b}");

@@ -31,6 +31,8 @@ pub struct PrefixCacheStats {
 /// How `allocate_slots` is asked to size an allocation.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AllocRequest {
+    /// The request's `num_computed_tokens` (before any prefix hit).
+    pub num_computed_tokens: usize,
     pub num_new_tokens: usize,
     pub num_lookahead_tokens: usize,
     /// S10: also require the whole current sequence to fit.
@@ -43,12 +45,17 @@ pub struct AllocRequest {
     pub delay_cache: bool,
 }
 
-/// The blocks one request holds, and how many of them (from the start) are
-/// registered in the prefix cache.
-#[derive(Debug, Default)]
-struct ReqBlocks {
-    blocks: Vec<u32>,
-    num_cached: usize,
+/// How many blocks one request holds and how many of them (from the start)
+/// are registered in the prefix cache: all that the per-step check of a
+/// running request reads (see `fits_in_held_blocks`). Kept apart from the
+/// block lists, 8 bytes per request, so that checking a whole running batch
+/// reads a few kilobytes instead of a cache line per request. Block counts
+/// fit in `u32` because block ids do.
+#[derive(Debug, Default, Clone, Copy)]
+struct BlockCounts {
+    /// Always `lists[handle].len()`.
+    num_blocks: u32,
+    num_cached: u32,
 }
 
 #[derive(Debug)]
@@ -57,9 +64,10 @@ pub struct KvCacheManager {
     block_size: usize,
     max_model_len: usize,
     enable_caching: bool,
-    /// By handle. One entry per request (32 bytes) so that the per-step
-    /// check of a running request reads one cache line, not two arrays.
-    reqs: Vec<ReqBlocks>,
+    /// By handle: the blocks each request holds, in order.
+    lists: Vec<Vec<u32>>,
+    /// By handle: their counts.
+    counts: Vec<BlockCounts>,
     pub stats: PrefixCacheStats,
     scratch: Vec<u32>,
 }
@@ -76,7 +84,8 @@ impl KvCacheManager {
             block_size,
             max_model_len,
             enable_caching,
-            reqs: Vec::new(),
+            lists: Vec::new(),
+            counts: Vec::new(),
             stats: PrefixCacheStats::default(),
             scratch: Vec::new(),
         }
@@ -87,9 +96,9 @@ impl KvCacheManager {
     }
 
     pub fn blocks(&self, handle: Handle) -> &[u32] {
-        self.reqs
+        self.lists
             .get(handle as usize)
-            .map_or(&[], |r| r.blocks.as_slice())
+            .map_or(&[], |blocks| blocks.as_slice())
     }
 
     pub fn num_free_blocks(&self) -> usize {
@@ -107,8 +116,9 @@ impl KvCacheManager {
 
     fn ensure_slot(&mut self, handle: Handle) {
         let i = handle as usize;
-        if i >= self.reqs.len() {
-            self.reqs.resize_with(i + 1, ReqBlocks::default);
+        if i >= self.lists.len() {
+            self.lists.resize_with(i + 1, Vec::new);
+            self.counts.resize(i + 1, BlockCounts::default());
         }
     }
 
@@ -152,6 +162,44 @@ impl KvCacheManager {
             .count()
     }
 
+    /// Whether a running request's allocation (no prefix hit, no
+    /// full-sequence gate) is already covered by the blocks it holds and
+    /// completes no block to cache, so that `allocate_slots` would change
+    /// nothing: true in most steps. Decided from the request's block counts
+    /// alone (`num_tokens` is its current length), without divisions.
+    #[inline]
+    pub fn fits_in_held_blocks(
+        &self,
+        handle: Handle,
+        alloc: &AllocRequest,
+        num_tokens: usize,
+    ) -> bool {
+        let c = self.counts[handle as usize];
+        let need = (alloc.num_computed_tokens + alloc.num_new_tokens + alloc.num_lookahead_tokens)
+            .min(self.max_model_len);
+        // Tokens whose blocks must be cached (all full ones among them);
+        // compared as token counts to keep divisions out of this path.
+        let to_cache = (alloc.num_computed_tokens + alloc.num_new_tokens).min(num_tokens);
+        need <= c.num_blocks as usize * self.block_size
+            && (!self.enable_caching
+                || alloc.delay_cache
+                || to_cache < (c.num_cached as usize + 1) * self.block_size)
+            && alloc.reserve_blocks <= self.pool.num_free_blocks()
+    }
+
+    /// Loads the block counts of these requests (see `fits_in_held_blocks`)
+    /// in a loop short enough for their cache misses to overlap. Only a
+    /// performance hint.
+    pub fn warm_block_counts(&self, handles: &[Handle]) {
+        let mut sink = 0u32;
+        for &h in handles {
+            if let Some(c) = self.counts.get(h as usize) {
+                sink ^= c.num_blocks;
+            }
+        }
+        std::hint::black_box(sink);
+    }
+
     /// Allocates the slots for `num_new_tokens` more tokens (after any prefix
     /// hit), or returns `None` and changes nothing when the pool is short.
     /// Returns the number of blocks newly taken from the free queue; their
@@ -164,25 +212,12 @@ impl KvCacheManager {
         hit: Option<&CacheHit>,
         new_blocks_out: &mut Vec<u32>,
     ) -> Option<usize> {
-        if hit.is_none() && !alloc.full_sequence_must_fit {
-            // A running request: most steps need no new block and fill none.
-            // This test is inlined into the scheduler's loop; the rest is not.
-            let r = &self.reqs[req.handle as usize];
-            let held = r.blocks.len();
-            let need =
-                (req.num_computed_tokens + alloc.num_new_tokens + alloc.num_lookahead_tokens)
-                    .min(self.max_model_len);
-            // Tokens whose blocks must be cached (all full ones among them);
-            // compared as token counts to keep divisions out of this path.
-            let to_cache = (req.num_computed_tokens + alloc.num_new_tokens).min(req.num_tokens());
-            if need <= held * self.block_size
-                && (!self.enable_caching
-                    || alloc.delay_cache
-                    || to_cache < (r.num_cached + 1) * self.block_size)
-                && alloc.reserve_blocks <= self.pool.num_free_blocks()
-            {
-                return Some(0);
-            }
+        if hit.is_none()
+            && !alloc.full_sequence_must_fit
+            && self.fits_in_held_blocks(req.handle, &alloc, req.num_tokens())
+        {
+            // This test is inlined into the caller; the rest is not.
+            return Some(0);
         }
         self.allocate_new_slots(req, alloc, hit, new_blocks_out)
     }
@@ -200,8 +235,9 @@ impl KvCacheManager {
         let hit_blocks: &[u32] = hit.map_or(&[], |h| h.blocks.as_slice());
         let hit_tokens = hit.map_or(0, |h| h.num_tokens);
         self.ensure_slot(req.handle);
-        let held = self.reqs[req.handle as usize].blocks.len();
-        let num_computed = req.num_computed_tokens + hit_tokens;
+        let h = req.handle as usize;
+        let held = self.lists[h].len();
+        let num_computed = alloc.num_computed_tokens + hit_tokens;
         let need_slots = (num_computed + alloc.num_new_tokens + alloc.num_lookahead_tokens)
             .min(self.max_model_len);
         let evictable = self.num_evictable(hit_blocks);
@@ -220,15 +256,15 @@ impl KvCacheManager {
         }
         if !hit_blocks.is_empty() {
             self.pool.touch(hit_blocks);
-            let r = &mut self.reqs[req.handle as usize];
-            r.blocks.extend_from_slice(hit_blocks);
-            r.num_cached = hit_blocks.len();
+            self.lists[h].extend_from_slice(hit_blocks);
+            self.counts[h].num_cached = hit_blocks.len() as u32;
         }
-        let blocks = &mut self.reqs[req.handle as usize].blocks;
+        let blocks = &mut self.lists[h];
         let want = cdiv(need_slots, self.block_size).saturating_sub(blocks.len());
         let start = new_blocks_out.len();
         self.pool.get_new_blocks(want, new_blocks_out);
         blocks.extend_from_slice(&new_blocks_out[start..]);
+        self.counts[h].num_blocks = blocks.len() as u32;
         if self.enable_caching && !alloc.delay_cache {
             self.cache_blocks(
                 req,
@@ -242,19 +278,21 @@ impl KvCacheManager {
     #[inline]
     pub fn has_blocks_to_cache(&self, handle: Handle, num_tokens: usize) -> bool {
         self.enable_caching
-            && num_tokens >= (self.reqs[handle as usize].num_cached + 1) * self.block_size
+            && num_tokens
+                >= (self.counts[handle as usize].num_cached as usize + 1) * self.block_size
     }
 
     /// Loads what `cache_blocks` will touch for each `(request, num_tokens)`,
     /// all at once (see `BlockPool::warm_for_caching`).
     pub fn warm_for_caching<'a>(&self, batch: impl Iterator<Item = (&'a Request, usize)>) {
         for (req, num_tokens) in batch {
-            let r = &self.reqs[req.handle as usize];
+            let h = req.handle as usize;
+            let num_cached = self.counts[h].num_cached as usize;
             let num_full = num_tokens / self.block_size;
-            if r.num_cached < num_full {
+            if num_cached < num_full {
                 self.pool.warm_for_caching(
-                    &r.blocks[r.num_cached..num_full],
-                    &req.block_hashes[r.num_cached..num_full],
+                    &self.lists[h][num_cached..num_full],
+                    &req.block_hashes[num_cached..num_full],
                 );
             }
         }
@@ -267,19 +305,17 @@ impl KvCacheManager {
         }
         let h = req.handle as usize;
         let num_full = num_tokens / self.block_size;
-        let start = self.reqs[h].num_cached;
+        let start = self.counts[h].num_cached as usize;
         if start >= num_full {
             return;
         }
         let bs = self.block_size;
+        let blocks = &self.lists[h];
         if num_full - start > 1 {
-            self.pool.warm_for_caching(
-                &self.reqs[h].blocks[start..num_full],
-                &req.block_hashes[start..num_full],
-            );
+            self.pool
+                .warm_for_caching(&blocks[start..num_full], &req.block_hashes[start..num_full]);
         }
-        for i in start..num_full {
-            let block = self.reqs[h].blocks[i];
+        for (i, &block) in blocks.iter().enumerate().take(num_full).skip(start) {
             let parent = if i == 0 {
                 req.hash_root
             } else {
@@ -292,24 +328,41 @@ impl KvCacheManager {
                 &req.token_ids[i * bs..(i + 1) * bs],
             );
         }
-        self.reqs[h].num_cached = num_full;
+        self.counts[h].num_cached = num_full as u32;
     }
 
     /// Frees a request's blocks tail first (S8).
     pub fn free(&mut self, handle: Handle) {
         let i = handle as usize;
-        let Some(r) = self.reqs.get_mut(i) else {
+        let Some(blocks) = self.lists.get_mut(i) else {
             return;
         };
         self.pool
-            .free_blocks(r.blocks.iter().rev().copied(), &mut self.scratch);
+            .free_blocks(blocks.iter().rev().copied(), &mut self.scratch);
         // Keep the allocation for the next request that reuses this handle.
-        r.blocks.clear();
-        r.num_cached = 0;
+        blocks.clear();
+        self.counts[i] = BlockCounts::default();
     }
 
     /// Sum of blocks held by requests (for the S16 accounting check).
     pub fn num_held_blocks(&self) -> usize {
-        self.reqs.iter().map(|r| r.blocks.len()).sum()
+        self.lists.iter().map(Vec::len).sum()
+    }
+
+    /// S16: the pool's accounting, and every request's block counts match
+    /// its block list.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.pool.check_invariants()?;
+        for (h, (blocks, c)) in self.lists.iter().zip(&self.counts).enumerate() {
+            if c.num_blocks as usize != blocks.len() || c.num_cached > c.num_blocks {
+                return Err(format!(
+                    "handle {h} holds {} blocks but its counts say {} ({} cached)",
+                    blocks.len(),
+                    c.num_blocks,
+                    c.num_cached
+                ));
+            }
+        }
+        Ok(())
     }
 }

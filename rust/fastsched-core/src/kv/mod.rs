@@ -4,6 +4,7 @@
 pub mod block_pool;
 pub mod manager;
 pub mod prefix_cache;
+mod table;
 
 pub use block_pool::BlockPool;
 pub use manager::{CacheHit, KvCacheManager, PrefixCacheStats};

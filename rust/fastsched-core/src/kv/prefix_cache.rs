@@ -6,11 +6,14 @@
 //! lookups return the earliest-inserted one still cached.
 
 use super::block_pool::Block;
+use super::table::{Plain, Table};
 
 /// Hashes one full block of token ids, chained to its parent block's hash.
 #[derive(Debug, Clone)]
 pub struct BlockHasher {
     block_size: usize,
+    /// `block_size - 1` when the block size is a power of two (see `ends_block`).
+    mask: Option<usize>,
 }
 
 const ROOT_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -27,7 +30,10 @@ fn mix(mut x: u64) -> u64 {
 
 impl BlockHasher {
     pub fn new(block_size: usize) -> Self {
-        BlockHasher { block_size }
+        BlockHasher {
+            block_size,
+            mask: block_size.is_power_of_two().then(|| block_size - 1),
+        }
     }
 
     pub fn block_size(&self) -> usize {
@@ -39,10 +45,9 @@ impl BlockHasher {
     /// off the per-token path.
     #[inline]
     pub fn ends_block(&self, num_tokens: usize) -> bool {
-        if self.block_size.is_power_of_two() {
-            num_tokens & (self.block_size - 1) == 0
-        } else {
-            num_tokens % self.block_size == 0
+        match self.mask {
+            Some(mask) => num_tokens & mask == 0,
+            None => num_tokens % self.block_size == 0,
         }
     }
 
@@ -92,6 +97,9 @@ struct Slot {
     value: u32,
 }
 
+// SAFETY: integers (and padding); 8-byte alignment.
+unsafe impl Plain for Slot {}
+
 const EMPTY_SLOT: Slot = Slot {
     hash: 0,
     value: EMPTY,
@@ -116,7 +124,8 @@ const EMPTY_SLOT: Slot = Slot {
 #[derive(Debug)]
 pub struct PrefixCache {
     block_size: usize,
-    slots: Vec<Slot>,
+    /// Mapped for huge pages when large, as are `tokens` (see `Table`).
+    slots: Table<Slot>,
     /// Occupied slots.
     len: usize,
     overflow: Vec<Vec<u32>>,
@@ -124,7 +133,7 @@ pub struct PrefixCache {
     /// The live entries during a sweep (kept to reuse the allocation).
     sweep_scratch: Vec<Slot>,
     /// Per block: its token ids (valid while it is cached), from `tokens_start`.
-    tokens: Vec<u32>,
+    tokens: Table<u32>,
     /// Where block 0's tokens start in `tokens`: chosen so that every
     /// block's tokens start on a 64-byte boundary whenever a block's tokens
     /// fill whole cache lines (block size a multiple of 16), so caching a
@@ -138,14 +147,14 @@ impl PrefixCache {
         // most a quarter of the slots used, so sweeps are rare and probes short.
         let num_slots = (4 * num_blocks).next_power_of_two().max(8);
         const LINE: usize = 64 / std::mem::size_of::<u32>();
-        let tokens = vec![0; num_blocks * block_size + LINE];
-        // The allocation never moves (the vector never grows), so an offset
+        let tokens = Table::new(num_blocks * block_size + LINE, 0);
+        // The allocation never moves (the table never grows), so an offset
         // computed from its address once stays aligned.
         let misalignment = (tokens.as_ptr() as usize % 64) / std::mem::size_of::<u32>();
         let tokens_start = (LINE - misalignment) % LINE;
         PrefixCache {
             block_size,
-            slots: vec![EMPTY_SLOT; num_slots],
+            slots: Table::new(num_slots, EMPTY_SLOT),
             len: 0,
             overflow: Vec::new(),
             free_overflow: Vec::new(),
@@ -188,7 +197,7 @@ impl PrefixCache {
     pub fn insert(&mut self, blocks: &[Block], block: u32, hash: u64, tokens: &[u32]) {
         debug_assert_eq!(blocks[block as usize].cached_hash(), Some(hash));
         let range = self.tokens_of(block);
-        self.tokens[range].copy_from_slice(tokens);
+        copy_block(&mut self.tokens[range], tokens);
         let mut i = self.probe(hash);
         if self.slots[i].value == EMPTY && 2 * (self.len + 1) > self.slots.len() {
             self.sweep(blocks);
@@ -229,7 +238,7 @@ impl PrefixCache {
     pub fn get(&self, blocks: &[Block], hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
         let matches = |b: u32| {
             blocks[b as usize].is_cached_as(hash, parent)
-                && &self.tokens[self.tokens_of(b)] == tokens
+                && block_eq(&self.tokens[self.tokens_of(b)], tokens)
         };
         let v = self.slots[self.probe(hash)].value;
         if v == EMPTY {
@@ -250,7 +259,7 @@ impl PrefixCache {
         let live = |x: u32, hash: u64| blocks[x as usize].cached_hash() == Some(hash);
         let mut kept = std::mem::take(&mut self.sweep_scratch);
         kept.clear();
-        for &Slot { hash, mut value } in &self.slots {
+        for &Slot { hash, mut value } in self.slots.iter() {
             if value == EMPTY {
                 continue;
             }
@@ -283,6 +292,29 @@ impl PrefixCache {
             self.slots[i] = slot;
         }
         self.sweep_scratch = kept;
+    }
+}
+
+/// The usual block size: blocks of this many tokens are copied and compared
+/// as fixed-size arrays, which compile to a few vector instructions inline
+/// instead of a call to `memcpy` or `bcmp` per block.
+const USUAL_BLOCK_SIZE: usize = 16;
+
+#[inline]
+fn copy_block(dst: &mut [u32], src: &[u32]) {
+    if dst.len() == USUAL_BLOCK_SIZE && src.len() == USUAL_BLOCK_SIZE {
+        dst[..USUAL_BLOCK_SIZE].copy_from_slice(&src[..USUAL_BLOCK_SIZE]);
+    } else {
+        dst.copy_from_slice(src);
+    }
+}
+
+#[inline]
+fn block_eq(a: &[u32], b: &[u32]) -> bool {
+    if a.len() == USUAL_BLOCK_SIZE && b.len() == USUAL_BLOCK_SIZE {
+        a[..USUAL_BLOCK_SIZE] == b[..USUAL_BLOCK_SIZE]
+    } else {
+        a == b
     }
 }
 

@@ -9,7 +9,7 @@ impl Scheduler {
     /// S16: every live request is in exactly one place, and the block pool's
     /// accounting holds (free + referenced = pool, held blocks referenced).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.kv.pool.check_invariants()?;
+        self.kv.check_invariants()?;
         let mut place: HashMap<Handle, &'static str> = HashMap::new();
         let mut put = |h: Handle, where_: &'static str| match place.insert(h, where_) {
             Some(prev) => Err(format!("request handle {h} is both in {prev} and {where_}")),
@@ -43,6 +43,14 @@ impl Scheduler {
                 }
                 _ => unreachable!("live requests are not finished"),
             };
+            let num_tokens = self.requests[r.handle as usize].progress.num_tokens;
+            if num_tokens != r.num_tokens() {
+                return Err(format!(
+                    "request {:?} has {} tokens but its progress says {num_tokens}",
+                    r.request_id,
+                    r.num_tokens()
+                ));
+            }
             let actual = place.get(&r.handle).copied().unwrap_or("streaming");
             if actual != expected {
                 return Err(format!(

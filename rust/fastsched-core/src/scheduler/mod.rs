@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::kv::{BlockHasher, KvCacheManager, PrefixCacheStats};
 use crate::output::ScheduledKind;
 use crate::queue::{new_queue, QueueEntry, RequestQueue};
-use crate::request::{FinishReason, Handle, NewRequest, Request, RequestStatus};
+use crate::request::{FinishReason, Handle, NewRequest, Progress, Request, RequestStatus};
 use crate::telemetry::GateCounters;
 
 /// S13: what the engine is allowed to schedule.
@@ -71,19 +71,48 @@ struct Scheduled {
     samples: bool,
 }
 
-/// What `update_from_output` needs to remember of a step, one row per
-/// scheduled request (read together, so kept together).
+/// One handle's entry in the slab: the request's [`Progress`] beside the
+/// box holding the rest of it, 32 bytes. The running loop reads only the
+/// progress (half a cache line per request, never the request); the update
+/// loop finds it in the line it reads the box pointer from. The request is
+/// boxed: `Option<Request>` would keep its tag in a cold line of the request
+/// (its largest niche), costing a cache miss per lookup. `progress` means
+/// something only while `req` is `Some`.
+#[derive(Debug, Default)]
+struct Slot {
+    progress: Progress,
+    req: Option<Box<Request>>,
+}
+
+/// Released requests kept for reuse (see `Scheduler::spare_requests`): more
+/// than a step's worth of finishes at large batch sizes.
+const MAX_SPARE_REQUESTS: usize = 64;
+
+/// Requests per warm-up pass of the running and update loops (see
+/// `warm_rows`): enough for their cache misses to overlap, few enough that
+/// the lines they bring in are still in the first-level cache when the loop
+/// reaches them.
+const WARM_CHUNK: usize = 32;
+
+/// The part of a batch of `len` requests to warm when its loop reaches
+/// position `i`: the first two chunks at the start, then at the start of
+/// each chunk the one after it, so that its lines arrive while the loop
+/// works on the current chunk.
+fn warm_range(i: usize, len: usize) -> Option<std::ops::Range<usize>> {
+    if i % WARM_CHUNK != 0 {
+        return None;
+    }
+    let start = if i == 0 { 0 } else { i + WARM_CHUNK };
+    let end = len.min(i + 2 * WARM_CHUNK);
+    (start < end).then_some(start..end)
+}
+
+/// What `update_from_output` needs to remember of a step: its rows, as
+/// built (the buffer moves here rather than being copied).
 #[derive(Debug)]
 struct InFlightStep {
     step_id: u64,
-    rows: Vec<InFlightRow>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct InFlightRow {
-    handle: Handle,
-    num_spec: u32,
-    samples: bool,
+    rows: Vec<Scheduled>,
 }
 
 /// S12 bookkeeping.
@@ -105,10 +134,16 @@ pub struct Scheduler {
     cfg: SchedulerConfig,
     hasher: BlockHasher,
     kv: KvCacheManager,
-    /// Boxed: `Option<Request>` would keep its tag in a cold line of the
-    /// request (its largest niche), costing a cache miss per lookup.
-    requests: Vec<Option<Box<Request>>>,
+    /// The slab, by handle.
+    requests: Vec<Slot>,
     free_handles: Vec<Handle>,
+    /// Released requests whose boxes and arrays the next `add_request`s
+    /// refill (`Request::recycle`) rather than free and allocate again: a
+    /// step's finished requests are then released without a call to the
+    /// allocator. At most `MAX_SPARE_REQUESTS`. Boxed on purpose: the boxes
+    /// move between here and the slab as pointers and are reused too.
+    #[allow(clippy::vec_box)]
+    spare_requests: Vec<Box<Request>>,
     ids: HashMap<String, Handle>,
     waiting: Box<dyn RequestQueue>,
     /// Waiting requests that already hold KV blocks (remote loads, streaming
@@ -125,7 +160,7 @@ pub struct Scheduler {
     /// ever grow again), whose output the next update emits.
     pending_finished: Vec<(Handle, FinishReason)>,
     in_flight: VecDeque<InFlightStep>,
-    /// A consumed step's buffers, reused by the next one.
+    /// A consumed step's rows, reused by the next step.
     spare_step: Option<InFlightStep>,
     pause: PauseState,
     connector: Option<Box<dyn KvConnector>>,
@@ -135,11 +170,15 @@ pub struct Scheduler {
     num_preemptions_total: u64,
     gates: GateCounters,
     // Reused per-step buffers.
-    scheduled: Vec<Scheduled>,
     block_scratch: Vec<u32>,
+    /// Block ids the last step sent: how many to make room for in the next.
+    last_num_block_ids: usize,
     /// Running requests that stopped in this update; they leave `running`
     /// in one pass at its end.
     stopped: Vec<Handle>,
+    /// By handle: set for the handles in `stopped` during that pass (a byte
+    /// per handle: the pass tests each running request with one load).
+    stopped_flags: Vec<bool>,
     /// Running requests of this step with newly full blocks to cache, and
     /// up to which token (see `cache_pending_blocks`).
     pending_caching: Vec<(Handle, usize)>,
@@ -163,6 +202,7 @@ impl Scheduler {
             ),
             requests: Vec::new(),
             free_handles: Vec::new(),
+            spare_requests: Vec::new(),
             ids: HashMap::new(),
             waiting: new_queue(cfg.policy),
             kv_holding: new_queue(cfg.policy),
@@ -180,9 +220,10 @@ impl Scheduler {
             next_step_id: 0,
             num_preemptions_total: 0,
             gates: GateCounters::default(),
-            scheduled: Vec::new(),
             block_scratch: Vec::new(),
+            last_num_block_ids: 0,
             stopped: Vec::new(),
+            stopped_flags: Vec::new(),
             pending_caching: Vec::new(),
             cfg,
         })
@@ -223,11 +264,18 @@ impl Scheduler {
         let handle = match self.free_handles.pop() {
             Some(h) => h,
             None => {
-                self.requests.push(None);
+                self.requests.push(Slot::default());
                 (self.requests.len() - 1) as Handle
             }
         };
-        let mut req = Request::from_new(new, handle, &self.hasher);
+        let mut req = match self.spare_requests.pop() {
+            Some(mut req) => {
+                req.recycle(new, handle, &self.hasher);
+                req
+            }
+            None => Box::new(Request::from_new(new, handle, &self.hasher)),
+        };
+        self.requests[handle as usize].progress = Progress::new(req.num_tokens());
         // Room for every output (and its block hash) up front: appending a
         // token never reallocates.
         let room = req
@@ -248,7 +296,7 @@ impl Scheduler {
         } else {
             self.waiting.push(QueueEntry::of(&req));
         }
-        self.requests[handle as usize] = Some(Box::new(req));
+        self.requests[handle as usize].req = Some(req);
         Ok(handle)
     }
 
@@ -282,15 +330,21 @@ impl Scheduler {
     }
 
     pub fn request(&self, handle: Handle) -> Option<&Request> {
-        self.requests.get(handle as usize)?.as_deref()
+        self.requests.get(handle as usize)?.req.as_deref()
     }
 
     fn req(&self, h: Handle) -> &Request {
-        self.requests[h as usize].as_ref().expect("live handle")
+        self.requests[h as usize].req.as_ref().expect("live handle")
     }
 
     fn req_mut(&mut self, h: Handle) -> &mut Request {
-        self.requests[h as usize].as_mut().expect("live handle")
+        self.requests[h as usize].req.as_mut().expect("live handle")
+    }
+
+    /// How far a request has got (see [`Progress`]).
+    pub fn progress(&self, handle: Handle) -> Option<&Progress> {
+        let slot = self.requests.get(handle as usize)?;
+        slot.req.as_ref().map(|_| &slot.progress)
     }
 
     pub fn ignore_reason(&self, handle: Handle) -> Option<&str> {
@@ -329,10 +383,14 @@ impl Scheduler {
     /// Ends a request: frees its blocks now and reports it to the runner at
     /// the next `schedule()`.
     fn finish(&mut self, h: Handle, status: RequestStatus) {
-        let req = self.requests[h as usize].as_mut().expect("live handle");
+        let req = self.requests[h as usize].req.as_mut().expect("live handle");
         req.status = status;
-        if self.ids.get(&req.request_id) == Some(&h) {
-            self.ids.remove(&req.request_id);
+        // One hash of the id, not two: it maps to another handle only if a
+        // request with the same id was added after this one left `ids`.
+        if let Some((id, other)) = self.ids.remove_entry(&req.request_id) {
+            if other != h {
+                self.ids.insert(id, other);
+            }
         }
         self.kv.free(h);
         if let Some(c) = self.connector.as_mut() {
@@ -401,7 +459,7 @@ impl Scheduler {
     pub fn live_requests(&self) -> impl Iterator<Item = &Request> {
         self.requests
             .iter()
-            .flatten()
+            .filter_map(|slot| slot.req.as_ref())
             .map(|r| &**r)
             .filter(|r| !r.is_finished())
     }

@@ -1,9 +1,9 @@
 //! `schedule()`: one step's orchestration (S1 budgets, S9 cap, S12
 //! interval), the output arrays, and the in-flight record.
 
-use super::{InFlightRow, InFlightStep, PauseState, Scheduled, Scheduler};
+use super::{InFlightStep, PauseState, Scheduled, Scheduler, MAX_SPARE_REQUESTS};
 use crate::output::SchedulerOutput;
-use crate::request::Request;
+use crate::request::Progress;
 use crate::telemetry::ScanStop;
 
 impl Scheduler {
@@ -29,16 +29,23 @@ impl Scheduler {
         k > 1
             && !self.interval.capacity_bound
             && (self.interval.executed + 1) - self.interval.last_prefill < k
-            && self.running.iter().any(|&h| !self.req(h).is_prefill_chunk)
+            && self
+                .running
+                .iter()
+                .any(|&h| !self.requests[h as usize].progress.is_prefill_chunk)
     }
 
     pub fn schedule(&mut self) -> SchedulerOutput {
         let oldest_in_flight = self.in_flight.front().map_or(u64::MAX, |s| s.step_id);
         let (requests, free_handles) = (&mut self.requests, &mut self.free_handles);
+        let spares = &mut self.spare_requests;
         self.to_release.retain(|&(step, h)| {
             let done = step < oldest_in_flight;
             if done {
-                requests[h as usize] = None;
+                let req = requests[h as usize].req.take();
+                if spares.len() < MAX_SPARE_REQUESTS {
+                    spares.extend(req);
+                }
                 free_handles.push(h);
             }
             !done
@@ -48,6 +55,9 @@ impl Scheduler {
         }
         let mut out = SchedulerOutput {
             step_id: self.next_step_id,
+            // Sized like the last step's, which a step's usually resembles:
+            // growing it block by block would reallocate it several times.
+            block_ids: Vec::with_capacity(self.last_num_block_ids),
             ..Default::default()
         };
         self.next_step_id += 1;
@@ -63,7 +73,7 @@ impl Scheduler {
         let mut input_budget = self.cfg.max_num_batched_tokens;
         let threshold = self.effective_long_prefill_threshold();
         let defer = self.prefill_deferred();
-        let mut scheduled = std::mem::take(&mut self.scheduled);
+        let mut scheduled = self.spare_step.take().map_or_else(Vec::new, |s| s.rows);
         scheduled.clear();
 
         // S2/S3: running requests first.
@@ -100,14 +110,14 @@ impl Scheduler {
         };
         self.gates.record_stop(stop);
 
-        self.finish_step(&mut out, &scheduled);
-        self.scheduled = scheduled;
+        self.last_num_block_ids = out.block_ids.len();
+        self.finish_step(&mut out, scheduled);
         out
     }
 
     /// Fills the output arrays from the step's rows, does the S12
-    /// bookkeeping, and records the step for `update_from_output`.
-    fn finish_step(&mut self, out: &mut SchedulerOutput, scheduled: &[Scheduled]) {
+    /// bookkeeping, and records the step (its rows) for `update_from_output`.
+    fn finish_step(&mut self, out: &mut SchedulerOutput, scheduled: Vec<Scheduled>) {
         // One tight pass per column: cheaper than pushing to seven vectors
         // per row.
         out.req_handles = scheduled.iter().map(|s| s.handle).collect();
@@ -135,18 +145,10 @@ impl Scheduler {
                 self.interval.last_prefill = self.interval.executed;
             }
         }
-        let mut in_flight = self.spare_step.take().unwrap_or(InFlightStep {
-            step_id: 0,
-            rows: Vec::new(),
+        self.in_flight.push_back(InFlightStep {
+            step_id: out.step_id,
+            rows: scheduled,
         });
-        in_flight.step_id = out.step_id;
-        in_flight.rows.clear();
-        in_flight.rows.extend(scheduled.iter().map(|s| InFlightRow {
-            handle: s.handle,
-            num_spec: s.num_spec,
-            samples: s.samples,
-        }));
-        self.in_flight.push_back(in_flight);
     }
 }
 
@@ -155,12 +157,12 @@ impl Scheduler {
 /// completes samples a token (under async scheduling, a placeholder for it).
 /// `Scheduler::unschedule` undoes it.
 #[inline]
-pub(super) fn advance(req: &mut Request, mut row: Scheduled, async_scheduling: bool) -> Scheduled {
-    req.num_computed_tokens += row.num_tokens as usize;
-    req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens() + req.num_output_placeholders;
-    row.samples = !req.is_prefill_chunk;
+pub(super) fn advance(p: &mut Progress, mut row: Scheduled, async_scheduling: bool) -> Scheduled {
+    p.num_computed_tokens += row.num_tokens as usize;
+    p.is_prefill_chunk = p.num_computed_tokens < p.num_tokens + p.num_output_placeholders as usize;
+    row.samples = !p.is_prefill_chunk;
     if async_scheduling && row.samples {
-        req.num_output_placeholders += 1;
+        p.num_output_placeholders += 1;
     }
     row
 }

@@ -47,8 +47,10 @@ impl Scheduler {
     /// Moves a session with new input back to waiting; it keeps its blocks.
     fn resume_session(&mut self, h: Handle, input: StreamInput) {
         let hasher = self.hasher.clone();
-        let req = self.req_mut(h);
+        let slot = &mut self.requests[h as usize];
+        let req = slot.req.as_deref_mut().expect("live handle");
         req.append_stream_input(input, &hasher);
+        slot.progress.num_tokens = req.num_tokens();
         req.status = RequestStatus::Waiting;
         let entry = QueueEntry::of(req);
         self.kv_holding.push(entry);

@@ -57,7 +57,7 @@ fn outputs_for(s: &Scheduler, out: &SchedulerOutput) -> ModelRunnerOutput {
     let tokens: Vec<Option<u32>> = out
         .req_handles
         .iter()
-        .map(|&h| (!s.req(h).is_prefill_chunk).then_some(7))
+        .map(|&h| (!s.requests[h as usize].progress.is_prefill_chunk).then_some(7))
         .collect();
     ModelRunnerOutput::from_tokens(&tokens)
 }
@@ -213,7 +213,7 @@ fn s4_preempted_request_restarts_at_the_head_of_waiting_keeping_its_outputs() {
     let victim = out.preempted[0];
     let r = s.request(victim).unwrap();
     assert_eq!(r.status, RequestStatus::Preempted);
-    assert_eq!(r.num_computed_tokens, 0);
+    assert_eq!(s.progress(victim).unwrap().num_computed_tokens, 0);
     assert_eq!(r.num_output_tokens, 2, "outputs survive preemption");
     assert_eq!(r.num_preemptions, 1);
     assert!(s.blocks_of(victim).is_empty());
@@ -373,7 +373,7 @@ fn s7_stale_outputs_in_flight_defer_a_preempted_request() {
     s.update_from_output(&outputs_for(&s, &o0)).unwrap();
     let o2 = s.schedule(); // r0 needs a third block: r1 preempted, its step-1 token in flight
     assert_eq!(o2.preempted, vec![r1]);
-    assert_eq!(s.request(r1).unwrap().num_output_placeholders, 1);
+    assert_eq!(s.progress(r1).unwrap().num_output_placeholders, 1);
     s.update_from_output(&ModelRunnerOutput::from_tokens(&[Some(7), Some(7)]))
         .unwrap(); // step 1's tokens arrive
     assert_eq!(
@@ -878,7 +878,11 @@ fn s17_speculative_tokens_are_scheduled_and_rejected_ones_rolled_back() {
     assert_eq!(res.token_ids, vec![40, 50]);
     let r = s.request(h).unwrap();
     assert_eq!(r.num_tokens(), 8);
-    assert_eq!(r.num_computed_tokens, 7, "one rejected draft rolled back");
+    assert_eq!(
+        s.progress(h).unwrap().num_computed_tokens,
+        7,
+        "one rejected draft rolled back"
+    );
 }
 
 #[test]
@@ -1175,7 +1179,7 @@ fn full_active_set_with_a_held_chunk(f: impl FnOnce(&mut SchedulerConfig)) -> Sc
         r.arrival_time = 1.0;
     });
     let long = s.handle_of("long").unwrap();
-    while !(s.running().contains(&long) && s.req(long).is_prefill_chunk) {
+    while !(s.running().contains(&long) && s.requests[long as usize].progress.is_prefill_chunk) {
         step(&mut s);
     }
     s
@@ -1282,5 +1286,80 @@ fn priority_preemption_displaces_a_decoding_low_priority_request_in_the_same_ste
     assert_eq!(
         s.request(s.handle_of("low").unwrap()).unwrap().status,
         RequestStatus::Preempted
+    );
+}
+
+#[test]
+fn a_slab_entry_is_half_a_cache_line() {
+    assert_eq!(std::mem::size_of::<Slot>(), 32);
+}
+
+#[test]
+fn s16_progress_follows_tokens_appended_by_outputs_and_streamed_input() {
+    let mut s = sched(64);
+    let h = add(&mut s, "a", 5, 10);
+    step(&mut s);
+    step(&mut s);
+    assert_eq!(s.progress(h).unwrap().num_tokens, 7);
+    assert_eq!(s.request(h).unwrap().num_tokens(), 7);
+    s.check_invariants().unwrap();
+    let h2 = add_with(&mut s, "b", 3, 1, |r| r.streaming = true);
+    step(&mut s); // b's one-token segment ends
+    s.add_stream_input(
+        "b",
+        StreamInput {
+            token_ids: vec![9, 9],
+            max_tokens: 1,
+            is_last: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(s.progress(h2).unwrap().num_tokens, 6);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn s17_update_from_tokens_matches_update_from_output_and_its_errors() {
+    let mut a = sched(64);
+    let mut b = sched(64);
+    for s in [&mut a, &mut b] {
+        add(s, "long", 70, 3);
+        add(s, "short", 5, 3);
+    }
+    for _ in 0..6 {
+        let (oa, ob) = (a.schedule(), b.schedule());
+        assert_eq!(oa.req_handles, ob.req_handles);
+        let tokens: Vec<Option<u32>> = oa
+            .req_handles
+            .iter()
+            .map(|&h| (!a.requests[h as usize].progress.is_prefill_chunk).then_some(7))
+            .collect();
+        let ra = a
+            .update_from_output(&ModelRunnerOutput::from_tokens(&tokens))
+            .unwrap();
+        let rb = b.update_from_tokens(&tokens).unwrap();
+        assert_eq!(
+            (
+                ra.handles,
+                ra.token_offsets,
+                ra.token_ids,
+                ra.finish_reasons
+            ),
+            (
+                rb.handles,
+                rb.token_offsets,
+                rb.token_ids,
+                rb.finish_reasons
+            )
+        );
+    }
+    let e = b.update_from_tokens(&[Some(7)]).unwrap_err().to_string();
+    assert!(e.contains("no scheduled step in flight"), "{e}");
+    add(&mut b, "next", 5, 3);
+    b.schedule();
+    let e = b.update_from_tokens(&[]).unwrap_err().to_string();
+    assert!(
+        e.contains("scheduled 1 requests but sampled_offsets has 1 entries (expected 2)"),
+        "{e}"
     );
 }

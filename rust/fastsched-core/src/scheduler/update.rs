@@ -1,9 +1,10 @@
-//! `update_from_output()` (S17): sampled tokens, drafts, stop conditions.
+//! `update_from_output()` and `update_from_tokens()` (S17): sampled tokens,
+//! drafts, stop conditions.
 
-use super::{InFlightRow, Scheduler};
+use super::{warm_range, Scheduled, Scheduler, Slot};
 use crate::error::{Error, Result};
 use crate::output::{EngineCoreOutputs, ModelRunnerOutput};
-use crate::request::{Handle, Request, RequestStatus};
+use crate::request::{Handle, RequestStatus};
 
 impl Scheduler {
     // ----------------------------------------------------------------- outputs
@@ -11,20 +12,7 @@ impl Scheduler {
     /// S17: appends sampled tokens to the requests of the oldest step in
     /// flight, applies stop conditions, frees finished requests at once.
     pub fn update_from_output(&mut self, mro: &ModelRunnerOutput) -> Result<EngineCoreOutputs> {
-        let step = self.in_flight.front().ok_or_else(|| {
-            Error::OutputMismatch(
-                "update_from_output called with no scheduled step in flight".into(),
-            )
-        })?;
-        let n = step.rows.len();
-        if mro.sampled_offsets.len() != n + 1 {
-            return Err(Error::OutputMismatch(format!(
-                "step {} scheduled {n} requests but sampled_offsets has {} entries (expected {})",
-                step.step_id,
-                mro.sampled_offsets.len(),
-                n + 1
-            )));
-        }
+        let n = self.check_rows(mro.sampled_offsets.len())?;
         check_csr("sampled", &mro.sampled_offsets, mro.sampled_token_ids.len())?;
         let has_drafts = !mro.draft_offsets.is_empty();
         if has_drafts {
@@ -37,76 +25,136 @@ impl Scheduler {
             }
             check_csr("draft", &mro.draft_offsets, mro.draft_token_ids.len())?;
         }
-        let step = self.in_flight.pop_front().expect("checked above");
+        let offsets = &mro.sampled_offsets;
+        let sampled =
+            |j: usize| &mro.sampled_token_ids[offsets[j] as usize..offsets[j + 1] as usize];
+        let drafts = has_drafts.then_some(mro);
+        Ok(self.apply_outputs(sampled, mro.sampled_token_ids.len(), drafts))
+    }
+
+    /// [`Self::update_from_output`] for the common case of at most one
+    /// sampled token per scheduled request and no drafts, given as one
+    /// `Option` per row (`None`: a partial prefill). Errors as
+    /// `update_from_output` with the equivalent offsets would; it only skips
+    /// building and checking them.
+    pub fn update_from_tokens(&mut self, tokens: &[Option<u32>]) -> Result<EngineCoreOutputs> {
+        self.check_rows(tokens.len() + 1)?;
+        let sampled = |j: usize| tokens[j].as_slice();
+        Ok(self.apply_outputs(sampled, tokens.len(), None))
+    }
+
+    /// The number of rows of the oldest step in flight, which
+    /// `num_offsets - 1` rows of sampled tokens must match.
+    fn check_rows(&self, num_offsets: usize) -> Result<usize> {
+        let step = self.in_flight.front().ok_or_else(|| {
+            Error::OutputMismatch(
+                "update_from_output called with no scheduled step in flight".into(),
+            )
+        })?;
+        let n = step.rows.len();
+        if num_offsets != n + 1 {
+            return Err(Error::OutputMismatch(format!(
+                "step {} scheduled {n} requests but sampled_offsets has {num_offsets} entries (expected {})",
+                step.step_id,
+                n + 1
+            )));
+        }
+        Ok(n)
+    }
+
+    /// S17 for the oldest step in flight (checked by the caller): row `j`
+    /// sampled `sampled(j)` (at most `max_tokens` in all) and, when
+    /// `drafts` is given, proposed its CSR row of draft tokens.
+    fn apply_outputs<'a>(
+        &mut self,
+        sampled: impl Fn(usize) -> &'a [u32],
+        max_tokens: usize,
+        drafts: Option<&ModelRunnerOutput>,
+    ) -> EngineCoreOutputs {
+        let step = self.in_flight.pop_front().expect("checked by the caller");
+        let n = step.rows.len();
+        let num_pending = self.pending_finished.len();
         let mut outs = EngineCoreOutputs {
-            handles: Vec::with_capacity(n),
-            token_offsets: Vec::with_capacity(n + 1),
-            token_ids: Vec::with_capacity(mro.sampled_token_ids.len()),
-            finish_reasons: Vec::with_capacity(n),
-            segment_ended: Vec::with_capacity(n),
-            num_cached_tokens: Vec::with_capacity(n),
+            handles: Vec::with_capacity(n + num_pending),
+            token_offsets: Vec::with_capacity(n + num_pending + 1),
+            token_ids: Vec::with_capacity(max_tokens),
+            // Filled at the end from `ended`: most rows neither finish nor
+            // end a segment.
+            finish_reasons: Vec::new(),
+            segment_ended: Vec::new(),
+            num_cached_tokens: Vec::with_capacity(n + num_pending),
         };
         outs.token_offsets.push(0);
         self.stopped.clear();
-        warm_rows(&self.requests, &step.rows);
+        // (output row, finish reason, segment ended) of the rows that stopped.
+        let mut ended: Vec<(usize, u8, bool)> = Vec::new();
+        let spec_decoding = self.cfg.num_speculative_tokens > 0;
         let hasher = self.hasher.clone();
         let max_model_len = self.cfg.max_model_len;
         for (j, row) in step.rows.iter().enumerate() {
+            if let Some(ahead) = warm_range(j, n) {
+                warm_rows(&self.requests, &step.rows[ahead]);
+            }
             let h = row.handle;
-            let Some(req) = self.requests[h as usize].as_deref_mut() else {
+            let slot = &mut self.requests[h as usize];
+            let Some(req) = slot.req.as_deref_mut() else {
                 continue;
             };
             if req.is_finished() {
                 continue; // aborted while the step was in flight
             }
-            if row.samples && req.num_output_placeholders > 0 {
-                req.num_output_placeholders -= 1;
+            let p = &mut slot.progress;
+            if row.samples && p.num_output_placeholders > 0 {
+                p.num_output_placeholders -= 1;
             }
-            let sampled = &mro.sampled_token_ids
-                [mro.sampled_offsets[j] as usize..mro.sampled_offsets[j + 1] as usize];
+            let sampled = sampled(j);
             let num_spec = row.num_spec as usize;
-            if num_spec > 0 && req.num_computed_tokens > 0 && !sampled.is_empty() {
+            if num_spec > 0 && p.num_computed_tokens > 0 && !sampled.is_empty() {
                 let accepted = sampled.len() - 1;
-                req.num_computed_tokens -= num_spec.saturating_sub(accepted);
+                p.num_computed_tokens -= num_spec.saturating_sub(accepted);
             }
             let mut stop = None;
-            let tokens_before = outs.token_ids.len();
             for &t in sampled {
                 req.append_output_token(t, &hasher);
+                p.num_tokens += 1;
                 outs.token_ids.push(t);
                 stop = req.check_stop_after(t, max_model_len);
                 if stop.is_some() {
                     break;
                 }
             }
-            if !has_drafts {
+            match drafts {
                 // Written only when there is something to clear: most steps
-                // carry no drafts and leave the line clean.
-                if !req.spec_token_ids.is_empty() {
-                    req.spec_token_ids.clear();
+                // carry no drafts and leave the line clean. Without
+                // speculative decoding there never are any.
+                None => {
+                    if spec_decoding && !req.spec_token_ids.is_empty() {
+                        req.spec_token_ids.clear();
+                    }
                 }
-            } else if stop.is_none() {
-                let drafts = &mro.draft_token_ids
-                    [mro.draft_offsets[j] as usize..mro.draft_offsets[j + 1] as usize];
-                let room = max_model_len.saturating_sub(req.num_tokens() + 1);
-                req.spec_token_ids.clear();
-                req.spec_token_ids.extend_from_slice(
-                    &drafts[..drafts.len().min(self.cfg.num_speculative_tokens).min(room)],
-                );
+                Some(mro) if stop.is_none() => {
+                    let drafts = &mro.draft_token_ids
+                        [mro.draft_offsets[j] as usize..mro.draft_offsets[j + 1] as usize];
+                    let room = max_model_len.saturating_sub(req.num_tokens() + 1);
+                    req.spec_token_ids.clear();
+                    req.spec_token_ids.extend_from_slice(
+                        &drafts[..drafts.len().min(self.cfg.num_speculative_tokens).min(room)],
+                    );
+                }
+                Some(_) => {}
             }
-            if outs.token_ids.len() == tokens_before && stop.is_none() {
-                continue;
+            if sampled.is_empty() {
+                continue; // no token, so no stop either: nothing to report
             }
             outs.handles.push(h);
             outs.token_offsets.push(outs.token_ids.len() as u32);
-            let prefill_done = !req.is_prefill_chunk;
+            let prefill_done = !p.is_prefill_chunk;
             outs.num_cached_tokens.push(match req.num_cached_tokens {
                 Some(c) if prefill_done => c as i64,
                 _ => -1,
             });
-            let mut reason = 0;
-            let mut segment_ended = false;
             if let Some(mut status) = stop {
+                let row = outs.handles.len() - 1;
                 // S15: a session whose next input cannot fit ends here.
                 let next_input = req
                     .pending_stream_inputs
@@ -117,22 +165,33 @@ impl Scheduler {
                     status = RequestStatus::FinishedLengthCapped;
                 }
                 if !req.streaming || overflow {
-                    reason = status.finish_reason().map_or(0, |r| r as u8);
+                    let reason = status.finish_reason().map_or(0, |r| r as u8);
+                    ended.push((row, reason, false));
                     self.finish_from_output(h, status);
                 } else {
-                    segment_ended = true;
+                    ended.push((row, 0, true));
                     self.end_segment(h);
                 }
             }
-            outs.finish_reasons.push(reason);
-            outs.segment_ended.push(segment_ended);
+        }
+        outs.finish_reasons = vec![0; outs.handles.len()];
+        outs.segment_ended = vec![false; outs.handles.len()];
+        for (row, reason, segment_ended) in ended {
+            outs.finish_reasons[row] = reason;
+            outs.segment_ended[row] = segment_ended;
         }
         if !self.stopped.is_empty() {
-            // A few stops among many running requests: search the short,
-            // sorted list rather than re-read every running request.
-            self.stopped.sort_unstable();
-            let stopped = &self.stopped;
-            self.running.retain(|h| stopped.binary_search(h).is_err());
+            // A few stops among many running requests: flag them rather than
+            // re-read every running request (or search the list per request).
+            let flags = &mut self.stopped_flags;
+            flags.resize(self.requests.len(), false);
+            for &h in &self.stopped {
+                flags[h as usize] = true;
+            }
+            self.running.retain(|&h| !flags[h as usize]);
+            for &h in &self.stopped {
+                flags[h as usize] = false;
+            }
         }
         self.spare_step = Some(step);
         for (h, reason) in std::mem::take(&mut self.pending_finished) {
@@ -142,7 +201,7 @@ impl Scheduler {
             outs.finish_reasons.push(reason as u8);
             outs.segment_ended.push(false);
         }
-        Ok(outs)
+        outs
     }
 
     /// A request stopped by the model: off `running` (or its queue, when it
@@ -160,15 +219,17 @@ impl Scheduler {
     }
 }
 
-/// Reads the lines `update_from_output` writes for each row (the request's
-/// two hot lines and the end of its tokens) in a loop short enough for the
-/// CPU to have many of those cache misses in flight at once; the update loop,
-/// whose stores would otherwise wait on them one row at a time, then finds
-/// them in cache. Only a performance hint.
-fn warm_rows(requests: &[Option<Box<Request>>], rows: &[InFlightRow]) {
+/// Reads the lines `update_from_output` writes for each row (its slab entry,
+/// the request's two hot lines and the end of its tokens) in a loop short
+/// enough for the CPU to have many of those cache misses in flight at once;
+/// the update loop, whose loads and stores would otherwise wait on them one
+/// row at a time, then finds them in cache. Called a chunk of rows ahead of
+/// the loop (`warm_range`), so that they are still in the first-level cache
+/// when it reaches them. Only a performance hint.
+fn warm_rows(requests: &[Slot], rows: &[Scheduled]) {
     let mut sink = 0u64;
     for row in rows {
-        if let Some(r) = requests[row.handle as usize].as_deref() {
+        if let Some(r) = requests[row.handle as usize].req.as_deref() {
             let last = r.token_ids.last().copied().unwrap_or(0);
             sink ^= u64::from(last) ^ r.spec_token_ids.len() as u64;
         }

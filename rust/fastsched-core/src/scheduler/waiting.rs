@@ -90,8 +90,10 @@ impl Scheduler {
                 }
                 self.finish_remote_load(h);
             }
-            let req = self.requests[h as usize].as_ref().expect("live handle");
-            if req.num_output_placeholders > 0 {
+            let slot = &self.requests[h as usize];
+            let req = slot.req.as_deref().expect("live handle");
+            let num_computed_before = slot.progress.num_computed_tokens;
+            if slot.progress.num_output_placeholders > 0 {
                 self.defer_head(which, h, SkipReason::StaleOutput, &mut deferred);
                 continue;
             }
@@ -118,8 +120,8 @@ impl Scheduler {
             let mut hit = CacheHit::default();
             let mut num_external = 0;
             let mut load_async = false;
-            if req.num_computed_tokens == 0 {
-                let req = self.requests[h as usize].as_ref().expect("live handle");
+            if num_computed_before == 0 {
+                let req = self.requests[h as usize].req.as_ref().expect("live handle");
                 hit = self.kv.get_computed_blocks(req);
                 if let Some(c) = self.connector.as_mut() {
                     (num_external, load_async) = c.get_num_new_matched_tokens(req, hit.num_tokens);
@@ -128,8 +130,8 @@ impl Scheduler {
                     load_async &= num_external > 0;
                 }
             }
-            let req = self.requests[h as usize].as_ref().expect("live handle");
-            let num_computed = req.num_computed_tokens + hit.num_tokens + num_external;
+            let req = self.requests[h as usize].req.as_ref().expect("live handle");
+            let num_computed = num_computed_before + hit.num_tokens + num_external;
             let is_prefill_work = num_computed + 1 < req.num_tokens();
             if defer && is_prefill_work {
                 break ScanStop::PrefillInterval;
@@ -151,6 +153,7 @@ impl Scheduler {
                 n = n.min(cap);
             }
             let alloc = AllocRequest {
+                num_computed_tokens: num_computed_before,
                 num_new_tokens: n + num_external,
                 num_lookahead_tokens: self.cfg.num_speculative_tokens,
                 full_sequence_must_fit: self.cfg.scheduler_reserve_full_isl,
@@ -214,7 +217,6 @@ impl Scheduler {
                 _ => ScheduledKind::New,
             };
             req.status = RequestStatus::Running;
-            req.num_computed_tokens = num_computed;
             req.first_scheduled = true;
             if req.num_cached_tokens.is_none() {
                 req.num_cached_tokens = Some(num_computed);
@@ -235,7 +237,9 @@ impl Scheduler {
                 carries_prefill: is_prefill_work,
                 samples: false,
             };
-            scheduled.push(advance(req, row, async_scheduling));
+            let p = &mut self.requests[h as usize].progress;
+            p.num_computed_tokens = num_computed;
+            scheduled.push(advance(p, row, async_scheduling));
             *token_budget -= n;
             *input_budget -= n;
         };
@@ -292,7 +296,10 @@ impl Scheduler {
         if hr.priority >= vr.priority
             || vr.num_preemptions >= self.cfg.max_preemptions_per_request
             || remote_pending
-            || hr.num_output_placeholders > 0
+            || self.requests[head as usize]
+                .progress
+                .num_output_placeholders
+                > 0
             || !row_is_running
         {
             return false;
@@ -319,9 +326,9 @@ impl Scheduler {
         if let Some(c) = self.connector.as_mut() {
             c.request_finished(h);
         }
+        self.requests[h as usize].progress.num_computed_tokens = 0;
         let req = self.req_mut(h);
         req.status = RequestStatus::Preempted;
-        req.num_computed_tokens = 0;
         req.num_preemptions += 1;
         let entry = QueueEntry::of(req);
         self.waiting.prepend(entry);
@@ -346,9 +353,10 @@ impl Scheduler {
     /// A remote load completed: the hit and the loaded tokens count as
     /// computed (never the last token, which must produce logits).
     fn finish_remote_load(&mut self, h: Handle) {
-        let req = self.requests[h as usize].as_mut().expect("live handle");
+        let slot = &mut self.requests[h as usize];
+        let req = slot.req.as_deref_mut().expect("live handle");
         let computed = req.num_loaded_tokens.min(req.num_tokens() - 1);
-        req.num_computed_tokens = computed;
+        slot.progress.num_computed_tokens = computed;
         req.status = if req.num_preemptions > 0 {
             RequestStatus::Preempted
         } else {
