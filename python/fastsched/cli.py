@@ -162,20 +162,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds allowed for the engines (model load) and frontends to start")
     a = parser.add_argument_group("admission control (DESIGN §6)")
-    a.add_argument("--max-num-queued-reqs", type=int, default=None,
-                   help="A2: reject (503) a request when the requests in flight over all frontends would exceed "
-                        "this (default: no limit)")
-    a.add_argument("--max-num-queued-tokens", type=int, default=None,
-                   help="A3: reject (503) a request when the prompt tokens still in prefill reach this "
-                        "(default: no limit)")
-    a.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS",
-                   help="TTFT target: reject (503, reason ttft_slo) a request when the prompt tokens in prefill, "
-                        "its own included, exceed SECONDS x the prefill throughput the engines measure while "
-                        "requests wait (until measured: two scheduler steps' worth per engine). "
-                        "The limit is the metric fastsched:admission_queued_tokens_limit (default: off)")
+    add_admission_limit_args(a)
     a.add_argument("--enable-fault-tolerance", action="store_true",
                    help="A1: keep serving when an engine dies, answering 503 engine_faulted and /health 503 "
                         "(default: the whole server exits)")
+
+
+def add_admission_limit_args(group: argparse._ArgumentGroup) -> None:
+    """The admission limits, shared by ``serve`` and ``simulate`` (which applies them as one frontend)."""
+    group.add_argument("--max-num-queued-reqs", type=int, default=None,
+                       help="A2: reject (503) a request when the requests in flight over all frontends would "
+                            "exceed this (default: no limit)")
+    group.add_argument("--max-num-queued-tokens", type=int, default=None,
+                       help="A3: reject (503) a request when the prompt tokens still in prefill reach this "
+                            "(default: no limit)")
+    group.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS",
+                       help="TTFT target: reject (503, reason ttft_slo) a request when the prompt tokens in "
+                            "prefill, its own included, exceed SECONDS x the prefill throughput the engines measure "
+                            "while requests wait (until measured: two scheduler steps' worth per engine). "
+                            "The limit is the metric fastsched:admission_queued_tokens_limit (default: off)")
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Add the ``simulate`` subcommand to ``subparsers`` (with ``func=run_simulate``) and return it."""
-    from fastsched.cli import add_engine_args
+    from fastsched.cli import add_admission_limit_args, add_engine_args
 
     p = subparsers.add_parser(
         "simulate", help="replay a request trace through the real scheduler with a step-cost model (no model run)",
@@ -45,7 +45,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     # the engine's so that this --seed and --step-trace replace the engine's.
     trace = p.add_argument_group("requests (a --trace file, or bench serve's generator)")
     cost = p.add_argument_group("step cost (one of)")
-    adm = p.add_argument_group("admission control, as `fastsched serve` (one frontend)")
+    adm = p.add_argument_group(
+        "admission control, as `fastsched serve` (one frontend; --ttft-slo measures the modelled steps, "
+        "and the limit at each run's end is in the engine table)")
     out = p.add_argument_group("output")
     add_engine_args(p)
     trace.add_argument("--trace", default=None, metavar="FILE",
@@ -68,17 +70,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                       help="JSON with a, b, c in seconds, as `fastsched bench fit-step-cost --out` writes")
     cost.add_argument("--step-cost", type=float, nargs=3, default=None, metavar=("A", "B", "C"),
                       help="the coefficients given directly: seconds per step, per batched token, per running request")
-    adm.add_argument("--max-num-queued-reqs", type=int, default=None,
-                     help="A2: reject (503) a request when the requests in flight would exceed this "
-                          "(default: no limit)")
-    adm.add_argument("--max-num-queued-tokens", type=int, default=None,
-                     help="A3: reject (503) a request when the prompt tokens still in prefill reach this "
-                          "(default: no limit)")
-    adm.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS",
-                     help="TTFT target: reject (503, reason ttft_slo) a request when the prompt tokens in prefill, "
-                          "its own included, exceed SECONDS x the prefill throughput the engine measures while "
-                          "requests wait (until measured: two scheduler steps' worth), its steps timed by the step-cost "
-                          "model. The limit at each run's end is in the engine table (default: off)")
+    add_admission_limit_args(adm)
     adm.add_argument("--frontend-latency", type=float, default=0.0, metavar="SECONDS",
                      help="constant added to every answer's TTFT and E2E: the HTTP/gRPC/ZMQ path that engine steps "
                           "do not include; measure it as bench serve's p50 TTFT at a load where requests do not "
