@@ -203,8 +203,7 @@ class EngineCore:
         eco = self.scheduler.update_from_tokens(result.tokens)
         outputs = self._collect(eco, result, handles)
         self.stats.on_step(outputs, self.scheduler.stats)
-        prefill, partial = prefill_tokens(so.num_scheduled_tokens.tolist(), so.num_computed_tokens.tolist(),
-                                          prompt_lens)
+        prefill, partial = prefill_tokens(so.num_scheduled_tokens, so.num_computed_tokens, prompt_lens)
         self.prefill_meter.observe(prefill, time.perf_counter() - started, backlogged or partial)
         if self.step_tracer is not None:
             self._trace_step(self.step_tracer, so, prompt_lens, now)

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+from numpy.typing import ArrayLike
+
 DEFAULT_WINDOW_S = 5.0  # backlogged step time the estimate is taken over
 MIN_DATA_S = 0.2  # backlogged step time before an estimate is given at all
 MIN_DATA_STEPS = 4
@@ -58,12 +61,13 @@ class PrefillThroughputMeter:
         return self._tokens / self._duration
 
 
-def prefill_tokens(num_scheduled: list[int], num_computed: list[int], prompt_lens: list[int]) -> tuple[int, bool]:
+def prefill_tokens(num_scheduled: ArrayLike, num_computed: ArrayLike, prompt_lens: ArrayLike) -> tuple[int, bool]:
     """Prompt tokens among a step's scheduled tokens (recomputed outputs of a preempted
     request are not prompt: they never were in the admission backlog), and whether a
-    scheduled prompt is left unfinished (a chunked prefill: backlog the step could not take)."""
-    tokens, partial = 0, False
-    for scheduled, computed, prompt in zip(num_scheduled, num_computed, prompt_lens):
-        tokens += max(0, min(scheduled, prompt - computed))
-        partial = partial or computed + scheduled < prompt
-    return tokens, partial
+    scheduled prompt is left unfinished (a chunked prefill: backlog the step could not take).
+    Vectorised: it runs on every engine step, over every scheduled row."""
+    scheduled = np.asarray(num_scheduled, dtype=np.int64)
+    computed = np.asarray(num_computed, dtype=np.int64)
+    prompt = np.asarray(prompt_lens, dtype=np.int64)
+    tokens = int(np.clip(prompt - computed, 0, scheduled).sum())
+    return tokens, bool((computed + scheduled < prompt).any())

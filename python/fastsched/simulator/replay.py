@@ -196,8 +196,7 @@ class _Replay:
         """The engine's meter observes the step (as ``EngineCore.step``), then the frontend
         gets its estimate with the step's outputs (as ``AsyncLLM``)."""
         prompt_lens = [self.trace[self.live[h].index].prompt_len for h in so.req_handles.tolist()]
-        prefill, partial = prefill_tokens(so.num_scheduled_tokens.tolist(), so.num_computed_tokens.tolist(),
-                                          prompt_lens)
+        prefill, partial = prefill_tokens(so.num_scheduled_tokens, so.num_computed_tokens, prompt_lens)
         self.sim.prefill_meter.observe(prefill, duration, backlogged or partial)
         self.sim.update_ttft_slo_limit()
 
