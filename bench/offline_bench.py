@@ -15,7 +15,7 @@ greedy and ignores EOS, so it produces exactly its output length.
 
 Both run the same checkpoint in the same process, with the same dtype, device and
 torch thread count, after one small warm-up each (not timed). ``--model`` defaults to
-the tiny random-weight Llama of ``fastsched.tiny_model``, written to a temporary
+the tiny random-weight Llama of ``fastsched.tools.tiny_model``, written to a temporary
 directory; a Hugging Face directory or a ``.gguf`` file works too.
 
 The table goes to stdout, progress bars to stderr, and the last line of stdout is
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="fastsched-bench-") as tmp:
         if args.model is None:
-            from fastsched.tiny_model import make_tiny_model
+            from fastsched.tools.tiny_model import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "tiny"))
         else:
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_hf(args, model, workload))
 
     print(
-        f"model: {args.model or 'tiny (fastsched.tiny_model)'}, {args.num_prompts} prompts, "
+        f"model: {args.model or 'tiny (fastsched.tools.tiny_model)'}, {args.num_prompts} prompts, "
         f"prompt len {args.min_prompt_len}-{args.max_prompt_len}, output len {args.min_output_len}-"
         f"{args.max_output_len}, seed {args.seed}, {args.dtype} on {args.device}, {torch.get_num_threads()} threads"
     )

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from fastsched.entrypoints.plan import add_plan_parser, parse_bytes, run_plan
-from fastsched.planner import (
+from fastsched.tools.plan import add_plan_parser, parse_bytes, run_plan
+from fastsched.tools.planner import (
     STATUS_NOT_SERVABLE,
     STATUS_OK,
     STATUS_TIGHT,
     PlanInputs,
     plan,
 )
-from fastsched.tiny_model import make_tiny_model
+from fastsched.tools.tiny_model import make_tiny_model
 
 GiB = 2**30
 MiB = 2**20

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 
 from fastsched import SchedulerConfig
-from fastsched.cli import build_parser, main
 from fastsched.engine.step_trace import StepTracer
-from fastsched.entrypoints.bench_serve import arrival_times, make_requests, summarize
-from fastsched.simulator import Simulator, StepCost, TraceRequest, bench_trace, fit_step_cost, load_trace
-from fastsched.simulator.cost import read_step_trace
+from fastsched.entrypoints.cli import build_parser, main
+from fastsched.tools.bench_serve import arrival_times, make_requests, summarize
+from fastsched.tools.simulator import Simulator, StepCost, TraceRequest, bench_trace, fit_step_cost, load_trace
+from fastsched.tools.simulator.cost import read_step_trace
 
 COST = StepCost(a=0.010, b=0.001, c=0.002)
 PREFILL_10 = 0.010 + 10 * 0.001 + 0.002  # one 10-token prompt alone
@@ -260,7 +260,7 @@ def test_the_simulated_step_trace_fits_back_to_the_cost_model(tmp_path: Path) ->
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fastsched.tiny_model import make_tiny_model
+    from fastsched.tools.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("sim-tiny") / "model")
 
@@ -306,7 +306,7 @@ def test_simulate_sizes_the_kv_pool_like_the_engine(tiny_model: Path, tmp_path: 
 
     from fastsched.config import EngineConfig
     from fastsched.model_loader import load_model_config
-    from fastsched.simulator.sizing import simulated_engine
+    from fastsched.tools.simulator.sizing import simulated_engine
     from fastsched.worker.model_runner import kv_cache_bytes_per_block
 
     config = EngineConfig(model=str(tiny_model), device="cpu", dtype="float32", kv_cache_memory=8 * 2**20)

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastsched.cli import main
-from fastsched.simulator.cost import StepCost, fit_step_cost, read_step_trace
+from fastsched.entrypoints.cli import main
+from fastsched.tools.simulator.cost import StepCost, fit_step_cost, read_step_trace
 
 A, B, C = 0.002, 20e-6, 150e-6  # 2 ms per step, 20 us per token, 150 us per request
 

@@ -19,17 +19,18 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-from fastsched.cli import main
-from fastsched.entrypoints import top_screen
-from fastsched.entrypoints.metrics_snapshot import (
+from rich.console import Console
+
+from fastsched.tools import top_screen
+from fastsched.entrypoints.cli import main
+from fastsched.tools.metrics_snapshot import (
     Histogram,
     counter_increase,
     parse_metrics,
 )
-from fastsched.entrypoints.top import add_top_parser
-from fastsched.entrypoints.top_screen import render_view, watch
-from fastsched.entrypoints.top_view import EngineView, Latency, TopView, is_limiting, top_view
-from rich.console import Console
+from fastsched.tools.top import add_top_parser
+from fastsched.tools.top_screen import render_view, watch
+from fastsched.tools.top_view import EngineView, Latency, TopView, is_limiting, top_view
 
 INF = math.inf
 
@@ -47,7 +48,7 @@ def exposition(*, running: float = 3, waiting: float = 7, kv: float = 0.625, pre
                ttft_sum: float = 8.0, rejected: float = 2, kv_blocks_stops: float = 10,
                no_waiting_stops: float = 50, last_stops: tuple[str, ...] = ("kv_blocks", "no_waiting"),
                queued_tokens_limit: float | None = None, engine_0_prefill: float | None = None) -> str:
-    """A /metrics page shaped like entrypoints/gateway_metrics.py's: two engines,
+    """A /metrics page shaped like gateway/metrics.py's: two engines,
     ``last_stops[i]`` being engine i's last stop; TTFT counts in buckets 0.1, 0.5, 1, 2.5,
     +Inf, and the same counts for queue time and end-to-end latency in buckets 10 times
     shorter and 10 times longer. The TTFT-SLO valve's limit and engine 0's prefill
@@ -237,7 +238,7 @@ def test_every_gate_but_no_waiting_is_limiting() -> None:
 
 def gateway_page(tokens: int, ttft_counts: list[int], stops: int) -> str:
     """A page rendered by the gateway's own /metrics code from one frontend's GetStats."""
-    from fastsched.entrypoints.gateway_metrics import render
+    from fastsched.gateway.metrics import render
     from fastsched.proto_gen import import_stubs
 
     pb, _ = import_stubs()

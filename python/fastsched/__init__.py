@@ -6,14 +6,9 @@ binding (``fastsched._core``) is importable on its own without torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastsched._core import EngineCoreOutputs, Scheduler, SchedulerConfig, SchedulerOutput
-
-if TYPE_CHECKING:
-    from fastsched.entrypoints.llm import LLM
-    from fastsched.outputs import CompletionOutput, RequestOutput
-    from fastsched.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",

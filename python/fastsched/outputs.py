@@ -1,4 +1,5 @@
-"""What ``fastsched.LLM`` returns, shaped like vLLM's outputs so user code carries over."""
+"""What ``fastsched.LLM`` and ``AsyncLLM`` return, shaped like vLLM's outputs so user code
+carries over. Plain dataclasses: importing them loads no torch."""
 
 from __future__ import annotations
 
@@ -39,3 +40,20 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)
+
+
+@dataclass
+class RequestMetrics:
+    """Latencies of one request, in seconds since ``arrival_time`` (``time.time()``).
+
+    ``queue_time`` is measured by the engine (first scheduled − arrival; the smallest over
+    the ``n`` sequences), None if no sequence was reported scheduled. ``ttft`` and ``e2e``
+    are measured here, when the first token and the end reached this frontend.
+    """
+
+    arrival_time: float
+    queue_time: float | None = None
+    ttft: float | None = None
+    e2e: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0

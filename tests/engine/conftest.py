@@ -20,7 +20,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fastsched.tiny_model import make_tiny_model  # noqa: E402
+from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
 
 # The tiny model's token ids below this are <|endoftext|>, <|im_start|>, <|im_end|>.
 FIRST_ORDINARY_TOKEN = 3

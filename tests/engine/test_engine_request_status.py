@@ -12,17 +12,16 @@ pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.tx
 
 from fastsched import _core  # noqa: E402
 from fastsched.engine import protocol  # noqa: E402
-from fastsched.engine.admission import QueueOverflowError  # noqa: E402
-from fastsched.engine.async_llm import RequestMetrics  # noqa: E402
-from fastsched.engine.request_status import (  # noqa: E402
+from fastsched.engine.status import engine_statuses  # noqa: E402
+from fastsched.frontend.admission import QueueOverflowError  # noqa: E402
+from fastsched.frontend.request_status import (  # noqa: E402
     RequestHistory,
     combined_state,
-    engine_statuses,
     ended_status,
     in_flight_status,
     rejected_status,
 )
-from fastsched.outputs import CompletionOutput  # noqa: E402
+from fastsched.outputs import CompletionOutput, RequestMetrics  # noqa: E402
 
 
 def make_scheduler(**overrides: int) -> _core.Scheduler:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from fastsched import LLM, SamplingParams
-from fastsched.engine.core import EngineCoreOutput
-from fastsched.engine.output_processor import OutputProcessor
+from fastsched.engine.protocol import EngineCoreOutput
+from fastsched.frontend.output_processor import OutputProcessor
 from fastsched.outputs import CompletionOutput, RequestOutput
 
 NUM_GPU_BLOCKS = 64  # the null block included

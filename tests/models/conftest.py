@@ -19,7 +19,7 @@ except ImportError:  # running from a bare checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 
-from fastsched.tiny_model import make_tiny_model  # noqa: E402
+from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

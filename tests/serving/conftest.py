@@ -27,7 +27,7 @@ try:
 except ImportError:  # running from a bare checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
-from fastsched.tiny_model import make_tiny_model  # noqa: E402
+from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
 
 KV_CACHE_MEMORY = 64 * 1024 * 1024
 

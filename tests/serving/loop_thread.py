@@ -31,7 +31,7 @@ class LoopThread:
 
     def start_gateway(self, app: Any) -> str:
         """Serves ``app`` with uvicorn on a free 127.0.0.1 port; returns its base URL."""
-        from fastsched.entrypoints.gateway import gateway_server
+        from fastsched.gateway.app import gateway_server
 
         port = free_port()
         server = gateway_server(app, "127.0.0.1", port, log_level="warning")

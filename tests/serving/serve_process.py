@@ -4,7 +4,7 @@ smoke test: start it on free ports, wait for ``/health``, read its log, stop it.
 The launcher runs in a session of its own, so teardown can SIGKILL the whole process
 group (launcher, engines, frontends) whatever state a failed test left it in. Its
 output goes to a file (a pipe nobody reads would fill and block the server); the log
-lines the launcher documents (``fastsched.entrypoints.serve``) tell the children's pids,
+lines the launcher documents (``fastsched.launcher.serve``) tell the children's pids,
 the ipc directory and the shared-memory segment.
 """
 
@@ -124,7 +124,7 @@ class ServeProcess:
 
 def serve_command(model_dir: Path, port: int, grpc_port: int, *args: str, max_model_len: int = 256) -> list[str]:
     return [
-        sys.executable, "-m", "fastsched.cli", "serve",
+        sys.executable, "-m", "fastsched.entrypoints.cli", "serve",
         "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
         "--kv-cache-memory", str(KV_CACHE_MEMORY), "--max-model-len", str(max_model_len), "--torch-num-threads", "1",
         "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port), *args,

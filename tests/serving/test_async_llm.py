@@ -25,15 +25,15 @@ pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.tx
 
 from fastsched import _core  # noqa: E402
 from fastsched.engine import protocol  # noqa: E402
-from fastsched.engine.admission import (  # noqa: E402
+from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest  # noqa: E402
+from fastsched.frontend.admission import (  # noqa: E402
     AdmissionController,
     AdmissionError,
     EngineFaultedError,
     MaxQueuedTokensError,
     QueueOverflowError,
 )
-from fastsched.engine.async_llm import AsyncLLM, EngineDeadError, StreamOutput  # noqa: E402
-from fastsched.engine.core import EngineCoreOutput, EngineCoreRequest  # noqa: E402
+from fastsched.frontend.async_llm import AsyncLLM, EngineDeadError, StreamOutput  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:

@@ -17,13 +17,14 @@ pytest.importorskip("openai", reason="openai is not installed (requirements-serv
 pytest.importorskip("starlette", reason="starlette is not installed (requirements-serve.txt)")
 pytest.importorskip("prometheus_client", reason="prometheus_client is not installed (requirements-serve.txt)")
 
-from fastsched.cli import main  # noqa: E402
-from fastsched.engine.admission import QueueOverflowError  # noqa: E402
-from fastsched.entrypoints.bench_serve import arrival_times, make_requests  # noqa: E402
-from fastsched.entrypoints.gateway import create_app  # noqa: E402
-from fastsched.entrypoints.grpc_server import serve_frontend  # noqa: E402
 from loop_thread import LoopThread, free_port  # noqa: E402
 from test_grpc_gateway import MODEL, FakeAsyncLLM, FakeTokenizer  # noqa: E402
+
+from fastsched.entrypoints.cli import main  # noqa: E402
+from fastsched.frontend.admission import QueueOverflowError  # noqa: E402
+from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.gateway.app import create_app  # noqa: E402
+from fastsched.tools.bench_serve import arrival_times, make_requests  # noqa: E402
 
 STAT_KEYS = {"mean", "p50", "p90", "p99"}
 

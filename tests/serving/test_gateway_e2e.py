@@ -16,12 +16,13 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirement
 openai = pytest.importorskip("openai", reason="openai is not installed (requirements-serve.txt)")
 pytest.importorskip("starlette", reason="starlette is not installed (requirements-serve.txt)")
 
-from fastsched.engine.async_llm import AsyncLLM  # noqa: E402
-from fastsched.entrypoints.gateway import create_app  # noqa: E402
-from fastsched.entrypoints.grpc_server import serve_frontend  # noqa: E402
+from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
+
+from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
+from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
-from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
 
 if TYPE_CHECKING:
     from conftest import Engines

@@ -25,18 +25,19 @@ openai = pytest.importorskip("openai", reason="openai is not installed (requirem
 pytest.importorskip("starlette", reason="starlette is not installed (requirements-serve.txt)")
 pytest.importorskip("prometheus_client", reason="prometheus_client is not installed (requirements-serve.txt)")
 
-from fastsched.engine.admission import (  # noqa: E402
+from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
+
+from fastsched.frontend.admission import (  # noqa: E402
     AdmissionError,
     EngineFaultedError,
     MaxQueuedTokensError,
     QueueOverflowError,
 )
-from fastsched.entrypoints.gateway import create_app  # noqa: E402
-from fastsched.entrypoints.grpc_server import serve_frontend  # noqa: E402
+from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from fastsched.proto_gen import find_proto, import_stubs, is_up_to_date  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
-from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
 
 pb, pb_grpc = import_stubs()
 
@@ -576,7 +577,7 @@ def test_metrics_metrics_count_each_engine_once_under_design_names(http: httpx.C
 
 
 def test_metrics_frontends_without_an_engine_breakdown_are_summed() -> None:
-    from fastsched.entrypoints.gateway_metrics import render
+    from fastsched.gateway.metrics import render
 
     def frontend(running: int, usage: float, ttft: list[int]) -> Any:
         return pb.GetStatsResponse(

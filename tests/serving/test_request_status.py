@@ -24,15 +24,16 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirement
 pytest.importorskip("starlette", reason="starlette is not installed (requirements-serve.txt)")
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
-from fastsched.engine.admission import QueueOverflowError  # noqa: E402
-from fastsched.engine.async_llm import AsyncLLM  # noqa: E402
+from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
+
 from fastsched.engine.engine_proc import start_engine_process, stop_engine_processes  # noqa: E402
-from fastsched.entrypoints.gateway import create_app  # noqa: E402
-from fastsched.entrypoints.grpc_server import serve_frontend  # noqa: E402
+from fastsched.frontend.admission import QueueOverflowError  # noqa: E402
+from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
+from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
 from fastsched.proto_gen import import_stubs  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
-from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
 
 pb, pb_grpc = import_stubs()
 

@@ -15,7 +15,7 @@ Two more tests start a server of their own: one SIGKILLs the launcher, one fails
 start-up.
 
 Children's pids, the ipc directory and the shared-memory segment come from the
-launcher's documented log lines (``fastsched.entrypoints.serve``).
+launcher's documented log lines (``fastsched.launcher.serve``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ openai = pytest.importorskip("openai", reason="openai is not installed (requirem
 pytest.importorskip("starlette", reason="starlette is not installed (requirements-serve.txt)")
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
-from fastsched.proto_gen import import_stubs  # noqa: E402
 from loop_thread import wait_for  # noqa: E402
 from serve_process import ServeProcess, launch, metric_samples, pid_alive, start_serve  # noqa: E402
+
+from fastsched.proto_gen import import_stubs  # noqa: E402
 
 MODEL = "model"  # the tiny checkpoint's directory name: the served model name
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -343,7 +344,7 @@ def test_serve_engine_death_without_fault_tolerance_ends_the_launcher(plain: Ser
 
 def test_serve_launcher_killed_children_exit_and_stale_files_are_removed(tiny_model_dir: Path,
                                                                          tmp_path: Path) -> None:
-    from fastsched.entrypoints.serve import remove_stale
+    from fastsched.launcher.serve import remove_stale
 
     server = start_serve(tiny_model_dir, tmp_path / "serve.log")
     try:

@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("msgpack", reason="msgpack is not installed (requirements-serve.txt)")
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
-from fastsched.engine.async_llm import AsyncLLM  # noqa: E402
 from fastsched.engine.engine_proc import stop_engine_processes  # noqa: E402
+from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -12,11 +12,11 @@ import pytest
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
 from fastsched.engine import protocol  # noqa: E402
-from fastsched.engine.admission import AdmissionController, TtftSloError  # noqa: E402
-from fastsched.engine.async_llm import AsyncLLM, StreamOutput  # noqa: E402
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens  # noqa: E402
-from fastsched.entrypoints.gateway_metrics import render  # noqa: E402
-from fastsched.entrypoints.frontend_stats import LatencyHistograms, stats_to_proto  # noqa: E402
+from fastsched.frontend.admission import AdmissionController, TtftSloError  # noqa: E402
+from fastsched.frontend.async_llm import AsyncLLM, StreamOutput  # noqa: E402
+from fastsched.frontend.stats import LatencyHistograms, stats_to_proto  # noqa: E402
+from fastsched.gateway.metrics import render  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
@@ -64,8 +64,9 @@ def test_prefill_tokens_counts_prompt_only() -> None:
 
 
 def test_engine_core_measures_prefill_throughput_when_requests_wait(tiny_model_dir) -> None:
-    from fastsched.engine.core import EngineCore, EngineCoreRequest
     from fastsched.config import EngineConfig
+    from fastsched.engine.core import EngineCore
+    from fastsched.engine.protocol import EngineCoreRequest
 
     core = EngineCore(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_num_seqs=1,
                                    kv_cache_memory=8 * 1024 * 1024, log_stats_interval=0.0))
@@ -136,14 +137,14 @@ def test_valve_rejects_a_bad_ttft_slo_naming_it(bad: Any) -> None:
 
 
 def test_serve_config_rejects_a_bad_ttft_slo() -> None:
-    from fastsched.entrypoints.serve import ServeConfig
+    from fastsched.launcher.serve import ServeConfig
 
     with pytest.raises(ValueError, match="ttft_slo"):
         ServeConfig(ttft_slo=0.0)
 
 
 def test_ttft_slo_flag_reaches_the_serve_config() -> None:
-    from fastsched.cli import build_parser
+    from fastsched.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--ttft-slo", "0.75"])
     assert args.ttft_slo == 0.75

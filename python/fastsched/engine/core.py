@@ -18,6 +18,7 @@ from fastsched import _core
 from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
+from fastsched.engine.protocol import FINISH_REASONS, EngineCoreOutput, EngineCoreRequest
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.model_loader import load_model, load_model_config, load_tokenizer
@@ -28,31 +29,6 @@ from fastsched.worker.kv_sizing import determine_num_blocks, profile_peak_bytes
 from fastsched.worker.model_runner import ModelRunner, RowState, StepResult
 
 logger = logging.getLogger(__name__)
-
-FINISH_REASONS = {1: "stop", 2: "length", 3: "abort", 4: "ignored"}
-
-
-@dataclass
-class EngineCoreRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float = field(default_factory=time.time)
-    priority: int = 0
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request (a delta)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None  # stop | length | abort | ignored
-    stop_reason: int | str | None = None  # the stop token id that ended it
-    new_logprobs: list[dict[int, tuple[float, int]]] | None = None  # per token: id -> (logprob, rank)
-    num_cached_tokens: int | None = None
-    error: str | None = None  # why an ignored request could not run
-
 
 @dataclass
 class _Request:

@@ -33,9 +33,9 @@ import zmq
 
 from fastsched.config import EngineConfig
 from fastsched.engine import protocol
-from fastsched.engine.core import EngineCore, EngineCoreOutput
-from fastsched.engine.protocol import EngineStats, ModelInfo, RequestTiming
-from fastsched.engine.request_status import engine_statuses
+from fastsched.engine.core import EngineCore
+from fastsched.engine.protocol import EngineCoreOutput, EngineStats, ModelInfo, RequestTiming
+from fastsched.engine.status import engine_statuses
 
 logger = logging.getLogger("fastsched.engine")
 

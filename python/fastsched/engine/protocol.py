@@ -25,7 +25,7 @@ error]`` with ``logprobs`` ``nil`` or, per new token, a list of
 in seconds since the request's ``arrival_time`` (``nil`` where not known yet); the
 engine sends one with a request's first token and one when it finishes. A ``status``
 is a map of :class:`EngineRequestStatus` fields, read from the scheduler between steps
-(``engine.request_status``); an id the engine no longer holds has status ``"unknown"``.
+(``engine.status``); an id the engine no longer holds has status ``"unknown"``.
 
 ``decode`` validates shape and types and raises :class:`ProtocolError` on anything
 else, so a malformed message is dropped by the receiver instead of crashing it.
@@ -34,13 +34,42 @@ else, so a malformed message is dropped by the receiver instead of crashing it.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Union
 
 import msgpack
 
-from fastsched.engine.core import EngineCoreOutput, EngineCoreRequest
 from fastsched.sampling_params import SamplingParams
+
+FINISH_REASONS = {1: "stop", 2: "length", 3: "abort", 4: "ignored"}
+
+
+@dataclass
+class EngineCoreRequest:
+    """A tokenized request as the engine receives it (the ADD message)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request (a delta)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort | ignored
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    new_logprobs: list[dict[int, tuple[float, int]]] | None = None  # per token: id -> (logprob, rank)
+    num_cached_tokens: int | None = None
+    error: str | None = None  # why an ignored request could not run
+
+
+UNKNOWN = "unknown"  # a request status: the engine no longer holds it; its last output is on its way
 
 HELLO = "hello"
 ADD = "add"
@@ -53,7 +82,7 @@ QUERY = "query"
 STATUS = "status"
 
 _PARAM_FIELDS = frozenset(f.name for f in fields(SamplingParams))
-_FINISH_REASONS = frozenset({"stop", "length", "abort", "ignored"})
+_FINISH_REASONS = frozenset(FINISH_REASONS.values())
 
 
 class ProtocolError(ValueError):

@@ -9,8 +9,9 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from fastsched.config import EngineConfig
-from fastsched.engine.core import EngineCore, EngineCoreRequest
-from fastsched.engine.output_processor import OutputProcessor
+from fastsched.engine.core import EngineCore
+from fastsched.engine.protocol import EngineCoreRequest
+from fastsched.frontend.output_processor import OutputProcessor
 from fastsched.model_loader import load_tokenizer
 from fastsched.outputs import CompletionOutput, RequestOutput
 from fastsched.sampling_params import SamplingParams

@@ -1,8 +1,8 @@
 """``fastsched simulate``: what ``bench serve`` would measure, from the scheduler alone.
 
-Wiring (cli.py)::
+Wiring (entrypoints/cli.py)::
 
-    from fastsched.entrypoints.simulate import add_simulate_parser
+    from fastsched.tools.simulate import add_simulate_parser
     add_simulate_parser(sub)          # sets func=run_simulate on the subcommand
 
 The engine flags are ``fastsched serve``'s (``add_engine_args``), so a config is written
@@ -19,16 +19,16 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastsched.entrypoints.bench_serve import parse_token_id_range, format_table, summarize
+from fastsched.tools.bench_serve import format_table, parse_token_id_range, summarize
 
 if TYPE_CHECKING:
-    from fastsched.simulator import StepCost, TraceRequest
-    from fastsched.simulator.sizing import SimulatedEngine
+    from fastsched.tools.simulator import StepCost, TraceRequest
+    from fastsched.tools.simulator.sizing import SimulatedEngine
 
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Add the ``simulate`` subcommand to ``subparsers`` (with ``func=run_simulate``) and return it."""
-    from fastsched.cli import add_admission_limit_args, add_engine_args
+    from fastsched.entrypoints.cli import add_admission_limit_args, add_engine_args
 
     p = subparsers.add_parser(
         "simulate", help="replay a request trace through the real scheduler with a step-cost model (no model run)",
@@ -85,11 +85,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from fastsched.cli import engine_kwargs
     from fastsched.config import EngineConfig
     from fastsched.engine.step_trace import StepTracer
-    from fastsched.simulator import Simulator
-    from fastsched.simulator.sizing import simulated_engine
+    from fastsched.entrypoints.cli import engine_kwargs
+    from fastsched.tools.simulator import Simulator
+    from fastsched.tools.simulator.sizing import simulated_engine
 
     cost = _cost_from_args(args)
     traces = _traces_from_args(args)
@@ -137,7 +137,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def _config_report(args: argparse.Namespace, engine: SimulatedEngine, cost: StepCost) -> dict[str, Any]:
     """Everything that decided the result, so a report can be reproduced."""
-    from fastsched.cli import engine_kwargs
+    from fastsched.entrypoints.cli import engine_kwargs
 
     generated = args.trace is None
     return {
@@ -177,7 +177,7 @@ def format_engine_table(summaries: list[dict[str, Any]]) -> str:
 
 
 def _cost_from_args(args: argparse.Namespace) -> StepCost:
-    from fastsched.simulator import StepCost
+    from fastsched.tools.simulator import StepCost
 
     if (args.cost_model is None) == (args.step_cost is None):
         raise ValueError("give the step cost model: --cost-model FILE or --step-cost A B C (one of them)")
@@ -188,7 +188,7 @@ def _cost_from_args(args: argparse.Namespace) -> StepCost:
 
 def _traces_from_args(args: argparse.Namespace) -> list[tuple[str, float, list[TraceRequest]]]:
     """(label, qps for summarize, requests) per run: the trace file, or one per --qps."""
-    from fastsched.simulator import bench_trace, load_trace
+    from fastsched.tools.simulator import bench_trace, load_trace
 
     token_id_range = parse_token_id_range(args.token_id_range)
     if args.trace is not None:

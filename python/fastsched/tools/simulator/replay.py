@@ -35,12 +35,12 @@ import numpy as np
 from tqdm import tqdm
 
 from fastsched import _core
-from fastsched.engine.admission import TTFT_SLO_FLOOR_STEPS, AdmissionController, AdmissionError
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
 from fastsched.engine.step_trace import StepShape, StepTracer
-from fastsched.entrypoints.bench_serve import RequestResult
-from fastsched.simulator.cost import StepCost
-from fastsched.simulator.trace import TraceRequest
+from fastsched.frontend.admission import TTFT_SLO_FLOOR_STEPS, AdmissionController, AdmissionError
+from fastsched.tools.bench_serve import RequestResult
+from fastsched.tools.simulator.cost import StepCost
+from fastsched.tools.simulator.trace import TraceRequest
 
 SAMPLED_TOKEN = 1  # any id: requests are added without EOS and with ignore_eos
 FINISHED_IGNORED = 4  # EngineCoreOutputs.finish_reasons: the prompt can never fit

@@ -229,8 +229,8 @@ def run_frontend(spec: FrontendSpec, ready_pipe: Connection) -> None:
 
 async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
     from fastsched._core import SharedAdmissionStats
-    from fastsched.engine.async_llm import AsyncLLM
-    from fastsched.entrypoints.grpc_server import serve_frontend
+    from fastsched.frontend.async_llm import AsyncLLM
+    from fastsched.frontend.grpc_server import serve_frontend
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -499,7 +499,7 @@ class Launcher:
     # ------------------------------------------------------------ serving
 
     async def _serve_gateway(self) -> None:
-        from fastsched.entrypoints.gateway import create_app, gateway_server
+        from fastsched.gateway.app import create_app, gateway_server
         from fastsched.model_loader import load_tokenizer
 
         c = self.config

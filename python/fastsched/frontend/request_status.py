@@ -5,7 +5,7 @@ A request is in one of three places, each answered by the part that knows it:
 - rejected at the door, or ended: only the frontend remembers it, so it keeps a
   :class:`RequestHistory` of the most recent ones (a request that left no trace in any
   counter (A5) still leaves one here, for the person asking why);
-- in flight: its engine answers from the scheduler (:func:`engine_statuses`, run in the
+- in flight: its engine answers from the scheduler (``fastsched.engine.status.engine_statuses``, run in the
   engine process between two steps) and the frontend adds what it holds itself (the
   sequences a stop string already ended, the latencies).
 
@@ -21,52 +21,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fastsched.engine.protocol import EngineRequestStatus
+from fastsched.engine.protocol import UNKNOWN, EngineRequestStatus
 
 if TYPE_CHECKING:
-    from fastsched import _core
-    from fastsched.engine.admission import AdmissionError
-    from fastsched.engine.async_llm import RequestMetrics
-    from fastsched.outputs import CompletionOutput
+    from fastsched.frontend.admission import AdmissionError
+    from fastsched.outputs import CompletionOutput, RequestMetrics
 
 HISTORY_SIZE = 10_000  # rejected or ended requests a frontend remembers (about 1 KB each)
-UNKNOWN = "unknown"  # the engine no longer holds the request: its last output is on its way
 FINISHED = "finished"
 REJECTED = "rejected"
 MIXED = "mixed"  # a request's sequences (or a response's prompts) are in different states
-
-# The scan stop that names no gate: the scan ran out of waiting requests, so one still
-# waiting came after that step or was skipped for a reason of its own (S7).
-_NO_GATE = "no_waiting"
-
-
-def engine_statuses(scheduler: _core.Scheduler, request_ids: Sequence[str]) -> list[EngineRequestStatus]:
-    """What the scheduler knows about each id. The waiting queue is listed (O(waiting))
-    only when one of them waits."""
-    waiting: dict[int, int] | None = None
-    blocked_by: str | None = None
-    statuses = []
-    for request_id in request_ids:
-        handle = scheduler.handle_of(request_id)
-        if handle is None:
-            statuses.append(EngineRequestStatus(request_id, UNKNOWN))
-            continue
-        info = scheduler.request_info(handle)
-        status = EngineRequestStatus(
-            request_id, info["status"], info["num_tokens"], info["num_prompt_tokens"], info["num_output_tokens"],
-            info["num_computed_tokens"], info["num_cached_tokens"], info["num_preemptions"], info["priority"],
-            len(info["blocks"]),
-        )
-        if info["status"] != "running":
-            if waiting is None:
-                waiting = {h: i for i, h in enumerate(scheduler.waiting_handles())}
-                stop = scheduler.stats()["last_scan_stop"]
-                blocked_by = None if stop == _NO_GATE else stop
-            if handle in waiting:
-                status.queue_position, status.num_waiting, status.blocked_by = waiting[handle], len(waiting), blocked_by
-        statuses.append(status)
-    return statuses
-
 
 class RequestHistory:
     """The last ``capacity`` requests this frontend rejected or ended, by request id; a

@@ -18,8 +18,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from fastsched.entrypoints.metrics_snapshot import Snapshot, parse_metrics
-from fastsched.entrypoints.top_view import Latency, TopView, is_limiting, top_view
+from fastsched.tools.metrics_snapshot import Snapshot, parse_metrics
+from fastsched.tools.top_view import Latency, TopView, is_limiting, top_view
 
 # A scrape sums every frontend's GetStats; one that takes longer than this is reported as an error.
 FETCH_TIMEOUT_S = 5.0

@@ -99,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from fastsched.tiny_model import make_tiny_model
+    from fastsched.tools.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.dir, seed=args.seed)
     print(f"wrote a random-weight Llama checkpoint to {path}")
@@ -107,7 +107,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from fastsched.entrypoints.serve import ServeConfig, ServeError, serve
+    from fastsched.launcher.serve import ServeConfig, ServeError, serve
 
     config = ServeConfig(
         engine_config=engine_kwargs(args),
@@ -184,7 +184,7 @@ def add_admission_limit_args(group: argparse._ArgumentGroup) -> None:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from fastsched.entrypoints.bench_serve import run_from_args
+    from fastsched.tools.bench_serve import run_from_args
 
     return run_from_args(args)
 
@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Benchmarks against a running server (serve); the step-cost model of "
                                        "`fastsched simulate` (fit-step-cost, steps).")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from fastsched.entrypoints.bench_serve import add_bench_serve_args
+    from fastsched.tools.bench_serve import add_bench_serve_args
 
     bench_serve = bench_sub.add_parser(
         "serve", help="open-loop Poisson load at one or more request rates against a gateway",
@@ -240,18 +240,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(func=cmd_bench_serve)
-    from fastsched.entrypoints.bench_steps import add_bench_steps_parsers
+    from fastsched.tools.bench_steps import add_bench_steps_parsers
 
     add_bench_steps_parsers(bench_sub)
 
-    from fastsched.entrypoints.plan import add_plan_parser
+    from fastsched.tools.plan import add_plan_parser
 
     add_plan_parser(sub)
 
-    from fastsched.entrypoints.simulate import add_simulate_parser
+    from fastsched.tools.simulate import add_simulate_parser
 
     add_simulate_parser(sub)
-    from fastsched.entrypoints.top import add_top_parser
+    from fastsched.tools.top import add_top_parser
 
     add_top_parser(sub)
     return parser

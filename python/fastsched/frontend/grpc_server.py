@@ -33,8 +33,8 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from fastsched.engine.admission import AdmissionError
-from fastsched.entrypoints.frontend_stats import LatencyHistograms, stats_to_proto
+from fastsched.frontend.admission import AdmissionError
+from fastsched.frontend.stats import LatencyHistograms, stats_to_proto
 from fastsched.outputs import CompletionOutput, RequestOutput
 from fastsched.proto_gen import import_stubs
 from fastsched.sampling_params import SamplingParams

@@ -10,9 +10,9 @@ chunk beside them — records their step trace and fits it. Its steps are the
 ``EngineCore.step()`` calls alone, so it measures the model and the scheduler, not the
 serving path around them.
 
-Wiring (cli.py)::
+Wiring (entrypoints/cli.py)::
 
-    from fastsched.entrypoints.bench_steps import add_bench_steps_parsers
+    from fastsched.tools.bench_steps import add_bench_steps_parsers
     add_bench_steps_parsers(bench_sub)   # `bench fit-step-cost` and `bench steps`
 """
 
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fastsched.engine.core import EngineCore
-    from fastsched.simulator.cost import StepCostFit
+    from fastsched.tools.simulator.cost import StepCostFit
 
 # Prompt token ids of the sweep's requests: byte tokens every byte-level BPE vocabulary has.
 TOKEN_ID_RANGE = (10, 250)
@@ -38,7 +38,7 @@ MIN_PREFILL = 16
 
 
 def add_bench_steps_parsers(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from fastsched.cli import add_engine_args
+    from fastsched.entrypoints.cli import add_engine_args
 
     fit = bench_sub.add_parser(
         "fit-step-cost", help="fit the step-cost model of `fastsched simulate` on --step-trace files",
@@ -75,7 +75,7 @@ def add_bench_steps_parsers(bench_sub: argparse._SubParsersAction) -> None:  # t
 
 
 def run_fit_step_cost(args: argparse.Namespace) -> int:
-    from fastsched.simulator.cost import fit_step_cost, read_step_trace
+    from fastsched.tools.simulator.cost import fit_step_cost, read_step_trace
 
     fit = fit_step_cost(read_step_trace(args.traces), source=", ".join(args.traces))
     _report(fit, args.out)
@@ -83,7 +83,7 @@ def run_fit_step_cost(args: argparse.Namespace) -> int:
 
 
 def _report(fit: StepCostFit, out: str | None) -> None:
-    from fastsched.simulator.cost import format_fit
+    from fastsched.tools.simulator.cost import format_fit
 
     print(f"step cost fitted on {fit.source}")
     print(format_fit(fit))
@@ -125,11 +125,11 @@ def _doubling(lo: int, hi: int) -> list[int]:
 def run_bench_steps(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from fastsched.cli import engine_kwargs
     from fastsched.config import EngineConfig
     from fastsched.engine.core import EngineCore
     from fastsched.engine.step_trace import StepTracer
-    from fastsched.simulator.cost import fit_step_cost, read_step_trace
+    from fastsched.entrypoints.cli import engine_kwargs
+    from fastsched.tools.simulator.cost import fit_step_cost, read_step_trace
 
     if args.repeats < 1 or args.decode_context < 1:
         raise ValueError("--repeats and --decode-context must be at least 1")
@@ -186,7 +186,7 @@ class _SweepRunner:
             core.step()
 
     def add(self, prompt_len: int, max_tokens: int) -> None:
-        from fastsched.engine.core import EngineCoreRequest
+        from fastsched.engine.protocol import EngineCoreRequest
         from fastsched.sampling_params import SamplingParams
 
         prompt = [self.rng.randrange(TOKEN_ID_RANGE[0], self.hi_id) for _ in range(prompt_len)]

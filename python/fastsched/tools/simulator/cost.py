@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from fastsched.simulator.jsonl import read_objects
+from fastsched.tools.simulator.jsonl import read_objects
 
 STEP_TRACE_FIELDS = ("batched_tokens", "running_reqs", "duration_s")
 

@@ -4,9 +4,9 @@ traces, and a replay of a trace through the real Rust scheduler on a virtual clo
 No model runs, so comparing configs for a load takes seconds of CPU, not a GPU.
 """
 
-from fastsched.simulator.cost import StepCost, StepCostFit, fit_step_cost, read_step_trace
-from fastsched.simulator.replay import ReplayResult, Simulator
-from fastsched.simulator.trace import TraceRequest, bench_trace, load_trace
+from fastsched.tools.simulator.cost import StepCost, StepCostFit, fit_step_cost, read_step_trace
+from fastsched.tools.simulator.replay import ReplayResult, Simulator
+from fastsched.tools.simulator.trace import TraceRequest, bench_trace, load_trace
 
 __all__ = [
     "ReplayResult",

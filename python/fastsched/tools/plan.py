@@ -1,4 +1,4 @@
-"""``fastsched plan``: the capacity planner's command line (the arithmetic is fastsched.planner).
+"""``fastsched plan``: the capacity planner's command line (the arithmetic is fastsched.tools.planner).
 
 The model's KV shape (layers, KV heads, head dim) is read from its config, no weights
 loaded. ``--dtype`` is the KV cache element type and defaults to bfloat16, what
@@ -6,9 +6,9 @@ loaded. ``--dtype`` is the KV cache element type and defaults to bfloat16, what
 float32 KV would be unusual. The KV memory is per replica and is what is left for
 the pool after weights and activations (the engine logs its pool size at start-up).
 
-Wiring (cli.py)::
+Wiring (entrypoints/cli.py)::
 
-    from fastsched.entrypoints.plan import add_plan_parser
+    from fastsched.tools.plan import add_plan_parser
     add_plan_parser(sub)          # sets func=run_plan on the subcommand
 
 ``run_plan`` returns 0 when the load is servable, 1 when it is not; bad values raise
@@ -22,7 +22,7 @@ import argparse
 import json
 import re
 
-from fastsched.planner import (
+from fastsched.tools.planner import (
     DEFAULT_HEADROOM,
     KV_DTYPE_BYTES,
     STATUS_NOT_SERVABLE,

@@ -33,22 +33,21 @@ import zmq
 import zmq.asyncio
 
 from fastsched.engine import protocol
-from fastsched.engine.admission import (
+from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineRequestStatus, EngineStats, ModelInfo
+from fastsched.frontend.admission import (
+    TTFT_SLO_FLOOR_STEPS,
     AdmissionController,
     AdmissionError,
     EngineFaultedError,
     MaxQueuedTokensError,
     QueueOverflowError,
-    TTFT_SLO_FLOOR_STEPS,
     SharedInFlightCounter,
     TtftSloError,
 )
-from fastsched.engine.core import EngineCoreOutput, EngineCoreRequest
-from fastsched.engine.output_processor import OutputProcessor
-from fastsched.engine.protocol import EngineRequestStatus, EngineStats, ModelInfo
-from fastsched.engine.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
+from fastsched.frontend.output_processor import OutputProcessor
+from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
 from fastsched.model_loader import Tokenizer, load_tokenizer
-from fastsched.outputs import CompletionOutput, Logprob, RequestOutput
+from fastsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from fastsched.sampling_params import SamplingParams
 
 __all__ = [
@@ -89,23 +88,6 @@ class CompletionDelta:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-
-
-@dataclass
-class RequestMetrics:
-    """Latencies of one request, in seconds since ``arrival_time`` (``time.time()``).
-
-    ``queue_time`` is measured by the engine (first scheduled − arrival; the smallest over
-    the ``n`` sequences), None if no sequence was reported scheduled. ``ttft`` and ``e2e``
-    are measured here, when the first token and the end reached this frontend.
-    """
-
-    arrival_time: float
-    queue_time: float | None = None
-    ttft: float | None = None
-    e2e: float | None = None
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
 
 
 @dataclass

@@ -5,14 +5,14 @@ between the two, so the view says what the server is doing now rather than since
 started. Any metric the server does not export (an older server, or one started without
 the feature) is None here and "–" on screen, never an error.
 
-Metric names are those of entrypoints/gateway_metrics.py as they appear in the text.
+Metric names are those of gateway/metrics.py as they appear in the text.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastsched.entrypoints.metrics_snapshot import Histogram, Snapshot, counter_increase
+from fastsched.tools.metrics_snapshot import Histogram, Snapshot, counter_increase
 
 PREFIX = "fastsched:"
 RUNNING = PREFIX + "num_requests_running"

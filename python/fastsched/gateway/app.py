@@ -47,8 +47,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fastsched.entrypoints import gateway_metrics
-from fastsched.entrypoints.openai_protocol import (
+from fastsched.gateway import metrics as gateway_metrics
+from fastsched.gateway.openai_protocol import (
     ApiError,
     ParsedRequest,
     ResponseFormatter,

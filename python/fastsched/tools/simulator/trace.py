@@ -19,8 +19,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from fastsched.entrypoints.bench_serve import arrival_times, make_requests
-from fastsched.simulator.jsonl import read_objects
+from fastsched.tools.bench_serve import arrival_times, make_requests
+from fastsched.tools.simulator.jsonl import read_objects
 
 DEFAULT_TOKEN_ID_RANGE = (10, 250)  # as bench serve's --token-id-range
 

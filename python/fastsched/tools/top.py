@@ -6,9 +6,9 @@ Polls the gateway every ``--interval`` seconds and redraws one frame (top_screen
 (httpx, rich: the ``serve`` extra) are imported when the command runs, so that building
 ``fastsched``'s parser never needs them.
 
-Wiring (cli.py)::
+Wiring (entrypoints/cli.py)::
 
-    from fastsched.entrypoints.top import add_top_parser
+    from fastsched.tools.top import add_top_parser
     add_top_parser(sub)          # sets func=run_top on the subcommand
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastsched.entrypoints.bench_serve import DEFAULT_URL
+from fastsched.tools.bench_serve import DEFAULT_URL
 
 
 def run_top(args: argparse.Namespace) -> int:
@@ -24,7 +24,7 @@ def run_top(args: argparse.Namespace) -> int:
         raise ValueError(f"--interval must be positive, got {args.interval}")
     if args.iterations is not None and args.iterations < 1:
         raise ValueError(f"--iterations must be at least 1, got {args.iterations}")
-    from fastsched.entrypoints.top_screen import show
+    from fastsched.tools.top_screen import show
 
     return show(args.url.rstrip("/"), args.interval, once=args.once, iterations=args.iterations)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastsched.engine.core import EngineCoreOutput
+from fastsched.engine.protocol import EngineCoreOutput
 from fastsched.model_loader.tokenizer import Tokenizer
 from fastsched.outputs import CompletionOutput, Logprob, RequestOutput
 from fastsched.sample import StopChecker
