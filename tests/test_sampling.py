@@ -10,7 +10,8 @@ from contextlib import AbstractContextManager
 import pytest
 import torch
 
-from fastsched.sample import Sampler, SamplingMetadata, StopChecker, make_generator
+from fastsched.frontend.stop import StopChecker
+from fastsched.sample import Sampler, SamplingMetadata, make_generator
 from fastsched.sample.sampler import apply_penalties, apply_top_k_top_p
 from fastsched.sampling_params import SamplingParams
 

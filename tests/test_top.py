@@ -21,8 +21,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 from rich.console import Console
 
-from fastsched.tools import top_screen
 from fastsched.entrypoints.cli import main
+from fastsched.tools import top_screen
 from fastsched.tools.metrics_snapshot import (
     Histogram,
     counter_increase,

@@ -94,7 +94,8 @@ class SchedulerConfig:
     """Scheduler settings (DESIGN §3), validated at construction: a broken value or
     relation raises ``ValueError`` naming both values, e.g.
     ``max_num_active_seqs (300) cannot be greater than max_num_seqs (256)``.
-    Immutable. Only the settings below have getters."""
+    Immutable. Only the settings below have getters. ``SchedulerConfig()`` holds the core's
+    defaults, which ``fastsched.config.EngineConfig`` takes as its own."""
 
     def __new__(
         cls,
@@ -160,6 +161,24 @@ class SchedulerConfig:
     @property
     def max_model_len(self) -> int:
         """Prompt + output limit per request, in tokens."""
+    @property
+    def long_prefill_token_threshold(self) -> int:
+        """Per-request token cap per step (S9), 0 = off."""
+    @property
+    def long_prefill_token_threshold_adaptive(self) -> bool:
+        """Whether that cap is raised to the budget's fair share."""
+    @property
+    def prefill_schedule_interval(self) -> int:
+        """Prefill runs only every k-th executed step while decoding (S12); 1 = every step."""
+    @property
+    def enable_chunked_prefill(self) -> bool:
+        """Whether a prompt may span steps."""
+    @property
+    def scheduler_reserve_full_isl(self) -> bool:
+        """Whether admission requires the whole current sequence to fit in free KV (S10)."""
+    @property
+    def watermark(self) -> float:
+        """Fraction of the pool kept free when admitting (S10)."""
     @property
     def block_size(self) -> int:
         """Tokens per KV block."""

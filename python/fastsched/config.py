@@ -1,52 +1,104 @@
-"""Engine configuration: every knob of model loading, KV sizing and scheduling, validated in one place.
+"""Engine configuration: every knob of model loading, KV sizing and scheduling, defined once.
 
-Scheduler knobs keep DESIGN.md's names; ``scheduler_config()`` hands them to the Rust
-core, whose own validation names both values of a broken relation.
+Each field of :class:`EngineConfig` is a keyword argument of ``fastsched.LLM(...)`` and a
+flag of every command that runs a model (``add_engine_args`` builds the flags from the
+fields, their help text and group, the way vLLM's ``EngineArgs.add_cli_args`` does). The
+scheduler's defaults are the Rust core's (``SchedulerConfig::default()``, read through
+the binding), so a default is written in one place. Validation lives in one place too:
+here for the engine's own knobs, in the core for the scheduler's (its errors name both
+values of a broken relation). Importing this module loads no torch.
 """
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fastsched._core import SchedulerConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
 # CPU KV pool when neither --num-gpu-blocks nor --kv-cache-memory is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1024**3
+
+_CORE = SchedulerConfig()  # the Rust core's defaults
+
+MODEL = "model and device"
+SCHEDULER = "scheduler (docs/design.md §3)"
+KV_CACHE = "KV cache"
+DIAGNOSTICS = "diagnostics"
+
+
+def _flag(group: str, help: str, *aliases: str, **argparse_kwargs: Any) -> dict[str, Any]:
+    """Field metadata: the flag's group, help text, extra option strings (older spellings
+    kept working) and any argparse keyword (``choices``, ``metavar``...)."""
+    return {"group": group, "help": help, "aliases": aliases, "argparse": argparse_kwargs}
+
+
+def _core_default(name: str) -> Any:
+    return getattr(_CORE, name)
 
 
 @dataclass
 class EngineConfig:
     """What ``fastsched.LLM(...)`` and ``fastsched serve`` accept (as keyword arguments / flags)."""
 
-    model: str | None = None  # HF directory or .gguf file; None = the embedded SmolLM2
-    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on CUDA)
-    device: str = "auto"  # cpu | cuda | auto
-    seed: int = 0  # for requests without their own seed
-    attention_backend: str | None = None  # torch | triton | flashinfer; None = automatic
-    # Scheduler (DESIGN §3).
-    max_num_seqs: int = 256
-    max_num_active_seqs: int | None = None
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    long_prefill_token_threshold: int = 0
-    long_prefill_token_threshold_adaptive: bool = False
-    prefill_schedule_interval: int = 1
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
-    priority_preemption: bool = False  # needs policy="priority"
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    scheduler_reserve_full_isl: bool = True
-    watermark: float = 0.0
-    # KV pool sizing (DESIGN §3, issue: KV sizing).
-    num_gpu_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # bytes, CPU
-    log_stats_interval: float = 5.0  # seconds between engine stats log lines; 0 = off
-    step_trace: str | None = None  # append one JSON line per step here (fastsched.engine.step_trace)
+    model: str | None = field(default=None, metadata=_flag(
+        MODEL, "HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"))
+    dtype: str = field(default="auto", metadata=_flag(
+        MODEL, "weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)", choices=("auto", *DTYPES)))
+    device: str = field(default="auto", metadata=_flag(MODEL, "cpu, cuda or cuda:N (auto: cuda when available)"))
+    attention_backend: str | None = field(default=None, metadata=_flag(
+        MODEL, "attention implementation (default: flashinfer, else triton on CUDA; torch on CPU)",
+        choices=("torch", "triton", "flashinfer")))
+    seed: int = field(default=0, metadata=_flag(MODEL, "seed for requests that do not set their own"))
+
+    max_num_seqs: int = field(default=_core_default("max_num_seqs"), metadata=_flag(
+        SCHEDULER, "model-runner request slots"))
+    max_num_active_seqs: int | None = field(default=None, metadata=_flag(
+        SCHEDULER, "cap on requests admitted into RUNNING (default: --max-num-seqs)"))
+    max_num_batched_tokens: int = field(default=_core_default("max_num_batched_tokens"), metadata=_flag(
+        SCHEDULER, "token budget per step"))
+    max_model_len: int | None = field(default=None, metadata=_flag(
+        SCHEDULER, "prompt + output limit per request (default: the model's context length)"))
+    long_prefill_token_threshold: int = field(default=_core_default("long_prefill_token_threshold"), metadata=_flag(
+        SCHEDULER, "cap on one long prefill's tokens per step when several requests compete (0: off)"))
+    long_prefill_token_threshold_adaptive: bool = field(
+        default=_core_default("long_prefill_token_threshold_adaptive"), metadata=_flag(
+            SCHEDULER, "raise that cap to the fair share of the budget"))
+    prefill_schedule_interval: int = field(default=_core_default("prefill_schedule_interval"), metadata=_flag(
+        SCHEDULER, "run prefill work only every k-th step while decodes run (1: every step)"))
+    enable_chunked_prefill: bool = field(default=_core_default("enable_chunked_prefill"), metadata=_flag(
+        SCHEDULER, "split a long prompt across steps", "--no-chunked-prefill"))
+    policy: str = field(default=_core_default("policy"), metadata=_flag(
+        SCHEDULER, "waiting-queue order", choices=("fcfs", "priority")))
+    priority_preemption: bool = field(default=_core_default("priority_preemption"), metadata=_flag(
+        SCHEDULER, "with --policy priority: when the active set is full, a more urgent waiting request preempts "
+                   "the least urgent running one (recompute, capped per request)"))
+    watermark: float = field(default=_core_default("watermark"), metadata=_flag(
+        SCHEDULER, "fraction of the KV pool kept free when admitting requests"))
+    scheduler_reserve_full_isl: bool = field(default=_core_default("scheduler_reserve_full_isl"), metadata=_flag(
+        SCHEDULER, "admit a request only when its whole current sequence fits in free KV blocks (S10)"))
+
+    block_size: int = field(default=_core_default("block_size"), metadata=_flag(KV_CACHE, "tokens per KV block"))
+    enable_prefix_caching: bool = field(default=_core_default("enable_prefix_caching"), metadata=_flag(
+        KV_CACHE, "reuse KV blocks of identical prompt prefixes", "--no-prefix-caching"))
+    num_gpu_blocks: int | None = field(default=None, metadata=_flag(
+        KV_CACHE, "KV blocks in the pool, the null block included (default: from memory)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_flag(
+        KV_CACHE, "fraction of GPU memory for weights, activations and the KV pool (CUDA)"))
+    kv_cache_memory: int | None = field(default=None, metadata=_flag(
+        KV_CACHE, f"bytes for the KV pool on CPU (default: {DEFAULT_CPU_KV_CACHE_BYTES // 1024**3} GiB)"))
+
+    log_stats_interval: float = field(default=5.0, metadata=_flag(
+        DIAGNOSTICS, "seconds between engine stats log lines (0: off)"))
+    step_trace: str | None = field(default=None, metadata=_flag(
+        DIAGNOSTICS, "append one JSON line per engine step (shape and duration) to FILE, to fit a step-cost model "
+                     "with `fastsched bench fit-step-cost` for `fastsched simulate`", metavar="FILE"))
     extra: dict[str, object] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -68,21 +120,25 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
         """Like the constructor, but an unknown keyword is an error naming it (not a TypeError trace)."""
-        known = {f.name for f in fields(cls)} - {"extra"}
+        known = {f.name for f in cli_fields()}
         unknown = {k: v for k, v in kwargs.items() if k not in known}
         return cls(**{k: v for k, v in kwargs.items() if k in known}, extra=unknown)  # type: ignore[arg-type]
 
     @property
     def torch_device(self) -> torch.device:
+        import torch  # only the engine asks; reading flags must not load torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def resolve_max_model_len(self, model_max: int) -> int:
         if self.max_model_len is None:
@@ -95,20 +151,43 @@ class EngineConfig:
         return self.max_model_len
 
     def scheduler_config(self, max_model_len: int, num_gpu_blocks: int) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_active_seqs=self.max_num_active_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            long_prefill_token_threshold_adaptive=self.long_prefill_token_threshold_adaptive,
-            prefill_schedule_interval=self.prefill_schedule_interval,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            policy=self.policy,
-            priority_preemption=self.priority_preemption,
-            block_size=self.block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            enable_prefix_caching=self.enable_prefix_caching,
-            scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
-            watermark=self.watermark,
-        )
+        scheduler_knobs = {f.name: getattr(self, f.name) for f in cli_fields() if f.metadata["group"] == SCHEDULER}
+        scheduler_knobs.update(max_model_len=max_model_len, num_gpu_blocks=num_gpu_blocks,
+                               block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
+        return SchedulerConfig(**scheduler_knobs)
+
+
+def cli_fields() -> list[Any]:
+    """The fields that are engine arguments (all but ``extra``)."""
+    return [f for f in fields(EngineConfig) if f.name != "extra"]
+
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: Iterable[str] = ()) -> None:
+    """Add a flag per :class:`EngineConfig` field (but those in ``exclude``) to ``parser``,
+    grouped as the fields are; on/off knobs get ``--x/--no-x``."""
+    excluded = set(exclude)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in cli_fields():
+        if f.name in excluded:
+            continue
+        meta = f.metadata
+        group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = dict(meta["argparse"], dest=f.name, default=f.default, help=meta["help"])
+        if f.type == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+            for alias in meta["aliases"]:  # an older spelling of the off switch
+                group.add_argument(alias, action="store_false", dest=f.name, help=f"same as --no-{flag[2:]}")
+            continue
+        base_type = f.type.removesuffix(" | None")
+        group.add_argument(flag, *meta["aliases"], type=_TYPES[base_type], **kwargs)
+
+
+def engine_kwargs(args: argparse.Namespace, exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """The engine arguments on ``args``, as ``add_engine_args(parser, exclude)`` added them."""
+    excluded = set(exclude)
+    return {f.name: getattr(args, f.name) for f in cli_fields() if f.name not in excluded}
+

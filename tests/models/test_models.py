@@ -23,9 +23,12 @@ from safetensors.torch import load_file, save_file
 
 from fastsched.attention.base import AttentionMetadata
 from fastsched.attention.torch_native import TorchNativeBackend
-from fastsched.model_loader import default_model_path, load_model, load_model_config, load_tokenizer
+from fastsched.model_loader import default_model_path, load_model_config, load_tokenizer
 from fastsched.model_loader.gguf import _unpermute_rope_rows
-from fastsched.models import LlamaForCausalLM, ModelConfig, get_model_class
+from fastsched.model_loader.weights import load_model
+from fastsched.models.config import ModelConfig
+from fastsched.models.llama import LlamaForCausalLM
+from fastsched.models.registry import get_model_class
 from fastsched.tools.tiny_model import make_tiny_model
 
 TINY_PROMPTS = ["def hello(world):\n    return world", "The quick brown fox", "import os"]

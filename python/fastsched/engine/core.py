@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,10 +21,10 @@ from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_token
 from fastsched.engine.protocol import FINISH_REASONS, EngineCoreOutput, EngineCoreRequest
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
-from fastsched.model_loader import load_model, load_model_config, load_tokenizer
+from fastsched.model_loader import load_model_config, load_tokenizer
+from fastsched.model_loader.weights import load_model
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, make_generator
-from fastsched.sampling_params import SamplingParams
 from fastsched.worker.kv_sizing import determine_num_blocks, profile_peak_bytes
 from fastsched.worker.model_runner import ModelRunner, RowState, StepResult
 

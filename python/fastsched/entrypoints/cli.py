@@ -7,69 +7,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from fastsched.config import add_engine_args, engine_kwargs
+from fastsched.frontend.cli_args import add_admission_limit_args
+
 DEFAULT_QUESTION = "What is the capital of France?"
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags shared by every command that runs a model (see fastsched.config.EngineConfig)."""
-    g = parser.add_argument_group("model and device")
-    g.add_argument("--model", default=None,
-                   help="HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)")
-    g.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: cuda when available)")
-    g.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"],
-                   help="attention implementation (default: flashinfer, else triton on CUDA; torch on CPU)")
-    g.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
-    s = parser.add_argument_group("scheduler (DESIGN.md §3)")
-    s.add_argument("--max-num-seqs", type=int, default=256, help="model-runner request slots")
-    s.add_argument("--max-num-active-seqs", type=int, default=None,
-                   help="cap on requests admitted into RUNNING (default: --max-num-seqs)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + output limit per request (default: the model's context length)")
-    s.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="cap on one long prefill's tokens per step when several requests compete (0: off)")
-    s.add_argument("--long-prefill-token-threshold-adaptive", action="store_true",
-                   help="raise that cap to the fair share of the budget")
-    s.add_argument("--prefill-schedule-interval", type=int, default=1,
-                   help="run prefill work only every k-th step while decodes run (1: every step)")
-    s.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                   help="never split a prompt across steps")
-    s.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"], help="waiting-queue order")
-    s.add_argument("--priority-preemption", action="store_true",
-                   help="with --policy priority: when the active set is full, a more urgent waiting "
-                        "request preempts the least urgent running one (recompute, capped per request)")
-    s.add_argument("--watermark", type=float, default=0.0,
-                   help="fraction of the KV pool kept free when admitting requests")
-    k = parser.add_argument_group("KV cache")
-    k.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    k.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not reuse KV blocks of identical prompt prefixes")
-    k.add_argument("--num-gpu-blocks", type=int, default=None,
-                   help="KV blocks in the pool, the null block included (default: from memory)")
-    k.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights, activations and the KV pool (CUDA)")
-    k.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes for the KV pool on CPU (default: 1 GiB)")
-    d = parser.add_argument_group("diagnostics")
-    d.add_argument("--step-trace", default=None, metavar="FILE",
-                   help="append one JSON line per engine step (shape and duration) to FILE, to fit a step-cost "
-                        "model with `fastsched bench fit-step-cost` for `fastsched simulate`")
-
-
-ENGINE_ARG_NAMES = (
-    "model", "dtype", "device", "attention_backend", "seed", "max_num_seqs", "max_num_active_seqs",
-    "max_num_batched_tokens", "max_model_len", "long_prefill_token_threshold",
-    "long_prefill_token_threshold_adaptive", "prefill_schedule_interval", "enable_chunked_prefill",
-    "policy", "priority_preemption", "watermark", "block_size", "enable_prefix_caching", "num_gpu_blocks",
-    "gpu_memory_utilization", "kv_cache_memory",
-    "step_trace",
-)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -166,21 +107,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--enable-fault-tolerance", action="store_true",
                    help="A1: keep serving when an engine dies, answering 503 engine_faulted and /health 503 "
                         "(default: the whole server exits)")
-
-
-def add_admission_limit_args(group: argparse._ArgumentGroup) -> None:
-    """The admission limits, shared by ``serve`` and ``simulate`` (which applies them as one frontend)."""
-    group.add_argument("--max-num-queued-reqs", type=int, default=None,
-                       help="A2: reject (503) a request when the requests in flight over all frontends would "
-                            "exceed this (default: no limit)")
-    group.add_argument("--max-num-queued-tokens", type=int, default=None,
-                       help="A3: reject (503) a request when the prompt tokens still in prefill reach this "
-                            "(default: no limit)")
-    group.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS",
-                       help="TTFT target: reject (503, reason ttft_slo) a request when the prompt tokens in "
-                            "prefill, its own included, exceed SECONDS x the prefill throughput the engines measure "
-                            "while requests wait (until measured: two scheduler steps' worth per engine). "
-                            "The limit is the metric fastsched:admission_queued_tokens_limit (default: off)")
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastsched.engine.protocol import EngineCoreOutput
+from fastsched.frontend.stop import StopChecker
 from fastsched.model_loader.tokenizer import Tokenizer
 from fastsched.outputs import CompletionOutput, Logprob, RequestOutput
-from fastsched.sample import StopChecker
 from fastsched.sampling_params import SamplingParams
 
 

@@ -4,7 +4,7 @@ The launcher (this process) starts, in order:
 
 1. D EngineCore processes (spawned; ``engine_proc.run_engine``), engine ``i`` bound at
    ``ipc://<dir>/engine<i>.in`` and pushing to every frontend;
-2. K gRPC frontend processes (spawned; :func:`run_frontend`), frontend ``k`` bound at
+2. K gRPC frontend processes (spawned; ``frontend.process.run_frontend``), frontend ``k`` bound at
    ``ipc://<dir>/frontend<k>.out`` and serving gRPC on ``grpc_port + k``, each with its
    own event loop, one ``AsyncLLM`` and its slot ``k`` of the shared admission counters
    (A6);
@@ -48,27 +48,24 @@ import logging
 import multiprocessing
 import os
 import secrets
-import select
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 from typing import Any
+
+from fastsched.frontend.process import FrontendSpec, block_sigint, run_frontend
 
 logger = logging.getLogger("fastsched.serve")
 
 NAME_PREFIX = "fastsched-serve-"  # of the ipc directory and the shared-memory segment
 DRAIN_TIMEOUT_S = 5.0  # the gateway's grace for requests in flight at shutdown
 STOP_TIMEOUT_S = 5.0  # per kind of child, between SIGTERM and SIGKILL
-PARENT_POLL_S = 0.5  # how often a frontend checks that the launcher is still there
-FRONTEND_GRACE_S = 1.0  # the gRPC server's grace for calls in flight when a frontend stops
 
 
 class ServeError(RuntimeError):
@@ -140,13 +137,8 @@ class _Child:
         return f"{self.kind} {self.index}"
 
 
-def _block_sigint() -> None:
-    # Ctrl-C signals the whole process group: only the launcher acts on it (see the module docstring).
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-
-
 def _engine_main(*args: Any, **kwargs: Any) -> None:
-    _block_sigint()  # before torch's import starts threads: they inherit the mask
+    block_sigint()  # before torch's import starts threads: they inherit the mask
     from fastsched.engine.engine_proc import run_engine
 
     run_engine(*args, **kwargs)
@@ -164,129 +156,6 @@ def _ready_pipe() -> tuple[Connection, Connection]:
     """(the launcher's end, the child's end) of a one-way pipe for the child's READY/FAILED."""
     launcher_end, child_end = multiprocessing.get_context("spawn").Pipe(duplex=False)
     return launcher_end, child_end
-
-
-class _SiblingProcess:
-    """``is_alive()`` for an engine process a frontend did not start (its sibling): a
-    pidfd turns readable when the process exits, zombie or not, and never names a
-    reused pid. Lets AsyncLLM notice a dead engine at once, not after engine_timeout."""
-
-    exitcode = None  # only the parent can know it
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._fd: int | None
-        try:
-            self._fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self._fd = -1  # already gone
-        except (AttributeError, OSError):
-            self._fd = None  # no pidfd (old kernel): fall back to /proc
-
-    def is_alive(self) -> bool:
-        if self._fd == -1:
-            return False
-        if self._fd is not None:
-            readable, _, _ = select.select([self._fd], [], [], 0)
-            return not readable
-        try:
-            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return False
-        return state not in ("Z", "X")
-
-    def close(self) -> None:
-        if self._fd is not None and self._fd >= 0:
-            os.close(self._fd)
-            self._fd = None
-
-
-@dataclass(frozen=True)
-class FrontendSpec:
-    """Everything a frontend process needs from the launcher (picklable for spawn)."""
-
-    index: int
-    engine_input_addrs: tuple[str, ...]
-    engine_pids: tuple[int, ...]
-    output_addr: str
-    grpc_host: str
-    grpc_port: int
-    shm_name: str
-    admission: dict[str, Any]
-    engine_timeout: float
-    ready_timeout: float
-    log_level: str
-
-
-def run_frontend(spec: FrontendSpec, ready_pipe: Connection) -> None:
-    """A frontend process's main: AsyncLLM + gRPC server until SIGTERM or the launcher's
-    death. Sends ``("ready", address)`` or ``("failed", message)`` on ``ready_pipe``."""
-    _block_sigint()
-    logging.basicConfig(level=spec.log_level,
-                        format=f"%(asctime)s %(levelname)s [frontend {spec.index}] %(name)s: %(message)s")
-    sys.exit(asyncio.run(_frontend_main(spec, ready_pipe)))
-
-
-async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
-    from fastsched._core import SharedAdmissionStats
-    from fastsched.frontend.async_llm import AsyncLLM
-    from fastsched.frontend.grpc_server import serve_frontend
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    parent_pid = os.getppid()
-
-    async def watch_parent() -> None:
-        while os.getppid() == parent_pid:
-            await asyncio.sleep(PARENT_POLL_S)
-        logger.warning("the launcher (pid %d) is gone; exiting", parent_pid)
-        stop.set()
-
-    watcher = asyncio.create_task(watch_parent())
-    engines = [_SiblingProcess(pid) for pid in spec.engine_pids]
-    llm = server = None
-    address = f"{spec.grpc_host}:{spec.grpc_port}"
-    try:
-        try:
-            shared = SharedAdmissionStats.open(spec.shm_name, spec.index)
-            starting = asyncio.create_task(AsyncLLM.start(
-                spec.engine_input_addrs, spec.output_addr, frontend_index=spec.index, shared_stats=shared,
-                engine_procs=engines, engine_timeout=spec.engine_timeout, ready_timeout=spec.ready_timeout,
-                **spec.admission,
-            ))
-            stopping = asyncio.create_task(stop.wait())
-            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
-            if not starting.done():  # stopped while waiting for the engines
-                starting.cancel()
-                await asyncio.gather(starting, return_exceptions=True)
-                return 0
-            llm = starting.result()
-            server = await serve_frontend(llm, spec.grpc_host, spec.grpc_port)
-        except Exception as e:
-            logger.error("frontend %d failed to start: %s", spec.index, e)
-            with contextlib.suppress(OSError):
-                ready_pipe.send(("failed", f"frontend {spec.index} failed to start: {type(e).__name__}: {e}"))
-            return 1
-        ready_pipe.send(("ready", address))
-        ready_pipe.close()
-        await stop.wait()
-        logger.info("frontend %d stopping", spec.index)
-        return 0
-    finally:
-        # Stopping already: a second SIGTERM (the launcher's, after a signal to the whole
-        # process group) must not kill the clean-up half way.
-        loop.remove_signal_handler(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        watcher.cancel()
-        if server is not None:
-            await server.stop(FRONTEND_GRACE_S)
-        if llm is not None:
-            await llm.shutdown()
-        for engine in engines:
-            engine.close()
-        logger.info("frontend %d stopped", spec.index)
 
 
 # ------------------------------------------------------------------ the launcher

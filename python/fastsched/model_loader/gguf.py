@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import tokenizers
-import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
@@ -132,8 +131,8 @@ class GGUFFile:
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         )
 
-    def iter_weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor as (Hugging Face name, float32 CPU tensor), dequantized, with a progress bar."""
+    def iter_weights(self, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+        """Every tensor as (Hugging Face name, float32 array), dequantized, with a progress bar."""
         unpermute = self.metadata["general.architecture"] == "llama"
         for tensor in tqdm(self.reader.tensors, desc=f"Loading {self.path.name}", unit="tensor"):
             name = _hf_name(tensor.name)
@@ -142,7 +141,7 @@ class GGUFFile:
                 weights = _unpermute_rope_rows(weights, config.num_heads)
             elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
                 weights = _unpermute_rope_rows(weights, config.num_kv_heads)
-            yield name, torch.from_numpy(weights)
+            yield name, weights
 
 
 def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:

@@ -9,14 +9,10 @@ required file fails with FileNotFoundError naming it, before any weight is read.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import tokenizers
-import torch
-from safetensors import safe_open
-from tqdm import tqdm
 
 from fastsched.model_loader.tokenizer import Tokenizer
 from fastsched.models.config import ModelConfig
@@ -46,19 +42,6 @@ def weight_files(path: Path) -> list[Path]:
         if not file.is_file():
             raise FileNotFoundError(f"weight shard {file.name} listed in {INDEX_FILE} is missing from {path}")
     return files
-
-
-def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint as (Hugging Face name, CPU tensor in its stored dtype),
-    one at a time so peak host memory stays at one tensor, with a progress bar."""
-    files = weight_files(path)
-    handles = [safe_open(str(file), framework="pt", device="cpu") for file in files]
-    total = sum(len(handle.keys()) for handle in handles)
-    with tqdm(total=total, desc=f"Loading {path.name}", unit="tensor") as progress:
-        for handle in handles:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
-                progress.update(1)
 
 
 def read_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:

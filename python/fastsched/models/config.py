@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 # llama.cpp's ``general.architecture`` -> the Hugging Face class name it was converted from.
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -31,14 +29,10 @@ _MODEL_TYPES = {
 _ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+_DTYPES = ("float32", "float16", "bfloat16")
 
 # GGUF ``general.file_type`` values whose weights are stored unquantized (llama.cpp's LLAMA_FTYPE).
-_GGUF_FILE_TYPE_DTYPES = {0: torch.float32, 1: torch.float16, 32: torch.bfloat16}
+_GGUF_FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -67,7 +61,7 @@ class ModelConfig:
     # Mistral-style windowed attention; no backend implements it, so callers must keep
     # max_model_len <= sliding_window (outputs are exact below the window).
     sliding_window: int | None = None
-    dtype: torch.dtype = torch.float32  # the checkpoint's own dtype, not necessarily the serving dtype
+    dtype: str = "float32"  # the checkpoint's own dtype (a torch dtype name), not necessarily the serving dtype
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
@@ -177,7 +171,7 @@ class ModelConfig:
             o_proj_bias="blk.0.attn_output.bias" in tensor_names,
             mlp_bias="blk.0.ffn_up.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-            dtype=_GGUF_FILE_TYPE_DTYPES.get(metadata.get("general.file_type"), torch.float16),
+            dtype=_GGUF_FILE_TYPE_DTYPES.get(metadata.get("general.file_type"), "float16"),
             eos_token_ids=_id_tuple(metadata.get("tokenizer.ggml.eos_token_id")),
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         )
@@ -221,11 +215,11 @@ def _hf_sliding_window(config: dict[str, Any]) -> int | None:
     return config.get("sliding_window")
 
 
-def _hf_dtype(config: dict[str, Any]) -> torch.dtype:
+def _hf_dtype(config: dict[str, Any]) -> str:
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     if name not in _DTYPES:
         raise ValueError(f"config.json dtype {name!r} is not one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    return name
 
 
 def _id_tuple(value: int | list[int] | None) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""Turning a step's logits into tokens (``sampler``) and finding stop strings in text (``stop``)."""
+"""Turning a step's logits into tokens (``sampler``). Stop strings are found in text by
+the frontend (``fastsched.frontend.stop``)."""
 
 from fastsched.sample.sampler import (
     LogprobsTensors,
@@ -8,7 +9,6 @@ from fastsched.sample.sampler import (
     SamplingMetadata,
     make_generator,
 )
-from fastsched.sample.stop import StopChecker
 
 __all__ = [
     "LogprobsTensors",
@@ -16,6 +16,5 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
-    "StopChecker",
     "make_generator",
 ]

@@ -387,20 +387,29 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
     }
 
 
+def add_workload_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The random workload's flags, shared by ``bench serve`` and ``simulate``: the same
+    values give the same requests at the same instants in both (``make_requests``,
+    ``arrival_times``). vLLM's ``bench serve`` names are accepted as aliases."""
+    group.add_argument("--qps", "--request-rate", dest="qps", type=float, nargs="+", default=[1.0],
+                       help="Poisson request rates, run in turn (requests/s; 'inf' sends all at once)")
+    group.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=100,
+                       help="requests sent at each rate")
+    group.add_argument("--prompt-len", "--random-input-len", dest="prompt_len", type=int, default=128,
+                       help="mean prompt length in tokens (uniform within ±50%%)")
+    group.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64,
+                       help="mean output length in tokens (uniform within ±50%%, EOS ignored)")
+    group.add_argument("--seed", type=int, default=0, help="seed of lengths, prompt token ids and arrival times")
+    group.add_argument("--token-id-range", default="10:250",
+                       help="prompt token ids are drawn from LO:HI (HI excluded; default 10:250)")
+
+
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=DEFAULT_URL, help=f"the gateway's base URL (default: {DEFAULT_URL})")
-    parser.add_argument("--qps", type=float, nargs="+", default=[1.0],
-                        help="request rates to run, in turn (requests/s; 'inf' sends all at once)")
-    parser.add_argument("--num-requests", type=int, default=100, help="requests sent at each rate")
-    parser.add_argument("--prompt-len", type=int, default=128,
-                        help="mean prompt length in tokens (uniform within ±50%%)")
-    parser.add_argument("--output-len", type=int, default=64,
-                        help="mean output length in tokens (uniform within ±50%%, EOS ignored)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts and arrival times")
+    parser.add_argument("--url", "--base-url", dest="url", default=DEFAULT_URL,
+                        help=f"the gateway's base URL (default: {DEFAULT_URL})")
+    add_workload_args(parser)
     parser.add_argument("--model", default=None, help="model name to send (default: the one /v1/models lists)")
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
-    parser.add_argument("--token-id-range", default="10:250",
-                        help="prompt token ids are drawn from LO:HI (HI excluded; default 10:250)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for one request")
     parser.add_argument("--out", default=None, help="write the results as JSON to this file")
     parser.add_argument("--plot", default=None, help="write the e2e latency CDF (PNG, needs matplotlib) here")
@@ -439,5 +448,6 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["BenchRequest", "RequestResult", "add_bench_serve_args", "arrival_times", "format_table",
+__all__ = ["BenchRequest", "RequestResult", "add_bench_serve_args", "add_workload_args", "arrival_times",
+           "format_table",
            "make_requests", "plot_latency_cdf", "run_bench", "run_from_args", "summarize"]

@@ -10,7 +10,7 @@ chunk beside them — records their step trace and fits it. Its steps are the
 ``EngineCore.step()`` calls alone, so it measures the model and the scheduler, not the
 serving path around them.
 
-Wiring (entrypoints/cli.py)::
+Wiring (``fastsched.entrypoints.cli``)::
 
     from fastsched.tools.bench_steps import add_bench_steps_parsers
     add_bench_steps_parsers(bench_sub)   # `bench fit-step-cost` and `bench steps`
@@ -38,7 +38,7 @@ MIN_PREFILL = 16
 
 
 def add_bench_steps_parsers(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from fastsched.entrypoints.cli import add_engine_args
+    from fastsched.config import add_engine_args
 
     fit = bench_sub.add_parser(
         "fit-step-cost", help="fit the step-cost model of `fastsched simulate` on --step-trace files",
@@ -125,10 +125,9 @@ def _doubling(lo: int, hi: int) -> list[int]:
 def run_bench_steps(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from fastsched.config import EngineConfig
+    from fastsched.config import EngineConfig, engine_kwargs
     from fastsched.engine.core import EngineCore
     from fastsched.engine.step_trace import StepTracer
-    from fastsched.entrypoints.cli import engine_kwargs
     from fastsched.tools.simulator.cost import fit_step_cost, read_step_trace
 
     if args.repeats < 1 or args.decode_context < 1:

@@ -1,11 +1,11 @@
 """``fastsched simulate``: what ``bench serve`` would measure, from the scheduler alone.
 
-Wiring (entrypoints/cli.py)::
+Wiring (``fastsched.entrypoints.cli``)::
 
     from fastsched.tools.simulate import add_simulate_parser
     add_simulate_parser(sub)          # sets func=run_simulate on the subcommand
 
-The engine flags are ``fastsched serve``'s (``add_engine_args``), so a config is written
+The engine flags are ``fastsched serve``'s (``fastsched.config.add_engine_args``), so a config is written
 once and simulated or served alike; the admission flags are serve's too. The report is
 ``bench serve``'s table and JSON (its ``summarize``: same percentiles, same throughput
 definitions) plus the engine's side: steps, preemptions, and the wall time simulating took.
@@ -19,7 +19,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastsched.tools.bench_serve import format_table, parse_token_id_range, summarize
+from fastsched.tools.bench_serve import add_workload_args, format_table, parse_token_id_range, summarize
+
+# Engine flags simulate does not take: --seed seeds the workload (as bench serve's) and
+# --step-trace records the simulated steps, not an engine's.
+SIMULATE_OWN_FLAGS = ("seed", "step_trace")
 
 if TYPE_CHECKING:
     from fastsched.tools.simulator import StepCost, TraceRequest
@@ -28,7 +32,8 @@ if TYPE_CHECKING:
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Add the ``simulate`` subcommand to ``subparsers`` (with ``func=run_simulate``) and return it."""
-    from fastsched.entrypoints.cli import add_admission_limit_args, add_engine_args
+    from fastsched.config import add_engine_args
+    from fastsched.frontend.cli_args import add_admission_limit_args
 
     p = subparsers.add_parser(
         "simulate", help="replay a request trace through the real scheduler with a step-cost model (no model run)",
@@ -39,33 +44,21 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                     "TTFT/ITL/TPOT/E2E percentiles, throughput and 503s by reason, plus steps and preemptions. "
                     "Simulates one engine and one frontend. Engine flags are serve's; those that change only how "
                     "the model runs (--attention-backend, --gpu-memory-utilization) do not change the result.",
-        conflict_handler="resolve",  # --seed and --step-trace below replace the engine's, with their meaning here
     )
-    # The groups are made first so that --help lists them first; their flags are added after
-    # the engine's so that this --seed and --step-trace replace the engine's.
+    # The groups are made first so that --help lists them before the engine's.
     trace = p.add_argument_group("requests (a --trace file, or bench serve's generator)")
     cost = p.add_argument_group("step cost (one of)")
     adm = p.add_argument_group(
         "admission control, as `fastsched serve` (one frontend; --ttft-slo measures the modelled steps, "
         "and the limit at each run's end is in the engine table)")
     out = p.add_argument_group("output")
-    add_engine_args(p)
+    add_engine_args(p, exclude=SIMULATE_OWN_FLAGS)
     trace.add_argument("--trace", default=None, metavar="FILE",
                        help='JSONL, one request a line: {"arrival_time": seconds, "prompt_len": tokens, '
-                            '"output_len": tokens, "priority": int (optional)}')
-    trace.add_argument("--qps", type=float, nargs="+", default=None,
-                       help="without --trace: Poisson request rates, run in turn on one engine as bench serve "
-                            "does ('inf' sends all at once; default: 1)")
-    trace.add_argument("--num-requests", type=int, default=100, help="requests at each rate (as bench serve)")
-    trace.add_argument("--prompt-len", type=int, default=128,
-                       help="mean prompt length in tokens, uniform within ±50%% (as bench serve)")
-    trace.add_argument("--output-len", type=int, default=64,
-                       help="mean output length in tokens, uniform within ±50%% (as bench serve)")
-    trace.add_argument("--seed", type=int, default=0,
-                       help="seed of lengths, prompt token ids and arrival times: bench serve --seed S sends the "
-                            "same requests at the same instants (with --trace: seeds the prompt token ids)")
-    trace.add_argument("--token-id-range", default="10:250",
-                       help="prompt token ids are drawn from LO:HI, HI excluded (as bench serve; default 10:250)")
+                            '"output_len": tokens, "priority": int (optional)}; excludes --qps, and --seed then '
+                            'seeds the prompt token ids')
+    add_workload_args(trace)
+    p.set_defaults(qps=None)  # None: no rate given, so a --trace may be used (1 req/s otherwise)
     cost.add_argument("--cost-model", default=None, metavar="FILE",
                       help="JSON with a, b, c in seconds, as `fastsched bench fit-step-cost --out` writes")
     cost.add_argument("--step-cost", type=float, nargs=3, default=None, metavar=("A", "B", "C"),
@@ -85,15 +78,14 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from fastsched.config import EngineConfig
+    from fastsched.config import EngineConfig, engine_kwargs
     from fastsched.engine.step_trace import StepTracer
-    from fastsched.entrypoints.cli import engine_kwargs
     from fastsched.tools.simulator import Simulator
     from fastsched.tools.simulator.sizing import simulated_engine
 
     cost = _cost_from_args(args)
     traces = _traces_from_args(args)
-    config = EngineConfig.from_kwargs(**{**engine_kwargs(args), "step_trace": None})
+    config = EngineConfig.from_kwargs(**engine_kwargs(args, exclude=SIMULATE_OWN_FLAGS))
     engine = simulated_engine(config)
     tracer = StepTracer(args.step_trace) if args.step_trace else None
     sim = Simulator(
@@ -137,11 +129,11 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def _config_report(args: argparse.Namespace, engine: SimulatedEngine, cost: StepCost) -> dict[str, Any]:
     """Everything that decided the result, so a report can be reproduced."""
-    from fastsched.entrypoints.cli import engine_kwargs
+    from fastsched.config import engine_kwargs
 
     generated = args.trace is None
     return {
-        "engine": {k: v for k, v in engine_kwargs(args).items() if k not in ("step_trace", "seed")},
+        "engine": engine_kwargs(args, exclude=SIMULATE_OWN_FLAGS),
         "num_gpu_blocks": engine.num_gpu_blocks,
         "max_model_len": engine.max_model_len,
         "step_cost": {"a": cost.a, "b": cost.b, "c": cost.c},

@@ -111,6 +111,30 @@ impl PySchedulerConfig {
         self.inner.max_model_len
     }
     #[getter]
+    fn long_prefill_token_threshold(&self) -> usize {
+        self.inner.long_prefill_token_threshold
+    }
+    #[getter]
+    fn long_prefill_token_threshold_adaptive(&self) -> bool {
+        self.inner.long_prefill_token_threshold_adaptive
+    }
+    #[getter]
+    fn prefill_schedule_interval(&self) -> usize {
+        self.inner.prefill_schedule_interval
+    }
+    #[getter]
+    fn enable_chunked_prefill(&self) -> bool {
+        self.inner.enable_chunked_prefill
+    }
+    #[getter]
+    fn scheduler_reserve_full_isl(&self) -> bool {
+        self.inner.scheduler_reserve_full_isl
+    }
+    #[getter]
+    fn watermark(&self) -> f64 {
+        self.inner.watermark
+    }
+    #[getter]
     fn block_size(&self) -> usize {
         self.inner.block_size
     }

@@ -1,0 +1,21 @@
+"""The frontend's admission flags (docs/design.md §6), shared by ``fastsched serve`` and
+``fastsched simulate`` (which applies them as one frontend)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_admission_limit_args(group: argparse._ArgumentGroup) -> None:
+    """Add ``--max-num-queued-reqs``, ``--max-num-queued-tokens`` and ``--ttft-slo`` to ``group``."""
+    group.add_argument("--max-num-queued-reqs", type=int, default=None,
+                       help="A2: reject (503) a request when the requests in flight over all frontends would "
+                            "exceed this (default: no limit)")
+    group.add_argument("--max-num-queued-tokens", type=int, default=None,
+                       help="A3: reject (503) a request when the prompt tokens still in prefill reach this "
+                            "(default: no limit)")
+    group.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS",
+                       help="TTFT target: reject (503, reason ttft_slo) a request when the prompt tokens in "
+                            "prefill, its own included, exceed SECONDS x the prefill throughput the engines measure "
+                            "while requests wait (until measured: two scheduler steps' worth per engine). "
+                            "The limit is the metric fastsched:admission_queued_tokens_limit (default: off)")
