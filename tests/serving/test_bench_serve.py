@@ -32,7 +32,7 @@ STAT_KEYS = {"mean", "p50", "p90", "p99"}
 class FakeServer:
     def __init__(self) -> None:
         self.loop = LoopThread()
-        self.fake = FakeAsyncLLM(eager=True, stats_names="engine", journal=[])
+        self.fake = FakeAsyncLLM(stats_names="engine", journal=[])
         self.fake.token_delay = 0.002
         port = free_port()
         self.grpc = self.loop.call(serve_frontend(self.fake, "127.0.0.1", port))

@@ -3,9 +3,9 @@
 Two fake AsyncLLMs, each behind the real ``grpc_server`` on its own 127.0.0.1 port,
 and the real gateway app on real uvicorn servers (one open, one with an API key), all
 on one event loop in a background thread. The official ``openai`` client and httpx
-talk to them over HTTP. One fake admits the way the real AsyncLLM does (``generate()``
-raises at once); the other is an async generator that raises on its first step, as
-the contract allows — the server must handle both.
+talk to them over HTTP. The fakes keep AsyncLLM's contract: ``generate()`` checks and
+admits when called (raising at once), and returns a stream of snapshots with per-completion
+deltas that aborts the request when its ``async with`` block is left early.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from fastsched.frontend.admission import (  # noqa: E402
     MaxQueuedTokensError,
     QueueOverflowError,
 )
+from fastsched.frontend.async_llm import CompletionDelta, StreamOutput  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
@@ -74,6 +75,41 @@ class FakeTokenizer:
         return self.encode(text) if tokenize else text
 
 
+class FakeStream:
+    """AsyncLLM's ``RequestStream`` over the fake's snapshots: each one gets the deltas
+    since the previous one, and leaving ``async with`` early closes the generator (which
+    records an abort)."""
+
+    def __init__(self, snapshots: AsyncIterator[RequestOutput]) -> None:
+        self._snapshots = snapshots
+        self._previous: list[CompletionOutput] | None = None
+
+    async def __aenter__(self) -> FakeStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._snapshots.aclose()
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        snapshot = await self._snapshots.__anext__()
+        deltas = [_delta(c, self._previous[c.index] if self._previous else None) for c in snapshot.outputs]
+        self._previous = copy.deepcopy(snapshot.outputs)
+        return StreamOutput(snapshot.request_id, snapshot.prompt, snapshot.prompt_token_ids, snapshot.outputs,
+                            snapshot.num_cached_tokens, deltas=[d for d in deltas if d is not None])
+
+
+def _delta(now: CompletionOutput, before: CompletionOutput | None) -> CompletionDelta | None:
+    text, tokens, logprobs = (before.text, before.token_ids, before.logprobs or []) if before else ("", [], [])
+    if before is not None and (now.text, now.token_ids, now.finished) == (text, tokens, before.finished):
+        return None
+    return CompletionDelta(now.index, now.text[len(text):], now.token_ids[len(tokens):],
+                           None if now.logprobs is None else now.logprobs[len(logprobs):],
+                           now.finish_reason, now.stop_reason)
+
+
 class FakeAsyncLLM:
     """AsyncLLM's contract with a deterministic generator: completion i emits
     WORDS[(step + i) % len(WORDS)] as token 100 + that word's index. Honors n,
@@ -81,8 +117,7 @@ class FakeAsyncLLM:
     word. ``reject`` / ``fail`` / ``healthy`` / ``token_delay`` steer it; it records
     requests, aborts and rejections."""
 
-    def __init__(self, eager: bool, stats_names: str, journal: list) -> None:
-        self.eager = eager
+    def __init__(self, stats_names: str, journal: list) -> None:
         self.journal = journal  # admitted requests of every fake, in order
         self.stats_names = stats_names  # "design" (DESIGN §7 names) or "engine" (AsyncLLM's current names)
         self.reject: AdmissionError | None = None
@@ -98,17 +133,9 @@ class FakeAsyncLLM:
         self.reject, self.fail, self.healthy, self.token_delay = None, None, True, 0.0
 
     def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]:
-        if self.eager:  # the real AsyncLLM: checks and admits when called
-            prompt_ids = self._admit(request_id, prompt, params, priority)
-            return self._stream(request_id, prompt, prompt_ids, params)
-        return self._lazy(request_id, prompt, params, priority)
-
-    async def _lazy(self, request_id: str, prompt: Any, params: SamplingParams,
-                    priority: int) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0) -> FakeStream:
         prompt_ids = self._admit(request_id, prompt, params, priority)
-        async for out in self._stream(request_id, prompt, prompt_ids, params):
-            yield out
+        return FakeStream(self._stream(request_id, prompt, prompt_ids, params))
 
     def _admit(self, request_id: str, prompt: Any, params: SamplingParams, priority: int) -> list[int]:
         prompt_ids = [100 + i for i, _ in enumerate(prompt.split())] if isinstance(prompt, str) else list(prompt)
@@ -211,8 +238,8 @@ class Servers:
     def __init__(self) -> None:
         self.loop = LoopThread()
         journal: list = []
-        self.fakes = [FakeAsyncLLM(eager=True, stats_names="engine", journal=journal),
-                      FakeAsyncLLM(eager=False, stats_names="design", journal=journal)]
+        self.fakes = [FakeAsyncLLM(stats_names="engine", journal=journal),
+                      FakeAsyncLLM(stats_names="design", journal=journal)]
         self.grpc_addrs = [f"127.0.0.1:{free_port()}" for _ in self.fakes]
         self.grpc_servers = [self.call(serve_frontend(f, "127.0.0.1", int(a.rsplit(":", 1)[1])))
                              for f, a in zip(self.fakes, self.grpc_addrs)]
@@ -678,7 +705,7 @@ def stub(servers: Servers) -> Iterator[Any]:
         channel.close()
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["eager-generate", "async-generator"])
+@pytest.mark.parametrize("index", [0, 1], ids=["frontend-0", "frontend-1"])
 def test_a5_grpc_rejection_is_unavailable_with_the_reason(stub: Any, fakes: list[FakeAsyncLLM], index: int) -> None:
     fakes[index].reject = REJECTIONS["max_num_queued_reqs"]
     with pytest.raises(grpc.RpcError) as info:
@@ -688,7 +715,7 @@ def test_a5_grpc_rejection_is_unavailable_with_the_reason(stub: Any, fakes: list
     assert ("rejection-reason", "max_num_queued_reqs") in info.value.trailing_metadata()
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["eager-generate", "async-generator"])
+@pytest.mark.parametrize("index", [0, 1], ids=["frontend-0", "frontend-1"])
 def test_errors_grpc_invalid_argument_names_the_field(stub: Any, index: int) -> None:
     request = pb.GenerateRequest(text="x", sampling_params=pb.SamplingParams(top_p=0.0))
     with pytest.raises(grpc.RpcError) as info:

@@ -21,6 +21,7 @@ from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_token
 from fastsched.engine.protocol import FINISH_REASONS, EngineCoreOutput, EngineCoreRequest
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
+from fastsched.inputs import check_prompt
 from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.weights import load_model
 from fastsched.models.config import ModelConfig
@@ -95,16 +96,7 @@ class EngineCore:
         """Queues a request; a prompt that can never run is answered as ignored."""
         params = request.params
         n = len(request.prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt must contain at least one token")
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is longer than "
-                f"max_model_len ({self.max_model_len})"
-            )
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}")
+        check_prompt(request.prompt_token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
         if request.request_id in self._handles:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         eos = None if params.ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from fastsched.config import EngineConfig
 from fastsched.engine.core import EngineCore
-from fastsched.engine.protocol import EngineCoreRequest
 from fastsched.frontend.output_processor import OutputProcessor
+from fastsched.inputs import InputProcessor, PromptType, child_request_ids
 from fastsched.model_loader import load_tokenizer
 from fastsched.outputs import CompletionOutput, RequestOutput
 from fastsched.sampling_params import SamplingParams
-
-PromptType = str | Sequence[int]
 
 
 class LLM:
@@ -32,6 +29,7 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         self.tokenizer = load_tokenizer(model)
         self.engine = EngineCore(self.config)
+        self.inputs = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
         self._ids = itertools.count()
 
     def generate(
@@ -89,24 +87,16 @@ class LLM:
     def _add(
         self, prompt: PromptType, params: SamplingParams, processor: OutputProcessor, added: list[str]
     ) -> RequestOutput:
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, [int(t) for t in prompt]
+        text, token_ids = self.inputs.tokenize(prompt, params)
         request_id = str(next(self._ids))
         parent = RequestOutput(
             request_id, text, token_ids, [CompletionOutput(index=i) for i in range(params.n)]
         )
-        for i in range(params.n):
-            # Each of the n completions is its own engine request; seeded ones get
-            # distinct seeds so they do not all draw the same tokens.
-            child = params if params.n == 1 else replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i
-            )
-            child_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            self.engine.add_request(EngineCoreRequest(child_id, token_ids, child))
-            added.append(child_id)
-            processor.add_request(child_id, parent, i, child)
+        child_ids = child_request_ids(request_id, params.n)
+        for i, request in enumerate(InputProcessor.engine_requests(child_ids, token_ids, params)):
+            self.engine.add_request(request)
+            added.append(request.request_id)
+            processor.add_request(request.request_id, parent, i, request.params)
         return parent
 
     def _run(self, processor: OutputProcessor, num_requests: int, use_tqdm: bool) -> None:

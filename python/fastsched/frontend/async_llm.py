@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 
 from fastsched.engine import protocol
-from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineRequestStatus, EngineStats, ModelInfo
+from fastsched.engine.protocol import EngineCoreOutput, EngineRequestStatus, EngineStats, ModelInfo
 from fastsched.frontend.admission import (
     TTFT_SLO_FLOOR_STEPS,
     AdmissionController,
@@ -46,6 +46,7 @@ from fastsched.frontend.admission import (
 )
 from fastsched.frontend.output_processor import OutputProcessor
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
+from fastsched.inputs import InputProcessor, child_params, child_request_ids
 from fastsched.model_loader import Tokenizer, load_tokenizer
 from fastsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from fastsched.sampling_params import SamplingParams
@@ -251,6 +252,7 @@ class AsyncLLM:
         self.admission = admission
         self.engine_timeout = engine_timeout
         self.tokenizer: Tokenizer | None = None
+        self._inputs: InputProcessor | None = None  # once the engines have said which model
         self._ctx = zmq.asyncio.Context()
         self._send_ctx = zmq.Context()  # plain sockets: a send never awaits (abort from __del__ / finally)
         self._pull = self._ctx.socket(zmq.PULL)
@@ -353,6 +355,7 @@ class AsyncLLM:
             ):
                 raise RuntimeError(f"engine {e.index} serves {e.info} but engine 0 serves {first}")
         self.tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, first.model)
+        self._inputs = InputProcessor(self.tokenizer, first.max_model_len, first.vocab_size)
         now = time.monotonic()
         for e in self._engines:
             e.last_seen = now
@@ -385,22 +388,8 @@ class AsyncLLM:
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        info = self.model_info()
-        assert self.tokenizer is not None
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, [int(t) for t in prompt]
-        if not token_ids:
-            raise ValueError("the prompt must contain at least one token")
-        if len(token_ids) + params.max_tokens > info.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is longer than "
-                f"max_model_len ({info.max_model_len})"
-            )
-        bad = next((t for t in token_ids if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is out of range for a vocabulary of {info.vocab_size}")
+        assert self._inputs is not None
+        text, token_ids = self._inputs.tokenize(prompt, params)
         healthy = [e for e in self._engines if e.healthy]
         if not healthy and not self.admission.fault_tolerance:
             reasons = "; ".join(f"engine {e.index}: {e.dead_reason}" for e in self._engines)
@@ -413,15 +402,10 @@ class AsyncLLM:
             raise
         engine = min(healthy, key=lambda e: (e.num_in_flight, e.index))  # least loaded; ties: lowest index
         state = self._register(request_id, text, token_ids, params, engine)
-        arrival = state.metrics.arrival_time
+        requests = InputProcessor.engine_requests(
+            state.child_ids, token_ids, params, state.metrics.arrival_time, priority)
         try:
-            for i, child_id in enumerate(state.child_ids):
-                # Each of the n completions is its own engine request; seeded ones get
-                # distinct seeds so they do not all draw the same tokens (as fastsched.LLM).
-                child = params if params.n == 1 else replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + i
-                )
-                request = EngineCoreRequest(child_id, token_ids, child, arrival, priority)
+            for request in requests:
                 self._send(engine, protocol.encode(protocol.AddRequest(request, self.frontend_index)))
         except BaseException:
             self._drop(state)
@@ -433,7 +417,7 @@ class AsyncLLM:
     ) -> _RequestState:
         assert self.tokenizer is not None
         base = f"{self._id_prefix}{next(self._ids)}:{request_id}"
-        child_ids = [base] if params.n == 1 else [f"{base}#{i}" for i in range(params.n)]
+        child_ids = child_request_ids(base, params.n)
         parent = RequestOutput(request_id, text, token_ids, [CompletionOutput(index=i) for i in range(params.n)])
         processor = OutputProcessor(self.tokenizer)
         state = _RequestState(
@@ -442,8 +426,7 @@ class AsyncLLM:
             prefilling=set(child_ids), sent=[(0, 0, 0, False)] * params.n,
         )
         for i, child_id in enumerate(child_ids):
-            child = params if params.n == 1 else replace(params, n=1)
-            processor.add_request(child_id, parent, i, child)
+            processor.add_request(child_id, parent, i, child_params(params, i))
             self._children[child_id] = state
         self._requests[request_id] = state
         engine.num_in_flight += params.n

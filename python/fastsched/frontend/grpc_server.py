@@ -1,9 +1,9 @@
 """The frontend's gRPC server: ``proto/fastsched/v1/generate.proto`` over one AsyncLLM.
 
 It only translates. Requests become ``SamplingParams`` (whose ``__post_init__`` is the
-one place that judges values; AsyncLLM judges the prompt), AsyncLLM's cumulative
-``RequestOutput`` snapshots become deltas per completion index, and exceptions become
-status codes (DESIGN §8):
+one place that judges values; AsyncLLM judges the prompt), the per-completion deltas
+that AsyncLLM's stream carries become ``GenerateResponse`` messages, and exceptions
+become status codes (docs/design.md §8):
 
 - ``ValueError`` → INVALID_ARGUMENT with the message (prompt + max_tokens >
   max_model_len included); trailing metadata ``invalid-param`` names the field the
@@ -11,7 +11,8 @@ status codes (DESIGN §8):
 - ``AdmissionError`` (A1–A3) → UNAVAILABLE, the reason as details and as trailing
   metadata ``rejection-reason`` (A5). Any other failure while the engine is unhealthy
   (e.g. it died mid-request) is reported the same way, as ``engine_faulted``.
-- The client cancelling the call → ``AsyncLLM.abort`` (blocks are freed at once).
+- The client cancelling the call ends the ``async with`` around the request's stream,
+  which aborts the request (its blocks are freed at once), however the call ends.
 - ``GetRequestStatus`` of an id the frontend does not know → NOT_FOUND; an engine that
   does not answer in time (``TimeoutError``) → DEADLINE_EXCEEDED. AsyncLLM's status dict
   becomes ``RequestStatusResponse`` field for field.
@@ -20,8 +21,6 @@ status codes (DESIGN §8):
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
 import logging
 import re
 import time
@@ -33,20 +32,18 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from fastsched.frontend.admission import AdmissionError
+from fastsched.frontend.admission import ENGINE_FAULTED, AdmissionError
+from fastsched.frontend.async_llm import CompletionDelta, StreamOutput
 from fastsched.frontend.stats import LatencyHistograms, stats_to_proto
-from fastsched.outputs import CompletionOutput, RequestOutput
+from fastsched.outputs import RequestOutput
 from fastsched.proto_gen import import_stubs
+from fastsched.rpc import INVALID_PARAM_KEY, MESSAGE_SIZE_OPTIONS, REJECTION_REASON_KEY
 from fastsched.sampling_params import SamplingParams
 
 pb, pb_grpc = import_stubs()
 
 logger = logging.getLogger("fastsched.grpc")
 
-REJECTION_REASON_KEY = "rejection-reason"
-INVALID_PARAM_KEY = "invalid-param"
-ENGINE_FAULTED = "engine_faulted"
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 # Field names an error message may be about, for `invalid-param` (OpenAI's `param`).
 _PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams)) | {"prompt", "priority", "request_id", "model"}
@@ -88,8 +85,8 @@ def _token_logprob(token_id: int, lp: Any) -> Any:
 
 
 class _ResponseStream:
-    """Turns AsyncLLM's cumulative snapshots into per-index deltas, and times them for
-    the latency histograms (TTFT, inter-token latency, e2e as this frontend sees them)."""
+    """Turns the deltas of AsyncLLM's stream into ``GenerateResponse`` messages, and times
+    them for the latency histograms (TTFT, inter-token latency, e2e as this frontend sees them)."""
 
     def __init__(self, request_id: str, num_top_logprobs: int | None, latencies: LatencyHistograms) -> None:
         self.request_id = request_id
@@ -98,51 +95,40 @@ class _ResponseStream:
         self.start = time.monotonic()
         self.first_token_seen = False
         self.last_token_time: dict[int, float] = {}
-        self.sent_tokens: dict[int, int] = {}
-        self.sent_text: dict[int, int] = {}
-        self.finished: set[int] = set()
         self.usage_sent = False
         self.last: RequestOutput | None = None
 
-    def delta(self, output: RequestOutput) -> Any | None:
+    def response(self, output: StreamOutput) -> Any | None:
+        """The message for one step of the stream; None if nothing a client sees changed."""
         now = time.monotonic()
         self.last = output
         response = pb.GenerateResponse(request_id=self.request_id)
-        for completion in output.outputs:
-            delta = None if completion.index in self.finished else self._completion_delta(completion, now)
-            if delta is not None:
-                response.completions.append(delta)
+        for delta in output.deltas:
+            if delta.token_ids:
+                self._observe_tokens(delta.index, len(delta.token_ids), now)
+            response.completions.append(self._completion_delta(delta))
         if output.finished:
             response.usage.CopyFrom(self.usage())
             self.usage_sent = True
             self._observe_end(output, now)
         return response if response.completions or output.finished else None
 
-    def _completion_delta(self, c: CompletionOutput, now: float) -> Any | None:
-        i = c.index
-        tokens_from, text_from = self.sent_tokens.get(i, 0), self.sent_text.get(i, 0)
-        num_new = len(c.token_ids) - tokens_from
-        if num_new == 0 and len(c.text) == text_from and c.finish_reason is None:
-            return None
-        if num_new > 0:
-            self._observe_tokens(i, num_new, now)
-        delta = pb.CompletionDelta(index=i, token_ids=c.token_ids[tokens_from:], text=c.text[text_from:])
-        if c.logprobs is not None and self.num_top_logprobs is not None:
-            for token_id, position in zip(c.token_ids[tokens_from:], c.logprobs[tokens_from:]):
+    def _completion_delta(self, d: CompletionDelta) -> Any:
+        delta = pb.CompletionDelta(index=d.index, token_ids=d.token_ids, text=d.text)
+        if d.logprobs is not None and self.num_top_logprobs is not None:
+            for token_id, position in zip(d.token_ids, d.logprobs):
                 entry = pb.PositionLogprobs()
                 if token_id in position:
                     entry.sampled.CopyFrom(_token_logprob(token_id, position[token_id]))
                 top = sorted((lp.rank, tid) for tid, lp in position.items() if lp.rank <= self.num_top_logprobs)
                 entry.top.extend(_token_logprob(tid, position[tid]) for _, tid in top)
                 delta.logprobs.append(entry)
-        if c.finish_reason is not None:
-            delta.finish_reason = c.finish_reason
-            if isinstance(c.stop_reason, str):
-                delta.stop_str = c.stop_reason
-            elif isinstance(c.stop_reason, int):
-                delta.stop_token_id = c.stop_reason
-            self.finished.add(i)
-        self.sent_tokens[i], self.sent_text[i] = len(c.token_ids), len(c.text)
+        if d.finish_reason is not None:
+            delta.finish_reason = d.finish_reason
+            if isinstance(d.stop_reason, str):
+                delta.stop_str = d.stop_reason
+            elif isinstance(d.stop_reason, int):
+                delta.stop_token_id = d.stop_reason
         return delta
 
     def _observe_tokens(self, index: int, num_new: int, now: float) -> None:
@@ -186,59 +172,41 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
             prompt, params = self._parse(request)
+            # AsyncLLM checks and admits when called: a rejection or a bad prompt ends the
+            # call here, before any response, and leaves no request behind (A5).
+            stream = self.async_llm.generate(request_id, prompt, params, request.priority)
+        except AdmissionError as e:
+            await self._abort_unavailable(context, e.reason)
         except ValueError as e:
             await self._abort_invalid(context, e)
-            return
-        tracker = _ResponseStream(request_id, params.logprobs, self.latencies)
-        outputs = None
-        needs_abort = False  # until admitted: a rejected request leaves no trace (A5)
+        except Exception as e:
+            await self._abort_failed(context, request_id, e)
+        responses = _ResponseStream(request_id, params.logprobs, self.latencies)
         try:
-            try:
-                # AsyncLLM admits when called (or, as an async generator, on the first step):
-                # rejections and invalid prompts surface here, before any response.
-                outputs = self.async_llm.generate(request_id, prompt, params, request.priority)
-                if inspect.isawaitable(outputs):
-                    outputs = await outputs
-                outputs = outputs.__aiter__()
-                needs_abort = True
-                first = await outputs.__anext__()
-            except AdmissionError as e:
-                needs_abort = False
-                await self._abort_unavailable(context, e.reason)
-            except ValueError as e:
-                needs_abort = False
-                await self._abort_invalid(context, e)
-            except StopAsyncIteration:
-                first = None
-            output = first
-            while output is not None:
-                if output.finished:
-                    needs_abort = False
-                if (response := tracker.delta(output)) is not None:
-                    yield response
-                try:
-                    output = await outputs.__anext__()
-                except StopAsyncIteration:
-                    output = None
-            if not tracker.usage_sent:  # ended without a finished snapshot
-                yield pb.GenerateResponse(request_id=request_id, usage=tracker.usage())
+            # Leaving this block before the request finished (the client cancelled, the
+            # stream broke) aborts it in the engine: no path can forget the abort.
+            async with stream:
+                async for output in stream:
+                    if (response := responses.response(output)) is not None:
+                        yield response
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as e:
-            if not self.async_llm.is_healthy():
-                logger.warning("request %s failed, the engine is not healthy: %s", request_id, e)
-                await self._abort_unavailable(context, ENGINE_FAULTED)
-            if isinstance(e, ValueError):  # e.g. the engine refused the prompt (DESIGN §4: ignored)
-                await self._abort_invalid(context, e)
-            logger.exception("request %s failed", request_id)
-            await context.abort(grpc.StatusCode.INTERNAL, f"request {request_id} failed: {e}")
-        finally:
-            if needs_abort:
-                # The client cancelled (or the stream broke): free the request's blocks now.
-                await asyncio.shield(self.async_llm.abort(request_id))
-            if outputs is not None and (aclose := getattr(outputs, "aclose", None)) is not None:
-                with contextlib.suppress(RuntimeError):  # an async generator cancelled mid-step closes itself
-                    await aclose()
+            await self._abort_failed(context, request_id, e)
+        if not responses.usage_sent:  # ended without a finished snapshot
+            yield pb.GenerateResponse(request_id=request_id, usage=responses.usage())
+
+    async def _abort_failed(self, context: grpc.aio.ServicerContext, request_id: str, error: Exception) -> None:
+        """End the call for a request that failed: UNAVAILABLE ``engine_faulted`` while the
+        engine is unhealthy (it died mid-request), INVALID_ARGUMENT for a ``ValueError``
+        (e.g. the engine refused the prompt: docs/design.md §4, ignored), else INTERNAL."""
+        if not self.async_llm.is_healthy():
+            logger.warning("request %s failed, the engine is not healthy: %s", request_id, error)
+            await self._abort_unavailable(context, ENGINE_FAULTED)
+        if isinstance(error, ValueError):
+            await self._abort_invalid(context, error)
+        logger.error("request %s failed", request_id, exc_info=error)
+        await context.abort(grpc.StatusCode.INTERNAL, f"request {request_id} failed: {error}")
 
     def _parse(self, request: Any) -> tuple[str | list[int], SamplingParams]:
         if request.model:
@@ -296,12 +264,7 @@ async def serve_frontend(async_llm: Any, host: str = "127.0.0.1", port: int = 50
     """Starts a grpc.aio server for ``async_llm`` on ``host:port`` and returns it (stop it
     with ``await server.stop(grace)``). Fails if the port is taken: SO_REUSEPORT is off so
     two frontends can never silently share one port."""
-    server = grpc.aio.server(options=[
-        ("grpc.so_reuseport", 0),
-        # A long prompt sent as token ids (the gateway's chat path) outgrows the 4 MiB default.
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *MESSAGE_SIZE_OPTIONS])
     pb_grpc.add_FrontendServicer_to_server(FrontendServicer(async_llm), server)
     try:
         server.add_insecure_port(_address(host, port))

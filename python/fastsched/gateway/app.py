@@ -47,6 +47,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fastsched.frontend.admission import ENGINE_FAULTED
 from fastsched.gateway import metrics as gateway_metrics
 from fastsched.gateway.openai_protocol import (
     ApiError,
@@ -57,24 +58,21 @@ from fastsched.gateway.openai_protocol import (
     parse_completion,
 )
 from fastsched.proto_gen import import_stubs
+from fastsched.rpc import INVALID_PARAM_KEY, MESSAGE_SIZE_OPTIONS, REJECTION_REASON_KEY
 
 pb, pb_grpc = import_stubs()
 
 logger = logging.getLogger("fastsched.gateway")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-REJECTION_REASON_KEY = "rejection-reason"  # trailing metadata set by grpc_server
-INVALID_PARAM_KEY = "invalid-param"
 _PROBE_TIMEOUT_S = 2.0
 _STATUS_TIMEOUT_S = 10.0  # longer than a frontend's wait for its engine (engine_timeout, 5 s by default)
 _PROMPT_CHUNK = 8  # prompts of an OpenAI response id looked up at once
 # An X-Request-Id the gateway accepts: printable ASCII without "/", so it fits a URL path.
 _VALID_REQUEST_ID = re.compile(r"[!-.0-~]{1,128}")
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # as the frontend's (grpc_server.MAX_MESSAGE_BYTES)
 _CHANNEL_OPTIONS = [
     ("grpc.enable_http_proxy", 0),  # frontends are local: never route through $http_proxy
-    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    *MESSAGE_SIZE_OPTIONS,
 ]
 T = TypeVar("T")
 
@@ -84,7 +82,7 @@ def _metadata(error: grpc.aio.AioRpcError) -> dict[str, str]:
 
 
 def _unavailable(reason: str, retry_after_s: int) -> ApiError:
-    if reason == "engine_faulted":
+    if reason == ENGINE_FAULTED:
         message = "The engine is not healthy (engine_faulted); the request was not admitted."
     elif reason == "frontend_unavailable":
         message = "No frontend could be reached (frontend_unavailable)."

@@ -22,9 +22,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from fastsched.frontend.admission import REASONS
+
 PREFIX = "fastsched:"
 # Every reason is exported from the start, so a dashboard sees a 0 line before the first rejection.
-ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "ttft_slo", "engine_faulted")
+ADMISSION_REASONS = REASONS
 
 _GAUGES = {
     "num_requests_running": "Requests in the engine's running set.",
