@@ -1,4 +1,4 @@
-"""A6 SharedAdmissionStats (DESIGN §6) across real processes.
+"""A6 SharedAdmissionStats (docs/design.md §6) across real processes.
 
 Frontends are separate processes started with the ``spawn`` context, as the
 server's frontends are, so the counters are really shared through the segment

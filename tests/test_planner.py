@@ -1,4 +1,4 @@
-"""``fastsched plan`` (DESIGN §6 sizing guidance) as specifications.
+"""``fastsched plan`` (docs/design.md §6 sizing guidance) as specifications.
 
 The numbers come from the seed article's §8: the worked example (λ = 20/s, 512 output
 tokens, 20 ms steps, 2000-token prompts, 20k tok/s prefill → ≈ 207 requests in the

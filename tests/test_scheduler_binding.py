@@ -1,4 +1,4 @@
-"""The scheduler's behaviour (DESIGN §3–§5) checked through the Python binding.
+"""The scheduler's behaviour (docs/design.md §3–§5) checked through the Python binding.
 
 Each test is one behaviour, named after it with the rule id it checks. The
 fake model is a pure function of (request id, output index), so whatever the

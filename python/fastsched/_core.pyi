@@ -1,5 +1,5 @@
 """Type stubs for ``fastsched._core``, the PyO3 binding of the Rust scheduler
-core (``rust/fastsched-py``). Rule ids (S1, S7, ...) refer to DESIGN.md §5.
+core (``rust/fastsched-py``). Rule ids (S1, S7, ...) refer to docs/design.md §5.
 
 Requests are named by *handles*: small integers (``u32``) that index the
 scheduler's request slab, so per-step data crosses the binding as numpy arrays
@@ -41,7 +41,7 @@ _ScanStop = Literal[
 _SkipReason = Literal["lora_slots", "remote_kv", "stale_output"]
 
 class _SchedulerStats(TypedDict):
-    """``Scheduler.stats()``: counters and gauges for metrics (DESIGN §7)."""
+    """``Scheduler.stats()``: counters and gauges for metrics (docs/design.md §7)."""
 
     num_running: int
     num_waiting: int
@@ -91,7 +91,7 @@ class _RequestInfo(TypedDict):
 
 @final
 class SchedulerConfig:
-    """Scheduler settings (DESIGN §3), validated at construction: a broken value or
+    """Scheduler settings (docs/design.md §3), validated at construction: a broken value or
     relation raises ``ValueError`` naming both values, e.g.
     ``max_num_active_seqs (300) cannot be greater than max_num_seqs (256)``.
     Immutable. Only the settings below have getters. ``SchedulerConfig()`` holds the core's
@@ -284,7 +284,7 @@ class EngineCoreOutputs:
 
 @final
 class Scheduler:
-    """The per-step scheduler (DESIGN §5). One ``schedule()`` per forward pass,
+    """The per-step scheduler (docs/design.md §5). One ``schedule()`` per forward pass,
     then one ``update_from_output()`` (or ``update_from_tokens()``) with what the
     model sampled for that step. Both run with the GIL released."""
 

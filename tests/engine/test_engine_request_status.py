@@ -1,4 +1,4 @@
-"""Where is my request, the parts without processes (``engine.request_status``): what a
+"""Where is my request, the parts without processes (``frontend.request_status``): what a
 real scheduler says about a request id between two steps, the QUERY / STATUS messages
 that carry it, and the frontend's bounded memory of rejected and ended requests."""
 

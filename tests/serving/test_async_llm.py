@@ -1,4 +1,4 @@
-"""AsyncLLM + engine processes (DESIGN §1, §6, §8), and the admission gates A1–A6 alone.
+"""AsyncLLM + engine processes (docs/design.md §1, §6, §8), and the admission gates A1–A6 alone.
 
 Model output is checked against ``fastsched.LLM`` on the same checkpoint (the offline
 engine, itself checked against transformers): serving must not change a token.

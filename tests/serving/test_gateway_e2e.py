@@ -1,4 +1,4 @@
-"""The whole serving path on real processes (DESIGN §1, §9): the official ``openai``
+"""The whole serving path on real processes (docs/design.md §1, §9): the official ``openai``
 client → gateway → two gRPC frontends (real AsyncLLMs) → two engine processes on the
 tiny model. Greedy output must equal the offline ``fastsched.LLM``'s.
 """

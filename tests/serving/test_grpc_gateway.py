@@ -1,4 +1,4 @@
-"""The serving path gateway → gRPC → frontend, against a fake AsyncLLM (DESIGN §1, §6 A5, §7, §8).
+"""The serving path gateway → gRPC → frontend, against a fake AsyncLLM (docs/design.md §1, §6 A5, §7, §8).
 
 Two fake AsyncLLMs, each behind the real ``grpc_server`` on its own 127.0.0.1 port,
 and the real gateway app on real uvicorn servers (one open, one with an API key), all
@@ -119,7 +119,7 @@ class FakeAsyncLLM:
 
     def __init__(self, stats_names: str, journal: list) -> None:
         self.journal = journal  # admitted requests of every fake, in order
-        self.stats_names = stats_names  # "design" (DESIGN §7 names) or "engine" (AsyncLLM's current names)
+        self.stats_names = stats_names  # "design" (docs/design.md §7 names) or "engine" (AsyncLLM's current names)
         self.reject: AdmissionError | None = None
         self.fail: Exception | None = None
         self.healthy = True
@@ -200,7 +200,7 @@ class FakeAsyncLLM:
         return {"model": MODEL, "max_model_len": MAX_MODEL_LEN, "vocab_size": VOCAB_SIZE}
 
     def stats(self) -> dict:
-        """Frontend 0 names things as the current AsyncLLM does, frontend 1 as DESIGN §7;
+        """Frontend 0 names things as the current AsyncLLM does, frontend 1 as docs/design.md §7;
         both report engine 1 alike, and frontend 1 holds an older report of engine 0."""
         if self.stats_names == "engine":
             top = {"num_running": 3, "num_waiting": 3, "kv_cache_usage": 0.5, "num_preemptions_total": 1,

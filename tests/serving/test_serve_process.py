@@ -1,4 +1,4 @@
-"""``fastsched serve`` as a user runs it (DESIGN §1, §6, §7, §8): the real launcher in a
+"""``fastsched serve`` as a user runs it (docs/design.md §1, §6, §7, §8): the real launcher in a
 subprocess on the tiny model, checked from outside with the official ``openai`` client
 and httpx only.
 

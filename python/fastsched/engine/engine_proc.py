@@ -1,4 +1,4 @@
-"""The engine process (DESIGN §1): one EngineCore behind ZMQ sockets.
+"""The engine process (docs/design.md §1): one EngineCore behind ZMQ sockets.
 
 It binds a PULL socket at its input address (every frontend pushes ADD / ABORT /
 HELLO / QUERY there) and connects one PUSH socket to each frontend's output address; a
@@ -251,7 +251,7 @@ class _EngineLoop:
         try:
             self.core.add_request(request)
         except ValueError as e:
-            # Answered as ignored (DESIGN §4), never left unanswered.
+            # Answered as ignored (docs/design.md §4), never left unanswered.
             out = EngineCoreOutput(request.request_id, [], "ignored", error=str(e))
             self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, [out], self._stats())))
             return

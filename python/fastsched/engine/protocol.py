@@ -1,4 +1,4 @@
-"""The messages between frontends and engine processes (DESIGN §1), as msgpack.
+"""The messages between frontends and engine processes (docs/design.md §1), as msgpack.
 
 No pickle crosses a socket: a peer that can reach the socket must not be able to
 run code in the other process, and msgpack keeps each message a few bytes of plain
@@ -105,7 +105,7 @@ class ModelInfo:
 
 @dataclass
 class EngineStats:
-    """One engine's counters and gauges at the moment it sent them (DESIGN §7)."""
+    """One engine's counters and gauges at the moment it sent them (docs/design.md §7)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -129,7 +129,7 @@ class RequestTiming:
     """Engine-side latencies of one request, in seconds since its arrival_time."""
 
     request_id: str
-    queue_time: float | None  # first scheduled - arrival (DESIGN §7: first scheduling only)
+    queue_time: float | None  # first scheduled - arrival (docs/design.md §7: first scheduling only)
     ttft: float | None  # first token sampled - arrival
     e2e: float | None  # finished - arrival; None until it finishes
 

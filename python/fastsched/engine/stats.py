@@ -1,4 +1,4 @@
-"""Engine statistics: counters for metrics and a periodic log line (DESIGN §7)."""
+"""Engine statistics: counters for metrics and a periodic log line (docs/design.md §7)."""
 
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the checkpoint's directory or file name)")
     n.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
-    p = parser.add_argument_group("processes (DESIGN §1)")
+    p = parser.add_argument_group("processes (docs/design.md §1)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine processes (D), each a full copy of the model with its own scheduler and KV pool")
     p.add_argument("--api-server-count", type=int, default=1,
@@ -102,7 +102,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "declares an engine dead")
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds allowed for the engines (model load) and frontends to start")
-    a = parser.add_argument_group("admission control (DESIGN §6)")
+    a = parser.add_argument_group("admission control (docs/design.md §6)")
     add_admission_limit_args(a)
     a.add_argument("--enable-fault-tolerance", action="store_true",
                    help="A1: keep serving when an engine dies, answering 503 engine_faulted and /health 503 "

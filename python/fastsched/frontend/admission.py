@@ -1,4 +1,4 @@
-"""Frontend admission (DESIGN §6, A1–A5): the gates a request meets before it is sent
+"""Frontend admission (docs/design.md §6, A1–A5): the gates a request meets before it is sent
 to an engine, as a small synchronous class that needs no network.
 
 Check and charge are one synchronous call. The frontend runs on one asyncio event

@@ -1,4 +1,4 @@
-"""AsyncLLM: a frontend's client of D engine processes (DESIGN §1, §6).
+"""AsyncLLM: a frontend's client of D engine processes (docs/design.md §1, §6).
 
 It does the frontend's share of a request — tokenize, validate, admit (A1–A5, A6 via
 the shared counters), route, fan out ``n``, detokenize and cut at stop strings — and
@@ -6,7 +6,7 @@ talks to the engines over ZMQ with msgpack (``protocol``). One output-reader tas
 receives every engine's messages and dispatches them to per-request streams; a
 monitor task marks an engine dead when it goes silent or its process exits, so no
 request ever waits on a dead engine. ``request_status()`` says where a request is: it asks
-the engine (a QUERY whose STATUS the reader hands back) or remembers (``engine.request_status``).
+the engine (a QUERY whose STATUS the reader hands back) or remembers (``frontend.request_status``).
 
 Streaming contract: ``generate()`` admits the request *when called* (so an
 :class:`AdmissionError` or ``ValueError`` surfaces before a response is started) and
@@ -309,7 +309,7 @@ class AsyncLLM:
         seconds; ``RuntimeError`` at once if an engine reports failure or its process,
         when given, exits). The tokenizer comes from the model the engines report unless
         given. ``shared_stats``: this frontend's opened ``SharedAdmissionStats`` slot (A6).
-        ``ttft_slo``: seconds; turns on the TTFT-SLO valve (see ``engine.admission``), whose
+        ``ttft_slo``: seconds; turns on the TTFT-SLO valve (see ``frontend.admission``), whose
         limit this frontend takes a ``1 / num_frontends`` share of."""
         admission = AdmissionController(max_num_queued_reqs, max_num_queued_tokens, fault_tolerance, shared_stats,
                                         ttft_slo=ttft_slo, num_frontends=num_frontends)
@@ -381,7 +381,7 @@ class AsyncLLM:
         prompt, token id out of range, prompt + max_tokens > max_model_len, request id
         in use), :class:`AdmissionError` (A1–A3), :class:`EngineDeadError` (no engine
         alive, fault tolerance off). Iterating raises :class:`EngineDeadError` if its
-        engine dies and ``ValueError`` if the engine refuses the prompt (DESIGN §4:
+        engine dies and ``ValueError`` if the engine refuses the prompt (docs/design.md §4:
         ignored, e.g. longer than the whole KV pool).
         """
         self._check_started()
@@ -616,7 +616,7 @@ class AsyncLLM:
         return info
 
     async def request_status(self, request_id: str) -> dict[str, Any] | None:
-        """Where a request is (``engine.request_status``): rejected or ended (the last
+        """Where a request is (``frontend.request_status``): rejected or ended (the last
         ``HISTORY_SIZE`` such requests are remembered), or in flight, as its engine reports it
         now. None when this frontend does not know the id. ``TimeoutError`` when the engine
         does not answer within ``engine_timeout`` (busy with a step longer than that)."""
@@ -646,7 +646,7 @@ class AsyncLLM:
 
     def stats(self) -> dict[str, Any]:
         """Engine stats summed over engines (``kv_cache_usage``: the mean), as last reported,
-        plus this frontend's admission counters. Names as in DESIGN §7 without prefix."""
+        plus this frontend's admission counters. Names as in docs/design.md §7 without prefix."""
         engines = self._engines
         total = {
             name: sum(getattr(e.stats, name) for e in engines)

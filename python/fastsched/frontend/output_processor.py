@@ -1,7 +1,7 @@
 """Turns the engine's token deltas into text: incremental detokenization, stop
 strings, logprobs with decoded tokens, and the ``n`` completions of a request.
 
-This is frontend work (DESIGN §1): ``fastsched.LLM`` runs it in-process, the gRPC
+This is frontend work (docs/design.md §1): ``fastsched.LLM`` runs it in-process, the gRPC
 frontend runs it beside its AsyncLLM.
 """
 

@@ -31,7 +31,7 @@ HISTOGRAM_BUCKETS: dict[str, tuple[float, ...]] = {
     "e2e_request_latency_seconds": _REQUEST_LATENCY_BUCKETS,
 }
 
-# Proto field -> the names AsyncLLM's stats() may use for it (DESIGN §7's first).
+# Proto field -> the names AsyncLLM's stats() may use for it (docs/design.md §7's first).
 _STATS_KEYS: dict[str, tuple[str, ...]] = {
     "num_requests_running": ("num_requests_running", "num_running"),
     "num_requests_waiting": ("num_requests_waiting", "num_waiting"),
@@ -63,7 +63,7 @@ class Histogram:
 
 
 class LatencyHistograms:
-    """The four latency histograms of DESIGN §7 for one frontend."""
+    """The four latency histograms of docs/design.md §7 for one frontend."""
 
     def __init__(self) -> None:
         self.histograms = {name: Histogram(bounds) for name, bounds in HISTOGRAM_BUCKETS.items()}

@@ -6,7 +6,7 @@ in flight from this gateway, ties broken round-robin. A frontend that cannot be 
 admission rejection is not retried elsewhere, because A2 counts in-flight requests over
 all frontends — the client gets the 503 and its ``Retry-After`` instead.
 
-Status codes follow DESIGN §8, in OpenAI's error shape. A streaming response starts
+Status codes follow docs/design.md §8, in OpenAI's error shape. A streaming response starts
 only once the frontend has sent its first chunk, so a rejection (which comes before any
 chunk) is still a 503, never an error inside a 200 stream. When the client goes away,
 the gRPC call is cancelled and the frontend aborts the request in the engine.
@@ -19,7 +19,7 @@ Request ids: a completion's id is the client's ``X-Request-Id`` header when it s
 else ``cmpl-<hex>`` / ``chatcmpl-<hex>``; prompt ``i`` of it is ``<id>-<i>`` at the
 frontends. Every response of ``/v1/completions`` and ``/v1/chat/completions`` carries it
 back as ``X-Request-Id``, errors and 503s included. ``GET /debug/requests/{id}`` asks every
-frontend where a request is (``engine.request_status``), by that id or by a prompt's.
+frontend where a request is (``frontend.request_status``), by that id or by a prompt's.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _unavailable(reason: str, retry_after_s: int) -> ApiError:
 
 
 def api_error_from_rpc(error: grpc.aio.AioRpcError, retry_after_s: int) -> ApiError:
-    """DESIGN §8: the frontend's status codes as HTTP errors."""
+    """docs/design.md §8: the frontend's status codes as HTTP errors."""
     code, details, metadata = error.code(), error.details() or "", _metadata(error)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         too_long = "max_model_len" in details or "maximum context length" in details
@@ -424,14 +424,14 @@ class Gateway:
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def request_status(self, request: Request) -> Response:
-        """``{"request_id", "state", "prompts": [status of each prompt]}``; see README."""
+        """``{"request_id", "state", "prompts": [status of each prompt]}``; see docs/serving.md."""
         self._check_api_key(request)
         request_id = request.path_params["request_id"]
         prompts = await self._find_prompts(request_id)
         if not prompts:
             raise ApiError(404, f"No frontend knows request `{request_id}` (never seen, or no longer remembered).",
                            type="not_found_error", param="request_id", code="request_not_found")
-        states = {p["state"] for p in prompts}  # as engine.request_status.combined_state
+        states = {p["state"] for p in prompts}  # as frontend.request_status.combined_state
         return JSONResponse({"request_id": request_id, "state": states.pop() if len(states) == 1 else "mixed",
                              "prompts": prompts})
 

@@ -1,4 +1,4 @@
-"""``/metrics``: DESIGN §7's metrics, summed over the frontends' ``GetStats``.
+"""``/metrics``: docs/design.md §7's metrics, summed over the frontends' ``GetStats``.
 
 A scrape first fetches every frontend's stats (async, in the gateway's event loop),
 then renders them through a prometheus_client collector that holds that snapshot, so

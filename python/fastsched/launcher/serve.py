@@ -1,4 +1,4 @@
-"""``fastsched serve``: the whole server of DESIGN §1 from one command.
+"""``fastsched serve``: the whole server of docs/design.md §1 from one command.
 
 The launcher (this process) starts, in order:
 
@@ -85,7 +85,7 @@ class ServeConfig:
     api_server_count: int = 1
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
-    ttft_slo: float | None = None  # seconds; the TTFT-SLO valve (engine.admission)
+    ttft_slo: float | None = None  # seconds; the TTFT-SLO valve (frontend.admission)
     enable_fault_tolerance: bool = False
     api_key: str | None = None
     engine_timeout: float = 5.0

@@ -1,4 +1,4 @@
-"""Capacity planning: from a load and a model to the four sizing knobs (DESIGN §3, §6).
+"""Capacity planning: from a load and a model to the four sizing knobs (docs/design.md §3, §6).
 
 Pure arithmetic, no torch and no I/O, so every number can be checked by hand. The
 reasoning follows the seed article's §8 ("配置不再是玄学"):
@@ -165,10 +165,10 @@ def plan(inputs: PlanInputs) -> Plan:
       limits shed the rest with 503s.
     - ``max_num_active_seqs = min(max_num_seqs, upper)``: RUNNING requests hold KV, so
       admitting more than the pool holds only buys preemptions.
-    - ``max_num_queued_tokens ≈ TTFT · D · T_p / K`` (DESIGN §6): a new prompt waits
+    - ``max_num_queued_tokens ≈ TTFT · D · T_p / K`` (docs/design.md §6): a new prompt waits
       behind the queued prefill tokens, which the server drains at ``D · T_p``; A3
       counts them per frontend, hence the split over ``K`` frontends.
-    - ``max_num_queued_reqs ≈ D · max_num_active_seqs + ceil(λ · TTFT)`` (DESIGN §6):
+    - ``max_num_queued_reqs ≈ D · max_num_active_seqs + ceil(λ · TTFT)`` (docs/design.md §6):
       A2 counts every unfinished request over all frontends, i.e. the running ones
       plus a waiting queue; that queue drains at about λ requests/s, so λ · TTFT
       waiting requests can still start within the target.
@@ -218,7 +218,7 @@ def plan(inputs: PlanInputs) -> Plan:
         status = STATUS_OK
 
     # A3: a new prompt waits behind the queued prefill tokens, drained at D · T_p over the
-    # server, so a backlog of TTFT · D · T_p tokens keeps TTFT near the target (DESIGN §6).
+    # server, so a backlog of TTFT · D · T_p tokens keeps TTFT near the target (docs/design.md §6).
     # Each frontend counts only its own backlog, so the server-wide figure is split over K.
     server_queued_tokens = i.ttft_slo * d * i.prefill_throughput
     max_num_queued_tokens = max(_ceil(server_queued_tokens / i.api_server_count), 1)

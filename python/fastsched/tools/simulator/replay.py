@@ -89,7 +89,7 @@ class Simulator:
         step_tracer: StepTracer | None = None,
     ) -> None:
         """``step_tracer``: records every simulated step, as an engine's ``--step-trace`` does.
-        ``ttft_slo``: seconds; the server's ``--ttft-slo`` valve (see ``engine.admission``)."""
+        ``ttft_slo``: seconds; the server's ``--ttft-slo`` valve (see ``frontend.admission``)."""
         if frontend_latency < 0:
             raise ValueError(f"frontend_latency must be >= 0 seconds, got {frontend_latency}")
         self.scheduler = _core.Scheduler(scheduler_config)
