@@ -20,11 +20,24 @@ __all__ = [
     "SchedulerOutput",
     "EngineCoreOutputs",
     "SharedAdmissionStats",
+    "KIND_CACHED",
+    "KIND_NEW",
+    "KIND_RESUMED",
+    "FINISH_REASONS",
     "__version__",
 ]
 
 __version__: str
 """Version of the ``fastsched-py`` crate the extension was built from."""
+KIND_CACHED: int
+"""``SchedulerOutput.kinds``: already known to the runner; only new block ids are sent."""
+KIND_NEW: int
+"""``SchedulerOutput.kinds``: scheduled for the first time; the whole block table is sent."""
+KIND_RESUMED: int
+"""``SchedulerOutput.kinds``: re-admitted after a preemption; the whole block table is sent again."""
+FINISH_REASONS: dict[int, str]
+"""``EngineCoreOutputs.finish_reasons`` code -> name (``stop``, ``length``, ``abort``,
+``ignored``); 0 means not finished."""
 
 _TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 _Policy = Literal["fcfs", "priority"]

@@ -40,9 +40,9 @@ from typing import Any, Union
 
 import msgpack
 
+from fastsched._core import FINISH_REASONS
 from fastsched.sampling_params import SamplingParams
 
-FINISH_REASONS = {1: "stop", 2: "length", 3: "abort", 4: "ignored"}
 
 
 @dataclass

@@ -13,9 +13,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fastsched._core import SchedulerOutput
+from fastsched._core import KIND_CACHED, SchedulerOutput
 
-KIND_CACHED = 0
 
 
 class InputBatch:

@@ -43,7 +43,6 @@ from fastsched.tools.simulator.cost import StepCost
 from fastsched.tools.simulator.trace import TraceRequest
 
 SAMPLED_TOKEN = 1  # any id: requests are added without EOS and with ignore_eos
-FINISHED_IGNORED = 4  # EngineCoreOutputs.finish_reasons: the prompt can never fit
 
 
 @dataclass
@@ -259,7 +258,7 @@ class _Replay:
         sim = self.sim
         sim.admission.release(live.request_id)
         self.preemptions[live.index] = live.num_preemptions
-        if reason == FINISHED_IGNORED:
+        if _core.FINISH_REASONS.get(reason) == "ignored":
             why = sim.scheduler.ignore_reason(handle) or "the prompt can never run"
             self.answer_error(live.index, 400, "invalid_request", why)
             return
