@@ -26,7 +26,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KIND_NEW", ScheduledKind::New as u8)?;
     m.add("KIND_RESUMED", ScheduledKind::Resumed as u8)?;
     let finish_reasons = PyDict::new(m.py());
-    for reason in [FinishReason::Stop, FinishReason::Length, FinishReason::Abort, FinishReason::Ignored] {
+    for reason in [
+        FinishReason::Stop,
+        FinishReason::Length,
+        FinishReason::Abort,
+        FinishReason::Ignored,
+    ] {
         finish_reasons.set_item(reason as u8, reason.as_str())?;
     }
     m.add("FINISH_REASONS", finish_reasons)?;
