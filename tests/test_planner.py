@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fastsched.tools.plan import add_plan_parser, parse_bytes, run_plan
+from fastsched.tools.plan import add_plan_parser, run_plan
 from fastsched.tools.planner import (
     STATUS_NOT_SERVABLE,
     STATUS_OK,
@@ -25,6 +25,7 @@ from fastsched.tools.planner import (
     plan,
 )
 from fastsched.tools.tiny_model import make_tiny_model
+from fastsched.units import parse_bytes
 
 GiB = 2**30
 MiB = 2**20

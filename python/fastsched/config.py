@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from fastsched._core import SchedulerConfig
+from fastsched.units import parse_bytes, parse_count
 
 if TYPE_CHECKING:
     import torch
@@ -33,10 +34,11 @@ KV_CACHE = "KV cache"
 DIAGNOSTICS = "diagnostics"
 
 
-def _flag(group: str, help: str, *aliases: str, **argparse_kwargs: Any) -> dict[str, Any]:
-    """Field metadata: the flag's group, help text, extra option strings (older spellings
-    kept working) and any argparse keyword (``choices``, ``metavar``...)."""
-    return {"group": group, "help": help, "aliases": aliases, "argparse": argparse_kwargs}
+def _flag(group: str, help: str, *aliases: str, flag: str | None = None, **argparse_kwargs: Any) -> dict[str, Any]:
+    """Field metadata: the flag's group and help text, its name when it is not the field's
+    (vLLM's name for the same concept), older spellings kept working for a release
+    (``aliases``, listed in docs/serving.md), and any argparse keyword (``type``, ``choices``...)."""
+    return {"group": group, "help": help, "aliases": aliases, "flag": flag, "argparse": argparse_kwargs}
 
 
 def _core_default(name: str) -> Any:
@@ -48,7 +50,10 @@ class EngineConfig:
     """What ``fastsched.LLM(...)`` and ``fastsched serve`` accept (as keyword arguments / flags)."""
 
     model: str | None = field(default=None, metadata=_flag(
-        MODEL, "HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"))
+        MODEL, "HF checkpoint directory, .gguf file, or a Hugging Face repo id already in the local cache "
+               "(default: the embedded SmolLM2-135M-Instruct)"))
+    tokenizer: str | None = field(default=None, metadata=_flag(
+        MODEL, "HF directory, .gguf file or cached repo id to take the tokenizer from (default: the model's)"))
     dtype: str = field(default="auto", metadata=_flag(
         MODEL, "weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)", choices=("auto", *DTYPES)))
     device: str = field(default="auto", metadata=_flag(MODEL, "cpu, cuda or cuda:N (auto: cuda when available)"))
@@ -56,6 +61,8 @@ class EngineConfig:
         MODEL, "attention implementation (default: flashinfer, else triton on CUDA; torch on CPU)",
         choices=("torch", "triton", "flashinfer")))
     seed: int = field(default=0, metadata=_flag(MODEL, "seed for requests that do not set their own"))
+    tensor_parallel_size: int = field(default=1, metadata=_flag(
+        MODEL, "GPUs to shard the model over; only 1 is supported (scale out with --data-parallel-size)", "-tp"))
 
     max_num_seqs: int = field(default=_core_default("max_num_seqs"), metadata=_flag(
         SCHEDULER, "model-runner request slots"))
@@ -75,7 +82,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = field(default=_core_default("enable_chunked_prefill"), metadata=_flag(
         SCHEDULER, "split a long prompt across steps", "--no-chunked-prefill"))
     policy: str = field(default=_core_default("policy"), metadata=_flag(
-        SCHEDULER, "waiting-queue order", choices=("fcfs", "priority")))
+        SCHEDULER, "waiting-queue order", "--policy", flag="--scheduling-policy", choices=("fcfs", "priority")))
     priority_preemption: bool = field(default=_core_default("priority_preemption"), metadata=_flag(
         SCHEDULER, "with --policy priority: when the active set is full, a more urgent waiting request preempts "
                    "the least urgent running one (recompute, capped per request)"))
@@ -88,11 +95,13 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=_core_default("enable_prefix_caching"), metadata=_flag(
         KV_CACHE, "reuse KV blocks of identical prompt prefixes", "--no-prefix-caching"))
     num_gpu_blocks: int | None = field(default=None, metadata=_flag(
-        KV_CACHE, "KV blocks in the pool, the null block included (default: from memory)"))
+        KV_CACHE, "KV blocks in the pool, the null block included (default: from memory)", "--num-gpu-blocks",
+        flag="--num-gpu-blocks-override"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_flag(
         KV_CACHE, "fraction of GPU memory for weights, activations and the KV pool (CUDA)"))
     kv_cache_memory: int | None = field(default=None, metadata=_flag(
-        KV_CACHE, f"bytes for the KV pool on CPU (default: {DEFAULT_CPU_KV_CACHE_BYTES // 1024**3} GiB)"))
+        KV_CACHE, f"bytes for the KV pool on CPU, e.g. 8MiB (default: {DEFAULT_CPU_KV_CACHE_BYTES // 1024**3} GiB)",
+        "--kv-cache-memory", flag="--kv-cache-memory-bytes", type=parse_bytes))
 
     log_stats_interval: float = field(default=5.0, metadata=_flag(
         DIAGNOSTICS, "seconds between engine stats log lines (0: off)"))
@@ -112,6 +121,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be at least 2, got {self.num_gpu_blocks}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported: fastsched runs a "
+                             "model on one device (use data_parallel_size for more replicas)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.extra:
@@ -162,7 +174,7 @@ def cli_fields() -> list[Any]:
     return [f for f in fields(EngineConfig) if f.name != "extra"]
 
 
-_TYPES = {"int": int, "float": float, "str": str}
+_TYPES = {"int": parse_count, "float": float, "str": str}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude: Iterable[str] = ()) -> None:
@@ -175,15 +187,15 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Iterable[str] = ()
             continue
         meta = f.metadata
         group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
-        flag = "--" + f.name.replace("_", "-")
+        flag = meta["flag"] or "--" + f.name.replace("_", "-")
         kwargs = dict(meta["argparse"], dest=f.name, default=f.default, help=meta["help"])
         if f.type == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
             for alias in meta["aliases"]:  # an older spelling of the off switch
                 group.add_argument(alias, action="store_false", dest=f.name, help=f"same as --no-{flag[2:]}")
             continue
-        base_type = f.type.removesuffix(" | None")
-        group.add_argument(flag, *meta["aliases"], type=_TYPES[base_type], **kwargs)
+        kwargs.setdefault("type", _TYPES[f.type.removesuffix(" | None")])
+        group.add_argument(flag, *meta["aliases"], **kwargs)
 
 
 def engine_kwargs(args: argparse.Namespace, exclude: Iterable[str] = ()) -> dict[str, Any]:

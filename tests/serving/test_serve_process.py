@@ -372,3 +372,24 @@ def test_serve_child_failing_at_start_up_fails_the_launcher(tiny_model_dir: Path
         assert_gone(server, server.child_pids)
     finally:
         server.close()
+
+
+def test_serve_two_instances_with_grpc_port_0_pick_free_ports(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``--grpc-port 0``: each instance picks free gRPC ports and logs them, so two run side by side."""
+    servers = []
+    try:
+        for name in ("a", "b"):
+            servers.append(start_serve(tiny_model_dir, tmp_path / f"{name}.log", "--grpc-port", "0"))
+        ports = []
+        for server in servers:
+            logged = server._find(r"--grpc-port 0: frontends will listen on ports \[(\d+)\]")
+            assert logged, server.tail()
+            ports.append(int(logged[0]))
+            assert f"frontend 0 serving gRPC on 127.0.0.1:{ports[-1]}" in server.log()
+            reply = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False,
+                               json={"prompt": "Hello", "max_tokens": 2})
+            assert reply.status_code == 200, reply.text
+        assert ports[0] != ports[1]
+    finally:
+        for server in servers:
+            server.close()

@@ -74,7 +74,7 @@ class EngineCore:
             seed=config.seed,
         )
         # The tokenizer may add an end-of-turn id (GGUF chat models) to the model's EOS ids.
-        tokenizer_eos = load_tokenizer(config.model).eos_token_ids
+        tokenizer_eos = load_tokenizer(config.tokenizer or config.model).eos_token_ids
         self.eos_token_ids = tuple(dict.fromkeys((*self.model_config.eos_token_ids, *tokenizer_eos)))
         self.vocab_size = self.model_config.vocab_size
         self._requests: dict[int, _Request] = {}

@@ -134,6 +134,7 @@ def _build_engine(engine_config: dict[str, Any], torch_num_threads: int | None) 
         num_gpu_blocks=sc.num_gpu_blocks,
         max_num_seqs=sc.max_num_seqs,
         max_num_batched_tokens=sc.max_num_batched_tokens,
+        tokenizer=config.tokenizer,
     )
     return core, info
 

@@ -44,7 +44,6 @@ from fastsched._core import FINISH_REASONS
 from fastsched.sampling_params import SamplingParams
 
 
-
 @dataclass
 class EngineCoreRequest:
     """A tokenized request as the engine receives it (the ADD message)."""
@@ -101,6 +100,7 @@ class ModelInfo:
     num_gpu_blocks: int = 0
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0  # sets the TTFT-SLO valve's floor (admission.TTFT_SLO_FLOOR_STEPS)
+    tokenizer: str | None = None  # --tokenizer when given; else the model's own
 
 
 @dataclass
@@ -351,6 +351,7 @@ def _decode_dataclass(cls: type, value: Any, what: str) -> Any:
 def _decode_model_info(value: Any) -> ModelInfo:
     info = _decode_dataclass(ModelInfo, value, "model_info")
     _check(info.model is None or isinstance(info.model, str), "model_info.model must be a string or nil")
+    _check(info.tokenizer is None or isinstance(info.tokenizer, str), "model_info.tokenizer must be a string or nil")
     _str(info.model_name, "model_info.model_name")
     for name in ("max_model_len", "vocab_size", "block_size", "num_gpu_blocks", "max_num_seqs",
                  "max_num_batched_tokens"):

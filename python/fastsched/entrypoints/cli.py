@@ -1,4 +1,6 @@
-"""The ``fastsched`` command: serve, bench serve, generate, make-tiny-model."""
+"""The ``fastsched`` command: serve, generate, bench, plan, simulate, top, export-hf,
+make-tiny-model, version. Flags follow ``vllm serve``'s names where the concept is shared;
+every subcommand takes ``--log-level`` and shows each flag's default in ``--help``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Sequence
 
 from fastsched.config import add_engine_args, engine_kwargs
 from fastsched.frontend.cli_args import add_admission_limit_args
+from fastsched.units import parse_count
 
 DEFAULT_QUESTION = "What is the capital of France?"
 
@@ -17,7 +20,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fastsched.entrypoints.llm import LLM
     from fastsched.sampling_params import SamplingParams
 
-    prompts = args.prompts or [DEFAULT_QUESTION]
+    prompts = args.prompt or [DEFAULT_QUESTION]
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,
@@ -37,6 +40,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"### {prompt}\n{completion.text.strip()}\n[{completion.finish_reason}, "
                   f"{len(completion.token_ids)} tokens]")
     return 0
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from fastsched.model_loader.export import export_hf
+
+    out = export_hf(args.model, args.dir, weights=args.weights)
+    print(f"wrote a Hugging Face directory ({'with' if args.weights else 'without'} weights) to {out}")
+    return 0
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    print(_version())
+    return 0
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    from fastsched import _core
+
+    return f"fastsched {version('fastsched')} (scheduler core {_core.__version__})"
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -87,8 +111,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="gRPC port of frontend 0; frontend k listens on this port + k")
     n.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* and /debug/* (/health and /metrics stay open)")
-    n.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the checkpoint's directory or file name)")
+    n.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients may send; responses and /v1/models use the first "
+                        "(default: the checkpoint's directory or file name)")
     n.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
     p = parser.add_argument_group("processes (docs/design.md §1)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -115,20 +140,62 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Adds ``(default: X)`` to a flag's help unless the help already speaks of its default
+    or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every parser below ``parser``, at any depth."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                found += [child, *_subparsers(child)]
+    return found
+
+
+def _add_model_positional(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as --model (a positional MODEL as in `vllm serve MODEL`)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fastsched",
+        prog="fastsched", formatter_class=_HelpFormatter,
         description="fastsched: an admission-controlled LLM inference server with a Rust scheduler.",
     )
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="logging verbosity")
+    parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="logging verbosity")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    srv = sub.add_parser(
+        "serve", help="serve a model over OpenAI's HTTP API (gateway, gRPC frontends, engines)",
+        description="Start D engine processes, K gRPC frontends and the HTTP gateway; Ctrl-C or SIGTERM "
+                    "stops them all (gateway, then frontends, then engines).",
+    )
+    _add_model_positional(srv)
+    add_serve_args(srv)
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
     gen = sub.add_parser("generate", help="generate completions offline for a few prompts",
-                         description="Load a model and answer prompts (as chat messages unless --raw).")
-    gen.add_argument("prompts", nargs="*", help=f"prompts (default: {DEFAULT_QUESTION!r})")
+                         description="Load a model in this process and answer prompts (as chat messages "
+                                     "unless --raw).")
+    _add_model_positional(gen)
+    gen.add_argument("--prompt", "-p", action="append", default=[],
+                     help=f"a prompt (repeatable; default: {DEFAULT_QUESTION!r})")
     gen.add_argument("--raw", action="store_true", help="send prompts as plain text, not chat messages")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per completion")
+    gen.add_argument("--max-tokens", type=parse_count, default=64, help="tokens to generate per completion")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
@@ -138,20 +205,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+    export = sub.add_parser(
+        "export-hf", help="write a model as a Hugging Face directory (config, tokenizer, optionally weights)",
+        description="Write MODEL (a .gguf file, an HF directory or the embedded SmolLM2 when omitted) to DIR as a "
+                    "Hugging Face directory: config.json, generation_config.json, tokenizer.json, "
+                    "tokenizer_config.json, and with --weights model.safetensors (float32). HF tools such as "
+                    "transformers or `vllm bench serve --tokenizer DIR` can then read it.",
+    )
+    export.add_argument("dir", help="directory to write")
+    export.add_argument("--model", default=None, help="the model (default: the embedded SmolLM2-135M-Instruct)")
+    export.add_argument("--weights", action="store_true", help="also write the weights (dequantized to float32)")
+    export.set_defaults(func=cmd_export_hf)
+
     tiny = sub.add_parser("make-tiny-model", help="write a small random-weight Llama checkpoint for tests",
                           description="Write a seeded random-weight Llama checkpoint (HF format, ~1 MB).")
     tiny.add_argument("dir", help="directory to write")
     tiny.add_argument("--seed", type=int, default=0, help="weights and tokenizer seed")
     tiny.set_defaults(func=cmd_make_tiny_model)
 
-    srv = sub.add_parser(
-        "serve", help="serve a model over OpenAI's HTTP API (gateway, gRPC frontends, engines)",
-        description="Start D engine processes, K gRPC frontends and the HTTP gateway; Ctrl-C or SIGTERM "
-                    "stops them all (gateway, then frontends, then engines).",
-    )
-    add_serve_args(srv)
-    add_engine_args(srv)
-    srv.set_defaults(func=cmd_serve)
+    version = sub.add_parser("version", help="print the version", description="Print the version.")
+    version.set_defaults(func=cmd_version)
 
     bench = sub.add_parser("bench", help="benchmarks against a running server; step-cost fits for simulate",
                            description="Benchmarks against a running server (serve); the step-cost model of "
@@ -180,13 +253,29 @@ def build_parser() -> argparse.ArgumentParser:
     from fastsched.tools.top import add_top_parser
 
     add_top_parser(sub)
+    for child in _subparsers(parser):
+        child.formatter_class = _HelpFormatter
+        # Accepted after the subcommand too; SUPPRESS keeps a value given before it.
+        child.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                           help="logging verbosity (as before the subcommand)")
     return parser
+
+
+def _resolve_model(args: argparse.Namespace) -> None:
+    """A positional MODEL and --model name the same thing: one of them, or the same twice."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ValueError(f"MODEL {tag!r} and --model {args.model!r} disagree: give one of them")
+    args.model = tag
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        _resolve_model(args)
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"fastsched: error: {e}", file=sys.stderr)

@@ -27,7 +27,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or model)
         self.engine = EngineCore(self.config)
         self.inputs = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
         self._ids = itertools.count()

@@ -354,7 +354,7 @@ class AsyncLLM:
                 first.model, first.max_model_len, first.vocab_size
             ):
                 raise RuntimeError(f"engine {e.index} serves {e.info} but engine 0 serves {first}")
-        self.tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, first.model)
+        self.tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, first.tokenizer or first.model)
         self._inputs = InputProcessor(self.tokenizer, first.max_model_len, first.vocab_size)
         now = time.monotonic()
         for e in self._engines:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 
+from fastsched.units import parse_count
+
 
 def add_admission_limit_args(group: argparse._ArgumentGroup) -> None:
     """Add ``--max-num-queued-reqs``, ``--max-num-queued-tokens`` and ``--ttft-slo`` to ``group``."""
-    group.add_argument("--max-num-queued-reqs", type=int, default=None,
+    group.add_argument("--max-num-queued-reqs", type=parse_count, default=None,
                        help="A2: reject (503) a request when the requests in flight over all frontends would "
                             "exceed this (default: no limit)")
-    group.add_argument("--max-num-queued-tokens", type=int, default=None,
+    group.add_argument("--max-num-queued-tokens", type=parse_count, default=None,
                        help="A3: reject (503) a request when the prompt tokens still in prefill reach this "
                             "(default: no limit)")
     group.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS",

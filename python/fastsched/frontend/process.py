@@ -78,6 +78,7 @@ class FrontendSpec:
     engine_timeout: float
     ready_timeout: float
     log_level: str
+    tokenizer_dir: str | None = None  # the launcher's export of the model's tokenizer (fast to load)
 
 
 def run_frontend(spec: FrontendSpec, ready_pipe: Connection) -> None:
@@ -112,10 +113,15 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
     try:
         try:
             shared = SharedAdmissionStats.open(spec.shm_name, spec.index)
+            tokenizer = None
+            if spec.tokenizer_dir is not None:
+                from fastsched.model_loader import load_tokenizer
+
+                tokenizer = await asyncio.to_thread(load_tokenizer, spec.tokenizer_dir)
             starting = asyncio.create_task(AsyncLLM.start(
                 spec.engine_input_addrs, spec.output_addr, frontend_index=spec.index, shared_stats=shared,
                 engine_procs=engines, engine_timeout=spec.engine_timeout, ready_timeout=spec.ready_timeout,
-                **spec.admission,
+                tokenizer=tokenizer, **spec.admission,
             ))
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -300,10 +300,12 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
 class Gateway:
     """The routes' state: the frontend pool, the model's name and tokenizer, the limits."""
 
-    def __init__(self, frontend_addrs: Sequence[str], model_name: str, tokenizer: Any, api_key: str | None,
-                 max_body_bytes: int, retry_after_s: int) -> None:
+    def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
+                 api_key: str | None, max_body_bytes: int, retry_after_s: int) -> None:
         self.pool = FrontendPool(frontend_addrs)
-        self.model_name, self.tokenizer, self.api_key = model_name, tokenizer, api_key
+        # Clients may send any of the names; responses carry the first (vLLM's --served-model-name).
+        self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
+        self.model_name, self.tokenizer, self.api_key = self.model_names[0], tokenizer, api_key
         self.max_body_bytes, self.retry_after_s = max_body_bytes, retry_after_s
         self.created = int(time.time())
 
@@ -337,7 +339,7 @@ class Gateway:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad_request(f"model must be a string, got {model!r}", "model")
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
         return body
@@ -409,9 +411,10 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         self._check_api_key(request)
         info = await self.pool.model_info() or {}
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fastsched",
-                "root": info.get("model", self.model_name), "max_model_len": info.get("max_model_len")}
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "fastsched",
+                  "root": info.get("model", self.model_name), "max_model_len": info.get("max_model_len")}
+                 for name in self.model_names]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def health(self, request: Request) -> Response:
         frontends = await self.pool.health()
@@ -513,7 +516,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def create_app(
     frontend_addrs: Sequence[str],
-    model_name: str,
+    model_name: str | Sequence[str],
     tokenizer: Any,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -521,7 +524,8 @@ def create_app(
 ) -> Starlette:
     """The gateway's ASGI app over the frontends at ``frontend_addrs`` (``host:port``).
 
-    ``model_name`` is the name clients send as ``model`` (another one is a 404);
+    ``model_name`` is the name (or names, the first reported) clients send as ``model``
+    (another one is a 404);
     ``tokenizer`` (a ``fastsched.model_loader.Tokenizer``) renders chat templates and
     decodes logprob tokens; ``retry_after_s`` is the ``Retry-After`` of every 503.
     """

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from fastsched.frontend.process import FrontendSpec, block_sigint, run_frontend
@@ -80,7 +81,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_host: str = "127.0.0.1"
-    grpc_port: int = 50051  # frontend k listens on grpc_port + k
+    grpc_port: int = 50051  # frontend k listens on grpc_port + k; 0: free ports, picked at start
     data_parallel_size: int = 1
     api_server_count: int = 1
     max_num_queued_reqs: int | None = None
@@ -90,7 +91,7 @@ class ServeConfig:
     api_key: str | None = None
     engine_timeout: float = 5.0
     ready_timeout: float = 300.0
-    served_model_name: str | None = None
+    served_model_name: list[str] | None = None  # clients may send any; the first is reported
     torch_num_threads: int | None = None
     access_log: bool = True
     log_level: str = "INFO"
@@ -110,13 +111,16 @@ class ServeConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if not 1 <= self.grpc_port <= 65535 - (self.api_server_count - 1):
+        if self.grpc_port != 0 and not 1 <= self.grpc_port <= 65535 - (self.api_server_count - 1):
             raise ValueError(f"grpc_port + api_server_count - 1 must be in 1..65535, got grpc_port {self.grpc_port}")
-        if self.host == self.grpc_host and self.port in self.grpc_ports:
+        if self.host == self.grpc_host and self.grpc_port != 0 and self.port in self.grpc_ports:
             raise ValueError(f"port ({self.port}) collides with the gRPC ports {self.grpc_ports}")
 
     @property
     def grpc_ports(self) -> list[int]:
+        """The frontends' ports as configured (all 0 with ``grpc_port`` 0: the launcher picks)."""
+        if self.grpc_port == 0:
+            return [0] * self.api_server_count
         return [self.grpc_port + k for k in range(self.api_server_count)]
 
 
@@ -139,6 +143,9 @@ class _Child:
 
 def _engine_main(*args: Any, **kwargs: Any) -> None:
     block_sigint()  # before torch's import starts threads: they inherit the mask
+    # Several processes share the terminal: a progress bar's \r fragments would cut through
+    # the others' log lines, so engines log a line per loading phase instead.
+    os.environ["TQDM_DISABLE"] = "1"
     from fastsched.engine.engine_proc import run_engine
 
     run_engine(*args, **kwargs)
@@ -236,6 +243,14 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _free_port(host: str) -> int:
+    """A port the kernel reports free now (``--grpc-port 0``); the frontend binds it moments later."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def _check_port_free(host: str, port: int) -> None:
     """Best effort, so that a taken gRPC port fails before any process starts."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -245,7 +260,8 @@ def _check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise ServeError(f"a gRPC frontend cannot listen on {host}:{port}: the port is in use") from e
+                raise ServeError(f"a gRPC frontend cannot listen on {host}:{port}: the port is in use "
+                                 "(choose another --grpc-port, or 0 for free ports)") from e
             raise ServeError(f"a gRPC frontend cannot listen on {host}:{port}: {e}") from e
 
 
@@ -260,6 +276,9 @@ class Launcher:
         self.ipc_dir: str | None = None
         self.shm: Any = None
         self.http_sock: socket.socket | None = None
+        self.grpc_ports = config.grpc_ports
+        self.tokenizer_dir: str | None = None
+        self.started_at = time.monotonic()
         self.exit_code = 0
 
     # ------------------------------------------------------------ start-up
@@ -284,7 +303,10 @@ class Launcher:
         for path in remove_stale():
             logger.info("removed %s, left by a launcher that is gone", path)
         self.http_sock = _listen(c.host, c.port)
-        for port in c.grpc_ports:
+        if c.grpc_port == 0:
+            self.grpc_ports = [_free_port(c.grpc_host) for _ in range(c.api_server_count)]
+            logger.info("--grpc-port 0: frontends will listen on ports %s", self.grpc_ports)
+        for port in self.grpc_ports:
             _check_port_free(c.grpc_host, port)
         self.ipc_dir = tempfile.mkdtemp(prefix=f"{NAME_PREFIX}{os.getpid()}-")  # mode 0700
         self.shm = SharedAdmissionStats.create(f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(4)}",
@@ -301,19 +323,39 @@ class Launcher:
             theirs_ready.close()
             self.engines.append(_Child("engine", i, proc, ours_ready))
             logger.info("engine %d starting (pid %d)", i, proc.pid)
+        self.tokenizer_dir = self._export_tokenizer()
         admission = {"max_num_queued_reqs": c.max_num_queued_reqs, "max_num_queued_tokens": c.max_num_queued_tokens,
                      "fault_tolerance": c.enable_fault_tolerance, "ttft_slo": c.ttft_slo,
                      "num_frontends": c.api_server_count}
         engine_pids = [e.proc.pid for e in self.engines]
-        for k, (addr, port) in enumerate(zip(frontend_outputs, c.grpc_ports)):
+        for k, (addr, port) in enumerate(zip(frontend_outputs, self.grpc_ports)):
             ours_ready, theirs_ready = _ready_pipe()
             spec = FrontendSpec(k, tuple(engine_inputs), tuple(engine_pids), addr, c.grpc_host, port,
-                                self.shm.name, admission, c.engine_timeout, c.ready_timeout, c.log_level)
+                                self.shm.name, admission, c.engine_timeout, c.ready_timeout, c.log_level,
+                                self.tokenizer_dir)
             proc = _spawn(run_frontend, f"fastsched-frontend-{k}", (spec, theirs_ready), {})
             theirs_ready.close()
             self.frontends.append(_Child("frontend", k, proc, ours_ready))
             logger.info("frontend %d starting (pid %d)", k, proc.pid)
         self._wait_ready(self.engines + self.frontends, time.monotonic() + c.ready_timeout + 10)
+
+    def _export_tokenizer(self) -> str:
+        """The model's tokenizer as a small HF directory in the ipc dir, written while the
+        engines load: frontends and the gateway read it in milliseconds instead of each
+        parsing the model file again."""
+        from fastsched.model_loader.export import export_tokenizer
+
+        assert self.ipc_dir is not None
+        engine = self.config.engine_config
+        source = engine.get("tokenizer") or engine.get("model")
+        start = time.monotonic()
+        try:
+            out = export_tokenizer(source, Path(self.ipc_dir) / "tokenizer")
+        except Exception as e:
+            raise ServeError(f"cannot read the tokenizer of {source or 'the default model'}: {e}") from e
+        logger.info("tokenizer of %s ready for the frontends in %.1f s", source or "the default model",
+                    time.monotonic() - start)
+        return str(out)
 
     def _wait_ready(self, children: list[_Child], deadline: float) -> None:
         from fastsched.engine import protocol
@@ -379,12 +421,12 @@ class Launcher:
             return
         info = self.engines[0].info
         try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, info.model)
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.tokenizer_dir)
         except Exception as e:
             model = info.model or "the default model"
             raise ServeError(f"the gateway cannot load the tokenizer of {model}: {e}") from e
-        addrs = [f"{c.grpc_host}:{port}" for port in c.grpc_ports]
-        app = create_app(addrs, c.served_model_name or info.model_name, tokenizer, api_key=c.api_key)
+        addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
+        app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key)
         server = gateway_server(app, c.host, c.port, log_config=None, log_level=c.log_level.lower(),
                                 access_log=c.access_log, timeout_graceful_shutdown=DRAIN_TIMEOUT_S)
         # The launcher owns SIGINT/SIGTERM (shutdown order, second signal): uvicorn must not take them.
@@ -398,7 +440,8 @@ class Launcher:
             while not server.started and not serving.done() and not stop.is_set():
                 await asyncio.sleep(0.02)
             if server.started:
-                logger.info("gateway listening on http://%s:%d", _url_host(c.host), self.http_sock.getsockname()[1])
+                logger.info("gateway listening on http://%s:%d (server ready %.1f s after start)", _url_host(c.host),
+                            self.http_sock.getsockname()[1], time.monotonic() - self.started_at)
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
             stopping.cancel()

@@ -8,6 +8,7 @@ frontend or gateway can use it; the engine builds the model with
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -22,30 +23,66 @@ __all__ = [
     "default_model_path",
     "load_model_config",
     "load_tokenizer",
+    "open_gguf",
     "resolve_model_path",
 ]
 
 
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+    """The checkpoint directory or ``.gguf`` file ``model`` names: a path, a Hugging Face
+    repo id already in the local cache (never downloaded), or None for the embedded model."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist (expected a checkpoint directory or a .gguf file)")
-    return path
+    if path.exists():
+        return path
+    if _looks_like_repo_id(str(model)):
+        return _cached_snapshot(str(model))
+    raise FileNotFoundError(f"model path {path} does not exist (expected a checkpoint directory or a .gguf file)")
+
+
+def _looks_like_repo_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def _cached_snapshot(repo_id: str) -> Path:
+    """The local Hugging Face cache's copy of ``repo_id`` (offline: nothing is fetched)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(
+            f"model {repo_id!r} is neither a local path nor in the Hugging Face cache at {constants.HF_HUB_CACHE} "
+            "(fastsched never downloads: copy the checkpoint there or pass its directory)"
+        ) from None
 
 
 def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix == ".gguf"
 
 
+def open_gguf(path: Path) -> GGUFFile:
+    """The file parsed once per process (config, tokenizer and weights all read it), and
+    again only if it changed on disk."""
+    stat = path.stat()
+    return _open_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: Path, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
 def load_model_config(model: str | os.PathLike[str] | None) -> ModelConfig:
     path = resolve_model_path(model)
-    return GGUFFile(path).config() if is_gguf(path) else hf.read_config(path)
+    return open_gguf(path).config() if is_gguf(path) else hf.read_config(path)
 
 
 def load_tokenizer(model: str | os.PathLike[str] | None) -> Tokenizer:
     path = resolve_model_path(model)
     if is_gguf(path):
-        return GGUFFile(path).tokenizer()
+        return open_gguf(path).tokenizer()
     return hf.read_tokenizer(path, hf.read_config(path))

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 import tokenizers
-from gguf import GGUFReader
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tqdm import tqdm
 
+from fastsched.model_loader.gguf_container import GGUFContainer
 from fastsched.model_loader.tokenizer import Tokenizer
 from fastsched.models.config import ModelConfig
 
@@ -87,9 +87,9 @@ class GGUFFile:
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         self.path = path
-        self.reader = GGUFReader(path)
-        self.metadata: dict[str, Any] = {name: field.contents() for name, field in self.reader.fields.items()}
-        self.tensor_names = {tensor.name for tensor in self.reader.tensors}
+        self.container = GGUFContainer(path)
+        self.metadata: dict[str, Any] = self.container.metadata
+        self.tensor_names = {tensor.name for tensor in self.container.tensors}
 
     def config(self) -> ModelConfig:
         return ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names)
@@ -134,7 +134,7 @@ class GGUFFile:
     def iter_weights(self, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
         """Every tensor as (Hugging Face name, float32 array), dequantized, with a progress bar."""
         unpermute = self.metadata["general.architecture"] == "llama"
-        for tensor in tqdm(self.reader.tensors, desc=f"Loading {self.path.name}", unit="tensor"):
+        for tensor in tqdm(self.container.tensors, desc=f"Loading {self.path.name}", unit="tensor"):
             name = _hf_name(tensor.name)
             weights = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):

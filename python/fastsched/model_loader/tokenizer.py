@@ -9,13 +9,16 @@ object serves HF directories and GGUF files.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import processors
 
 
 class Tokenizer:
@@ -39,6 +42,24 @@ class Tokenizer:
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
         self.add_bos_token = add_bos_token and self.bos_token_id is not None
         self._compiled_template: jinja2.Template | None = None
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (chat template, special tokens)
+        into ``directory``, as a Hugging Face tokenizer that transformers and
+        ``fastsched.model_loader.load_tokenizer`` read back with the same ids."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        backend = self.backend
+        if self.add_bos_token:  # a GGUF flag: HF tokenizers add BOS in their post-processor
+            backend = tokenizers.Tokenizer.from_str(backend.to_str())
+            bos = self.bos_token
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_token_id)])
+        backend.save(str(out / "tokenizer.json"))
+        settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos_token}
+        settings.update({k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
+                                           ("chat_template", self.chat_template)) if v is not None})
+        (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
     @property
     def vocab_size(self) -> int:

@@ -3,7 +3,9 @@ needs torch, unlike the rest of ``fastsched.model_loader``)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,10 +13,11 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from fastsched.model_loader import hf, is_gguf, resolve_model_path
-from fastsched.model_loader.gguf import GGUFFile
+from fastsched.model_loader import hf, is_gguf, open_gguf, resolve_model_path
 from fastsched.models.llama import LlamaForCausalLM
 from fastsched.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 
 def iter_hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -38,9 +41,10 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Build the model for ``model`` in eval mode with weights cast to ``dtype`` on ``device``;
     its ``config`` attribute is the ``ModelConfig`` (EOS ids, ``max_position_embeddings``...)."""
+    start = time.monotonic()
     path = resolve_model_path(model)
     if is_gguf(path):
-        gguf_file = GGUFFile(path)
+        gguf_file = open_gguf(path)
         config = gguf_file.config()
         weights = ((name, torch.from_numpy(w)) for name, w in gguf_file.iter_weights(config))
     else:
@@ -54,4 +58,6 @@ def load_model(
     model = model.to(dtype).to_empty(device=torch.device(device))
     with torch.no_grad():
         model.load_weights(weights)
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info("loaded %s (%.0fM parameters) in %.1f s", path.name, num_params / 1e6, time.monotonic() - start)
     return model.eval()

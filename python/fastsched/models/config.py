@@ -129,6 +129,39 @@ class ModelConfig:
             bos_token_id=bos,
         )
 
+    def to_hf_config(self) -> dict[str, Any]:
+        """This config as a ``config.json`` that ``from_hf_config`` and transformers read back
+        (``fastsched export-hf``)."""
+        model_type = next((t for t, arch in _MODEL_TYPES.items() if arch == self.architecture), None)
+        qwen2 = self.architecture == "Qwen2ForCausalLM"
+        config: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": model_type,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.o_proj_bias if not qwen2 else False,
+            "mlp_bias": self.mlp_bias,
+            "hidden_act": "silu",
+            "torch_dtype": self.dtype,
+        }
+        if self.sliding_window is not None:
+            config["sliding_window"] = self.sliding_window
+        if self.eos_token_ids:
+            config["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        if self.bos_token_id is not None:
+            config["bos_token_id"] = self.bos_token_id
+        return config
+
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
         """Build from GGUF key/value metadata (llama.cpp names) and the file's tensor names.

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
 from fastsched.tools.planner import (
     DEFAULT_HEADROOM,
@@ -31,30 +30,7 @@ from fastsched.tools.planner import (
     format_bytes,
     plan,
 )
-
-_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([a-zA-Z]*)\s*$")
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "ki": 2**10, "kib": 2**10, "kb": 10**3,
-    "m": 2**20, "mi": 2**20, "mib": 2**20, "mb": 10**6,
-    "g": 2**30, "gi": 2**30, "gib": 2**30, "gb": 10**9,
-    "t": 2**40, "ti": 2**40, "tib": 2**40, "tb": 10**12,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """``"40GiB"`` → 42949672960. KiB/MiB/GiB/TiB and bare K/M/G/T are binary, KB/MB/GB/TB
-    decimal; no suffix (or B) means bytes. Case does not matter; fractions are allowed."""
-    match = _BYTES_RE.match(text)
-    unit = match.group(3).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"expected bytes, optionally with a unit such as 40GiB, 512MiB or 80GB; got {text!r}"
-        )
-    value = float(match.group(1) + (f"e{match.group(2)}" if match.group(2) else "")) * _UNITS[unit]
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
-    return int(value)
+from fastsched.units import parse_bytes
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]

@@ -16,7 +16,6 @@ import numpy as np
 from fastsched._core import KIND_CACHED, SchedulerOutput
 
 
-
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
         self.block_size = block_size

@@ -1,0 +1,7 @@
+"""``python -m fastsched``: the ``fastsched`` command."""
+
+import sys
+
+from fastsched.entrypoints.cli import main
+
+sys.exit(main())
