@@ -374,12 +374,12 @@ def test_serve_child_failing_at_start_up_fails_the_launcher(tiny_model_dir: Path
         server.close()
 
 
-def test_serve_two_instances_with_grpc_port_0_pick_free_ports(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_serve_two_instances_with_grpc_port_0_pick_free_ports_and_log_requests(tiny_model_dir: Path, tmp_path: Path) -> None:
     """``--grpc-port 0``: each instance picks free gRPC ports and logs them, so two run side by side."""
     servers = []
     try:
-        for name in ("a", "b"):
-            servers.append(start_serve(tiny_model_dir, tmp_path / f"{name}.log", "--grpc-port", "0"))
+        for name, extra in (("a", ("--enable-log-requests", "--max-log-len", "3")), ("b", ())):
+            servers.append(start_serve(tiny_model_dir, tmp_path / f"{name}.log", "--grpc-port", "0", *extra))
         ports = []
         for server in servers:
             logged = server._find(r"--grpc-port 0: frontends will listen on ports \[(\d+)\]")
@@ -390,6 +390,11 @@ def test_serve_two_instances_with_grpc_port_0_pick_free_ports(tiny_model_dir: Pa
                                json={"prompt": "Hello", "max_tokens": 2})
             assert reply.status_code == 200, reply.text
         assert ports[0] != ports[1]
+        # --enable-log-requests on "a" only, prompts cut to --max-log-len
+        logged = wait_for(lambda: "Finished request" in servers[0].log(), timeout=10)
+        assert logged, servers[0].tail()
+        assert "Received request" in servers[0].log() and "prompt: 'Hel'," in servers[0].log()
+        assert "Received request" not in servers[1].log()
     finally:
         for server in servers:
             server.close()

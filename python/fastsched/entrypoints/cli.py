@@ -92,6 +92,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         torch_num_threads=args.torch_num_threads,
         access_log=not args.disable_access_log,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
         log_level=args.log_level,
     )
     try:
@@ -115,6 +117,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="the model name(s) clients may send; responses and /v1/models use the first "
                         "(default: the checkpoint's directory or file name)")
     n.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+    n.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request when a frontend admits it (prompt, parameters) and when it ends")
+    n.add_argument("--max-log-len", type=parse_count, default=None,
+                   help="with --enable-log-requests: characters and token ids of a prompt to log (default: all)")
     p = parser.add_argument_group("processes (docs/design.md §1)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine processes (D), each a full copy of the model with its own scheduler and KV pool")

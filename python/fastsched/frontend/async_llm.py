@@ -45,6 +45,7 @@ from fastsched.frontend.admission import (
     TtftSloError,
 )
 from fastsched.frontend.output_processor import OutputProcessor
+from fastsched.frontend.request_log import RequestLogger
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
 from fastsched.inputs import InputProcessor, child_params, child_request_ids
 from fastsched.model_loader import Tokenizer, load_tokenizer
@@ -251,6 +252,7 @@ class AsyncLLM:
         self.output_addr = output_addr
         self.admission = admission
         self.engine_timeout = engine_timeout
+        self.request_logger: RequestLogger | None = None  # --enable-log-requests
         self.tokenizer: Tokenizer | None = None
         self._inputs: InputProcessor | None = None  # once the engines have said which model
         self._ctx = zmq.asyncio.Context()
@@ -303,6 +305,7 @@ class AsyncLLM:
         engine_timeout: float = 5.0,
         ready_timeout: float = 300.0,
         tokenizer: Tokenizer | None = None,
+        request_logger: RequestLogger | None = None,
     ) -> AsyncLLM:
         """Bind ``output_addr`` (this frontend's PULL), connect to every engine's input,
         and wait until each has answered READY (``TimeoutError`` after ``ready_timeout``
@@ -317,6 +320,7 @@ class AsyncLLM:
             engine_input_addrs, output_addr, frontend_index=frontend_index, admission=admission,
             engine_procs=engine_procs, engine_timeout=engine_timeout,
         )
+        llm.request_logger = request_logger
         try:
             await llm._start(ready_timeout, tokenizer)
         except BaseException:
@@ -402,6 +406,8 @@ class AsyncLLM:
             raise
         engine = min(healthy, key=lambda e: (e.num_in_flight, e.index))  # least loaded; ties: lowest index
         state = self._register(request_id, text, token_ids, params, engine)
+        if self.request_logger is not None:
+            self.request_logger.received(request_id, text, token_ids, params, priority)
         requests = InputProcessor.engine_requests(
             state.child_ids, token_ids, params, state.metrics.arrival_time, priority)
         try:
@@ -465,6 +471,8 @@ class AsyncLLM:
             state.metrics.e2e = time.time() - state.metrics.arrival_time
         self._history.add(ended_status(state.request_id, self.frontend_index, state.engine_index,
                                        state.parent.outputs, state.metrics, error))
+        if self.request_logger is not None:
+            self.request_logger.finished(state.request_id, state.parent.outputs, state.metrics, error)
         self.admission.release(state.request_id)
         self._requests.pop(state.request_id, None)
         for child_id in state.child_ids:

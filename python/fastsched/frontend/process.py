@@ -16,6 +16,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from fastsched.frontend.request_log import RequestLogger
+
 logger = logging.getLogger("fastsched.frontend")
 
 PARENT_POLL_S = 0.5  # how often a frontend checks that the launcher is still there
@@ -79,6 +81,8 @@ class FrontendSpec:
     ready_timeout: float
     log_level: str
     tokenizer_dir: str | None = None  # the launcher's export of the model's tokenizer (fast to load)
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
 
 
 def run_frontend(spec: FrontendSpec, ready_pipe: Connection) -> None:
@@ -122,6 +126,7 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
                 spec.engine_input_addrs, spec.output_addr, frontend_index=spec.index, shared_stats=shared,
                 engine_procs=engines, engine_timeout=spec.engine_timeout, ready_timeout=spec.ready_timeout,
                 tokenizer=tokenizer, **spec.admission,
+                request_logger=RequestLogger(spec.max_log_len) if spec.enable_log_requests else None,
             ))
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)

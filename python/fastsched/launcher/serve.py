@@ -94,6 +94,8 @@ class ServeConfig:
     served_model_name: list[str] | None = None  # clients may send any; the first is reported
     torch_num_threads: int | None = None
     access_log: bool = True
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -332,7 +334,7 @@ class Launcher:
             ours_ready, theirs_ready = _ready_pipe()
             spec = FrontendSpec(k, tuple(engine_inputs), tuple(engine_pids), addr, c.grpc_host, port,
                                 self.shm.name, admission, c.engine_timeout, c.ready_timeout, c.log_level,
-                                self.tokenizer_dir)
+                                self.tokenizer_dir, c.enable_log_requests, c.max_log_len)
             proc = _spawn(run_frontend, f"fastsched-frontend-{k}", (spec, theirs_ready), {})
             theirs_ready.close()
             self.frontends.append(_Child("frontend", k, proc, ours_ready))
