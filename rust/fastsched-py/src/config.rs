@@ -28,6 +28,7 @@ impl PySchedulerConfig {
         policy = "fcfs",
         max_loras = 0,
         num_speculative_tokens = 0,
+        num_lookahead_tokens = 0,
         block_size = 16,
         num_gpu_blocks = 4096,
         enable_prefix_caching = true,
@@ -50,6 +51,7 @@ impl PySchedulerConfig {
         policy: &str,
         max_loras: i64,
         num_speculative_tokens: i64,
+        num_lookahead_tokens: i64,
         block_size: i64,
         num_gpu_blocks: i64,
         enable_prefix_caching: bool,
@@ -78,6 +80,7 @@ impl PySchedulerConfig {
             policy: policy.parse::<Policy>().map_err(to_py)?,
             max_loras: non_negative("max_loras", max_loras)?,
             num_speculative_tokens: non_negative("num_speculative_tokens", num_speculative_tokens)?,
+            num_lookahead_tokens: non_negative("num_lookahead_tokens", num_lookahead_tokens)?,
             block_size: non_negative("block_size", block_size)?,
             num_gpu_blocks: non_negative("num_gpu_blocks", num_gpu_blocks)?,
             enable_prefix_caching,
@@ -109,6 +112,18 @@ impl PySchedulerConfig {
     #[getter]
     fn max_model_len(&self) -> usize {
         self.inner.max_model_len
+    }
+    #[getter]
+    fn max_loras(&self) -> usize {
+        self.inner.max_loras
+    }
+    #[getter]
+    fn num_speculative_tokens(&self) -> usize {
+        self.inner.num_speculative_tokens
+    }
+    #[getter]
+    fn num_lookahead_tokens(&self) -> usize {
+        self.inner.num_lookahead_tokens
     }
     #[getter]
     fn block_size(&self) -> usize {

@@ -24,7 +24,7 @@ use crate::kv::{BlockHasher, KvCacheManager, PrefixCacheStats};
 use crate::output::ScheduledKind;
 use crate::queue::{new_queue, QueueEntry, RequestQueue};
 use crate::request::{FinishReason, Handle, NewRequest, Progress, Request, RequestStatus};
-use crate::telemetry::GateCounters;
+use crate::telemetry::{GateCounters, SkipReason};
 
 /// S13: what the engine is allowed to schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,6 +151,8 @@ pub struct Scheduler {
     kv_holding: Box<dyn RequestQueue>,
     running: Vec<Handle>,
     num_waiting_for_streaming_input: usize,
+    /// Live requests with `Request::deferred` set (S12 capacity escape).
+    num_deferred_waiting: usize,
     /// Finished, aborted or ignored since the last `schedule()`.
     finished_since_schedule: Vec<Handle>,
     /// Reported finished by the `schedule()` of the given step; released once
@@ -182,6 +184,11 @@ pub struct Scheduler {
     /// Running requests of this step with newly full blocks to cache, and
     /// up to which token (see `cache_pending_blocks`).
     pending_caching: Vec<(Handle, usize)>,
+    /// Requests the waiting phase of this step skipped (S7), and why.
+    step_skips: Vec<(Handle, SkipReason)>,
+    /// The LoRA adapters of the running requests during a waiting phase
+    /// (sorted; reused from step to step).
+    lora_set: Vec<u32>,
 }
 
 impl Scheduler {
@@ -208,6 +215,7 @@ impl Scheduler {
             kv_holding: new_queue(cfg.policy),
             running: Vec::new(),
             num_waiting_for_streaming_input: 0,
+            num_deferred_waiting: 0,
             finished_since_schedule: Vec::new(),
             to_release: Vec::new(),
             pending_finished: Vec::new(),
@@ -225,6 +233,8 @@ impl Scheduler {
             stopped: Vec::new(),
             stopped_flags: Vec::new(),
             pending_caching: Vec::new(),
+            step_skips: Vec::new(),
+            lora_set: Vec::new(),
             cfg,
         })
     }
@@ -319,9 +329,11 @@ impl Scheduler {
         None
     }
 
-    /// Blocks a sequence of `num_tokens` needs to be computed, draft slots included.
+    /// Blocks a sequence of `num_tokens` needs to be computed, with its
+    /// drafts and lookahead slots.
     fn kv_blocks_needed(&self, num_tokens: usize) -> usize {
-        let slots = (num_tokens + self.cfg.num_speculative_tokens).min(self.cfg.max_model_len);
+        let slots = (num_tokens + self.cfg.num_speculative_tokens + self.cfg.num_lookahead_tokens)
+            .min(self.cfg.max_model_len);
         self.kv.blocks_for(slots)
     }
 
@@ -385,6 +397,9 @@ impl Scheduler {
     fn finish(&mut self, h: Handle, status: RequestStatus) {
         let req = self.requests[h as usize].req.as_mut().expect("live handle");
         req.status = status;
+        if std::mem::take(&mut req.deferred) {
+            self.num_deferred_waiting -= 1;
+        }
         // One hash of the id, not two: it maps to another handle only if a
         // request with the same id was added after this one left `ids`.
         if let Some((id, other)) = self.ids.remove_entry(&req.request_id) {
@@ -401,13 +416,19 @@ impl Scheduler {
 
     // ----------------------------------------------------------------- queries
 
-    /// S18: whether `schedule()` should be called: any request waiting or
-    /// running, or any finish/abort not yet reported.
+    /// S18: whether `schedule()` should be called: any request the pause
+    /// state lets run (S13: all of them when unpaused, the running and
+    /// KV-holding ones under PAUSED_NEW, none under PAUSED_ALL), or any
+    /// finish/abort not yet reported.
     pub fn has_requests(&self) -> bool {
-        !self.running.is_empty()
-            || !self.waiting.is_empty()
-            || !self.kv_holding.is_empty()
-            || !self.finished_since_schedule.is_empty()
+        let schedulable = match self.pause {
+            PauseState::Unpaused => {
+                !self.running.is_empty() || !self.waiting.is_empty() || !self.kv_holding.is_empty()
+            }
+            PauseState::PausedNew => !self.running.is_empty() || !self.kv_holding.is_empty(),
+            PauseState::PausedAll => false,
+        };
+        schedulable || !self.finished_since_schedule.is_empty()
     }
 
     pub fn num_running(&self) -> usize {

@@ -32,7 +32,8 @@ impl Scheduler {
         threshold: usize,
         defer: bool,
     ) {
-        let lookahead = self.cfg.num_speculative_tokens;
+        let spec_decoding = self.cfg.num_speculative_tokens > 0;
+        let lookahead = self.cfg.num_lookahead_tokens;
         let async_scheduling = self.async_scheduling;
         let max_computed = self.cfg.max_model_len - 1;
         // Locals rather than the callers' variables: the loop keeps them in
@@ -54,7 +55,7 @@ impl Scheduler {
             // S1: drafts use compute budget (token_budget) but no input budget.
             let real = p.num_tokens + p.num_output_placeholders as usize - p.num_computed_tokens;
             // Only speculative decoding proposes drafts.
-            let num_drafts = if lookahead > 0 {
+            let num_drafts = if spec_decoding {
                 self.req(h).spec_token_ids.len()
             } else {
                 0

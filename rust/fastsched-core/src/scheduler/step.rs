@@ -2,7 +2,7 @@
 //! interval), the output arrays, and the in-flight record.
 
 use super::{InFlightStep, PauseState, Scheduled, Scheduler, MAX_SPARE_REQUESTS};
-use crate::output::SchedulerOutput;
+use crate::output::{ScheduledKind, SchedulerOutput};
 use crate::request::Progress;
 use crate::telemetry::ScanStop;
 
@@ -109,6 +109,11 @@ impl Scheduler {
             )
         };
         self.gates.record_stop(stop);
+        if !self.step_skips.is_empty() {
+            out.skipped = self.step_skips.iter().map(|&(h, _)| h).collect();
+            out.skip_reasons = self.step_skips.iter().map(|&(_, r)| r as u8).collect();
+            self.step_skips.clear();
+        }
 
         self.last_num_block_ids = out.block_ids.len();
         self.finish_step(&mut out, scheduled);
@@ -137,6 +142,9 @@ impl Scheduler {
             Some(out.block_ids.len() as u32)
         );
         out.total_num_scheduled_tokens = scheduled.iter().map(|s| s.num_tokens as usize).sum();
+        if self.cfg.num_speculative_tokens > 0 {
+            self.take_scheduled_drafts(out, &scheduled);
+        }
 
         if out.total_num_scheduled_tokens > 0 {
             self.interval.executed += 1;
@@ -149,6 +157,33 @@ impl Scheduler {
             step_id: out.step_id,
             rows: scheduled,
         });
+    }
+}
+
+impl Scheduler {
+    /// S2 spec decode: moves the drafts each row verifies into
+    /// `out.spec_token_ids` (padding rows get `-1`s). Every scheduled running
+    /// request gives up its drafts, as in vLLM, whether or not the budget let
+    /// all of them in: the next ones arrive with this step's output.
+    fn take_scheduled_drafts(&mut self, out: &mut SchedulerOutput, scheduled: &[Scheduled]) {
+        out.spec_token_ids
+            .reserve(out.num_spec_tokens.iter().map(|&n| n as usize).sum());
+        for row in scheduled {
+            let num_spec = row.num_spec as usize;
+            let req = self.req_mut(row.handle);
+            if row.kind == ScheduledKind::Cached {
+                // The running phase scheduled at most the drafts it held.
+                debug_assert!(num_spec <= req.spec_token_ids.len());
+                let drafts = &req.spec_token_ids[..num_spec.min(req.spec_token_ids.len())];
+                out.spec_token_ids
+                    .extend(drafts.iter().map(|&t| i64::from(t)));
+                out.spec_token_ids
+                    .extend(std::iter::repeat_n(-1, num_spec - drafts.len()));
+            } else {
+                out.spec_token_ids.extend(std::iter::repeat_n(-1, num_spec));
+            }
+            req.spec_token_ids.clear();
+        }
     }
 }
 

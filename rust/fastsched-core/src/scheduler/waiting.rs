@@ -22,21 +22,20 @@ impl Scheduler {
         threshold: usize,
         defer: bool,
     ) -> ScanStop {
-        let draft_slots = self.cfg.num_speculative_tokens;
+        let draft_slots = self.cfg.num_lookahead_tokens;
+        let num_spec = self.cfg.num_speculative_tokens;
         let max_active = self.cfg.max_num_active_seqs();
         let watermark_blocks =
             (self.cfg.watermark * self.kv.pool.num_usable_blocks() as f64) as usize;
-        let mut lora_set: Vec<u32> = if self.cfg.max_loras > 0 {
-            let mut v: Vec<u32> = scheduled
-                .iter()
-                .filter_map(|s| self.req(s.handle).lora_id)
-                .collect();
-            v.sort_unstable();
-            v.dedup();
-            v
-        } else {
-            Vec::new()
-        };
+        // S7: the adapters of every running request, scheduled in this step
+        // or not (as vLLM 0.33), are the step's LoRA set.
+        let mut lora_set = std::mem::take(&mut self.lora_set);
+        lora_set.clear();
+        if self.cfg.max_loras > 0 {
+            lora_set.extend(self.running.iter().filter_map(|&h| self.req(h).lora_id));
+            lora_set.sort_unstable();
+            lora_set.dedup();
+        }
         let mut deferred: Vec<(WhichQueue, QueueEntry)> = Vec::new();
 
         // The queue is looked at before the budget (neither has side
@@ -137,6 +136,7 @@ impl Scheduler {
                 break ScanStop::PrefillInterval;
             }
             let mut n = req.num_tokens() - num_computed;
+            let mut num_pad = 0;
             if load_async {
                 // Reserve the whole prompt now: a request that holds only the
                 // loaded blocks could wait forever for the rest while others
@@ -151,11 +151,23 @@ impl Scheduler {
                     break ScanStop::TokenBudget;
                 }
                 n = n.min(cap);
+                let one_left = num_computed + 1 == req.num_tokens();
+                if one_left && num_spec > 0 && self.pads_to_uniform_decode(scheduled, num_computed)
+                {
+                    // S2 spec decode: one token left, padded with `k` drafts
+                    // of -1 so the batch stays a uniform decode; rather no
+                    // admission than an unpadded one (vLLM 0.33).
+                    if 1 + num_spec > *token_budget {
+                        break ScanStop::TokenBudget;
+                    }
+                    num_pad = num_spec;
+                    n += num_pad;
+                }
             }
             let alloc = AllocRequest {
                 num_computed_tokens: num_computed_before,
                 num_new_tokens: n + num_external,
-                num_lookahead_tokens: self.cfg.num_speculative_tokens,
+                num_lookahead_tokens: self.cfg.num_lookahead_tokens,
                 full_sequence_must_fit: self.cfg.scheduler_reserve_full_isl,
                 reserve_blocks: if scheduled.is_empty() {
                     0
@@ -218,6 +230,7 @@ impl Scheduler {
             };
             req.status = RequestStatus::Running;
             req.first_scheduled = true;
+            let was_deferred = std::mem::take(&mut req.deferred);
             if req.num_cached_tokens.is_none() {
                 req.num_cached_tokens = Some(num_computed);
             }
@@ -226,12 +239,15 @@ impl Scheduler {
                     lora_set.insert(pos, lora);
                 }
             }
+            if was_deferred {
+                self.num_deferred_waiting -= 1;
+            }
             let row = Scheduled {
                 handle: h,
                 num_tokens: n as u32,
                 num_computed_before: num_computed as u32,
                 num_cached_tokens: num_computed as u32,
-                num_spec: 0,
+                num_spec: num_pad as u32,
                 num_blocks,
                 kind,
                 carries_prefill: is_prefill_work,
@@ -240,15 +256,12 @@ impl Scheduler {
             let p = &mut self.requests[h as usize].progress;
             p.num_computed_tokens = num_computed;
             scheduled.push(advance(p, row, async_scheduling));
+            // S1: padding drafts, like drafts, use no input budget.
             *token_budget -= n;
-            *input_budget -= n;
+            *input_budget -= n - num_pad;
         };
+        self.lora_set = lora_set;
 
-        // S12 capacity escape: a release step that leaves requests waiting
-        // (beyond those skipped for their own reasons) turns throttling off.
-        if !defer && self.cfg.prefill_schedule_interval > 1 {
-            self.interval.capacity_bound = self.num_waiting() > 0;
-        }
         // S7: skipped requests go back to the head of their queue in order.
         let (kv_back, wait_back): (Vec<_>, Vec<_>) = deferred
             .into_iter()
@@ -257,6 +270,12 @@ impl Scheduler {
             .prepend_all(kv_back.into_iter().map(|(_, e)| e).collect());
         self.waiting
             .prepend_all(wait_back.into_iter().map(|(_, e)| e).collect());
+        // S12 capacity escape: a release step that leaves requests waiting
+        // (beyond those skipped for their own reasons, in this step or an
+        // earlier one) turns throttling off.
+        if !defer && self.cfg.prefill_schedule_interval > 1 {
+            self.interval.capacity_bound = self.num_waiting() > self.num_deferred_waiting;
+        }
         stop
     }
 
@@ -343,11 +362,34 @@ impl Scheduler {
         deferred: &mut Vec<(WhichQueue, QueueEntry)>,
     ) {
         self.gates.record_skip(reason);
+        self.step_skips.push((h, reason));
         match which {
             WhichQueue::KvHolding => self.kv_holding.pop(),
             WhichQueue::Waiting => self.waiting.pop(),
         };
+        let req = self.req_mut(h);
+        if !std::mem::replace(&mut req.deferred, true) {
+            self.num_deferred_waiting += 1;
+        }
         deferred.push((which, QueueEntry::of(self.req(h))));
+    }
+
+    /// S2 spec decode, vLLM 0.33: an admission with one token left to
+    /// compute is padded to a uniform decode (`1 + k` tokens) when no running
+    /// row of this step is a prefill chunk (by its flag from its previous
+    /// schedule), when there is a decode batch to join (a running row) or the
+    /// admission hit cached KV, and when the padded positions stay below
+    /// `max_model_len`.
+    fn pads_to_uniform_decode(&self, scheduled: &[Scheduled], num_computed: usize) -> bool {
+        let mut running_rows = scheduled
+            .iter()
+            .filter(|s| s.kind == ScheduledKind::Cached)
+            .peekable();
+        let joins_a_batch = running_rows.peek().is_some() || num_computed > 0;
+        joins_a_batch
+            && !running_rows.any(|s| s.carries_prefill)
+            // vLLM: `computed + 1 + k + 1 <= max_model_len`.
+            && num_computed + 1 + self.cfg.num_speculative_tokens < self.cfg.max_model_len
     }
 
     /// A remote load completed: the hit and the loaded tokens count as
