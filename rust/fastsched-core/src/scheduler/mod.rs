@@ -130,6 +130,63 @@ enum WhichQueue {
     Waiting,
 }
 
+/// What a step may still spend, and its per-step caps: one value both phases
+/// of `schedule()` thread through.
+#[derive(Debug, Clone, Copy)]
+struct StepBudget {
+    /// S1: compute tokens left (`max_num_scheduled_tokens`; drafts count).
+    tokens: usize,
+    /// S1: input tokens left (`max_num_batched_tokens`; drafts do not count).
+    inputs: usize,
+    /// S9: this step's cap on one request's tokens (0 = none).
+    threshold: usize,
+    /// S12: prefill work is held this step.
+    defer: bool,
+}
+
+impl StepBudget {
+    /// Charges a row of `n` tokens, `num_spec` of them drafts (or padding).
+    #[inline]
+    fn spend(&mut self, n: usize, num_spec: usize) {
+        self.tokens -= n;
+        self.inputs -= n - num_spec;
+    }
+
+    /// Gives back what a row taken back (S3) was charged.
+    fn refund(&mut self, row: &Scheduled) {
+        self.tokens += row.num_tokens as usize;
+        self.inputs += (row.num_tokens - row.num_spec) as usize;
+    }
+}
+
+/// Buffers a step reuses from one call to the next (cleared, never freed),
+/// so that a step allocates little beyond its output arrays.
+#[derive(Debug, Default)]
+struct StepBuffers {
+    /// A consumed step's rows, reused by the next step.
+    spare_step: Option<InFlightStep>,
+    /// Where a waiting request's allocation puts its new block ids (an
+    /// admission sends its whole table instead).
+    block_scratch: Vec<u32>,
+    /// Block ids the last step sent: how many to make room for in the next.
+    last_num_block_ids: usize,
+    /// Running requests that stopped in this update; they leave `running`
+    /// in one pass at its end.
+    stopped: Vec<Handle>,
+    /// By handle: set for the handles in `stopped` during that pass (a byte
+    /// per handle: the pass tests each running request with one load).
+    stopped_flags: Vec<bool>,
+    /// Running requests of this step with newly full blocks to cache, and
+    /// up to which token (see `cache_pending_blocks`).
+    pending_caching: Vec<(Handle, usize)>,
+    /// Requests the waiting phase of this step skipped (S7), and why.
+    skips: Vec<(Handle, SkipReason)>,
+    /// The LoRA adapters in the batch during a waiting phase (sorted).
+    lora_set: Vec<u32>,
+    /// Requests a waiting phase took out of their queue until its end (S7).
+    deferred: Vec<(WhichQueue, QueueEntry)>,
+}
+
 pub struct Scheduler {
     cfg: SchedulerConfig,
     hasher: BlockHasher,
@@ -162,8 +219,6 @@ pub struct Scheduler {
     /// ever grow again), whose output the next update emits.
     pending_finished: Vec<(Handle, FinishReason)>,
     in_flight: VecDeque<InFlightStep>,
-    /// A consumed step's rows, reused by the next step.
-    spare_step: Option<InFlightStep>,
     pause: PauseState,
     connector: Option<Box<dyn KvConnector>>,
     async_scheduling: bool,
@@ -171,24 +226,7 @@ pub struct Scheduler {
     next_step_id: u64,
     num_preemptions_total: u64,
     gates: GateCounters,
-    // Reused per-step buffers.
-    block_scratch: Vec<u32>,
-    /// Block ids the last step sent: how many to make room for in the next.
-    last_num_block_ids: usize,
-    /// Running requests that stopped in this update; they leave `running`
-    /// in one pass at its end.
-    stopped: Vec<Handle>,
-    /// By handle: set for the handles in `stopped` during that pass (a byte
-    /// per handle: the pass tests each running request with one load).
-    stopped_flags: Vec<bool>,
-    /// Running requests of this step with newly full blocks to cache, and
-    /// up to which token (see `cache_pending_blocks`).
-    pending_caching: Vec<(Handle, usize)>,
-    /// Requests the waiting phase of this step skipped (S7), and why.
-    step_skips: Vec<(Handle, SkipReason)>,
-    /// The LoRA adapters of the running requests during a waiting phase
-    /// (sorted; reused from step to step).
-    lora_set: Vec<u32>,
+    bufs: StepBuffers,
 }
 
 impl Scheduler {
@@ -220,7 +258,6 @@ impl Scheduler {
             to_release: Vec::new(),
             pending_finished: Vec::new(),
             in_flight: VecDeque::new(),
-            spare_step: None,
             pause: PauseState::Unpaused,
             connector: None,
             async_scheduling: false,
@@ -228,13 +265,7 @@ impl Scheduler {
             next_step_id: 0,
             num_preemptions_total: 0,
             gates: GateCounters::default(),
-            block_scratch: Vec::new(),
-            last_num_block_ids: 0,
-            stopped: Vec::new(),
-            stopped_flags: Vec::new(),
-            pending_caching: Vec::new(),
-            step_skips: Vec::new(),
-            lora_set: Vec::new(),
+            bufs: StepBuffers::default(),
             cfg,
         })
     }

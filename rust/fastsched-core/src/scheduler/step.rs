@@ -1,7 +1,7 @@
 //! `schedule()`: one step's orchestration (S1 budgets, S9 cap, S12
 //! interval), the output arrays, and the in-flight record.
 
-use super::{InFlightStep, PauseState, Scheduled, Scheduler, MAX_SPARE_REQUESTS};
+use super::{InFlightStep, PauseState, Scheduled, Scheduler, StepBudget, MAX_SPARE_REQUESTS};
 use crate::output::{ScheduledKind, SchedulerOutput};
 use crate::request::Progress;
 use crate::telemetry::ScanStop;
@@ -57,7 +57,7 @@ impl Scheduler {
             step_id: self.next_step_id,
             // Sized like the last step's, which a step's usually resembles:
             // growing it block by block would reallocate it several times.
-            block_ids: Vec::with_capacity(self.last_num_block_ids),
+            block_ids: Vec::with_capacity(self.bufs.last_num_block_ids),
             ..Default::default()
         };
         self.next_step_id += 1;
@@ -65,26 +65,25 @@ impl Scheduler {
         self.to_release
             .extend(out.finished.iter().map(|&h| (out.step_id, h)));
 
-        let mut token_budget = if self.pause == PauseState::PausedAll {
-            0
-        } else {
-            self.cfg.max_num_scheduled_tokens()
+        let mut budget = StepBudget {
+            tokens: if self.pause == PauseState::PausedAll {
+                0
+            } else {
+                self.cfg.max_num_scheduled_tokens()
+            },
+            inputs: self.cfg.max_num_batched_tokens,
+            threshold: self.effective_long_prefill_threshold(),
+            defer: self.prefill_deferred(),
         };
-        let mut input_budget = self.cfg.max_num_batched_tokens;
-        let threshold = self.effective_long_prefill_threshold();
-        let defer = self.prefill_deferred();
-        let mut scheduled = self.spare_step.take().map_or_else(Vec::new, |s| s.rows);
-        scheduled.clear();
+        let mut rows = self
+            .bufs
+            .spare_step
+            .take()
+            .map_or_else(Vec::new, |s| s.rows);
+        rows.clear();
 
         // S2/S3: running requests first.
-        self.schedule_running(
-            &mut out,
-            &mut scheduled,
-            &mut token_budget,
-            &mut input_budget,
-            threshold,
-            defer,
-        );
+        self.schedule_running(&mut out, &mut rows, &mut budget);
 
         self.cache_pending_blocks();
 
@@ -98,25 +97,17 @@ impl Scheduler {
                 ScanStop::NoWaiting
             }
         } else {
-            self.schedule_waiting(
-                &mut scheduled,
-                &mut out.block_ids,
-                &mut out.preempted,
-                &mut token_budget,
-                &mut input_budget,
-                threshold,
-                defer,
-            )
+            self.schedule_waiting(&mut out, &mut rows, &mut budget)
         };
         self.gates.record_stop(stop);
-        if !self.step_skips.is_empty() {
-            out.skipped = self.step_skips.iter().map(|&(h, _)| h).collect();
-            out.skip_reasons = self.step_skips.iter().map(|&(_, r)| r as u8).collect();
-            self.step_skips.clear();
+        if !self.bufs.skips.is_empty() {
+            out.skipped = self.bufs.skips.iter().map(|&(h, _)| h).collect();
+            out.skip_reasons = self.bufs.skips.iter().map(|&(_, r)| r as u8).collect();
+            self.bufs.skips.clear();
         }
 
-        self.last_num_block_ids = out.block_ids.len();
-        self.finish_step(&mut out, scheduled);
+        self.bufs.last_num_block_ids = out.block_ids.len();
+        self.finish_step(&mut out, rows);
         out
     }
 

@@ -61,7 +61,7 @@ impl Scheduler {
     /// waiting, otherwise it waits for input.
     pub(super) fn end_segment(&mut self, h: Handle) {
         match self.req(h).status {
-            RequestStatus::Running => self.stopped.push(h),
+            RequestStatus::Running => self.bufs.stopped.push(h),
             // Preempted while its last token was in flight (async scheduling).
             _ => {
                 if !self.waiting.remove(h) {

@@ -85,7 +85,7 @@ impl Scheduler {
             num_cached_tokens: Vec::with_capacity(n + num_pending),
         };
         outs.token_offsets.push(0);
-        self.stopped.clear();
+        self.bufs.stopped.clear();
         // (output row, finish reason, segment ended) of the rows that stopped.
         let mut ended: Vec<(usize, u8, bool)> = Vec::new();
         let spec_decoding = self.cfg.num_speculative_tokens > 0;
@@ -177,20 +177,20 @@ impl Scheduler {
             outs.finish_reasons[row] = reason;
             outs.segment_ended[row] = segment_ended;
         }
-        if !self.stopped.is_empty() {
+        if !self.bufs.stopped.is_empty() {
             // A few stops among many running requests: flag them rather than
             // re-read every running request (or search the list per request).
-            let flags = &mut self.stopped_flags;
+            let flags = &mut self.bufs.stopped_flags;
             flags.resize(self.requests.len(), false);
-            for &h in &self.stopped {
+            for &h in &self.bufs.stopped {
                 flags[h as usize] = true;
             }
             self.running.retain(|&h| !flags[h as usize]);
-            for &h in &self.stopped {
+            for &h in &self.bufs.stopped {
                 flags[h as usize] = false;
             }
         }
-        self.spare_step = Some(step);
+        self.bufs.spare_step = Some(step);
         for (h, reason) in std::mem::take(&mut self.pending_finished) {
             outs.handles.push(h);
             outs.token_offsets.push(outs.token_ids.len() as u32);
@@ -251,7 +251,7 @@ impl Scheduler {
     /// was preempted while the step was in flight) and freed now.
     fn finish_from_output(&mut self, h: Handle, status: RequestStatus) {
         match self.req(h).status {
-            RequestStatus::Running => self.stopped.push(h),
+            RequestStatus::Running => self.bufs.stopped.push(h),
             _ => {
                 if !self.waiting.remove(h) {
                     self.kv_holding.remove(h);
