@@ -732,6 +732,22 @@ def test_config_defaults_follow_design_section_3():
     assert make_scheduler().config.block_size == 4
 
 
+def test_config_none_or_a_left_out_setting_takes_the_core_default():
+    names = [
+        "max_num_seqs", "max_num_active_seqs", "max_num_batched_tokens", "max_num_scheduled_tokens",
+        "max_model_len", "long_prefill_token_threshold", "long_prefill_token_threshold_adaptive",
+        "prefill_schedule_interval", "enable_chunked_prefill", "policy", "max_loras", "num_speculative_tokens",
+        "num_lookahead_tokens", "block_size", "num_gpu_blocks", "enable_prefix_caching",
+        "scheduler_reserve_full_isl", "watermark", "priority_preemption", "max_preemptions_per_request",
+    ]  # fmt: skip
+    default, explicit_none = SchedulerConfig(), SchedulerConfig(**{name: None for name in names})
+    assert {n: getattr(default, n) for n in names} == {n: getattr(explicit_none, n) for n in names}
+    assert repr(default) == repr(explicit_none)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_active_seqs=None, watermark=0.1, policy="priority")
+    assert (cfg.max_num_seqs, cfg.max_num_active_seqs, cfg.watermark, cfg.policy) == (8, 8, 0.1, "priority")
+    assert cfg.max_num_batched_tokens == default.max_num_batched_tokens
+
+
 def test_config_active_seqs_above_slots_names_both_values():
     with pytest.raises(ValueError) as e:
         SchedulerConfig(max_num_active_seqs=300)

@@ -122,33 +122,35 @@ class SchedulerConfig:
     def __new__(
         cls,
         *,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         max_num_active_seqs: int | None = None,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int | None = None,
         max_num_scheduled_tokens: int | None = None,
-        max_model_len: int = 8192,
-        long_prefill_token_threshold: int = 0,
-        long_prefill_token_threshold_adaptive: bool = False,
-        prefill_schedule_interval: int = 1,
-        enable_chunked_prefill: bool = True,
-        policy: _Policy = "fcfs",
-        max_loras: int = 0,
-        num_speculative_tokens: int = 0,
-        num_lookahead_tokens: int = 0,
-        block_size: int = 16,
-        num_gpu_blocks: int = 4096,
-        enable_prefix_caching: bool = True,
-        scheduler_reserve_full_isl: bool = True,
-        watermark: float = 0.0,
-        priority_preemption: bool = False,
-        max_preemptions_per_request: int = 3,
+        max_model_len: int | None = None,
+        long_prefill_token_threshold: int | None = None,
+        long_prefill_token_threshold_adaptive: bool | None = None,
+        prefill_schedule_interval: int | None = None,
+        enable_chunked_prefill: bool | None = None,
+        policy: _Policy | None = None,
+        max_loras: int | None = None,
+        num_speculative_tokens: int | None = None,
+        num_lookahead_tokens: int | None = None,
+        block_size: int | None = None,
+        num_gpu_blocks: int | None = None,
+        enable_prefix_caching: bool | None = None,
+        scheduler_reserve_full_isl: bool | None = None,
+        watermark: float | None = None,
+        priority_preemption: bool | None = None,
+        max_preemptions_per_request: int | None = None,
     ) -> SchedulerConfig:
-        """All settings are keyword-only.
+        """All settings are keyword-only and optional: ``None`` (or leaving one out) takes
+        the core's default, defined once, in Rust (``SchedulerConfig::default()``, after
+        DESIGN §3); the getters show the values in use.
 
         - ``max_num_seqs``: model-runner request slots (per-request buffers, CUDA-graph sizes).
-        - ``max_num_active_seqs``: admission cap into RUNNING (S6), ``<= max_num_seqs``; None = ``max_num_seqs``.
+        - ``max_num_active_seqs``: admission cap into RUNNING (S6), ``<= max_num_seqs``; unset = ``max_num_seqs``.
         - ``max_num_batched_tokens``: input budget per step, in tokens (S1), ``>= max_num_seqs``.
-        - ``max_num_scheduled_tokens``: compute budget per step in tokens; None = ``max_num_batched_tokens``.
+        - ``max_num_scheduled_tokens``: compute budget per step in tokens; unset = ``max_num_batched_tokens``.
         - ``max_model_len``: prompt + output limit per request, in tokens.
         - ``long_prefill_token_threshold``: per-request token cap per step (S9), 0 = off.
         - ``long_prefill_token_threshold_adaptive``: raise that cap to ``input budget // (running + waiting)``.
@@ -188,6 +190,24 @@ class SchedulerConfig:
     @property
     def max_model_len(self) -> int:
         """Prompt + output limit per request, in tokens."""
+    @property
+    def long_prefill_token_threshold(self) -> int:
+        """Per-request token cap per step (S9), 0 = off."""
+    @property
+    def long_prefill_token_threshold_adaptive(self) -> bool:
+        """Whether the cap rises to the fair share of the budget."""
+    @property
+    def prefill_schedule_interval(self) -> int:
+        """Prefill only every k-th executed step while decoding (S12), 1 = off."""
+    @property
+    def enable_chunked_prefill(self) -> bool:
+        """Whether a prompt may span steps."""
+    @property
+    def scheduler_reserve_full_isl(self) -> bool:
+        """Whether admission needs the whole current sequence to fit in free KV (S10)."""
+    @property
+    def watermark(self) -> float:
+        """Fraction of the pool kept free when admitting (S10)."""
     @property
     def max_loras(self) -> int:
         """LoRA adapters active in one batch, 0 = no LoRA."""
