@@ -530,9 +530,10 @@ def test_s13_paused_all_schedules_nothing_and_loses_nothing():
     run = drive(sched, max_steps=2)
     before = {rid: sched.request_info(h) for rid, h in handles.items()}
     sched.set_pause_state("paused_all")
-    run = drive(sched, max_steps=3, run=run)
+    assert not sched.has_requests(), "nothing may run: an engine does not step (vLLM 0.33)"
+    for _ in range(3):
+        step(sched, run)  # called anyway, it schedules nothing
     assert [(s.scheduled, s.total) for s in run.steps[2:]] == [({}, 0)] * 3
-    assert sched.has_requests()
     assert {rid: sched.request_info(h) for rid, h in handles.items()} == before
     sched.set_pause_state("unpaused")
     run = drive(sched, run=run)
@@ -731,6 +732,22 @@ def test_config_defaults_follow_design_section_3():
     assert make_scheduler().config.block_size == 4
 
 
+def test_config_none_or_a_left_out_setting_takes_the_core_default():
+    names = [
+        "max_num_seqs", "max_num_active_seqs", "max_num_batched_tokens", "max_num_scheduled_tokens",
+        "max_model_len", "long_prefill_token_threshold", "long_prefill_token_threshold_adaptive",
+        "prefill_schedule_interval", "enable_chunked_prefill", "policy", "max_loras", "num_speculative_tokens",
+        "num_lookahead_tokens", "block_size", "num_gpu_blocks", "enable_prefix_caching",
+        "scheduler_reserve_full_isl", "watermark", "priority_preemption", "max_preemptions_per_request",
+    ]  # fmt: skip
+    default, explicit_none = SchedulerConfig(), SchedulerConfig(**{name: None for name in names})
+    assert {n: getattr(default, n) for n in names} == {n: getattr(explicit_none, n) for n in names}
+    assert repr(default) == repr(explicit_none)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_active_seqs=None, watermark=0.1, policy="priority")
+    assert (cfg.max_num_seqs, cfg.max_num_active_seqs, cfg.watermark, cfg.policy) == (8, 8, 0.1, "priority")
+    assert cfg.max_num_batched_tokens == default.max_num_batched_tokens
+
+
 def test_config_active_seqs_above_slots_names_both_values():
     with pytest.raises(ValueError) as e:
         SchedulerConfig(max_num_active_seqs=300)
@@ -908,3 +925,72 @@ def test_gates_active_seqs_stop_and_lora_skips_are_observed_through_the_binding(
     add(sched, "l2b", lora_id=2, prompt_token_ids=prompt(8, 300))
     step(sched)
     assert sched.stats()["skips_total"]["lora_slots"] == 2
+
+
+# ------------------------------------------------------ drafts, LoRA skips, pauses (vLLM 0.33)
+
+
+def test_s2_drafts_go_out_as_spec_token_ids_and_the_verified_ones_come_back():
+    sched = make_scheduler(num_speculative_tokens=3)
+    h = add(sched, "a", num_prompt_tokens=5, max_tokens=20)
+    step(sched)
+    sched.update_draft_token_ids(u32([h]), u32([0, 3]), u32([40, 41, 42]))
+    out = sched.schedule()
+    assert list(out.num_scheduled_tokens) == [4] and list(out.num_spec_tokens) == [3]
+    assert out.spec_token_ids.dtype == np.int64 and list(out.spec_token_ids) == [40, 41, 42]
+    # The model agrees with the first two drafts, then samples its own token.
+    res = sched.update_from_output(u32([0, 3]), u32([40, 41, 60]))
+    assert list(res.token_ids) == [40, 41, 60]
+    info = sched.request_info(h)
+    assert info["num_computed_tokens"] == info["num_tokens"] - 1 == 8, "the rejected draft is rolled back"
+
+
+def test_s2_a_one_token_admission_beside_decodes_is_padded_with_minus_one_drafts():
+    sched = make_scheduler(num_speculative_tokens=2)
+    add(sched, "a", num_prompt_tokens=4, max_tokens=20)
+    step(sched)
+    add(sched, "b", num_prompt_tokens=1, max_tokens=20, prompt_token_ids=[300])
+    out = sched.schedule()
+    assert sched.request_ids(out.req_handles) == ["a", "b"]
+    assert list(out.num_scheduled_tokens) == [1, 3] and list(out.spec_token_ids) == [-1, -1]
+
+
+def test_s2_update_draft_token_ids_with_mismatched_offsets_is_value_error():
+    sched = make_scheduler(num_speculative_tokens=2)
+    h = add(sched, "a")
+    step(sched)
+    with pytest.raises(ValueError, match="draft_offsets"):
+        sched.update_draft_token_ids(u32([h]), u32([0, 2, 4]), u32([1, 2, 3, 4]))
+
+
+def test_s7_lora_skips_are_reported_in_the_step_output_with_their_reason():
+    sched = make_scheduler(max_loras=1)
+    add(sched, "l1", lora_id=1)
+    add(sched, "l2", lora_id=2, prompt_token_ids=prompt(8, 200))
+    add(sched, "base", prompt_token_ids=prompt(8, 300))
+    out = sched.schedule()
+    assert sched.request_ids(out.req_handles) == ["l1", "base"]
+    assert sched.request_ids(out.skipped) == ["l2"]
+    assert list(out.skip_reasons) == [0], "0 = lora_slots, as in stats()['skips_total']"
+
+
+def test_s13_has_requests_counts_only_what_the_pause_state_lets_run():
+    sched = make_scheduler()
+    add(sched, "running")
+    step(sched)
+    add(sched, "waiting", prompt_token_ids=prompt(8, 300))
+    sched.set_pause_state("paused_all")
+    assert not sched.has_requests()
+    sched.set_pause_state("paused_new")
+    assert sched.has_requests(), "the running request may run"
+    sched.abort_request("running")
+    step(sched)  # reports the abort
+    assert not sched.has_requests(), "the waiting request may not be admitted"
+    sched.set_pause_state("unpaused")
+    assert sched.has_requests()
+
+
+def test_config_speculative_and_lora_settings_have_getters():
+    cfg = SchedulerConfig(num_speculative_tokens=4, num_lookahead_tokens=4, max_loras=2)
+    assert (cfg.num_speculative_tokens, cfg.num_lookahead_tokens, cfg.max_loras) == (4, 4, 2)
+    assert SchedulerConfig().num_lookahead_tokens == 0

@@ -6,6 +6,29 @@ scheduler's request slab, so per-step data crosses the binding as numpy arrays
 of integers instead of one Python object per request. A handle stays valid
 until the ``schedule()`` after the one that reported it in ``finished``; it may
 be reused for a new request after that.
+
+The API the engine uses for speculative decoding, LoRA and pauses
+(``docs/scheduler.md``, S2, S7, S13):
+
+- **Drafts** (``num_speculative_tokens = k > 0``). After a step's update, hand each
+  request that sampled its drafts for the next step:
+  ``update_draft_token_ids(handles, draft_offsets, draft_token_ids)`` (CSR, uint32, at
+  most ``k`` per row), or the same rows, aligned with the step's ``req_handles``, as
+  the ``draft_offsets``/``draft_token_ids`` of ``update_from_output``. The next
+  ``schedule()`` verifies ``num_spec_tokens[i]`` of them for row ``i``, listed in
+  ``spec_token_ids`` (int64, row after row; ``-1`` pads a one-token admission to a
+  uniform decode and is never accepted). The model returns, in row ``i`` of
+  ``update_from_output``, the accepted drafts followed by its own token
+  (``a + 1`` tokens); the rejected ``num_spec_tokens[i] - a`` are rolled back.
+  ``num_lookahead_tokens`` reserves KV and input slots for a drafter that writes KV
+  for its drafts (0 for n-gram drafts, ``k`` for EAGLE-like ones).
+- **LoRA** (``max_loras > 0``). ``add_request(..., lora_id=id)``, ``id >= 1``. At most
+  ``max_loras`` adapters are in the running batch; a waiting request whose adapter
+  would exceed it is skipped for the step (``SchedulerOutput.skipped``, reason 0
+  ``lora_slots``) and keeps its place. Adapters never share prefix-cache blocks.
+- **Pause** (``set_pause_state``). ``"paused_new"``: running requests go on, nobody is
+  admitted; ``"paused_all"``: nothing is scheduled; ``"unpaused"``. ``has_requests()``
+  follows the state, so an engine stepping while it is true idles while paused.
 """
 
 from collections.abc import Sequence
@@ -113,32 +136,35 @@ class SchedulerConfig:
     def __new__(
         cls,
         *,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         max_num_active_seqs: int | None = None,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int | None = None,
         max_num_scheduled_tokens: int | None = None,
-        max_model_len: int = 8192,
-        long_prefill_token_threshold: int = 0,
-        long_prefill_token_threshold_adaptive: bool = False,
-        prefill_schedule_interval: int = 1,
-        enable_chunked_prefill: bool = True,
-        policy: _Policy = "fcfs",
-        max_loras: int = 0,
-        num_speculative_tokens: int = 0,
-        block_size: int = 16,
-        num_gpu_blocks: int = 4096,
-        enable_prefix_caching: bool = True,
-        scheduler_reserve_full_isl: bool = True,
-        watermark: float = 0.0,
-        priority_preemption: bool = False,
-        max_preemptions_per_request: int = 3,
+        max_model_len: int | None = None,
+        long_prefill_token_threshold: int | None = None,
+        long_prefill_token_threshold_adaptive: bool | None = None,
+        prefill_schedule_interval: int | None = None,
+        enable_chunked_prefill: bool | None = None,
+        policy: _Policy | None = None,
+        max_loras: int | None = None,
+        num_speculative_tokens: int | None = None,
+        num_lookahead_tokens: int | None = None,
+        block_size: int | None = None,
+        num_gpu_blocks: int | None = None,
+        enable_prefix_caching: bool | None = None,
+        scheduler_reserve_full_isl: bool | None = None,
+        watermark: float | None = None,
+        priority_preemption: bool | None = None,
+        max_preemptions_per_request: int | None = None,
     ) -> SchedulerConfig:
-        """All settings are keyword-only.
+        """All settings are keyword-only and optional: ``None`` (or leaving one out) takes
+        the core's default, defined once, in Rust (``SchedulerConfig::default()``, after
+        DESIGN §3); the getters show the values in use.
 
         - ``max_num_seqs``: model-runner request slots (per-request buffers, CUDA-graph sizes).
-        - ``max_num_active_seqs``: admission cap into RUNNING (S6), ``<= max_num_seqs``; None = ``max_num_seqs``.
+        - ``max_num_active_seqs``: admission cap into RUNNING (S6), ``<= max_num_seqs``; unset = ``max_num_seqs``.
         - ``max_num_batched_tokens``: input budget per step, in tokens (S1), ``>= max_num_seqs``.
-        - ``max_num_scheduled_tokens``: compute budget per step in tokens; None = ``max_num_batched_tokens``.
+        - ``max_num_scheduled_tokens``: compute budget per step in tokens; unset = ``max_num_batched_tokens``.
         - ``max_model_len``: prompt + output limit per request, in tokens.
         - ``long_prefill_token_threshold``: per-request token cap per step (S9), 0 = off.
         - ``long_prefill_token_threshold_adaptive``: raise that cap to ``input budget // (running + waiting)``.
@@ -146,8 +172,12 @@ class SchedulerConfig:
         - ``enable_chunked_prefill``: allow a prompt to span steps; without it the input budget must
           cover ``max_model_len``.
         - ``policy``: ``"fcfs"`` or ``"priority"`` (lower number = more urgent).
-        - ``max_loras``: LoRA adapters active in one batch, 0 = no LoRA.
-        - ``num_speculative_tokens``: draft slots kept free in the input budget.
+        - ``max_loras``: LoRA adapters active in one batch (every running request counts), 0 = no LoRA.
+        - ``num_speculative_tokens``: ``k``, drafts a decoding request may carry into a step for
+          verification (speculative decoding), 0 = off.
+        - ``num_lookahead_tokens``: KV slots reserved past each request's scheduled tokens, and input
+          slots kept free at admission, for a drafter that writes KV for its drafts (``k`` for
+          EAGLE-like drafters); 0 for n-gram or caller-supplied drafts (vLLM's behaviour).
         - ``block_size``: tokens per KV block (also the prefix-cache hash granularity).
         - ``num_gpu_blocks``: KV blocks in the pool *including* the reserved null block 0.
         - ``enable_prefix_caching``: reuse cached whole blocks at admission (S8).
@@ -179,19 +209,28 @@ class SchedulerConfig:
         """Per-request token cap per step (S9), 0 = off."""
     @property
     def long_prefill_token_threshold_adaptive(self) -> bool:
-        """Whether that cap is raised to the budget's fair share."""
+        """Whether the cap rises to the fair share of the budget."""
     @property
     def prefill_schedule_interval(self) -> int:
-        """Prefill runs only every k-th executed step while decoding (S12); 1 = every step."""
+        """Prefill only every k-th executed step while decoding (S12), 1 = off."""
     @property
     def enable_chunked_prefill(self) -> bool:
         """Whether a prompt may span steps."""
     @property
     def scheduler_reserve_full_isl(self) -> bool:
-        """Whether admission requires the whole current sequence to fit in free KV (S10)."""
+        """Whether admission needs the whole current sequence to fit in free KV (S10)."""
     @property
     def watermark(self) -> float:
         """Fraction of the pool kept free when admitting (S10)."""
+    @property
+    def max_loras(self) -> int:
+        """LoRA adapters active in one batch, 0 = no LoRA."""
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Drafts per request per step, 0 = no speculative decoding."""
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV and input slots reserved for a drafter that writes KV for its drafts."""
     @property
     def block_size(self) -> int:
         """Tokens per KV block."""
@@ -247,7 +286,13 @@ class SchedulerOutput:
         and remote hit, in tokens); 0 for kind 0."""
     @property
     def num_spec_tokens(self) -> npt.NDArray[np.uint32]:
-        """Draft tokens scheduled for verification, per request (speculative decoding)."""
+        """Draft tokens scheduled for verification, per request (speculative decoding);
+        ``num_scheduled_tokens[i] - num_spec_tokens[i]`` are real tokens."""
+    @property
+    def spec_token_ids(self) -> npt.NDArray[np.int64]:
+        """The drafts to verify, row after row: ``num_spec_tokens[i]`` for row ``i`` (offsets
+        are ``np.cumsum(num_spec_tokens)``). A prefix of the drafts the request was given,
+        or ``-1`` padding: a one-token admission padded to a uniform decode (never accepted)."""
     @property
     def block_offsets(self) -> npt.NDArray[np.uint32]:
         """CSR offsets (``num_reqs + 1`` entries) into ``block_ids``."""
@@ -258,6 +303,15 @@ class SchedulerOutput:
     @property
     def preempted(self) -> npt.NDArray[np.uint32]:
         """Handles preempted during this ``schedule()`` (S4): they lost their KV and wait again."""
+    @property
+    def skipped(self) -> npt.NDArray[np.uint32]:
+        """Waiting requests this ``schedule()`` skipped for a reason of their own (S7), each
+        once, in the order met; they keep their place in the queue."""
+    @property
+    def skip_reasons(self) -> npt.NDArray[np.uint8]:
+        """Why each of ``skipped`` was skipped: 0 ``lora_slots`` (its adapter would exceed
+        ``max_loras``), 1 ``remote_kv`` (its KV load is not done), 2 ``stale_output``
+        (an output is still in flight)."""
     @property
     def finished(self) -> npt.NDArray[np.uint32]:
         """Handles finished, aborted or ignored since the previous ``schedule()``: the
@@ -330,6 +384,8 @@ class Scheduler:
         ``schedule()``'s ``finished`` and the next update reports finish reason 4;
         see ``ignore_reason()``. ``priority``: lower = more urgent (priority
         policy). ``arrival_time``: seconds, any clock, orders equal priorities.
+        ``lora_id``: the request's LoRA adapter (``>= 1``; None = the base model), which
+        counts against ``max_loras`` (S7) and keys its prefix-cache blocks (S8).
         ``streaming``: a session that waits for more input after each segment (S15).
         """
     def abort_request(self, request_id: str) -> _LiveStatus | None:
@@ -354,12 +410,27 @@ class Scheduler:
         (``len(sampled_offsets) != num_reqs + 1``, offsets not starting at 0,
         decreasing, or not ending at ``len(sampled_token_ids)``); the step then stays
         in flight. ``TypeError`` for arrays that are not contiguous uint32."""
+    def update_draft_token_ids(
+        self,
+        handles: npt.NDArray[np.uint32],
+        draft_offsets: npt.NDArray[np.uint32],
+        draft_token_ids: npt.NDArray[np.uint32],
+    ) -> None:
+        """Speculative decoding: the drafts proposed for the next step, as CSR rows aligned
+        with ``handles`` (``len(draft_offsets) == len(handles) + 1``), after the step's
+        update, as vLLM's ``EngineCore.post_step``. A running request whose prefill is
+        complete takes its row (at most ``num_speculative_tokens``), replacing older
+        drafts; one still in prefill drops its drafts; finished, waiting or unknown
+        handles are ignored, and so is everything when ``num_speculative_tokens`` is 0.
+        ``ValueError`` for mismatched offsets."""
     def update_from_tokens(self, tokens: npt.NDArray[np.int64]) -> EngineCoreOutputs:
         """The common case of ``update_from_output``: one sampled token per scheduled
         request, -1 for none (a partial prefill)."""
     def has_requests(self) -> bool:
-        """Whether the engine should call ``schedule()``: any request waiting or
-        running, or any finish/abort not yet reported by a ``schedule()`` (S18)."""
+        """Whether the engine should call ``schedule()``: any request the pause state
+        lets run (all waiting and running ones when unpaused, running and KV-holding
+        ones under ``"paused_new"``, none under ``"paused_all"``), or any finish/abort not
+        yet reported by a ``schedule()`` (S13, S18)."""
     @property
     def num_running(self) -> int:
         """Requests in RUNNING."""
@@ -391,9 +462,11 @@ class Scheduler:
     def waiting_handles(self) -> list[int]:
         """Waiting handles in admission order: KV-holding queue first, then the waiting queue."""
     def set_pause_state(self, state: _PauseState) -> None:
-        """S13: ``"paused_new"`` schedules running and KV-holding requests only,
-        ``"paused_all"`` schedules nothing; ``"unpaused"`` resumes. Nothing is lost.
-        ``ValueError`` for another string."""
+        """S13: ``"paused_new"`` schedules running and KV-holding requests only (no
+        admissions, no resumes; running ones may still be preempted), ``"paused_all"``
+        schedules nothing; ``"unpaused"`` resumes. Nothing is lost. Takes effect at the
+        next ``schedule()`` and changes ``has_requests()`` at once. ``ValueError`` for
+        another string."""
     def add_stream_input(
         self, request_id: str, token_ids: _TokenIds, max_tokens: int, is_last: bool = False
     ) -> None:

@@ -2,14 +2,17 @@
 through ``fastsched._core`` by ``replay.py``, must give the same decisions as
 vLLM's own replay, step for step, ``kv_free_blocks`` included.
 
-The suite (traces, vLLM's decisions, ``compare.py``, README) is the project's
-spec material, vendored byte-identical under ``vllm/`` so a clean clone tests
-without the shared folder; where the shared folder exists, a test checks the
-copy has not drifted from it.
+Two suites are vendored here as the project's own copies (they started as the
+shared spec material; a clean clone tests without it): ``vllm/`` holds format 1
+(``vllm-diff-trace/1``: budgets, chunking, preemption, prefixes, aborts, the
+prefill interval) and ``vllm/v2/`` format 2 (``vllm-diff-trace/2``: speculative
+decoding with replayed drafts, LoRA slots, pause states). Each trace is compared
+with its own suite's ``compare.py``.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,44 +21,49 @@ import pytest
 from replay import replay
 
 HERE = Path(__file__).resolve().parent
-SUITE = HERE / "vllm"
-TRACES = SUITE / "traces"
-COMPARE = SUITE / "compare.py"
-SHARED = HERE.parents[1] / ".." / "shared" / "conformance"  # <repo>/../shared/conformance
+SUITES = {1: HERE / "vllm", 2: HERE / "vllm" / "v2"}
+V1_KINDS = {
+    "aborts", "active_cap", "basic", "chunked", "interval", "long_prefill", "mixed", "preempt_fcfs",
+    "preempt_priority", "prefix",
+}  # fmt: skip
+V2_KINDS = {"spec", "lora", "pause", "mixed2"}
 
-TRACE_NAMES = sorted(p.name.removesuffix(".trace.json") for p in TRACES.glob("*.trace.json"))
+
+def trace_names(version: int) -> list[str]:
+    return sorted(p.name.removesuffix(".trace.json") for p in (SUITES[version] / "traces").glob("*.trace.json"))
 
 
-def test_vendored_suite_has_a_reference_for_every_trace():
-    assert len(TRACE_NAMES) >= 10, f"expected the suite's traces under {TRACES}"
-    missing = [name for name in TRACE_NAMES if not (TRACES / f"{name}.vllm.jsonl").is_file()]
+CASES = [(version, name) for version in SUITES for name in trace_names(version)]
+
+
+@pytest.mark.parametrize("version, kinds", [(1, V1_KINDS), (2, V2_KINDS)])
+def test_vendored_suite_has_a_reference_for_every_trace_and_kind(version: int, kinds: set[str]):
+    suite = SUITES[version]
+    names = trace_names(version)
+    assert names, f"expected the suite's traces under {suite / 'traces'}"
+    missing = [name for name in names if not (suite / "traces" / f"{name}.vllm.jsonl").is_file()]
     assert not missing, f"traces without vLLM decisions: {missing}"
-    assert COMPARE.is_file() and (SUITE / "README.md").is_file()
+    assert (suite / "compare.py").is_file() and (suite / "README.md").is_file()
+    found = {json.loads((suite / "traces" / f"{name}.trace.json").read_text())["kind"] for name in names}
+    assert kinds <= found, f"kinds without a trace: {sorted(kinds - found)}"
+    formats = {json.loads((suite / "traces" / f"{name}.trace.json").read_text())["format"] for name in names}
+    assert formats == {f"vllm-diff-trace/{version}"}
 
 
-@pytest.mark.parametrize("name", TRACE_NAMES)
-def test_replay_matches_vllm_decisions_at_every_step(name: str, tmp_path: Path):
+@pytest.mark.parametrize("version, name", CASES, ids=[f"v{v}-{n}" for v, n in CASES])
+def test_replay_matches_vllm_decisions_at_every_step(version: int, name: str, tmp_path: Path):
+    suite = SUITES[version]
     ours = tmp_path / f"{name}.fastsched.jsonl"
-    ours.write_text("\n".join(replay(TRACES / f"{name}.trace.json")) + "\n")
+    lines = replay(suite / "traces" / f"{name}.trace.json")
+    assert json.loads(lines[0])["header"]["format"] == f"vllm-diff-decisions/{version}"
+    ours.write_text("\n".join(lines) + "\n")
     result = subprocess.run(
-        [sys.executable, str(COMPARE), "--show", "3", str(TRACES / f"{name}.vllm.jsonl"), str(ours)],
+        [sys.executable, str(suite / "compare.py"), "--show", "3", str(suite / "traces" / f"{name}.vllm.jsonl"), str(ours)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     report = result.stdout + result.stderr
     assert result.returncode == 0, f"compare.py (vLLM = A, fastsched = B) exit {result.returncode}:\n{report}"
-    assert "steps identical" in report and "warning" not in report, report
-
-
-def vendored_files(root: Path) -> dict[str, bytes]:
-    files = [root / "compare.py", root / "README.md", *sorted((root / "traces").iterdir())]
-    return {str(p.relative_to(root)): p.read_bytes() for p in files if p.is_file()}
-
-
-@pytest.mark.skipif(not SHARED.is_dir(), reason=f"no shared conformance suite at {SHARED.resolve()}")
-def test_vendored_suite_is_byte_identical_to_the_shared_one():
-    shared, vendored = vendored_files(SHARED), vendored_files(SUITE)
-    assert sorted(vendored) == sorted(shared), "the vendored file list differs from the shared suite"
-    drifted = [name for name in shared if vendored[name] != shared[name]]
-    assert not drifted, f"vendored copies differ from {SHARED.resolve()}: {drifted}"
+    num_steps = len(lines) - 1
+    assert f"{num_steps}/{num_steps} steps identical" in report and "warning" not in report, report

@@ -1,4 +1,4 @@
-//! Scheduler configuration (DESIGN §3) and its start-up validation.
+//! Scheduler configuration (docs/design.md §3) and its start-up validation.
 
 use crate::error::{Error, Result};
 
@@ -36,7 +36,15 @@ pub struct SchedulerConfig {
     pub enable_chunked_prefill: bool,
     pub policy: Policy,
     pub max_loras: usize,
+    /// `k`: draft tokens a running request may carry into a step for
+    /// verification (speculative decoding; 0 = off).
     pub num_speculative_tokens: usize,
+    /// KV slots reserved past a request's scheduled tokens, and input-budget
+    /// slots kept free when admitting, for a drafter that writes KV for its
+    /// proposals (vLLM's `num_lookahead_tokens`: `k` for EAGLE or a draft
+    /// model). 0 for drafters that do not (n-gram, or drafts supplied by the
+    /// caller), as in vLLM.
+    pub num_lookahead_tokens: usize,
     pub block_size: usize,
     /// Blocks in the pool *including* the reserved null block 0.
     pub num_gpu_blocks: usize,
@@ -66,6 +74,7 @@ impl Default for SchedulerConfig {
             policy: Policy::Fcfs,
             max_loras: 0,
             num_speculative_tokens: 0,
+            num_lookahead_tokens: 0,
             block_size: 16,
             num_gpu_blocks: 4096,
             enable_prefix_caching: true,
@@ -158,6 +167,12 @@ impl SchedulerConfig {
             return bad(format!(
                 "num_speculative_tokens ({}) must be smaller than max_num_batched_tokens ({})",
                 self.num_speculative_tokens, self.max_num_batched_tokens
+            ));
+        }
+        if self.num_lookahead_tokens >= self.max_num_batched_tokens {
+            return bad(format!(
+                "num_lookahead_tokens ({}) must be smaller than max_num_batched_tokens ({})",
+                self.num_lookahead_tokens, self.max_num_batched_tokens
             ));
         }
         if self.priority_preemption && self.policy != Policy::Priority {

@@ -1,7 +1,7 @@
 //! fastsched-core: the per-step scheduler of an LLM inference server, in the
 //! style of vLLM V1, as a pure Rust library (no Python).
 //!
-//! - [`config`]: scheduler settings and validation (DESIGN §3)
+//! - [`config`]: scheduler settings and validation (docs/design.md §3)
 //! - [`request`]: request state and stop conditions (§4, S17)
 //! - [`queue`]: FCFS and priority waiting queues (S14)
 //! - [`kv`]: block pool, prefix cache, per-request KV manager (S8, S10)

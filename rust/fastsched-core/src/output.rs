@@ -34,10 +34,19 @@ pub struct SchedulerOutput {
     pub num_cached_tokens: Vec<u32>,
     /// Draft tokens scheduled for verification, per request.
     pub num_spec_tokens: Vec<u32>,
+    /// The draft tokens themselves, row after row (`num_spec_tokens[i]` for
+    /// row `i`): a prefix of the drafts the request carried, or `-1`
+    /// padding for an admission padded to a uniform decode (never accepted).
+    pub spec_token_ids: Vec<i64>,
     pub block_offsets: Vec<u32>,
     pub block_ids: Vec<u32>,
     /// Preempted during this call.
     pub preempted: Vec<Handle>,
+    /// Waiting requests skipped during this call (S7), each at most once,
+    /// in the order they were skipped; they still wait.
+    pub skipped: Vec<Handle>,
+    /// Why each of `skipped` was skipped (`SkipReason` codes).
+    pub skip_reasons: Vec<u8>,
     /// Finished, aborted or ignored since the previous call: the runner drops
     /// their state; their handles may be reused after this step completes.
     pub finished: Vec<Handle>,
@@ -55,6 +64,12 @@ impl SchedulerOutput {
 
     pub fn block_ids_of(&self, i: usize) -> &[u32] {
         &self.block_ids[self.block_offsets[i] as usize..self.block_offsets[i + 1] as usize]
+    }
+
+    /// The draft tokens of row `i` (O(i): for tests and diagnostics).
+    pub fn spec_token_ids_of(&self, i: usize) -> &[i64] {
+        let start: usize = self.num_spec_tokens[..i].iter().map(|&n| n as usize).sum();
+        &self.spec_token_ids[start..start + self.num_spec_tokens[i] as usize]
     }
 }
 

@@ -1,4 +1,4 @@
-//! A request as the scheduler sees it (DESIGN §4): tokens, progress, status.
+//! A request as the scheduler sees it (docs/design.md §4): tokens, progress, status.
 
 use crate::error::{Error, Result};
 use crate::kv::prefix_cache::BlockHasher;
@@ -218,6 +218,9 @@ pub struct Request {
     /// completes (local prefix hit + remote tokens).
     pub num_loaded_tokens: usize,
     pub first_scheduled: bool,
+    /// Skipped by the waiting phase (S7) and not admitted since (vLLM's
+    /// `deferred_waiting` set; S12 does not count it as capacity-bound).
+    pub deferred: bool,
     // --- cold ---
     pub request_id: String,
     /// Input that arrived for a streaming session while it was still generating.
@@ -295,6 +298,7 @@ impl Request {
             pending_stream_inputs: buffers.pending_stream_inputs,
             num_loaded_tokens: 0,
             first_scheduled: false,
+            deferred: false,
             ignore_reason: None,
         };
         req.update_block_hashes(hasher);

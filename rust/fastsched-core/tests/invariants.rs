@@ -54,7 +54,7 @@ fn knobs() -> impl Strategy<Value = Knobs> {
         ),
         (any::<bool>(), any::<bool>(), any::<bool>(), 0usize..=2),
         (any::<bool>(), any::<bool>(), any::<bool>(), any::<u64>()),
-        (1usize..=6, any::<bool>(), 0usize..=2),
+        (1usize..=6, any::<bool>(), 0usize..=2, any::<bool>()),
     )
         .prop_map(
             |(
@@ -62,7 +62,7 @@ fn knobs() -> impl Strategy<Value = Knobs> {
                 (threshold_sel, adaptive, interval),
                 (chunked, priority, caching, loras),
                 (connector, streaming, pauses, seed),
-                (pool_factor, full_isl, spec),
+                (pool_factor, full_isl, spec, lookahead),
             )| {
                 let max_model_len = 96;
                 let budget = if chunked {
@@ -91,6 +91,9 @@ fn knobs() -> impl Strategy<Value = Knobs> {
                     },
                     max_loras: loras,
                     num_speculative_tokens: spec,
+                    // An EAGLE-like drafter (KV and input slots for its
+                    // drafts) or an n-gram one (none).
+                    num_lookahead_tokens: if lookahead { spec } else { 0 },
                     block_size,
                     num_gpu_blocks: num_blocks,
                     enable_prefix_caching: caching,
@@ -229,13 +232,45 @@ impl Driver {
         seen.sort_unstable();
         seen.dedup();
         assert_eq!(seen.len(), out.len(), "a request scheduled twice");
-        let mut tokens = Vec::with_capacity(out.len());
+        let k = cfg.num_speculative_tokens;
+        let num_spec: u32 = out.num_spec_tokens.iter().sum();
+        assert_eq!(out.spec_token_ids.len(), num_spec as usize);
+        assert_eq!(out.skipped.len(), out.skip_reasons.len());
+        assert!(
+            out.skipped.iter().all(|h| !out.req_handles.contains(h)),
+            "a skipped request was scheduled"
+        );
+        if cfg.max_loras > 0 {
+            let mut loras: Vec<u32> = self
+                .s
+                .running()
+                .iter()
+                .filter_map(|&h| self.s.request(h).unwrap().lora_id)
+                .collect();
+            loras.sort_unstable();
+            loras.dedup();
+            assert!(
+                loras.len() <= cfg.max_loras,
+                "adapters {loras:?} in one batch"
+            );
+        }
+        let mut sampled = vec![0u32];
+        let mut sampled_ids = Vec::new();
         let mut drafts = vec![0u32];
         let mut draft_ids = Vec::new();
         for (i, &h) in out.req_handles.iter().enumerate() {
             let r = self.s.request(h).unwrap();
             let p = self.s.progress(h).unwrap();
-            assert!(p.num_computed_tokens <= r.num_tokens_with_spec());
+            let spec = out.spec_token_ids_of(i);
+            assert!(spec.len() < out.num_scheduled_tokens[i] as usize);
+            if out.kinds[i] == 0 {
+                assert!(spec.iter().all(|&t| t >= 0), "padding on a running row");
+            } else if !spec.is_empty() {
+                // S2: an admission padded to a uniform decode.
+                assert_eq!((spec.len(), out.num_scheduled_tokens[i]), (k, k as u32 + 1));
+                assert!(spec.iter().all(|&t| t == -1));
+            }
+            assert!(p.num_computed_tokens <= r.num_tokens() + spec.len());
             assert!(
                 p.num_computed_tokens < cfg.max_model_len,
                 "{} computed {} of {} tokens ({})",
@@ -245,29 +280,44 @@ impl Driver {
                 r.status.as_str()
             );
             assert_eq!(out.block_ids_of(i).len() > 0 || out.kinds[i] == 0, true);
-            if p.is_prefill_chunk {
-                tokens.push(None);
-            } else {
-                let t = match self.rng.below(100) {
-                    0..=2 => 2, // EOS
-                    3..=4 => 3, // a stop token for some
-                    _ => 10 + self.rng.below(900) as u32,
-                };
-                tokens.push(Some(t));
+            if !p.is_prefill_chunk {
+                // Some drafts accepted (never padding), then the model's own token.
+                let real = spec.iter().take_while(|&&t| t >= 0).count() as u64;
+                let accepted = self.rng.below(real + 1);
+                for _ in 0..=accepted {
+                    let t = match self.rng.below(100) {
+                        0..=2 => 2, // EOS
+                        3..=4 => 3, // a stop token for some
+                        _ => 10 + self.rng.below(900) as u32,
+                    };
+                    sampled_ids.push(t);
+                }
             }
-            if cfg.num_speculative_tokens > 0 {
-                for _ in 0..self.rng.below(cfg.num_speculative_tokens as u64 + 1) {
+            sampled.push(sampled_ids.len() as u32);
+            if k > 0 {
+                for _ in 0..self.rng.below(k as u64 + 1) {
                     draft_ids.push(10 + self.rng.below(900) as u32);
                 }
             }
             drafts.push(draft_ids.len() as u32);
         }
-        let mut mro = ModelRunnerOutput::from_tokens(&tokens);
-        if cfg.num_speculative_tokens > 0 {
-            mro.draft_offsets = drafts;
-            mro.draft_token_ids = draft_ids;
+        let mut mro = ModelRunnerOutput {
+            sampled_offsets: sampled,
+            sampled_token_ids: sampled_ids,
+            ..Default::default()
+        };
+        // Drafts with the output, or after it (vLLM's post-step call).
+        let after = k > 0 && self.rng.chance(50);
+        if k > 0 && !after {
+            mro.draft_offsets = drafts.clone();
+            mro.draft_token_ids = draft_ids.clone();
         }
         self.s.update_from_output(&mro).unwrap();
+        if after {
+            self.s
+                .update_draft_token_ids(&out.req_handles, &drafts, &draft_ids)
+                .unwrap();
+        }
         self.s.check_invariants().unwrap();
         false
     }

@@ -1,9 +1,10 @@
-//! `SchedulerConfig` for Python: keyword arguments, validated at construction.
+//! `SchedulerConfig` for Python: keyword arguments, each optional with the
+//! core's default, validated at construction.
 
 use fastsched_core::config::{Policy, SchedulerConfig};
 use pyo3::prelude::*;
 
-use crate::errors::{non_negative, to_py};
+use crate::errors::{non_negative, to_id, to_py};
 
 #[pyclass(name = "SchedulerConfig", module = "fastsched._core", frozen)]
 #[derive(Clone)]
@@ -13,78 +14,122 @@ pub struct PySchedulerConfig {
 
 #[pymethods]
 impl PySchedulerConfig {
+    /// Every argument is optional: `None` (or leaving it out) takes the core's
+    /// default (`SchedulerConfig::default()` in Rust, the one place defaults
+    /// are defined). `max_num_active_seqs` and `max_num_scheduled_tokens`
+    /// default to unset, which resolves to `max_num_seqs` and
+    /// `max_num_batched_tokens`.
     #[new]
     #[pyo3(signature = (
         *,
-        max_num_seqs = 256,
+        max_num_seqs = None,
         max_num_active_seqs = None,
-        max_num_batched_tokens = 8192,
+        max_num_batched_tokens = None,
         max_num_scheduled_tokens = None,
-        max_model_len = 8192,
-        long_prefill_token_threshold = 0,
-        long_prefill_token_threshold_adaptive = false,
-        prefill_schedule_interval = 1,
-        enable_chunked_prefill = true,
-        policy = "fcfs",
-        max_loras = 0,
-        num_speculative_tokens = 0,
-        block_size = 16,
-        num_gpu_blocks = 4096,
-        enable_prefix_caching = true,
-        scheduler_reserve_full_isl = true,
-        watermark = 0.0,
-        priority_preemption = false,
-        max_preemptions_per_request = 3,
+        max_model_len = None,
+        long_prefill_token_threshold = None,
+        long_prefill_token_threshold_adaptive = None,
+        prefill_schedule_interval = None,
+        enable_chunked_prefill = None,
+        policy = None,
+        max_loras = None,
+        num_speculative_tokens = None,
+        num_lookahead_tokens = None,
+        block_size = None,
+        num_gpu_blocks = None,
+        enable_prefix_caching = None,
+        scheduler_reserve_full_isl = None,
+        watermark = None,
+        priority_preemption = None,
+        max_preemptions_per_request = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        max_num_seqs: i64,
+        max_num_seqs: Option<i64>,
         max_num_active_seqs: Option<i64>,
-        max_num_batched_tokens: i64,
+        max_num_batched_tokens: Option<i64>,
         max_num_scheduled_tokens: Option<i64>,
-        max_model_len: i64,
-        long_prefill_token_threshold: i64,
-        long_prefill_token_threshold_adaptive: bool,
-        prefill_schedule_interval: i64,
-        enable_chunked_prefill: bool,
-        policy: &str,
-        max_loras: i64,
-        num_speculative_tokens: i64,
-        block_size: i64,
-        num_gpu_blocks: i64,
-        enable_prefix_caching: bool,
-        scheduler_reserve_full_isl: bool,
-        watermark: f64,
-        priority_preemption: bool,
-        max_preemptions_per_request: u32,
+        max_model_len: Option<i64>,
+        long_prefill_token_threshold: Option<i64>,
+        long_prefill_token_threshold_adaptive: Option<bool>,
+        prefill_schedule_interval: Option<i64>,
+        enable_chunked_prefill: Option<bool>,
+        policy: Option<&str>,
+        max_loras: Option<i64>,
+        num_speculative_tokens: Option<i64>,
+        num_lookahead_tokens: Option<i64>,
+        block_size: Option<i64>,
+        num_gpu_blocks: Option<i64>,
+        enable_prefix_caching: Option<bool>,
+        scheduler_reserve_full_isl: Option<bool>,
+        watermark: Option<f64>,
+        priority_preemption: Option<bool>,
+        max_preemptions_per_request: Option<i64>,
     ) -> PyResult<Self> {
-        let opt = |name: &str, v: Option<i64>| v.map(|v| non_negative(name, v)).transpose();
+        let d = SchedulerConfig::default();
+        let size = |name: &str, v: Option<i64>, default: usize| {
+            v.map_or(Ok(default), |v| non_negative(name, v))
+        };
+        let unset = |name: &str, v: Option<i64>, default: Option<usize>| {
+            v.map_or(Ok(default), |v| non_negative(name, v).map(Some))
+        };
         let inner = SchedulerConfig {
-            max_num_seqs: non_negative("max_num_seqs", max_num_seqs)?,
-            max_num_active_seqs: opt("max_num_active_seqs", max_num_active_seqs)?,
-            max_num_batched_tokens: non_negative("max_num_batched_tokens", max_num_batched_tokens)?,
-            max_num_scheduled_tokens: opt("max_num_scheduled_tokens", max_num_scheduled_tokens)?,
-            max_model_len: non_negative("max_model_len", max_model_len)?,
-            long_prefill_token_threshold: non_negative(
+            max_num_seqs: size("max_num_seqs", max_num_seqs, d.max_num_seqs)?,
+            max_num_active_seqs: unset(
+                "max_num_active_seqs",
+                max_num_active_seqs,
+                d.max_num_active_seqs,
+            )?,
+            max_num_batched_tokens: size(
+                "max_num_batched_tokens",
+                max_num_batched_tokens,
+                d.max_num_batched_tokens,
+            )?,
+            max_num_scheduled_tokens: unset(
+                "max_num_scheduled_tokens",
+                max_num_scheduled_tokens,
+                d.max_num_scheduled_tokens,
+            )?,
+            max_model_len: size("max_model_len", max_model_len, d.max_model_len)?,
+            long_prefill_token_threshold: size(
                 "long_prefill_token_threshold",
                 long_prefill_token_threshold,
+                d.long_prefill_token_threshold,
             )?,
-            long_prefill_token_threshold_adaptive,
-            prefill_schedule_interval: non_negative(
+            long_prefill_token_threshold_adaptive: long_prefill_token_threshold_adaptive
+                .unwrap_or(d.long_prefill_token_threshold_adaptive),
+            prefill_schedule_interval: size(
                 "prefill_schedule_interval",
                 prefill_schedule_interval,
+                d.prefill_schedule_interval,
             )?,
-            enable_chunked_prefill,
-            policy: policy.parse::<Policy>().map_err(to_py)?,
-            max_loras: non_negative("max_loras", max_loras)?,
-            num_speculative_tokens: non_negative("num_speculative_tokens", num_speculative_tokens)?,
-            block_size: non_negative("block_size", block_size)?,
-            num_gpu_blocks: non_negative("num_gpu_blocks", num_gpu_blocks)?,
-            enable_prefix_caching,
-            scheduler_reserve_full_isl,
-            watermark,
-            priority_preemption,
-            max_preemptions_per_request,
+            enable_chunked_prefill: enable_chunked_prefill.unwrap_or(d.enable_chunked_prefill),
+            policy: match policy {
+                Some(p) => p.parse::<Policy>().map_err(to_py)?,
+                None => d.policy,
+            },
+            max_loras: size("max_loras", max_loras, d.max_loras)?,
+            num_speculative_tokens: size(
+                "num_speculative_tokens",
+                num_speculative_tokens,
+                d.num_speculative_tokens,
+            )?,
+            num_lookahead_tokens: size(
+                "num_lookahead_tokens",
+                num_lookahead_tokens,
+                d.num_lookahead_tokens,
+            )?,
+            block_size: size("block_size", block_size, d.block_size)?,
+            num_gpu_blocks: size("num_gpu_blocks", num_gpu_blocks, d.num_gpu_blocks)?,
+            enable_prefix_caching: enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
+            scheduler_reserve_full_isl: scheduler_reserve_full_isl
+                .unwrap_or(d.scheduler_reserve_full_isl),
+            watermark: watermark.unwrap_or(d.watermark),
+            priority_preemption: priority_preemption.unwrap_or(d.priority_preemption),
+            max_preemptions_per_request: match max_preemptions_per_request {
+                Some(v) => to_id("max_preemptions_per_request", v)?,
+                None => d.max_preemptions_per_request,
+            },
         };
         inner.validate().map_err(to_py)?;
         Ok(PySchedulerConfig { inner })
@@ -133,6 +178,18 @@ impl PySchedulerConfig {
     #[getter]
     fn watermark(&self) -> f64 {
         self.inner.watermark
+    }
+    #[getter]
+    fn max_loras(&self) -> usize {
+        self.inner.max_loras
+    }
+    #[getter]
+    fn num_speculative_tokens(&self) -> usize {
+        self.inner.num_speculative_tokens
+    }
+    #[getter]
+    fn num_lookahead_tokens(&self) -> usize {
+        self.inner.num_lookahead_tokens
     }
     #[getter]
     fn block_size(&self) -> usize {

@@ -25,9 +25,12 @@ pub struct PySchedulerOutput {
     pub kinds: Py<PyArray1<u8>>,
     pub num_cached_tokens: U32Array,
     pub num_spec_tokens: U32Array,
+    pub spec_token_ids: Py<PyArray1<i64>>,
     pub block_offsets: U32Array,
     pub block_ids: U32Array,
     pub preempted: U32Array,
+    pub skipped: U32Array,
+    pub skip_reasons: Py<PyArray1<u8>>,
     pub finished: U32Array,
 }
 
@@ -43,9 +46,12 @@ impl PySchedulerOutput {
             kinds: arr(py, o.kinds),
             num_cached_tokens: arr(py, o.num_cached_tokens),
             num_spec_tokens: arr(py, o.num_spec_tokens),
+            spec_token_ids: arr(py, o.spec_token_ids),
             block_offsets: arr(py, o.block_offsets),
             block_ids: arr(py, o.block_ids),
             preempted: arr(py, o.preempted),
+            skipped: arr(py, o.skipped),
+            skip_reasons: arr(py, o.skip_reasons),
             finished: arr(py, o.finished),
         }
     }

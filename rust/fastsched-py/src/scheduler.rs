@@ -132,6 +132,23 @@ impl PyScheduler {
         Ok(PyEngineCoreOutputs::new(py, out))
     }
 
+    /// Drafts for the next step (speculative decoding), as CSR rows aligned
+    /// with `handles`: what a drafter proposed after the step's update.
+    fn update_draft_token_ids(
+        &mut self,
+        handles: PyReadonlyArray1<'_, u32>,
+        draft_offsets: PyReadonlyArray1<'_, u32>,
+        draft_token_ids: PyReadonlyArray1<'_, u32>,
+    ) -> PyResult<()> {
+        self.inner
+            .update_draft_token_ids(
+                slice("handles", &handles)?,
+                slice("draft_offsets", &draft_offsets)?,
+                slice("draft_token_ids", &draft_token_ids)?,
+            )
+            .map_err(to_py)
+    }
+
     /// The common case: at most one token per scheduled request, `-1` for
     /// none (a partial prefill).
     fn update_from_tokens(

@@ -8,61 +8,9 @@
 
 use std::collections::VecDeque;
 
+use super::block::Block;
 use super::prefix_cache::PrefixCache;
-use super::table::{Plain, Table};
-
-/// Everything the pool knows about one block in one 32-byte record (two per
-/// cache line): its place in the free queue, its reference count and what it
-/// is cached as. Allocating a block (which evicts it), caching it, freeing it
-/// and confirming a prefix hit on it each touch this one record.
-#[derive(Debug, Clone, Copy)]
-pub struct Block {
-    /// While `in_free`: the ticket of the block's live entry in the queue.
-    ticket: u64,
-    ref_cnt: u32,
-    in_free: bool,
-    /// `hash` and `parent` are what the block holds (it is in the prefix cache).
-    cached: bool,
-    hash: u64,
-    parent: u64,
-}
-
-impl Block {
-    pub(super) const UNUSED: Block = Block {
-        ticket: 0,
-        ref_cnt: 0,
-        in_free: false,
-        cached: false,
-        hash: 0,
-        parent: 0,
-    };
-
-    pub(super) fn cache_as(&mut self, hash: u64, parent: u64) {
-        self.cached = true;
-        self.hash = hash;
-        self.parent = parent;
-    }
-
-    /// Forgets the content (the block is being reused).
-    pub(super) fn evict(&mut self) {
-        self.cached = false;
-    }
-
-    /// The hash the block is cached under, if it is cached.
-    #[inline]
-    pub fn cached_hash(&self) -> Option<u64> {
-        self.cached.then_some(self.hash)
-    }
-
-    /// Cached as exactly this content: `hash` of `parent` + its tokens.
-    #[inline]
-    pub fn is_cached_as(&self, hash: u64, parent: u64) -> bool {
-        self.cached && self.hash == hash && self.parent == parent
-    }
-}
-
-// SAFETY: integers and bools (all-zero is `Block::UNUSED`); 8-byte alignment.
-unsafe impl Plain for Block {}
+use super::table::Table;
 
 /// An entry of the free queue; live only while the block is free and still
 /// holds this ticket.
@@ -357,11 +305,6 @@ mod tests {
         assert_eq!(more, vec![2, 1]);
         assert_eq!(pool.get_cached_block(11, 0, &[7]), None, "evicted on reuse");
         assert_eq!(pool.block_hash(1), None);
-    }
-
-    #[test]
-    fn a_block_record_is_a_half_cache_line() {
-        assert_eq!(std::mem::size_of::<Block>(), 32);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! same content (an exact duplicate prompt recomputes its capped last block);
 //! lookups return the earliest-inserted one still cached.
 
-use super::block_pool::Block;
+use super::block::Block;
 use super::table::{Plain, Table};
 
 /// Hashes one full block of token ids, chained to its parent block's hash.

@@ -25,7 +25,17 @@ impl Scheduler {
             put(h, "kv_holding")?;
         }
         let mut streaming = 0;
+        let mut deferred = 0;
         for r in self.live_requests() {
+            if r.deferred {
+                deferred += 1;
+                if !matches!(place.get(&r.handle), Some(&"waiting") | Some(&"kv_holding")) {
+                    return Err(format!(
+                        "deferred request {:?} is not waiting",
+                        r.request_id
+                    ));
+                }
+            }
             let expected = match r.status {
                 RequestStatus::Running => "running",
                 RequestStatus::Waiting
@@ -82,6 +92,12 @@ impl Scheduler {
             return Err(format!(
                 "{streaming} sessions wait for input but the counter says {}",
                 self.num_waiting_for_streaming_input
+            ));
+        }
+        if deferred != self.num_deferred_waiting {
+            return Err(format!(
+                "{deferred} requests are deferred but the counter says {}",
+                self.num_deferred_waiting
             ));
         }
         if self.running.len() > self.cfg.max_num_seqs {

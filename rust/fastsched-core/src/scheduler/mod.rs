@@ -1,4 +1,4 @@
-//! The per-step scheduler (DESIGN §5): one `schedule()` per forward pass,
+//! The per-step scheduler (docs/design.md §5): one `schedule()` per forward pass,
 //! `update_from_output()` with what the model sampled.
 //!
 //! Requests live in a slab indexed by [`Handle`]; queues and the running
@@ -24,7 +24,7 @@ use crate::kv::{BlockHasher, KvCacheManager, PrefixCacheStats};
 use crate::output::ScheduledKind;
 use crate::queue::{new_queue, QueueEntry, RequestQueue};
 use crate::request::{FinishReason, Handle, NewRequest, Progress, Request, RequestStatus};
-use crate::telemetry::GateCounters;
+use crate::telemetry::{GateCounters, SkipReason};
 
 /// S13: what the engine is allowed to schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,6 +130,63 @@ enum WhichQueue {
     Waiting,
 }
 
+/// What a step may still spend, and its per-step caps: one value both phases
+/// of `schedule()` thread through.
+#[derive(Debug, Clone, Copy)]
+struct StepBudget {
+    /// S1: compute tokens left (`max_num_scheduled_tokens`; drafts count).
+    tokens: usize,
+    /// S1: input tokens left (`max_num_batched_tokens`; drafts do not count).
+    inputs: usize,
+    /// S9: this step's cap on one request's tokens (0 = none).
+    threshold: usize,
+    /// S12: prefill work is held this step.
+    defer: bool,
+}
+
+impl StepBudget {
+    /// Charges a row of `n` tokens, `num_spec` of them drafts (or padding).
+    #[inline]
+    fn spend(&mut self, n: usize, num_spec: usize) {
+        self.tokens -= n;
+        self.inputs -= n - num_spec;
+    }
+
+    /// Gives back what a row taken back (S3) was charged.
+    fn refund(&mut self, row: &Scheduled) {
+        self.tokens += row.num_tokens as usize;
+        self.inputs += (row.num_tokens - row.num_spec) as usize;
+    }
+}
+
+/// Buffers a step reuses from one call to the next (cleared, never freed),
+/// so that a step allocates little beyond its output arrays.
+#[derive(Debug, Default)]
+struct StepBuffers {
+    /// A consumed step's rows, reused by the next step.
+    spare_step: Option<InFlightStep>,
+    /// Where a waiting request's allocation puts its new block ids (an
+    /// admission sends its whole table instead).
+    block_scratch: Vec<u32>,
+    /// Block ids the last step sent: how many to make room for in the next.
+    last_num_block_ids: usize,
+    /// Running requests that stopped in this update; they leave `running`
+    /// in one pass at its end.
+    stopped: Vec<Handle>,
+    /// By handle: set for the handles in `stopped` during that pass (a byte
+    /// per handle: the pass tests each running request with one load).
+    stopped_flags: Vec<bool>,
+    /// Running requests of this step with newly full blocks to cache, and
+    /// up to which token (see `cache_pending_blocks`).
+    pending_caching: Vec<(Handle, usize)>,
+    /// Requests the waiting phase of this step skipped (S7), and why.
+    skips: Vec<(Handle, SkipReason)>,
+    /// The LoRA adapters in the batch during a waiting phase (sorted).
+    lora_set: Vec<u32>,
+    /// Requests a waiting phase took out of their queue until its end (S7).
+    deferred: Vec<(WhichQueue, QueueEntry)>,
+}
+
 pub struct Scheduler {
     cfg: SchedulerConfig,
     hasher: BlockHasher,
@@ -151,6 +208,8 @@ pub struct Scheduler {
     kv_holding: Box<dyn RequestQueue>,
     running: Vec<Handle>,
     num_waiting_for_streaming_input: usize,
+    /// Live requests with `Request::deferred` set (S12 capacity escape).
+    num_deferred_waiting: usize,
     /// Finished, aborted or ignored since the last `schedule()`.
     finished_since_schedule: Vec<Handle>,
     /// Reported finished by the `schedule()` of the given step; released once
@@ -160,8 +219,6 @@ pub struct Scheduler {
     /// ever grow again), whose output the next update emits.
     pending_finished: Vec<(Handle, FinishReason)>,
     in_flight: VecDeque<InFlightStep>,
-    /// A consumed step's rows, reused by the next step.
-    spare_step: Option<InFlightStep>,
     pause: PauseState,
     connector: Option<Box<dyn KvConnector>>,
     async_scheduling: bool,
@@ -169,19 +226,7 @@ pub struct Scheduler {
     next_step_id: u64,
     num_preemptions_total: u64,
     gates: GateCounters,
-    // Reused per-step buffers.
-    block_scratch: Vec<u32>,
-    /// Block ids the last step sent: how many to make room for in the next.
-    last_num_block_ids: usize,
-    /// Running requests that stopped in this update; they leave `running`
-    /// in one pass at its end.
-    stopped: Vec<Handle>,
-    /// By handle: set for the handles in `stopped` during that pass (a byte
-    /// per handle: the pass tests each running request with one load).
-    stopped_flags: Vec<bool>,
-    /// Running requests of this step with newly full blocks to cache, and
-    /// up to which token (see `cache_pending_blocks`).
-    pending_caching: Vec<(Handle, usize)>,
+    bufs: StepBuffers,
 }
 
 impl Scheduler {
@@ -208,11 +253,11 @@ impl Scheduler {
             kv_holding: new_queue(cfg.policy),
             running: Vec::new(),
             num_waiting_for_streaming_input: 0,
+            num_deferred_waiting: 0,
             finished_since_schedule: Vec::new(),
             to_release: Vec::new(),
             pending_finished: Vec::new(),
             in_flight: VecDeque::new(),
-            spare_step: None,
             pause: PauseState::Unpaused,
             connector: None,
             async_scheduling: false,
@@ -220,11 +265,7 @@ impl Scheduler {
             next_step_id: 0,
             num_preemptions_total: 0,
             gates: GateCounters::default(),
-            block_scratch: Vec::new(),
-            last_num_block_ids: 0,
-            stopped: Vec::new(),
-            stopped_flags: Vec::new(),
-            pending_caching: Vec::new(),
+            bufs: StepBuffers::default(),
             cfg,
         })
     }
@@ -319,9 +360,11 @@ impl Scheduler {
         None
     }
 
-    /// Blocks a sequence of `num_tokens` needs to be computed, draft slots included.
+    /// Blocks a sequence of `num_tokens` needs to be computed, with its
+    /// drafts and lookahead slots.
     fn kv_blocks_needed(&self, num_tokens: usize) -> usize {
-        let slots = (num_tokens + self.cfg.num_speculative_tokens).min(self.cfg.max_model_len);
+        let slots = (num_tokens + self.cfg.num_speculative_tokens + self.cfg.num_lookahead_tokens)
+            .min(self.cfg.max_model_len);
         self.kv.blocks_for(slots)
     }
 
@@ -385,6 +428,9 @@ impl Scheduler {
     fn finish(&mut self, h: Handle, status: RequestStatus) {
         let req = self.requests[h as usize].req.as_mut().expect("live handle");
         req.status = status;
+        if std::mem::take(&mut req.deferred) {
+            self.num_deferred_waiting -= 1;
+        }
         // One hash of the id, not two: it maps to another handle only if a
         // request with the same id was added after this one left `ids`.
         if let Some((id, other)) = self.ids.remove_entry(&req.request_id) {
@@ -401,13 +447,19 @@ impl Scheduler {
 
     // ----------------------------------------------------------------- queries
 
-    /// S18: whether `schedule()` should be called: any request waiting or
-    /// running, or any finish/abort not yet reported.
+    /// S18: whether `schedule()` should be called: any request the pause
+    /// state lets run (S13: all of them when unpaused, the running and
+    /// KV-holding ones under PAUSED_NEW, none under PAUSED_ALL), or any
+    /// finish/abort not yet reported.
     pub fn has_requests(&self) -> bool {
-        !self.running.is_empty()
-            || !self.waiting.is_empty()
-            || !self.kv_holding.is_empty()
-            || !self.finished_since_schedule.is_empty()
+        let schedulable = match self.pause {
+            PauseState::Unpaused => {
+                !self.running.is_empty() || !self.waiting.is_empty() || !self.kv_holding.is_empty()
+            }
+            PauseState::PausedNew => !self.running.is_empty() || !self.kv_holding.is_empty(),
+            PauseState::PausedAll => false,
+        };
+        schedulable || !self.finished_since_schedule.is_empty()
     }
 
     pub fn num_running(&self) -> usize {

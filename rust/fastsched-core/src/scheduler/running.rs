@@ -2,7 +2,7 @@
 //! preempting (S4) on KV shortage.
 
 use super::step::advance;
-use super::{warm_range, Scheduled, Scheduler, Slot};
+use super::{warm_range, Scheduled, Scheduler, Slot, StepBudget};
 use crate::config::Policy;
 use crate::kv::manager::AllocRequest;
 use crate::output::{ScheduledKind, SchedulerOutput};
@@ -20,24 +20,25 @@ struct TakenBack {
 
 impl Scheduler {
     /// S2/S3: extends the running requests in order, preempting (S4) on KV
-    /// shortage; spends `token_budget` and `input_budget`. A request that
-    /// needs no new block (most, most steps) is decided from its `Progress`
-    /// and its KV block counts: the request itself is not read.
+    /// shortage; spends the step's budget. A request that needs no new block
+    /// (most, most steps) is decided from its `Progress` and its KV block
+    /// counts: the request itself is not read.
     pub(super) fn schedule_running(
         &mut self,
         out: &mut SchedulerOutput,
         scheduled: &mut Vec<Scheduled>,
-        token_budget: &mut usize,
-        input_budget: &mut usize,
-        threshold: usize,
-        defer: bool,
+        budget: &mut StepBudget,
     ) {
-        let lookahead = self.cfg.num_speculative_tokens;
+        let spec_decoding = self.cfg.num_speculative_tokens > 0;
+        let lookahead = self.cfg.num_lookahead_tokens;
         let async_scheduling = self.async_scheduling;
         let max_computed = self.cfg.max_model_len - 1;
-        // Locals rather than the callers' variables: the loop keeps them in
+        let StepBudget {
+            threshold, defer, ..
+        } = *budget;
+        // Locals rather than the budget's fields: the loop keeps them in
         // registers (the out-of-line slow path reports what it changed).
-        let (mut tokens_left, mut inputs_left) = (*token_budget, *input_budget);
+        let (mut tokens_left, mut inputs_left) = (budget.tokens, budget.inputs);
         let mut i = 0;
         'running: while i < self.running.len() && tokens_left > 0 {
             if let Some(ahead) = warm_range(i, self.running.len()) {
@@ -54,7 +55,7 @@ impl Scheduler {
             // S1: drafts use compute budget (token_budget) but no input budget.
             let real = p.num_tokens + p.num_output_placeholders as usize - p.num_computed_tokens;
             // Only speculative decoding proposes drafts.
-            let num_drafts = if lookahead > 0 {
+            let num_drafts = if spec_decoding {
                 self.req(h).spec_token_ids.len()
             } else {
                 0
@@ -104,7 +105,7 @@ impl Scheduler {
             // `cache_pending_blocks`.
             let cache_upto = (p.num_computed_tokens + n).min(p.num_tokens);
             if self.kv.has_blocks_to_cache(h, cache_upto) {
-                self.pending_caching.push((h, cache_upto));
+                self.bufs.pending_caching.push((h, cache_upto));
             }
             let row = Scheduled {
                 handle: h,
@@ -123,7 +124,7 @@ impl Scheduler {
             inputs_left -= n - num_spec;
             i += 1;
         }
-        (*token_budget, *input_budget) = (tokens_left, inputs_left);
+        (budget.tokens, budget.inputs) = (tokens_left, inputs_left);
     }
 
     /// S3: allocates what running request `h` needs beyond the blocks it
@@ -188,17 +189,21 @@ impl Scheduler {
     /// reads or frees those blocks: they are held, lookups happen in the
     /// waiting phase, and a preemption calls this first.
     pub(super) fn cache_pending_blocks(&mut self) {
-        if self.pending_caching.is_empty() {
+        if self.bufs.pending_caching.is_empty() {
             return;
         }
         let requests = &self.requests;
         let req = |h: Handle| requests[h as usize].req.as_deref().expect("live handle");
-        self.kv
-            .warm_for_caching(self.pending_caching.iter().map(|&(h, upto)| (req(h), upto)));
-        for &(h, upto) in &self.pending_caching {
+        self.kv.warm_for_caching(
+            self.bufs
+                .pending_caching
+                .iter()
+                .map(|&(h, upto)| (req(h), upto)),
+        );
+        for &(h, upto) in &self.bufs.pending_caching {
             self.kv.cache_blocks(req(h), upto);
         }
-        self.pending_caching.clear();
+        self.bufs.pending_caching.clear();
     }
 
     /// Takes back row `j` of the step being built (a priority victim that

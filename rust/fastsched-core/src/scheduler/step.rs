@@ -1,8 +1,8 @@
 //! `schedule()`: one step's orchestration (S1 budgets, S9 cap, S12
 //! interval), the output arrays, and the in-flight record.
 
-use super::{InFlightStep, PauseState, Scheduled, Scheduler, MAX_SPARE_REQUESTS};
-use crate::output::SchedulerOutput;
+use super::{InFlightStep, PauseState, Scheduled, Scheduler, StepBudget, MAX_SPARE_REQUESTS};
+use crate::output::{ScheduledKind, SchedulerOutput};
 use crate::request::Progress;
 use crate::telemetry::ScanStop;
 
@@ -57,7 +57,7 @@ impl Scheduler {
             step_id: self.next_step_id,
             // Sized like the last step's, which a step's usually resembles:
             // growing it block by block would reallocate it several times.
-            block_ids: Vec::with_capacity(self.last_num_block_ids),
+            block_ids: Vec::with_capacity(self.bufs.last_num_block_ids),
             ..Default::default()
         };
         self.next_step_id += 1;
@@ -65,26 +65,25 @@ impl Scheduler {
         self.to_release
             .extend(out.finished.iter().map(|&h| (out.step_id, h)));
 
-        let mut token_budget = if self.pause == PauseState::PausedAll {
-            0
-        } else {
-            self.cfg.max_num_scheduled_tokens()
+        let mut budget = StepBudget {
+            tokens: if self.pause == PauseState::PausedAll {
+                0
+            } else {
+                self.cfg.max_num_scheduled_tokens()
+            },
+            inputs: self.cfg.max_num_batched_tokens,
+            threshold: self.effective_long_prefill_threshold(),
+            defer: self.prefill_deferred(),
         };
-        let mut input_budget = self.cfg.max_num_batched_tokens;
-        let threshold = self.effective_long_prefill_threshold();
-        let defer = self.prefill_deferred();
-        let mut scheduled = self.spare_step.take().map_or_else(Vec::new, |s| s.rows);
-        scheduled.clear();
+        let mut rows = self
+            .bufs
+            .spare_step
+            .take()
+            .map_or_else(Vec::new, |s| s.rows);
+        rows.clear();
 
         // S2/S3: running requests first.
-        self.schedule_running(
-            &mut out,
-            &mut scheduled,
-            &mut token_budget,
-            &mut input_budget,
-            threshold,
-            defer,
-        );
+        self.schedule_running(&mut out, &mut rows, &mut budget);
 
         self.cache_pending_blocks();
 
@@ -98,20 +97,17 @@ impl Scheduler {
                 ScanStop::NoWaiting
             }
         } else {
-            self.schedule_waiting(
-                &mut scheduled,
-                &mut out.block_ids,
-                &mut out.preempted,
-                &mut token_budget,
-                &mut input_budget,
-                threshold,
-                defer,
-            )
+            self.schedule_waiting(&mut out, &mut rows, &mut budget)
         };
         self.gates.record_stop(stop);
+        if !self.bufs.skips.is_empty() {
+            out.skipped = self.bufs.skips.iter().map(|&(h, _)| h).collect();
+            out.skip_reasons = self.bufs.skips.iter().map(|&(_, r)| r as u8).collect();
+            self.bufs.skips.clear();
+        }
 
-        self.last_num_block_ids = out.block_ids.len();
-        self.finish_step(&mut out, scheduled);
+        self.bufs.last_num_block_ids = out.block_ids.len();
+        self.finish_step(&mut out, rows);
         out
     }
 
@@ -137,6 +133,9 @@ impl Scheduler {
             Some(out.block_ids.len() as u32)
         );
         out.total_num_scheduled_tokens = scheduled.iter().map(|s| s.num_tokens as usize).sum();
+        if self.cfg.num_speculative_tokens > 0 {
+            self.take_scheduled_drafts(out, &scheduled);
+        }
 
         if out.total_num_scheduled_tokens > 0 {
             self.interval.executed += 1;
@@ -149,6 +148,33 @@ impl Scheduler {
             step_id: out.step_id,
             rows: scheduled,
         });
+    }
+}
+
+impl Scheduler {
+    /// S2 spec decode: moves the drafts each row verifies into
+    /// `out.spec_token_ids` (padding rows get `-1`s). Every scheduled running
+    /// request gives up its drafts, as in vLLM, whether or not the budget let
+    /// all of them in: the next ones arrive with this step's output.
+    fn take_scheduled_drafts(&mut self, out: &mut SchedulerOutput, scheduled: &[Scheduled]) {
+        out.spec_token_ids
+            .reserve(out.num_spec_tokens.iter().map(|&n| n as usize).sum());
+        for row in scheduled {
+            let num_spec = row.num_spec as usize;
+            let req = self.req_mut(row.handle);
+            if row.kind == ScheduledKind::Cached {
+                // The running phase scheduled at most the drafts it held.
+                debug_assert!(num_spec <= req.spec_token_ids.len());
+                let drafts = &req.spec_token_ids[..num_spec.min(req.spec_token_ids.len())];
+                out.spec_token_ids
+                    .extend(drafts.iter().map(|&t| i64::from(t)));
+                out.spec_token_ids
+                    .extend(std::iter::repeat_n(-1, num_spec - drafts.len()));
+            } else {
+                out.spec_token_ids.extend(std::iter::repeat_n(-1, num_spec));
+            }
+            req.spec_token_ids.clear();
+        }
     }
 }
 

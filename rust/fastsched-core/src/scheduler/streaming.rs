@@ -61,7 +61,7 @@ impl Scheduler {
     /// waiting, otherwise it waits for input.
     pub(super) fn end_segment(&mut self, h: Handle) {
         match self.req(h).status {
-            RequestStatus::Running => self.stopped.push(h),
+            RequestStatus::Running => self.bufs.stopped.push(h),
             // Preempted while its last token was in flight (async scheduling).
             _ => {
                 if !self.waiting.remove(h) {
@@ -69,8 +69,16 @@ impl Scheduler {
                 }
             }
         }
+        // A stop inside accepted drafts leaves KV computed past the kept
+        // tokens; the session goes on from its last token, as without drafts.
+        let p = &mut self.requests[h as usize].progress;
+        p.num_computed_tokens = p.num_computed_tokens.min(p.num_tokens - 1);
         let req = self.req_mut(h);
         req.status = RequestStatus::WaitingForStreamingReq;
+        if std::mem::take(&mut req.deferred) {
+            self.num_deferred_waiting -= 1;
+        }
+        let req = self.req_mut(h);
         match req.pending_stream_inputs.pop_front() {
             Some(input) => self.resume_session(h, input),
             None => self.num_waiting_for_streaming_input += 1,

@@ -1,4 +1,4 @@
-//! Unit tests of the scheduling step, one or more per DESIGN rule id.
+//! Unit tests of the scheduling step, one or more per docs/design.md rule id.
 
 use super::*;
 use crate::config::Policy;
@@ -1052,6 +1052,7 @@ fn gate_draft_slots_is_recorded_when_only_draft_slots_are_left_of_the_input_budg
         c.max_num_seqs = 4;
         c.max_num_batched_tokens = 12;
         c.num_speculative_tokens = 3;
+        c.num_lookahead_tokens = 3;
     });
     add(&mut s, "a", 9, 4); // takes 12 - 3 draft slots: 3 left, all of them drafts'
     add(&mut s, "b", 2, 4);
@@ -1362,4 +1363,331 @@ fn s17_update_from_tokens_matches_update_from_output_and_its_errors() {
         e.contains("scheduled 1 requests but sampled_offsets has 1 entries (expected 2)"),
         "{e}"
     );
+}
+
+// ------------------------------------------- vLLM 0.33: drafts, LoRA, pauses
+
+/// Hands `h` the drafts for its next step, as an engine's drafter does after
+/// the step's update.
+fn give_drafts(s: &mut Scheduler, h: Handle, drafts: &[u32]) {
+    s.update_draft_token_ids(&[h], &[0, drafts.len() as u32], drafts)
+        .unwrap();
+}
+
+/// One step whose model samples `sampled[i]` for row `i` (empty: none).
+fn step_sampling(s: &mut Scheduler, sampled: &[&[u32]]) -> (SchedulerOutput, EngineCoreOutputs) {
+    let out = s.schedule();
+    assert_eq!(out.len(), sampled.len(), "rows of {:?}", scheduled(s, &out));
+    let mut mro = ModelRunnerOutput {
+        sampled_offsets: vec![0],
+        ..Default::default()
+    };
+    for row in sampled {
+        mro.sampled_token_ids.extend_from_slice(row);
+        mro.sampled_offsets.push(mro.sampled_token_ids.len() as u32);
+    }
+    let res = s.update_from_output(&mro).unwrap();
+    s.check_invariants().unwrap();
+    (out, res)
+}
+
+#[test]
+fn s2_drafts_take_no_lookahead_kv_or_input_slots_unless_configured() {
+    // vLLM's n-gram drafter (and drafts supplied by the caller): blocks cover
+    // the scheduled tokens only, and admissions get the whole budget.
+    let mut s = sched_with(64, |c| c.num_speculative_tokens = 2);
+    let a = add(&mut s, "a", 40, 10);
+    let b = add(&mut s, "b", 24, 10);
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![40, 24]);
+    assert_eq!((s.blocks_of(a).len(), s.blocks_of(b).len()), (10, 6));
+    // A drafter that writes KV for its drafts (EAGLE, a draft model).
+    let mut s = sched_with(64, |c| {
+        c.num_speculative_tokens = 2;
+        c.num_lookahead_tokens = 2;
+    });
+    let a = add(&mut s, "a", 40, 10);
+    add(&mut s, "b", 24, 10);
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![40, 22]);
+    assert_eq!(s.blocks_of(a).len(), 11);
+}
+
+#[test]
+fn s2_scheduled_drafts_go_to_the_runner_and_leave_the_request() {
+    let mut s = sched_with(64, |c| {
+        c.num_speculative_tokens = 3;
+        c.max_num_seqs = 2;
+        c.max_num_batched_tokens = 6;
+    });
+    let a = add(&mut s, "a", 3, 20);
+    let b = add(&mut s, "b", 3, 20);
+    step(&mut s);
+    give_drafts(&mut s, a, &[40, 41, 42]);
+    give_drafts(&mut s, b, &[50, 51, 52]);
+    let out = s.schedule();
+    // b gets what is left of the budget: its first draft only.
+    assert_eq!(out.num_scheduled_tokens, vec![4, 2]);
+    assert_eq!(out.num_spec_tokens, vec![3, 1]);
+    assert_eq!(out.spec_token_ids, vec![40, 41, 42, 50]);
+    assert_eq!(out.spec_token_ids_of(1), &[50]);
+    for h in [a, b] {
+        assert!(s.request(h).unwrap().spec_token_ids.is_empty());
+    }
+}
+
+#[test]
+fn s2_a_running_request_the_budget_skipped_keeps_its_drafts() {
+    let mut s = sched_with(64, |c| {
+        c.num_speculative_tokens = 3;
+        c.max_num_seqs = 2;
+        c.max_num_batched_tokens = 4;
+    });
+    let a = add(&mut s, "a", 2, 20);
+    let b = add(&mut s, "b", 2, 20);
+    step(&mut s);
+    give_drafts(&mut s, a, &[40, 41, 42]);
+    give_drafts(&mut s, b, &[50, 51, 52]);
+    let (out, _) = step_sampling(&mut s, &[&[60]]);
+    assert_eq!(names(&s, &out.req_handles), vec!["a"]);
+    assert_eq!(s.request(b).unwrap().spec_token_ids, vec![50, 51, 52]);
+}
+
+#[test]
+fn s2_update_draft_token_ids_skips_prefill_chunks_and_finished_requests() {
+    let mut s = sched_with(64, |c| c.num_speculative_tokens = 2);
+    let long = add(&mut s, "long", 100, 20);
+    step(&mut s); // a 64-token chunk
+    let done = add_with(&mut s, "done", 3, 1, |r| r.eos_token_id = Some(7));
+    step(&mut s); // long completes its prompt; done samples EOS and finishes
+    give_drafts(&mut s, done, &[1, 2]);
+    assert_eq!(s.request(done).unwrap().spec_token_ids, Vec::<u32>::new());
+    let long2 = add(&mut s, "long2", 200, 20);
+    step(&mut s); // long2 is a chunk now
+    s.update_draft_token_ids(&[long, long2], &[0, 2, 4], &[1, 2, 3, 4])
+        .unwrap();
+    assert_eq!(s.request(long).unwrap().spec_token_ids, vec![1, 2]);
+    assert!(s.request(long2).unwrap().spec_token_ids.is_empty());
+    assert!(matches!(
+        s.update_draft_token_ids(&[long], &[0, 2, 4], &[1, 2, 3, 4]),
+        Err(Error::OutputMismatch(_))
+    ));
+}
+
+#[test]
+fn s2_a_one_token_admission_joining_decodes_is_padded_to_a_uniform_decode() {
+    let mut s = sched_with(64, |c| c.num_speculative_tokens = 2);
+    let a = add(&mut s, "a", 4, 20);
+    step(&mut s);
+    let b = add(&mut s, "b", 1, 20);
+    let (out, _) = step_sampling(&mut s, &[&[60], &[61]]);
+    assert_eq!(out.num_scheduled_tokens, vec![1, 3]);
+    assert_eq!(out.num_spec_tokens, vec![0, 2]);
+    assert_eq!(out.spec_token_ids, vec![-1, -1]);
+    // Verified with nothing accepted: the padding is rolled back.
+    assert_eq!(s.progress(b).unwrap().num_computed_tokens, 1);
+    assert_eq!(s.request(b).unwrap().num_tokens(), 2);
+    assert_eq!(s.request(a).unwrap().num_tokens(), 6);
+}
+
+#[test]
+fn s2_no_padding_without_a_decode_batch_or_beside_a_stale_prefill_chunk() {
+    // Alone, and no cache hit: nothing to be uniform with.
+    let mut s = sched_with(64, |c| c.num_speculative_tokens = 2);
+    add(&mut s, "lone", 1, 20);
+    let (out, _) = step(&mut s);
+    assert_eq!(
+        (out.num_scheduled_tokens, out.num_spec_tokens),
+        (vec![1], vec![0])
+    );
+    // Beside a request whose last schedule was a prefill chunk.
+    let mut s = sched_with(64, |c| c.num_speculative_tokens = 2);
+    add(&mut s, "long", 100, 20);
+    step(&mut s);
+    add(&mut s, "b", 1, 20);
+    let (out, _) = step(&mut s);
+    assert_eq!(scheduled(&s, &out), sv(&[("long", 36), ("b", 1)]));
+    assert_eq!(out.num_spec_tokens, vec![0, 0]);
+}
+
+#[test]
+fn s2_padding_that_does_not_fit_the_budget_stops_the_scan() {
+    let mut s = sched_with(64, |c| {
+        c.num_speculative_tokens = 3;
+        c.max_num_seqs = 4;
+        c.max_num_batched_tokens = 6;
+    });
+    let a = add(&mut s, "a", 2, 20);
+    step(&mut s);
+    give_drafts(&mut s, a, &[40, 41, 42]);
+    add(&mut s, "b", 1, 20); // 1 + 3 padded tokens, 2 left: stop
+    add(&mut s, "c", 2, 20); // would fit, but the scan stopped at b
+    let (out, _) = step_sampling(&mut s, &[&[60]]);
+    assert_eq!(scheduled(&s, &out), sv(&[("a", 4)]));
+    assert_eq!(s.stats().gates.last_scan_stop, Some(ScanStop::TokenBudget));
+}
+
+#[test]
+fn s2_padding_needs_room_below_max_model_len() {
+    let padded = |max_model_len: usize| {
+        let mut s = sched_with(64, |c| {
+            c.num_speculative_tokens = 3;
+            c.max_model_len = max_model_len;
+        });
+        add(&mut s, "a", 1, 2);
+        step(&mut s);
+        add(&mut s, "b", 1, 2);
+        let (out, _) = step(&mut s);
+        out.num_spec_tokens[1] > 0
+    };
+    assert!(padded(5), "0 computed + 1 + 3 drafts + 1 <= 5");
+    assert!(!padded(4));
+}
+
+#[test]
+fn s17_a_stop_inside_accepted_drafts_drops_the_rest() {
+    let mut s = sched_with(64, |c| c.num_speculative_tokens = 3);
+    let a = add_with(&mut s, "a", 5, 20, |r| r.eos_token_id = Some(2));
+    step(&mut s);
+    give_drafts(&mut s, a, &[40, 2, 41]);
+    // Two drafts accepted, the second an EOS: the bonus token is dropped.
+    let (_, res) = step_sampling(&mut s, &[&[40, 2, 60]]);
+    assert_eq!(res.token_ids, vec![40, 2]);
+    assert_eq!(res.finish_reasons, vec![FinishReason::Stop as u8]);
+}
+
+/// `a` decodes with 3 drafts, all accepted, which complete its 2nd block
+/// (4-token blocks): 5 prompt tokens + 1 output, then 4 more.
+fn accepted_drafts_fill_a_block(max_tokens: usize) -> (Scheduler, Vec<u32>) {
+    let mut s = sched_with(64, |c| c.num_speculative_tokens = 3);
+    let a = add(&mut s, "a", 5, max_tokens);
+    step(&mut s);
+    give_drafts(&mut s, a, &[40, 41, 42]);
+    step_sampling(&mut s, &[&[40, 41, 42, 43]]);
+    let mut tokens = prompt("a", 5);
+    tokens.extend([7, 40, 41, 42, 43]);
+    (s, tokens)
+}
+
+#[test]
+fn s8_with_drafts_blocks_completed_by_accepted_tokens_are_cached_at_the_update() {
+    // vLLM 0.33 caches them when it appends the tokens, not at the next
+    // schedule: aborted right after, its second block is still a hit.
+    let (mut s, tokens) = accepted_drafts_fill_a_block(20);
+    s.abort_request("a");
+    s.add_request(NewRequest::new("b", tokens, 5)).unwrap();
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_cached_tokens, vec![8]);
+}
+
+#[test]
+fn s8_with_drafts_a_request_finishing_on_accepted_tokens_caches_them_first() {
+    // Finished by max_tokens inside the accepted drafts: its completed block
+    // is hashed before it is freed, so it goes to the back of the free queue.
+    let (mut s, mut tokens) = accepted_drafts_fill_a_block(4);
+    tokens.truncate(9); // 1 + 3 outputs kept, the last dropped
+    assert_eq!(s.num_running(), 0);
+    s.add_request(NewRequest::new("b", tokens, 5)).unwrap();
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_cached_tokens, vec![8]);
+}
+
+#[test]
+fn s7_the_lora_set_counts_running_requests_this_step_did_not_schedule() {
+    // Async scheduling: l1's next position would pass max_model_len until its
+    // token lands, so the running phase skips it this step; its adapter is
+    // still in the batch, and l2's is one too many.
+    let mut s = sched_with(64, |c| {
+        c.max_loras = 1;
+        c.max_model_len = 16;
+    });
+    s.set_async_scheduling(true);
+    add_with(&mut s, "l1", 14, 10, |r| r.lora_id = Some(1));
+    s.schedule();
+    s.schedule();
+    add_with(&mut s, "l2", 4, 10, |r| r.lora_id = Some(2));
+    add(&mut s, "base", 4, 10);
+    let out = s.schedule();
+    assert_eq!(names(&s, &out.req_handles), vec!["base"]);
+    assert_eq!(names(&s, &out.skipped), vec!["l2"]);
+    assert_eq!(out.skip_reasons, vec![SkipReason::LoraSlots as u8]);
+}
+
+#[test]
+fn s7_skipped_requests_are_reported_in_the_step_output() {
+    let mut s = sched_with(64, |c| c.max_loras = 1);
+    add_with(&mut s, "l1", 4, 10, |r| r.lora_id = Some(1));
+    step(&mut s);
+    add_with(&mut s, "l2a", 4, 10, |r| r.lora_id = Some(2));
+    add_with(&mut s, "l2b", 4, 10, |r| r.lora_id = Some(2));
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.skipped), vec!["l2a", "l2b"]);
+    assert_eq!(out.skip_reasons, vec![SkipReason::LoraSlots as u8; 2]);
+}
+
+#[test]
+fn s12_requests_skipped_in_an_earlier_step_do_not_count_as_capacity_bound() {
+    let mut s = sched_with(64, |c| {
+        c.prefill_schedule_interval = 3;
+        c.max_loras = 1;
+        c.max_num_batched_tokens = 16;
+        c.policy = Policy::Priority;
+    });
+    add_with(&mut s, "l1", 4, 50, |r| r.lora_id = Some(1));
+    add_with(&mut s, "l2", 4, 50, |r| r.lora_id = Some(2));
+    step(&mut s); // release step: l1 admitted, l2 skipped
+    assert!(!s.interval.capacity_bound, "l2 waits for its own reason");
+    while s.interval.executed + 1 - s.interval.last_prefill < 3 {
+        step(&mut s);
+    }
+    // The next release step: x, more urgent, takes the rest of the budget,
+    // so the scan never reaches l2; l2 still does not count.
+    add_with(&mut s, "x", 15, 4, |r| r.priority = -1);
+    let (out, _) = step(&mut s);
+    assert_eq!(scheduled(&s, &out), sv(&[("l1", 1), ("x", 15)]));
+    assert!(out.skipped.is_empty());
+    assert!(!s.interval.capacity_bound);
+}
+
+#[test]
+fn s13_has_requests_counts_only_what_the_pause_state_lets_run() {
+    let mut s = sched(64);
+    add(&mut s, "a", 4, 10);
+    step(&mut s);
+    add(&mut s, "b", 4, 10);
+    s.set_pause_state(PauseState::PausedAll);
+    assert!(!s.has_requests(), "PAUSED_ALL: nothing can run");
+    s.set_pause_state(PauseState::PausedNew);
+    assert!(s.has_requests(), "PAUSED_NEW: a runs");
+    s.abort_request("a");
+    assert!(s.has_requests(), "the abort is still to be reported");
+    step(&mut s);
+    assert!(!s.has_requests(), "b waits, but may not be admitted");
+    s.set_pause_state(PauseState::Unpaused);
+    assert!(s.has_requests());
+}
+
+#[test]
+fn s15_a_segment_stopped_inside_accepted_drafts_goes_on_from_its_last_token() {
+    let mut s = sched_with(64, |c| c.num_speculative_tokens = 3);
+    let h = add_with(&mut s, "sess", 5, 20, |r| {
+        r.streaming = true;
+        r.eos_token_id = Some(2);
+    });
+    step(&mut s);
+    give_drafts(&mut s, h, &[2, 41, 42]);
+    step_sampling(&mut s, &[&[2, 41, 42, 43]]); // EOS accepted first: the segment ends
+    assert_eq!(s.request(h).unwrap().num_tokens(), 7);
+    assert_eq!(s.progress(h).unwrap().num_computed_tokens, 6);
+    s.add_stream_input(
+        "sess",
+        StreamInput {
+            token_ids: vec![5, 6],
+            max_tokens: 2,
+            is_last: false,
+        },
+    )
+    .unwrap();
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_scheduled_tokens, vec![3]);
 }

@@ -4,7 +4,7 @@
 use super::{warm_range, Scheduled, Scheduler, Slot};
 use crate::error::{Error, Result};
 use crate::output::{EngineCoreOutputs, ModelRunnerOutput};
-use crate::request::{Handle, RequestStatus};
+use crate::request::{Handle, Request, RequestStatus};
 
 impl Scheduler {
     // ----------------------------------------------------------------- outputs
@@ -85,7 +85,7 @@ impl Scheduler {
             num_cached_tokens: Vec::with_capacity(n + num_pending),
         };
         outs.token_offsets.push(0);
-        self.stopped.clear();
+        self.bufs.stopped.clear();
         // (output row, finish reason, segment ended) of the rows that stopped.
         let mut ended: Vec<(usize, u8, bool)> = Vec::new();
         let spec_decoding = self.cfg.num_speculative_tokens > 0;
@@ -123,25 +123,22 @@ impl Scheduler {
                     break;
                 }
             }
-            match drafts {
-                // Written only when there is something to clear: most steps
-                // carry no drafts and leave the line clean. Without
-                // speculative decoding there never are any.
-                None => {
-                    if spec_decoding && !req.spec_token_ids.is_empty() {
-                        req.spec_token_ids.clear();
-                    }
-                }
-                Some(mro) if stop.is_none() => {
+            if spec_decoding && !sampled.is_empty() && req.status == RequestStatus::Running {
+                // vLLM 0.33 with speculative decoding: the blocks completed by
+                // accepted tokens are cached now (one step before the next
+                // schedule would), even when the request has just stopped, so
+                // that freeing it sends them to the back of the free queue.
+                let upto = p.num_computed_tokens.min(req.num_tokens());
+                self.kv.cache_blocks(req, upto);
+            }
+            // The drafts of this step's rows were taken when it was scheduled;
+            // new ones, for requests still decoding.
+            if let Some(mro) = drafts {
+                if stop.is_none() && !p.is_prefill_chunk {
                     let drafts = &mro.draft_token_ids
                         [mro.draft_offsets[j] as usize..mro.draft_offsets[j + 1] as usize];
-                    let room = max_model_len.saturating_sub(req.num_tokens() + 1);
-                    req.spec_token_ids.clear();
-                    req.spec_token_ids.extend_from_slice(
-                        &drafts[..drafts.len().min(self.cfg.num_speculative_tokens).min(room)],
-                    );
+                    set_drafts(req, drafts, self.cfg.num_speculative_tokens, max_model_len);
                 }
-                Some(_) => {}
             }
             if sampled.is_empty() {
                 continue; // no token, so no stop either: nothing to report
@@ -180,20 +177,20 @@ impl Scheduler {
             outs.finish_reasons[row] = reason;
             outs.segment_ended[row] = segment_ended;
         }
-        if !self.stopped.is_empty() {
+        if !self.bufs.stopped.is_empty() {
             // A few stops among many running requests: flag them rather than
             // re-read every running request (or search the list per request).
-            let flags = &mut self.stopped_flags;
+            let flags = &mut self.bufs.stopped_flags;
             flags.resize(self.requests.len(), false);
-            for &h in &self.stopped {
+            for &h in &self.bufs.stopped {
                 flags[h as usize] = true;
             }
             self.running.retain(|&h| !flags[h as usize]);
-            for &h in &self.stopped {
+            for &h in &self.bufs.stopped {
                 flags[h as usize] = false;
             }
         }
-        self.spare_step = Some(step);
+        self.bufs.spare_step = Some(step);
         for (h, reason) in std::mem::take(&mut self.pending_finished) {
             outs.handles.push(h);
             outs.token_offsets.push(outs.token_ids.len() as u32);
@@ -204,11 +201,57 @@ impl Scheduler {
         outs
     }
 
+    /// S2 spec decode: the drafts proposed for the next step, as vLLM's
+    /// `update_draft_token_ids` (`EngineCore.post_step`): CSR rows aligned
+    /// with `handles`. A running request whose prefill is done takes its
+    /// row (at most `num_speculative_tokens`, and no position past
+    /// `max_model_len - 1`), replacing any drafts it held; a request still in
+    /// prefill drops its drafts; unknown, finished or waiting requests are
+    /// ignored. Without speculative decoding every row is ignored.
+    pub fn update_draft_token_ids(
+        &mut self,
+        handles: &[Handle],
+        draft_offsets: &[u32],
+        draft_token_ids: &[u32],
+    ) -> Result<()> {
+        if draft_offsets.len() != handles.len() + 1 {
+            return Err(Error::OutputMismatch(format!(
+                "draft_offsets has {} entries, expected {} (one more than handles)",
+                draft_offsets.len(),
+                handles.len() + 1
+            )));
+        }
+        check_csr("draft", draft_offsets, draft_token_ids.len())?;
+        let k = self.cfg.num_speculative_tokens;
+        if k == 0 {
+            return Ok(());
+        }
+        let max_model_len = self.cfg.max_model_len;
+        for (j, &h) in handles.iter().enumerate() {
+            let Some(slot) = self.requests.get_mut(h as usize) else {
+                continue;
+            };
+            let Some(req) = slot.req.as_deref_mut() else {
+                continue;
+            };
+            if req.status != RequestStatus::Running {
+                continue;
+            }
+            if slot.progress.is_prefill_chunk {
+                req.spec_token_ids.clear();
+                continue;
+            }
+            let drafts = &draft_token_ids[draft_offsets[j] as usize..draft_offsets[j + 1] as usize];
+            set_drafts(req, drafts, k, max_model_len);
+        }
+        Ok(())
+    }
+
     /// A request stopped by the model: off `running` (or its queue, when it
     /// was preempted while the step was in flight) and freed now.
     fn finish_from_output(&mut self, h: Handle, status: RequestStatus) {
         match self.req(h).status {
-            RequestStatus::Running => self.stopped.push(h),
+            RequestStatus::Running => self.bufs.stopped.push(h),
             _ => {
                 if !self.waiting.remove(h) {
                     self.kv_holding.remove(h);
@@ -235,6 +278,16 @@ fn warm_rows(requests: &[Slot], rows: &[Scheduled]) {
         }
     }
     std::hint::black_box(sink);
+}
+
+/// Replaces a request's drafts with at most `k` of `drafts`, and none whose
+/// position would pass `max_model_len - 1` (the running phase could not
+/// schedule them).
+fn set_drafts(req: &mut Request, drafts: &[u32], k: usize, max_model_len: usize) {
+    let room = max_model_len.saturating_sub(req.num_tokens() + 1);
+    req.spec_token_ids.clear();
+    req.spec_token_ids
+        .extend_from_slice(&drafts[..drafts.len().min(k).min(room)]);
 }
 
 fn check_csr(name: &str, offsets: &[u32], len: usize) -> Result<()> {
