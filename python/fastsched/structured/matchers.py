@@ -1,0 +1,69 @@
+"""The engine's side of structured outputs: one llguidance matcher per constrained request,
+advanced by every token the request accepts, and one token bitmask per step for all the
+constrained rows of a batch (filled in parallel by llguidance's executor, off the GIL)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import llguidance
+import llguidance.numpy as llg_numpy
+import numpy as np
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        """``tokenizer_json``: the tokenizer as ``tokenizers.Tokenizer.to_str()``;
+        ``vocab_size``: the model's logits width (may exceed the tokenizer's);
+        ``eos_token_ids``: what a finished grammar allows the model to end with."""
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                eos_token=list(eos_token_ids) or None)
+        self._executor = llguidance.LLExecutor()
+        self._matchers: dict[Hashable, llguidance.LLMatcher] = {}
+        self._bitmask = llg_numpy.allocate_token_bitmask(1, vocab_size)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._matchers
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def add(self, key: Hashable, grammar: str) -> None:
+        """Start a matcher for ``key`` (a request) from a grammar of ``StructuredOutputsParams``."""
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+        if matcher.is_error():
+            raise ValueError(f"structured output grammar does not compile: {matcher.get_error()}")
+        self._matchers[key] = matcher
+
+    def remove(self, key: Hashable) -> None:
+        self._matchers.pop(key, None)
+
+    def accept(self, key: Hashable, tokens: Sequence[int]) -> None:
+        """Advance ``key``'s matcher by tokens the request produced. A token the grammar
+        forbids can only come from a sampler that ignored the mask: that is a bug, so it raises."""
+        matcher = self._matchers[key]
+        if not matcher.consume_tokens(list(tokens)):
+            raise RuntimeError(f"structured output of {key!r} took a token its grammar forbids: "
+                               f"{matcher.get_error()}")
+
+    def rollback(self, key: Hashable, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""
+        if num_tokens and not self._matchers[key].rollback(num_tokens):
+            raise RuntimeError(f"structured output of {key!r} cannot roll back {num_tokens} tokens")
+
+    def is_finished(self, key: Hashable) -> bool:
+        """The grammar allows nothing more (it then allows only EOS)."""
+        return self._matchers[key].is_stopped()
+
+    def fill_bitmask(self, keys: Sequence[Hashable]) -> np.ndarray:
+        """One int32 bitmask row per key (bit ``t`` of a row: token ``t`` is allowed), the
+        rows computed in parallel. The array is reused by the next call."""
+        rows = len(keys)
+        if self._bitmask.shape[0] < rows:
+            self._bitmask = llg_numpy.allocate_token_bitmask(max(rows, 2 * self._bitmask.shape[0]), self.vocab_size)
+        mask = self._bitmask[:rows]
+        llg_numpy.fill_next_token_bitmask_par(self._executor, [(self._matchers[k], i) for i, k in enumerate(keys)],
+                                              mask)
+        return mask
+
