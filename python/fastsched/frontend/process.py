@@ -16,6 +16,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from fastsched.limits import RequestLimits
+
 logger = logging.getLogger("fastsched.frontend")
 
 PARENT_POLL_S = 0.5  # how often a frontend checks that the launcher is still there
@@ -78,6 +80,8 @@ class FrontendSpec:
     engine_timeout: float
     ready_timeout: float
     log_level: str
+    limits: RequestLimits
+    api_key: str | None  # required on the gRPC port too (passed over the spawn pipe, never in argv)
 
 
 def run_frontend(spec: FrontendSpec, ready_pipe: Connection) -> None:
@@ -115,7 +119,7 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
             starting = asyncio.create_task(AsyncLLM.start(
                 spec.engine_input_addrs, spec.output_addr, frontend_index=spec.index, shared_stats=shared,
                 engine_procs=engines, engine_timeout=spec.engine_timeout, ready_timeout=spec.ready_timeout,
-                **spec.admission,
+                limits=spec.limits, **spec.admission,
             ))
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -125,7 +129,8 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
                 await asyncio.gather(starting, return_exceptions=True)
                 return 0
             llm = starting.result()
-            server = await serve_frontend(llm, spec.grpc_host, spec.grpc_port)
+            server = await serve_frontend(llm, spec.grpc_host, spec.grpc_port, api_key=spec.api_key,
+                                          limits=spec.limits)
         except Exception as e:
             logger.error("frontend %d failed to start: %s", spec.index, e)
             with contextlib.suppress(OSError):
