@@ -214,6 +214,11 @@ class FrontendPool:
             return FrontendStream(frontend, call, first)
         raise _unavailable(reason, retry_after_s) from last_error
 
+    async def stats_by_frontend(self) -> list[Any | BaseException]:
+        """Each frontend's GetStats reply, or the error its call ended with (the launcher's
+        liveness probe: a hung frontend times out, a dead engine shows as ``dead``)."""
+        return await self._each("GetStats", pb.GetStatsRequest())
+
     async def _each(self, rpc: str, request: Any) -> list[Any | BaseException]:
         await self.start()
         calls = [getattr(f.stub, rpc)(request, timeout=_PROBE_TIMEOUT_S, metadata=self.metadata)
