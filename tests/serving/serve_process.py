@@ -157,6 +157,13 @@ def start_serve(model_dir: Path, log_path: Path, *args: str, api_server_count: i
     """Starts ``fastsched serve`` and waits until ``/health`` answers 200."""
     server = launch(model_dir, log_path, *args, api_server_count=api_server_count, max_model_len=max_model_len,
                     env=env)
+    wait_healthy(server)
+    return server
+
+
+def wait_healthy(server: ServeProcess) -> None:
+    """Waits until a launched server's ``/health`` answers 200; closes it and raises if it
+    exits or is not healthy within START_TIMEOUT_S."""
     deadline = time.monotonic() + START_TIMEOUT_S
     try:
         while True:
@@ -168,7 +175,7 @@ def start_serve(model_dir: Path, log_path: Path, *args: str, api_server_count: i
                 healthy = httpx.get(server.url + "/health", timeout=2, trust_env=False).status_code == 200
                 # The launcher logs "gateway listening" once uvicorn has started; /health may answer first.
                 if healthy and "gateway listening on" in server.log():
-                    return server
+                    return
             time.sleep(0.1)
     except BaseException:
         server.close()
