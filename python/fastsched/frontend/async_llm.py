@@ -5,7 +5,8 @@ the shared counters), route, fan out ``n``, detokenize and cut at stop strings â
 talks to the engines over ZMQ with msgpack (``protocol``). One output-reader task
 receives every engine's messages and dispatches them to per-request streams; a
 monitor task marks an engine dead when it goes silent or its process exits, so no
-request ever waits on a dead engine. ``request_status()`` says where a request is: it asks
+request ever waits on a dead engine. A dead engine stays dead until a new process at its
+address says READY (the launcher restarts engines under ``--enable-fault-tolerance``). ``request_status()`` says where a request is: it asks
 the engine (a QUERY whose STATUS the reader hands back) or remembers (``frontend.request_status``).
 
 Streaming contract: ``generate()`` admits the request *when called* (so an
