@@ -34,6 +34,7 @@ from fastsched.frontend.admission import (  # noqa: E402
     QueueOverflowError,
 )
 from fastsched.frontend.async_llm import AsyncLLM, EngineDeadError, StreamOutput  # noqa: E402
+from fastsched.limits import LimitError  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
@@ -157,7 +158,9 @@ def test_a3_rejects_when_prefill_backlog_reaches_max_num_queued_tokens() -> None
     assert e.value.reason == "max_num_queued_tokens" and "60" in str(e.value) and "(50)" in str(e.value)
     ac.mark_first_token("a")  # decoding requests leave the backlog
     assert ac.num_queued_tokens == 30
-    ac.check_and_charge("c", 1, 100)
+    ac.check_and_charge("c", 1, 40)  # its own prompt is not counted: 30 + 40 > 50 is admitted
+    with pytest.raises(LimitError, match="max_num_queued_tokens"):  # A4: longer than the limit, never admitted
+        ac.check_and_charge("d", 1, 51)
     ac.release("b")
     ac.release("c")
     assert ac.num_queued_tokens == 0 and ac.num_in_flight == 1

@@ -29,16 +29,15 @@ hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not install
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
 from conftest import ipc_dir, launch, teardown  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
-
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.limits import RequestLimits  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
 from fastsched.proto_gen import import_stubs  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
 
 pb, pb_grpc = import_stubs()
 

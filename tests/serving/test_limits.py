@@ -28,14 +28,13 @@ pytest.importorskip("starlette", reason="starlette is not installed (requirement
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
 from conftest import ipc_dir, launch, teardown  # noqa: E402
-from loop_thread import LoopThread, free_port  # noqa: E402
-
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.limits import RequestLimits  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
 from fastsched.proto_gen import import_stubs  # noqa: E402
+from loop_thread import LoopThread, free_port  # noqa: E402
 
 pb, pb_grpc = import_stubs()
 
@@ -191,7 +190,7 @@ def test_huge_grpc_text_is_refused_at_once(stub: Any) -> None:
 def test_long_prompt_within_the_bound_is_tokenized_off_the_event_loop(stack: Stack, http: httpx.Client) -> None:
     """Just under the character bound: tokenized (in a worker thread), then judged on tokens."""
     text = "a" * (stack.max_prompt_chars - 10)
-    response, latencies = health_while(stack, lambda: http.post("/v1/completions", json=completion(prompt=text)))
+    response, _ = health_while(stack, lambda: http.post("/v1/completions", json=completion(prompt=text)))
     error_of(response, 400, "prompt", "max_model_len (512)")
     short = http.post("/v1/completions", json=completion(prompt="x " * 3000, max_tokens=2))
     assert short.status_code in (200, 400), short.text  # 6000 characters: the threaded path either way
@@ -307,7 +306,7 @@ def test_streams_over_a_frontends_limit_get_a_retryable_answer_never_5xx(stack: 
 @pytest.mark.parametrize("raw", ["Infinity", "-Infinity", "NaN", "1e300", "1e400"])
 def test_non_finite_temperature_is_400(http: httpx.Client, raw: str) -> None:
     """Issue 11 defect 7: temperature Infinity (or 1e300) was accepted."""
-    body = '{"model": "tiny", "prompt": "Hi", "max_tokens": 1, "min_tokens": 1, "top_k": 1, "temperature": %s}' % raw
+    body = f'{{"model": "tiny", "prompt": "Hi", "max_tokens": 1, "min_tokens": 1, "top_k": 1, "temperature": {raw}}}'
     response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] in ("temperature", None)

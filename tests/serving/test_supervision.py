@@ -46,7 +46,7 @@ def _serve(tiny_model_dir: Path, tmp_path: Path, *args: str, env: dict[str, str]
 @pytest.fixture
 def fault_tolerant(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServeProcess]:
     server = _serve(tiny_model_dir, tmp_path, "--enable-fault-tolerance", "--max-engine-restarts", "2",
-                    env={"FASTSCHED_API_KEY": KEY})
+                    env={"FASTSCHED_API_KEY": KEY}, max_model_len=4096)
     try:
         yield server
     finally:
@@ -91,11 +91,23 @@ def test_fault_tolerance_restarts_a_killed_then_a_hung_engine_and_gives_up_after
     killed_restart_s = _wait_restarted(server, 1)
     assert _complete(server.url).status_code == 200
 
-    # SIGSTOP: the frontends find it silent, the launcher kills it (SIGCONT is too late) and restarts it.
+    # SIGSTOP mid-stream: the frontends find it silent; its frozen gauges (1 running) leave
+    # /metrics and the stream ends with a retryable error; the launcher kills it (SIGCONT
+    # is too late) and restarts it.
     engine = server.engine_pids[-1]
-    os.kill(engine, signal.SIGSTOP)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60, trust_env=False,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        os.kill(engine, signal.SIGSTOP)
+        assert wait_for(lambda: metric_samples(server.url)["fastsched:num_requests_running"] == 0,
+                        timeout=EXIT_WITHIN_S), server.tail()
+        rest = list(lines)
+    assert any("engine_faulted" in line for line in rest), rest
     hung_restart_s = _wait_restarted(server, 2)
-    os.kill(engine, signal.SIGCONT) if pid_alive(engine) else None
+    if pid_alive(engine):
+        os.kill(engine, signal.SIGCONT)
     assert not pid_alive(engine)
     assert _complete(server.url).status_code == 200
     samples = metric_samples(server.url)
@@ -107,26 +119,6 @@ def test_fault_tolerance_restarts_a_killed_then_a_hung_engine_and_gives_up_after
     os.kill(server.engine_pids[-1], signal.SIGKILL)
     assert server.wait(RESTART_WITHIN_S) == 1, server.tail()
     assert "--max-engine-restarts" in server.log()
-
-
-def test_dead_engines_gauges_are_dropped_while_it_restarts(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The gauges of an engine a frontend reports dead are left out of /metrics, not frozen."""
-    server = _serve(tiny_model_dir, tmp_path, "--enable-fault-tolerance", "--max-engine-restarts", "1",
-                    max_model_len=4096)
-    try:
-        engine = server.engine_pids[0]
-        body = {"model": MODEL, "prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60, trust_env=False) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data: "))
-            os.kill(engine, signal.SIGSTOP)  # frozen mid-request: its last report says 1 running
-            assert wait_for(lambda: metric_samples(server.url)["fastsched:num_requests_running"] == 0,
-                            timeout=EXIT_WITHIN_S), server.tail()
-            rest = list(lines)
-        assert any("engine_faulted" in line for line in rest), rest  # the stream ends with a retryable error
-        _wait_restarted(server, 1)
-    finally:
-        server.close()
 
 
 def test_hung_engine_without_fault_tolerance_ends_the_server_non_zero(tiny_model_dir: Path, tmp_path: Path) -> None:

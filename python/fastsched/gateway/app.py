@@ -33,9 +33,9 @@ frontend where a request is (``frontend.request_status``), by that id or by a pr
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
-import concurrent.futures
 import json
 import logging
 import re
