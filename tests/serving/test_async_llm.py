@@ -176,7 +176,7 @@ def test_a3_release_before_first_token_removes_its_prompt() -> None:
 
 def test_a4_parent_of_n_is_checked_once_for_n_slots() -> None:
     ac = AdmissionController(max_num_queued_reqs=3)
-    with pytest.raises(QueueOverflowError):
+    with pytest.raises(LimitError, match=r"n is 4, more than max_num_queued_reqs \(3\)"):  # can never fit: a 400
         ac.check_and_charge("too-big", 4, 5)
     ac.check_and_charge("p", 3, 5)
     assert ac.num_in_flight == 3 and ac.num_requests == 1 and ac.num_queued_tokens == 15
