@@ -74,8 +74,18 @@ def test_n_and_token_counts_are_validated() -> None:
 def test_temperature_is_validated() -> None:
     with invalid("temperature must be non-negative, got -1.0"):
         SamplingParams(temperature=-1.0)
-    with invalid("temperature must be non-negative, got nan"):
+    with invalid("temperature must be a finite number within float32's range"):
         SamplingParams(temperature=math.nan)
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                  "repetition_penalty"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, 1e300])
+def test_non_finite_or_beyond_float32_floats_are_rejected(name: str, value: float) -> None:
+    """Issue 11 defect 7: temperature Infinity or 1e300 used to be accepted (inf in the
+    float32 sampler, NaN where min_tokens or top-k put -inf)."""
+    with invalid(f"{name} must be a finite number within float32's range"):
+        SamplingParams(**{name: value})
 
 
 def test_truncation_parameters_are_validated() -> None:

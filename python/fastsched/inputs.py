@@ -10,13 +10,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from fastsched.engine.protocol import EngineCoreRequest
+from fastsched.limits import check_prompt_chars
 from fastsched.sampling_params import SamplingParams
 
-PromptType = str | Sequence[int]
+
+@dataclass(frozen=True)
+class TokenizedText:
+    """A text prompt tokenized ahead of time (``AsyncLLM.prepare_prompt``, in a worker
+    thread), so that admitting it does not tokenize on the event loop."""
+
+    text: str
+    token_ids: list[int]
+
+
+PromptType = str | Sequence[int] | TokenizedText
 
 
 class _Encoder(Protocol):
@@ -58,12 +69,24 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # The most characters a token stands for (fastsched.limits); None: unknown, no bound.
+        self.max_token_chars: int | None = getattr(tokenizer, "max_token_chars", None)
+
+    def check_text_length(self, text: str) -> None:
+        """``LimitError`` when ``text`` has too many characters to fit in max_model_len
+        tokens: refused in O(1), before a tokenizer spends seconds and gigabytes on it."""
+        if self.max_token_chars is not None:
+            check_prompt_chars(len(text), self.max_model_len, self.max_token_chars)
 
     def tokenize(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(the prompt's text or None, its token ids), checked: ``ValueError`` if it can never run."""
-        if isinstance(prompt, str):
+        if isinstance(prompt, TokenizedText):
+            text, token_ids = prompt.text, prompt.token_ids
+        elif isinstance(prompt, str):
+            self.check_text_length(prompt)
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
+            check_prompt(prompt, params.max_tokens, self.max_model_len, self.vocab_size)  # before copying it
             text, token_ids = None, [int(t) for t in prompt]
         check_prompt(token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
         return text, token_ids

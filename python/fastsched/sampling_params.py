@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from fastsched.limits import check_finite
+
 # Below this a temperature means greedy: dividing logits by it would overflow fp32.
 GREEDY_TEMPERATURE_EPS = 1e-5
 # vLLM's default ``max_logprobs``: top-k logprobs are gathered for the whole batch at
@@ -53,6 +55,10 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        # Infinity (JSON's 1e400, gRPC doubles) or anything beyond float32 would reach the
+        # sampler as inf, where -inf logits (min_tokens, top-k) divided by it become NaN.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            check_finite(name, getattr(self, name))
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if not self.temperature >= 0.0:  # `not >=` also rejects NaN

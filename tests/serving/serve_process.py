@@ -139,23 +139,31 @@ def serve_env() -> dict[str, str]:
 
 
 def launch(model_dir: Path, log_path: Path, *args: str, api_server_count: int = 1,
-           max_model_len: int = 256) -> ServeProcess:
-    """Starts ``fastsched serve`` without waiting for it."""
+           max_model_len: int = 256, env: dict[str, str] | None = None) -> ServeProcess:
+    """Starts ``fastsched serve`` without waiting for it; ``env``: extra environment variables."""
     port = free_ports(1)
     grpc_port = free_ports(api_server_count)
     cmd = serve_command(model_dir, port, grpc_port, "--api-server-count", str(api_server_count), *args,
                         max_model_len=max_model_len)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=serve_env(), start_new_session=True)
+                                env={**serve_env(), **(env or {})}, start_new_session=True)
     return ServeProcess(proc, f"http://127.0.0.1:{port}", log_path,
                         [grpc_port + k for k in range(api_server_count)])
 
 
 def start_serve(model_dir: Path, log_path: Path, *args: str, api_server_count: int = 1,
-                max_model_len: int = 256) -> ServeProcess:
+                max_model_len: int = 256, env: dict[str, str] | None = None) -> ServeProcess:
     """Starts ``fastsched serve`` and waits until ``/health`` answers 200."""
-    server = launch(model_dir, log_path, *args, api_server_count=api_server_count, max_model_len=max_model_len)
+    server = launch(model_dir, log_path, *args, api_server_count=api_server_count, max_model_len=max_model_len,
+                    env=env)
+    wait_healthy(server)
+    return server
+
+
+def wait_healthy(server: ServeProcess) -> None:
+    """Waits until a launched server's ``/health`` answers 200; closes it and raises if it
+    exits or is not healthy within START_TIMEOUT_S."""
     deadline = time.monotonic() + START_TIMEOUT_S
     try:
         while True:
@@ -167,7 +175,7 @@ def start_serve(model_dir: Path, log_path: Path, *args: str, api_server_count: i
                 healthy = httpx.get(server.url + "/health", timeout=2, trust_env=False).status_code == 200
                 # The launcher logs "gateway listening" once uvicorn has started; /health may answer first.
                 if healthy and "gateway listening on" in server.log():
-                    return server
+                    return
             time.sleep(0.1)
     except BaseException:
         server.close()

@@ -34,6 +34,7 @@ from fastsched.frontend.admission import (  # noqa: E402
     QueueOverflowError,
 )
 from fastsched.frontend.async_llm import AsyncLLM, EngineDeadError, StreamOutput  # noqa: E402
+from fastsched.limits import LimitError  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
@@ -157,7 +158,9 @@ def test_a3_rejects_when_prefill_backlog_reaches_max_num_queued_tokens() -> None
     assert e.value.reason == "max_num_queued_tokens" and "60" in str(e.value) and "(50)" in str(e.value)
     ac.mark_first_token("a")  # decoding requests leave the backlog
     assert ac.num_queued_tokens == 30
-    ac.check_and_charge("c", 1, 100)
+    ac.check_and_charge("c", 1, 40)  # its own prompt is not counted: 30 + 40 > 50 is admitted
+    with pytest.raises(LimitError, match="max_num_queued_tokens"):  # A4: longer than the limit, never admitted
+        ac.check_and_charge("d", 1, 51)
     ac.release("b")
     ac.release("c")
     assert ac.num_queued_tokens == 0 and ac.num_in_flight == 1
@@ -173,7 +176,7 @@ def test_a3_release_before_first_token_removes_its_prompt() -> None:
 
 def test_a4_parent_of_n_is_checked_once_for_n_slots() -> None:
     ac = AdmissionController(max_num_queued_reqs=3)
-    with pytest.raises(QueueOverflowError):
+    with pytest.raises(LimitError, match=r"n is 4, more than max_num_queued_reqs \(3\)"):  # can never fit: a 400
         ac.check_and_charge("too-big", 4, 5)
     ac.check_and_charge("p", 3, 5)
     assert ac.num_in_flight == 3 and ac.num_requests == 1 and ac.num_queued_tokens == 15

@@ -36,6 +36,7 @@ from fastsched.frontend.admission import (  # noqa: E402
 from fastsched.frontend.async_llm import CompletionDelta, StreamOutput  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
+from fastsched.limits import RequestLimits  # noqa: E402
 from fastsched.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from fastsched.proto_gen import find_proto, import_stubs, is_up_to_date  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
@@ -131,6 +132,9 @@ class FakeAsyncLLM:
 
     def reset(self) -> None:
         self.reject, self.fail, self.healthy, self.token_delay = None, None, True, 0.0
+
+    async def prepare_prompt(self, prompt: str | list[int]) -> str | list[int]:
+        return prompt
 
     def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                  priority: int = 0) -> FakeStream:
@@ -244,7 +248,8 @@ class Servers:
         self.grpc_servers = [self.call(serve_frontend(f, "127.0.0.1", int(a.rsplit(":", 1)[1])))
                              for f, a in zip(self.fakes, self.grpc_addrs)]
         self.tokenizer = FakeTokenizer()
-        self.url = self.loop.start_gateway(create_app(self.grpc_addrs, MODEL, self.tokenizer, max_body_bytes=64 * 1024))
+        self.url = self.loop.start_gateway(create_app(self.grpc_addrs, MODEL, self.tokenizer,
+                                                      limits=RequestLimits(max_body_bytes=64 * 1024)))
         self.keyed_url = self.loop.start_gateway(create_app(self.grpc_addrs, MODEL, self.tokenizer, api_key=API_KEY))
 
     def call(self, coro: Any) -> Any:

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from fastsched.config import add_engine_args, engine_kwargs
 from fastsched.frontend.cli_args import add_admission_limit_args
+from fastsched.limits import add_request_limit_args, request_limits
 from fastsched.units import parse_count
+
+API_KEY_ENV = "FASTSCHED_API_KEY"  # as vLLM's VLLM_API_KEY: a key kept out of argv (/proc/PID/cmdline)
 
 DEFAULT_QUESTION = "What is the capital of France?"
 
@@ -86,7 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_num_queued_tokens=args.max_num_queued_tokens,
         ttft_slo=args.ttft_slo,
         enable_fault_tolerance=args.enable_fault_tolerance,
-        api_key=args.api_key,
+        max_engine_restarts=args.max_engine_restarts,
+        api_key=resolve_api_key(args),
+        limits=request_limits(args),
+        shutdown_timeout=args.shutdown_timeout,
         engine_timeout=args.engine_timeout,
         ready_timeout=args.ready_timeout,
         served_model_name=args.served_model_name,
@@ -103,6 +111,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The API key from ``--api-key``, ``--api-key-file`` (its first line) or the
+    ``FASTSCHED_API_KEY`` environment variable, in that order; at most one flag."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give the API key once: --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        lines = Path(args.api_key_file).read_text().splitlines()
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+        return key
+    if args.api_key is not None:
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """``fastsched serve``'s own flags (the engine's come from add_engine_args)."""
     n = parser.add_argument_group("network")
@@ -112,7 +136,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--grpc-port", type=int, default=50051,
                    help="gRPC port of frontend 0; frontend k listens on this port + k")
     n.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* and /debug/* (/health and /metrics stay open)")
+                   help="require `Authorization: Bearer KEY` on /v1/* and /debug/* (/health and /metrics stay open) "
+                        "and metadata `authorization: Bearer KEY` on the gRPC ports (all but Health). Visible to "
+                        f"other local users in the process list: prefer --api-key-file or ${API_KEY_ENV}")
+    n.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help=f"read the API key from the first line of PATH (instead of --api-key; ${API_KEY_ENV} is "
+                        "used when neither is given)")
     n.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) clients may send; responses and /v1/models use the first "
                         "(default: the checkpoint's directory or file name)")
@@ -133,11 +162,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "declares an engine dead")
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds allowed for the engines (model load) and frontends to start")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, seconds the gateway lets requests in flight finish before the processes "
+                        "are stopped (a second signal skips the wait)")
     a = parser.add_argument_group("admission control (docs/design.md §6)")
     add_admission_limit_args(a)
     a.add_argument("--enable-fault-tolerance", action="store_true",
-                   help="A1: keep serving when an engine dies, answering 503 engine_faulted and /health 503 "
-                        "(default: the whole server exits)")
+                   help="A1: when an engine dies or hangs, kill and restart it, answering 503 engine_faulted and "
+                        "/health 503 until it is ready again (default: the whole server exits non-zero, for a "
+                        "supervisor to restart it)")
+    a.add_argument("--max-engine-restarts", type=int, default=3, metavar="N",
+                   help="with --enable-fault-tolerance: restarts allowed per engine (back-off 1, 2, 4... s) before "
+                        "the server exits non-zero")
+    add_request_limit_args(parser)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from fastsched.limits import LimitError
+
 ENGINE_FAULTED = "engine_faulted"
 MAX_NUM_QUEUED_REQS = "max_num_queued_reqs"
 MAX_NUM_QUEUED_TOKENS = "max_num_queued_tokens"
@@ -153,6 +155,7 @@ class AdmissionController:
             raise ValueError(f"n must be at least 1, got {n}")
         if prompt_len < 0:
             raise ValueError(f"prompt_len must be non-negative, got {prompt_len}")
+        self.check_can_ever_fit(n, prompt_len)
         if self.fault_tolerance and not engine_healthy:  # A1
             self._reject(EngineFaultedError(
                 "the engine is not healthy (fault tolerance is on); retry on another instance"
@@ -192,6 +195,17 @@ class AdmissionController:
         self._charges[request_id] = _Charge(n, prompt_len, n)
         self._num_in_flight += n
         self._num_queued_tokens += n * prompt_len
+
+    def check_can_ever_fit(self, n: int, prompt_len: int) -> None:
+        """A4: a request no amount of waiting can admit is a client error (``LimitError``,
+        HTTP 400 naming the limit), not a retryable rejection: ``n`` above
+        ``max_num_queued_reqs``, or a prompt longer than ``max_num_queued_tokens``."""
+        if self.max_num_queued_reqs is not None and n > self.max_num_queued_reqs:
+            raise LimitError(f"n is {n}, more than max_num_queued_reqs ({self.max_num_queued_reqs}): this server "
+                             "never has room for that many sequences of one request", "n")
+        if self.max_num_queued_tokens is not None and prompt_len > self.max_num_queued_tokens:
+            raise LimitError(f"the prompt has {prompt_len} tokens, more than max_num_queued_tokens "
+                             f"({self.max_num_queued_tokens}): this server never admits a prompt that long", "prompt")
 
     def mark_first_token(self, request_id: str) -> None:
         """One sequence of the request produced its first token: its prompt leaves the

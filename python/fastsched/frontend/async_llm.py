@@ -5,7 +5,8 @@ the shared counters), route, fan out ``n``, detokenize and cut at stop strings �
 talks to the engines over ZMQ with msgpack (``protocol``). One output-reader task
 receives every engine's messages and dispatches them to per-request streams; a
 monitor task marks an engine dead when it goes silent or its process exits, so no
-request ever waits on a dead engine. ``request_status()`` says where a request is: it asks
+request ever waits on a dead engine. A dead engine stays dead until a new process at its
+address says READY (the launcher restarts engines under ``--enable-fault-tolerance``). ``request_status()`` says where a request is: it asks
 the engine (a QUERY whose STATUS the reader hands back) or remembers (``frontend.request_status``).
 
 Streaming contract: ``generate()`` admits the request *when called* (so an
@@ -21,6 +22,7 @@ cancelling the task, dropping the stream) aborts the request in the engine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import secrets
@@ -47,7 +49,8 @@ from fastsched.frontend.admission import (
 from fastsched.frontend.output_processor import OutputProcessor
 from fastsched.frontend.request_log import RequestLogger
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
-from fastsched.inputs import InputProcessor, child_params, child_request_ids
+from fastsched.inputs import InputProcessor, PromptType, TokenizedText, child_params, child_request_ids
+from fastsched.limits import INLINE_TOKENIZE_CHARS, RequestLimits
 from fastsched.model_loader import Tokenizer, load_tokenizer
 from fastsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from fastsched.sampling_params import SamplingParams
@@ -239,6 +242,7 @@ class AsyncLLM:
         admission: AdmissionController,
         engine_procs: Sequence[_ProcessHandle | None] | None,
         engine_timeout: float,
+        limits: RequestLimits | None = None,
     ) -> None:
         if not engine_input_addrs:
             raise ValueError("at least one engine input address is needed")
@@ -253,7 +257,10 @@ class AsyncLLM:
         self.admission = admission
         self.engine_timeout = engine_timeout
         self.request_logger: RequestLogger | None = None  # --enable-log-requests
+        self.limits = limits or RequestLimits()
         self.tokenizer: Tokenizer | None = None
+        # Long prompts are tokenized here, one at a time, never on the event loop (prepare_prompt).
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastsched-tokenize")
         self._inputs: InputProcessor | None = None  # once the engines have said which model
         self._ctx = zmq.asyncio.Context()
         self._send_ctx = zmq.Context()  # plain sockets: a send never awaits (abort from __del__ / finally)
@@ -305,6 +312,7 @@ class AsyncLLM:
         engine_timeout: float = 5.0,
         ready_timeout: float = 300.0,
         tokenizer: Tokenizer | None = None,
+        limits: RequestLimits | None = None,
         request_logger: RequestLogger | None = None,
     ) -> AsyncLLM:
         """Bind ``output_addr`` (this frontend's PULL), connect to every engine's input,
@@ -313,12 +321,13 @@ class AsyncLLM:
         when given, exits). The tokenizer comes from the model the engines report unless
         given. ``shared_stats``: this frontend's opened ``SharedAdmissionStats`` slot (A6).
         ``ttft_slo``: seconds; turns on the TTFT-SLO valve (see ``frontend.admission``), whose
-        limit this frontend takes a ``1 / num_frontends`` share of."""
+        limit this frontend takes a ``1 / num_frontends`` share of. ``limits``: the bounds on
+        what a request controls (``fastsched.limits``; default: ``RequestLimits()``)."""
         admission = AdmissionController(max_num_queued_reqs, max_num_queued_tokens, fault_tolerance, shared_stats,
                                         ttft_slo=ttft_slo, num_frontends=num_frontends)
         llm = cls(
             engine_input_addrs, output_addr, frontend_index=frontend_index, admission=admission,
-            engine_procs=engine_procs, engine_timeout=engine_timeout,
+            engine_procs=engine_procs, engine_timeout=engine_timeout, limits=limits,
         )
         llm.request_logger = request_logger
         try:
@@ -372,10 +381,22 @@ class AsyncLLM:
 
     # ------------------------------------------------------------ requests
 
+    async def prepare_prompt(self, prompt: PromptType) -> PromptType:
+        """``prompt``, with a long text tokenized in a worker thread (``TokenizedText``):
+        pass the result to :meth:`generate`. A text too long to ever fit raises
+        ``LimitError`` at once, without tokenizing (``fastsched.limits``)."""
+        self._check_started()
+        if not isinstance(prompt, str) or len(prompt) <= INLINE_TOKENIZE_CHARS:
+            return prompt
+        assert self._inputs is not None and self.tokenizer is not None
+        self._inputs.check_text_length(prompt)
+        loop = asyncio.get_running_loop()
+        return TokenizedText(prompt, await loop.run_in_executor(self._tokenize_pool, self.tokenizer.encode, prompt))
+
     def generate(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: PromptType,
         params: SamplingParams | None = None,
         priority: int = 0,
     ) -> RequestStream:
@@ -383,13 +404,17 @@ class AsyncLLM:
 
         Raises at once, with nothing sent and nothing charged: ``ValueError`` (empty
         prompt, token id out of range, prompt + max_tokens > max_model_len, request id
-        in use), :class:`AdmissionError` (A1–A3), :class:`EngineDeadError` (no engine
+        in use; ``LimitError`` for a request over ``limits`` or one admission can never
+        take, A4), :class:`AdmissionError` (A1–A3), :class:`EngineDeadError` (no engine
         alive, fault tolerance off). Iterating raises :class:`EngineDeadError` if its
         engine dies and ``ValueError`` if the engine refuses the prompt (docs/design.md §4:
         ignored, e.g. longer than the whole KV pool).
         """
         self._check_started()
         params = params or SamplingParams()
+        self.limits.check_request_id(request_id)
+        self.limits.check_n(params.n)
+        self.limits.check_stop(params.stop or ())
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         assert self._inputs is not None
@@ -505,7 +530,9 @@ class AsyncLLM:
             return
         engine = self._engines[index]
         if not engine.healthy:
-            return  # dead is final: its requests have already failed
+            if isinstance(msg, protocol.Ready):  # a new process at its address (the launcher restarted it)
+                self._revive(engine, msg.model_info)
+            return  # a dead engine's own messages are ignored: its requests have already failed
         engine.last_seen = time.monotonic()
         if isinstance(msg, protocol.Outputs):
             engine.stats = msg.stats
@@ -611,6 +638,21 @@ class AsyncLLM:
         for state in [s for s in self._requests.values() if s.engine_index == engine.index]:
             self._fail(state, EngineDeadError(f"engine {engine.index} died: {reason}"))
 
+    def _revive(self, engine: _Engine, info: ModelInfo) -> None:
+        """A restarted engine said READY: serve with it again, from fresh stats. Its
+        process handle named the old process, so from now on only silence
+        (``engine_timeout``) marks it dead here; the launcher watches the process."""
+        first = next((e.info for e in self._engines if e is not engine and e.info is not None), engine.info)
+        if first is not None and (info.model, info.max_model_len, info.vocab_size) != (
+                first.model, first.max_model_len, first.vocab_size):
+            logger.error("frontend %d: restarted engine %d serves %s, not %s; left dead",
+                         self.frontend_index, engine.index, info, first)
+            return
+        engine.healthy, engine.dead_reason, engine.info = True, None, info
+        engine.stats, engine.last_seen, engine.process = EngineStats(), time.monotonic(), None
+        logger.info("frontend %d: engine %d is back (restarted)", self.frontend_index, engine.index)
+        self._update_ttft_slo_limit()
+
     def is_healthy(self) -> bool:
         """True while started and every engine is alive (A1 uses this)."""
         return self._started and not self._closed and all(e.healthy for e in self._engines)
@@ -655,17 +697,17 @@ class AsyncLLM:
     def stats(self) -> dict[str, Any]:
         """Engine stats summed over engines (``kv_cache_usage``: the mean), as last reported,
         plus this frontend's admission counters. Names as in docs/design.md §7 without prefix."""
-        engines = self._engines
+        engines = [e for e in self._engines if e.healthy]  # a dead engine's last report is stale
         total = {
             name: sum(getattr(e.stats, name) for e in engines)
             for name in ("num_running", "num_waiting", "num_preemptions_total", "prefix_cache_queries",
                          "prefix_cache_hits", "prompt_tokens_total", "generation_tokens_total")
         }
-        total["kv_cache_usage"] = sum(e.stats.kv_cache_usage for e in engines) / len(engines)
+        total["kv_cache_usage"] = sum(e.stats.kv_cache_usage for e in engines) / len(engines) if engines else 0.0
         total["engines"] = [
             {"index": e.index, "healthy": e.healthy, "dead_reason": e.dead_reason,
-             "num_in_flight": e.num_in_flight, **vars(e.stats)}
-            for e in engines
+             "num_in_flight": e.num_in_flight, **vars(e.stats if e.healthy else EngineStats())}
+            for e in self._engines
         ]
         total["admission_rejections_total"] = self.admission.rejections
         total["num_requests_in_flight"] = self.admission.num_requests
@@ -695,6 +737,7 @@ class AsyncLLM:
             e.push.close(linger=500 if e.healthy else 0)  # let the aborts above reach live engines
         self._ctx.term()
         self._send_ctx.term()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> AsyncLLM:
         return self

@@ -16,16 +16,25 @@ become status codes (docs/design.md §8):
 - ``GetRequestStatus`` of an id the frontend does not know → NOT_FOUND; an engine that
   does not answer in time (``TimeoutError``) → DEADLINE_EXCEEDED. AsyncLLM's status dict
   becomes ``RequestStatusResponse`` field for field.
+- More than ``max_concurrent_streams`` calls at once: the extra ones get
+  RESOURCE_EXHAUSTED from grpc itself, before any work (the gateway tries another
+  frontend, then answers 503).
+- With an API key, every call but ``Health`` (left open for probes, as the gateway's
+  ``/health``) must carry metadata ``authorization: Bearer <key>``; else UNAUTHENTICATED.
+
+A long text prompt is tokenized in a worker thread (``AsyncLLM.prepare_prompt``), after
+an O(1) check that it could fit at all, so a huge prompt never holds the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -35,9 +44,10 @@ from google.protobuf import json_format
 from fastsched.frontend.admission import ENGINE_FAULTED, AdmissionError
 from fastsched.frontend.async_llm import CompletionDelta, StreamOutput
 from fastsched.frontend.stats import LatencyHistograms, stats_to_proto
+from fastsched.limits import RequestLimits
 from fastsched.outputs import RequestOutput
 from fastsched.proto_gen import import_stubs
-from fastsched.rpc import INVALID_PARAM_KEY, MESSAGE_SIZE_OPTIONS, REJECTION_REASON_KEY
+from fastsched.rpc import AUTHORIZATION_KEY, INVALID_PARAM_KEY, MESSAGE_SIZE_OPTIONS, REJECTION_REASON_KEY
 from fastsched.sampling_params import SamplingParams
 
 pb, pb_grpc = import_stubs()
@@ -164,14 +174,16 @@ class _ResponseStream:
 class FrontendServicer(pb_grpc.FrontendServicer):
     """Serves one AsyncLLM (see the module docstring for the error mapping)."""
 
-    def __init__(self, async_llm: Any) -> None:
+    def __init__(self, async_llm: Any, limits: RequestLimits | None = None) -> None:
         self.async_llm = async_llm
+        self.limits = limits or RequestLimits()
         self.latencies = LatencyHistograms()
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
             prompt, params = self._parse(request)
+            prompt = await self.async_llm.prepare_prompt(prompt)
             # AsyncLLM checks and admits when called: a rejection or a bad prompt ends the
             # call here, before any response, and leaves no request behind (A5).
             stream = self.async_llm.generate(request_id, prompt, params, request.priority)
@@ -224,7 +236,8 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         if isinstance(error, _NotFound):
             code, param = grpc.StatusCode.NOT_FOUND, "model"
         else:
-            code, param = grpc.StatusCode.INVALID_ARGUMENT, param_named_in(str(error))
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            param = getattr(error, "field", None) or param_named_in(str(error))  # a LimitError knows its field
         context.set_trailing_metadata(((INVALID_PARAM_KEY, param),))
         await context.abort(code, str(error))
 
@@ -244,6 +257,10 @@ class FrontendServicer(pb_grpc.FrontendServicer):
 
     async def GetRequestStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            self.limits.check_request_id(request.request_id)
+        except ValueError as e:
+            await self._abort_invalid(context, e)
+        try:
             status = await self.async_llm.request_status(request.request_id)
         except TimeoutError as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
@@ -260,12 +277,54 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def serve_frontend(async_llm: Any, host: str = "127.0.0.1", port: int = 50051) -> grpc.aio.Server:
+class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Lets through calls that carry ``authorization: Bearer <key>`` (and ``Health``,
+    without); answers every other one UNAUTHENTICATED before its handler runs."""
+
+    def __init__(self, api_key: str) -> None:
+        self._key = api_key.encode()
+
+        async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+            yield  # an async generator, as a server-streaming handler must be
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny_unary)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
+                                handler_call_details: Any) -> Any:
+        method = handler_call_details.method
+        if method.endswith("/Health") or self._authorized(handler_call_details.invocation_metadata or ()):
+            return await continuation(handler_call_details)
+        return self._deny_stream if method.endswith("/Generate") else self._deny_unary
+
+    def _authorized(self, metadata: Any) -> bool:
+        for key, value in metadata:
+            if key == AUTHORIZATION_KEY and isinstance(value, str):
+                scheme, _, token = value.partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+        return False
+
+
+_UNAUTHENTICATED = "Invalid or missing API key: send metadata `authorization: Bearer <key>`."
+
+
+async def serve_frontend(async_llm: Any, host: str = "127.0.0.1", port: int = 50051, *,
+                         api_key: str | None = None, limits: RequestLimits | None = None) -> grpc.aio.Server:
     """Starts a grpc.aio server for ``async_llm`` on ``host:port`` and returns it (stop it
     with ``await server.stop(grace)``). Fails if the port is taken: SO_REUSEPORT is off so
-    two frontends can never silently share one port."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *MESSAGE_SIZE_OPTIONS])
-    pb_grpc.add_FrontendServicer_to_server(FrontendServicer(async_llm), server)
+    two frontends can never silently share one port. ``api_key``: required of every call
+    but Health; ``limits.max_concurrent_streams``: the most calls served at once."""
+    limits = limits or RequestLimits()
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), *MESSAGE_SIZE_OPTIONS],
+        interceptors=[_ApiKeyInterceptor(api_key)] if api_key is not None else None,
+        maximum_concurrent_rpcs=limits.max_concurrent_streams,
+    )
+    pb_grpc.add_FrontendServicer_to_server(FrontendServicer(async_llm, limits), server)
     try:
         server.add_insecure_port(_address(host, port))
     except RuntimeError as e:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fastsched.frontend.request_log import RequestLogger
+from fastsched.limits import RequestLimits
 
 logger = logging.getLogger("fastsched.frontend")
 
@@ -80,6 +81,8 @@ class FrontendSpec:
     engine_timeout: float
     ready_timeout: float
     log_level: str
+    limits: RequestLimits
+    api_key: str | None  # required on the gRPC port too (passed over the spawn pipe, never in argv)
     tokenizer_dir: str | None = None  # the launcher's export of the model's tokenizer (fast to load)
     enable_log_requests: bool = False
     max_log_len: int | None = None
@@ -125,7 +128,7 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
             starting = asyncio.create_task(AsyncLLM.start(
                 spec.engine_input_addrs, spec.output_addr, frontend_index=spec.index, shared_stats=shared,
                 engine_procs=engines, engine_timeout=spec.engine_timeout, ready_timeout=spec.ready_timeout,
-                tokenizer=tokenizer, **spec.admission,
+                tokenizer=tokenizer, limits=spec.limits, **spec.admission,
                 request_logger=RequestLogger(spec.max_log_len) if spec.enable_log_requests else None,
             ))
             stopping = asyncio.create_task(stop.wait())
@@ -136,7 +139,8 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
                 await asyncio.gather(starting, return_exceptions=True)
                 return 0
             llm = starting.result()
-            server = await serve_frontend(llm, spec.grpc_host, spec.grpc_port)
+            server = await serve_frontend(llm, spec.grpc_host, spec.grpc_port, api_key=spec.api_key,
+                                          limits=spec.limits)
         except Exception as e:
             logger.error("frontend %d failed to start: %s", spec.index, e)
             with contextlib.suppress(OSError):

@@ -121,6 +121,8 @@ def stats_to_proto(stats: Mapping[str, Any], latencies: LatencyHistograms) -> An
         entry = msg.engines.add(engine_index=int(engine.get("engine_index", engine.get("index", 0))))
         _set_engine_fields(entry, engine)
         _set_gate_fields(entry, engine)
+        if not engine.get("healthy", True):
+            entry.dead, entry.dead_reason = True, engine.get("dead_reason") or ""
     for reason, count in (stats.get("admission_rejections_total") or {}).items():
         msg.admission_rejections_total[reason] = int(count)
     if stats.get("admission_queued_tokens_limit") is not None:

@@ -12,7 +12,15 @@ chunk) is still a 503, never an error inside a 200 stream. When the client goes 
 the gRPC call is cancelled and the frontend aborts the request in the engine.
 
 ``--api-key`` guards ``/v1/*`` and ``/debug/*``; ``/health`` and ``/metrics`` stay open for
-probes and scrapers, as in vLLM.
+probes and scrapers, as in vLLM. The gateway sends the same key to the frontends
+(metadata ``authorization: Bearer <key>``), whose gRPC ports require it too.
+
+Limits (``fastsched.limits.RequestLimits``): the body is read within ``body_timeout``
+and up to ``max_body_bytes`` (408 / 413); it must be JSON without NaN or Infinity, at
+most ``max_json_depth`` deep, and its strings valid Unicode (no lone surrogates, which
+could not be sent on); headers are bounded by ``gateway.http_protocol``. A chat request
+whose body is long is rendered and tokenized in a worker thread, so that the event loop
+goes on serving ``/health`` and the other requests meanwhile.
 
 Request ids: a completion's id is the client's ``X-Request-Id`` header when it sends one
 (as vLLM honours it; used as is, so that the client can look it up by the id it chose),
@@ -25,6 +33,7 @@ frontend where a request is (``frontend.request_status``), by that id or by a pr
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -49,6 +58,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastsched.frontend.admission import ENGINE_FAULTED
 from fastsched.gateway import metrics as gateway_metrics
+from fastsched.gateway.http_protocol import guarded_h11_protocol
 from fastsched.gateway.openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -57,14 +67,14 @@ from fastsched.gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
+from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits
 from fastsched.proto_gen import import_stubs
-from fastsched.rpc import INVALID_PARAM_KEY, MESSAGE_SIZE_OPTIONS, REJECTION_REASON_KEY
+from fastsched.rpc import AUTHORIZATION_KEY, INVALID_PARAM_KEY, MESSAGE_SIZE_OPTIONS, REJECTION_REASON_KEY
 
 pb, pb_grpc = import_stubs()
 
 logger = logging.getLogger("fastsched.gateway")
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 _PROBE_TIMEOUT_S = 2.0
 _STATUS_TIMEOUT_S = 10.0  # longer than a frontend's wait for its engine (engine_timeout, 5 s by default)
 _PROMPT_CHUNK = 8  # prompts of an OpenAI response id looked up at once
@@ -75,6 +85,9 @@ _CHANNEL_OPTIONS = [
     *MESSAGE_SIZE_OPTIONS,
 ]
 T = TypeVar("T")
+MAX_CONCURRENT_STREAMS = "max_concurrent_streams"  # the 503 reason when every frontend is at its limit
+# A raw JSON string escape of a UTF-16 surrogate: only then can a parsed string hold a lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _metadata(error: grpc.aio.AioRpcError) -> dict[str, str]:
@@ -86,6 +99,8 @@ def _unavailable(reason: str, retry_after_s: int) -> ApiError:
         message = "The engine is not healthy (engine_faulted); the request was not admitted."
     elif reason == "frontend_unavailable":
         message = "No frontend could be reached (frontend_unavailable)."
+    elif reason == MAX_CONCURRENT_STREAMS:
+        message = "Every frontend is serving as many calls as it may (max_concurrent_streams)."
     else:
         message = f"The server is overloaded: the request was rejected at admission ({reason})."
     return ApiError(503, f"{message} Retry after {retry_after_s} s.", type="service_unavailable_error",
@@ -147,10 +162,12 @@ class FrontendStream:
 class FrontendPool:
     """The K frontends. Channels are made in ``start`` (inside the serving event loop)."""
 
-    def __init__(self, addresses: Sequence[str]) -> None:
+    def __init__(self, addresses: Sequence[str], api_key: str | None = None) -> None:
         if not addresses:
             raise ValueError("frontend_addrs must name at least one frontend")
         self.addresses = list(addresses)
+        # Sent on every call: the frontends' gRPC ports require the key the gateway does.
+        self.metadata = ((AUTHORIZATION_KEY, f"Bearer {api_key}"),) if api_key is not None else ()
         self.frontends: list[Frontend] = []
         self._next = 0
         self._model_info: dict[str, Any] | None = None
@@ -174,13 +191,17 @@ class FrontendPool:
         """Starts ``request`` on a frontend and waits for its first response (or its error)."""
         await self.start()
         last_error: grpc.aio.AioRpcError | None = None
+        reason = "frontend_unavailable"
         for frontend in self._order():
-            call = frontend.stub.Generate(request)
+            call = frontend.stub.Generate(request, metadata=self.metadata)
             frontend.outstanding += 1
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as e:
                 frontend.outstanding -= 1
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # at max_concurrent_streams: try another
+                    reason, last_error = MAX_CONCURRENT_STREAMS, e
+                    continue
                 if e.code() == grpc.StatusCode.UNAVAILABLE and REJECTION_REASON_KEY not in _metadata(e):
                     logger.warning("frontend %s unreachable: %s", frontend.address, e.details())
                     last_error = e
@@ -191,11 +212,17 @@ class FrontendPool:
                 frontend.outstanding -= 1
                 raise
             return FrontendStream(frontend, call, first)
-        raise _unavailable("frontend_unavailable", retry_after_s) from last_error
+        raise _unavailable(reason, retry_after_s) from last_error
+
+    async def stats_by_frontend(self) -> list[Any | BaseException]:
+        """Each frontend's GetStats reply, or the error its call ended with (the launcher's
+        liveness probe: a hung frontend times out, a dead engine shows as ``dead``)."""
+        return await self._each("GetStats", pb.GetStatsRequest())
 
     async def _each(self, rpc: str, request: Any) -> list[Any | BaseException]:
         await self.start()
-        calls = [getattr(f.stub, rpc)(request, timeout=_PROBE_TIMEOUT_S) for f in self.frontends]
+        calls = [getattr(f.stub, rpc)(request, timeout=_PROBE_TIMEOUT_S, metadata=self.metadata)
+                 for f in self.frontends]
         return await asyncio.gather(*calls, return_exceptions=True)
 
     async def model_info(self) -> dict[str, Any] | None:
@@ -221,7 +248,8 @@ class FrontendPool:
         await self.start()
         request = pb.RequestStatusRequest(request_id=request_id)
         replies = await asyncio.gather(
-            *(f.stub.GetRequestStatus(request, timeout=_STATUS_TIMEOUT_S) for f in self.frontends),
+            *(f.stub.GetRequestStatus(request, timeout=_STATUS_TIMEOUT_S, metadata=self.metadata)
+              for f in self.frontends),
             return_exceptions=True,
         )
         found = [json_format.MessageToDict(r, preserving_proto_field_name=True)
@@ -301,13 +329,15 @@ class Gateway:
     """The routes' state: the frontend pool, the model's name and tokenizer, the limits."""
 
     def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
-                 api_key: str | None, max_body_bytes: int, retry_after_s: int) -> None:
-        self.pool = FrontendPool(frontend_addrs)
+                 api_key: str | None, limits: RequestLimits, retry_after_s: int) -> None:
+        self.pool = FrontendPool(frontend_addrs, api_key)
         # Clients may send any of the names; responses carry the first (vLLM's --served-model-name).
         self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
         self.model_name, self.tokenizer, self.api_key = self.model_names[0], tokenizer, api_key
-        self.max_body_bytes, self.retry_after_s = max_body_bytes, retry_after_s
+        self.limits, self.retry_after_s = limits, retry_after_s
         self.created = int(time.time())
+        # Chat templates of long bodies are rendered and tokenized here, off the event loop.
+        self._parse_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="fastsched-chat-template")
 
     def _check_api_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -318,44 +348,66 @@ class Gateway:
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
-    async def _read_json(self, request: Request) -> dict[str, Any]:
-        too_large = ApiError(413, f"The request body exceeds {self.max_body_bytes} bytes.",
-                             code="request_too_large")
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.limits.max_body_bytes
+        too_large = ApiError(413, f"The request body exceeds this server's limit of {limit} bytes "
+                                  "(--max-body-bytes).", code="request_too_large")
         length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
+        if length.isdigit() and int(length) > limit:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise too_large
-            chunks.append(chunk)
         try:
-            body = json.loads(b"".join(chunks))
+            async with asyncio.timeout(self.limits.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"The request body was not received within {self.limits.body_timeout:g} s "
+                                "(--body-timeout).", code="request_timeout", headers={"Connection": "close"}) from None
+        return b"".join(chunks)
+
+    async def _read_json(self, request: Request) -> tuple[dict[str, Any], int]:
+        """The body as a JSON object, checked (see the module docstring), and its size in bytes."""
+        raw = await self._read_body(request)
+        try:
+            body = json.loads(raw, parse_constant=_reject_constant)
+        except RecursionError:
+            raise bad_request(f"The request body nests objects and arrays deeper than this server's limit of "
+                              f"{self.limits.max_json_depth} (--max-json-depth).", None) from None
         except (ValueError, UnicodeDecodeError) as e:
             raise bad_request(f"The request body is not valid JSON: {e}", None) from e
         if not isinstance(body, dict):
             raise bad_request("The request body must be a JSON object.", None)
+        _check_json(body, self.limits.max_json_depth, check_strings=_SURROGATE_ESCAPE.search(raw) is not None)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad_request(f"model must be a string, got {model!r}", "model")
         if model is not None and model not in self.model_names:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
-        return body
+        return body, len(raw)
 
     async def completions(self, request: Request) -> Response:
         request_id = _assign_request_id(request, "cmpl")
         self._check_api_key(request)
-        return await self._generate(request, parse_completion(await self._read_json(request), request_id))
+        body, _ = await self._read_json(request)
+        info = await self.pool.model_info()
+        return await self._generate(request, parse_completion(body, request_id, self.limits,
+                                                              info and info["max_model_len"], self.tokenizer))
 
     async def chat_completions(self, request: Request) -> Response:
         request_id = _assign_request_id(request, "chatcmpl")
         self._check_api_key(request)
-        body = await self._read_json(request)
+        body, size = await self._read_json(request)
         info = await self.pool.model_info()
-        return await self._generate(request, parse_chat(body, self.tokenizer, info and info["max_model_len"],
-                                                        request_id))
+        args = (body, self.tokenizer, info and info["max_model_len"], request_id, self.limits)
+        if size <= INLINE_TOKENIZE_CHARS:
+            parsed = parse_chat(*args)
+        else:
+            parsed = await asyncio.get_running_loop().run_in_executor(self._parse_pool, parse_chat, *args)
+        return await self._generate(request, parsed)
 
     async def _open_all(self, parsed: ParsedRequest) -> list[FrontendStream]:
         tasks = [asyncio.ensure_future(self.pool.open(r, self.retry_after_s)) for r in parsed.grpc_requests()]
@@ -492,6 +544,43 @@ class _RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_json(body: Any, max_depth: int, check_strings: bool) -> None:
+    """400 for a body nested deeper than ``max_depth`` or, when ``check_strings``, with a
+    string (key or value) that holds a lone surrogate: it cannot be encoded as UTF-8, so
+    neither sent to a frontend nor tokenized. Iterative: the depth is what is checked."""
+    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > max_depth:
+            raise bad_request(f"The request body nests objects and arrays more than {max_depth} deep (at "
+                              f"{path or 'the top'}): this server's limit (--max-json-depth).", None)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(item, (dict, list)):
+                stack.append((item, depth + 1, _json_path(path, key)))
+            elif check_strings and isinstance(item, str):
+                _check_unicode(item, _json_path(path, key))
+            if check_strings and isinstance(key, str):
+                _check_unicode(key, _json_path(path, key))
+
+
+def _json_path(path: str, key: str | int) -> str:
+    return f"{path}.{key}".lstrip(".") if isinstance(key, str) else f"{path}[{key}]"
+
+
+def _check_unicode(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        field = where.split(".")[0].split("[")[0] or None
+        raise bad_request(f"{where} holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is "
+                          "not valid Unicode text.", field) from None
+
+
 def _sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
@@ -508,6 +597,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                         headers=exc.headers)
 
 
+async def _limit_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, LimitError)
+    return JSONResponse(bad_request(str(exc), exc.field).body(), status_code=exc.status)
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
     return JSONResponse(ApiError(500, "Internal server error; see the gateway's log.", type="internal_error").body(),
@@ -519,7 +613,7 @@ def create_app(
     model_name: str | Sequence[str],
     tokenizer: Any,
     api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: RequestLimits | None = None,
     retry_after_s: int = 1,
 ) -> Starlette:
     """The gateway's ASGI app over the frontends at ``frontend_addrs`` (``host:port``).
@@ -527,9 +621,10 @@ def create_app(
     ``model_name`` is the name (or names, the first reported) clients send as ``model``
     (another one is a 404);
     ``tokenizer`` (a ``fastsched.model_loader.Tokenizer``) renders chat templates and
-    decodes logprob tokens; ``retry_after_s`` is the ``Retry-After`` of every 503.
+    decodes logprob tokens; ``limits``: see ``fastsched.limits`` (default: ``RequestLimits()``);
+    ``retry_after_s`` is the ``Retry-After`` of every 503.
     """
-    gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, max_body_bytes, retry_after_s)
+    gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -538,6 +633,7 @@ def create_app(
             yield
         finally:
             await gateway.pool.close()
+            gateway._parse_pool.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/v1/completions", gateway.completions, methods=["POST"]),
@@ -547,7 +643,7 @@ def create_app(
         Route("/metrics", gateway.metrics, methods=["GET"]),
         Route("/debug/requests/{request_id}", gateway.request_status, methods=["GET"]),
     ]
-    handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+    handlers = {ApiError: _api_error, LimitError: _limit_error, HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
                     middleware=[Middleware(_RequestIdHeader)])
     app.state.gateway = gateway
@@ -556,6 +652,9 @@ def create_app(
 
 def gateway_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, **uvicorn_kwargs: Any) -> uvicorn.Server:
     """A uvicorn server for ``app``: ``await server.serve()`` (or ``server.run()``) runs it,
-    ``server.should_exit = True`` stops it."""
+    ``server.should_exit = True`` stops it. Its HTTP protocol enforces the header limits of
+    the app's ``RequestLimits`` (``gateway.http_protocol``)."""
     uvicorn_kwargs.setdefault("log_level", "info")
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, lifespan="on", **uvicorn_kwargs))
+    limits = app.state.gateway.limits
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, lifespan="on", http=guarded_h11_protocol(limits),
+                                         **uvicorn_kwargs))

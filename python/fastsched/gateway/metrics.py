@@ -70,14 +70,18 @@ def _progress(engine: Any) -> int:
 
 
 def engine_rows(stats: Sequence[Any]) -> list[Any]:
-    """Each engine once (its freshest report over the frontends), plus the whole of any
-    frontend that reports no per-engine breakdown."""
+    """Each live engine once (its freshest report over the frontends), plus the whole of
+    any frontend that reports no per-engine breakdown. An engine a frontend reports dead
+    is left out: its last gauges would otherwise stay frozen until it is replaced."""
     freshest: dict[int, Any] = {}
+    dead = {e.engine_index for s in stats for e in s.engines if e.dead}
     rows = []
     for s in stats:
         if not s.engines:
             rows.append(s)
         for e in s.engines:
+            if e.engine_index in dead:
+                continue
             if e.engine_index not in freshest or _progress(e) > _progress(freshest[e.engine_index]):
                 freshest[e.engine_index] = e
     return rows + [freshest[i] for i in sorted(freshest)]

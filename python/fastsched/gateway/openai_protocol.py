@@ -3,6 +3,9 @@
 Parsing checks only *types* (and the protobuf integer ranges); *values* are judged by
 the frontend, where ``SamplingParams.__post_init__`` is the single authority, and come
 back as INVALID_ARGUMENT naming the field. Unknown fields are ignored, as vLLM does.
+Limits (``fastsched.limits.RequestLimits``) are checked here too, before any work: the
+prompt count, ``n``/``best_of``, stop strings, non-finite numbers, and the characters of a
+prompt against what ``max_model_len`` tokens can hold (before tokenizing it).
 
 Chat prompts are rendered *and tokenized* here with the checkpoint's chat template and
 sent as token ids: the template already writes the special tokens, so the frontend
@@ -17,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fastsched.limits import RequestLimits, check_finite, check_prompt_chars
 from fastsched.proto_gen import import_stubs
 
 pb, _ = import_stubs()
@@ -74,7 +78,13 @@ def _get_float(body: dict, name: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_request(f"{name} must be a number, got {_short(value)}", name)
-    return float(value)
+    try:
+        value = float(value)
+        check_finite(name, value)
+    except (OverflowError, ValueError) as e:  # 1e400 parses as inf; a huge integer overflows
+        raise bad_request(str(e) if isinstance(e, ValueError) else f"{name} is out of range, got {_short(value)}",
+                          name) from None
+    return value
 
 
 def _get_bool(body: dict, name: str, default: bool | None = None) -> bool | None:
@@ -146,8 +156,10 @@ class ParsedRequest:
         return requests
 
 
-def _sampling_params(body: dict, max_tokens: int | None) -> Any:
-    msg = pb.SamplingParams(stop=_get_stop(body), stop_token_ids=_get_int_list(body, "stop_token_ids"))
+def _sampling_params(body: dict, max_tokens: int | None, limits: RequestLimits) -> Any:
+    stop = _get_stop(body)
+    limits.check_stop(stop)
+    msg = pb.SamplingParams(stop=stop, stop_token_ids=_get_int_list(body, "stop_token_ids"))
     for name in ("n", "top_k", "min_tokens"):
         if (value := _get_int(body, name)) is not None:
             setattr(msg, name, value)
@@ -161,6 +173,8 @@ def _sampling_params(body: dict, max_tokens: int | None) -> Any:
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         if (value := _get_bool(body, name)) is not None:
             setattr(msg, name, value)
+    if msg.HasField("n"):
+        limits.check_n(msg.n)
     return msg
 
 
@@ -190,25 +204,40 @@ def context_length_error(prompt_len: int, max_tokens: int, max_model_len: int, w
     )
 
 
-def parse_completion(body: dict, request_id: str) -> ParsedRequest:
+def parse_completion(body: dict, request_id: str, limits: RequestLimits | None = None,
+                     max_model_len: int | None = None, tokenizer: Any = None) -> ParsedRequest:
+    """``max_model_len`` and the ``tokenizer`` (its ``max_token_chars``), when known, bound
+    each text prompt's length in characters (``fastsched.limits.check_prompt_chars``)."""
+    limits = limits or RequestLimits()
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_token_ids(prompt):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+    elif isinstance(prompt, list) and prompt:
+        limits.check_num_prompts(len(prompt))
+        if not all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+            raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
+                              f"lists of token ids, got {_short(prompt)}", "prompt")
         prompts = list(prompt)
     else:
         raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
                           f"lists of token ids, got {_short(prompt)}", "prompt")
+    max_token_chars = getattr(tokenizer, "max_token_chars", None)
+    if max_model_len is not None and max_token_chars is not None:
+        for p in prompts:
+            if isinstance(p, str):
+                check_prompt_chars(len(p), max_model_len, max_token_chars)
     _unsupported(body, "suffix")
     _unsupported(body, "logit_bias")
     best_of = _get_int(body, "best_of")
+    if best_of is not None:
+        limits.check_n(best_of, "best_of")
     if best_of is not None and best_of != _get_int(body, "n", 1):
         raise bad_request("best_of other than n is not supported by this server", "best_of")
     echo = bool(_get_bool(body, "echo", False))
     logprobs = _get_int(body, "logprobs")
     if echo and logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported by this server", "echo")
-    sampling = _sampling_params(body, _get_int(body, "max_tokens", 16))
+    sampling = _sampling_params(body, _get_int(body, "max_tokens", 16), limits)
     if logprobs is not None:
         sampling.logprobs = logprobs
     stream, include_usage = _stream_flags(body)
@@ -234,12 +263,19 @@ def _message_content(message: dict, i: int) -> dict:
     return {**message, "content": content if content is not None else ""}
 
 
-def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id: str) -> ParsedRequest:
+def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id: str,
+               limits: RequestLimits | None = None) -> ParsedRequest:
+    """Renders and tokenizes the messages: run it off the event loop for a long body. Their
+    text is bounded first, as a completion prompt's (``parse_completion``)."""
+    limits = limits or RequestLimits()
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise bad_request(f"messages must be a non-empty list of message objects, got {_short(messages)}",
                           "messages")
     messages = [_message_content(m, i) for i, m in enumerate(messages)]
+    max_token_chars = getattr(tokenizer, "max_token_chars", None)
+    if max_model_len is not None and max_token_chars is not None:
+        check_prompt_chars(sum(len(m["content"]) for m in messages), max_model_len, max_token_chars, "messages")
     add_generation_prompt = _get_bool(body, "add_generation_prompt", True)
     try:
         prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
@@ -260,7 +296,7 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     top_logprobs = _get_int(body, "top_logprobs")
     if top_logprobs and not logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    sampling = _sampling_params(body, max_tokens)
+    sampling = _sampling_params(body, max_tokens, limits)
     if logprobs:
         sampling.logprobs = top_logprobs or 0
     stream, include_usage = _stream_flags(body)

@@ -17,18 +17,30 @@ removes those left by a launcher that was killed (its pid is in the name).
 
 Shutdown (SIGINT or SIGTERM to the launcher) goes gateway → frontends → engines: the
 gateway stops accepting and lets requests in flight finish for up to
-``DRAIN_TIMEOUT_S`` (the engines still run meanwhile), then each kind of child gets
-SIGTERM, and SIGKILL if it is still there ``STOP_TIMEOUT_S`` later. A second signal
-skips the waiting. Children block SIGINT so that Ctrl-C in a terminal (which signals
-the whole process group) reaches only the launcher and this order holds; they stop
-on SIGTERM, and on their own when the launcher disappears (each polls its parent).
+``shutdown_timeout`` seconds (``--shutdown-timeout``; the engines still run meanwhile),
+then each kind of child gets SIGTERM, and SIGKILL if it is still there
+``STOP_TIMEOUT_S`` later. A second signal skips the waiting. Children block SIGINT so
+that Ctrl-C in a terminal (which signals the whole process group) reaches only the
+launcher and this order holds; they stop on SIGTERM, and on their own when the launcher
+disappears (each polls its parent).
 
-A child that fails while starting makes the launcher stop the others and exit 1 with
-the child's error (:class:`ServeError`). A child that dies later: without fault
-tolerance, the launcher shuts everything down and exits 1, as vLLM does; with
-``enable_fault_tolerance`` a dead engine leaves the server up and answering
-``/health`` 503 and requests 503 ``engine_faulted`` (A1), so a load balancer can route
-around it. A dead frontend or gateway always ends the launcher.
+Supervision. A child that fails while starting makes the launcher stop the others and
+exit 1 with the child's error (:class:`ServeError`). Once serving, the launcher watches
+every child for exit (its process sentinel) *and* for liveness: every
+``SUPERVISE_INTERVAL_S`` it asks each frontend for its stats over gRPC. A frontend that
+has not answered for ``engine_timeout`` seconds is hung; an engine a frontend reports
+``dead`` (exited, or silent for ``engine_timeout``: engines send the frontends a
+heartbeat each second) is dead or hung.
+
+- Without ``enable_fault_tolerance``, a dead or hung child ends the server: the hung one
+  is killed, the rest are shut down in order, and the launcher exits 1 — so a process
+  supervisor (systemd, Kubernetes) restarts it, as vLLM does.
+- With it, a dead or hung *engine* is killed and started again (after a back-off of 1,
+  2, 4 ... s), at most ``max_engine_restarts`` times over the server's life; its
+  requests in flight have already ended with a retryable 503 ``engine_faulted``; the
+  frontends serve with it again once it reports READY (``/health`` is 200 again), and
+  its gauges are left out of ``/metrics`` meanwhile. A dead or hung frontend, or the
+  gateway, always ends the launcher.
 
 Log lines meant to be read by people and by scripts (the process tests rely on them)::
 
@@ -61,12 +73,15 @@ from pathlib import Path
 from typing import Any
 
 from fastsched.frontend.process import FrontendSpec, block_sigint, run_frontend
+from fastsched.limits import RequestLimits
 
 logger = logging.getLogger("fastsched.serve")
 
 NAME_PREFIX = "fastsched-serve-"  # of the ipc directory and the shared-memory segment
-DRAIN_TIMEOUT_S = 5.0  # the gateway's grace for requests in flight at shutdown
 STOP_TIMEOUT_S = 5.0  # per kind of child, between SIGTERM and SIGKILL
+SUPERVISE_INTERVAL_S = 1.0  # how often the launcher asks the frontends how they and the engines are
+RESTART_BACKOFF_S = 1.0  # before an engine's first restart; doubled for each further one
+MAX_RESTART_BACKOFF_S = 30.0
 
 
 class ServeError(RuntimeError):
@@ -88,7 +103,10 @@ class ServeConfig:
     max_num_queued_tokens: int | None = None
     ttft_slo: float | None = None  # seconds; the TTFT-SLO valve (frontend.admission)
     enable_fault_tolerance: bool = False
+    max_engine_restarts: int = 3  # with enable_fault_tolerance, per engine over the server's life
     api_key: str | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    shutdown_timeout: float = 5.0  # seconds the gateway lets requests in flight finish at shutdown
     engine_timeout: float = 5.0
     ready_timeout: float = 300.0
     served_model_name: list[str] | None = None  # clients may send any; the first is reported
@@ -111,6 +129,12 @@ class ServeConfig:
         for name in ("engine_timeout", "ready_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
+        if self.max_engine_restarts < 0:
+            raise ValueError(f"max_engine_restarts must be non-negative, got {self.max_engine_restarts}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.grpc_port != 0 and not 1 <= self.grpc_port <= 65535 - (self.api_server_count - 1):
@@ -137,6 +161,9 @@ class _Child:
     ready_pipe: Connection | None  # the launcher's end; None once it has answered
     ready: bool = False
     info: Any = None  # an engine's protocol.ModelInfo
+    restarts: int = 0  # times this engine was started again (fault tolerance)
+    restarting: bool = False
+    ready_at: float = 0.0  # monotonic time of its last READY
 
     @property
     def name(self) -> str:
@@ -282,6 +309,9 @@ class Launcher:
         self.tokenizer_dir: str | None = None
         self.started_at = time.monotonic()
         self.exit_code = 0
+        self.engine_inputs: list[str] = []
+        self.frontend_outputs: list[str] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # engine restarts in progress
 
     # ------------------------------------------------------------ start-up
 
@@ -316,15 +346,9 @@ class Launcher:
         logger.info("ipc dir %s; shared admission stats %s", self.ipc_dir, self.shm.path)
         engine_inputs = [f"ipc://{self.ipc_dir}/engine{i}.in" for i in range(c.data_parallel_size)]
         frontend_outputs = [f"ipc://{self.ipc_dir}/frontend{k}.out" for k in range(c.api_server_count)]
-        for i, addr in enumerate(engine_inputs):
-            ours_ready, theirs_ready = _ready_pipe()
-            engine_kwargs = {"ready_pipe": theirs_ready, "log_level": c.log_level,
-                             "torch_num_threads": c.torch_num_threads}
-            proc = _spawn(_engine_main, f"fastsched-engine-{i}",
-                          (dict(c.engine_config), i, addr, frontend_outputs), engine_kwargs)
-            theirs_ready.close()
-            self.engines.append(_Child("engine", i, proc, ours_ready))
-            logger.info("engine %d starting (pid %d)", i, proc.pid)
+        self.engine_inputs, self.frontend_outputs = engine_inputs, frontend_outputs
+        for i in range(c.data_parallel_size):
+            self.engines.append(self._start_engine(i))
         self.tokenizer_dir = self._export_tokenizer()
         admission = {"max_num_queued_reqs": c.max_num_queued_reqs, "max_num_queued_tokens": c.max_num_queued_tokens,
                      "fault_tolerance": c.enable_fault_tolerance, "ttft_slo": c.ttft_slo,
@@ -334,12 +358,22 @@ class Launcher:
             ours_ready, theirs_ready = _ready_pipe()
             spec = FrontendSpec(k, tuple(engine_inputs), tuple(engine_pids), addr, c.grpc_host, port,
                                 self.shm.name, admission, c.engine_timeout, c.ready_timeout, c.log_level,
-                                self.tokenizer_dir, c.enable_log_requests, c.max_log_len)
+                                c.limits, c.api_key, self.tokenizer_dir, c.enable_log_requests, c.max_log_len)
             proc = _spawn(run_frontend, f"fastsched-frontend-{k}", (spec, theirs_ready), {})
             theirs_ready.close()
             self.frontends.append(_Child("frontend", k, proc, ours_ready))
             logger.info("frontend %d starting (pid %d)", k, proc.pid)
         self._wait_ready(self.engines + self.frontends, time.monotonic() + c.ready_timeout + 10)
+
+    def _start_engine(self, i: int) -> _Child:
+        c = self.config
+        ours_ready, theirs_ready = _ready_pipe()
+        engine_kwargs = {"ready_pipe": theirs_ready, "log_level": c.log_level, "torch_num_threads": c.torch_num_threads}
+        proc = _spawn(_engine_main, f"fastsched-engine-{i}",
+                      (dict(c.engine_config), i, self.engine_inputs[i], self.frontend_outputs), engine_kwargs)
+        theirs_ready.close()
+        logger.info("engine %d starting (pid %d)", i, proc.pid)
+        return _Child("engine", i, proc, ours_ready)
 
     def _export_tokenizer(self) -> str:
         """The model's tokenizer as a small HF directory in the ipc dir, written while the
@@ -405,6 +439,7 @@ class Launcher:
     @staticmethod
     def _mark_ready(ch: _Child) -> None:
         ch.ready = True
+        ch.ready_at = time.monotonic()
         if ch.ready_pipe is not None:
             ch.ready_pipe.close()
             ch.ready_pipe = None
@@ -428,9 +463,9 @@ class Launcher:
             model = info.model or "the default model"
             raise ServeError(f"the gateway cannot load the tokenizer of {model}: {e}") from e
         addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
-        app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key)
+        app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key, limits=c.limits)
         server = gateway_server(app, c.host, c.port, log_config=None, log_level=c.log_level.lower(),
-                                access_log=c.access_log, timeout_graceful_shutdown=DRAIN_TIMEOUT_S)
+                                access_log=c.access_log, timeout_graceful_shutdown=c.shutdown_timeout)
         # The launcher owns SIGINT/SIGTERM (shutdown order, second signal): uvicorn must not take them.
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         dead: list[_Child] = []
@@ -438,6 +473,7 @@ class Launcher:
             loop.add_reader(ch.proc.sentinel, self._on_child_exit, loop, ch, dead, stop)
         assert self.http_sock is not None
         serving = asyncio.create_task(server.serve(sockets=[self.http_sock]))
+        supervising = asyncio.create_task(self._supervise(app.state.gateway.pool, loop, dead, stop))
         try:
             while not server.started and not serving.done() and not stop.is_set():
                 await asyncio.sleep(0.02)
@@ -456,16 +492,20 @@ class Launcher:
                 self.exit_code = 1
                 logger.error("shutting down: %s", ", ".join(f"{ch.name} died" for ch in dead))
         finally:
+            supervising.cancel()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(supervising, *self._tasks, return_exceptions=True)
             for ch in self.engines + self.frontends:
                 loop.remove_reader(ch.proc.sentinel)
             await self._stop_gateway(server, serving)
             logger.info("gateway stopped")
 
     async def _stop_gateway(self, server: Any, serving: asyncio.Task[None]) -> None:
-        """Let requests in flight finish (uvicorn's graceful shutdown, DRAIN_TIMEOUT_S),
+        """Let requests in flight finish (uvicorn's graceful shutdown, ``shutdown_timeout``),
         cut them off at once on a second signal, give up on uvicorn a little later."""
         server.should_exit = True
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S + 2
+        deadline = time.monotonic() + self.config.shutdown_timeout + 2
         while not serving.done():
             if self.signals.force or time.monotonic() > deadline:
                 server.force_exit = True
@@ -480,10 +520,94 @@ class Launcher:
         loop.remove_reader(ch.proc.sentinel)
         ch.proc.join(0)
         logger.error("%s (pid %d) exited unexpectedly with code %s", ch.name, ch.proc.pid, ch.proc.exitcode)
+        self._on_child_failed(ch, "its process exited", loop, dead, stop)
+
+    def _on_child_failed(self, ch: _Child, reason: str, loop: asyncio.AbstractEventLoop, dead: list[_Child],
+                         stop: asyncio.Event) -> None:
+        """A child died or hangs: restart it (an engine, with fault tolerance) or end the server."""
         if ch.kind == "engine" and self.config.enable_fault_tolerance:
-            logger.error("serving goes on with %s dead: /health reports unhealthy and requests get 503 "
-                         "engine_faulted (--enable-fault-tolerance)", ch.name)
+            if not ch.restarting:
+                ch.restarting = True
+                task = asyncio.create_task(self._restart_engine(ch, reason, loop, dead, stop))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
             return
+        if ch.proc.is_alive():  # hung: a stopped process would never act on SIGTERM
+            logger.error("%s (pid %d) is hung (%s); killing it", ch.name, ch.proc.pid, reason)
+            ch.proc.kill()
+        if ch not in dead:
+            dead.append(ch)
+        stop.set()
+
+    async def _supervise(self, pool: Any, loop: asyncio.AbstractEventLoop, dead: list[_Child],
+                         stop: asyncio.Event) -> None:
+        """The liveness half of supervision (the module docstring): frontends that stop
+        answering, engines the frontends report dead."""
+        timeout = self.config.engine_timeout
+        last_answer = [time.monotonic()] * len(self.frontends)
+        while True:
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            replies = await pool.stats_by_frontend()
+            now = time.monotonic()
+            for ch, reply in zip(self.frontends, replies):
+                if not isinstance(reply, BaseException):
+                    last_answer[ch.index] = now
+                    for engine in reply.engines:
+                        self._on_engine_report(engine, now, loop, dead, stop)
+                elif now - last_answer[ch.index] > timeout and ch.proc.is_alive():
+                    self._on_child_failed(ch, f"no answer to GetStats for {now - last_answer[ch.index]:.1f} s",
+                                          loop, dead, stop)
+
+    def _on_engine_report(self, report: Any, now: float, loop: asyncio.AbstractEventLoop, dead: list[_Child],
+                          stop: asyncio.Event) -> None:
+        if not report.dead or not 0 <= report.engine_index < len(self.engines):
+            return
+        ch = self.engines[report.engine_index]
+        # Just restarted: frontends may not have read its READY yet when they answered.
+        if ch.restarting or now - ch.ready_at < self.config.engine_timeout:
+            return
+        logger.error("%s (pid %d) is reported dead by a frontend: %s", ch.name, ch.proc.pid, report.dead_reason)
+        loop.remove_reader(ch.proc.sentinel)
+        self._on_child_failed(ch, report.dead_reason, loop, dead, stop)
+
+    async def _restart_engine(self, old: _Child, reason: str, loop: asyncio.AbstractEventLoop, dead: list[_Child],
+                              stop: asyncio.Event) -> None:
+        """Kill ``old`` if it still runs, start its successor at the same addresses after a
+        back-off, and wait for its READY (the frontends get theirs from it directly)."""
+        c = self.config
+        while True:
+            if old.restarts >= c.max_engine_restarts:
+                logger.error("%s failed (%s) after %d restarts (--max-engine-restarts); shutting down",
+                             old.name, reason, old.restarts)
+                old.restarting = False
+                self._on_child_failed_final(old, dead, stop)
+                return
+            if old.proc.is_alive():
+                logger.error("%s (pid %d) is hung (%s); killing it", old.name, old.proc.pid, reason)
+                old.proc.kill()
+            await asyncio.to_thread(old.proc.join, STOP_TIMEOUT_S)
+            delay = min(RESTART_BACKOFF_S * 2 ** old.restarts, MAX_RESTART_BACKOFF_S)
+            logger.warning("restarting %s in %g s (restart %d of at most %d)", old.name, delay, old.restarts + 1,
+                           c.max_engine_restarts)
+            await asyncio.sleep(delay)
+            new = self._start_engine(old.index)
+            new.restarts, new.restarting = old.restarts + 1, True
+            self.engines[old.index] = new
+            try:
+                await asyncio.to_thread(self._wait_ready, [new], time.monotonic() + c.ready_timeout)
+            except ServeError as e:
+                reason, old = str(e), new
+                continue
+            if self.signals.stop:
+                return
+            new.restarting = False
+            loop.add_reader(new.proc.sentinel, self._on_child_exit, loop, new, dead, stop)
+            logger.info("%s restarted (pid %d)", new.name, new.proc.pid)
+            return
+
+    def _on_child_failed_final(self, ch: _Child, dead: list[_Child], stop: asyncio.Event) -> None:
+        if ch.proc.is_alive():
+            ch.proc.kill()
         dead.append(ch)
         stop.set()
 

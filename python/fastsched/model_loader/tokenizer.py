@@ -20,6 +20,8 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import processors
 
+_GIL_FREE_ENCODE_CHARS = 4096  # texts longer than this are encoded without holding the GIL
+
 
 class Tokenizer:
     def __init__(
@@ -42,6 +44,7 @@ class Tokenizer:
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
         self.add_bos_token = add_bos_token and self.bos_token_id is not None
         self._compiled_template: jinja2.Template | None = None
+        self._max_token_chars: int | None = None
 
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` (chat template, special tokens)
@@ -65,8 +68,23 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: the longest vocabulary entry, added
+        tokens included (a byte-level or sentencepiece entry is at least as long as its
+        text). Bounds a prompt's length in characters before it is tokenized
+        (``fastsched.limits.check_prompt_chars``)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _GIL_FREE_ENCODE_CHARS:
+            # encode_batch releases the GIL (encode holds it): a long text tokenized in a
+            # worker thread must not stop the event loop that called it.
+            ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids

@@ -38,6 +38,7 @@ from fastsched import _core
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.frontend.admission import TTFT_SLO_FLOOR_STEPS, AdmissionController, AdmissionError
+from fastsched.limits import LimitError
 from fastsched.tools.bench_serve import RequestResult
 from fastsched.tools.simulator.cost import StepCost
 from fastsched.tools.simulator.trace import TraceRequest
@@ -220,6 +221,9 @@ class _Replay:
                 continue
             try:
                 sim.admission.check_and_charge(self.request_id(i), 1, req.prompt_len)
+            except LimitError as e:  # A4: a prompt longer than max_num_queued_tokens
+                self.answer_error(i, 400, "invalid_request", str(e))
+                continue
             except AdmissionError as e:
                 result.status, result.reason, result.e2e = 503, e.reason, sim.frontend_latency
                 self.bar.update(1)
