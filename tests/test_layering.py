@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastsched"
 # Lowest first. A module may import its own layer and those below it. The root package
 # (``fastsched/__init__.py``) is above everything: it only loads the offline API lazily.
 LAYERS = [
-    ("_core", "sampling_params", "outputs", "proto_gen", "rpc", "config"),
+    ("_core", "sampling_params", "outputs", "proto_gen", "rpc", "config", "process_stats"),
     ("kernels", "sample"),
     ("attention",),
     ("models",),
