@@ -47,8 +47,8 @@ trap - EXIT
 FRONTEND_LATENCY=$(.venv/bin/python - "$OUT" <<'EOF'
 import json, sys
 out = sys.argv[1]
-measured = json.load(open(f"{out}/calibration_measured.json"))["results"][0]["ttft_ms"]["p50"]
-simulated = json.load(open(f"{out}/calibration.json"))["results"][0]["ttft_ms"]["p50"]
+measured = json.load(open(f"{out}/calibration_measured.json"))["results"][0]["median_ttft_ms"]
+simulated = json.load(open(f"{out}/calibration.json"))["results"][0]["median_ttft_ms"]
 print(f"{max(0.0, measured - simulated) / 1000:.4f}")
 EOF
 )
@@ -65,7 +65,7 @@ print("| QPS | TTFT p50 measured / simulated ms | diff | out tok/s measured / si
 print("|-----|----------------------------------|------|--------------------------------|------|")
 for qps, s in simulated.items():
     m = measured[qps]
-    t_m, t_s = m["ttft_ms"]["p50"], s["ttft_ms"]["p50"]
+    t_m, t_s = m["median_ttft_ms"], s["median_ttft_ms"]
     o_m, o_s = m["output_throughput"], s["output_throughput"]
     print(f"| {qps:g} | {t_m:.1f} / {t_s:.1f} | {100 * (t_s - t_m) / t_m:+.0f}% "
           f"| {o_m:.0f} / {o_s:.0f} | {100 * (o_s - o_m) / o_m:+.0f}% |")

@@ -60,7 +60,7 @@ def test_a_lone_request_has_ttft_of_one_prefill_step_then_one_decode_step_per_to
     assert run.duration_s == pytest.approx(0.5 + PREFILL_10 + 4 * DECODE_1)  # from the rate's start
     assert run.num_steps == 5
     summary = summarize(1.0, run.results, run.duration_s)
-    assert summary["tpot_ms"]["p50"] == pytest.approx(DECODE_1 * 1000)
+    assert summary["median_tpot_ms"] == pytest.approx(DECODE_1 * 1000)
     assert summary["output_throughput"] == pytest.approx(5 / run.duration_s)
 
 
@@ -203,6 +203,11 @@ def test_the_generated_trace_is_what_bench_serve_sends_at_that_rate() -> None:
     assert [r.prompt_token_ids for r in trace] == [tuple(b.prompt_token_ids) for b in sent]
     assert [r.output_len for r in trace] == [b.max_tokens for b in sent]
     assert [r.arrival_time for r in trace] == times
+    # --random-range-ratio, shared with bench serve: 0 makes every length exact in both.
+    exact = bench_trace(5, qps=5.0, prompt_len=64, output_len=16, seed=7, range_ratio=0.0)
+    assert [r.prompt_token_ids for r in exact] == [tuple(b.prompt_token_ids)
+                                                   for b in make_requests(5, 64, 16, 7, (10, 250), 0.0)]
+    assert {(r.prompt_len, r.output_len) for r in exact} == {(64, 16)}
 
 
 def test_load_trace_reads_lengths_and_priorities_and_sorts_by_arrival(tmp_path: Path) -> None:
@@ -284,6 +289,7 @@ def test_simulate_command_reports_rejections_and_writes_json(tiny_model: Path, t
     [result] = report["results"]
     assert (result["qps"], result["completed"], result["rejected"]) == ("inf", 2, {"max_num_queued_reqs": 4})
     assert result["num_steps"] > 0 and result["num_preemptions"] == 0
+    assert result["failed"] == 4 and result["num_errors"] == 0  # vLLM's `failed`: every request not completed
 
 
 def test_simulate_command_applies_ttft_slo_and_reports_its_rejections(tiny_model: Path, tmp_path: Path,

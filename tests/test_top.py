@@ -35,58 +35,84 @@ from fastsched.tools.top_view import EngineView, Latency, TopView, is_limiting, 
 INF = math.inf
 
 
-def histogram_lines(name: str, scale: float, counts: tuple[float, ...], total: float) -> list[str]:
-    """A histogram with buckets 0.1, 0.5, 1, 2.5 (times ``scale``) and +Inf."""
+def labels(old: bool, **extra: str) -> str:
+    """``{...}`` with ``model_name`` (the current page) and ``extra``, sorted as prometheus_client writes them."""
+    pairs = {**({} if old else {"model_name": "m"}), **extra}
+    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(pairs.items())) + "}" if pairs else ""
+
+
+def histogram_lines(name: str, scale: float, counts: tuple[float, ...], total: float, old: bool = False) -> list[str]:
+    """A histogram with buckets 0.1, 0.5, 1, 2.5 (times ``scale``) and +Inf; on the current
+    page engine 0's, with an empty one of engine 1 beside it (parsing sums them)."""
     bounds = [f"{b * scale:g}" for b in (0.1, 0.5, 1.0, 2.5)] + ["+Inf"]
-    return [f"# TYPE {name} histogram",
-            *(f'{name}_bucket{{le="{le}"}} {count}' for le, count in zip(bounds, counts, strict=True)),
-            f"{name}_count {counts[-1]}", f"{name}_sum {total * scale}"]
+    lines = [f"# TYPE {name} histogram"]
+    for engine, engine_counts, engine_total in (("0", counts, total), ("1", (0,) * len(counts), 0.0)):
+        if old and engine == "1":
+            continue
+        at = {} if old else {"engine": engine}
+        lines += [*(f"{name}_bucket{labels(old, le=le, **at)} {count}"
+                    for le, count in zip(bounds, engine_counts, strict=True)),
+                  f"{name}_count{labels(old, **at)} {engine_counts[-1]}",
+                  f"{name}_sum{labels(old, **at)} {engine_total * scale}"]
+    return lines
 
 
 def exposition(*, running: float = 3, waiting: float = 7, kv: float = 0.625, preemptions: float = 4,
                prompt: float = 1000, generation: float = 500, ttft: tuple[float, ...] = (5, 10, 20, 20, 20),
                ttft_sum: float = 8.0, rejected: float = 2, kv_blocks_stops: float = 10,
                no_waiting_stops: float = 50, last_stops: tuple[str, ...] = ("kv_blocks", "no_waiting"),
-               queued_tokens_limit: float | None = None, engine_0_prefill: float | None = None) -> str:
+               queued_tokens_limit: float | None = None, engine_0_prefill: float | None = None,
+               old: bool = False) -> str:
     """A /metrics page shaped like gateway/metrics.py's: two engines,
     ``last_stops[i]`` being engine i's last stop; TTFT counts in buckets 0.1, 0.5, 1, 2.5,
     +Inf, and the same counts for queue time and end-to-end latency in buckets 10 times
     shorter and 10 times longer. The TTFT-SLO valve's limit and engine 0's prefill
-    throughput are there only when given."""
+    throughput are there only when given. Engine-level values are split over the two
+    engines (engine 1 holds 1 of each count; both have KV usage ``kv``). ``old``: the page
+    of a server from before the vLLM names (no model_name and engine labels, sums over
+    engines, ``prefill_throughput_tokens_per_s``)."""
     gates = ("kv_blocks", "no_waiting")
+
+    def per_engine(name: str, value: float, kind: str, split: bool = True) -> list[str]:
+        if old:
+            return [f"# TYPE {name} {kind}", f"{name} {value}"]
+        one = 1 if split else value
+        return [f"# TYPE {name} {kind}", f"{name}{labels(old, engine='0')} {value - one if split else value}",
+                f"{name}{labels(old, engine='1')} {one}"]
+
+    def stops(gate: str, count: float) -> list[str]:
+        if old:
+            return [f"fastsched:scheduler_scan_stops_total{labels(old, gate=gate)} {count}"]
+        return [f"fastsched:scheduler_scan_stops_total{labels(old, engine='0', gate=gate)} {count - 1}",
+                f"fastsched:scheduler_scan_stops_total{labels(old, engine='1', gate=gate)} 1"]
+
     lines = [
         "# TYPE fastsched:admission_rejections_total counter",
-        f'fastsched:admission_rejections_total{{reason="max_num_queued_reqs"}} {rejected}',
-        'fastsched:admission_rejections_total{reason="max_num_queued_tokens"} 0.0',
-        'fastsched:admission_rejections_total{reason="engine_faulted"} 0.0',
-        "# TYPE fastsched:num_requests_running gauge",
-        f"fastsched:num_requests_running {running}",
-        "# TYPE fastsched:num_requests_waiting gauge",
-        f"fastsched:num_requests_waiting {waiting}",
-        "# TYPE fastsched:kv_cache_usage_perc gauge",
-        f"fastsched:kv_cache_usage_perc {kv}",
-        "# TYPE fastsched:num_preemptions_total counter",
-        f"fastsched:num_preemptions_total {preemptions}",
-        "# TYPE fastsched:prompt_tokens_total counter",
-        f"fastsched:prompt_tokens_total {prompt}",
-        "# TYPE fastsched:generation_tokens_total counter",
-        f"fastsched:generation_tokens_total {generation}",
-        *histogram_lines("fastsched:request_queue_time_seconds", 0.1, ttft, ttft_sum),
-        *histogram_lines("fastsched:time_to_first_token_seconds", 1.0, ttft, ttft_sum),
-        *histogram_lines("fastsched:e2e_request_latency_seconds", 10.0, ttft, ttft_sum),
+        f'fastsched:admission_rejections_total{labels(old, reason="max_num_queued_reqs")} {rejected}',
+        f'fastsched:admission_rejections_total{labels(old, reason="max_num_queued_tokens")} 0.0',
+        f'fastsched:admission_rejections_total{labels(old, reason="engine_faulted")} 0.0',
+        *per_engine("fastsched:num_requests_running", running, "gauge"),
+        *per_engine("fastsched:num_requests_waiting", waiting, "gauge"),
+        *per_engine("fastsched:kv_cache_usage_perc", kv, "gauge", split=False),
+        *per_engine("fastsched:num_preemptions_total", preemptions, "counter"),
+        *per_engine("fastsched:prompt_tokens_total", prompt, "counter"),
+        *per_engine("fastsched:generation_tokens_total", generation, "counter"),
+        *histogram_lines("fastsched:request_queue_time_seconds", 0.1, ttft, ttft_sum, old),
+        *histogram_lines("fastsched:time_to_first_token_seconds", 1.0, ttft, ttft_sum, old),
+        *histogram_lines("fastsched:e2e_request_latency_seconds", 10.0, ttft, ttft_sum, old),
         "# TYPE fastsched:scheduler_scan_stops_total counter",
-        f'fastsched:scheduler_scan_stops_total{{gate="kv_blocks"}} {kv_blocks_stops}',
-        f'fastsched:scheduler_scan_stops_total{{gate="no_waiting"}} {no_waiting_stops}',
+        *stops("kv_blocks", kv_blocks_stops),
+        *stops("no_waiting", no_waiting_stops),
         "# TYPE fastsched:scheduler_last_scan_stop gauge",
-        *(f'fastsched:scheduler_last_scan_stop{{engine="{engine}",gate="{gate}"}} {float(gate == last)}'
+        *(f'fastsched:scheduler_last_scan_stop{labels(old, engine=str(engine), gate=gate)} {float(gate == last)}'
           for engine, last in enumerate(last_stops) for gate in gates),
     ]
     if queued_tokens_limit is not None:
         lines += ["# TYPE fastsched:admission_queued_tokens_limit gauge",
-                  f"fastsched:admission_queued_tokens_limit {queued_tokens_limit}"]
+                  f"fastsched:admission_queued_tokens_limit{labels(old)} {queued_tokens_limit}"]
     if engine_0_prefill is not None:
-        lines += ["# TYPE fastsched:prefill_throughput_tokens_per_s gauge",
-                  f'fastsched:prefill_throughput_tokens_per_s{{engine="0"}} {engine_0_prefill}']
+        name = "fastsched:prefill_throughput_tokens_per_" + ("s" if old else "second")
+        lines += [f"# TYPE {name} gauge", f'{name}{labels(old, engine="0")} {engine_0_prefill}']
     return "\n".join(lines) + "\n"
 
 
@@ -263,6 +289,21 @@ def test_the_view_finds_every_metric_the_gateway_exports_under_the_names_it_expo
     assert view.rejections_per_s["max_num_queued_reqs"] == 2
     assert view.scan_stops_per_s == {"kv_blocks": 2, "no_waiting": 0}
     assert view.engines["0"].last_scan_stop == "kv_blocks"
+
+
+def test_a_server_from_before_the_vllm_names_gives_the_same_view() -> None:
+    before = exposition(old=True)
+    after = exposition(running=5, waiting=2, preemptions=6, prompt=3000, generation=1100,
+                       ttft=(15, 70, 115, 120, 120), ttft_sum=60.0, rejected=12, kv_blocks_stops=50,
+                       no_waiting_stops=60, queued_tokens_limit=20000, engine_0_prefill=40000, old=True)
+    assert "model_name" not in after and "tokens_per_s{" in after
+    assert windowed(before, after) == windowed()
+
+
+def test_kv_cache_usage_is_the_mean_over_engines() -> None:
+    page = ('fastsched:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            'fastsched:kv_cache_usage_perc{engine="1",model_name="m"} 0.75\n')
+    assert top_view(parse_metrics(page, taken_at=0.0), None).kv_cache_usage == 0.5
 
 
 # ---- drawing ---------------------------------------------------------------------------------

@@ -183,11 +183,14 @@ def wait_healthy(server: ServeProcess) -> None:
 
 
 def metric_samples(url: str) -> dict[str, float]:
-    """``/metrics`` as ``{'name{labels}': value}``."""
+    """``/metrics`` as ``{'name{labels}': value}``, without the labels ``model_name`` and
+    ``engine``: the series of all engines are summed (``fastsched:num_requests_running``,
+    ``fastsched:admission_rejections_total{reason="ttft_slo"}``)."""
     text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
-    samples = {}
+    samples: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+            name = re.sub(r'(?<=[{,])(model_name|engine)="[^"]*",?', "", name).replace(",}", "}").replace("{}", "")
+            samples[name] = samples.get(name, 0.0) + float(value)
     return samples

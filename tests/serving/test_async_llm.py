@@ -359,6 +359,12 @@ def test_stop_string_ends_the_output_and_aborts_it_in_the_engine(engines: Engine
             assert (final.text, final.finish_reason, final.stop_reason) == (expected.text, "stop", stop)
             assert final.text == free[:6]
             await wait_until(lambda: engines_idle(llm))  # not 400 tokens later
+            # Issue 13: counted as vLLM counts it, a stop, its tokens and phases known.
+            requests = llm.stats()["requests_by_engine"][0]
+            assert requests.success == {"stop": 1, "length": 0, "abort": 0}
+            assert requests.histograms["request_generation_tokens"].sum == len(final.token_ids)
+            assert requests.histograms["request_decode_time_seconds"].count == 1
+            assert requests.histograms["request_params_max_tokens"].sum == 400
 
     run(body())
 
@@ -586,6 +592,10 @@ def test_abort_ends_the_stream_with_finish_reason_abort(engines: Engines) -> Non
             assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
             assert not await llm.abort("abort-me")
             await wait_until(lambda: engines_idle(llm))
+            requests = llm.stats()["requests_by_engine"][0]
+            assert requests.success == {"stop": 0, "length": 0, "abort": 1}
+            assert requests.histograms["request_prefill_time_seconds"].count == 1  # it had its first token
+            assert requests.histograms["request_params_n"].count == 1
 
     run(body())
 

@@ -1,6 +1,7 @@
 """``fastsched bench serve`` end to end on a handful of requests: the real gateway and
 gRPC frontend over the fake AsyncLLM of test_grpc_gateway (fast, deterministic), driven
-through the CLI as a user would, checking the JSON report and the plot."""
+through the CLI as a user would, checking the JSON report and the plot, and vLLM's
+``vllm bench serve`` flags and result file."""
 
 from __future__ import annotations
 
@@ -24,9 +25,32 @@ from fastsched.entrypoints.cli import main  # noqa: E402
 from fastsched.frontend.admission import QueueOverflowError  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
-from fastsched.tools.bench_serve import arrival_times, make_requests  # noqa: E402
+from fastsched.tools.bench_serve import (  # noqa: E402
+    RequestResult,
+    arrival_times,
+    make_requests,
+    parse_goodput,
+    summarize,
+)
 
-STAT_KEYS = {"mean", "p50", "p90", "p99"}
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+# The keys of the result JSON that `vllm bench serve --save-result` writes, from vLLM's
+# vllm/benchmarks/serve.py at commit 009e6d4a1cd6ba3fb2a9fc00f4ec06f5297232a1 (main; the
+# `failed` key is there since v0.13), run with --goodput and --percentile-metrics
+# ttft,tpot,itl,e2el, the default --metric-percentiles 99, without --save-detailed (which adds
+# per-request lists) and without --metadata, --ramp-up-strategy or speculative decoding.
+VLLM_SERVE_RESULT_KEYS = {
+    # setup (main_async)
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+    "burstiness", "max_concurrency",
+    # benchmark()
+    "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+    "request_goodput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
+    "max_concurrent_requests", "rtfx",
+    *(f"{stat}_{metric}_ms" for metric in METRICS for stat in ("mean", "median", "std", "p99")),
+}
+NOT_APPLICABLE = {"rtfx"}  # the inverse real-time factor of audio (ASR) benchmarks
 
 
 class FakeServer:
@@ -77,12 +101,14 @@ def test_bench_serve_reports_latencies_and_throughput_per_rate(server: FakeServe
     assert [r["qps"] for r in report["results"]] == [50.0, "inf"]
     for r in report["results"]:
         assert r["num_requests"] == 6 and r["completed"] == 6 and r["num_rejected"] == 0 and r["failed"] == 0
-        assert r["total_output_tokens"] == want_tokens
-        assert r["request_throughput"] > 0 and r["output_throughput"] > 0
-        for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
-            assert set(r[key]) == STAT_KEYS and r[key]["p50"] > 0, key
-            assert r[key]["p50"] <= r[key]["p90"] <= r[key]["p99"]
-        assert r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
+        assert r["total_output_tokens"] == want_tokens and r["total_input_tokens"] > 0
+        assert r["request_throughput"] > 0 and r["output_throughput"] > r["request_throughput"]
+        assert r["total_token_throughput"] > r["output_throughput"] and r["request_goodput"] is None
+        for metric in METRICS:
+            assert r[f"median_{metric}_ms"] > 0 and r[f"std_{metric}_ms"] >= 0, metric
+            assert r[f"median_{metric}_ms"] == r[f"p50_{metric}_ms"] <= r[f"p90_{metric}_ms"] <= r[f"p99_{metric}_ms"]
+        assert r["median_ttft_ms"] <= r["median_e2el_ms"]
+        assert 1 <= r["max_concurrent_requests"] <= 6 and r["max_output_tokens_per_s"] > 0
         assert len(r["e2e_latencies_s"]) == 6 and r["e2e_latencies_s"] == sorted(r["e2e_latencies_s"])
         assert r["rejection_latency_ms"]["p50"] is None
     printed = capsys.readouterr().out
@@ -95,9 +121,10 @@ def test_bench_serve_counts_503s_by_reason(server: FakeServer, fake: FakeAsyncLL
     fake.reject = QueueOverflowError("queue full: 4 requests in flight would exceed max_num_queued_reqs (4)")
     report = bench(server, tmp_path, "--qps", "100")
     (r,) = report["results"]
-    assert r["completed"] == 0 and r["failed"] == 0
+    # vLLM's `failed` counts every request not completed; ours say why.
+    assert r["completed"] == 0 and r["failed"] == 6 and r["num_errors"] == 0
     assert r["rejected"] == {"max_num_queued_reqs": 6} and r["num_rejected"] == 6
-    assert r["rejection_latency_ms"]["p50"] > 0 and r["ttft_ms"]["p50"] is None
+    assert r["rejection_latency_ms"]["p50"] > 0 and r["median_ttft_ms"] is None
 
 
 def test_bench_serve_arrivals_are_seeded_poisson() -> None:
@@ -107,3 +134,119 @@ def test_bench_serve_arrivals_are_seeded_poisson() -> None:
     assert arrival_times(3, float("inf"), seed=3) == [0.0, 0.0, 0.0]
     lengths = [len(r.prompt_token_ids) for r in make_requests(500, 100, 10, 0, (10, 250))]
     assert min(lengths) >= 50 and max(lengths) <= 150
+
+
+# ------------------------------------------------------------------ vLLM's flags and result file
+
+
+def vllm_bench(server: FakeServer, *args: str) -> int:
+    """``fastsched bench serve`` with a vLLM command line."""
+    return main(["bench", "serve", "--base-url", server.url, "--num-prompts", "6", "--random-input-len", "8",
+                 "--random-output-len", "8", "--seed", "1", "--disable-tqdm", *args])
+
+
+def test_bench_serve_saves_vllms_result_json(server: FakeServer, fake: FakeAsyncLLM, tmp_path: Path) -> None:
+    code = vllm_bench(server, "--request-rate", "50", "--goodput", "ttft:60000", "e2el:60000", "--save-result",
+                      "--result-dir", str(tmp_path / "results"), "--percentile-metrics", "ttft,tpot,itl,e2el",
+                      "--metric-percentiles", "99", "--ignore-eos")
+    assert code == 0
+    (path,) = (tmp_path / "results").iterdir()
+    assert path.name.startswith(f"openai-50.0qps-{MODEL}-") and path.suffix == ".json"
+    result = json.loads(path.read_text())
+    missing = VLLM_SERVE_RESULT_KEYS - NOT_APPLICABLE - set(result)
+    assert not missing, f"vLLM's keys missing from our result: {sorted(missing)}"
+    assert (result["backend"], result["endpoint_type"], result["model_id"], result["num_prompts"]) \
+        == ("openai", "openai", MODEL, 6)
+    assert (result["request_rate"], result["burstiness"], result["max_concurrency"]) == (50.0, 1.0, None)
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # every request within 60 s
+    for key in VLLM_SERVE_RESULT_KEYS - NOT_APPLICABLE - {"label", "tokenizer_id", "max_concurrency", "date",
+                                                           "endpoint_type", "backend", "model_id"}:
+        assert isinstance(result[key], (int, float)), key
+    # Ours beside them: rejections by reason; no per-request lists without --save-detailed.
+    assert result["rejected"] == {} and result["num_rejected"] == 0 and "e2e_latencies_s" not in result
+    assert "p90_ttft_ms" not in result  # only the percentiles asked for
+
+
+def test_bench_serve_chat_endpoint_under_max_concurrency(server: FakeServer, fake: FakeAsyncLLM, tmp_path: Path,
+                                                         tiny_model_dir: Path) -> None:
+    out = tmp_path / "chat.json"
+    code = main(["bench", "serve", "--base-url", server.url, "--backend", "openai-chat", "--endpoint",
+                 "/v1/chat/completions", "--num-prompts", "6", "--random-input-len", "2", "--random-output-len", "4",
+                 "--random-range-ratio", "0", "--max-concurrency", "1", "--request-rate", "inf",
+                 "--tokenizer", str(tiny_model_dir), "--disable-tqdm", "--out", str(out), "--save-result",
+                 "--result-dir", str(tmp_path), "--result-filename", "chat-result.json"])
+    assert code == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["completed"] == 6 and r["total_output_tokens"] == 6 * 4  # range ratio 0: every length exact
+    assert r["max_concurrent_requests"] == 1  # one at a time, though all were due at once
+    assert r["median_ttft_ms"] > 0 and r["median_itl_ms"] > 0
+    saved = json.loads((tmp_path / "chat-result.json").read_text())
+    assert (saved["backend"], saved["max_concurrency"], saved["request_rate"]) == ("openai-chat", 1, "inf")
+    assert saved["tokenizer_id"] == str(tiny_model_dir)
+
+
+def test_bench_serve_replays_a_sharegpt_file(server: FakeServer, fake: FakeAsyncLLM, tmp_path: Path,
+                                             tiny_model_dir: Path) -> None:
+    from fastsched.model_loader import load_tokenizer
+
+    conversations = [
+        {"id": "a", "conversations": [{"from": "human", "value": "Name a queue class."},
+                                      {"from": "gpt", "value": "A deque is a queue."}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "Say hi"}]},  # no reply: skipped
+        {"id": "c", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there"}]},
+        {"id": "d", "conversations": [{"from": "human", "value": "What is a stack?"},
+                                      {"from": "gpt", "value": "A stack is last in, first out."}]},
+    ]
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(json.dumps(conversations))
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    usable = [c["conversations"] for c in conversations if len(c["conversations"]) == 2
+              and len(tokenizer.encode(c["conversations"][0]["value"])) >= 4
+              and len(tokenizer.encode(c["conversations"][1]["value"], add_special_tokens=False)) >= 4]
+    assert 1 <= len(usable) < 4
+    out = tmp_path / "sharegpt-report.json"
+    code = main(["bench", "serve", "--base-url", server.url, "--dataset-name", "sharegpt", "--dataset-path",
+                 str(dataset), "--tokenizer", str(tiny_model_dir), "--num-prompts", str(len(usable)),
+                 "--request-rate", "inf", "--disable-tqdm", "--out", str(out)])
+    assert code == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["completed"] == len(usable)
+    assert r["total_output_tokens"] == sum(len(tokenizer.encode(turns[1]["value"], add_special_tokens=False))
+                                           for turns in usable)
+    sent = {req[1] for req in fake.requests[-len(usable):]}  # the prompts went as text
+    assert sent == {turns[0]["value"] for turns in usable}
+
+
+def test_bench_serve_rejects_bad_vllm_flags(server: FakeServer, capsys: pytest.CaptureFixture) -> None:
+    for args, error in ((["--backend", "openai-chat", "--endpoint", "/v1/completions"], "--backend openai-chat"),
+                        (["--goodput", "ttft=5"], "--goodput"),
+                        (["--dataset-name", "sharegpt"], "--dataset-path"),
+                        (["--percentile-metrics", "ttft,latency"], "--percentile-metrics"),
+                        (["--random-range-ratio", "1.5"], "--random-range-ratio")):
+        assert vllm_bench(server, *args) != 0, args
+        assert error in capsys.readouterr().err, args
+
+
+def test_goodput_counts_requests_within_every_bound() -> None:
+    assert parse_goodput(["ttft:100", "e2el:1000"]) == {"ttft": 100.0, "e2el": 1000.0}
+    fast = RequestResult(200, 4, 3, output_tokens=3, ttft=0.05, e2e=0.25, itl=[0.1, 0.1])  # tpot 100 ms
+    slow_start = RequestResult(200, 4, 3, output_tokens=3, ttft=0.5, e2e=0.7, itl=[0.1, 0.1])
+    one_token = RequestResult(200, 4, 1, output_tokens=1, ttft=0.05, e2e=0.05)  # tpot 0, as vLLM
+    rejected = RequestResult(503, 4, 3, reason="max_num_queued_reqs", e2e=0.001)
+    results = [fast, slow_start, one_token, rejected]
+    summary = summarize(1.0, results, 2.0, goodput=parse_goodput(["ttft:100", "tpot:100"]))
+    assert summary["request_goodput"] == 2 / 2.0  # fast and one_token
+    assert (summary["completed"], summary["failed"], summary["num_rejected"]) == (3, 1, 1)
+    assert summary["median_tpot_ms"] == pytest.approx(100.0)  # one-token requests have no TPOT
+    assert summary["max_concurrent_requests"] == 3  # all sent at 0
+    assert summarize(1.0, results, 2.0, goodput={"e2el": 300.0})["request_goodput"] == 2 / 2.0
+
+
+def test_range_ratio_sets_the_spread_of_lengths() -> None:
+    exact = make_requests(50, 10, 6, 0, (10, 250), range_ratio=0.0)
+    assert {len(r.prompt_token_ids) for r in exact} == {10} and {r.max_tokens for r in exact} == {6}
+    wide = make_requests(500, 100, 10, 0, (10, 250), range_ratio=0.9)
+    assert min(len(r.prompt_token_ids) for r in wide) < 20 and max(len(r.prompt_token_ids) for r in wide) > 180
+    # The default is the ±50 % of old: the same requests as before the flag.
+    assert make_requests(20, 100, 10, 3, (10, 250)) == make_requests(20, 100, 10, 3, (10, 250), range_ratio=0.5)

@@ -17,12 +17,14 @@ openai = pytest.importorskip("openai", reason="openai is not installed (requirem
 pytest.importorskip("starlette", reason="starlette is not installed (requirements-serve.txt)")
 
 from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
+from promtool import lint_problems  # noqa: E402
 
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
+from fastsched.tools.metrics_snapshot import parse_metrics  # noqa: E402
 
 if TYPE_CHECKING:
     from conftest import Engines
@@ -114,16 +116,74 @@ def test_e2e_errors_disconnect_mid_stream_frees_the_engines(stack: Stack) -> Non
 def test_e2e_metrics_metrics_count_each_engine_once(stack: Stack, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt="import os", max_tokens=5, **GREEDY)
 
-    def samples() -> dict[str, float]:
-        text = httpx.get(stack.url + "/metrics", timeout=10).text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
-
     def engine_total() -> int:  # what the engines counted, as the freshest frontend heard it
         return max(llm.stats()["generation_tokens_total"] for llm in stack.llms)
 
-    assert wait_for(lambda: samples()["fastsched:generation_tokens_total"] == engine_total(), timeout=5)
-    assert samples()["fastsched:time_to_first_token_seconds_count"] >= 1
+    assert wait_for(lambda: scrape(stack).value("fastsched:generation_tokens_total", model_name=MODEL)
+                    == engine_total(), timeout=5)
+    assert scrape(stack).histograms["fastsched:time_to_first_token_seconds"].count >= 1
+
+
+def scrape(stack: Stack) -> Any:
+    """``/metrics`` as a ``Snapshot``: ``value(name, **labels)`` sums the series that have ``labels``."""
+    return parse_metrics(httpx.get(stack.url + "/metrics", timeout=10).text, 0.0)
+
+
+def family_total(snapshot: Any, name: str, suffix: str) -> float:
+    """A counter's total, or a histogram's ``_count`` or ``_sum``, over every series."""
+    if suffix:
+        h = snapshot.histograms.get(f"fastsched:{name}")
+        return 0.0 if h is None else (h.count if suffix == "_count" else h.sum)
+    return snapshot.value(f"fastsched:{name}", model_name=MODEL) or 0.0
+
+
+def test_e2e_metrics_vllm_families_per_engine(stack: Stack, client: openai.OpenAI) -> None:
+    """Issue 13 part 4: vLLM's families, with model_name and engine, from real frontends and engines."""
+    histograms = ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                  "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens")
+    before = scrape(stack)
+    client.completions.create(model=MODEL, prompt="import os", max_tokens=5, **GREEDY)
+    client.completions.create(model=MODEL, prompt="import os", max_tokens=3, n=2, **GREEDY)
+    after = scrape(stack)
+
+    def grew(name: str, suffix: str = "_count") -> float:
+        return family_total(after, name, suffix) - family_total(before, name, suffix)
+
+    # Three completions, all ended by max_tokens, each counted once (on the frontend that served it).
+    assert grew("request_success_total", "") == 3
+    assert after.value("fastsched:request_success_total", finished_reason="length") \
+        - (before.value("fastsched:request_success_total", finished_reason="length") or 0) == 3
+    for name in histograms:
+        assert grew(name) == 3, name
+    assert grew("request_generation_tokens", "_sum") == 5 + 3 + 3
+    assert (grew("request_params_n"), grew("request_params_n", "_sum")) == (2, 3)
+    assert grew("request_params_max_tokens", "_sum") == 5 + 3
+    assert grew("request_decode_time_seconds", "_sum") > 0
+    assert grew("iteration_tokens_total") >= 2  # at least a prefill and a decode step
+    # A step's tokens: the prompts' once, and one per generated token after the first.
+    assert grew("iteration_tokens_total", "_sum") >= grew("request_prompt_tokens", "_sum")
+    engines = {s.labels["engine"] for s in after.samples["fastsched:cache_config_info"]}
+    assert engines == {"0", "1"}
+    info = after.samples["fastsched:cache_config_info"][0]
+    assert info.value == 1 and info.labels["block_size"] == "16" and int(info.labels["num_gpu_blocks"]) > 0
+    assert info.labels["enable_prefix_caching"] in ("True", "False") and info.labels["model_name"] == MODEL
+    for name, samples in after.samples.items():
+        if name.startswith("fastsched:"):
+            assert all(s.labels.get("model_name") == MODEL for s in samples), name
+    # Every process, from the engines' heartbeats (every 0.5 s here).
+    expected = {("gateway", "0"), ("frontend", "0"), ("frontend", "1"), ("engine", "0"), ("engine", "1")}
+    assert wait_for(lambda: {(s.labels["process"], s.labels["index"])
+                             for s in scrape(stack).samples.get("process_cpu_seconds_total", ())} == expected,
+                    timeout=5)
+    resident = scrape(stack).samples["process_resident_memory_bytes"]
+    assert len(resident) == 5 and all(s.value > 0 for s in resident)
+
+
+def test_e2e_metrics_pass_promtool(stack: Stack, client: openai.OpenAI) -> None:
+    """The live page passes ``promtool check metrics`` but for vLLM's own names (see promtool.py)."""
+    client.completions.create(model=MODEL, prompt="import os", max_tokens=3, **GREEDY)
+    text = httpx.get(stack.url + "/metrics", timeout=10).text
+    assert lint_problems(text) == []
 
 
 def test_e2e_gate_telemetry_says_which_gate_stopped_each_engine(stack: Stack, client: openai.OpenAI) -> None:
@@ -138,8 +198,11 @@ def test_e2e_gate_telemetry_says_which_gate_stopped_each_engine(stack: Stack, cl
     wait_for(lambda: any(line.startswith("fastsched:scheduler_scan_stops_total{") for line in gate_lines()),
              timeout=10)
     lines = gate_lines()
-    stops = {line.split('gate="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-             for line in lines if line.startswith("fastsched:scheduler_scan_stops_total{")}
+    stops: dict[str, float] = {}  # by gate, summed over engines
+    for line in lines:
+        if line.startswith("fastsched:scheduler_scan_stops_total{"):
+            gate = line.split('gate="')[1].split('"')[0]
+            stops[gate] = stops.get(gate, 0.0) + float(line.rsplit(" ", 1)[1])
     assert {"token_budget", "no_waiting", "kv_blocks", "active_seqs"} <= set(stops)
     assert sum(stops.values()) > 0
     assert any(line.startswith("fastsched:scheduler_skips_total{") for line in lines)

@@ -576,7 +576,8 @@ def test_a5_metrics_count_rejections_by_reason(servers: Servers, http: httpx.Cli
     text = http.get("/metrics").text
     expected = sum(f.rejections["max_num_queued_reqs"] for f in fakes)
     assert expected >= 3
-    assert f'fastsched:admission_rejections_total{{reason="max_num_queued_reqs"}} {float(expected)}' in text
+    assert metrics(text).value("fastsched:admission_rejections_total", reason="max_num_queued_reqs",
+                               model_name=MODEL) == expected
 
 
 def metric_samples(text: str) -> dict[str, float]:
@@ -584,28 +585,36 @@ def metric_samples(text: str) -> dict[str, float]:
             for line in text.splitlines() if line and not line.startswith("#")}
 
 
+def metrics(text: str) -> Any:
+    """The page as a ``Snapshot``: ``value(name, **labels)`` sums the series that have ``labels``."""
+    from fastsched.tools.metrics_snapshot import parse_metrics
+
+    return parse_metrics(text, 0.0)
+
+
 def test_metrics_metrics_count_each_engine_once_under_design_names(http: httpx.Client) -> None:
     http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
     text = http.get("/metrics").text
-    samples = metric_samples(text)
+    m = metrics(text)
     # Both frontends report engines 0 and 1; engine 0's freshest report is frontend 0's.
-    assert samples["fastsched:num_requests_running"] == 3
-    assert samples["fastsched:num_requests_waiting"] == 3
-    assert samples["fastsched:kv_cache_usage_perc"] == 0.5
-    assert samples["fastsched:num_preemptions_total"] == 1
-    assert samples["fastsched:prompt_tokens_total"] == 15
-    assert samples["fastsched:generation_tokens_total"] == 25
-    assert samples["fastsched:prefix_cache_queries_total"] == 36
-    assert samples["fastsched:prefix_cache_hits_total"] == 18
+    expected = {"num_requests_running": (1, 2), "num_requests_waiting": (1, 2), "kv_cache_usage_perc": (0.25, 0.75),
+                "num_preemptions_total": (1, 0), "prompt_tokens_total": (10, 5), "generation_tokens_total": (20, 5),
+                "prefix_cache_queries_total": (30, 6), "prefix_cache_hits_total": (15, 3)}
+    for name, per_engine in expected.items():
+        got = tuple(m.value(f"fastsched:{name}", engine=str(i), model_name=MODEL) for i in (0, 1))
+        assert got == per_engine, name
+    assert m.value("fastsched:num_requests_running") == 3 and m.mean("fastsched:kv_cache_usage_perc") == 0.5
     for reason in ("max_num_queued_reqs", "max_num_queued_tokens", "engine_faulted"):
-        assert f'fastsched:admission_rejections_total{{reason="{reason}"}}' in samples
+        assert m.value("fastsched:admission_rejections_total", reason=reason, model_name=MODEL) is not None
     for name in ("request_queue_time_seconds", "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds"):
         assert f"# TYPE fastsched:{name} histogram" in text
-        assert f'fastsched:{name}_bucket{{le="+Inf"}}' in samples
-    assert samples["fastsched:time_to_first_token_seconds_count"] >= 1
-    assert samples["fastsched:inter_token_latency_seconds_count"] >= 2
-    assert samples["fastsched:e2e_request_latency_seconds_count"] >= 1
+        # The fakes do not say which engine served a request: the frontends' totals, under no engine.
+        assert f'fastsched:{name}_bucket{{engine="",le="+Inf",model_name="{MODEL}"}}' in text
+        assert m.histograms[f"fastsched:{name}"].upper_bounds[-1] == float("inf")
+    assert m.histograms["fastsched:time_to_first_token_seconds"].count >= 1
+    assert m.histograms["fastsched:inter_token_latency_seconds"].count >= 2
+    assert m.histograms["fastsched:e2e_request_latency_seconds"].count >= 1
 
 
 def test_metrics_frontends_without_an_engine_breakdown_are_summed() -> None:
@@ -619,15 +628,18 @@ def test_metrics_frontends_without_an_engine_breakdown_are_summed() -> None:
                                                      count=sum(ttft)),
         )
 
-    samples = metric_samples(render([frontend(2, 0.2, [1, 0, 1]), frontend(3, 0.4, [0, 2, 0])]).decode())
-    assert samples["fastsched:num_requests_running"] == 5
-    assert samples["fastsched:generation_tokens_total"] == 50
-    assert samples["fastsched:kv_cache_usage_perc"] == pytest.approx(0.3)
-    assert samples['fastsched:admission_rejections_total{reason="max_num_queued_reqs"}'] == 4
-    assert samples['fastsched:admission_rejections_total{reason="engine_faulted"}'] == 0
-    assert [samples[f'fastsched:time_to_first_token_seconds_bucket{{le="{le}"}}'] for le in ("0.1", "1.0", "+Inf")] \
-        == [1, 3, 4]
-    assert samples["fastsched:time_to_first_token_seconds_sum"] == 3.0
+    page = render([frontend(2, 0.2, [1, 0, 1]), frontend(3, 0.4, [0, 2, 0])], "m", own_process=False).decode()
+    samples = metric_samples(page)
+    # One series under no engine (engine=""), which Prometheus reads as no engine label.
+    assert samples['fastsched:num_requests_running{engine="",model_name="m"}'] == 5
+    assert samples['fastsched:generation_tokens_total{engine="",model_name="m"}'] == 50
+    assert samples['fastsched:kv_cache_usage_perc{engine="",model_name="m"}'] == pytest.approx(0.3)
+    assert samples['fastsched:admission_rejections_total{model_name="m",reason="max_num_queued_reqs"}'] == 4
+    assert samples['fastsched:admission_rejections_total{model_name="m",reason="engine_faulted"}'] == 0
+    assert [samples[f'fastsched:time_to_first_token_seconds_bucket{{engine="",le="{le}",model_name="m"}}']
+            for le in ("0.1", "1.0", "+Inf")] == [1, 3, 4]
+    assert samples['fastsched:time_to_first_token_seconds_sum{engine="",model_name="m"}'] == 3.0
+    assert "process_cpu_seconds_total{" not in page  # no process stats sent, none of its own asked for
 
 
 def test_metrics_get_stats_maps_both_namings_and_keeps_the_engine_breakdown(stub: Any) -> None:

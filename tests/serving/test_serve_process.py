@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -136,6 +137,25 @@ def test_serve_logs_every_process_and_serves_the_openai_api(queued_reqs: ServePr
     assert [m.id for m in models.data] == [MODEL]
 
 
+def test_serve_metrics_export_every_process_and_pass_promtool(queued_reqs: ServeProcess) -> None:
+    """Issue 13: process_* for the gateway, each frontend and each engine (separate processes
+    here), and a page promtool accepts but for vLLM's own names."""
+    from promtool import lint_problems
+
+    expected = {("gateway", "0")} | {("frontend", str(i)) for i in range(len(queued_reqs.frontend_pids))} \
+        | {("engine", str(i)) for i in range(len(queued_reqs.engine_pids))}
+
+    def processes() -> set[tuple[str, str]]:
+        return {tuple(re.findall(r'(?:index|process)="([^"]*)"', key))[::-1]
+                for key in metric_samples(queued_reqs.url) if key.startswith("process_start_time_seconds{")}
+
+    assert len(expected) == 4 and wait_for(lambda: processes() == expected, timeout=10), processes()
+    samples = metric_samples(queued_reqs.url)
+    starts = [v for k, v in samples.items() if k.startswith("process_start_time_seconds{")]
+    assert all(abs(t - time.time()) < 3600 for t in starts)
+    assert lint_problems(httpx.get(queued_reqs.url + "/metrics", timeout=10, trust_env=False).text) == []
+
+
 def test_serve_completion_and_its_stream_agree(queued_reqs: ServeProcess) -> None:
     c = client(queued_reqs)
     out = c.completions.create(model=MODEL, prompt="def main():", max_tokens=12, **GREEDY)
@@ -204,9 +224,9 @@ def test_serve_a6_two_frontends_share_max_num_queued_reqs(queued_reqs: ServeProc
             async def watch() -> None:
                 while not done:
                     m = (await http.get("/metrics")).text
-                    samples = dict(line.rsplit(" ", 1) for line in m.splitlines() if line and line[0] != "#")
-                    in_flight_seen.append(float(samples["fastsched:num_requests_running"])
-                                          + float(samples["fastsched:num_requests_waiting"]))
+                    in_flight_seen.append(sum(float(line.rsplit(" ", 1)[1]) for line in m.splitlines()
+                                              if line.startswith(("fastsched:num_requests_running",
+                                                                  "fastsched:num_requests_waiting"))))
                     await asyncio.sleep(0.05)
 
             watcher = asyncio.create_task(watch())

@@ -168,13 +168,13 @@ def test_metrics_show_the_limit_and_throughput_only_when_known() -> None:
     engine = {"index": 0, "prefill_tokens_per_s": 2000.0, "scan_stops_total": {"active_seqs": 3}}
     on = [stats_to_proto({"engines": [engine], "admission_queued_tokens_limit": 700}, LatencyHistograms()),
           stats_to_proto({"engines": [engine], "admission_queued_tokens_limit": 300}, LatencyHistograms())]
-    text = render(on).decode()
-    assert "fastsched:admission_queued_tokens_limit 1000.0" in text  # the frontends' shares summed
-    assert 'fastsched:prefill_throughput_tokens_per_s{engine="0"} 2000.0' in text
-    assert 'fastsched:admission_rejections_total{reason="ttft_slo"} 0.0' in text
-    off = render([stats_to_proto({"engines": [{"index": 0}]}, LatencyHistograms())]).decode()
+    text = render(on, "m").decode()
+    assert 'fastsched:admission_queued_tokens_limit{model_name="m"} 1000.0' in text  # the frontends' shares summed
+    assert 'fastsched:prefill_throughput_tokens_per_second{engine="0",model_name="m"} 2000.0' in text
+    assert 'fastsched:admission_rejections_total{model_name="m",reason="ttft_slo"} 0.0' in text
+    off = render([stats_to_proto({"engines": [{"index": 0}]}, LatencyHistograms())], "m").decode()
     assert "admission_queued_tokens_limit" not in off
-    assert "fastsched:prefill_throughput_tokens_per_s{" not in off
+    assert "fastsched:prefill_throughput_tokens_per_second{" not in off
 
 
 # ------------------------------------------------------------------ through engine processes

@@ -171,6 +171,7 @@ class EngineCore:
         eco = self.scheduler.update_from_tokens(result.tokens)
         outputs = self._collect(eco, result, handles)
         self.stats.on_step(outputs, self.scheduler.stats)
+        self.stats.on_iteration(so.total_num_scheduled_tokens)
         prefill, partial = prefill_tokens(so.num_scheduled_tokens, so.num_computed_tokens, prompt_lens)
         self.prefill_meter.observe(prefill, time.perf_counter() - started, backlogged or partial)
         if self.step_tracer is not None:

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -36,6 +37,7 @@ from fastsched.engine import protocol
 from fastsched.engine.core import EngineCore
 from fastsched.engine.protocol import EngineCoreOutput, EngineStats, ModelInfo, RequestTiming
 from fastsched.engine.status import engine_statuses
+from fastsched.process_stats import read_process_stats
 
 logger = logging.getLogger("fastsched.engine")
 
@@ -135,8 +137,22 @@ def _build_engine(engine_config: dict[str, Any], torch_num_threads: int | None) 
         max_num_seqs=sc.max_num_seqs,
         max_num_batched_tokens=sc.max_num_batched_tokens,
         tokenizer=config.tokenizer,
+        cache_config=_cache_config(config, sc),
     )
     return core, info
+
+
+def _cache_config(config: EngineConfig, sc: Any) -> dict[str, str]:
+    """The labels of ``cache_config_info`` (vLLM's names; values as text, as vLLM writes them)."""
+    return {
+        "block_size": str(sc.block_size),
+        "num_gpu_blocks": str(sc.num_gpu_blocks),
+        "num_gpu_blocks_override": str(config.num_gpu_blocks),
+        "enable_prefix_caching": str(bool(sc.enable_prefix_caching)),
+        "cache_dtype": str(config.torch_dtype).removeprefix("torch."),
+        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "kv_cache_memory_bytes": str(config.kv_cache_memory),
+    }
 
 
 def _model_name(model: str | None) -> str:
@@ -321,6 +337,8 @@ class _EngineLoop:
             skips_total=dict(s["skips_total"]),
             last_scan_stop=s["last_scan_stop"],
             prefill_tokens_per_s=self.core.prefill_meter.tokens_per_s,
+            iteration_tokens=list(counters.iteration_tokens),
+            iteration_tokens_sum=counters.iteration_tokens_sum,
         )
 
     def send(self, frontend: int, data: bytes) -> None:
@@ -360,7 +378,8 @@ class _Heartbeat(threading.Thread):
                 sock.connect(addr)
                 socks.append(sock)
             while not self._done.wait(self._interval):
-                data = protocol.encode(protocol.Heartbeat(self._loop.engine_index, self._loop.latest_stats))
+                stats = replace(self._loop.latest_stats, process=read_process_stats())
+                data = protocol.encode(protocol.Heartbeat(self._loop.engine_index, stats))
                 for sock in socks:
                     try:
                         sock.send(data, zmq.NOBLOCK)

@@ -101,6 +101,13 @@ class ModelInfo:
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0  # sets the TTFT-SLO valve's floor (admission.TTFT_SLO_FLOOR_STEPS)
     tokenizer: str | None = None  # --tokenizer when given; else the model's own
+    # The KV cache's configuration as text (block_size, num_gpu_blocks, enable_prefix_caching, ...):
+    # the labels of the metric cache_config_info, as vLLM's.
+    cache_config: dict[str, str] = field(default_factory=dict)
+
+
+# Upper bounds of EngineStats.iteration_tokens' buckets: vLLM's for vllm:iteration_tokens_total.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -122,6 +129,12 @@ class EngineStats:
     # Prompt tokens prefilled per second while requests wait (engine.prefill_meter); None
     # until measured. The TTFT-SLO valve (--ttft-slo) sizes the prefill backlog with it.
     prefill_tokens_per_s: float | None = None
+    # Tokens scheduled per engine step, since start: counts per bucket of ITERATION_TOKENS_BUCKETS
+    # (not cumulative; the last one past the largest bound), and their sum. Empty: not counted.
+    iteration_tokens: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0
+    # The engine process's resource use (fastsched.process_stats), sent with heartbeats only.
+    process: dict[str, float] | None = None
 
 
 @dataclass
@@ -356,6 +369,8 @@ def _decode_model_info(value: Any) -> ModelInfo:
     for name in ("max_model_len", "vocab_size", "block_size", "num_gpu_blocks", "max_num_seqs",
                  "max_num_batched_tokens"):
         _index(getattr(info, name), f"model_info.{name}")
+    for key, value in _map(info.cache_config, "model_info.cache_config").items():
+        _str(value, f"model_info.cache_config[{_str(key, 'model_info.cache_config key')}]")
     return info
 
 
@@ -372,6 +387,15 @@ def _decode_stats(value: Any) -> EngineStats:
                 _index(count, f"stats.{f.name}[{_str(key, f'stats.{f.name} key')}]")
         elif f.name == "last_scan_stop":
             _check(value is None or isinstance(value, str), "stats.last_scan_stop must be a string or nil")
+        elif f.name == "iteration_tokens":
+            _int_list(value, "stats.iteration_tokens")
+            _check(len(value) in (0, len(ITERATION_TOKENS_BUCKETS) + 1),
+                   f"stats.iteration_tokens must have {len(ITERATION_TOKENS_BUCKETS) + 1} buckets")
+            _check(all(c >= 0 for c in value), "stats.iteration_tokens must be non-negative")
+        elif f.name == "process":
+            if value is not None:
+                for key, number in _map(value, "stats.process").items():
+                    _float(number, f"stats.process[{_str(key, 'stats.process key')}]")
         else:
             _index(value, f"stats.{f.name}")
     return stats

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from fastsched.engine.protocol import ITERATION_TOKENS_BUCKETS
 
 logger = logging.getLogger("fastsched.engine")
 
@@ -22,6 +25,14 @@ class StatsLogger:
     _generation_since: int = 0
     _prefix_queries: int = 0
     _prefix_hits: int = 0
+    # Tokens per step (vllm:iteration_tokens_total): counts per bucket of ITERATION_TOKENS_BUCKETS.
+    iteration_tokens: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
+    iteration_tokens_sum: int = 0
+
+    def on_iteration(self, num_scheduled_tokens: int) -> None:
+        """One engine step that scheduled ``num_scheduled_tokens`` (prompt and decode tokens)."""
+        self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_scheduled_tokens)] += 1
+        self.iteration_tokens_sum += num_scheduled_tokens
 
     def on_arrival(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens_total += num_prompt_tokens

@@ -48,6 +48,7 @@ from fastsched.frontend.admission import (
 )
 from fastsched.frontend.output_processor import OutputProcessor
 from fastsched.frontend.request_log import RequestLogger
+from fastsched.frontend.request_metrics import EngineRequestMetrics
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
 from fastsched.inputs import InputProcessor, PromptType, TokenizedText, child_params, child_request_ids
 from fastsched.limits import INLINE_TOKENIZE_CHARS, RequestLimits
@@ -119,6 +120,9 @@ class _RequestState:
     queue: asyncio.Queue[BaseException | None] = field(default_factory=asyncio.Queue)
     prefilling: set[str] = field(default_factory=set)  # children without a first token (A3)
     done: bool = False
+    max_tokens: int = 0
+    # Child id -> the engine's (queue_time, ttft, e2e) so far, for request_metrics.
+    timings: dict[str, tuple[float | None, float | None, float | None]] = field(default_factory=dict)
     # What the previous snapshot contained, per completion: text, tokens, logprobs, finished.
     sent: list[tuple[int, int, int, bool]] = field(default_factory=list)
 
@@ -227,6 +231,8 @@ class _Engine:
     dead_reason: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
     num_in_flight: int = 0  # sequences this frontend has on it (routing)
+    process_stats: dict[str, float] | None = None  # its process's resource use, from the latest heartbeat
+    requests: EngineRequestMetrics | None = None  # this frontend's requests to it, once it is ready
 
 
 class AsyncLLM:
@@ -454,7 +460,7 @@ class AsyncLLM:
         state = _RequestState(
             request_id, engine.index, params.n, parent, processor, child_ids,
             RequestMetrics(time.time(), num_prompt_tokens=len(token_ids)),
-            prefilling=set(child_ids), sent=[(0, 0, 0, False)] * params.n,
+            prefilling=set(child_ids), sent=[(0, 0, 0, False)] * params.n, max_tokens=params.max_tokens,
         )
         for i, child_id in enumerate(child_ids):
             processor.add_request(child_id, parent, i, child_params(params, i))
@@ -494,6 +500,14 @@ class AsyncLLM:
         state.done = True
         if state.metrics.e2e is None:
             state.metrics.e2e = time.time() - state.metrics.arrival_time
+        counted = error is None and not any(o.finish_reason == "ignored" for o in state.parent.outputs)
+        for i, child_id in enumerate(state.child_ids):
+            # Still live: it ended early (aborted, its consumer gone, a stop string).
+            if self._children.get(child_id) is state and counted:
+                self._record_finished(state, i, child_id, "abort")
+        requests = self._engines[state.engine_index].requests
+        if counted and requests is not None:
+            requests.observe_request(state.n, state.max_tokens)
         self._history.add(ended_status(state.request_id, self.frontend_index, state.engine_index,
                                        state.parent.outputs, state.metrics, error))
         if self.request_logger is not None:
@@ -540,11 +554,15 @@ class AsyncLLM:
             self._process_outputs(msg)
         elif isinstance(msg, protocol.Heartbeat):
             engine.stats = msg.stats
+            if msg.stats.process is not None:
+                engine.process_stats = msg.stats.process
             self._update_ttft_slo_limit()
         elif isinstance(msg, protocol.Ready):
             if engine.info is None:
                 logger.info("frontend %d: engine %d ready: %s", self.frontend_index, index, msg.model_info)
             engine.info = msg.model_info
+            if engine.requests is None:
+                engine.requests = EngineRequestMetrics(msg.model_info.max_model_len)
             self._update_ttft_slo_limit()
             self._ready.set()
         elif isinstance(msg, protocol.Failed):
@@ -558,9 +576,12 @@ class AsyncLLM:
     def _process_outputs(self, msg: protocol.Outputs) -> None:
         for timing in msg.timings:
             state = self._children.get(timing.request_id)
-            if state is not None and timing.queue_time is not None:
+            if state is None:
+                continue
+            if timing.queue_time is not None:
                 q = state.metrics.queue_time
                 state.metrics.queue_time = timing.queue_time if q is None else min(q, timing.queue_time)
+            state.timings[timing.request_id] = (timing.queue_time, timing.ttft, timing.e2e)
         by_request: dict[str, tuple[_RequestState, list[EngineCoreOutput]]] = {}
         orphans = []
         for out in msg.outputs:
@@ -588,8 +609,8 @@ class AsyncLLM:
         if to_abort:  # ended by a stop string: the engine would go on generating
             self._send(engine, protocol.encode(protocol.Abort(to_abort)))
         for i, child_id in enumerate(state.child_ids):
-            if state.parent.outputs[i].finished:
-                self._children.pop(child_id, None)
+            if state.parent.outputs[i].finished and self._children.pop(child_id, None) is not None:
+                self._record_finished(state, i, child_id, state.parent.outputs[i].finish_reason)
         ignored = next((o for o in state.parent.outputs if o.finish_reason == "ignored"), None)
         if ignored is not None:
             self._drop(state)  # aborts the other children, if any
@@ -599,6 +620,17 @@ class AsyncLLM:
             self._finish(state)
         if changed:
             state.queue.put_nowait(None)
+
+    def _record_finished(self, state: _RequestState, index: int, child_id: str, reason: str | None) -> None:
+        """request_success_total and the per-request histograms of one ended completion."""
+        requests = self._engines[state.engine_index].requests
+        queue_time, ttft, e2e = state.timings.pop(child_id, (None, None, None))
+        if requests is None:
+            return
+        if e2e is None:  # ended here (aborted, a stop string) or its last timing is on its way
+            e2e = time.time() - state.metrics.arrival_time
+        requests.observe_finished(reason, len(state.parent.prompt_token_ids),
+                                  len(state.parent.outputs[index].token_ids), queue_time, ttft, e2e)
 
     def _update_ttft_slo_limit(self) -> None:
         """Feed the valve the live engines' total prefill throughput, unmeasured until
@@ -706,9 +738,12 @@ class AsyncLLM:
         total["kv_cache_usage"] = sum(e.stats.kv_cache_usage for e in engines) / len(engines) if engines else 0.0
         total["engines"] = [
             {"index": e.index, "healthy": e.healthy, "dead_reason": e.dead_reason,
-             "num_in_flight": e.num_in_flight, **vars(e.stats if e.healthy else EngineStats())}
-            for e in self._engines
+             "num_in_flight": e.num_in_flight, **vars(e.stats if e.healthy else EngineStats()),
+             "process": e.process_stats, "cache_config": dict(e.info.cache_config) if e.info is not None else {}}
+            for e in self._engines  # dead ones too: they are reported dead, their gauges zero
         ]
+        total["requests_by_engine"] = {e.index: e.requests for e in engines if e.requests is not None}
+        total["frontend_index"] = self.frontend_index
         total["admission_rejections_total"] = self.admission.rejections
         total["num_requests_in_flight"] = self.admission.num_requests
         total["num_sequences_in_flight"] = self.admission.num_in_flight

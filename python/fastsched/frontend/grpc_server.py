@@ -96,12 +96,14 @@ def _token_logprob(token_id: int, lp: Any) -> Any:
 
 class _ResponseStream:
     """Turns the deltas of AsyncLLM's stream into ``GenerateResponse`` messages, and times
-    them for the latency histograms (TTFT, inter-token latency, e2e as this frontend sees them)."""
+    them for the latency histograms (TTFT, inter-token latency, e2e as this frontend sees them),
+    per engine (``engine``: the index of the engine serving the request, None if not known)."""
 
-    def __init__(self, request_id: str, num_top_logprobs: int | None, latencies: LatencyHistograms) -> None:
+    def __init__(self, request_id: str, num_top_logprobs: int | None, latencies: LatencyHistograms,
+                 engine: int | None = None) -> None:
         self.request_id = request_id
         self.num_top_logprobs = num_top_logprobs
-        self.latencies = latencies
+        self.latencies = latencies.engine(engine)
         self.start = time.monotonic()
         self.first_token_seen = False
         self.last_token_time: dict[int, float] = {}
@@ -147,18 +149,15 @@ class _ResponseStream:
         if previous is None:  # gaps inside a completion's first snapshot cannot be measured
             if not self.first_token_seen:
                 self.first_token_seen = True
-                self.latencies.observe("time_to_first_token_seconds", now - self.start)
+                self.latencies["time_to_first_token_seconds"].observe(now - self.start)
             return
         # Steps coalesced into one snapshot: spread the gap over its tokens.
-        self.latencies.observe("inter_token_latency_seconds", (now - previous) / num_new, num_new)
+        self.latencies["inter_token_latency_seconds"].observe((now - previous) / num_new, num_new)
 
     def _observe_end(self, output: RequestOutput, now: float) -> None:
         if any(c.finish_reason == "abort" for c in output.outputs):
             return
-        self.latencies.observe("e2e_request_latency_seconds", now - self.start)
-        queue_time = getattr(getattr(output, "metrics", None), "queue_time", None)
-        if queue_time is not None:
-            self.latencies.observe("request_queue_time_seconds", queue_time)
+        self.latencies["e2e_request_latency_seconds"].observe(now - self.start)
 
     def usage(self) -> Any:
         out = self.last
@@ -193,7 +192,8 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             await self._abort_invalid(context, e)
         except Exception as e:
             await self._abort_failed(context, request_id, e)
-        responses = _ResponseStream(request_id, params.logprobs, self.latencies)
+        responses = _ResponseStream(request_id, params.logprobs, self.latencies,
+                                    getattr(stream, "engine_index", None))
         try:
             # Leaving this block before the request finished (the client cancelled, the
             # stream broke) aborts it in the engine: no path can forget the abort.

@@ -1,35 +1,31 @@
-"""A frontend's ``GetStats`` answer: AsyncLLM's ``stats()`` plus the latency histograms.
+"""A frontend's ``GetStats`` answer: AsyncLLM's ``stats()`` plus the gRPC server's latency
+histograms (``frontend.request_metrics``), as ``GetStatsResponse``.
 
-Histograms are bucketed here, once per observation, with vLLM's bucket bounds, so a
-scrape ships a few dozen counts per histogram whatever the traffic. The latencies the
-frontend sees itself (TTFT, inter-token, end-to-end) are timed on the response stream
-by the gRPC server; queue time comes from the engine via the final output's
-``metrics.queue_time``. When AsyncLLM's ``stats()`` carries a histogram of its own under
-the same name, that one is used instead.
+The latencies the frontend sees itself (TTFT, inter-token, end-to-end) are timed on the
+response stream by the gRPC server; the per-request histograms and finish reasons are
+AsyncLLM's (``requests_by_engine``), from the engine's timestamps. Both are per engine, in
+``requests_by_engine``; the top-level histogram fields are their sums over engines. When
+AsyncLLM's ``stats()`` carries a histogram of its own under a top-level name, that one is
+used instead there.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from fastsched.engine.protocol import ITERATION_TOKENS_BUCKETS
+from fastsched.frontend.request_metrics import LATENCY_BUCKETS, EngineRequestMetrics, Histogram, LatencyHistograms
+from fastsched.process_stats import PROCESS_METRICS, read_process_stats
 from fastsched.proto_gen import import_stubs
 
 pb, _ = import_stubs()
 
-_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-HISTOGRAM_BUCKETS: dict[str, tuple[float, ...]] = {
-    "request_queue_time_seconds": _REQUEST_LATENCY_BUCKETS,
-    "time_to_first_token_seconds": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
-    "inter_token_latency_seconds": (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
-    "e2e_request_latency_seconds": _REQUEST_LATENCY_BUCKETS,
-}
+HISTOGRAM_BUCKETS = LATENCY_BUCKETS  # the name older callers know
+
+__all__ = ["HISTOGRAM_BUCKETS", "Histogram", "LatencyHistograms", "histogram_to_proto", "stats_to_proto"]
 
 # Proto field -> the names AsyncLLM's stats() may use for it (docs/design.md §7's first).
 _STATS_KEYS: dict[str, tuple[str, ...]] = {
@@ -44,32 +40,8 @@ _STATS_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-class Histogram:
-    """Prometheus-style bucket counts (``le`` semantics), not cumulative."""
-
-    def __init__(self, upper_bounds: Sequence[float]) -> None:
-        self.upper_bounds = tuple(upper_bounds)
-        self.counts = [0] * (len(self.upper_bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float, times: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.upper_bounds, value)] += times
-        self.sum += value * times
-        self.count += times
-
-    def to_proto(self) -> Any:
-        return pb.Histogram(upper_bounds=self.upper_bounds, bucket_counts=self.counts, sum=self.sum, count=self.count)
-
-
-class LatencyHistograms:
-    """The four latency histograms of docs/design.md §7 for one frontend."""
-
-    def __init__(self) -> None:
-        self.histograms = {name: Histogram(bounds) for name, bounds in HISTOGRAM_BUCKETS.items()}
-
-    def observe(self, name: str, value: float, times: int = 1) -> None:
-        self.histograms[name].observe(value, times)
+def _histogram_proto(h: Histogram) -> Any:
+    return pb.Histogram(upper_bounds=h.upper_bounds, bucket_counts=h.counts, sum=h.sum, count=h.count)
 
 
 def histogram_to_proto(value: Any, upper_bounds: Sequence[float]) -> Any:
@@ -112,9 +84,52 @@ def _set_gate_fields(msg: Any, engine: Mapping[str, Any]) -> None:
         msg.prefill_tokens_per_s = float(engine["prefill_tokens_per_s"])
 
 
+def _process_proto(msg: Any, stats: Mapping[str, float] | None) -> None:
+    if stats:
+        msg.process.CopyFrom(pb.ProcessStats(pid=int(stats.get("pid", 0)),
+                                             **{k: float(stats[k]) for k in PROCESS_METRICS if k in stats}))
+
+
+def _engine_extras(msg: Any, engine: Mapping[str, Any]) -> None:
+    """Iteration tokens, cache config and process stats: per engine only, like the gates."""
+    counts = engine.get("iteration_tokens")
+    if counts:
+        msg.iteration_tokens.CopyFrom(pb.Histogram(
+            upper_bounds=ITERATION_TOKENS_BUCKETS, bucket_counts=[int(c) for c in counts],
+            sum=float(engine.get("iteration_tokens_sum", 0)), count=int(sum(counts))))
+    for key, value in (engine.get("cache_config") or {}).items():
+        msg.cache_config[key] = str(value)
+    _process_proto(msg, engine.get("process"))
+
+
+def _requests_by_engine(msg: Any, stats: Mapping[str, Any], latencies: LatencyHistograms) -> None:
+    """The per-engine request stats: AsyncLLM's and the gRPC server's latencies, merged."""
+    theirs: Mapping[int, EngineRequestMetrics] = stats.get("requests_by_engine") or {}
+    indexes = sorted({i for i in latencies.by_engine if i is not None} | set(theirs))
+    for index in indexes:
+        histograms: dict[str, Histogram] = {}
+        for name, h in latencies.engine(index).items():
+            histograms[name] = Histogram(h.upper_bounds)
+            histograms[name].add(h)
+        entry = msg.requests_by_engine.add(engine_index=int(index))
+        requests = theirs.get(index)
+        if requests is not None:
+            for reason, count in requests.success.items():
+                entry.request_success_total[reason] = int(count)
+            for name, h in requests.histograms.items():
+                if name in histograms and histograms[name].upper_bounds == h.upper_bounds:
+                    histograms[name].add(h)
+                else:
+                    histograms[name] = h
+        for name, h in histograms.items():
+            entry.histograms[name].CopyFrom(_histogram_proto(h))
+
+
 def stats_to_proto(stats: Mapping[str, Any], latencies: LatencyHistograms) -> Any:
     """``stats``: AsyncLLM's ``stats()``; per-engine stats, when it has them, under
-    ``engines`` as mappings with an ``index`` (or ``engine_index``) and the same names."""
+    ``engines`` as mappings with an ``index`` (or ``engine_index``) and the same names, and
+    per-engine request metrics under ``requests_by_engine`` (engine index ->
+    ``EngineRequestMetrics``)."""
     msg = pb.GetStatsResponse()
     _set_engine_fields(msg, stats)
     for engine in stats.get("engines") or ():
@@ -123,11 +138,24 @@ def stats_to_proto(stats: Mapping[str, Any], latencies: LatencyHistograms) -> An
         _set_gate_fields(entry, engine)
         if not engine.get("healthy", True):
             entry.dead, entry.dead_reason = True, engine.get("dead_reason") or ""
+        _engine_extras(entry, engine)
     for reason, count in (stats.get("admission_rejections_total") or {}).items():
         msg.admission_rejections_total[reason] = int(count)
     if stats.get("admission_queued_tokens_limit") is not None:
         msg.admission_queued_tokens_limit = int(stats["admission_queued_tokens_limit"])
-    for name, own in latencies.histograms.items():
+    _requests_by_engine(msg, stats, latencies)
+    # The top-level histograms: summed over engines (and over observations of no known engine).
+    totals = latencies.histograms
+    for requests in (stats.get("requests_by_engine") or {}).values():
+        for name, h in requests.histograms.items():
+            if name in totals and totals[name].upper_bounds == h.upper_bounds:
+                totals[name].add(h)
+    for name, total in totals.items():
         theirs = stats.get(name)
-        getattr(msg, name).CopyFrom(own.to_proto() if theirs is None else histogram_to_proto(theirs, own.upper_bounds))
+        getattr(msg, name).CopyFrom(_histogram_proto(total) if theirs is None
+                                    else histogram_to_proto(theirs, total.upper_bounds))
+    if stats.get("frontend_index") is not None:
+        msg.frontend_index = int(stats["frontend_index"])
+    _process_proto(msg, read_process_stats())
     return msg
+

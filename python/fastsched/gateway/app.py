@@ -475,7 +475,7 @@ class Gateway:
                             status_code=200 if healthy else 503)
 
     async def metrics(self, request: Request) -> Response:
-        body = gateway_metrics.render(await self.pool.stats())
+        body = gateway_metrics.render(await self.pool.stats(), self.model_name)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def request_status(self, request: Request) -> Response:

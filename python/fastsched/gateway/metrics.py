@@ -1,16 +1,25 @@
-"""``/metrics``: docs/design.md §7's metrics, summed over the frontends' ``GetStats``.
+"""``/metrics``: docs/design.md §7's metrics, from the frontends' ``GetStats``.
 
 A scrape first fetches every frontend's stats (async, in the gateway's event loop),
 then renders them through a prometheus_client collector that holds that snapshot, so
 the registry's sync ``collect()`` never blocks the loop on gRPC.
 
-What is summed over frontends: admission rejections and the latency histograms (each
-frontend counts its own requests). Engine-level metrics are different: every frontend
-talks to the same D engines and reports what they last told it, so summing over K
-frontends would count each engine K times. They are taken per engine instead (the
-freshest report of each engine index: the one with the most tokens counted), then
-summed over engines; ``kv_cache_usage_perc`` is averaged over engines. A frontend that
-does not break its stats down by engine is added as it is.
+Names are vLLM's with the prefix ``fastsched:`` instead of ``vllm:``, and every family
+has vLLM's ``model_name`` label (the served model name), plus ``engine`` (the engine's
+index) where the value is an engine's:
+
+- Engine-level values (requests running and waiting, KV usage, token and preemption
+  counters, prefix cache, tokens per step, the cache config, the gates): every frontend
+  talks to the same D engines and reports what they last told it, so each engine is
+  taken once, from its freshest report (the one with the most tokens counted).
+- Per-request values (latency and phase histograms, token counts, finish reasons): each
+  frontend counts its own requests, per engine, so they are summed over frontends.
+- Admission (rejections, the TTFT-SLO limit) is the frontends', summed over them.
+
+A frontend that breaks nothing down by engine is added under ``engine=""`` (no engine).
+Each process's resource use is exported as Prometheus' standard ``process_*`` families
+(unprefixed), one series per process, labelled ``process`` (gateway, frontend, engine)
+and ``index``.
 """
 
 from __future__ import annotations
@@ -23,44 +32,39 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from fastsched.frontend.admission import REASONS
+from fastsched.frontend.request_metrics import FINISHED_REASONS, REQUEST_HISTOGRAMS
+from fastsched.process_stats import PROCESS_METRICS, read_process_stats
 
 PREFIX = "fastsched:"
 # Every reason is exported from the start, so a dashboard sees a 0 line before the first rejection.
 ADMISSION_REASONS = REASONS
 
 _GAUGES = {
-    "num_requests_running": "Requests in the engine's running set.",
-    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "num_requests_running": "Number of requests in model execution batches.",
+    "num_requests_waiting": "Number of requests waiting to be processed.",
+    "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
 }
 _COUNTERS = {
-    "num_preemptions_total": "Preemptions (recompute) since start.",
-    "prompt_tokens_total": "Prompt tokens processed.",
-    "generation_tokens_total": "Tokens generated.",
-    "prefix_cache_queries_total": "Tokens looked up in the prefix cache.",
-    "prefix_cache_hits_total": "Tokens found in the prefix cache.",
+    "num_preemptions_total": "Cumulative number of preemptions from the engine.",
+    "prompt_tokens_total": "Number of prefill tokens processed.",
+    "generation_tokens_total": "Number of generation tokens processed.",
+    "prefix_cache_queries_total": "Prefix cache queries, in terms of number of queried tokens.",
+    "prefix_cache_hits_total": "Prefix cache hits, in terms of number of cached tokens.",
 }
-_HISTOGRAMS = {
-    "request_queue_time_seconds": "Time from arrival to first scheduling (first scheduling only).",
-    "time_to_first_token_seconds": "Time from arrival to the first generated token.",
-    "inter_token_latency_seconds": "Time between consecutive generated tokens.",
-    "e2e_request_latency_seconds": "Time from arrival to the end of the request.",
+# The latency histograms of the top-level GetStats fields (a frontend without a per-engine breakdown).
+_LATENCY_HISTOGRAMS = {
+    "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+    "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+    "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
 }
+_REQUEST_HISTOGRAMS = {**_LATENCY_HISTOGRAMS, **REQUEST_HISTOGRAMS}
+_PROCESS_COUNTERS = ("cpu_seconds_total",)
+
+NO_ENGINE = ""  # the engine label of a frontend's values that are not broken down by engine
 
 
-def _histogram(name: str, doc: str, histograms: Sequence[Any]) -> HistogramMetricFamily:
-    per_bound: dict[float, int] = {}
-    inf = total_sum = 0.0
-    for h in histograms:
-        for bound, count in zip(h.upper_bounds, h.bucket_counts):
-            per_bound[bound] = per_bound.get(bound, 0) + count
-        inf += sum(h.bucket_counts[len(h.upper_bounds):])
-        total_sum += h.sum
-    buckets, cumulative = [], 0
-    for bound in sorted(per_bound):
-        cumulative += per_bound[bound]
-        buckets.append((floatToGoString(bound), cumulative))
-    buckets.append(("+Inf", cumulative + int(inf)))
-    return HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=total_sum)
+# ------------------------------------------------------------------ engine rows
 
 
 def _progress(engine: Any) -> int:
@@ -70,9 +74,10 @@ def _progress(engine: Any) -> int:
 
 
 def engine_rows(stats: Sequence[Any]) -> list[Any]:
-    """Each live engine once (its freshest report over the frontends), plus the whole of
-    any frontend that reports no per-engine breakdown. An engine a frontend reports dead
-    is left out: its last gauges would otherwise stay frozen until it is replaced."""
+    """Each live engine once (its freshest report over the frontends), plus the whole of any
+    frontend that reports no per-engine breakdown (a ``GetStatsResponse``, not an
+    ``EngineStats``). An engine a frontend reports dead is left out: its last gauges would
+    otherwise stay frozen until it is replaced."""
     freshest: dict[int, Any] = {}
     dead = {e.engine_index for s in stats for e in s.engines if e.dead}
     rows = []
@@ -87,76 +92,213 @@ def engine_rows(stats: Sequence[Any]) -> list[Any]:
     return rows + [freshest[i] for i in sorted(freshest)]
 
 
-def metric_families(stats: Sequence[Any]) -> list[Metric]:
-    """Families for the ``GetStatsResponse`` of every frontend that answered."""
+def _is_engine(row: Any) -> bool:
+    return hasattr(row, "engine_index")
+
+
+# ------------------------------------------------------------------ histograms
+
+
+class _Buckets:
+    """Observations per upper bound (not cumulative), summed over the reports added."""
+
+    def __init__(self) -> None:
+        self.per_bound: dict[float, int] = {}
+        self.inf = 0
+        self.sum = 0.0
+
+    def add(self, h: Any) -> None:
+        for bound, count in zip(h.upper_bounds, h.bucket_counts):
+            self.per_bound[bound] = self.per_bound.get(bound, 0) + count
+        self.inf += sum(h.bucket_counts[len(h.upper_bounds):])
+        self.sum += h.sum
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, cumulative = [], 0
+        for bound in sorted(self.per_bound):
+            cumulative += self.per_bound[bound]
+            out.append((floatToGoString(bound), cumulative))
+        out.append(("+Inf", cumulative + self.inf))
+        return out
+
+
+def _histogram_family(name: str, doc: str, labels: list[str],
+                      series: dict[tuple[str, ...], _Buckets]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
+    for values, b in sorted(series.items()):
+        family.add_metric(list(values), b.buckets(), b.sum)
+    return family
+
+
+# ------------------------------------------------------------------ families
+
+
+def metric_families(stats: Sequence[Any], model_name: str = "", own_process: bool = True) -> list[Metric]:
+    """Families for the ``GetStatsResponse`` of every frontend that answered. ``own_process``:
+    add this (the gateway's) process to the ``process_*`` families."""
+    m = model_name
+    families: list[Metric] = [*_admission_families(stats, m)]
+    rows = engine_rows(stats)
+    engines = [e for e in rows if _is_engine(e)]
+    families.extend(_engine_families(rows, m))
+    families.extend(_request_families(stats, m))
+    families.append(_iteration_tokens_family(engines, m))
+    families.append(_cache_config_family(engines, m))
+    families.extend(_gate_families(engines, m))
+    families.append(_prefill_throughput_family(engines, m))
+    families.extend(_process_families(stats, engines, own_process))
+    return families
+
+
+def _admission_families(stats: Sequence[Any], m: str) -> list[Metric]:
+    """Admission is the frontends': rejections by reason summed over them, and the TTFT-SLO
+    valve's queued-token limit (the frontends' shares summed; absent when the valve is off)."""
     rejections = CounterMetricFamily(PREFIX + "admission_rejections_total",
-                                     "Requests rejected at admission (A5), by reason.", labels=["reason"])
+                                     "Requests rejected at admission (A5), by reason.", labels=["model_name", "reason"])
     by_reason = dict.fromkeys(ADMISSION_REASONS, 0)
     for s in stats:
         for reason, count in s.admission_rejections_total.items():
             by_reason[reason] = by_reason.get(reason, 0) + count
     for reason, count in by_reason.items():
-        rejections.add_metric([reason], count)
+        rejections.add_metric([m, reason], count)
     families: list[Metric] = [rejections]
-    engines = engine_rows(stats)
-    for name, doc in _GAUGES.items():
-        families.append(GaugeMetricFamily(PREFIX + name, doc, value=sum(getattr(e, name) for e in engines)))
-    usage = [e.kv_cache_usage_perc for e in engines]
-    families.append(GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of the KV block pools in use.",
-                                      value=sum(usage) / len(usage) if usage else 0.0))
-    for name, doc in _COUNTERS.items():
-        families.append(CounterMetricFamily(PREFIX + name, doc, value=sum(getattr(e, name) for e in engines)))
-    for name, doc in _HISTOGRAMS.items():
-        families.append(_histogram(name, doc, [getattr(s, name) for s in stats]))
-    families.extend(_gate_families([e for e in engines if hasattr(e, "engine_index")]))
-    families.extend(_ttft_slo_families(stats, [e for e in engines if hasattr(e, "engine_index")]))
-    return families
-
-
-def _ttft_slo_families(stats: Sequence[Any], engines: Sequence[Any]) -> list[Metric]:
-    """The TTFT-SLO valve: the queued-token limit in force (the frontends' shares summed;
-    absent when the valve is off) and each engine's measured prefill throughput."""
-    families: list[Metric] = []
     limits = [s.admission_queued_tokens_limit for s in stats if s.HasField("admission_queued_tokens_limit")]
     if limits:
-        families.append(GaugeMetricFamily(
+        limit = GaugeMetricFamily(
             PREFIX + "admission_queued_tokens_limit",
             "Queued prompt tokens the TTFT-SLO valve admits: ttft_slo x measured prefill throughput.",
-            value=sum(limits)))
-    throughput = GaugeMetricFamily(PREFIX + "prefill_throughput_tokens_per_s",
-                                   "Prompt tokens each engine prefills per second while requests wait.",
-                                   labels=["engine"])
-    for e in engines:
-        if e.HasField("prefill_tokens_per_s"):
-            throughput.add_metric([str(e.engine_index)], e.prefill_tokens_per_s)
-    families.append(throughput)
+            labels=["model_name"])
+        limit.add_metric([m], sum(limits))
+        families.append(limit)
     return families
 
 
-def _gate_families(engines: Sequence[Any]) -> list[Metric]:
-    """Which scheduler gate is red: scan stops and skips summed over engines, and each
-    engine's last stop as a 0/1 gauge per gate."""
-    stops = CounterMetricFamily(PREFIX + "scheduler_scan_stops_total",
-                                "Scheduler steps whose waiting-queue scan stopped at each gate.", labels=["gate"])
-    skips = CounterMetricFamily(PREFIX + "scheduler_skips_total",
-                                "Waiting requests skipped for their own reasons (S7).", labels=["reason"])
-    last = GaugeMetricFamily(PREFIX + "scheduler_last_scan_stop",
-                             "1 for the gate that stopped each engine's last scheduler step.",
-                             labels=["engine", "gate"])
-    gates: dict[str, int] = {}
-    reasons: dict[str, int] = {}
+def _engine_families(rows: Sequence[Any], m: str) -> list[Metric]:
+    """One series per engine; the frontends without a breakdown summed under ``engine=""``
+    (their ``kv_cache_usage_perc`` averaged)."""
+    per_engine = [(str(r.engine_index), r) for r in rows if _is_engine(r)]
+    whole = [r for r in rows if not _is_engine(r)]
+    families: list[Metric] = []
+    for kind, names in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+        for name, doc in names.items():
+            family = kind(PREFIX + name, doc, labels=["model_name", "engine"])
+            if whole:
+                values = [getattr(r, name) for r in whole]
+                total = sum(values) / len(values) if name == "kv_cache_usage_perc" else sum(values)
+                family.add_metric([m, NO_ENGINE], total)
+            for engine, r in per_engine:
+                family.add_metric([m, engine], getattr(r, name))
+            families.append(family)
+    return families
+
+
+def _request_families(stats: Sequence[Any], m: str) -> list[Metric]:
+    """Per-request counts, per engine, summed over frontends: ``request_success_total`` by
+    finish reason and the latency, phase and token histograms."""
+    success: dict[tuple[str, str], int] = {}
+    series: dict[str, dict[tuple[str, ...], _Buckets]] = {name: {} for name in _REQUEST_HISTOGRAMS}
+    for s in stats:
+        if s.requests_by_engine:
+            for entry in s.requests_by_engine:
+                engine = str(entry.engine_index)
+                for reason in FINISHED_REASONS:
+                    success.setdefault((engine, reason), 0)
+                for reason, count in entry.request_success_total.items():
+                    success[(engine, reason)] = success.get((engine, reason), 0) + count
+                for name, h in entry.histograms.items():
+                    if name in series:
+                        series[name].setdefault((m, engine), _Buckets()).add(h)
+        else:
+            for name in _LATENCY_HISTOGRAMS:
+                series[name].setdefault((m, NO_ENGINE), _Buckets()).add(getattr(s, name))
+    counter = CounterMetricFamily(PREFIX + "request_success_total", "Count of successfully processed requests.",
+                                  labels=["model_name", "engine", "finished_reason"])
+    for (engine, reason), count in sorted(success.items()):
+        counter.add_metric([m, engine, reason], count)
+    families: list[Metric] = [counter]
+    for name, doc in _REQUEST_HISTOGRAMS.items():
+        families.append(_histogram_family(name, doc, ["model_name", "engine"], series[name]))
+    return families
+
+
+def _iteration_tokens_family(engines: Sequence[Any], m: str) -> Metric:
+    series = {}
     for e in engines:
-        for gate, count in e.scan_stops_total.items():
-            gates[gate] = gates.get(gate, 0) + count
-        for reason, count in e.skips_total.items():
-            reasons[reason] = reasons.get(reason, 0) + count
-        for gate in e.scan_stops_total:
-            last.add_metric([str(e.engine_index), gate], 1.0 if gate == e.last_scan_stop else 0.0)
-    for gate, count in sorted(gates.items()):
-        stops.add_metric([gate], count)
-    for reason, count in sorted(reasons.items()):
-        skips.add_metric([reason], count)
+        if e.iteration_tokens.upper_bounds:
+            b = series[(m, str(e.engine_index))] = _Buckets()
+            b.add(e.iteration_tokens)
+    return _histogram_family("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                             ["model_name", "engine"], series)
+
+
+def _cache_config_family(engines: Sequence[Any], m: str) -> Metric:
+    """vLLM's info-style gauge: value 1, the KV cache configuration in its labels."""
+    keys = sorted({k for e in engines for k in e.cache_config})
+    family = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the engine's KV cache configuration.",
+                               labels=["model_name", "engine", *keys])
+    for e in engines:
+        if e.cache_config:
+            family.add_metric([m, str(e.engine_index), *(e.cache_config.get(k, "") for k in keys)], 1.0)
+    return family
+
+
+def _prefill_throughput_family(engines: Sequence[Any], m: str) -> Metric:
+    """The TTFT-SLO valve's input: each engine's measured prefill throughput (once measured)."""
+    throughput = GaugeMetricFamily(PREFIX + "prefill_throughput_tokens_per_second",
+                                   "Prompt tokens each engine prefills per second while requests wait.",
+                                   labels=["model_name", "engine"])
+    for e in engines:
+        if e.HasField("prefill_tokens_per_s"):
+            throughput.add_metric([m, str(e.engine_index)], e.prefill_tokens_per_s)
+    return throughput
+
+
+def _gate_families(engines: Sequence[Any], m: str) -> list[Metric]:
+    """Which scheduler gate is red, per engine: scan stops and skips, and the last stop as a
+    0/1 gauge per gate."""
+    labels = ["model_name", "engine"]
+    stops = CounterMetricFamily(PREFIX + "scheduler_scan_stops_total",
+                                "Scheduler steps whose waiting-queue scan stopped at each gate.",
+                                labels=[*labels, "gate"])
+    skips = CounterMetricFamily(PREFIX + "scheduler_skips_total",
+                                "Waiting requests skipped for their own reasons (S7).", labels=[*labels, "reason"])
+    last = GaugeMetricFamily(PREFIX + "scheduler_last_scan_stop",
+                             "1 for the gate that stopped each engine's last scheduler step.", labels=[*labels, "gate"])
+    for e in engines:
+        engine = str(e.engine_index)
+        for gate, count in sorted(e.scan_stops_total.items()):
+            stops.add_metric([m, engine, gate], count)
+            last.add_metric([m, engine, gate], 1.0 if gate == e.last_scan_stop else 0.0)
+        for reason, count in sorted(e.skips_total.items()):
+            skips.add_metric([m, engine, reason], count)
     return [stops, skips, last]
+
+
+def _process_families(stats: Sequence[Any], engines: Sequence[Any], own_process: bool) -> list[Metric]:
+    """Prometheus' standard process metrics, one series per fastsched process."""
+    processes: list[tuple[str, str, dict[str, float]]] = []
+    if own_process and (own := read_process_stats()) is not None:
+        processes.append(("gateway", "0", own))
+    for position, s in enumerate(stats):
+        if s.HasField("process"):
+            index = s.frontend_index if s.HasField("frontend_index") else position
+            processes.append(("frontend", str(index), _process_values(s.process)))
+    for e in engines:
+        if e.HasField("process"):
+            processes.append(("engine", str(e.engine_index), _process_values(e.process)))
+    families: list[Metric] = []
+    for name, doc in PROCESS_METRICS.items():
+        kind = CounterMetricFamily if name in _PROCESS_COUNTERS else GaugeMetricFamily
+        family = kind("process_" + name, doc, labels=["process", "index"])
+        for process, index, values in processes:
+            if name in values:
+                family.add_metric([process, index], values[name])
+        families.append(family)
+    return families
+
+
+def _process_values(msg: Any) -> dict[str, float]:
+    return {name: getattr(msg, name) for name in PROCESS_METRICS}
 
 
 class _Snapshot:
@@ -169,8 +311,8 @@ class _Snapshot:
         return self.families
 
 
-def render(stats: Sequence[Any]) -> bytes:
-    """The Prometheus text exposition of the frontends' summed stats."""
+def render(stats: Sequence[Any], model_name: str = "", own_process: bool = True) -> bytes:
+    """The Prometheus text exposition of the frontends' stats."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(metric_families(stats)))
+    registry.register(_Snapshot(metric_families(stats, model_name, own_process)))
     return generate_latest(registry)

@@ -78,10 +78,16 @@ class Snapshot:
     samples: Mapping[str, tuple[Sample, ...]]  # every non-histogram sample, by its name in the text
     histograms: Mapping[str, Histogram]  # by family name (``…_seconds``, without ``_bucket``)
 
-    def value(self, name: str) -> float | None:
-        """The sample's value, summed over its label sets if it has any; None when absent."""
-        samples = self.samples.get(name)
+    def value(self, name: str, **labels: str) -> float | None:
+        """The sample's value, summed over its label sets if it has any (those that have
+        ``labels``, when given); None when absent."""
+        samples = [s for s in self.samples.get(name, ()) if labels.items() <= s.labels.items()]
         return sum(s.value for s in samples) if samples else None
+
+    def mean(self, name: str) -> float | None:
+        """The sample's value averaged over its label sets (e.g. a fraction per engine); None when absent."""
+        samples = self.samples.get(name)
+        return sum(s.value for s in samples) / len(samples) if samples else None
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         """``{label value: value}`` for a metric with one label, e.g. rejections by reason."""

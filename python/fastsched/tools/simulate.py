@@ -19,7 +19,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastsched.tools.bench_serve import add_workload_args, format_table, parse_token_id_range, summarize
+from fastsched.tools.bench_serve import (
+    add_workload_args,
+    check_range_ratio,
+    format_table,
+    parse_token_id_range,
+    summarize,
+)
 
 # Engine flags simulate does not take: --seed seeds the workload (as bench serve's) and
 # --step-trace records the simulated steps, not an engine's.
@@ -146,6 +152,7 @@ def _config_report(args: argparse.Namespace, engine: SimulatedEngine, cost: Step
         "num_requests": args.num_requests if generated else None,
         "prompt_len": args.prompt_len if generated else None,
         "output_len": args.output_len if generated else None,
+        "random_range_ratio": args.range_ratio if generated else None,
         "seed": args.seed,
         "token_id_range": args.token_id_range,
     }
@@ -160,7 +167,7 @@ def format_engine_table(summaries: list[dict[str, Any]]) -> str:
     rows = [[str(s["qps"]), str(s["num_steps"]), str(s["num_preemptions"]), str(s["num_preempted_requests"]),
              "-" if s.get("prefill_tokens_per_s") is None else f"{s['prefill_tokens_per_s']:.0f}",
              *([str(s.get("queued_tokens_limit"))] * slo),
-             f"{s['duration_s']:.2f}", f"{s['wall_time_s']:.2f}"] for s in summaries]
+             f"{s['duration']:.2f}", f"{s['wall_time_s']:.2f}"] for s in summaries]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
              "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
@@ -192,8 +199,9 @@ def _traces_from_args(args: argparse.Namespace) -> list[tuple[str, float, list[T
     rates = args.qps or [1.0]
     if any(not q > 0 for q in rates):
         raise ValueError(f"--qps values must be positive, got {rates}")
+    ratio = check_range_ratio(args.range_ratio)
     return [
         (f"qps {q:g}", q, bench_trace(args.num_requests, q, args.prompt_len, args.output_len, args.seed, i,
-                                      token_id_range))
+                                      token_id_range, ratio))
         for i, q in enumerate(rates)
     ]

@@ -5,7 +5,9 @@ between the two, so the view says what the server is doing now rather than since
 started. Any metric the server does not export (an older server, or one started without
 the feature) is None here and "–" on screen, never an error.
 
-Metric names are those of gateway/metrics.py as they appear in the text.
+Metric names are those of gateway/metrics.py as they appear in the text. Their labels
+(``model_name``, and ``engine`` on engine-level values) are summed over, except for the
+KV cache usage, a fraction per engine, which is their mean.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ REJECTIONS = PREFIX + "admission_rejections_total"
 SCAN_STOPS = PREFIX + "scheduler_scan_stops_total"
 LAST_SCAN_STOP = PREFIX + "scheduler_last_scan_stop"
 QUEUED_TOKENS_LIMIT = PREFIX + "admission_queued_tokens_limit"
-PREFILL_THROUGHPUT = PREFIX + "prefill_throughput_tokens_per_s"
+PREFILL_THROUGHPUT = PREFIX + "prefill_throughput_tokens_per_second"
+PREFILL_THROUGHPUT_OLD = PREFIX + "prefill_throughput_tokens_per_s"  # its name before the vLLM-compatible names
 
 # The one gate that holds nothing back: the scan ended because nothing was left to take.
 IDLE_GATE = "no_waiting"
@@ -111,7 +114,7 @@ def top_view(now: Snapshot, before: Snapshot | None) -> TopView:
         window_s=window,
         num_requests_running=now.value(RUNNING),
         num_requests_waiting=now.value(WAITING),
-        kv_cache_usage=now.value(KV_CACHE_USAGE),
+        kv_cache_usage=now.mean(KV_CACHE_USAGE),
         num_preemptions=now.value(PREEMPTIONS),
         preemptions_per_s=rate(PREEMPTIONS),
         prompt_tokens_per_s=rate(PROMPT_TOKENS),
@@ -135,6 +138,6 @@ def engine_views(snapshot: Snapshot) -> dict[str, EngineView]:
         stops.setdefault(engine, None)
         if s.value == 1:
             stops[engine] = s.labels.get("gate")
-    throughput = snapshot.by_label(PREFILL_THROUGHPUT, "engine")
+    throughput = snapshot.by_label(PREFILL_THROUGHPUT, "engine") or snapshot.by_label(PREFILL_THROUGHPUT_OLD, "engine")
     engines = sorted(stops.keys() | throughput.keys(), key=lambda engine: (len(engine), engine))
     return {engine: EngineView(stops.get(engine), throughput.get(engine)) for engine in engines}

@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from fastsched.tools.bench_serve import arrival_times, make_requests
+from fastsched.tools.bench_serve import DEFAULT_RANGE_RATIO, arrival_times, make_requests
 from fastsched.tools.simulator.jsonl import read_objects
 
 DEFAULT_TOKEN_ID_RANGE = (10, 250)  # as bench serve's --token-id-range
@@ -70,9 +70,9 @@ def _parse_request(record: dict[str, Any], where: str) -> tuple[float, int, int,
 
 
 def bench_trace(num_requests: int, qps: float, prompt_len: int, output_len: int, seed: int = 0,
-                rate_index: int = 0,
-                token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE) -> list[TraceRequest]:
+                rate_index: int = 0, token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE,
+                range_ratio: float = DEFAULT_RANGE_RATIO) -> list[TraceRequest]:
     """The requests ``fastsched bench serve`` sends at its ``rate_index``-th ``--qps`` value."""
-    requests = make_requests(num_requests, prompt_len, output_len, seed, token_id_range)
+    requests = make_requests(num_requests, prompt_len, output_len, seed, token_id_range, range_ratio)
     times = arrival_times(num_requests, qps, seed + 1 + rate_index)  # run_bench's seed per rate
     return [TraceRequest(t, tuple(r.prompt_token_ids), r.max_tokens) for r, t in zip(requests, times)]
