@@ -34,7 +34,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "haproxy" / "haproxy.c
 MODEL = "model"
 QUEUED_REQS = 2
 BURST = 3
-ROUNDS = 5
+ROUNDS = 3
 DOWN_WITHIN_S = 5.0  # inter 1 s x fall 2, and a margin
 
 
