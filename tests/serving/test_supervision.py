@@ -101,7 +101,7 @@ def test_fault_tolerance_restarts_a_killed_then_a_hung_engine_and_gives_up_after
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         os.kill(engine, signal.SIGSTOP)
-        assert wait_for(lambda: metric_samples(server.url)["fastsched:num_requests_running"] == 0,
+        assert wait_for(lambda: metric_samples(server.url).get("fastsched:num_requests_running", 0.0) == 0,
                         timeout=EXIT_WITHIN_S), server.tail()
         rest = list(lines)
     assert any("engine_faulted" in line for line in rest), rest
@@ -111,7 +111,9 @@ def test_fault_tolerance_restarts_a_killed_then_a_hung_engine_and_gives_up_after
     assert not pid_alive(engine)
     assert _complete(server.url).status_code == 200
     samples = metric_samples(server.url)
-    assert samples["fastsched:num_requests_running"] == 0 and samples["fastsched:kv_cache_usage_perc"] == 0
+    # A dead engine exports no per-engine series at all; a live idle one exports zeros.
+    assert samples.get("fastsched:num_requests_running", 0.0) == 0
+    assert samples.get("fastsched:kv_cache_usage_perc", 0.0) == 0
     with capsys.disabled():
         print(f"\nengine restart: {killed_restart_s:.1f} s after SIGKILL, {hung_restart_s:.1f} s after SIGSTOP")
 
