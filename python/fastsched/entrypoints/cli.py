@@ -316,6 +316,9 @@ def _resolve_model(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not sys.stderr.isatty():
+        # A progress bar in a log file is a heap of \r fragments: log lines per phase instead.
+        os.environ.setdefault("TQDM_DISABLE", "1")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _resolve_model(args)
