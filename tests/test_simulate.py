@@ -21,9 +21,10 @@ import pytest
 from fastsched import SchedulerConfig
 from fastsched.engine.step_trace import StepTracer
 from fastsched.entrypoints.cli import build_parser, main
-from fastsched.tools.bench_serve import arrival_times, make_requests, summarize
+from fastsched.tools.bench_report import summarize
 from fastsched.tools.simulator import Simulator, StepCost, TraceRequest, bench_trace, fit_step_cost, load_trace
 from fastsched.tools.simulator.cost import read_step_trace
+from fastsched.tools.workload import arrival_times, make_requests
 
 COST = StepCost(a=0.010, b=0.001, c=0.002)
 PREFILL_10 = 0.010 + 10 * 0.001 + 0.002  # one 10-token prompt alone

@@ -25,13 +25,8 @@ from fastsched.entrypoints.cli import main  # noqa: E402
 from fastsched.frontend.admission import QueueOverflowError  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
-from fastsched.tools.bench_serve import (  # noqa: E402
-    RequestResult,
-    arrival_times,
-    make_requests,
-    parse_goodput,
-    summarize,
-)
+from fastsched.tools.bench_report import RequestResult, parse_goodput, summarize  # noqa: E402
+from fastsched.tools.workload import arrival_times, make_requests  # noqa: E402
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 

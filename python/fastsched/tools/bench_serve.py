@@ -48,122 +48,38 @@ import argparse
 import asyncio
 import datetime
 import json
-import math
-import random
 import sys
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from fastsched.tools.bench_report import (
+    PERCENTILE_METRICS,
+    PERCENTILES,
+    RequestResult,
+    format_table,
+    parse_goodput,
+    plot_latency_cdf,
+    result_path,
+    summarize,
+    vllm_result,
+)
+from fastsched.tools.workload import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    DEFAULT_RANGE_RATIO,
+    BenchRequest,
+    add_workload_args,
+    arrival_times,
+    build_workload,
+    check_range_ratio,
+    parse_token_id_range,
+)
+
 DEFAULT_URL = "http://127.0.0.1:8000"
-PERCENTILES = (50, 90, 99)  # the default --metric-percentiles
-PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")  # the default --percentile-metrics (vLLM's: ttft,tpot,itl)
-GOODPUT_METRICS = ("ttft", "tpot", "e2el")
-COMPLETIONS = "/v1/completions"
-CHAT_COMPLETIONS = "/v1/chat/completions"
 BACKENDS = {"openai": COMPLETIONS, "vllm": COMPLETIONS, "openai-chat": CHAT_COMPLETIONS}
-DEFAULT_RANGE_RATIO = 0.5
-# vLLM's ShareGPT filter (vllm/benchmarks/datasets.py, is_valid_sequence).
-SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT_LEN, SHAREGPT_MAX_TOTAL_LEN = 4, 1024, 2048
-
-
-@dataclass
-class BenchRequest:
-    prompt_token_ids: list[int]
-    max_tokens: int
-    text: str | None = None  # sent instead of the ids when set (ShareGPT, or a chat prompt)
-
-
-@dataclass
-class RequestResult:
-    """One request as the client saw it; times in seconds from its send."""
-
-    status: int  # HTTP status; 0 when no response came (connection error, timeout)
-    prompt_len: int
-    max_tokens: int
-    send_time: float = 0.0  # seconds since the rate's first send
-    reason: str | None = None  # the error code of a non-200 (503: the admission reason)
-    error: str | None = None
-    output_tokens: int = 0
-    ttft: float | None = None
-    e2e: float | None = None
-    itl: list[float] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and self.error is None
-
-
-# ------------------------------------------------------------------ workloads
-
-
-def make_requests(num_requests: int, prompt_len: int, output_len: int, seed: int,
-                  token_id_range: tuple[int, int], range_ratio: float = DEFAULT_RANGE_RATIO) -> list[BenchRequest]:
-    """Lengths uniform in [mean·(1 − ratio), mean·(1 + ratio)] (rounded, at least 1); ids
-    uniform in the range. The default ratio, 0.5, is fastsched's ±50 % of old."""
-    rng = random.Random(seed)
-    lo_id, hi_id = token_id_range
-    out = []
-    for _ in range(num_requests):
-        p = rng.randint(*_spread(prompt_len, range_ratio))
-        o = rng.randint(*_spread(output_len, range_ratio))
-        out.append(BenchRequest([rng.randrange(lo_id, hi_id) for _ in range(p)], o))
-    return out
-
-
-def _spread(mean: int, range_ratio: float = DEFAULT_RANGE_RATIO) -> tuple[int, int]:
-    return max(1, round(mean * (1 - range_ratio))), max(1, round(mean * (1 + range_ratio)))
-
-
-def arrival_times(num_requests: int, qps: float, seed: int) -> list[float]:
-    """Poisson arrivals: cumulative exponential gaps of mean 1/qps (all at 0 for qps=inf)."""
-    if math.isinf(qps):
-        return [0.0] * num_requests
-    rng = random.Random(seed)
-    t, times = 0.0, []
-    for _ in range(num_requests):
-        t += rng.expovariate(qps)
-        times.append(t)
-    return times
-
-
-def load_sharegpt(path: str | Path, num_requests: int, tokenizer: Any, seed: int, output_len: int | None = None,
-                  max_model_len: int | None = None) -> list[BenchRequest]:
-    """``num_requests`` prompts of a ShareGPT file (see the module docstring), in a seeded
-    shuffle; drawn again (seeded) when the file has fewer valid ones, as vLLM oversamples."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, list):
-        raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
-    pairs = []
-    for entry in data:
-        turns = entry.get("conversations") if isinstance(entry, dict) else None
-        if not isinstance(turns, list) or len(turns) < 2:
-            continue
-        if not all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in turns[:2]):
-            continue
-        pairs.append((turns[0]["value"], turns[1]["value"]))
-    random.Random(seed).shuffle(pairs)
-    requests = []
-    for prompt, completion in pairs:
-        if len(requests) == num_requests:
-            break
-        ids = tokenizer.encode(prompt)
-        out = output_len if output_len is not None else len(tokenizer.encode(completion, add_special_tokens=False))
-        too_short = len(ids) < SHAREGPT_MIN_LEN or (output_len is None and out < SHAREGPT_MIN_LEN)
-        too_long = len(ids) > SHAREGPT_MAX_PROMPT_LEN or len(ids) + out > SHAREGPT_MAX_TOTAL_LEN
-        if too_short or too_long or (max_model_len is not None and len(ids) + out > max_model_len):
-            continue
-        requests.append(BenchRequest(ids, out, text=prompt))
-    if not requests:
-        raise ValueError(f"{path}: no conversation has a prompt and a reply of usable lengths")
-    if len(requests) < num_requests:
-        rng = random.Random(seed + 1)
-        requests += [rng.choice(requests) for _ in range(num_requests - len(requests))]
-    return requests
 
 
 class HttpClient:
@@ -349,187 +265,6 @@ async def run_rate(client: Any, model: str, requests: Sequence[BenchRequest], qp
     return results, duration
 
 
-# ------------------------------------------------------------------ the numbers
-
-
-def _percentile_name(p: float) -> str:
-    """vLLM's key: p99, p99.9."""
-    return str(int(p)) if int(p) == p else str(p)
-
-
-def _stats_ms(values: Sequence[float], percentiles: Sequence[float] = PERCENTILES) -> dict[str, float | None]:
-    """mean, median, std and the percentiles of ``values`` (seconds) in ms; None without values."""
-    import numpy as np
-
-    names = ["mean", "median", "std", *(f"p{_percentile_name(p)}" for p in percentiles)]
-    if not values:
-        return dict.fromkeys(names)
-    arr = np.asarray(values, dtype=float) * 1000.0
-    return {"mean": float(arr.mean()), "median": float(np.median(arr)), "std": float(arr.std()),
-            **{f"p{_percentile_name(p)}": float(np.percentile(arr, p)) for p in percentiles}}
-
-
-def _tpot(r: RequestResult) -> float | None:
-    if r.ttft is None or r.e2e is None or r.output_tokens <= 1:
-        return None
-    return (r.e2e - r.ttft) / (r.output_tokens - 1)
-
-
-def parse_goodput(pairs: Sequence[str] | None) -> dict[str, float]:
-    """``["ttft:500", "e2el:3000"]`` -> ``{"ttft": 500.0, "e2el": 3000.0}`` (milliseconds), as vLLM's."""
-    slos: dict[str, float] = {}
-    for pair in pairs or ():
-        name, sep, value = pair.partition(":")
-        try:
-            slos[name] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep or name not in GOODPUT_METRICS or slos[name] < 0:
-            raise ValueError(f"--goodput takes METRIC:MILLISECONDS with METRIC one of {', '.join(GOODPUT_METRICS)} "
-                             f"and a value >= 0, got {pair!r}")
-    return slos
-
-
-def _is_good(r: RequestResult, slos: dict[str, float]) -> bool:
-    """Within every SLO (ms); a request of one output token has a TPOT of 0, as in vLLM."""
-    values = {"ttft": r.ttft, "tpot": _tpot(r) or 0.0, "e2el": r.e2e}
-    return all(values[name] is not None and values[name] * 1000.0 <= slo for name, slo in slos.items())
-
-
-def _peaks(ok: Sequence[RequestResult]) -> tuple[float, int]:
-    """vLLM's max_output_tokens_per_s (the most token-bearing chunks in one second since the
-    first send) and max_concurrent_requests (the most requests in flight at once)."""
-    if not ok:
-        return 0.0, 0
-    first = min(r.send_time for r in ok)
-    per_second: Counter[int] = Counter()
-    events = []
-    for r in ok:
-        t = r.send_time + (r.ttft or 0.0)
-        per_second[int(t - first)] += 1
-        for gap in r.itl:
-            t += gap
-            per_second[int(t - first)] += 1
-        events += [(r.send_time, 1), (r.send_time + (r.e2e or 0.0), -1)]
-    in_flight = peak = 0
-    for _, delta in sorted(events):  # an end before a start at the same instant
-        in_flight += delta
-        peak = max(peak, in_flight)
-    return float(max(per_second.values(), default=0)), peak
-
-
-def summarize(qps: float, results: Sequence[RequestResult], duration: float, *,
-              percentiles: Sequence[float] = PERCENTILES, percentile_metrics: Sequence[str] = PERCENTILE_METRICS,
-              goodput: dict[str, float] | None = None) -> dict[str, Any]:
-    """One rate's result: vLLM's keys for what vLLM measures too, then fastsched's own."""
-    ok = [r for r in results if r.ok]
-    rejected = Counter(r.reason for r in results if r.status == 503)
-    errors = [r for r in results if not r.ok and r.status != 503]
-    input_tokens = sum(r.prompt_len for r in ok)
-    output_tokens = sum(r.output_tokens for r in ok)
-    sends = [r.send_time for r in results]
-    per_second = (lambda n: n / duration) if duration > 0 else (lambda n: 0.0)
-    max_tokens_per_s, max_concurrent = _peaks(ok)
-    values = {
-        "ttft": [r.ttft for r in ok if r.ttft is not None],
-        "tpot": [t for r in ok if (t := _tpot(r)) is not None],
-        "itl": [gap for r in ok for gap in r.itl],
-        "e2el": [r.e2e for r in ok if r.e2e is not None],
-    }
-    summary: dict[str, Any] = {
-        # vLLM's keys (vllm bench serve's result JSON)
-        "duration": duration,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "request_throughput": per_second(len(ok)),
-        "request_goodput": per_second(sum(_is_good(r, goodput) for r in ok)) if goodput else None,
-        "output_throughput": per_second(output_tokens),
-        "total_token_throughput": per_second(input_tokens + output_tokens),
-        "max_output_tokens_per_s": max_tokens_per_s,
-        "max_concurrent_requests": max_concurrent,
-    }
-    for metric in percentile_metrics:
-        for stat, value in _stats_ms(values[metric], percentiles).items():
-            summary[f"{stat}_{metric}_ms"] = value
-    summary.update({
-        # fastsched's own
-        "qps": qps if not math.isinf(qps) else "inf",
-        "num_requests": len(results),
-        "offered_qps": len(results) / max(sends) if sends and max(sends) > 0 else None,
-        "num_rejected": sum(rejected.values()),
-        "rejected": dict(sorted(rejected.items())),
-        "num_errors": len(errors),
-        "errors": sorted({r.error or r.reason or f"http_{r.status}" for r in errors})[:5],
-        "rejection_latency_ms": _stats_ms([r.e2e for r in results if r.status == 503 and r.e2e is not None]),
-        "e2e_latencies_s": sorted(values["e2el"]),
-    })
-    return summary
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.1f}")
-
-
-def format_table(summaries: Sequence[dict[str, Any]], percentiles: Sequence[float] = PERCENTILES,
-                 percentile_metrics: Sequence[str] = PERCENTILE_METRICS) -> str:
-    """A Markdown table: one row per rate; TTFT, ITL and E2E latency at each percentile, in ms."""
-    names = [f"p{_percentile_name(p)}" for p in percentiles]
-    shown = [(m, label) for m, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2el", "E2E")) if m in percentile_metrics]
-    goodput = any(s.get("request_goodput") is not None for s in summaries)
-    header = ["QPS", "sent", "ok", "503 (reason: n)", "req/s", *(["goodput req/s"] * goodput), "out tok/s",
-              *(f"{label} {'/'.join(names)} ms" for _, label in shown), "503 latency p50/p99 ms"]
-    rows = []
-    for s in summaries:
-        reasons = ", ".join(f"{k}: {v}" for k, v in s["rejected"].items()) or "0"
-        if s["num_errors"]:
-            reasons += f"; other errors: {s['num_errors']}"
-        rej = s["rejection_latency_ms"]
-        rows.append([
-            str(s["qps"]), str(s["num_requests"]), str(s["completed"]), reasons, f"{s['request_throughput']:.2f}",
-            *([f"{s['request_goodput']:.2f}" if s.get("request_goodput") is not None else "-"] * goodput),
-            f"{s['output_throughput']:.1f}",
-            *("/".join(_ms(s.get(f"{n}_{m}_ms")) for n in names) for m, _ in shown),
-            "-" if rej["p50"] is None else f"{_ms(rej['p50'])}/{_ms(rej['p99'])}",
-        ])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def plot_latency_cdf(summaries: Sequence[dict[str, Any]], path: str | Path) -> bool:
-    """The e2e latency CDF of completed requests, one curve per rate; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("fastsched bench serve: matplotlib is not installed; no plot written", file=sys.stderr)
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s in summaries:
-        lat = s["e2e_latencies_s"]
-        if not lat:
-            continue
-        y = [(i + 1) / len(lat) for i in range(len(lat))]
-        label = f"{s['qps']} req/s ({s['completed']} ok, {s['num_rejected']} rejected)"
-        ax.step(lat, y, where="post", label=label)
-    ax.set_xlabel("end-to-end latency (s)")
-    ax.set_ylabel("fraction of completed requests")
-    ax.set_ylim(0, 1.02)
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right", fontsize="small")
-    ax.set_title("fastsched bench serve: e2e latency CDF")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 async def server_model(client: HttpClient) -> tuple[str, int | None]:
     """The served model's name and max_model_len, from /v1/models."""
     status, body = await client.get_json("/v1/models")
@@ -545,29 +280,6 @@ def load_tokenizer(name: str | None) -> Any:
     from fastsched.model_loader import load_tokenizer as load
 
     return load(name)
-
-
-def _workload(dataset_name: str, dataset_path: str | None, num_requests: int, prompt_len: int, output_len: int,
-              seed: int, token_id_range: tuple[int, int], range_ratio: float, max_model_len: int | None,
-              tokenizer: Any, sharegpt_output_len: int | None, endpoint: str) -> list[BenchRequest]:
-    if dataset_name == "sharegpt":
-        if dataset_path is None:
-            raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
-        return load_sharegpt(dataset_path, num_requests, tokenizer, seed, sharegpt_output_len, max_model_len)
-    if dataset_name != "random":
-        raise ValueError(f"--dataset-name must be random or sharegpt, got {dataset_name!r}")
-    if dataset_path is not None:
-        raise ValueError("--dataset-path is for --dataset-name sharegpt; the random workload is generated")
-    longest = _spread(prompt_len, range_ratio)[1] + _spread(output_len, range_ratio)[1]
-    if max_model_len is not None and longest > max_model_len:
-        raise ValueError(f"the longest request ({_spread(prompt_len, range_ratio)[1]} prompt + "
-                         f"{_spread(output_len, range_ratio)[1]} output tokens) would exceed the server's "
-                         f"max_model_len ({max_model_len}); lower --prompt-len or --output-len")
-    requests = make_requests(num_requests, prompt_len, output_len, seed, token_id_range, range_ratio)
-    if endpoint == CHAT_COMPLETIONS:  # a chat message is text: the same ids, decoded
-        for r in requests:
-            r.text = tokenizer.decode(r.prompt_token_ids)
-    return requests
 
 
 async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, prompt_len: int, output_len: int,
@@ -587,7 +299,7 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
     client = HttpClient(url, headers)
     served, max_model_len = await asyncio.wait_for(server_model(client), 30)
     model = model or served
-    requests = _workload(dataset_name, dataset_path, num_requests, prompt_len, output_len, seed, token_id_range,
+    requests = build_workload(dataset_name, dataset_path, num_requests, prompt_len, output_len, seed, token_id_range,
                          range_ratio, max_model_len, tokenizer, sharegpt_output_len, endpoint)
     summaries = []
     for i, qps in enumerate(qps_values):
@@ -607,73 +319,6 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
                    "percentiles": list(percentiles), "percentile_metrics": list(percentile_metrics)},
         "results": summaries,
     }
-
-
-# ------------------------------------------------------------------ vLLM's result files
-
-
-DETAIL_KEYS = ("e2e_latencies_s",)  # per-request lists: in --save-result files only with --save-detailed
-
-
-def vllm_result(report: dict[str, Any], summary: dict[str, Any], *, backend: str, label: str | None,
-                tokenizer_id: str | None, date: str, detailed: bool = False) -> dict[str, Any]:
-    """One rate as ``vllm bench serve --save-result`` writes a run: its setup keys, then the
-    result (vLLM's keys and fastsched's own)."""
-    qps = summary["qps"]
-    setup = {
-        "date": date,
-        "endpoint_type": backend,
-        "backend": backend,
-        "label": label,
-        "model_id": report["model"],
-        "tokenizer_id": tokenizer_id,
-        "num_prompts": report["config"]["num_requests"],
-        "request_rate": qps,
-        "burstiness": 1.0,  # Poisson arrivals
-        "max_concurrency": report["config"]["max_concurrency"],
-        "url": report["url"],
-        "endpoint": report["endpoint"],
-        "dataset_name": report["config"]["dataset_name"],
-    }
-    return {**setup, **{k: v for k, v in summary.items() if detailed or k not in DETAIL_KEYS}}
-
-
-def result_path(*, label: str, qps: float | str, max_concurrency: int | None, model: str, date: str,
-                result_dir: str | None, result_filename: str | None, num_rates: int) -> Path:
-    """vLLM's ``{label}-{rate}qps[-concurrency{N}]-{model}-{date}.json`` in ``result_dir``,
-    or ``result_filename`` there (with ``-{rate}qps`` before its suffix when several rates run)."""
-    rate = f"{float(qps)}qps" if qps != "inf" else "infqps"
-    if result_filename:
-        path = Path(result_filename)
-        if num_rates > 1:
-            path = path.with_name(f"{path.stem}-{rate}{path.suffix}")
-    else:
-        concurrency = f"-concurrency{max_concurrency}" if max_concurrency is not None else ""
-        path = Path(f"{label}-{rate}{concurrency}-{model.split('/')[-1]}-{date}.json")
-    return Path(result_dir) / path if result_dir else path
-
-
-# ------------------------------------------------------------------ command line
-
-
-def add_workload_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """The random workload's flags, shared by ``bench serve`` and ``simulate``: the same
-    values give the same requests at the same instants in both (``make_requests``,
-    ``arrival_times``). vLLM's ``bench serve`` names are accepted as aliases."""
-    group.add_argument("--qps", "--request-rate", dest="qps", type=float, nargs="+", default=[1.0],
-                       help="Poisson request rates, run in turn (requests/s; 'inf' sends all at once)")
-    group.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=100,
-                       help="requests sent at each rate")
-    group.add_argument("--prompt-len", "--random-input-len", "--input-len", dest="prompt_len", type=int, default=128,
-                       help="mean prompt length in tokens (uniform within ±--random-range-ratio)")
-    group.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64,
-                       help="mean output length in tokens (uniform within ±--random-range-ratio, EOS ignored)")
-    group.add_argument("--random-range-ratio", dest="range_ratio", type=float, default=DEFAULT_RANGE_RATIO,
-                       help="lengths are uniform in [len·(1 − R), len·(1 + R)], 0 <= R < 1 "
-                            f"(default {DEFAULT_RANGE_RATIO}: ±50 %%; vLLM's default is 0, every length exact)")
-    group.add_argument("--seed", type=int, default=0, help="seed of lengths, prompt token ids and arrival times")
-    group.add_argument("--token-id-range", default="10:250",
-                       help="prompt token ids are drawn from LO:HI (HI excluded; default 10:250)")
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -731,19 +376,6 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--plot", default=None, help="write the e2e latency CDF (PNG, needs matplotlib) here")
     report.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true",
                         help="no progress bar")
-
-
-def parse_token_id_range(text: str) -> tuple[int, int]:
-    lo, sep, hi = text.partition(":")
-    if not sep or not lo.strip().isdigit() or not hi.strip().isdigit() or int(lo) >= int(hi):
-        raise ValueError(f"--token-id-range must be LO:HI with 0 <= LO < HI, got {text!r}")
-    return int(lo), int(hi)
-
-
-def check_range_ratio(ratio: float) -> float:
-    if not 0 <= ratio < 1:
-        raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
-    return ratio
 
 
 def _endpoint(args: argparse.Namespace) -> tuple[str, str]:
@@ -831,6 +463,5 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["BenchRequest", "RequestResult", "add_bench_serve_args", "add_workload_args", "arrival_times",
-           "format_table", "load_sharegpt", "make_requests", "parse_goodput", "plot_latency_cdf", "run_bench",
-           "run_from_args", "summarize"]
+__all__ = ["DEFAULT_URL", "HttpClient", "add_bench_serve_args", "request_body", "run_bench", "run_from_args",
+           "run_rate", "send_request", "server_model"]

@@ -19,13 +19,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastsched.tools.bench_serve import (
-    add_workload_args,
-    check_range_ratio,
-    format_table,
-    parse_token_id_range,
-    summarize,
-)
+from fastsched.tools.bench_report import format_table, summarize
+from fastsched.tools.workload import add_workload_args, check_range_ratio, parse_token_id_range
 
 # Engine flags simulate does not take: --seed seeds the workload (as bench serve's) and
 # --step-trace records the simulated steps, not an engine's.

@@ -39,7 +39,7 @@ from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_token
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.frontend.admission import TTFT_SLO_FLOOR_STEPS, AdmissionController, AdmissionError
 from fastsched.limits import LimitError
-from fastsched.tools.bench_serve import RequestResult
+from fastsched.tools.bench_report import RequestResult
 from fastsched.tools.simulator.cost import StepCost
 from fastsched.tools.simulator.trace import TraceRequest
 

@@ -19,8 +19,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from fastsched.tools.bench_serve import DEFAULT_RANGE_RATIO, arrival_times, make_requests
 from fastsched.tools.simulator.jsonl import read_objects
+from fastsched.tools.workload import DEFAULT_RANGE_RATIO, arrival_times, make_requests
 
 DEFAULT_TOKEN_ID_RANGE = (10, 250)  # as bench serve's --token-id-range
 
