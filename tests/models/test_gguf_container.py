@@ -44,3 +44,14 @@ def test_a_file_that_is_not_gguf_is_an_error(tmp_path: Path):
     other.write_bytes(b"PK\x03\x04" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF file"):
         GGUFContainer(other)
+
+
+def test_whole_tensor_dequantization_equals_gguf_quants(smollm2: Path):
+    """Our fast paths (Q4_0, Q4_1, Q8_0) and the fallback give gguf's own floats exactly."""
+    from gguf.quants import dequantize as reference
+
+    from fastsched.model_loader.gguf_quants import dequantize
+
+    for tensor in GGUFContainer(smollm2).tensors:
+        expected = np.asarray(reference(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(tensor.shape)
+        assert np.array_equal(dequantize(tensor), expected), tensor.name

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 import tokenizers
-from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tqdm import tqdm
 
 from fastsched.model_loader.gguf_container import GGUFContainer
+from fastsched.model_loader.gguf_quants import dequantize
 from fastsched.model_loader.tokenizer import Tokenizer
 from fastsched.models.config import ModelConfig
 
@@ -136,7 +136,7 @@ class GGUFFile:
         unpermute = self.metadata["general.architecture"] == "llama"
         for tensor in tqdm(self.container.tensors, desc=f"Loading {self.path.name}", unit="tensor"):
             name = _hf_name(tensor.name)
-            weights = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            weights = dequantize(tensor)
             if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):
                 weights = _unpermute_rope_rows(weights, config.num_heads)
             elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
