@@ -212,3 +212,44 @@ def test_e2e_gate_telemetry_says_which_gate_stopped_each_engine(stack: Stack, cl
         for engine in {line.split('engine="')[1].split('"')[0] for line in last}
     ]
     assert ones_per_engine and max(ones_per_engine) == 1 and all(n <= 1 for n in ones_per_engine), last
+
+
+def _post(stack: Stack, path: str, body: dict) -> httpx.Response:
+    return httpx.post(stack.url + path, json=body, timeout=30, trust_env=False)
+
+
+def test_e2e_tokenize_and_detokenize_in_vllms_shapes(stack: Stack) -> None:
+    text = "Hello world, what is 2 + 2?"
+    reply = _post(stack, "/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["tokens"] == stack.tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] > 0 and len(body["token_strs"]) == body["count"]
+    messages = [{"role": "user", "content": text}]
+    chat = _post(stack, "/tokenize", {"messages": messages}).json()
+    assert chat["tokens"] == stack.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert chat["token_strs"] is None
+    back = _post(stack, "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"] == stack.tokenizer.decode(body["tokens"], False)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/detokenize", {"tokens": [1, -3]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+])
+def test_e2e_errors_tokenize_refuses_what_it_does_not_implement(stack: Stack, path: str, body: dict,
+                                                                 param: str) -> None:
+    reply = _post(stack, path, body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_e2e_version_and_ping(stack: Stack) -> None:
+    from importlib.metadata import version
+
+    assert httpx.get(stack.url + "/version", trust_env=False).json() == {"version": version("fastsched")}
+    assert httpx.get(stack.url + "/ping", trust_env=False).status_code == 200
+    assert httpx.post(stack.url + "/ping", trust_env=False).status_code == 200

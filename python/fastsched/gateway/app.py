@@ -36,6 +36,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import re
@@ -67,6 +68,7 @@ from fastsched.gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
+from fastsched.gateway.tokenize import detokenize, tokenize
 from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits
 from fastsched.proto_gen import import_stubs
 from fastsched.rpc import AUTHORIZATION_KEY, INVALID_PARAM_KEY, MESSAGE_SIZE_OPTIONS, REJECTION_REASON_KEY
@@ -74,6 +76,7 @@ from fastsched.rpc import AUTHORIZATION_KEY, INVALID_PARAM_KEY, MESSAGE_SIZE_OPT
 pb, pb_grpc = import_stubs()
 
 logger = logging.getLogger("fastsched.gateway")
+_VERSION = importlib.metadata.version("fastsched")
 
 _PROBE_TIMEOUT_S = 2.0
 _STATUS_TIMEOUT_S = 10.0  # longer than a frontend's wait for its engine (engine_timeout, 5 s by default)
@@ -460,6 +463,28 @@ class Gateway:
             for stream in streams:
                 stream.cancel()
 
+    async def tokenize(self, request: Request) -> Response:
+        self._check_api_key(request)
+        body, size = await self._read_json(request)
+        info = await self.pool.model_info()
+        args = (body, self.tokenizer, info and info["max_model_len"], self.limits)
+        if size <= INLINE_TOKENIZE_CHARS:
+            return JSONResponse(tokenize(*args))
+        return JSONResponse(await asyncio.get_running_loop().run_in_executor(self._parse_pool, tokenize, *args))
+
+    async def detokenize(self, request: Request) -> Response:
+        self._check_api_key(request)
+        body, _ = await self._read_json(request)
+        info = await self.pool.model_info()
+        return JSONResponse(detokenize(body, self.tokenizer, info and info["vocab_size"]))
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": _VERSION})
+
+    async def ping(self, request: Request) -> Response:
+        """vLLM's ``/ping`` (SageMaker's health probe): the same answer as ``/health``."""
+        return await self.health(request)
+
     async def models(self, request: Request) -> Response:
         self._check_api_key(request)
         info = await self.pool.model_info() or {}
@@ -641,6 +666,10 @@ def create_app(
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics, methods=["GET"]),
+        Route("/tokenize", gateway.tokenize, methods=["POST"]),
+        Route("/detokenize", gateway.detokenize, methods=["POST"]),
+        Route("/version", gateway.version, methods=["GET"]),
+        Route("/ping", gateway.ping, methods=["GET", "POST"]),
         Route("/debug/requests/{request_id}", gateway.request_status, methods=["GET"]),
     ]
     handlers = {ApiError: _api_error, LimitError: _limit_error, HTTPException: _http_error, Exception: _internal_error}
