@@ -805,3 +805,18 @@ def test_stubs_are_regenerated_when_the_proto_changes(tmp_path: Any, monkeypatch
     assert "from fastsched._proto.v1 import generate_pb2" in (out / "generate_pb2_grpc.py").read_text()
     proto.write_text(proto.read_text() + "\n// changed\n")
     assert not proto_gen.is_up_to_date(proto)
+
+
+def test_stream_with_n_sends_one_choice_per_chunk(servers: Servers) -> None:
+    """OpenAI and vLLM stream ``n > 1`` one choice per chunk; clients rely on it."""
+    client = openai.OpenAI(base_url=servers.url + "/v1", api_key="unused", max_retries=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="a b", n=3, max_tokens=4, stream=True))
+    assert chunks and all(len(c.choices) == 1 for c in chunks)
+    texts: dict[int, str] = {}
+    for c in chunks:
+        texts[c.choices[0].index] = texts.get(c.choices[0].index, "") + c.choices[0].text
+    assert sorted(texts) == [0, 1, 2] and all(texts.values())
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                               max_tokens=3, stream=True))
+    assert chat and all(len(c.choices) == 1 for c in chat)
+    assert {c.choices[0].index for c in chat} == {0, 1}

@@ -452,8 +452,9 @@ class Gateway:
         try:
             try:
                 async for prompt_index, resp in _merge(streams):
-                    if entries := formatter.consume(prompt_index, resp):
-                        yield _sse_event(formatter.chunk(entries))
+                    # One choice per chunk, as OpenAI and vLLM stream n > 1 (clients index chunks by choice).
+                    for entry in formatter.consume(prompt_index, resp):
+                        yield _sse_event(formatter.chunk([entry]))
                 if parsed.include_usage:
                     yield _sse_event(formatter.usage_chunk())
             except grpc.aio.AioRpcError as e:  # after the 200 has been sent: report inside the stream
