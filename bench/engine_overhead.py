@@ -32,7 +32,10 @@ The table goes to stdout and the last line is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import os
 import statistics
 import sys
@@ -252,6 +255,9 @@ def _time_steps(args: argparse.Namespace, core: Any, timer: PhaseTimer, model_ti
     timer.take()
     samples: dict[str, list[float]] = defaultdict(list)
     tokens = 0
+    profiler = cProfile.Profile() if args.profile and isinstance(core.runner.model, NullModel) else None
+    if profiler is not None:
+        profiler.enable()
     begin = time.perf_counter()
     for _ in range(args.steps):
         wall, model_s, produced = one_step()
@@ -266,6 +272,11 @@ def _time_steps(args: argparse.Namespace, core: Any, timer: PhaseTimer, model_ti
             samples[phase].append(split.get(phase, 0.0))
         samples["other"].append(wall - model_s - sum(split.get(p, 0.0) for p in PHASES))
     elapsed = time.perf_counter() - begin
+    if profiler is not None:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
+        print(text.getvalue(), file=sys.stderr)
     result = {f"{name}_us_median": round(1e6 * statistics.median(v), 1) for name, v in samples.items()}
     result["host_us_p99"] = round(1e6 * float(np.percentile(samples["host"], 99)), 1)
     result["steps_per_s"] = round(args.steps / elapsed, 1)
@@ -309,6 +320,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-real-model", action="store_true", help="skip the run on the real tiny model")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="cProfile the timed null-model steps; print the top N functions by own time to stderr")
     parser.add_argument("--llm-generate", action="store_true", help="also time LLM.generate with the null model")
     args = parser.parse_args(argv)
     if args.output_len is None:
