@@ -3,6 +3,7 @@
 from fastsched.sample.sampler import (
     LogprobsTensors,
     PenaltyTensors,
+    RowSamplingParams,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
@@ -13,6 +14,7 @@ from fastsched.sample.stop import StopChecker
 __all__ = [
     "LogprobsTensors",
     "PenaltyTensors",
+    "RowSamplingParams",
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
