@@ -152,17 +152,13 @@ class _TimedScheduler:
 @contextmanager
 def instrument(core: Any, timer: PhaseTimer) -> Iterator[Callable[[], float]]:
     """Installs the phase timers on ``core``; gives a function returning the model time of the last step."""
-    import fastsched.worker.model_runner as model_runner
-
     core.scheduler = _TimedScheduler(core.scheduler, timer)
     runner = core.runner
-    runner.execute = timer.wrap("runner", runner.execute)
+    runner.prepare = timer.wrap("prepare", runner.prepare)
+    sampling = runner.batch.sampling
+    sampling.gather = timer.wrap("gather", sampling.gather)
     runner.sampler = timer.wrap("sample", runner.sampler)
-    metadata_cls = model_runner.SamplingMetadata
-
-    class _TimedMetadata(metadata_cls):  # type: ignore[misc, valid-type]
-        build = classmethod(lambda cls, *a, **k: timer.wrap("sample", metadata_cls.build)(*a, **k))
-
+    runner.write_sampled = timer.wrap("update", runner.write_sampled)
     core._collect = timer.wrap("collect", core._collect)
     model = runner.model
 
@@ -170,11 +166,7 @@ def instrument(core: Any, timer: PhaseTimer) -> Iterator[Callable[[], float]]:
         seconds, model.model_seconds = model.model_seconds, 0.0
         return seconds
 
-    model_runner.SamplingMetadata = _TimedMetadata
-    try:
-        yield model_time
-    finally:
-        model_runner.SamplingMetadata = metadata_cls
+    yield model_time
 
 
 def sampling_params(kind: str, max_tokens: int) -> Any:
@@ -243,7 +235,7 @@ def _time_steps(args: argparse.Namespace, core: Any, timer: PhaseTimer, model_ti
         outputs = core.step()
         with timer.measure("output"):
             protocol.encode(protocol.Outputs(0, outputs, stats))
-        return time.perf_counter() - start, model_time(), sum(len(o.new_token_ids) for o in outputs)
+        return time.perf_counter() - start, model_time(), len(outputs.token_ids)
 
     # Prefill (as many steps as the token budget needs), then --warmup decode steps.
     prefill_steps = 0
@@ -262,12 +254,13 @@ def _time_steps(args: argparse.Namespace, core: Any, timer: PhaseTimer, model_ti
     for _ in range(args.steps):
         wall, model_s, produced = one_step()
         split = timer.take()
+        split["sample"] = split.get("sample", 0.0) + split.get("gather", 0.0)
         tokens += produced
         samples["step"].append(wall)
         samples["forward"].append(model_s)
         samples["host"].append(wall - model_s)
-        runner_s = split.pop("runner", 0.0)
-        split["prepare_inputs"] = runner_s - model_s - split.get("sample", 0.0)
+        # prepare() includes gathering the sampling metadata, counted under sample.
+        split["prepare_inputs"] = split.pop("prepare", 0.0) - split.pop("gather", 0.0)
         for phase in PHASES:
             samples[phase].append(split.get(phase, 0.0))
         samples["other"].append(wall - model_s - sum(split.get(p, 0.0) for p in PHASES))
@@ -275,7 +268,7 @@ def _time_steps(args: argparse.Namespace, core: Any, timer: PhaseTimer, model_ti
     if profiler is not None:
         profiler.disable()
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
+        pstats.Stats(profiler, stream=text).sort_stats(args.profile_sort).print_stats(args.profile)
         print(text.getvalue(), file=sys.stderr)
     result = {f"{name}_us_median": round(1e6 * statistics.median(v), 1) for name, v in samples.items()}
     result["host_us_p99"] = round(1e6 * float(np.percentile(samples["host"], 99)), 1)
@@ -322,6 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-real-model", action="store_true", help="skip the run on the real tiny model")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="cProfile the timed null-model steps; print the top N functions by own time to stderr")
+    parser.add_argument("--profile-sort", default="tottime", help="pstats sort key for --profile")
     parser.add_argument("--llm-generate", action="store_true", help="also time LLM.generate with the null model")
     args = parser.parse_args(argv)
     if args.output_len is None:

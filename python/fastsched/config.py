@@ -41,6 +41,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
+    # Schedule and prepare step N+1 while step N's forward pass runs, N's sampled tokens
+    # standing in as placeholders (docs/scheduler.md, "Async scheduling in the engine").
+    async_scheduling: bool = True
     # KV pool sizing (DESIGN §3, issue: KV sizing).
     num_gpu_blocks: int | None = None
     gpu_memory_utilization: float = 0.9

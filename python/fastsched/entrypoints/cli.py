@@ -42,6 +42,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "request preempts the least urgent running one (recompute, capped per request)")
     s.add_argument("--watermark", type=float, default=0.0,
                    help="fraction of the KV pool kept free when admitting requests")
+    s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule and prepare step N+1 while step N's forward pass runs (docs/scheduler.md)")
     k = parser.add_argument_group("KV cache")
     k.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     k.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -64,7 +66,7 @@ ENGINE_ARG_NAMES = (
     "long_prefill_token_threshold_adaptive", "prefill_schedule_interval", "enable_chunked_prefill",
     "policy", "priority_preemption", "watermark", "block_size", "enable_prefix_caching", "num_gpu_blocks",
     "gpu_memory_utilization", "kv_cache_memory",
-    "step_trace",
+    "step_trace", "async_scheduling",
 )
 
 

@@ -104,7 +104,10 @@ class LLM:
                 params, n=1, seed=None if params.seed is None else params.seed + i
             )
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            self.engine.add_request(EngineCoreRequest(child_id, token_ids, child))
+            # Text is only looked at by stop strings before the end, and logprobs come per
+            # token: anything else is reported once, when it finishes (no per-step cost).
+            final_only = not child.stop and child.logprobs is None
+            self.engine.add_request(EngineCoreRequest(child_id, token_ids, child, final_only=final_only))
             added.append(child_id)
             processor.add_request(child_id, parent, i, child)
         return parent
