@@ -1,9 +1,10 @@
 """Host overhead of the engine loop: what one ``EngineCore.step()`` costs besides the forward pass.
 
-The forward pass is replaced by a null model (``--fake-forward-ms X``): a wait of X ms that
-releases the GIL, like a GPU launch that returns at once and a device that takes X ms, and
-logits read from a fixed random table (indexed by the last token and its position), so
-sampling still runs on real tensors and greedy decoding is deterministic. The load is
+The forward pass is replaced by a null model (``--fake-forward-ms X``, see ``NullModel``): a
+forward call returns at once, like a GPU launch, and the host waits, GIL released, when it
+reads the step's results until a simulated device has spent X ms on the pass; logits are read
+from a fixed random table (indexed by the last token and its position), so sampling still
+runs on real tensors and greedy decoding is deterministic. The load is
 ``--running`` requests of ``--prompt-len`` random tokens, all added at once and all in
 flight; every request ignores EOS, so nothing finishes before ``--output-len`` tokens.
 After the prefill (however many steps the token budget needs) and ``--warmup`` decode
@@ -13,13 +14,16 @@ Per step the bench reports (medians, µs):
 
 - ``step``: the wall time of one ``step()`` plus encoding its OUTPUTS message, i.e. the
   period of an engine loop that is never idle;
-- ``host``: ``step`` minus the fake forward pass (the time the model spent: the wait and
-  the logits lookup);
+- ``host``: ``step`` minus the model's time (waiting for the simulated device, and the logits
+  lookup): without async scheduling everything the host does per step; with it, what the
+  host does while the device is *not* busy (the waits overlap the next step's host work);
+- ``forward``: that model time;
 - the split: ``schedule`` (``Scheduler.schedule``), ``prepare_inputs`` (the runner's input
   arrays and tensors), ``sample`` (sampling metadata and the sampler), ``update``
   (``Scheduler.update_from_*``), ``collect`` (the step's outputs), ``output`` (encoding the
   OUTPUTS message an engine process sends). What the split leaves out (bookkeeping of the
-  step itself, statistics, the prefill meter) is ``other``.
+  step itself, statistics, the prefill meter) is ``other``. With async scheduling the
+  sampler runs on the forward thread, overlapping the rest, so ``other`` can be negative.
 
 The same load then runs on the real tiny model (``fastsched.tools.tiny_model``) unless
 ``--no-real-model``; there ``forward`` is the measured model time. ``--llm-generate`` also
@@ -41,7 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -58,8 +62,15 @@ PHASES = ("schedule", "prepare_inputs", "sample", "update", "collect", "output")
 
 
 class NullModel(torch.nn.Module):
-    """Stands in for the model: ``forward`` waits ``forward_ms`` (GIL released) and returns a
-    cheap per-token key; ``compute_logits`` reads fixed random logits rows by that key."""
+    """Stands in for the model on a device that takes ``forward_ms`` per forward pass.
+
+    ``forward`` returns at once, like a GPU launch: it books the pass on a simulated
+    device clock (a pass starts when it is issued or when the previous one ends, whichever
+    is later) and returns a cheap per-token key. The host waits for the device when it
+    reads the step's results (``wait``, installed around ``ModelRunner.fetch``), sleeping
+    with the GIL released until the pass ends. ``compute_logits`` reads fixed random logits
+    rows by the key. A late wake-up therefore does not delay the passes queued behind it,
+    as on a real device."""
 
     def __init__(self, config: Any, forward_ms: float, seed: int = 0) -> None:
         super().__init__()
@@ -67,21 +78,29 @@ class NullModel(torch.nn.Module):
         self.forward_s = forward_ms / 1000
         generator = torch.Generator().manual_seed(seed)
         self.table = torch.randn(LOGITS_TABLE_ROWS, config.vocab_size, generator=generator) * 4
-        self.model_seconds = 0.0  # time spent in forward and compute_logits since the last reset
+        self.model_seconds = 0.0  # waits for the device and logits lookups since the last reset
+        self._device_free_at = 0.0
+        self._ends: deque[float] = deque()  # end of each pass issued and not yet waited for
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any) -> torch.Tensor:
-        start = time.perf_counter()
-        if self.forward_s > 0:
-            time.sleep(self.forward_s)
-        key = (input_ids * 1009 + positions) % LOGITS_TABLE_ROWS
-        self.model_seconds += time.perf_counter() - start
-        return key.unsqueeze(1)
+        end = max(time.perf_counter(), self._device_free_at) + self.forward_s
+        self._device_free_at = end
+        self._ends.append(end)
+        return ((input_ids * 1009 + positions) % LOGITS_TABLE_ROWS).unsqueeze(1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         logits = self.table.index_select(0, hidden[:, 0])
         self.model_seconds += time.perf_counter() - start
         return logits
+
+    def wait(self) -> None:
+        """The host needs the oldest pass's results: sleep until the device is done with it."""
+        start = time.perf_counter()
+        delay = self._ends.popleft() - start
+        if delay > 0:
+            time.sleep(delay)
+        self.model_seconds += time.perf_counter() - start
 
 
 class TimedModel(torch.nn.Module):
@@ -159,8 +178,17 @@ def instrument(core: Any, timer: PhaseTimer) -> Iterator[Callable[[], float]]:
     sampling.gather = timer.wrap("gather", sampling.gather)
     runner.sampler = timer.wrap("sample", runner.sampler)
     runner.write_sampled = timer.wrap("update", runner.write_sampled)
-    core._collect = timer.wrap("collect", core._collect)
     model = runner.model
+    if isinstance(model, NullModel):
+        fetch = runner.fetch
+
+        def waiting_fetch(executed: Any) -> Any:
+            if executed.step.num_reqs:
+                model.wait()
+            return fetch(executed)
+
+        runner.fetch = waiting_fetch
+    core._collect = timer.wrap("collect", core._collect)
 
     def model_time() -> float:
         seconds, model.model_seconds = model.model_seconds, 0.0
@@ -287,6 +315,11 @@ def run_llm_generate(args: argparse.Namespace, model_dir: str) -> dict[str, Any]
     llm = LLM(**kwargs)
     runner = llm.engine.runner
     runner.model = NullModel(runner.model.config, args.fake_forward_ms)
+    with instrument(llm.engine, PhaseTimer()):
+        return _time_generate(args, llm)
+
+
+def _time_generate(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
     prompts = make_prompts(args, llm.engine.vocab_size)
     params = sampling_params(args.sampling, args.output_len)
     llm.generate(prompts[:4], sampling_params(args.sampling, 4), use_tqdm=False)

@@ -42,7 +42,7 @@ from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, make_generator
 from fastsched.worker.input_batch import RowState
 from fastsched.worker.kv_sizing import determine_num_blocks, profile_peak_bytes
-from fastsched.worker.model_runner import ModelRunner, PreparedStep, StepResult
+from fastsched.worker.model_runner import ExecutedStep, ModelRunner, PreparedStep, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class _Step:
 
     so: _core.SchedulerOutput
     prepared: PreparedStep
-    future: Future[StepResult] | None  # None: executed when collected (sync, or nothing to run)
+    future: Future[ExecutedStep] | None  # None: executed when collected (sync, or nothing to run)
     launched: float  # perf_counter() when it was scheduled
     launched_wall: float  # time.time() then
     backlogged: bool  # requests were still waiting after its schedule()
@@ -292,7 +292,8 @@ class EngineCore:
     def _collect_oldest(self) -> OutputBatch:
         step = self._in_flight[0]
         try:
-            result = step.future.result() if step.future is not None else self.runner.execute(step.prepared)
+            executed = step.future.result() if step.future is not None else self.runner.execute(step.prepared)
+            result = self.runner.fetch(executed)
         except BaseException:
             self._abandon_in_flight()
             raise

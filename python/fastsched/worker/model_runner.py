@@ -66,6 +66,16 @@ class PreparedStep:
     penalty_src: np.ndarray
 
 
+@dataclass
+class ExecutedStep:
+    """A step whose forward pass and sampling were issued (:meth:`ModelRunner.execute`)."""
+
+    step: PreparedStep
+    sampled: torch.Tensor | None  # [num sampled] int64 on the host (copy in flight until ``ready``)
+    logprobs: LogprobsTensors | None  # likewise
+    ready: torch.cuda.Event | None  # None on the CPU: the results are there already
+
+
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
@@ -75,11 +85,11 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 
 
 class ModelRunner:
-    """Prepares steps on the host (:meth:`prepare`, :meth:`write_sampled`) and runs them
-    (:meth:`execute`). ``execute`` touches only the step's own inputs, the model, the
-    KV cache and the sampled tokens of the step it ran before, so it may run on a worker
-    thread while the host prepares the next step; steps must be executed in the order
-    they were prepared."""
+    """Prepares steps on the host (:meth:`prepare`, :meth:`write_sampled`), runs them
+    (:meth:`execute`) and gets their results (:meth:`fetch`). ``execute`` touches only
+    the step's own inputs, the model, the KV cache and the sampled tokens of the step it
+    ran before, so it may run on a worker thread while the host prepares the next step;
+    steps must be executed in the order they were prepared."""
 
     def __init__(
         self,
@@ -207,11 +217,13 @@ class ModelRunner:
         return history
 
     @torch.inference_mode()
-    def execute(self, step: PreparedStep) -> StepResult:
-        """The forward pass and sampling of a prepared step; see the class docstring for threads."""
-        tokens = np.full(step.num_reqs, -1, dtype=np.int64)
+    def execute(self, step: PreparedStep) -> ExecutedStep:
+        """Issues the forward pass and sampling of a prepared step; on a GPU it returns once
+        they are queued, with the results' copy to the host under way (:meth:`fetch` waits
+        for it), so the next step can be issued while this one runs. See the class
+        docstring for threads."""
         if step.num_reqs == 0:
-            return StepResult(tokens=tokens, sampled_positions=_EMPTY, logprobs=None)
+            return ExecutedStep(step, None, None, None)
         dev = self.device
         input_ids = torch.from_numpy(step.input_ids).to(dev)
         if len(step.placeholder_dst):
@@ -229,7 +241,7 @@ class ModelRunner:
         self.backend.prepare(metadata)
         hidden = self.model(input_ids, torch.from_numpy(step.positions).to(dev), self.kv_caches, metadata, self.backend)
         if step.sampling is None:
-            return StepResult(tokens=tokens, sampled_positions=_EMPTY, logprobs=None)
+            return ExecutedStep(step, None, None, None)
         if len(step.penalty_rows):
             step.sampling.add_output_tokens(
                 torch.from_numpy(step.penalty_rows).to(dev),
@@ -240,11 +252,29 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden).float()
         out = self.sampler(logits, step.sampling)
         self._last_sampled = out.sampled_token_ids
-        tokens[step.sampled_positions] = out.sampled_token_ids.cpu().numpy()
+        if dev.type == "cpu":
+            return ExecutedStep(step, out.sampled_token_ids, out.logprobs, None)
+        # Non-blocking copies into pinned memory, ready when the event is.
+        tokens = out.sampled_token_ids.to("cpu", non_blocking=True)
         logprobs = out.logprobs
-        if logprobs is not None and logprobs.sampled_logprobs.device.type != "cpu":
-            logprobs = LogprobsTensors(*(getattr(logprobs, f.name).cpu() for f in dataclasses.fields(logprobs)))
-        return StepResult(tokens=tokens, sampled_positions=step.sampled_positions, logprobs=logprobs)
+        if logprobs is not None:
+            logprobs = LogprobsTensors(
+                *(getattr(logprobs, f.name).to("cpu", non_blocking=True) for f in dataclasses.fields(logprobs))
+            )
+        ready = torch.cuda.Event()
+        ready.record()
+        return ExecutedStep(step, tokens, logprobs, ready)
+
+    def fetch(self, executed: ExecutedStep) -> StepResult:
+        """Waits for an executed step's results (on a GPU, for the device) and returns them on the host."""
+        step = executed.step
+        tokens = np.full(step.num_reqs, -1, dtype=np.int64)
+        if executed.sampled is None:
+            return StepResult(tokens=tokens, sampled_positions=_EMPTY, logprobs=None)
+        if executed.ready is not None:
+            executed.ready.synchronize()
+        tokens[step.sampled_positions] = executed.sampled.numpy()
+        return StepResult(tokens=tokens, sampled_positions=step.sampled_positions, logprobs=executed.logprobs)
 
     def write_sampled(self, step: PreparedStep, result: StepResult) -> None:
         """Records a finished step's sampled tokens in the batch, for the steps prepared after it."""
