@@ -233,6 +233,12 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._in_flight) or self.scheduler.has_requests()
 
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps scheduled and not yet collected: with async scheduling, 1 between two
+        ``step()`` calls while requests run (its forward pass may be running); else 0."""
+        return len(self._in_flight)
+
     def shutdown(self) -> None:
         """Stops the forward-pass thread (async scheduling); the engine is not used after this."""
         if self._executor is not None:
