@@ -78,15 +78,18 @@ class NullModel(torch.nn.Module):
         self.forward_s = forward_ms / 1000
         generator = torch.Generator().manual_seed(seed)
         self.table = torch.randn(LOGITS_TABLE_ROWS, config.vocab_size, generator=generator) * 4
-        self.model_seconds = 0.0  # waits for the device and logits lookups since the last reset
+        self.model_seconds = 0.0  # waits for the device, keys and logits lookups since the last reset
         self._device_free_at = 0.0
         self._ends: deque[float] = deque()  # end of each pass issued and not yet waited for
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any) -> torch.Tensor:
-        end = max(time.perf_counter(), self._device_free_at) + self.forward_s
+        start = time.perf_counter()
+        end = max(start, self._device_free_at) + self.forward_s
         self._device_free_at = end
         self._ends.append(end)
-        return ((input_ids * 1009 + positions) % LOGITS_TABLE_ROWS).unsqueeze(1)
+        key = ((input_ids * 1009 + positions) % LOGITS_TABLE_ROWS).unsqueeze(1)
+        self.model_seconds += time.perf_counter() - start
+        return key
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()

@@ -348,10 +348,10 @@ def _to_wire(msg: Message) -> list[Any]:
     if isinstance(msg, Ready):
         return [READY, msg.engine_index, dataclasses.asdict(msg.model_info)]
     if isinstance(msg, Heartbeat):
-        return [HEARTBEAT, msg.engine_index, dataclasses.asdict(msg.stats)]
+        return [HEARTBEAT, msg.engine_index, _stats_to_wire(msg.stats)]
     if isinstance(msg, Outputs):
         batch = msg.outputs if isinstance(msg.outputs, OutputBatch) else OutputBatch.from_outputs(msg.outputs)
-        return [OUTPUTS, msg.engine_index, _batch_to_wire(batch), dataclasses.asdict(msg.stats),
+        return [OUTPUTS, msg.engine_index, _batch_to_wire(batch), _stats_to_wire(msg.stats),
                 [[t.request_id, t.queue_time, t.ttft, t.e2e] for t in msg.timings]]
     if isinstance(msg, Failed):
         return [FAILED, msg.engine_index, msg.message]
@@ -360,6 +360,15 @@ def _to_wire(msg: Message) -> list[Any]:
     if isinstance(msg, Status):
         return [STATUS, msg.engine_index, msg.query_id, [dataclasses.asdict(s) for s in msg.statuses]]
     raise TypeError(f"not a protocol message: {type(msg).__name__}")
+
+
+_STATS_FIELDS = tuple(f.name for f in fields(EngineStats))
+
+
+def _stats_to_wire(stats: EngineStats) -> dict[str, Any]:
+    """A shallow map: sent with every step's outputs, where ``dataclasses.asdict``'s deep
+    copy of the counter maps cost more than packing them."""
+    return {name: getattr(stats, name) for name in _STATS_FIELDS}
 
 
 def _batch_to_wire(b: OutputBatch) -> list[Any]:

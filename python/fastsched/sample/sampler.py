@@ -132,6 +132,7 @@ class RowSamplingParams:
         # Greedy with nothing else (no penalties, min_tokens or logprobs): the common row,
         # which a step of only such rows samples without gathering anything else.
         self.plain = np.ones(num_rows, dtype=bool)
+        self._all_greedy_metadata: SamplingMetadata | None = None
         self.generators: list[torch.Generator | None] = [None] * num_rows
         self.banned: list[list[int]] = [[] for _ in range(num_rows)]  # ids banned below min_tokens
 
@@ -176,12 +177,7 @@ class RowSamplingParams:
         rows with penalties.
         """
         if self.plain[rows].all():
-            n = len(rows)
-            return SamplingMetadata(
-                temperature=torch.ones(n, device=device), is_greedy=torch.ones(n, dtype=torch.bool, device=device),
-                all_greedy=True, all_random=n == 0, top_k=None, top_p=None, min_p=None, generators={},
-                penalties=None, min_tokens_mask=None, max_num_logprobs=None,
-            )
+            return self._all_greedy(len(rows), device)
         greedy = self.greedy[rows]
         num_greedy = int(greedy.sum())
         top_k = self.top_k[rows]
@@ -207,6 +203,18 @@ class RowSamplingParams:
             min_tokens_mask=self._min_tokens_mask(rows, num_output_tokens, device),
             max_num_logprobs=max_logprobs if max_logprobs >= 0 else None,
         )
+
+    def _all_greedy(self, n: int, device: torch.device | str) -> SamplingMetadata:
+        """The metadata of ``n`` plain greedy rows. Nothing changes it (it has no penalties),
+        so the last one is reused while the batch size stays the same."""
+        cached = self._all_greedy_metadata
+        if cached is None or cached.is_greedy.shape[0] != n or cached.is_greedy.device != torch.device(device):
+            cached = self._all_greedy_metadata = SamplingMetadata(
+                temperature=torch.ones(n, device=device), is_greedy=torch.ones(n, dtype=torch.bool, device=device),
+                all_greedy=True, all_random=n == 0, top_k=None, top_p=None, min_p=None, generators={},
+                penalties=None, min_tokens_mask=None, max_num_logprobs=None,
+            )
+        return cached
 
     def _penalties(
         self, rows: np.ndarray, history: Callable[[int], tuple[Sequence[int], Sequence[int]]],
