@@ -61,7 +61,7 @@ LOGITS_TABLE_ROWS = 257
 PHASES = ("schedule", "prepare_inputs", "sample", "update", "collect", "output")
 
 
-class NullModel(torch.nn.Module):
+class NullModel:
     """Stands in for the model on a device that takes ``forward_ms`` per forward pass.
 
     ``forward`` returns at once, like a GPU launch: it books the pass on a simulated
@@ -70,10 +70,10 @@ class NullModel(torch.nn.Module):
     reads the step's results (``wait``, installed around ``ModelRunner.fetch``), sleeping
     with the GIL released until the pass ends. ``compute_logits`` reads fixed random logits
     rows by the key. A late wake-up therefore does not delay the passes queued behind it,
-    as on a real device."""
+    as on a real device. A plain class, not a ``torch.nn.Module``, whose attribute writes
+    cost microseconds."""
 
     def __init__(self, config: Any, forward_ms: float, seed: int = 0) -> None:
-        super().__init__()
         self.config = config
         self.forward_s = forward_ms / 1000
         generator = torch.Generator().manual_seed(seed)
@@ -82,7 +82,7 @@ class NullModel(torch.nn.Module):
         self._device_free_at = 0.0
         self._ends: deque[float] = deque()  # end of each pass issued and not yet waited for
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any) -> torch.Tensor:
         start = time.perf_counter()
         end = max(start, self._device_free_at) + self.forward_s
         self._device_free_at = end
@@ -106,16 +106,15 @@ class NullModel(torch.nn.Module):
         self.model_seconds += time.perf_counter() - start
 
 
-class TimedModel(torch.nn.Module):
+class TimedModel:
     """Wraps the real model to measure its time (forward and logits), as NullModel does."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
         self.inner = model
         self.config = model.config
         self.model_seconds = 0.0
 
-    def forward(self, *args: Any) -> torch.Tensor:
+    def __call__(self, *args: Any) -> torch.Tensor:
         start = time.perf_counter()
         out = self.inner(*args)
         self.model_seconds += time.perf_counter() - start

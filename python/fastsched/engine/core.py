@@ -20,6 +20,7 @@ the runner just before N+1's forward pass), then collects N. docs/scheduler.md,
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -155,6 +156,12 @@ class EngineCore:
             backend.name, sc.policy, sc.max_num_seqs, sc.max_num_active_seqs, sc.max_num_batched_tokens,
             sc.max_model_len, sc.block_size, sc.enable_prefix_caching,
         )
+        # What exists now (model, tokenizer, torch and numpy internals) lives as long as the
+        # engine: frozen, it is no longer scanned by every full collection, which otherwise
+        # cost ~0.4 s of a 1.8 s LLM.generate of 1024 requests (the collections triggered
+        # while requests are created). Frozen objects are still freed by reference counting.
+        gc.collect()
+        gc.freeze()
 
     # ------------------------------------------------------------ requests
 

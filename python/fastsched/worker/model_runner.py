@@ -268,12 +268,17 @@ class ModelRunner:
     def fetch(self, executed: ExecutedStep) -> StepResult:
         """Waits for an executed step's results (on a GPU, for the device) and returns them on the host."""
         step = executed.step
-        tokens = np.full(step.num_reqs, -1, dtype=np.int64)
         if executed.sampled is None:
-            return StepResult(tokens=tokens, sampled_positions=_EMPTY, logprobs=None)
+            return StepResult(tokens=np.full(step.num_reqs, -1, dtype=np.int64), sampled_positions=_EMPTY,
+                              logprobs=None)
         if executed.ready is not None:
             executed.ready.synchronize()
-        tokens[step.sampled_positions] = executed.sampled.numpy()
+        sampled = executed.sampled.numpy()
+        if len(sampled) == step.num_reqs:  # every request sampled (decodes): the common step
+            tokens = sampled
+        else:
+            tokens = np.full(step.num_reqs, -1, dtype=np.int64)
+            tokens[step.sampled_positions] = sampled
         return StepResult(tokens=tokens, sampled_positions=step.sampled_positions, logprobs=executed.logprobs)
 
     def write_sampled(self, step: PreparedStep, result: StepResult) -> None:
