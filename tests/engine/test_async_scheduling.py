@@ -214,3 +214,35 @@ def test_stop_strings_and_aborts_through_llm_give_the_text_of_the_sync_loop(tiny
         assert not llm.engine.has_unfinished_requests()
         assert all(reason == "stop" for _, _, reason in texts[async_scheduling][2:])
     assert texts[True] == texts[False]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("failing", ["prepare", "execute"])
+def test_a_step_that_fails_aborts_the_steps_in_flight_and_the_engine_stays_usable(
+    tiny_model_dir, prompts, monkeypatch, async_scheduling: bool, failing: str
+) -> None:
+    core = make_core(tiny_model_dir, async_scheduling, num_gpu_blocks=64, max_model_len=256)
+    expected = generate(core, [prompts[0]], [greedy(6)]).tokens("0")
+    real = getattr(core.runner, failing)
+    calls = {"n": 0}
+
+    def fails_on_the_third_call(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core.runner, failing, fails_on_the_third_call)
+    run = Run(core)
+    run.add("a", prompts[1], greedy(8))
+    run.add("b", prompts[2], greedy(8))
+    with pytest.raises(RuntimeError, match="boom"):
+        run.to_end()
+    assert core.num_steps_in_flight == 0
+    monkeypatch.setattr(core.runner, failing, real)
+    run.to_end()  # the aborts are reported; nothing else comes
+    assert not run.finished("a") and not run.finished("b")
+    assert generate(core, [prompts[0]], [greedy(6)]).tokens("0") == expected
+    assert not core.has_unfinished_requests()
+    assert core.scheduler.num_free_blocks == 63
+    assert core.runner.batch.num_unwritten_steps == 0

@@ -20,6 +20,7 @@ the runner just before N+1's forward pass), then collects N. docs/scheduler.md,
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import math
@@ -90,7 +91,7 @@ class _Step:
     """A step scheduled and launched but not yet collected."""
 
     so: _core.SchedulerOutput
-    prepared: PreparedStep
+    prepared: PreparedStep | None  # None: preparing it failed
     future: Future[ExecutedStep] | None  # None: executed when collected (sync, or nothing to run)
     launched: float  # perf_counter() when it was scheduled
     launched_wall: float  # time.time() then
@@ -156,12 +157,7 @@ class EngineCore:
             backend.name, sc.policy, sc.max_num_seqs, sc.max_num_active_seqs, sc.max_num_batched_tokens,
             sc.max_model_len, sc.block_size, sc.enable_prefix_caching,
         )
-        # What exists now (model, tokenizer, torch and numpy internals) lives as long as the
-        # engine: frozen, it is no longer scanned by every full collection, which otherwise
-        # cost ~0.4 s of a 1.8 s LLM.generate of 1024 requests (the collections triggered
-        # while requests are created). Frozen objects are still freed by reference counting.
-        gc.collect()
-        gc.freeze()
+        _freeze_start_up_heap()
 
     # ------------------------------------------------------------ requests
 
@@ -280,6 +276,16 @@ class EngineCore:
         """Schedules a step, prepares its inputs and starts its forward pass (on the worker thread)."""
         launched, launched_wall = time.perf_counter(), time.time()
         so = self.scheduler.schedule()
+        try:
+            step = self._prepare(so, launched, launched_wall)
+        except BaseException:
+            # The scheduler holds the step in flight: close it (and those before it) too.
+            self._in_flight.append(_Step(so, None, None, launched, launched_wall, False, 0))
+            self._abandon_in_flight()
+            raise
+        self._in_flight.append(step)
+
+    def _prepare(self, so: _core.SchedulerOutput, launched: float, launched_wall: float) -> _Step:
         backlogged = self.scheduler.num_waiting > 0
         c = self._columns
         for h in so.finished.tolist():
@@ -300,11 +306,12 @@ class EngineCore:
             num_ending = int((c.num_sampled[sampled] >= c.max_tokens[sampled]).sum())
             if prepared.num_reqs:
                 future = self._executor.submit(self.runner.execute, prepared)
-        self._in_flight.append(_Step(so, prepared, future, launched, launched_wall, backlogged, num_ending))
+        return _Step(so, prepared, future, launched, launched_wall, backlogged, num_ending)
 
     def _collect_oldest(self) -> OutputBatch:
         step = self._in_flight[0]
         try:
+            assert step.prepared is not None, "a step whose preparation failed is never collected"
             executed = step.future.result() if step.future is not None else self.runner.execute(step.prepared)
             result = self.runner.fetch(executed)
         except BaseException:
@@ -332,7 +339,8 @@ class EngineCore:
     def _abandon_in_flight(self) -> None:
         """A step failed (a runner error, Ctrl-C): its KV and that of the step after it
         were not (fully) computed, so their requests cannot go on. Aborts them and closes
-        the steps so that the engine stays usable."""
+        the steps so that the engine stays usable. The runner's rows of those requests are
+        given up at the next schedule(), which reports the aborts."""
         steps = list(self._in_flight)
         self._in_flight.clear()
         for s in steps:
@@ -344,7 +352,9 @@ class EngineCore:
         handles = np.unique(np.concatenate([s.so.req_handles for s in steps]))
         self.abort_requests(self.scheduler.request_ids(handles))
         for s in steps:
-            self.scheduler.update_from_tokens(np.full(s.prepared.num_reqs, -1, dtype=np.int64))
+            self.scheduler.update_from_tokens(np.full(len(s.so), -1, dtype=np.int64))
+            if s.prepared is not None:
+                self.runner.abandon(s.prepared)
 
     def _collect(self, eco: _core.EngineCoreOutputs, step: _Step, result: StepResult) -> OutputBatch:
         """The step's outputs as an OutputBatch, from the scheduler's arrays: numpy over all
@@ -431,6 +441,24 @@ class EngineCore:
         batch.token_offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
         np.cumsum([len(p) for p in pieces], out=batch.token_offsets[1:])
         batch.token_ids = np.concatenate(pieces)
+
+
+def _freeze_start_up_heap() -> None:
+    """What exists once an engine is built (model, tokenizer, torch and numpy internals)
+    lives as long as the engine: frozen, it is no longer scanned by every full collection,
+    which otherwise cost ~0.4 s of a 1.8 s ``LLM.generate`` of 1024 requests (collections
+    triggered while the requests are created). Frozen objects are still freed by reference
+    counting; at exit they are unfrozen so that the interpreter's last collections see
+    them (extensions that count their objects at exit would report them as leaked)."""
+    global _unfreeze_registered
+    gc.collect()
+    gc.freeze()
+    if not _unfreeze_registered:
+        atexit.register(gc.unfreeze)
+        _unfreeze_registered = True
+
+
+_unfreeze_registered = False
 
 
 def _row_logprobs(lp: LogprobsTensors, j: int, token: int, k: int) -> dict[int, tuple[float, int]]:

@@ -281,6 +281,11 @@ class ModelRunner:
             tokens[step.sampled_positions] = sampled
         return StepResult(tokens=tokens, sampled_positions=step.sampled_positions, logprobs=executed.logprobs)
 
+    def abandon(self, step: PreparedStep) -> None:
+        """A prepared step that will never be written (it failed): its reserved positions
+        belong to requests that are being aborted, whose rows are given up."""
+        self.batch.num_unwritten_steps -= 1
+
     def write_sampled(self, step: PreparedStep, result: StepResult) -> None:
         """Records a finished step's sampled tokens in the batch, for the steps prepared after it."""
         self.batch.write_sampled(step.sampled_handles, step.reservation, result.tokens[step.sampled_positions])
