@@ -8,6 +8,7 @@ from fastsched.sample.sampler import (
     SamplerOutput,
     SamplingMetadata,
     make_generator,
+    to_device,
 )
 from fastsched.sample.stop import StopChecker
 
@@ -20,4 +21,5 @@ __all__ = [
     "SamplingMetadata",
     "StopChecker",
     "make_generator",
+    "to_device",
 ]

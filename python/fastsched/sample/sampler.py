@@ -12,6 +12,7 @@ of rows below ``min_tokens``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,15 @@ import numpy as np
 import torch
 
 from fastsched.sampling_params import SamplingParams
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``. To a GPU through pinned memory and a non-blocking copy:
+    a plain copy from pageable memory waits for the work already queued on the device, which
+    would stall the thread issuing the next step behind the one running (async scheduling)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -90,6 +100,26 @@ class SamplingMetadata:
             lambda: np.array([len(o) for o in output_token_ids], dtype=np.int64),
             lambda i: (prompt_token_ids[i], output_token_ids[i]),
             device,
+        )
+
+    def to(self, device: torch.device) -> SamplingMetadata:
+        """The metadata with its tensors on ``device``, copied without waiting for the device
+        (see :func:`to_device`); seeded rows keep their own generators."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else to_device(t, device)
+
+        p = self.penalties
+        return dataclasses.replace(
+            self,
+            temperature=to_device(self.temperature, device),
+            is_greedy=to_device(self.is_greedy, device),
+            top_k=move(self.top_k),
+            top_p=move(self.top_p),
+            min_p=move(self.min_p),
+            penalties=None if p is None else PenaltyTensors(*(to_device(getattr(p, f.name), device)
+                                                              for f in dataclasses.fields(p))),
+            min_tokens_mask=None if self.min_tokens_mask is None else (
+                to_device(self.min_tokens_mask[0], device), to_device(self.min_tokens_mask[1], device)),
         )
 
     def add_output_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ import torch
 from fastsched._core import SchedulerOutput
 from fastsched.attention import AttentionBackend, AttentionMetadata
 from fastsched.models.config import ModelConfig
-from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata
+from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, to_device
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState
 
 logger = logging.getLogger(__name__)
@@ -171,11 +171,11 @@ class ModelRunner:
         sampling = None
         penalty_rows = penalty_src = _EMPTY
         if len(sampled_rows):
+            # Host tensors: execute() moves them, so that this thread never waits for the device.
             sampling = batch.sampling.gather(
                 sampled_rows,
                 lambda: batch.num_tokens[sampled_rows] - batch.num_prompt_tokens[sampled_rows],
                 self._history(sampled_rows),
-                self.device,
             )
             if sampling.penalties is not None and batch.num_unwritten_steps:
                 pending = batch.pending_pos[sampled_rows] >= 0
@@ -225,32 +225,32 @@ class ModelRunner:
         if step.num_reqs == 0:
             return ExecutedStep(step, None, None, None)
         dev = self.device
-        input_ids = torch.from_numpy(step.input_ids).to(dev)
+
+        def on_device(a: np.ndarray) -> torch.Tensor:
+            return to_device(torch.from_numpy(a), dev)
+
+        input_ids = on_device(step.input_ids)
         if len(step.placeholder_dst):
-            input_ids[torch.from_numpy(step.placeholder_dst).to(dev)] = self._last_sampled[
-                torch.from_numpy(step.placeholder_src).to(dev)
-            ]
+            input_ids[on_device(step.placeholder_dst)] = self._last_sampled[on_device(step.placeholder_src)]
         metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(step.slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(step.query_start_loc).to(dev),
-            seq_lens=torch.from_numpy(step.seq_lens).to(dev),
-            block_tables=torch.from_numpy(step.block_tables).to(dev),
+            slot_mapping=on_device(step.slot_mapping),
+            query_start_loc=on_device(step.query_start_loc),
+            seq_lens=on_device(step.seq_lens),
+            block_tables=on_device(step.block_tables),
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
         )
         self.backend.prepare(metadata)
-        hidden = self.model(input_ids, torch.from_numpy(step.positions).to(dev), self.kv_caches, metadata, self.backend)
+        hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend)
         if step.sampling is None:
             return ExecutedStep(step, None, None, None)
+        sampling = step.sampling if dev.type == "cpu" else step.sampling.to(dev)
         if len(step.penalty_rows):
-            step.sampling.add_output_tokens(
-                torch.from_numpy(step.penalty_rows).to(dev),
-                self._last_sampled[torch.from_numpy(step.penalty_src).to(dev)],
-            )
+            sampling.add_output_tokens(on_device(step.penalty_rows), self._last_sampled[on_device(step.penalty_src)])
         if step.logits_indices is not None:
-            hidden = hidden[torch.from_numpy(step.logits_indices.astype(np.int64)).to(dev)]
+            hidden = hidden[on_device(step.logits_indices.astype(np.int64))]
         logits = self.model.compute_logits(hidden).float()
-        out = self.sampler(logits, step.sampling)
+        out = self.sampler(logits, sampling)
         self._last_sampled = out.sampled_token_ids
         if dev.type == "cpu":
             return ExecutedStep(step, out.sampled_token_ids, out.logprobs, None)
