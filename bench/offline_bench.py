@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="fastsched engine argument")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="fastsched engine argument")
     parser.add_argument("--skip-hf", action="store_true", help="run fastsched only")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="fastsched engine argument (default: the engine's)")
     args = parser.parse_args(argv)
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:
         parser.error("need 1 <= --min-prompt-len <= --max-prompt-len")
@@ -114,6 +116,7 @@ def run_fastsched(args: argparse.Namespace, model: str, workload: Workload) -> R
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         log_stats_interval=0,
+        **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}),
     )
     llm.generate(workload.prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]

@@ -31,6 +31,7 @@ _CORE = SchedulerConfig()  # the Rust core's defaults
 MODEL = "model and device"
 SCHEDULER = "scheduler (docs/design.md §3)"
 KV_CACHE = "KV cache"
+ENGINE_LOOP = "engine loop"
 DIAGNOSTICS = "diagnostics"
 
 
@@ -90,6 +91,10 @@ class EngineConfig:
         SCHEDULER, "fraction of the KV pool kept free when admitting requests"))
     scheduler_reserve_full_isl: bool = field(default=_core_default("scheduler_reserve_full_isl"), metadata=_flag(
         SCHEDULER, "admit a request only when its whole current sequence fits in free KV blocks (S10)"))
+    # Schedule and prepare step N+1 while step N's forward pass runs, N's sampled tokens
+    # standing in as placeholders (docs/scheduler.md, "Async scheduling in the engine").
+    async_scheduling: bool = field(default=True, metadata=_flag(
+        ENGINE_LOOP, "schedule and prepare step N+1 while step N's forward pass runs (docs/scheduler.md)"))
 
     block_size: int = field(default=_core_default("block_size"), metadata=_flag(KV_CACHE, "tokens per KV block"))
     enable_prefix_caching: bool = field(default=_core_default("enable_prefix_caching"), metadata=_flag(

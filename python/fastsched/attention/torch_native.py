@@ -110,35 +110,36 @@ class TorchNativeBackend:
 
 
 def _plan_step(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
-    """Split the step's requests into prefill chunks and decode groups, with their gather indices."""
+    """Split the step's requests into prefill chunks and decode groups, with their gather indices.
+
+    Which requests decode is found with tensor ops: at high concurrency nearly every
+    request does, and a Python loop over them cost more than the rest of the plan."""
     block_size = kv_cache.shape[2]
+    query_lens = metadata.query_start_loc.diff()
     starts = metadata.query_start_loc.tolist()
-    seq_lens = metadata.seq_lens.tolist()
     prefills = []
-    decodes = []
-    for i, seq_len in enumerate(seq_lens):
-        start, end = starts[i], starts[i + 1]
-        if end - start == 1:
-            decodes.append(i)
-        elif end - start > 1:
-            prefills.append(_plan_prefill(start, end, seq_len, metadata.block_tables[i], block_size))
+    for i in torch.nonzero(query_lens > 1).flatten().tolist():
+        prefills.append(_plan_prefill(starts[i], starts[i + 1], int(metadata.seq_lens[i]),
+                                      metadata.block_tables[i], block_size))
     groups = []
-    if decodes:
-        chunk = max(1, DECODE_GATHER_TOKENS // max(seq_lens[i] for i in decodes))
+    decodes = torch.nonzero(query_lens == 1).flatten()
+    if len(decodes):
+        decode_lens = metadata.seq_lens.index_select(0, decodes)
+        chunk = max(1, DECODE_GATHER_TOKENS // int(decode_lens.max()))
         for first in range(0, len(decodes), chunk):
             reqs = decodes[first : first + chunk]
-            max_len = max(seq_lens[i] for i in reqs)
-            groups.append(_plan_decode_group(metadata, reqs, max_len, block_size, kv_cache.device))
+            max_len = int(decode_lens[first : first + chunk].max())
+            groups.append(_plan_decode_group(metadata, reqs, max_len, block_size))
     return _StepPlan(metadata, block_size, prefills, groups)
 
 
 def _plan_decode_group(
-    metadata: AttentionMetadata, reqs: list[int], max_len: int, block_size: int, device: torch.device
+    metadata: AttentionMetadata, reqs: torch.Tensor, max_len: int, block_size: int
 ) -> _DecodeGroup:
-    reqs_t = torch.tensor(reqs, device=device)
-    rows = metadata.query_start_loc.index_select(0, reqs_t).long()
-    lens = metadata.seq_lens.index_select(0, reqs_t).long()
-    blocks = metadata.block_tables.index_select(0, reqs_t)[:, : -(-max_len // block_size)].long()
+    device = reqs.device
+    rows = metadata.query_start_loc.index_select(0, reqs).long()
+    lens = metadata.seq_lens.index_select(0, reqs).long()
+    blocks = metadata.block_tables.index_select(0, reqs)[:, : -(-max_len // block_size)].long()
     offsets = torch.arange(block_size, device=device)
     slots = (blocks[:, :, None] * block_size + offsets).flatten(1)[:, :max_len]  # [n, max_len]
     valid = torch.arange(max_len, device=device) < lens[:, None]

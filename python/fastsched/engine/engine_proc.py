@@ -29,13 +29,14 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
 from fastsched.config import EngineConfig
 from fastsched.engine import protocol
 from fastsched.engine.core import EngineCore
-from fastsched.engine.protocol import EngineCoreOutput, EngineStats, ModelInfo, RequestTiming
+from fastsched.engine.protocol import EngineCoreOutput, EngineStats, ModelInfo, OutputBatch, RequestTiming
 from fastsched.engine.status import engine_statuses
 from fastsched.process_stats import read_process_stats
 
@@ -104,6 +105,7 @@ def run_engine(
             return
         finally:
             heartbeat.stop()
+            core.shutdown()
         failed = False
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -201,8 +203,6 @@ class _EngineLoop:
         self.pushes = pushes
         self.info = info
         self.latest_stats = self._stats()  # read by the heartbeat thread
-        self._frontend_of: dict[str, int] = {}  # live request id -> frontend index
-        self._first_token_sent: set[str] = set()
         self._dropped = [0] * len(pushes)
 
     def run(self, stop: threading.Event, parent_pid: int) -> None:
@@ -245,8 +245,6 @@ class _EngineLoop:
                 self._add(msg)
             elif isinstance(msg, protocol.Abort):
                 self.core.abort_requests(msg.request_ids)
-                for request_id in msg.request_ids:
-                    self._forget(request_id)
             elif isinstance(msg, protocol.Hello):
                 if msg.frontend_index < len(self.pushes):
                     self.send(msg.frontend_index, protocol.encode(protocol.Ready(self.engine_index, self.info)))
@@ -266,44 +264,32 @@ class _EngineLoop:
             )
             return
         try:
-            self.core.add_request(request)
+            self.core.add_request(request, client=frontend)
         except ValueError as e:
             # Answered as ignored (docs/design.md §4), never left unanswered.
             out = EngineCoreOutput(request.request_id, [], "ignored", error=str(e))
             self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, [out], self._stats())))
-            return
-        self._frontend_of[request.request_id] = frontend
-
-    def _forget(self, request_id: str) -> None:
-        self._frontend_of.pop(request_id, None)
-        self._first_token_sent.discard(request_id)
 
     # ------------------------------------------------------------ output
 
-    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        if not outputs:
+    def _send_outputs(self, batch: OutputBatch) -> None:
+        """One OUTPUTS message per frontend with rows in the batch, the columns packed as
+        they are; timings only for the rows with a request's first token or its end."""
+        if not len(batch):
             return
-        by_frontend: dict[int, tuple[list[EngineCoreOutput], list[RequestTiming]]] = {}
-        for out in outputs:
-            frontend = self._frontend_of.get(out.request_id)
-            if frontend is None:
-                continue  # aborted meanwhile
-            group = by_frontend.setdefault(frontend, ([], []))
-            group[0].append(out)
-            first = bool(out.new_token_ids) and out.request_id not in self._first_token_sent
-            if first:
-                self._first_token_sent.add(out.request_id)
-            if first or out.finish_reason is not None:
-                timing = self._timing(out.request_id, out.finish_reason is not None)
-                if timing is not None:
-                    group[1].append(timing)
-            if out.finish_reason is not None:
-                self._forget(out.request_id)
-        if not by_frontend:
-            return
+        finished = batch.finish_reasons != 0
+        timing_rows = np.flatnonzero(batch.first_token | finished).tolist()
+        timings: dict[int, RequestTiming] = {}
+        for i in timing_rows:
+            timing = self._timing(batch.request_ids[i], bool(finished[i]))
+            if timing is not None:
+                timings[i] = timing
         stats = self._stats()
-        for frontend, (outs, timings) in by_frontend.items():
-            self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, outs, stats, timings)))
+        frontends = np.unique(batch.clients).tolist()
+        for frontend in frontends:
+            share = batch if len(frontends) == 1 else batch.select(np.flatnonzero(batch.clients == frontend))
+            share_timings = [t for i, t in timings.items() if batch.clients[i] == frontend]
+            self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, share, stats, share_timings)))
 
     def _timing(self, request_id: str, finished: bool) -> RequestTiming | None:
         times = self.core.request_times(request_id)

@@ -66,8 +66,10 @@ def prefill_tokens(num_scheduled: ArrayLike, num_computed: ArrayLike, prompt_len
     request are not prompt: they never were in the admission backlog), and whether a
     scheduled prompt is left unfinished (a chunked prefill: backlog the step could not take).
     Vectorised: it runs on every engine step, over every scheduled row."""
-    scheduled = np.asarray(num_scheduled, dtype=np.int64)
     computed = np.asarray(num_computed, dtype=np.int64)
-    prompt = np.asarray(prompt_lens, dtype=np.int64)
-    tokens = int(np.clip(prompt - computed, 0, scheduled).sum())
-    return tokens, bool((computed + scheduled < prompt).any())
+    left = np.asarray(prompt_lens, dtype=np.int64) - computed  # prompt tokens not computed before the step
+    if not len(left) or left.max() <= 0:
+        return 0, False  # decodes only: the common step
+    scheduled = np.asarray(num_scheduled, dtype=np.int64)
+    tokens = int(np.minimum(np.maximum(left, 0), scheduled).sum())
+    return tokens, bool((scheduled < left).any())

@@ -13,15 +13,23 @@ frontend -> engine (the engine's PULL socket at its input address)
 engine -> frontend (a PUSH socket per frontend, connected to its output address)
     ["ready",     engine_index, model_info]
     ["heartbeat", engine_index, stats]
-    ["outputs",   engine_index, [output, ...], stats, [timing, ...]]
+    ["outputs",   engine_index, columns, stats, [timing, ...]]
     ["failed",    engine_index, message]               the engine is about to exit on an error
     ["status",    engine_index, query_id, [status, ...]]   the answer to a QUERY, one status per id
 
 ``params`` is a map of :class:`SamplingParams` fields; ``model_info`` and ``stats``
-are maps (:class:`ModelInfo`, :class:`EngineStats`). An ``output`` is the compact list
-``[request_id, new_token_ids, finish_reason, stop_reason, logprobs, num_cached_tokens,
-error]`` with ``logprobs`` ``nil`` or, per new token, a list of
-``[token_id, logprob, rank]``. A ``timing`` is ``[request_id, queue_time, ttft, e2e]``
+are maps (:class:`ModelInfo`, :class:`EngineStats`). A step's outputs travel as
+``columns`` (:class:`OutputBatch`), one row per request that progressed or ended:
+``[request_ids, token_offsets, token_ids, finish_reasons, num_cached_tokens, extras]``,
+where ``token_offsets`` (``n + 1`` entries, CSR into ``token_ids``) and ``token_ids``
+are little-endian uint32 bytes, ``finish_reasons`` one byte per row (0 = still
+running, else a key of ``FINISH_REASONS``), ``num_cached_tokens`` little-endian int64
+per row (-1: nothing to report), and ``extras`` the few rows with more to say:
+``[row, stop_reason, logprobs, error]``, ``logprobs`` ``nil`` or, per new token, a list
+of ``[token_id, logprob, rank]``. Columns because an engine step reports up to
+thousands of rows: the engine packs them from its arrays without a Python object per
+row, and the frontend, which works per request anyway, expands them into one
+:class:`EngineCoreOutput` per row. A ``timing`` is ``[request_id, queue_time, ttft, e2e]``
 in seconds since the request's ``arrival_time`` (``nil`` where not known yet); the
 engine sends one with a request's first token and one when it finishes. A ``status``
 is a map of :class:`EngineRequestStatus` fields, read from the scheduler between steps
@@ -35,13 +43,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Union
 
 import msgpack
+import numpy as np
 
 from fastsched._core import FINISH_REASONS
 from fastsched.sampling_params import SamplingParams
+
+FINISH_CODES = {reason: code for code, reason in FINISH_REASONS.items()}
+
 
 
 @dataclass
@@ -53,6 +66,11 @@ class EngineCoreRequest:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
+    # Report the request once, when it finishes, with all its tokens: for an in-process
+    # caller that neither streams nor looks at text before the end (``fastsched.LLM``
+    # without stop strings or logprobs), which then costs the engine nothing per step.
+    # Not on the wire: a frontend always gets deltas.
+    final_only: bool = False
 
 
 @dataclass
@@ -66,6 +84,105 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, tuple[float, int]]] | None = None  # per token: id -> (logprob, rank)
     num_cached_tokens: int | None = None
     error: str | None = None  # why an ignored request could not run
+
+
+_Logprobs = list[dict[int, tuple[float, int]]]
+
+
+@dataclass(eq=False)
+class OutputBatch:
+    """One engine step's outputs as columns: row ``i`` is one request's delta.
+
+    The engine fills it from the scheduler's arrays without a Python object per row;
+    rows that need more than the columns (a stop token id, logprobs, an error) are the
+    few keys of the sparse maps. Iterating gives one :class:`EngineCoreOutput` per row,
+    for in-process consumers; :func:`encode` packs the columns as bytes.
+    """
+
+    request_ids: list[str]
+    token_offsets: np.ndarray  # [n + 1], CSR into token_ids
+    token_ids: np.ndarray  # new tokens of all rows
+    finish_reasons: np.ndarray  # [n] uint8: 0 still running, else a key of FINISH_REASONS
+    num_cached_tokens: np.ndarray  # [n] int64: the prefix-cache hit, reported once; -1 = nothing
+    first_token: np.ndarray  # [n] bool: the request's first token is in this delta (engine side only)
+    clients: np.ndarray  # [n] int: the frontend the request came from (engine side only)
+    stop_reasons: dict[int, int | str] = field(default_factory=dict)  # row -> the stop token id that ended it
+    logprobs: dict[int, _Logprobs] = field(default_factory=dict)  # row -> per new token: id -> (logprob, rank)
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why an ignored request could not run
+
+    @classmethod
+    def empty(cls) -> OutputBatch:
+        return cls.from_outputs([])
+
+    @classmethod
+    def from_outputs(cls, outputs: Sequence[EngineCoreOutput], client: int = 0) -> OutputBatch:
+        """The columns of a list of outputs (for the rare outputs built one by one)."""
+        lengths = [len(o.new_token_ids) for o in outputs]
+        offsets = np.zeros(len(outputs) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        n = len(outputs)
+        return cls(
+            request_ids=[o.request_id for o in outputs],
+            token_offsets=offsets,
+            token_ids=np.array([t for o in outputs for t in o.new_token_ids], dtype=np.int64),
+            finish_reasons=np.array([FINISH_CODES.get(o.finish_reason, 0) for o in outputs], dtype=np.uint8),
+            num_cached_tokens=np.array([-1 if o.num_cached_tokens is None else o.num_cached_tokens
+                                        for o in outputs], dtype=np.int64),
+            first_token=np.zeros(n, dtype=bool),
+            clients=np.full(n, client, dtype=np.int64),
+            stop_reasons={i: o.stop_reason for i, o in enumerate(outputs) if o.stop_reason is not None},
+            logprobs={i: o.new_logprobs for i, o in enumerate(outputs) if o.new_logprobs is not None},
+            errors={i: o.error for i, o in enumerate(outputs) if o.error is not None},
+        )
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __iter__(self) -> Iterator[EngineCoreOutput]:
+        offsets = self.token_offsets.tolist()
+        tokens = self.token_ids.tolist()
+        reasons = self.finish_reasons.tolist()
+        cached = self.num_cached_tokens.tolist()
+        for i, request_id in enumerate(self.request_ids):
+            yield EngineCoreOutput(
+                request_id,
+                tokens[offsets[i] : offsets[i + 1]],
+                FINISH_REASONS.get(reasons[i]),
+                self.stop_reasons.get(i),
+                self.logprobs.get(i),
+                None if cached[i] < 0 else cached[i],
+                self.errors.get(i),
+            )
+
+    def select(self, rows: np.ndarray) -> OutputBatch:
+        """The batch of ``rows`` (ascending row indices), e.g. one frontend's share."""
+        offsets, token_ids = select_csr(self.token_offsets, self.token_ids, rows)
+        new_row = {int(r): i for i, r in enumerate(rows.tolist())} if self._has_extras() else {}
+        return OutputBatch(
+            request_ids=np.asarray(self.request_ids, dtype=object)[rows].tolist(),
+            token_offsets=offsets,
+            token_ids=token_ids,
+            finish_reasons=self.finish_reasons[rows],
+            num_cached_tokens=self.num_cached_tokens[rows],
+            first_token=self.first_token[rows],
+            clients=self.clients[rows],
+            stop_reasons={new_row[r]: v for r, v in self.stop_reasons.items() if r in new_row},
+            logprobs={new_row[r]: v for r, v in self.logprobs.items() if r in new_row},
+            errors={new_row[r]: v for r, v in self.errors.items() if r in new_row},
+        )
+
+    def _has_extras(self) -> bool:
+        return bool(self.stop_reasons or self.logprobs or self.errors)
+
+
+def select_csr(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``rows`` of the CSR ``(offsets, values)``, as a new CSR."""
+    starts = offsets[:-1][rows].astype(np.int64)
+    lengths = offsets[1:][rows] - starts
+    new_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new_offsets[1:])
+    within = np.arange(int(new_offsets[-1])) - np.repeat(new_offsets[:-1], lengths)
+    return new_offsets, values[np.repeat(starts, lengths) + within]
 
 
 UNKNOWN = "unknown"  # a request status: the engine no longer holds it; its last output is on its way
@@ -178,7 +295,8 @@ class Heartbeat:
 @dataclass
 class Outputs:
     engine_index: int
-    outputs: list[EngineCoreOutput]
+    # The engine sends an OutputBatch; decode() always gives the list.
+    outputs: list[EngineCoreOutput] | OutputBatch
     stats: EngineStats
     timings: list[RequestTiming] = field(default_factory=list)
 
@@ -245,9 +363,10 @@ def _to_wire(msg: Message) -> list[Any]:
     if isinstance(msg, Ready):
         return [READY, msg.engine_index, dataclasses.asdict(msg.model_info)]
     if isinstance(msg, Heartbeat):
-        return [HEARTBEAT, msg.engine_index, dataclasses.asdict(msg.stats)]
+        return [HEARTBEAT, msg.engine_index, _stats_to_wire(msg.stats)]
     if isinstance(msg, Outputs):
-        return [OUTPUTS, msg.engine_index, [_output_to_wire(o) for o in msg.outputs], dataclasses.asdict(msg.stats),
+        batch = msg.outputs if isinstance(msg.outputs, OutputBatch) else OutputBatch.from_outputs(msg.outputs)
+        return [OUTPUTS, msg.engine_index, _batch_to_wire(batch), _stats_to_wire(msg.stats),
                 [[t.request_id, t.queue_time, t.ttft, t.e2e] for t in msg.timings]]
     if isinstance(msg, Failed):
         return [FAILED, msg.engine_index, msg.message]
@@ -258,11 +377,29 @@ def _to_wire(msg: Message) -> list[Any]:
     raise TypeError(f"not a protocol message: {type(msg).__name__}")
 
 
-def _output_to_wire(o: EngineCoreOutput) -> list[Any]:
-    logprobs = None
-    if o.new_logprobs is not None:
-        logprobs = [[[t, lp, rank] for t, (lp, rank) in entry.items()] for entry in o.new_logprobs]
-    return [o.request_id, list(o.new_token_ids), o.finish_reason, o.stop_reason, logprobs, o.num_cached_tokens, o.error]
+_STATS_FIELDS = tuple(f.name for f in fields(EngineStats))
+
+
+def _stats_to_wire(stats: EngineStats) -> dict[str, Any]:
+    """A shallow map: sent with every step's outputs, where ``dataclasses.asdict``'s deep
+    copy of the counter maps cost more than packing them."""
+    return {name: getattr(stats, name) for name in _STATS_FIELDS}
+
+
+def _batch_to_wire(b: OutputBatch) -> list[Any]:
+    extras = []
+    for row in sorted({*b.stop_reasons, *b.logprobs, *b.errors}):
+        entries = b.logprobs.get(row)
+        logprobs = None if entries is None else [[[t, lp, rank] for t, (lp, rank) in e.items()] for e in entries]
+        extras.append([row, b.stop_reasons.get(row), logprobs, b.errors.get(row)])
+    return [
+        b.request_ids,
+        b.token_offsets.astype("<u4").tobytes(),
+        b.token_ids.astype("<u4").tobytes(),
+        b.finish_reasons.astype(np.uint8).tobytes(),
+        b.num_cached_tokens.astype("<i8").tobytes(),
+        extras,
+    ]
 
 
 # ------------------------------------------------------------------ decode
@@ -409,32 +546,60 @@ def _decode_heartbeat(engine_index: Any, stats: Any) -> Heartbeat:
     return Heartbeat(_index(engine_index, "engine_index"), _decode_stats(stats))
 
 
-def _decode_output(o: Any) -> EngineCoreOutput:
-    _check(isinstance(o, list) and len(o) == 7, "an output must be an array of 7 fields")
-    request_id, new, finish, stop_reason, logprobs, cached, error = o
-    _check(finish is None or finish in _FINISH_REASONS, f"unknown finish_reason {finish!r}")
-    _check(stop_reason is None or isinstance(stop_reason, (int, str)), "stop_reason must be an int, a string or nil")
-    _check(error is None or isinstance(error, str), "error must be a string or nil")
-    new_logprobs = None
-    if logprobs is not None:
-        _check(isinstance(logprobs, list), "logprobs must be an array")
-        new_logprobs = []
-        for entry in logprobs:
-            _check(isinstance(entry, list), "a logprobs entry must be an array")
-            row: dict[int, tuple[float, int]] = {}
-            for item in entry:
-                _check(isinstance(item, list) and len(item) == 3, "a logprob must be [token_id, logprob, rank]")
-                row[_int(item[0], "token_id")] = (_float(item[1], "logprob"), _int(item[2], "rank"))
-            new_logprobs.append(row)
-    return EngineCoreOutput(
-        _str(request_id, "request_id"),
-        _int_list(new, "new_token_ids"),
-        finish,
-        stop_reason,
-        new_logprobs,
-        None if cached is None else _index(cached, "num_cached_tokens"),
-        error,
-    )
+def _decode_logprobs(logprobs: Any) -> _Logprobs | None:
+    if logprobs is None:
+        return None
+    _check(isinstance(logprobs, list), "logprobs must be an array")
+    entries = []
+    for entry in logprobs:
+        _check(isinstance(entry, list), "a logprobs entry must be an array")
+        row: dict[int, tuple[float, int]] = {}
+        for item in entry:
+            _check(isinstance(item, list) and len(item) == 3, "a logprob must be [token_id, logprob, rank]")
+            row[_int(item[0], "token_id")] = (_float(item[1], "logprob"), _int(item[2], "rank"))
+        entries.append(row)
+    return entries
+
+
+def _column(data: Any, dtype: str, length: int | None, what: str) -> np.ndarray:
+    _check(isinstance(data, bytes), f"{what} must be bytes")
+    size = np.dtype(dtype).itemsize
+    _check(len(data) % size == 0, f"{what} must be a whole number of {size}-byte values")
+    column = np.frombuffer(data, dtype=dtype)
+    _check(length is None or len(column) == length, f"{what} must have {length} values, got {len(column)}")
+    return column
+
+
+def _decode_batch(columns: Any) -> list[EngineCoreOutput]:
+    _check(isinstance(columns, list) and len(columns) == 6, "outputs must be an array of 6 columns")
+    request_ids, offsets_b, tokens_b, reasons_b, cached_b, extras = columns
+    _check(isinstance(request_ids, list), "request_ids must be an array")
+    ids = [_str(r, "request_id") for r in request_ids]
+    n = len(ids)
+    offsets = _column(offsets_b, "<u4", n + 1, "token_offsets")
+    tokens = _column(tokens_b, "<u4", None, "token_ids")
+    reasons = _column(reasons_b, "u1", n, "finish_reasons").tolist()
+    cached = _column(cached_b, "<i8", n, "num_cached_tokens").tolist()
+    _check(offsets[0] == 0 and bool((np.diff(offsets.astype(np.int64)) >= 0).all()) and offsets[-1] == len(tokens),
+           "token_offsets must start at 0, never decrease and end at len(token_ids)")
+    _check(all(r == 0 or r in FINISH_REASONS for r in reasons), "unknown finish_reason code")
+    _check(all(c >= -1 for c in cached), "num_cached_tokens must be -1 or non-negative")
+    token_list, bounds = tokens.tolist(), offsets.tolist()
+    outputs = [
+        EngineCoreOutput(ids[i], token_list[bounds[i] : bounds[i + 1]], FINISH_REASONS.get(reasons[i]),
+                         num_cached_tokens=None if cached[i] < 0 else cached[i])
+        for i in range(n)
+    ]
+    _check(isinstance(extras, list), "extras must be an array")
+    for extra in extras:
+        _check(isinstance(extra, list) and len(extra) == 4, "an extra must be [row, stop_reason, logprobs, error]")
+        row, stop_reason, logprobs, error = extra
+        _check(0 <= _int(row, "extra row") < n, f"extra row {row} is out of range")
+        _check(stop_reason is None or isinstance(stop_reason, (int, str)), "stop_reason must be an int, a string or nil")
+        _check(error is None or isinstance(error, str), "error must be a string or nil")
+        out = outputs[row]
+        out.stop_reason, out.new_logprobs, out.error = stop_reason, _decode_logprobs(logprobs), error
+    return outputs
 
 
 def _decode_timing(t: Any) -> RequestTiming:
@@ -445,11 +610,10 @@ def _decode_timing(t: Any) -> RequestTiming:
 
 
 def _decode_outputs(engine_index: Any, outputs: Any, stats: Any, timings: Any) -> Outputs:
-    _check(isinstance(outputs, list), "outputs must be an array")
     _check(isinstance(timings, list), "timings must be an array")
     return Outputs(
         _index(engine_index, "engine_index"),
-        [_decode_output(o) for o in outputs],
+        _decode_batch(outputs),
         _decode_stats(stats),
         [_decode_timing(t) for t in timings],
     )

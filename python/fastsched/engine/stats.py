@@ -38,9 +38,8 @@ class StatsLogger:
         self.prompt_tokens_total += num_prompt_tokens
         self._prompt_since += num_prompt_tokens
 
-    def on_step(self, outputs: list, scheduler_stats: Callable[[], dict]) -> None:
-        """Counts the step's tokens; reads the scheduler's stats only when a log line is due."""
-        generated = sum(len(o.new_token_ids) for o in outputs)
+    def on_step(self, generated: int, scheduler_stats: Callable[[], dict]) -> None:
+        """Counts the step's ``generated`` tokens; reads the scheduler's stats only when a log line is due."""
         self.generation_tokens_total += generated
         self._generation_since += generated
         if self.interval <= 0:

@@ -94,6 +94,9 @@ class LLM:
         )
         child_ids = child_request_ids(request_id, params.n)
         for i, request in enumerate(InputProcessor.engine_requests(child_ids, token_ids, params)):
+            # Text is only looked at by stop strings before the end, and logprobs come per
+            # token: anything else is reported once, when it finishes (no per-step cost).
+            request.final_only = not request.params.stop and request.params.logprobs is None
             self.engine.add_request(request)
             added.append(request.request_id)
             processor.add_request(request.request_id, parent, i, request.params)

@@ -56,4 +56,5 @@ def dequantize(tensor: GGUFTensor) -> np.ndarray:
         block_bytes, blocks_to_floats = _FAST[tensor.tensor_type]
         blocks = np.ascontiguousarray(tensor.data).reshape(-1, block_bytes)
         return blocks_to_floats(blocks).reshape(tensor.shape)
-    return np.asarray(_gguf_dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(tensor.shape)
+    # A copy: plain float tensors would otherwise be read-only views of the file's memory map.
+    return np.array(_gguf_dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(tensor.shape)

@@ -4,17 +4,21 @@ the frontend (``fastsched.frontend.stop``)."""
 from fastsched.sample.sampler import (
     LogprobsTensors,
     PenaltyTensors,
+    RowSamplingParams,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
     make_generator,
+    to_device,
 )
 
 __all__ = [
     "LogprobsTensors",
     "PenaltyTensors",
+    "RowSamplingParams",
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
     "make_generator",
+    "to_device",
 ]

@@ -3,20 +3,32 @@
 The order follows vLLM V1, so that the same parameters mean the same thing here:
 raw logprobs (of the unprocessed logits) -> min_tokens mask -> penalties ->
 greedy argmax -> temperature -> min_p -> top-k/top-p -> exponential race.
-Every per-row parameter arrives as a tensor built once per step
-(:meth:`SamplingMetadata.build`), so the only per-row Python in the hot path is
-one draw per seeded row from that request's own generator.
+Every per-row parameter arrives as a tensor gathered once per step from columns
+kept per batch row (:class:`RowSamplingParams`), so the only per-row Python in the
+hot path is for rows that need something of their own: one draw per seeded row from
+that request's own generator, the histories of rows with penalties, the banned ids
+of rows below ``min_tokens``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from itertools import chain
 
+import numpy as np
 import torch
 
 from fastsched.sampling_params import SamplingParams
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``. To a GPU through pinned memory and a non-blocking copy:
+    a plain copy from pageable memory waits for the work already queued on the device, which
+    would stall the thread issuing the next step behind the one running (async scheduling)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -76,31 +88,199 @@ class SamplingMetadata:
         banned with ``stop_token_ids`` until row ``i`` has ``min_tokens`` outputs,
         unless it ignores EOS; ids outside the vocabulary can never be sampled and
         are skipped.  ``generators[i]`` is used only when row ``i`` samples randomly.
+
+        The engine keeps a :class:`RowSamplingParams` per batch row instead and gathers
+        from it; this builds one for the given rows, so both paths share every rule.
         """
-        greedy = [p.is_greedy for p in params]
-        random_rows = [i for i, g in enumerate(greedy) if not g]
-        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        top_k = [vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
-        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-        requested = [p.logprobs for p in params if p.logprobs is not None]
-
-        def tensor(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        return cls(
-            temperature=tensor(temperature),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=not random_rows,
-            all_random=len(random_rows) == len(params),
-            top_k=torch.tensor(top_k, device=device) if any(k < vocab_size for k in top_k) else None,
-            top_p=tensor(top_p) if any(p < 1.0 for p in top_p) else None,
-            min_p=tensor(min_p) if any(p > 0.0 for p in min_p) else None,
-            generators={i: g for i in random_rows if (g := generators[i]) is not None},
-            penalties=_build_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
-            min_tokens_mask=_build_min_tokens_mask(params, output_token_ids, eos_token_ids, vocab_size, device),
-            max_num_logprobs=max(requested) if requested else None,
+        rows = RowSamplingParams(len(params), vocab_size)
+        for i, (p, eos, generator) in enumerate(zip(params, eos_token_ids, generators)):
+            rows.set_row(i, p, eos, generator)
+        return rows.gather(
+            np.arange(len(params)),
+            lambda: np.array([len(o) for o in output_token_ids], dtype=np.int64),
+            lambda i: (prompt_token_ids[i], output_token_ids[i]),
+            device,
         )
+
+    def to(self, device: torch.device) -> SamplingMetadata:
+        """The metadata with its tensors on ``device``, copied without waiting for the device
+        (see :func:`to_device`); seeded rows keep their own generators."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else to_device(t, device)
+
+        p = self.penalties
+        return dataclasses.replace(
+            self,
+            temperature=to_device(self.temperature, device),
+            is_greedy=to_device(self.is_greedy, device),
+            top_k=move(self.top_k),
+            top_p=move(self.top_p),
+            min_p=move(self.min_p),
+            penalties=None if p is None else PenaltyTensors(*(to_device(getattr(p, f.name), device)
+                                                              for f in dataclasses.fields(p))),
+            min_tokens_mask=None if self.min_tokens_mask is None else (
+                to_device(self.min_tokens_mask[0], device), to_device(self.min_tokens_mask[1], device)),
+        )
+
+    def add_output_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Counts one more output token for each of ``rows`` in the penalties' histories.
+
+        Async scheduling builds a step's metadata before the previous step's token of a
+        row is known; the runner adds it here once it is, before sampling."""
+        if self.penalties is None or rows.numel() == 0:
+            return
+        p = self.penalties
+        p.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=p.output_counts.dtype),
+                                   accumulate=True)
+        p.seen_mask[rows, tokens] = True
+
+
+class RowSamplingParams:
+    """Every batch row's sampling parameters as numpy columns, written once per request.
+
+    A row's columns are set when a request takes the row (:meth:`set_row`), so a step
+    gathers its rows' parameters with a few numpy takes (:meth:`gather`) instead of
+    reading one ``SamplingParams`` per row.  Only rows that need something of their own
+    are visited one by one: seeded rows (their generator), rows with penalties (their
+    histories) and rows still below ``min_tokens`` (their banned ids).
+    """
+
+    def __init__(self, num_rows: int, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.greedy = np.ones(num_rows, dtype=bool)
+        self.temperature = np.ones(num_rows, dtype=np.float32)  # 1 on greedy rows
+        self.top_k = np.full(num_rows, vocab_size, dtype=np.int64)  # vocab where off
+        self.top_p = np.ones(num_rows, dtype=np.float32)
+        self.min_p = np.zeros(num_rows, dtype=np.float32)
+        self.penalized = np.zeros(num_rows, dtype=bool)
+        self.presence = np.zeros(num_rows, dtype=np.float32)
+        self.frequency = np.zeros(num_rows, dtype=np.float32)
+        self.repetition = np.ones(num_rows, dtype=np.float32)
+        self.min_tokens = np.zeros(num_rows, dtype=np.int64)
+        self.logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1: none requested
+        self.seeded = np.zeros(num_rows, dtype=bool)  # a random row with its own generator
+        # Greedy with nothing else (no penalties, min_tokens or logprobs): the common row,
+        # which a step of only such rows samples without gathering anything else.
+        self.plain = np.ones(num_rows, dtype=bool)
+        self._all_greedy_metadata: SamplingMetadata | None = None
+        self.generators: list[torch.Generator | None] = [None] * num_rows
+        self.banned: list[list[int]] = [[] for _ in range(num_rows)]  # ids banned below min_tokens
+
+    def set_row(
+        self, row: int, p: SamplingParams, eos_token_ids: Collection[int], generator: torch.Generator | None
+    ) -> None:
+        """Row ``row`` now samples for a request with ``p`` (see :meth:`SamplingMetadata.build`)."""
+        greedy = p.is_greedy
+        vocab = self.vocab_size
+        self.greedy[row] = greedy
+        self.temperature[row] = 1.0 if greedy else p.temperature
+        self.top_k[row] = vocab if greedy or p.top_k <= 0 else min(p.top_k, vocab)
+        self.top_p[row] = 1.0 if greedy else p.top_p
+        self.min_p[row] = 0.0 if greedy else p.min_p
+        self.penalized[row] = _has_penalty(p)
+        self.presence[row] = p.presence_penalty
+        self.frequency[row] = p.frequency_penalty
+        self.repetition[row] = p.repetition_penalty
+        self.min_tokens[row] = p.min_tokens
+        self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.seeded[row] = not greedy and generator is not None
+        self.generators[row] = generator if self.seeded[row] else None
+        banned = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
+        self.banned[row] = [t for t in banned if 0 <= t < vocab] if p.min_tokens > 0 else []
+        self.plain[row] = greedy and not self.penalized[row] and p.min_tokens == 0 and p.logprobs is None
+
+    def clear_row(self, row: int) -> None:
+        """Drops the row's generator, so a finished request's state is not kept alive."""
+        self.generators[row] = None
+
+    def gather(
+        self,
+        rows: np.ndarray,
+        num_output_tokens: Callable[[], np.ndarray],
+        history: Callable[[int], tuple[Sequence[int], Sequence[int]]],
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """The metadata of a step sampling ``rows`` (one metadata row each, in order).
+
+        ``num_output_tokens()[i]``: outputs row ``i`` already has, asked only when a row
+        has ``min_tokens``. ``history(i)``: its (prompt, output) token ids, asked only for
+        rows with penalties.
+        """
+        if self.plain[rows].all():
+            return self._all_greedy(len(rows), device)
+        greedy = self.greedy[rows]
+        num_greedy = int(greedy.sum())
+        top_k = self.top_k[rows]
+        top_p = self.top_p[rows]
+        min_p = self.min_p[rows]
+        logprobs = self.logprobs[rows]
+        max_logprobs = int(logprobs.max(initial=-1))
+
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values).to(device)
+
+        seeded = np.flatnonzero(self.seeded[rows]).tolist()
+        return SamplingMetadata(
+            temperature=tensor(self.temperature[rows]),
+            is_greedy=tensor(greedy),
+            all_greedy=num_greedy == len(rows),
+            all_random=num_greedy == 0,
+            top_k=tensor(top_k) if (top_k < self.vocab_size).any() else None,
+            top_p=tensor(top_p) if (top_p < 1.0).any() else None,
+            min_p=tensor(min_p) if (min_p > 0.0).any() else None,
+            generators={i: self.generators[rows[i]] for i in seeded},  # type: ignore[misc]
+            penalties=self._penalties(rows, history, device),
+            min_tokens_mask=self._min_tokens_mask(rows, num_output_tokens, device),
+            max_num_logprobs=max_logprobs if max_logprobs >= 0 else None,
+        )
+
+    def _all_greedy(self, n: int, device: torch.device | str) -> SamplingMetadata:
+        """The metadata of ``n`` plain greedy rows. Nothing changes it (it has no penalties),
+        so the last one is reused while the batch size stays the same."""
+        cached = self._all_greedy_metadata
+        if cached is None or cached.is_greedy.shape[0] != n or cached.is_greedy.device != torch.device(device):
+            cached = self._all_greedy_metadata = SamplingMetadata(
+                temperature=torch.ones(n, device=device), is_greedy=torch.ones(n, dtype=torch.bool, device=device),
+                all_greedy=True, all_random=n == 0, top_k=None, top_p=None, min_p=None, generators={},
+                penalties=None, min_tokens_mask=None, max_num_logprobs=None,
+            )
+        return cached
+
+    def _penalties(
+        self, rows: np.ndarray, history: Callable[[int], tuple[Sequence[int], Sequence[int]]],
+        device: torch.device | str,
+    ) -> PenaltyTensors | None:
+        used = np.flatnonzero(self.penalized[rows]).tolist()
+        if not used:
+            return None
+        # Rows without penalties get neutral values, so their histories need not be read.
+        histories = [history(i) for i in used]
+        output_counts = _bin_counts(used, [h[1] for h in histories], len(rows), self.vocab_size, device)
+        prompt_counts = _bin_counts(used, [h[0] for h in histories], len(rows), self.vocab_size, device)
+        return PenaltyTensors(
+            presence=torch.from_numpy(self.presence[rows]).to(device),
+            frequency=torch.from_numpy(self.frequency[rows]).to(device),
+            repetition=torch.from_numpy(self.repetition[rows]).to(device),
+            output_counts=output_counts,
+            seen_mask=(output_counts > 0) | (prompt_counts > 0),
+        )
+
+    def _min_tokens_mask(
+        self, rows: np.ndarray, num_output_tokens: Callable[[], np.ndarray], device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        min_tokens = self.min_tokens[rows]
+        if not min_tokens.any():
+            return None
+        below = np.flatnonzero(num_output_tokens() < min_tokens).tolist()
+        mask_rows: list[int] = []
+        tokens: list[int] = []
+        for i in below:
+            banned = self.banned[rows[i]]
+            mask_rows += [i] * len(banned)
+            tokens += banned
+        if not mask_rows:
+            return None
+        return torch.tensor(mask_rows, device=device), torch.tensor(tokens, device=device)
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -108,58 +288,17 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 
 def _bin_counts(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
+    rows: Sequence[int], token_ids: Sequence[Sequence[int]], num_rows: int, vocab_size: int,
+    device: torch.device | str,
 ) -> torch.Tensor:
-    """``[B, vocab]`` occurrence counts; only the flat ids cross to the device, not a dense matrix."""
+    """``[num_rows, vocab]`` occurrence counts of ``token_ids[j]`` in row ``rows[j]`` (other rows zero);
+    only the flat ids cross to the device, not a dense matrix."""
     lengths = torch.tensor([len(t) for t in token_ids], device=device)
-    flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)
-    counts = torch.zeros(len(token_ids) * vocab_size, dtype=torch.int32, device=device)
-    counts.scatter_add_(0, rows * vocab_size + flat, torch.ones_like(flat, dtype=torch.int32))
-    return counts.view(len(token_ids), vocab_size)
-
-
-def _build_penalties(
-    params: Sequence[SamplingParams],
-    prompt_token_ids: Sequence[Sequence[int]],
-    output_token_ids: Sequence[Sequence[int]],
-    vocab_size: int,
-    device: torch.device | str,
-) -> PenaltyTensors | None:
-    used = [_has_penalty(p) for p in params]
-    if not any(used):
-        return None
-    # Rows without penalties get neutral values, so their histories need not be read.
-    output_counts = _bin_counts([o if u else () for o, u in zip(output_token_ids, used)], vocab_size, device)
-    prompt_counts = _bin_counts([t if u else () for t, u in zip(prompt_token_ids, used)], vocab_size, device)
-    return PenaltyTensors(
-        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
-        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
-        repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
-        output_counts=output_counts,
-        seen_mask=(output_counts > 0) | (prompt_counts > 0),
-    )
-
-
-def _build_min_tokens_mask(
-    params: Sequence[SamplingParams],
-    output_token_ids: Sequence[Sequence[int]],
-    eos_token_ids: Sequence[Collection[int]],
-    vocab_size: int,
-    device: torch.device | str,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    rows: list[int] = []
-    tokens: list[int] = []
-    for i, p in enumerate(params):
-        if len(output_token_ids[i]) >= p.min_tokens:
-            continue
-        banned = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids[i]))
-        banned_in_vocab = [t for t in banned if 0 <= t < vocab_size]
-        rows += [i] * len(banned_in_vocab)
-        tokens += banned_in_vocab
-    if not rows:
-        return None
-    return torch.tensor(rows, device=device), torch.tensor(tokens, device=device)
+    flat = torch.from_numpy(np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids])).to(device)
+    row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=device), lengths)
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.int32, device=device)
+    counts.scatter_add_(0, row_ids * vocab_size + flat, torch.ones_like(flat, dtype=torch.int32))
+    return counts.view(num_rows, vocab_size)
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
@@ -226,16 +365,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample from ``logits`` (``[B, vocab]`` fp32), which is left unchanged for the raw logprobs."""
-        processed = logits.clone()
+        # Greedy rows without penalties or bans read the logits as they are: no copy
+        # (at a thousand rows of a large vocabulary the copy costs more than the argmax).
+        modifies = not metadata.all_greedy or metadata.min_tokens_mask is not None or metadata.penalties is not None
+        processed = logits.clone() if modifies else logits
         if metadata.min_tokens_mask is not None:
             processed[metadata.min_tokens_mask] = float("-inf")
         if metadata.penalties is not None:
             apply_penalties(processed, metadata.penalties)
 
         if metadata.all_greedy:
-            sampled = processed.argmax(dim=-1)
+            sampled = _argmax(processed)
         else:
-            greedy = None if metadata.all_random else processed.argmax(dim=-1)
+            greedy = None if metadata.all_random else _argmax(processed)
             random = self._sample_random(processed, metadata)
             sampled = random if greedy is None else torch.where(metadata.is_greedy, greedy, random)
 
@@ -258,7 +400,15 @@ class Sampler:
             q.exponential_(generator=self.generator)
         for row, generator in metadata.generators.items():
             q[row].exponential_(generator=generator)
-        return probs.div_(q).argmax(dim=-1)
+        return _argmax(probs.div_(q))
+
+
+def _argmax(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first on ties). On the CPU through numpy, whose SIMD argmax
+    is about 10x torch's there: 2 ms against 0.2 ms for 1024 rows of 1024 logits."""
+    if rows.device.type == "cpu":
+        return torch.from_numpy(rows.numpy().argmax(axis=-1))
+    return rows.argmax(dim=-1)
 
 
 def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:

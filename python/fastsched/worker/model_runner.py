@@ -2,14 +2,17 @@
 
 The scheduler (Rust) decides which requests compute how many tokens; the runner
 turns its arrays into the model's inputs (token ids, positions, KV slot mapping,
-block tables) with numpy gathers, runs the model once over all of them, computes
-logits only for requests whose prompt is complete, and samples one token each.
+block tables, sampling parameters) with numpy gathers, runs the model once over all
+of them, computes logits only for requests whose prompt is complete, and samples one
+token each. Preparing (host) and executing (forward pass and sampling) are separate
+calls so that the engine can prepare step N+1 while step N executes (async scheduling).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,22 +21,10 @@ import torch
 from fastsched._core import SchedulerOutput
 from fastsched.attention import AttentionBackend, AttentionMetadata
 from fastsched.models.config import ModelConfig
-from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata
-from fastsched.sampling_params import SamplingParams
-from fastsched.worker.input_batch import InputBatch
+from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, to_device
+from fastsched.worker.input_batch import InputBatch, Reservation, RowState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RowState:
-    """What sampling needs of one request (the engine owns and updates it)."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    eos_token_ids: tuple[int, ...]
-    generator: torch.Generator | None
 
 
 @dataclass
@@ -42,7 +33,50 @@ class StepResult:
 
     tokens: np.ndarray  # [num_scheduled] int64
     sampled_positions: np.ndarray  # indices into the scheduled requests that sampled
-    logprobs: LogprobsTensors | None  # rows aligned with sampled_positions
+    logprobs: LogprobsTensors | None  # rows aligned with sampled_positions, on the CPU
+
+
+@dataclass
+class PreparedStep:
+    """One step's model inputs, built on the host from the scheduler's arrays (:meth:`ModelRunner.prepare`).
+
+    Everything here belongs to the step alone, so a worker thread can run its forward
+    pass while the host prepares the next one."""
+
+    num_reqs: int
+    input_ids: np.ndarray  # [T] int64; placeholders (see below) hold stale values
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+    sampled_positions: np.ndarray  # scheduled requests that sample a token, in order
+    sampled_handles: np.ndarray  # their handles
+    logits_indices: np.ndarray | None  # their last tokens in the flat batch; None: every token
+    reservation: Reservation  # where each sampled token goes in its row
+    sampling: SamplingMetadata | None  # None when no request samples
+    # Async scheduling: input tokens sampled by the previous step, not known when this
+    # step was prepared: input_ids[placeholder_dst] = previous sampled[placeholder_src].
+    placeholder_dst: np.ndarray
+    placeholder_src: np.ndarray
+    # ... and the same tokens for the penalties' histories: sampling row, previous index.
+    penalty_rows: np.ndarray
+    penalty_src: np.ndarray
+
+
+@dataclass
+class ExecutedStep:
+    """A step whose forward pass and sampling were issued (:meth:`ModelRunner.execute`)."""
+
+    step: PreparedStep
+    sampled: torch.Tensor | None  # [num sampled] int64 on the host (copy in flight until ``ready``)
+    logprobs: LogprobsTensors | None  # likewise
+    ready: torch.cuda.Event | None  # None on the CPU: the results are there already
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -51,6 +85,12 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 
 
 class ModelRunner:
+    """Prepares steps on the host (:meth:`prepare`, :meth:`write_sampled`), runs them
+    (:meth:`execute`) and gets their results (:meth:`fetch`). ``execute`` touches only
+    the step's own inputs, the model, the KV cache and the sampled tokens of the step it
+    ran before, so it may run on a worker thread while the host prepares the next step;
+    steps must be executed in the order they were prepared."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -75,80 +115,177 @@ class ModelRunner:
             torch.empty(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
             for _ in range(cfg.num_layers)
         ]
-        self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, cfg.vocab_size)
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
+        # The tokens sampled by the last step executed, on the device: the next step's placeholders.
+        self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
 
-    @torch.inference_mode()
-    def execute(
+    def prepare(
         self,
         so: SchedulerOutput,
-        tokens_of: Callable[[int], Sequence[int]],
+        tokens_of: Callable[[int], np.ndarray],
         row_state_of: Callable[[int], RowState],
-    ) -> StepResult:
+    ) -> PreparedStep:
+        """Applies the scheduler's decision to the batch and builds the step's inputs (host only)."""
         batch = self.batch
         batch.release(so.finished)
         batch.release(so.preempted)
         n_reqs = len(so)
-        if n_reqs == 0:
-            empty = np.zeros(0, dtype=np.int64)
-            return StepResult(tokens=empty, sampled_positions=empty, logprobs=None)
-        rows = batch.update(so, tokens_of)
-
-        num_sched = so.num_scheduled_tokens.astype(np.int64)
+        rows = batch.update(so, tokens_of, row_state_of) if n_reqs else _EMPTY
         computed = so.num_computed_tokens.astype(np.int64)
-        query_start = np.zeros(n_reqs + 1, dtype=np.int64)
-        np.cumsum(num_sched, out=query_start[1:])
-        total = int(query_start[-1])
-        req_of_token = np.repeat(np.arange(n_reqs), num_sched)
-        positions = np.arange(total) - query_start[req_of_token] + computed[req_of_token]
-        token_rows = rows[req_of_token]
-        input_ids = batch.token_ids[token_rows, positions]
+        total = so.total_num_scheduled_tokens
+        if total == n_reqs:
+            # One token per request (decodes, the common step): no per-token expansion.
+            token_rows, positions = rows, computed
+            query_start = np.arange(n_reqs + 1, dtype=np.int32)
+            seq_lens = computed + 1
+            max_query_len = 1 if n_reqs else 0
+        else:
+            num_sched = so.num_scheduled_tokens.astype(np.int64)
+            starts = np.zeros(n_reqs + 1, dtype=np.int64)
+            np.cumsum(num_sched, out=starts[1:])
+            req_of_token = np.repeat(np.arange(n_reqs), num_sched)
+            token_rows = rows[req_of_token]
+            positions = np.arange(total) - (starts[:-1] - computed)[req_of_token]
+            query_start = starts.astype(np.int32)
+            seq_lens = computed + num_sched
+            max_query_len = int(num_sched.max())
+        max_model_len = batch.token_ids.shape[1]
+        input_ids = batch.token_ids.reshape(-1).take(token_rows * max_model_len + positions)
+        placeholder_dst = placeholder_src = _EMPTY
+        if batch.num_unwritten_steps:
+            placeholder_dst = np.flatnonzero(batch.pending_pos[token_rows] == positions)
+            placeholder_src = batch.pending_index[token_rows[placeholder_dst]]
         bs = self.block_size
-        slots = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = computed + num_sched
-        max_blocks = int(-(-seq_lens.max() // bs))
-        block_tables = batch.block_table[rows, :max_blocks]
-
-        dev = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        self.backend.prepare(metadata)
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
-            self.kv_caches,
-            metadata,
-            self.backend,
-        )
+        table = batch.block_table
+        slots = table.reshape(-1).take(token_rows * table.shape[1] + positions // bs).astype(np.int64) * bs
+        slots += positions % bs
+        max_seq_len = int(seq_lens.max(initial=0))
+        max_blocks = -(-max_seq_len // bs)
 
         # Only requests whose prompt is now complete produce a token.
-        samples = seq_lens >= batch.num_tokens[rows]
-        sampled_positions = np.flatnonzero(samples)
-        tokens = np.full(n_reqs, -1, dtype=np.int64)
-        if len(sampled_positions) == 0:
-            return StepResult(tokens=tokens, sampled_positions=sampled_positions, logprobs=None)
-        last_token = torch.from_numpy(query_start[1:][sampled_positions] - 1).to(dev)
-        logits = self.model.compute_logits(hidden[last_token]).float()
-        states = [row_state_of(int(so.req_handles[i])) for i in sampled_positions.tolist()]
-        metadata_s = SamplingMetadata.build(
-            params=[s.params for s in states],
-            prompt_token_ids=[s.prompt_token_ids for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
-            eos_token_ids=[s.eos_token_ids for s in states],
-            generators=[s.generator for s in states],
-            vocab_size=logits.shape[-1],
-            device=dev,
+        sampled_positions = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        sampled_rows = rows[sampled_positions]
+        sampling = None
+        penalty_rows = penalty_src = _EMPTY
+        if len(sampled_rows):
+            # Host tensors: execute() moves them, so that this thread never waits for the device.
+            sampling = batch.sampling.gather(
+                sampled_rows,
+                lambda: batch.num_tokens[sampled_rows] - batch.num_prompt_tokens[sampled_rows],
+                self._history(sampled_rows),
+            )
+            if sampling.penalties is not None and batch.num_unwritten_steps:
+                pending = batch.pending_pos[sampled_rows] >= 0
+                penalty_rows = np.flatnonzero(pending & batch.sampling.penalized[sampled_rows])
+                penalty_src = batch.pending_index[sampled_rows[penalty_rows]]
+        return PreparedStep(
+            num_reqs=n_reqs,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slots,
+            query_start_loc=query_start,
+            seq_lens=seq_lens.astype(np.int32),
+            block_tables=table[rows, :max_blocks],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            sampled_positions=sampled_positions,
+            sampled_handles=so.req_handles[sampled_positions],
+            logits_indices=None if len(sampled_positions) == total else query_start[1:][sampled_positions] - 1,
+            reservation=batch.reserve(sampled_rows),
+            sampling=sampling,
+            placeholder_dst=placeholder_dst,
+            placeholder_src=placeholder_src,
+            penalty_rows=penalty_rows,
+            penalty_src=penalty_src,
         )
-        out = self.sampler(logits, metadata_s)
-        sampled = out.sampled_token_ids.cpu().numpy()
-        tokens[sampled_positions] = sampled
-        batch.append_tokens(rows[sampled_positions], sampled)
-        return StepResult(tokens=tokens, sampled_positions=sampled_positions, logprobs=out.logprobs)
+
+    def _history(self, sampled_rows: np.ndarray) -> Callable[[int], tuple[np.ndarray, np.ndarray]]:
+        """(prompt, output) token ids of sampled row ``i`` for the penalties, written ones only:
+        the token of a position still pending is added by execute() (async scheduling)."""
+        batch = self.batch
+
+        def history(i: int) -> tuple[np.ndarray, np.ndarray]:
+            row = sampled_rows[i]
+            num_prompt = batch.num_prompt_tokens[row]
+            pending = batch.pending_pos[row]
+            end = pending if pending >= 0 else batch.num_tokens[row]
+            return batch.token_ids[row, :num_prompt], batch.token_ids[row, num_prompt:end]
+
+        return history
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep) -> ExecutedStep:
+        """Issues the forward pass and sampling of a prepared step; on a GPU it returns once
+        they are queued, with the results' copy to the host under way (:meth:`fetch` waits
+        for it), so the next step can be issued while this one runs. See the class
+        docstring for threads."""
+        if step.num_reqs == 0:
+            return ExecutedStep(step, None, None, None)
+        dev = self.device
+
+        def on_device(a: np.ndarray) -> torch.Tensor:
+            return to_device(torch.from_numpy(a), dev)
+
+        input_ids = on_device(step.input_ids)
+        if len(step.placeholder_dst):
+            input_ids[on_device(step.placeholder_dst)] = self._last_sampled[on_device(step.placeholder_src)]
+        metadata = AttentionMetadata(
+            slot_mapping=on_device(step.slot_mapping),
+            query_start_loc=on_device(step.query_start_loc),
+            seq_lens=on_device(step.seq_lens),
+            block_tables=on_device(step.block_tables),
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
+        )
+        self.backend.prepare(metadata)
+        hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend)
+        if step.sampling is None:
+            return ExecutedStep(step, None, None, None)
+        sampling = step.sampling if dev.type == "cpu" else step.sampling.to(dev)
+        if len(step.penalty_rows):
+            sampling.add_output_tokens(on_device(step.penalty_rows), self._last_sampled[on_device(step.penalty_src)])
+        if step.logits_indices is not None:
+            hidden = hidden[on_device(step.logits_indices.astype(np.int64))]
+        logits = self.model.compute_logits(hidden).float()
+        out = self.sampler(logits, sampling)
+        self._last_sampled = out.sampled_token_ids
+        if dev.type == "cpu":
+            return ExecutedStep(step, out.sampled_token_ids, out.logprobs, None)
+        # Non-blocking copies into pinned memory, ready when the event is.
+        tokens = out.sampled_token_ids.to("cpu", non_blocking=True)
+        logprobs = out.logprobs
+        if logprobs is not None:
+            logprobs = LogprobsTensors(
+                *(getattr(logprobs, f.name).to("cpu", non_blocking=True) for f in dataclasses.fields(logprobs))
+            )
+        ready = torch.cuda.Event()
+        ready.record()
+        return ExecutedStep(step, tokens, logprobs, ready)
+
+    def fetch(self, executed: ExecutedStep) -> StepResult:
+        """Waits for an executed step's results (on a GPU, for the device) and returns them on the host."""
+        step = executed.step
+        if executed.sampled is None:
+            return StepResult(tokens=np.full(step.num_reqs, -1, dtype=np.int64), sampled_positions=_EMPTY,
+                              logprobs=None)
+        if executed.ready is not None:
+            executed.ready.synchronize()
+        sampled = executed.sampled.numpy()
+        if len(sampled) == step.num_reqs:  # every request sampled (decodes): the common step
+            tokens = sampled
+        else:
+            tokens = np.full(step.num_reqs, -1, dtype=np.int64)
+            tokens[step.sampled_positions] = sampled
+        return StepResult(tokens=tokens, sampled_positions=step.sampled_positions, logprobs=executed.logprobs)
+
+    def abandon(self, step: PreparedStep) -> None:
+        """A prepared step that will never be written (it failed): its reserved positions
+        belong to requests that are being aborted, whose rows are given up."""
+        self.batch.num_unwritten_steps -= 1
+
+    def write_sampled(self, step: PreparedStep, result: StepResult) -> None:
+        """Records a finished step's sampled tokens in the batch, for the steps prepared after it."""
+        self.batch.write_sampled(step.sampled_handles, step.reservation, result.tokens[step.sampled_positions])
