@@ -820,3 +820,37 @@ def test_stream_with_n_sends_one_choice_per_chunk(servers: Servers) -> None:
                                                max_tokens=3, stream=True))
     assert chat and all(len(c.choices) == 1 for c in chat)
     assert {c.choices[0].index for c in chat} == {0, 1}
+
+
+@pytest.mark.parametrize(("path", "field", "value"), [
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "guided_json", {"type": "object"}),
+    ("/v1/chat/completions", "continue_final_message", True),
+    ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": False}),
+    ("/v1/completions", "structured_outputs", {"regex": "a+"}),
+    ("/v1/completions", "frobnicate", 1),
+])
+def test_errors_a_field_the_server_does_not_implement_is_400_naming_it(http: httpx.Client, path: str, field: str,
+                                                                        value: Any) -> None:
+    """No request field is silently ignored (docs/openai-fields.md)."""
+    base = {"model": MODEL, "max_tokens": 2}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    reply = http.post(path, json={**base, field: value})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == field and field in reply.json()["error"]["message"]
+
+
+def test_the_user_field_is_accepted_and_ignored(http: httpx.Client) -> None:
+    reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": "u-1"})
+    assert reply.status_code == 200, reply.text
+
+
+def test_every_field_the_parsers_know_is_in_the_field_table() -> None:
+    from pathlib import Path
+
+    from fastsched.gateway.openai_protocol import CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS
+
+    table = (Path(__file__).resolve().parents[2] / "docs" / "openai-fields.md").read_text()
+    first_cells = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    documented = {name for cell in first_cells for name in cell.split("`")[1::2]}
+    assert documented == set(CHAT_FIELDS) | set(COMPLETION_FIELDS) | set(IGNORED_FIELDS)

@@ -16,6 +16,7 @@ as OpenAI's chat API does. Completion prompts go as text (the frontend tokenizes
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,6 +25,7 @@ from fastsched.limits import RequestLimits, check_finite, check_prompt_chars
 from fastsched.proto_gen import import_stubs
 
 pb, _ = import_stubs()
+logger = logging.getLogger("fastsched.gateway")
 
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
@@ -189,6 +191,39 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, bool(include_usage)
 
 
+# Every request field each endpoint knows (docs/openai-fields.md lists them with their status).
+# A field outside these is a 400 naming it: nothing a client sends is silently ignored.
+_SAMPLING_FIELDS = frozenset({
+    "model", "stream", "stream_options", "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+    "min_tokens", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "include_stop_str_in_output", "skip_special_tokens", "priority", "logprobs",
+    "logit_bias",  # refused when used
+})
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "add_generation_prompt", "max_completion_tokens", "top_logprobs",
+                                  "tools", "tool_choice"}
+# Accepted and ignored: they do not change the output, so refusing them would only break clients.
+# Each is logged once per process.
+IGNORED_FIELDS = {
+    "user": "an end-user id for abuse monitoring; fastsched keeps no per-user state",
+}
+_WARNED: set[str] = set()
+
+
+def check_fields(body: dict, known: frozenset[str] | set[str]) -> None:
+    """400 for a field this endpoint does not know; a log line (once) for one it ignores."""
+    for name in body:
+        if name in known:
+            continue
+        if name in IGNORED_FIELDS:
+            if name not in _WARNED:
+                _WARNED.add(name)
+                logger.warning("request field %r is accepted and ignored: %s", name, IGNORED_FIELDS[name])
+            continue
+        raise bad_request(f"The request field `{name}` is not supported by this server "
+                          "(see docs/openai-fields.md for every field and its status).", name)
+
+
 def _unsupported(body: dict, name: str) -> None:
     if body.get(name):  # absent, null, [] and {} all mean "not used"
         raise bad_request(f"{name} is not supported by this server", name)
@@ -209,6 +244,7 @@ def parse_completion(body: dict, request_id: str, limits: RequestLimits | None =
     """``max_model_len`` and the ``tokenizer`` (its ``max_token_chars``), when known, bound
     each text prompt's length in characters (``fastsched.limits.check_prompt_chars``)."""
     limits = limits or RequestLimits()
+    check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_token_ids(prompt):
         prompts = [prompt]
@@ -268,6 +304,9 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     """Renders and tokenizes the messages: run it off the event loop for a long body. Their
     text is bounded first, as a completion prompt's (``parse_completion``)."""
     limits = limits or RequestLimits()
+    check_fields(body, CHAT_FIELDS)
+    if body.get("tool_choice") not in (None, "none"):
+        raise bad_request("tool_choice other than \"none\" is not supported by this server (no tools)", "tool_choice")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise bad_request(f"messages must be a non-empty list of message objects, got {_short(messages)}",
