@@ -62,6 +62,10 @@ class EngineConfig:
         MODEL, "attention implementation (default: flashinfer, else triton on CUDA; torch on CPU)",
         choices=("torch", "triton", "flashinfer")))
     seed: int = field(default=0, metadata=_flag(MODEL, "seed for requests that do not set their own"))
+    generation_config: str = field(default="auto", metadata=_flag(
+        MODEL, "sampling defaults for requests that leave a parameter out: auto (the model's generation_config.json "
+               "or GGUF general.sampling.* keys), vllm (fastsched's own), or a directory holding a "
+               "generation_config.json"))
     tensor_parallel_size: int = field(default=1, metadata=_flag(
         MODEL, "GPUs to shard the model over; only 1 is supported (scale out with --data-parallel-size)", "-tp"))
 

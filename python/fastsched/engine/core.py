@@ -41,6 +41,7 @@ from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.inputs import check_prompt
 from fastsched.model_loader import load_model_config, load_tokenizer
+from fastsched.model_loader.generation_defaults import load_generation_defaults
 from fastsched.model_loader.weights import load_model
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, make_generator
@@ -142,6 +143,10 @@ class EngineCore:
         self._last_step_end_wall = 0.0
         # The tokenizer may add an end-of-turn id (GGUF chat models) to the model's EOS ids.
         tokenizer_eos = load_tokenizer(config.tokenizer or config.model).eos_token_ids
+        self.sampling_defaults = load_generation_defaults(config.model, config.generation_config)
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the model's generation config (--generation-config %s): %s",
+                        config.generation_config, self.sampling_defaults)
         self.eos_token_ids = tuple(dict.fromkeys((*self.model_config.eos_token_ids, *tokenizer_eos)))
         self._eos_set = frozenset(self.eos_token_ids)
         self.vocab_size = self.model_config.vocab_size

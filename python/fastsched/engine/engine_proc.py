@@ -139,6 +139,7 @@ def _build_engine(engine_config: dict[str, Any], torch_num_threads: int | None) 
         max_num_seqs=sc.max_num_seqs,
         max_num_batched_tokens=sc.max_num_batched_tokens,
         tokenizer=config.tokenizer,
+        sampling_defaults=core.sampling_defaults,
         cache_config=_cache_config(config, sc),
     )
     return core, info

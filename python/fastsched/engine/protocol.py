@@ -218,6 +218,8 @@ class ModelInfo:
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0  # sets the TTFT-SLO valve's floor (admission.TTFT_SLO_FLOOR_STEPS)
     tokenizer: str | None = None  # --tokenizer when given; else the model's own
+    # The model's sampling defaults (SamplingParams fields) for requests that leave them out.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
     # The KV cache's configuration as text (block_size, num_gpu_blocks, enable_prefix_caching, ...):
     # the labels of the metric cache_config_info, as vLLM's.
     cache_config: dict[str, str] = field(default_factory=dict)
@@ -508,6 +510,9 @@ def _decode_model_info(value: Any) -> ModelInfo:
         _index(getattr(info, name), f"model_info.{name}")
     for key, value in _map(info.cache_config, "model_info.cache_config").items():
         _str(value, f"model_info.cache_config[{_str(key, 'model_info.cache_config key')}]")
+    for key, value in _map(info.sampling_defaults, "model_info.sampling_defaults").items():
+        _check(key in _PARAM_FIELDS, f"model_info.sampling_defaults has unknown field {key!r}")
+        _float(value, f"model_info.sampling_defaults[{key}]")
     return info
 
 

@@ -41,8 +41,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for every prompt (text, or a list of token ids); outputs in input order."""
         prompt_list = _as_prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's generation config, as vLLM's LLM does
+            sampling_params = SamplingParams(**self.engine.sampling_defaults)
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

@@ -65,9 +65,11 @@ _OPTIONAL_PARAMS = (
 )
 
 
-def sampling_params_from_proto(msg: Any) -> SamplingParams:
-    """Unset optional fields keep SamplingParams' defaults; invalid values raise ValueError."""
-    kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_PARAMS if msg.HasField(name)}
+def sampling_params_from_proto(msg: Any, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """An unset optional field takes the model's default (``defaults``, from its generation
+    config) if it has one, else SamplingParams'; invalid values raise ValueError."""
+    kwargs: dict[str, Any] = dict(defaults or {})
+    kwargs.update({name: getattr(msg, name) for name in _OPTIONAL_PARAMS if msg.HasField(name)})
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     return SamplingParams(**kwargs)
@@ -225,7 +227,9 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             served = model_info_dict(self.async_llm.model_info())["model"]
             if request.model != served:
                 raise _NotFound(f"The model `{request.model}` does not exist; this frontend serves `{served}`.")
-        params = sampling_params_from_proto(request.sampling_params)
+        info = self.async_llm.model_info()
+        defaults = info.get("sampling_defaults") if isinstance(info, Mapping) else info.sampling_defaults
+        params = sampling_params_from_proto(request.sampling_params, defaults)
         kind = request.WhichOneof("input")
         if kind is None:
             raise ValueError("prompt is required: set `text` or `token_ids`")
