@@ -9,7 +9,9 @@ values the step reads (ids, prompt lengths, output kinds, times) are numpy colum
 indexed by scheduler handle, written when a request is added, and a step's outputs
 leave as one :class:`OutputBatch`. Python runs per request only when a request
 starts (it takes a runner row), finishes, or needs something of its own (logprobs,
-a stop token id, an error).
+a stop token id, an error). With a few dozen numpy calls per step their fixed cost
+is what counts: the hot path tests arrays with ``np.count_nonzero``, a fraction of
+the cost of ``any()``/``all()`` (a ufunc reduction) on arrays of a few hundred rows.
 
 With async scheduling (``EngineConfig.async_scheduling``) the forward pass runs on a
 worker thread: while step N's forward pass runs, ``step()`` schedules and prepares
@@ -293,7 +295,7 @@ class EngineCore:
             request_id = c.request_id[h]
             if self._handles.get(request_id) == h:
                 del self._handles[request_id]
-        if so.kinds.any():
+        if np.count_nonzero(so.kinds):
             c.first_scheduled_time[so.req_handles[so.kinds == KIND_NEW]] = launched_wall
         prepared = self.runner.prepare(so, self.scheduler.token_ids, self._row_states.__getitem__)
         future = None
@@ -367,7 +369,7 @@ class EngineCore:
         if self._num_final_only and len(handles):
             # Final-only requests show up only when they finish.
             keep = ~c.final_only[handles] | (reasons != 0)
-            if not keep.all():
+            if np.count_nonzero(keep) < len(keep):
                 rows = np.flatnonzero(keep)
                 offsets, tokens = select_csr(offsets, tokens, rows)
                 handles, reasons, cached = handles[rows], reasons[rows], cached[rows]
@@ -383,9 +385,17 @@ class EngineCore:
             first_token=np.zeros(n, dtype=bool),
             clients=c.client[handles],
         )
-        watched = np.flatnonzero(c.watch[handles])
-        if len(watched):
-            self._collect_watched(batch, handles, watched, cached, step, result)
+        watch = c.watch[handles]
+        if np.count_nonzero(watch):
+            self._collect_watched(batch, handles, np.flatnonzero(watch), cached, step, result)
+        if np.count_nonzero(reasons):
+            self._collect_finished(batch, handles, cached)
+        return batch
+
+    def _collect_finished(self, batch: OutputBatch, handles: np.ndarray, cached: np.ndarray) -> None:
+        """Stop token ids, why ignored requests could not run, and final-only requests' outputs."""
+        c = self._columns
+        offsets, tokens, reasons = batch.token_offsets, batch.token_ids, batch.finish_reasons
         for i in np.flatnonzero(reasons).tolist():
             h = int(handles[i])
             if reasons[i] == FINISH_STOP and offsets[i + 1] > offsets[i]:
@@ -396,9 +406,8 @@ class EngineCore:
                 batch.errors[i] = self.scheduler.ignore_reason(h)
             if c.final_only[h]:
                 batch.num_cached_tokens[i] = cached[i]
-        if self._num_final_only and reasons.any():
+        if self._num_final_only:
             self._final_only_tokens(batch, handles)
-        return batch
 
     def _collect_watched(self, batch: OutputBatch, handles: np.ndarray, watched: np.ndarray, cached: np.ndarray,
                          step: _Step, result: StepResult) -> None:

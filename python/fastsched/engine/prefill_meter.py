@@ -68,7 +68,7 @@ def prefill_tokens(num_scheduled: ArrayLike, num_computed: ArrayLike, prompt_len
     Vectorised: it runs on every engine step, over every scheduled row."""
     computed = np.asarray(num_computed, dtype=np.int64)
     left = np.asarray(prompt_lens, dtype=np.int64) - computed  # prompt tokens not computed before the step
-    if not len(left) or left.max() <= 0:
+    if not np.count_nonzero(left > 0):
         return 0, False  # decodes only: the common step
     scheduled = np.asarray(num_scheduled, dtype=np.int64)
     tokens = int(np.minimum(np.maximum(left, 0), scheduled).sum())

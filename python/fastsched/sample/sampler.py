@@ -206,7 +206,7 @@ class RowSamplingParams:
         has ``min_tokens``. ``history(i)``: its (prompt, output) token ids, asked only for
         rows with penalties.
         """
-        if self.plain[rows].all():
+        if np.count_nonzero(self.plain[rows]) == len(rows):  # rather than all(): see engine/core.py
             return self._all_greedy(len(rows), device)
         greedy = self.greedy[rows]
         num_greedy = int(greedy.sum())
@@ -269,7 +269,7 @@ class RowSamplingParams:
         self, rows: np.ndarray, num_output_tokens: Callable[[], np.ndarray], device: torch.device | str
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         min_tokens = self.min_tokens[rows]
-        if not min_tokens.any():
+        if not np.count_nonzero(min_tokens):
             return None
         below = np.flatnonzero(num_output_tokens() < min_tokens).tolist()
         mask_rows: list[int] = []

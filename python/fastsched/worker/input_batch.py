@@ -89,7 +89,7 @@ class InputBatch:
         ``row_state_of(handle)`` its sampling state; both are asked only for new and
         resumed requests.
         """
-        if so.kinds.any():
+        if np.count_nonzero(so.kinds):  # rather than any(): see engine/core.py
             self._take_rows(so, tokens_of, row_state_of)
         rows = self.row_of_handle[so.req_handles]
         if len(so.block_ids):
@@ -127,9 +127,9 @@ class InputBatch:
     def _append_blocks(self, so: SchedulerOutput, rows: np.ndarray) -> None:
         """Running rows append the blocks added this step, all rows at once."""
         offsets = so.block_offsets
-        new_counts = np.diff(offsets).astype(np.int64)
+        new_counts = offsets[1:].astype(np.int64) - offsets[:-1]
         new_counts[so.kinds != KIND_CACHED] = 0
-        if new_counts.any():
+        if np.count_nonzero(new_counts):
             grow = np.flatnonzero(new_counts)
             counts = new_counts[grow]
             starts = offsets[:-1][grow].astype(np.int64)

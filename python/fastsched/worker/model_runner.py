@@ -79,6 +79,14 @@ class ExecutedStep:
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
+def _array_to(device: torch.device) -> Callable[[np.ndarray], torch.Tensor]:
+    """numpy -> tensor on ``device``: on the CPU the array itself, without a copy (a step's
+    arrays are its own); to a GPU through :func:`to_device`."""
+    if device.type == "cpu":
+        return torch.from_numpy
+    return lambda a: to_device(torch.from_numpy(a), device)
+
+
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
@@ -119,6 +127,7 @@ class ModelRunner:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
+        self._on_device = _array_to(device)
         # The tokens sampled by the last step executed, on the device: the next step's placeholders.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
 
@@ -225,9 +234,7 @@ class ModelRunner:
         if step.num_reqs == 0:
             return ExecutedStep(step, None, None, None)
         dev = self.device
-
-        def on_device(a: np.ndarray) -> torch.Tensor:
-            return to_device(torch.from_numpy(a), dev)
+        on_device = self._on_device
 
         input_ids = on_device(step.input_ids)
         if len(step.placeholder_dst):
