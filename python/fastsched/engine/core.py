@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from fastsched import _core
 from fastsched.attention import select_backend
@@ -425,14 +426,15 @@ class EngineCore:
         c.cached_reported[wh[report]] = True
         k = c.logprobs[wh]
         wants = (k >= 0) & got
-        if wants.any() and result.logprobs is not None:
+        if np.count_nonzero(wants) and result.logprobs is not None:
             # Each row's index among the step's sampled rows, where its logprobs are.
             sampled_handles = step.so.req_handles[result.sampled_positions]
             order = np.argsort(sampled_handles)
             j_of = order[np.searchsorted(sampled_handles, wh[wants], sorter=order)]
-            for i, j, k_i in zip(watched[wants].tolist(), j_of.tolist(), k[wants].tolist()):
-                token = int(batch.token_ids[offsets[i]])
-                batch.logprobs[i] = [_row_logprobs(result.logprobs, j, token, k_i)]
+            rows = watched[wants]
+            tokens = batch.token_ids[offsets[rows]].tolist()
+            for i, entry in zip(rows.tolist(), _logprobs_entries(result.logprobs, j_of, tokens, k[wants])):
+                batch.logprobs[i] = [entry]
         c.watch[wh] = (k >= 0) | ~c.cached_reported[wh] | np.isnan(c.first_token_time[wh])
 
     def _final_only_tokens(self, batch: OutputBatch, handles: np.ndarray) -> None:
@@ -469,11 +471,19 @@ def _freeze_start_up_heap() -> None:
 _unfreeze_registered = False
 
 
-def _row_logprobs(lp: LogprobsTensors, j: int, token: int, k: int) -> dict[int, tuple[float, int]]:
-    """Sampled row ``j``: its token's (logprob, rank) plus the ``k`` most likely tokens'."""
-    row = {token: (float(lp.sampled_logprobs[j]), int(lp.sampled_ranks[j]))}
-    ids = lp.topk_token_ids[j, :k].tolist()
-    values = lp.topk_logprobs[j, :k].tolist()
-    for rank, (t, v) in enumerate(zip(ids, values), start=1):
-        row.setdefault(t, (v, rank))
-    return row
+def _logprobs_entries(lp: LogprobsTensors, rows: np.ndarray, tokens: list[int],
+                      k: np.ndarray) -> list[dict[int, tuple[float, int]]]:
+    """Sampled rows ``rows`` of ``lp``: each one's token (``tokens``) with its (logprob, rank),
+    plus its ``k`` most likely tokens'. The tensors are read once, as lists, for all rows."""
+    index = torch.from_numpy(rows)
+    sampled = lp.sampled_logprobs[index].tolist()
+    ranks = lp.sampled_ranks[index].tolist()
+    top_ids = lp.topk_token_ids[index].tolist()
+    top_values = lp.topk_logprobs[index].tolist()
+    entries = []
+    for token, value, rank, ids, values, k_i in zip(tokens, sampled, ranks, top_ids, top_values, k.tolist()):
+        entry = {token: (value, rank)}
+        for r, (t, v) in enumerate(zip(ids[:k_i], values[:k_i]), start=1):
+            entry.setdefault(t, (v, r))
+        entries.append(entry)
+    return entries

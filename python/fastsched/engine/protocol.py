@@ -115,7 +115,7 @@ class OutputBatch:
         return cls.from_outputs([])
 
     @classmethod
-    def from_outputs(cls, outputs: Sequence[EngineCoreOutput], client: int = 0) -> OutputBatch:
+    def from_outputs(cls, outputs: Sequence[EngineCoreOutput]) -> OutputBatch:
         """The columns of a list of outputs (for the rare outputs built one by one)."""
         lengths = [len(o.new_token_ids) for o in outputs]
         offsets = np.zeros(len(outputs) + 1, dtype=np.int64)
@@ -129,7 +129,7 @@ class OutputBatch:
             num_cached_tokens=np.array([-1 if o.num_cached_tokens is None else o.num_cached_tokens
                                         for o in outputs], dtype=np.int64),
             first_token=np.zeros(n, dtype=bool),
-            clients=np.full(n, client, dtype=np.int64),
+            clients=np.zeros(n, dtype=np.int64),
             stop_reasons={i: o.stop_reason for i, o in enumerate(outputs) if o.stop_reason is not None},
             logprobs={i: o.new_logprobs for i, o in enumerate(outputs) if o.new_logprobs is not None},
             errors={i: o.error for i, o in enumerate(outputs) if o.error is not None},
