@@ -198,7 +198,6 @@ QUERY = "query"
 STATUS = "status"
 
 _PARAM_FIELDS = frozenset(f.name for f in fields(SamplingParams))
-_FINISH_REASONS = frozenset(FINISH_REASONS.values())
 
 
 class ProtocolError(ValueError):

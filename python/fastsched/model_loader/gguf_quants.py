@@ -19,8 +19,6 @@ from gguf.quants import dequantize as _gguf_dequantize
 
 from fastsched.model_loader.gguf_container import GGUFTensor
 
-_BLOCK = 32
-
 
 def _scale(blocks: np.ndarray, at: int) -> np.ndarray:
     return np.ascontiguousarray(blocks[:, at:at + 2]).view(np.float16).astype(np.float32)
