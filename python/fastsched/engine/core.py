@@ -42,6 +42,7 @@ from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_token
 from fastsched.engine.protocol import EngineCoreRequest, OutputBatch, select_csr
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
+from fastsched.engine.structured_outputs import StructuredOutputs
 from fastsched.inputs import check_prompt
 from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.generation_defaults import load_generation_defaults
@@ -145,7 +146,8 @@ class EngineCore:
         self._last_step_end = 0.0  # perf_counter() when the last step was collected
         self._last_step_end_wall = 0.0
         # The tokenizer may add an end-of-turn id (GGUF chat models) to the model's EOS ids.
-        tokenizer_eos = load_tokenizer(config.tokenizer or config.model).eos_token_ids
+        tokenizer = load_tokenizer(config.tokenizer or config.model)
+        tokenizer_eos = tokenizer.eos_token_ids
         self.sampling_defaults = load_generation_defaults(config.model, config.generation_config)
         if self.sampling_defaults:
             logger.info("sampling defaults from the model's generation config (--generation-config %s): %s",
@@ -153,6 +155,7 @@ class EngineCore:
         self.eos_token_ids = tuple(dict.fromkeys((*self.model_config.eos_token_ids, *tokenizer_eos)))
         self._eos_set = frozenset(self.eos_token_ids)
         self.vocab_size = self.model_config.vocab_size
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
         self._columns = _RequestColumns()
         self._num_final_only = 0  # live final-only requests: while there are none, no row is filtered
         self._row_states: dict[int, RowState] = {}  # live handle -> what the runner needs when it takes a row
@@ -179,9 +182,14 @@ class EngineCore:
         check_prompt(request.prompt_token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
         if request.request_id in self._handles:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        eos = None if params.ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured.compile(params.structured_outputs)
+        # A constrained request ends where its grammar does, by the EOS the grammar then forces.
+        ignore_eos = params.ignore_eos and grammar is None
+        eos = None if ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
         stop_ids = list(params.stop_token_ids or [])
-        if not params.ignore_eos:
+        if not ignore_eos:
             stop_ids += [t for t in self.eos_token_ids[1:] if t not in stop_ids]
         handle = self.scheduler.add_request(
             request.request_id,
@@ -190,7 +198,7 @@ class EngineCore:
             min_tokens=params.min_tokens,
             eos_token_id=eos,
             stop_token_ids=stop_ids,
-            ignore_eos=params.ignore_eos,
+            ignore_eos=ignore_eos,
             priority=request.priority,
             arrival_time=request.arrival_time,
         )
@@ -209,9 +217,11 @@ class EngineCore:
         c.arrival_time[handle] = request.arrival_time
         c.first_scheduled_time[handle] = c.first_token_time[handle] = math.nan
         generator = make_generator(params.seed, self.runner.device) if params.seed is not None else None
-        eos_ids = () if params.ignore_eos else self.eos_token_ids
+        eos_ids = () if ignore_eos else self.eos_token_ids
         self._row_states[handle] = RowState(params, n, eos_ids, generator)
         self._handles[request.request_id] = handle
+        if grammar is not None:
+            self.structured.add(handle, grammar)
         self.stats.on_arrival(n)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
@@ -278,7 +288,7 @@ class EngineCore:
         launched, launched_wall = time.perf_counter(), time.time()
         so = self.scheduler.schedule()
         try:
-            step = self._prepare(so, launched, launched_wall)
+            step = self._prepare(so, launched, launched_wall, first_in_flight=not self._in_flight)
         except BaseException:
             # The scheduler holds the step in flight: close it (and those before it) too.
             self._in_flight.append(_Step(so, None, None, launched, launched_wall, False, 0))
@@ -286,9 +296,11 @@ class EngineCore:
             raise
         self._in_flight.append(step)
 
-    def _prepare(self, so: _core.SchedulerOutput, launched: float, launched_wall: float) -> _Step:
+    def _prepare(self, so: _core.SchedulerOutput, launched: float, launched_wall: float,
+                 first_in_flight: bool) -> _Step:
         backlogged = self.scheduler.num_waiting > 0
         c = self._columns
+        self.structured.remove(so.finished)
         for h in so.finished.tolist():
             # Reported finished (or aborted): the handle may be reused after this step.
             if self._row_states.pop(h, None) is not None:
@@ -299,6 +311,8 @@ class EngineCore:
         if np.count_nonzero(so.kinds):
             c.first_scheduled_time[so.req_handles[so.kinds == KIND_NEW]] = launched_wall
         prepared = self.runner.prepare(so, self.scheduler.token_ids, self._row_states.__getitem__)
+        # Its token bitmask needs the tokens of the step before it: now, or once that one is collected.
+        prepared.bitmask = self.structured.step_bitmask(prepared.sampled_handles, fill_now=first_in_flight)
         future = None
         num_ending = 0
         if self._executor is not None:
@@ -321,6 +335,8 @@ class EngineCore:
         self._in_flight.popleft()
         eco = self.scheduler.update_from_tokens(result.tokens)
         self.runner.write_sampled(step.prepared, result)
+        following = self._in_flight[0].prepared if self._in_flight else None
+        self.structured.advance(eco, following.bitmask if following is not None else None)
         outputs = self._collect(eco, step, result)
         self.stats.on_step(len(eco.token_ids), self.scheduler.stats)
         so = step.so
@@ -345,6 +361,9 @@ class EngineCore:
         given up at the next schedule(), which reports the aborts."""
         steps = list(self._in_flight)
         self._in_flight.clear()
+        for s in steps:
+            if s.prepared is not None and s.prepared.bitmask is not None:
+                s.prepared.bitmask.abandon()
         for s in steps:
             if s.future is not None:
                 try:

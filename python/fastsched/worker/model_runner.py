@@ -22,6 +22,7 @@ from fastsched._core import SchedulerOutput
 from fastsched.attention import AttentionBackend, AttentionMetadata
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, to_device
+from fastsched.structured.bitmask import StepBitmask
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class PreparedStep:
     # ... and the same tokens for the penalties' histories: sampling row, previous index.
     penalty_rows: np.ndarray
     penalty_src: np.ndarray
+    # Structured outputs: the constrained rows' token bitmask, set by the engine after prepare().
+    bitmask: StepBitmask | None = None
 
 
 @dataclass
@@ -257,6 +260,8 @@ class ModelRunner:
         if step.logits_indices is not None:
             hidden = hidden[on_device(step.logits_indices.astype(np.int64))]
         logits = self.model.compute_logits(hidden).float()
+        if step.bitmask is not None:
+            step.bitmask.apply(logits)
         out = self.sampler(logits, sampling)
         self._last_sampled = out.sampled_token_ids
         if dev.type == "cpu":
