@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fastsched.gateway import structured
 from fastsched.limits import RequestLimits, check_finite, check_prompt_chars
 from fastsched.proto_gen import import_stubs
 
@@ -177,6 +178,12 @@ def _sampling_params(body: dict, max_tokens: int | None, limits: RequestLimits) 
             setattr(msg, name, value)
     if msg.HasField("n"):
         limits.check_n(msg.n)
+    try:
+        constraint = structured.structured_outputs_from_body(body)
+    except structured.FieldError as e:
+        raise bad_request(str(e), e.param) from None
+    if constraint is not None:
+        msg.structured_outputs.CopyFrom(constraint)
     return msg
 
 
@@ -198,6 +205,7 @@ _SAMPLING_FIELDS = frozenset({
     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "include_stop_str_in_output", "skip_special_tokens", "priority", "logprobs",
     "logit_bias",  # refused when used
+    *structured.FIELDS,
 })
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "add_generation_prompt", "max_completion_tokens", "top_logprobs",

@@ -1,0 +1,137 @@
+"""Structured outputs through the whole serving path: the official ``openai`` client →
+gateway → gRPC frontend → engine process on the tiny model. The tiny random model emits
+garbage, so only the grammar makes its output valid: every shape a client can ask in
+(``response_format``, ``structured_outputs``, ``guided_*``) must come back satisfying it,
+greedy and sampled, streaming or not, with n = 3."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="openai is not installed (requirements-serve.txt)")
+pytest.importorskip("grpc", reason="grpcio is not installed (requirements-serve.txt)")
+pytest.importorskip("starlette", reason="starlette is not installed (requirements-serve.txt)")
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (requirements-serve.txt)")
+
+from conftest import ipc_dir, launch, teardown  # noqa: E402
+from loop_thread import LoopThread, free_port  # noqa: E402
+
+from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
+from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.gateway.app import create_app  # noqa: E402
+from fastsched.model_loader import load_tokenizer  # noqa: E402
+
+MODEL = "tiny"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "size": {"enum": ["small", "large"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "owner": {"type": "object", "properties": {"admin": {"type": "boolean"}}, "required": ["admin"],
+                  "additionalProperties": False},
+    },
+    "required": ["name", "size", "tags", "owner"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "box", "schema": SCHEMA, "strict": True}}
+MESSAGES = [{"role": "user", "content": "Describe a box as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def url(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[str]:
+    engines = launch(engine_config, ipc_dir(tmp_path_factory, "ipc"), num_engines=1, num_frontends=1)
+    loop = LoopThread()
+    llm = loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[0], frontend_index=0, ready_timeout=60))
+    port = free_port()
+    server = loop.call(serve_frontend(llm, "127.0.0.1", port))
+    try:
+        yield loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, load_tokenizer(str(tiny_model_dir))))
+    finally:
+        loop.stop_gateways()
+        loop.call(server.stop(0))
+        loop.call(llm.shutdown())
+        loop.close()
+        teardown(engines)
+
+
+@pytest.fixture
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat_texts(client: openai.OpenAI, stream: bool, **kwargs: Any) -> list[tuple[str, str]]:
+    """(content, finish_reason) of every choice, the stream's deltas joined per index."""
+    if not stream:
+        response = client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
+        return [(c.message.content, c.finish_reason) for c in response.choices]
+    texts: dict[int, list[str]] = defaultdict(list)
+    reasons: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **kwargs):
+        for c in chunk.choices:
+            texts[c.index].append(c.delta.content or "")
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return [("".join(texts[i]), reasons[i]) for i in sorted(texts)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, n=3, seed=11)],
+                         ids=["greedy", "sampled-n3"])
+def test_json_schema_response_format_validates(client: openai.OpenAI, stream: bool, sampling: dict) -> None:
+    results = chat_texts(client, stream, response_format=JSON_SCHEMA_FORMAT, max_tokens=120, **sampling)
+    assert len(results) == sampling.get("n", 1)
+    for text, finish_reason in results:
+        assert finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_response_format_gives_an_object_or_a_prefix_of_one(client: openai.OpenAI) -> None:
+    [(text, finish_reason)] = chat_texts(client, False, response_format={"type": "json_object"}, max_tokens=150,
+                                         temperature=0.0)
+    if finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:  # cut by max_tokens: a valid prefix only
+        assert finish_reason == "length" and text.startswith("{")
+
+
+@pytest.mark.parametrize("field", ["structured_outputs", "guided"])
+def test_completions_regex_choice_and_grammar_match(client: openai.OpenAI, field: str) -> None:
+    constraints = [("regex", r"[0-9]{3}-[a-c]{2}"), ("choice", ["yes", "no", "maybe"]),
+                   ("grammar", 'start: "(" D ("+" D)* ")"\nD: /[0-9]/'), ("json", SCHEMA)]
+    for kind, value in constraints:
+        body = {"structured_outputs": {kind: value}} if field == "structured_outputs" else {f"guided_{kind}": value}
+        response = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=120, temperature=1.0, n=3,
+                                             seed=5, extra_body=body)
+        for choice in response.choices:
+            assert choice.finish_reason == "stop", (kind, choice.text)
+            if kind == "regex":
+                assert re.fullmatch(value, choice.text)
+            elif kind == "choice":
+                assert choice.text in value
+            elif kind == "grammar":
+                assert re.fullmatch(r"\([0-9](\+[0-9])*\)", choice.text)
+            else:
+                jsonschema.validate(json.loads(choice.text), SCHEMA)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": JSON_SCHEMA_FORMAT | {"json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "structured_outputs"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"yaml": "a"}}, "structured_outputs"),
+    ({"guided_choice": "yes"}, "guided_choice"),
+], ids=["bad-schema", "bad-regex", "two-constraints", "bad-format-type", "unknown-kind", "choice-not-a-list"])
+def test_a_constraint_that_cannot_work_is_a_400_naming_it(client: openai.OpenAI, body: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, extra_body=body)
+    assert error.value.body["param"] == param, error.value.body
