@@ -10,6 +10,7 @@ import json
 import re
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +46,34 @@ JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "box", "sch
 MESSAGES = [{"role": "user", "content": "Describe a box as JSON."}]
 
 
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}. Call one as "
+    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass
+class Stack:
+    url: str  # the gateway with the tiny model's own chat template (no tools)
+    hermes_url: str  # one whose template renders tools and <tool_call> blocks
+
+
 @pytest.fixture(scope="module")
-def url(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[str]:
+def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
     engines = launch(engine_config, ipc_dir(tmp_path_factory, "ipc"), num_engines=1, num_frontends=1)
     loop = LoopThread()
     llm = loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[0], frontend_index=0, ready_timeout=60))
     port = free_port()
     server = loop.call(serve_frontend(llm, "127.0.0.1", port))
+    hermes = load_tokenizer(str(tiny_model_dir))
+    hermes.chat_template = HERMES_TEMPLATE
     try:
-        yield loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, load_tokenizer(str(tiny_model_dir))))
+        yield Stack(loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, load_tokenizer(str(tiny_model_dir)))),
+                    loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, hermes)))
     finally:
         loop.stop_gateways()
         loop.call(server.stop(0))
@@ -63,8 +83,8 @@ def url(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mode
 
 
 @pytest.fixture
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
 
 
 def chat_texts(client: openai.OpenAI, stream: bool, **kwargs: Any) -> list[tuple[str, str]]:
@@ -135,3 +155,73 @@ def test_a_constraint_that_cannot_work_is_a_400_naming_it(client: openai.OpenAI,
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, extra_body=body)
     assert error.value.body["param"] == param, error.value.body
+
+
+# --- forced tool calls ---------------------------------------------------------------------
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer",
+           "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 5}}, "required": ["zone"],
+         "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "clock", "parameters": CLOCK}}]
+SCHEMAS = {"weather": WEATHER, "clock": CLOCK}
+
+
+def tool_call_results(client: openai.OpenAI, stream: bool, **kwargs: Any) -> list[tuple[list[tuple[str, str]], str]]:
+    """([(name, arguments)], finish_reason) per choice, a stream's tool-call deltas joined."""
+    if not stream:
+        response = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, **kwargs)
+        return [([(t.function.name, t.function.arguments) for t in c.message.tool_calls or []], c.finish_reason)
+                for c in response.choices]
+    calls: dict[int, dict[int, list[str]]] = defaultdict(lambda: defaultdict(lambda: ["", ""]))
+    reasons: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, stream=True, **kwargs):
+        for c in chunk.choices:
+            for t in c.delta.tool_calls or []:
+                call = calls[c.index][t.index]
+                call[0] += t.function.name or ""
+                call[1] += t.function.arguments or ""
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return [([tuple(calls[i][k]) for k in sorted(calls[i])], reasons[i]) for i in sorted(reasons)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "weather"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_validate_against_the_functions_parameters(client: openai.OpenAI, stream: bool,
+                                                                     tool_choice: Any) -> None:
+    results = tool_call_results(client, stream, tool_choice=tool_choice, max_tokens=150, temperature=1.0, n=3,
+                                seed=2)
+    assert len(results) == 3
+    for calls, finish_reason in results:
+        assert finish_reason == "tool_calls" and calls
+        for name, arguments in calls:
+            assert name in SCHEMAS if tool_choice == "required" else name == "weather"
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "auto"}, "tool_choice"),  # the tiny model's template has no tools
+    ({}, "tool_choice"),  # auto is the default with tools
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tool_choice": "required", "tools": [{"type": "function"}]}, "tools"),
+])
+def test_tool_requests_that_cannot_be_served_are_400s(client: openai.OpenAI, body: dict, param: str) -> None:
+    body = {"tools": TOOLS, **body}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, extra_body=body)
+    assert error.value.body["param"] == param, error.value.body
+
+
+def test_tool_choice_auto_with_a_hermes_template_answers_content_when_no_call_is_made(stack: Stack) -> None:
+    """The random model writes no <tool_call> block: its text is content (the parser on real
+    calls is tested in tests/serving/test_tool_calls.py)."""
+    client = openai.OpenAI(base_url=stack.hermes_url + "/v1", api_key="unused", max_retries=0)
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=8,
+                                              temperature=0.0)
+    choice = response.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "length"
+    assert response.usage.prompt_tokens > 30  # the tools were rendered into the prompt

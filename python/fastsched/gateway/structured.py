@@ -30,7 +30,8 @@ class FieldError(ValueError):
         self.param = param
 
 
-def _short(value: Any) -> str:
+def shorten(value: Any) -> str:
+    """A value as a request error quotes it: its repr, cut at 80 characters."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -45,7 +46,7 @@ def structured_outputs_from_body(body: dict) -> Any:
     structured = body.get("structured_outputs")
     if structured is not None:
         if not isinstance(structured, dict):
-            raise FieldError(f"structured_outputs must be an object, got {_short(structured)}", "structured_outputs")
+            raise FieldError(f"structured_outputs must be an object, got {shorten(structured)}", "structured_outputs")
         unknown = set(structured) - set(_KINDS)
         if unknown:
             raise FieldError(f"structured_outputs has unknown field(s) {sorted(unknown)}; known: {list(_KINDS)}",
@@ -69,18 +70,18 @@ def to_proto(kind: str, value: Any, name: str) -> Any:
         if isinstance(value, dict | bool):
             value = json.dumps(value)
         elif not isinstance(value, str):
-            raise FieldError(f"{name} must be a JSON schema (an object or its text), got {_short(value)}", name)
+            raise FieldError(f"{name} must be a JSON schema (an object or its text), got {shorten(value)}", name)
         return pb.StructuredOutputs(json=value)
     if kind == "json_object":
         if value is not True:
-            raise FieldError(f"{name}.json_object must be true, got {_short(value)}", name)
+            raise FieldError(f"{name}.json_object must be true, got {shorten(value)}", name)
         return pb.StructuredOutputs(json_object=True)
     if kind == "choice":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise FieldError(f"{name} must be a list of strings, got {_short(value)}", name)
+            raise FieldError(f"{name} must be a list of strings, got {shorten(value)}", name)
         return pb.StructuredOutputs(choice=pb.Choices(values=value))
     if not isinstance(value, str):
-        raise FieldError(f"{name} must be a string, got {_short(value)}", name)
+        raise FieldError(f"{name} must be a string, got {shorten(value)}", name)
     return pb.StructuredOutputs(**{kind: value})
 
 
@@ -88,7 +89,7 @@ def _response_format(value: Any) -> tuple[str, Any] | None:
     """OpenAI's ``response_format`` as (kind, value); ``strict`` is accepted either way: the
     schema is always enforced, token by token."""
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise FieldError(f"response_format must be an object with a type, got {_short(value)}", "response_format")
+        raise FieldError(f"response_format must be an object with a type, got {shorten(value)}", "response_format")
     kind = value["type"]
     if kind == "text":
         return None
@@ -98,10 +99,10 @@ def _response_format(value: Any) -> tuple[str, Any] | None:
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise FieldError("response_format.json_schema must be an object with a schema (an object), got "
-                              f"{_short(spec)}", "response_format")
+                              f"{shorten(spec)}", "response_format")
         if not isinstance(spec.get("name"), str | None) or not isinstance(spec.get("strict"), bool | None):
             raise FieldError("response_format.json_schema.name must be a string and strict a boolean",
                               "response_format")
         return "json", spec["schema"]
-    raise FieldError(f"response_format.type must be text, json_object or json_schema, got {_short(kind)}",
+    raise FieldError(f"response_format.type must be text, json_object or json_schema, got {shorten(kind)}",
                       "response_format")
