@@ -315,7 +315,7 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     limits = limits or RequestLimits()
     check_fields(body, CHAT_FIELDS)
     try:
-        tool_calling = tool_calls.tool_calling_from_body(body, tokenizer.chat_template)
+        tool_calling = tool_calls.tool_calling_from_body(body, getattr(tokenizer, "chat_template", None))
     except structured.FieldError as e:
         raise bad_request(str(e), e.param) from None
     messages = body.get("messages")
