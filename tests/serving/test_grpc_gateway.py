@@ -823,8 +823,7 @@ def test_stream_with_n_sends_one_choice_per_chunk(servers: Servers) -> None:
 
 
 @pytest.mark.parametrize(("path", "field", "value"), [
-    ("/v1/chat/completions", "continue_final_message", True),
-    ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": False}),
+    ("/v1/chat/completions", "chat_template", "{{ messages }}"),
     ("/v1/completions", "guided_decoding_backend", "xgrammar"),
     ("/v1/completions", "frobnicate", 1),
 ])

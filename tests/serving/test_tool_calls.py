@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from fastsched.gateway.structured import FieldError
+from fastsched.gateway.request_fields import FieldError
 from fastsched.gateway.tool_calls import ToolCalling, ToolCallStream, supports_hermes_tools, tool_calling_from_body
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

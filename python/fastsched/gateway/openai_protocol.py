@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastsched.gateway import structured, tool_calls
+from fastsched.gateway.chat_template import template_options
+from fastsched.gateway.request_fields import FieldError
 from fastsched.limits import RequestLimits, check_finite, check_prompt_chars
 from fastsched.proto_gen import import_stubs
 
@@ -138,6 +140,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     echo: bool = False
+    chat_echo: str = ""  # chat with echo: the text put before the answer
     top_logprobs: int | None = None  # the number asked for; None = no logprobs
     tool_calling: tool_calls.ToolCalling | None = None  # chat with tools
     request_id: str = ""
@@ -181,7 +184,7 @@ def _sampling_params(body: dict, max_tokens: int | None, limits: RequestLimits) 
         limits.check_n(msg.n)
     try:
         constraint = structured.structured_outputs_from_body(body)
-    except structured.FieldError as e:
+    except FieldError as e:
         raise bad_request(str(e), e.param) from None
     if constraint is not None:
         msg.structured_outputs.CopyFrom(constraint)
@@ -209,8 +212,9 @@ _SAMPLING_FIELDS = frozenset({
     *structured.FIELDS,
 })
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "add_generation_prompt", "max_completion_tokens", "top_logprobs",
-                                  "tools", "tool_choice"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "add_generation_prompt", "continue_final_message",
+                                  "chat_template_kwargs", "echo", "max_completion_tokens", "top_logprobs", "tools",
+                                  "tool_choice"}
 # Accepted and ignored: they do not change the output, so refusing them would only break clients.
 # Each is logged once per process.
 IGNORED_FIELDS = {
@@ -316,7 +320,8 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     check_fields(body, CHAT_FIELDS)
     try:
         tool_calling = tool_calls.tool_calling_from_body(body, getattr(tokenizer, "chat_template", None))
-    except structured.FieldError as e:
+        options = template_options(body)
+    except FieldError as e:
         raise bad_request(str(e), e.param) from None
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -326,12 +331,11 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     max_token_chars = getattr(tokenizer, "max_token_chars", None)
     if max_model_len is not None and max_token_chars is not None:
         check_prompt_chars(sum(len(m["content"]) for m in messages), max_model_len, max_token_chars, "messages")
-    add_generation_prompt = _get_bool(body, "add_generation_prompt", True)
-    template_kwargs = {"tools": tool_calling.tools} if tool_calling is not None else {}
+    if tool_calling is not None:
+        options["tools"] = tool_calling.tools
     try:
-        prompt_ids = list(tokenizer.apply_chat_template(tool_calls.template_messages(messages),
-                                                        add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                        **template_kwargs))
+        prompt_ids = list(tokenizer.apply_chat_template(tool_calls.template_messages(messages), tokenize=True,
+                                                        **options))
     except Exception as e:  # a template's raise_exception(), or no template at all
         raise bad_request(f"messages could not be rendered with the chat template: {e}", "messages") from e
     _unsupported(body, "logit_bias")
@@ -356,9 +360,20 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
                               "with another output constraint", "tool_choice")
         sampling.structured_outputs.CopyFrom(forced)
     stream, include_usage = _stream_flags(body)
+    echo = bool(_get_bool(body, "echo", False))
+    if echo and tool_calling is not None:
+        raise bad_request("echo with tools is not supported by this server", "echo")
     return ParsedRequest("chat", [prompt_ids], sampling, _get_int(body, "priority", 0), stream, include_usage,
+                         echo=echo, chat_echo=_chat_echo(messages, options["add_generation_prompt"]) if echo else "",
                          top_logprobs=(top_logprobs or 0) if logprobs else None,
                          request_id=request_id, tool_calling=tool_calling)
+
+
+def _chat_echo(messages: list[dict], add_generation_prompt: bool) -> str:
+    """What ``echo`` puts before a chat answer, as vLLM does: the last message's content when
+    the answer continues its turn (the same role: assistant, or any without a new prompt)."""
+    last = messages[-1]
+    return last["content"] if not add_generation_prompt or last.get("role") == "assistant" else ""
 
 
 @dataclass
@@ -390,6 +405,8 @@ class ResponseFormatter:
         return lp.decoded_token if lp.HasField("decoded_token") else self.tokenizer.decode([lp.token_id])
 
     def _prompt_text(self, prompt_index: int) -> str:
+        if self.req.kind == "chat":
+            return self.req.chat_echo
         prompt = self.req.prompts[prompt_index]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 

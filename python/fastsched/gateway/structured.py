@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from fastsched.gateway.request_fields import FieldError, shorten
 from fastsched.proto_gen import import_stubs
 
 pb, _ = import_stubs()
@@ -20,20 +21,6 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED_FIELDS})
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-class FieldError(ValueError):
-    """A request field of the wrong shape: a 400 naming ``param`` (``openai_protocol`` answers it)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def shorten(value: Any) -> str:
-    """A value as a request error quotes it: its repr, cut at 80 characters."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def structured_outputs_from_body(body: dict) -> Any:

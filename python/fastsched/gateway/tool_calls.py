@@ -26,7 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fastsched.gateway.structured import FieldError, shorten, to_proto
+from fastsched.gateway.request_fields import FieldError, shorten
+from fastsched.gateway.structured import to_proto
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(re.escape(TOOL_CALL_START) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_END), re.DOTALL)

@@ -1,8 +1,12 @@
-"""Structured outputs through the whole serving path: the official ``openai`` client →
-gateway → gRPC frontend → engine process on the tiny model. The tiny random model emits
-garbage, so only the grammar makes its output valid: every shape a client can ask in
-(``response_format``, ``structured_outputs``, ``guided_*``) must come back satisfying it,
-greedy and sampled, streaming or not, with n = 3."""
+"""Issue 12's parts of the OpenAI API through the whole serving path: the official ``openai``
+client → gateway → gRPC frontend → engine process on the tiny model.
+
+- Structured outputs: the tiny random model emits garbage, so only the grammar makes its
+  output valid: every shape a client can ask in (``response_format``, ``structured_outputs``,
+  ``guided_*``) must come back satisfying it, greedy and sampled, streaming or not, n = 3.
+- Forced tool calls validate against their function's parameters, streaming or not.
+- Chat template controls: ``continue_final_message`` with ``echo``, both in a stream.
+"""
 
 from __future__ import annotations
 
@@ -225,3 +229,32 @@ def test_tool_choice_auto_with_a_hermes_template_answers_content_when_no_call_is
     choice = response.choices[0]
     assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "length"
     assert response.usage.prompt_tokens > 30  # the tools were rendered into the prompt
+
+
+# --- chat template controls ------------------------------------------------------------------
+
+OPEN = [{"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "One, two,"}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_echo_continues_the_open_final_message(client: openai.OpenAI, stream: bool) -> None:
+    body = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    if stream:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=4, temperature=0.0,
+                                                     stream=True, extra_body=body))
+        assert chunks[0].choices[0].delta.content.startswith("One, two,")
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        response = client.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=4, temperature=0.0,
+                                                  extra_body=body)
+        text = response.choices[0].message.content
+    plain = client.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=4, temperature=0.0,
+                                           extra_body={**body, "echo": False})
+    assert text == "One, two," + plain.choices[0].message.content
+
+
+def test_continue_final_message_and_add_generation_prompt_together_are_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=4,
+                                       extra_body={"continue_final_message": True})
+    assert error.value.body["param"] == "continue_final_message"
