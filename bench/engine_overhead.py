@@ -211,6 +211,10 @@ def sampling_params(kind: str, max_tokens: int) -> Any:
         return SamplingParams(temperature=0, repetition_penalty=1.1, presence_penalty=0.5, **common)
     if kind == "logprobs":
         return SamplingParams(temperature=0, logprobs=5, **common)
+    if kind == "structured":
+        # A JSON array of at least 1000 strings: no request completes it (and ends) within the bench.
+        schema = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
+        return SamplingParams(temperature=0, structured_outputs={"json": schema}, **common)
     raise ValueError(kind)
 
 
@@ -341,7 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="decode steps timed")
     parser.add_argument("--warmup", type=int, default=20, help="decode steps run before timing")
     parser.add_argument("--fake-forward-ms", type=float, default=0.0, help="the null model's forward pass")
-    parser.add_argument("--sampling", choices=("greedy", "random", "penalties", "logprobs"), default="greedy")
+    parser.add_argument("--sampling", choices=("greedy", "random", "penalties", "logprobs", "structured"),
+                        default="greedy")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule step N+1 while step N's forward pass runs (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
