@@ -21,7 +21,9 @@ Per step the bench reports (medians, µs):
 - the split: ``schedule`` (``Scheduler.schedule``), ``prepare_inputs`` (the runner's input
   arrays and tensors), ``sample`` (sampling metadata and the sampler), ``update``
   (``Scheduler.update_from_*``), ``collect`` (the step's outputs), ``output`` (encoding the
-  OUTPUTS message an engine process sends). What the split leaves out (bookkeeping of the
+  OUTPUTS message an engine process sends), ``structured`` (``--sampling structured``: advancing
+  the matchers and filling the token bitmasks; applying a mask to the logits, just before
+  sampling, is left in ``other``). What the split leaves out (bookkeeping of the
   step itself, statistics, the prefill meter) is ``other``. With async scheduling the
   sampler runs on the forward thread, overlapping the rest, so ``other`` can be negative.
 
@@ -58,7 +60,7 @@ import torch  # noqa: E402
 
 FIRST_PROMPT_TOKEN = 3  # the tiny model's ids below this are special tokens
 LOGITS_TABLE_ROWS = 257
-PHASES = ("schedule", "prepare_inputs", "sample", "update", "collect", "output")
+PHASES = ("schedule", "prepare_inputs", "sample", "update", "collect", "output", "structured")
 
 
 class NullModel:
@@ -191,6 +193,9 @@ def instrument(core: Any, timer: PhaseTimer) -> Iterator[Callable[[], float]]:
 
         runner.fetch = waiting_fetch
     core._collect = timer.wrap("collect", core._collect)
+    structured = core.structured
+    structured.advance = timer.wrap("structured", structured.advance)
+    structured.step_bitmask = timer.wrap("structured", structured.step_bitmask)
 
     def model_time() -> float:
         seconds, model.model_seconds = model.model_seconds, 0.0

@@ -162,7 +162,7 @@ def test_a_failing_step_releases_the_forward_thread_waiting_for_a_bitmask(
 ) -> None:
     core = EngineCore(EngineConfig.from_kwargs(model=str(tiny_model_dir), log_stats_interval=0,
                                                async_scheduling=async_scheduling))
-    real = core.structured.manager.accept
+    real = core.structured.manager.accept_each
     calls = {"n": 0}
 
     def fails_on_the_third_call(*args: object) -> None:
@@ -171,7 +171,7 @@ def test_a_failing_step_releases_the_forward_thread_waiting_for_a_bitmask(
             raise RuntimeError("boom")
         real(*args)
 
-    monkeypatch.setattr(core.structured.manager, "accept", fails_on_the_third_call)
+    monkeypatch.setattr(core.structured.manager, "accept_each", fails_on_the_third_call)
     core.add_request(EngineCoreRequest("a", [5, 6, 7], constrained()))
     failed = threading.Event()
 

@@ -98,12 +98,15 @@ class StructuredOutputs:
             return
         handles = eco.handles
         offsets = eco.token_offsets
-        rows = np.flatnonzero(self._is_constrained(handles) & (eco.finish_reasons == 0)
-                              & (offsets[1:] > offsets[:-1]))
+        counts = offsets[1:] - offsets[:-1]
+        rows = np.flatnonzero(self._is_constrained(handles) & (eco.finish_reasons == 0) & (counts > 0))
         manager = self.manager
         tokens = eco.token_ids
         try:
-            for i in rows.tolist():
+            single = rows[counts[rows] == 1]  # one sampled token per row: the engine's every step
+            if len(single):
+                manager.accept_each(handles[single].tolist(), tokens[offsets[single]].tolist())
+            for i in rows[counts[rows] > 1].tolist():
                 manager.accept(int(handles[i]), tokens[offsets[i] : offsets[i + 1]].tolist())
         except BaseException:
             if following is not None:

@@ -66,6 +66,16 @@ class StructuredOutputManager:
             raise RuntimeError(f"structured output of {key!r} took a token its grammar forbids: "
                                f"{matcher.get_error()}")
 
+    def accept_each(self, keys: Sequence[Hashable], tokens: Sequence[int]) -> None:
+        """Advance each key's matcher by its one token (a step's tokens), all in parallel;
+        a forbidden token raises, as in :meth:`accept`."""
+        matchers = [self._matchers[k] for k in keys]
+        accepted = llg_numpy.consume_token_par(self._executor, list(zip(matchers, tokens)))
+        if not all(accepted):
+            i = accepted.index(False)
+            raise RuntimeError(f"structured output of {keys[i]!r} took a token its grammar forbids: "
+                               f"{matchers[i].get_error()}")
+
     def rollback(self, key: Hashable, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""
         if num_tokens and not self._matchers[key].rollback(num_tokens):
