@@ -27,15 +27,18 @@ impl Scheduler {
     }
 
     /// The engine's store holds the KV of the first `num_tokens` prompt
-    /// tokens of `handle`; used when the request is next admitted.
+    /// tokens of `handle`; used when the request is next admitted. A request
+    /// that has already ended (a prompt ignored at once) is left alone.
     pub fn set_external_tokens(&mut self, handle: Handle, num_tokens: usize) -> Result<()> {
-        if self.request(handle).is_none_or(|r| r.is_finished()) {
+        let Some(req) = self.request(handle) else {
             return Err(Error::UnknownRequest(format!(
-                "no live request with handle {handle}"
+                "no request with handle {handle}"
             )));
+        };
+        if !req.is_finished() {
+            self.engine_connector()?
+                .set_external_tokens(handle, num_tokens);
         }
-        self.engine_connector()?
-            .set_external_tokens(handle, num_tokens);
         Ok(())
     }
 
