@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from fastsched._core import SchedulerConfig
-from fastsched.kv_transfer import KVTransferConfig
+from fastsched.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from fastsched.units import parse_bytes, parse_count
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | None = field(default=None, metadata=_flag(
         KV_CACHE, 'KV connector as JSON, e.g. \'{"kv_connector":"SharedStorageConnector","kv_role":"kv_both",'
                   '"kv_connector_extra_config":{"shared_storage_path":"/mnt/kv"}}\' (docs/scheduler.md, S7)',
-        type=KVTransferConfig.from_json, metavar="JSON"))
+        type=parse_kv_transfer_config, metavar="JSON"))
 
     log_stats_interval: float = field(default=5.0, metadata=_flag(
         DIAGNOSTICS, "seconds between engine stats log lines (0: off)"))

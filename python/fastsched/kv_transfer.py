@@ -9,6 +9,7 @@ from it (``fastsched.engine.kv_connector``). Every error names the field and the
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,3 +84,11 @@ class KVTransferConfig:
         if isinstance(value, str):
             return cls.from_json(value)
         raise ValueError(f"kv_transfer_config must be a JSON string or an object; got {value!r}")
+
+
+def parse_kv_transfer_config(text: str) -> KVTransferConfig:
+    """``--kv-transfer-config``'s type: argparse shows this error's text (it hides a ValueError's)."""
+    try:
+        return KVTransferConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
