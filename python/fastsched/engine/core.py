@@ -38,6 +38,7 @@ import torch
 from fastsched import _core
 from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
+from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector, store_identity
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
 from fastsched.engine.protocol import EngineCoreRequest, OutputBatch, select_csr
 from fastsched.engine.stats import StatsLogger
@@ -103,6 +104,7 @@ class _Step:
     launched_wall: float  # time.time() then
     backlogged: bool  # requests were still waiting after its schedule()
     num_ending: int  # requests that reach max_tokens with this step's sample
+    saves: Saves | None = None  # KV blocks to save once it has run (sync); async queues them itself
 
 
 class EngineCore:
@@ -142,6 +144,7 @@ class EngineCore:
             ThreadPoolExecutor(1, thread_name_prefix="fastsched-forward") if config.async_scheduling else None
         )
         self._in_flight: deque[_Step] = deque()
+        self.kv_transfer = self._make_kv_transfer(dtype)  # --kv-transfer-config
         self._last_step_end = 0.0  # perf_counter() when the last step was collected
         self._last_step_end_wall = 0.0
         # The tokenizer may add an end-of-turn id (GGUF chat models) to the model's EOS ids.
@@ -168,6 +171,18 @@ class EngineCore:
             sc.max_model_len, sc.block_size, sc.enable_prefix_caching,
         )
         _freeze_start_up_heap()
+
+    def _make_kv_transfer(self, dtype: torch.dtype) -> KVTransfer | None:
+        kv_config = self.config.kv_transfer_config
+        if kv_config is None:
+            return None
+        identity = store_identity(self.config.model, self.model_config, self.config.block_size, dtype)
+        logger.info("KV connector %s (%s) at %s, store key %s", kv_config.kv_connector, kv_config.kv_role,
+                    kv_config.shared_storage_path, identity.key)
+        # Copies into and out of the KV cache run in forward-pass order: on the forward thread when there is one.
+        executor = self._executor
+        ordered = (lambda fn: executor.submit(fn)) if executor is not None else (lambda fn: fn())
+        return KVTransfer(kv_config, make_connector(kv_config, identity), self.scheduler, self.runner, ordered)
 
     # ------------------------------------------------------------ requests
 
@@ -213,6 +228,8 @@ class EngineCore:
         self._row_states[handle] = RowState(params, n, eos_ids, generator)
         self._handles[request.request_id] = handle
         self.stats.on_arrival(n)
+        if self.kv_transfer is not None:
+            self.kv_transfer.on_add(handle)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Frees the requests' blocks at once (S18); unknown or finished ids are ignored.
@@ -247,6 +264,8 @@ class EngineCore:
         """Stops the forward-pass thread (async scheduling); the engine is not used after this."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
 
     # ------------------------------------------------------------ the step
 
@@ -276,9 +295,17 @@ class EngineCore:
     def _launch(self) -> None:
         """Schedules a step, prepares its inputs and starts its forward pass (on the worker thread)."""
         launched, launched_wall = time.perf_counter(), time.time()
+        if self.kv_transfer is not None:
+            self.kv_transfer.before_schedule()
         so = self.scheduler.schedule()
         try:
             step = self._prepare(so, launched, launched_wall)
+            if self.kv_transfer is not None:
+                step.saves = self.kv_transfer.after_schedule()
+                if step.saves is not None and self._executor is not None:
+                    # After this step's forward pass, before the next one's (which may reuse the blocks).
+                    self._executor.submit(self.kv_transfer.save, step.saves)
+                    step.saves = None
         except BaseException:
             # The scheduler holds the step in flight: close it (and those before it) too.
             self._in_flight.append(_Step(so, None, None, launched, launched_wall, False, 0))
@@ -319,6 +346,8 @@ class EngineCore:
             self._abandon_in_flight()
             raise
         self._in_flight.popleft()
+        if step.saves is not None and self.kv_transfer is not None:
+            self.kv_transfer.save(step.saves)
         eco = self.scheduler.update_from_tokens(result.tokens)
         self.runner.write_sampled(step.prepared, result)
         outputs = self._collect(eco, step, result)

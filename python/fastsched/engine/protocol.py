@@ -253,6 +253,8 @@ class EngineStats:
     iteration_tokens_sum: int = 0
     # The engine process's resource use (fastsched.process_stats), sent with heartbeats only.
     process: dict[str, float] | None = None
+    # KV connector counters (engine.kv_connector.KVConnectorStats); empty without a connector.
+    kv_connector: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -533,6 +535,9 @@ def _decode_stats(value: Any) -> EngineStats:
             _check(len(value) in (0, len(ITERATION_TOKENS_BUCKETS) + 1),
                    f"stats.iteration_tokens must have {len(ITERATION_TOKENS_BUCKETS) + 1} buckets")
             _check(all(c >= 0 for c in value), "stats.iteration_tokens must be non-negative")
+        elif f.name == "kv_connector":
+            for key, number in _map(value, "stats.kv_connector").items():
+                _float(number, f"stats.kv_connector[{_str(key, 'stats.kv_connector key')}]")
         elif f.name == "process":
             if value is not None:
                 for key, number in _map(value, "stats.process").items():
