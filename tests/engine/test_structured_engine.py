@@ -150,6 +150,13 @@ def test_a_grammar_that_does_not_compile_is_a_value_error_naming_it() -> None:
         SamplingParams(min_tokens=2, structured_outputs={"choice": ["a"]})
 
 
+def test_a_streaming_input_session_cannot_be_constrained(tiny_model_dir: Path) -> None:
+    core = EngineCore(EngineConfig.from_kwargs(model=str(tiny_model_dir), log_stats_interval=0))
+    with pytest.raises(ValueError, match="streaming-input session"):
+        core.add_request(EngineCoreRequest("s", [5, 6, 7], constrained(), streaming=True))
+    assert not core.has_unfinished_requests() and core.structured.num_constrained == 0
+
+
 def test_structured_outputs_cross_the_engine_wire() -> None:
     params = SamplingParams(max_tokens=9, structured_outputs={"json": SCHEMA})
     message = decode(encode(AddRequest(EngineCoreRequest("r", [1, 2], params), 0)))

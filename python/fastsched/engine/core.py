@@ -201,6 +201,9 @@ class EngineCore:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         grammar = None
         if params.structured_outputs is not None:
+            if request.streaming:
+                # Input arriving between segments would go past the matcher, which sees outputs only.
+                raise ValueError("structured_outputs cannot be used by a streaming-input session")
             grammar = self.structured.compile(params.structured_outputs)
         # A constrained request ends where its grammar does, by the EOS the grammar then forces.
         ignore_eos = params.ignore_eos and grammar is None
