@@ -67,14 +67,15 @@ class StructuredOutputManager:
                                f"{matcher.get_error()}")
 
     def accept_each(self, keys: Sequence[Hashable], tokens: Sequence[int]) -> None:
-        """Advance each key's matcher by its one token (a step's tokens), all in parallel;
-        a forbidden token raises, as in :meth:`accept`."""
-        matchers = [self._matchers[k] for k in keys]
-        accepted = llg_numpy.consume_token_par(self._executor, list(zip(matchers, tokens)))
-        if not all(accepted):
-            i = accepted.index(False)
-            raise RuntimeError(f"structured output of {keys[i]!r} took a token its grammar forbids: "
-                               f"{matchers[i].get_error()}")
+        """Advance each key's matcher by its one token (a step's tokens); a forbidden token
+        raises, as in :meth:`accept`. One call per matcher: llguidance's parallel
+        ``consume_token_par`` measured slower here (256 rows: ~3 ms against ~2 ms on 2 cores),
+        a token costing a few µs, less than handing it to a thread pool."""
+        matchers = self._matchers
+        for key, token in zip(keys, tokens):
+            if not matchers[key].consume_token(token):
+                raise RuntimeError(f"structured output of {key!r} took a token its grammar forbids: "
+                                   f"{matchers[key].get_error()}")
 
     def rollback(self, key: Hashable, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""
