@@ -8,8 +8,10 @@ import json
 
 import pytest
 
+from fastsched.gateway.openai_protocol import parse_chat
 from fastsched.gateway.request_fields import FieldError
 from fastsched.gateway.tool_calls import ToolCalling, ToolCallStream, supports_hermes_tools, tool_calling_from_body
+from fastsched.model_loader import load_tokenizer
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": PARAMS}},
@@ -81,3 +83,13 @@ def test_a_stream_holds_back_what_may_be_a_tool_call_tag() -> None:
 def test_malformed_tools_and_tool_choices_are_field_errors(body: dict) -> None:
     with pytest.raises(FieldError):
         tool_calling_from_body(body, HERMES)
+
+
+def test_auto_keeps_special_tokens_in_the_text_for_the_parser(tiny_model_dir) -> None:
+    """<tool_call> is a special token in Qwen's vocabulary: skipped, the parser would never see it."""
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    tokenizer.chat_template = HERMES
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    assert parse_chat(body, tokenizer, 256, "r").sampling.skip_special_tokens is False
+    kept = parse_chat({**body, "skip_special_tokens": True}, tokenizer, 256, "r")
+    assert kept.sampling.skip_special_tokens is True

@@ -359,6 +359,8 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
             raise bad_request(f'tool_choice "{tool_calling.mode}" forces the output\'s shape: it cannot be combined '
                               "with another output constraint", "tool_choice")
         sampling.structured_outputs.CopyFrom(forced)
+    if tool_calling is not None and tool_calling.mode == "auto" and not sampling.HasField("skip_special_tokens"):
+        sampling.skip_special_tokens = False  # <tool_call> is a special token in Qwen's and Hermes' vocabularies
     stream, include_usage = _stream_flags(body)
     echo = bool(_get_bool(body, "echo", False))
     if echo and tool_calling is not None:
