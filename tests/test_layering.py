@@ -19,7 +19,7 @@ LAYERS = [
     ("_core", "sampling_params", "limits", "outputs", "proto_gen", "rpc", "units", "structured", "process_stats", "config"),
     ("kernels", "sample"),
     ("attention",),
-    ("models",),
+    ("models", "lora"),
     ("model_loader",),
     ("worker",),
     ("engine", "inputs"),

@@ -6,7 +6,7 @@ data. Every message is a msgpack array whose first element is its tag:
 
 frontend -> engine (the engine's PULL socket at its input address)
     ["hello",   frontend_index]                       ask for READY (a late or restarted frontend)
-    ["add",     request_id, prompt_token_ids, params, arrival_time, priority, frontend_index]
+    ["add",     request_id, prompt_token_ids, params, arrival_time, priority, frontend_index, lora]
     ["abort",   [request_id, ...]]
     ["query",   query_id, [request_id, ...], frontend_index]   where are these requests? (a STATUS answers)
 
@@ -17,7 +17,8 @@ engine -> frontend (a PUSH socket per frontend, connected to its output address)
     ["failed",    engine_index, message]               the engine is about to exit on an error
     ["status",    engine_index, query_id, [status, ...]]   the answer to a QUERY, one status per id
 
-``params`` is a map of :class:`SamplingParams` fields; ``model_info`` and ``stats``
+``params`` is a map of :class:`SamplingParams` fields, ``lora`` ``nil`` or the request's
+adapter as ``[name, id, path]`` (:class:`LoRARequest`); ``model_info`` and ``stats``
 are maps (:class:`ModelInfo`, :class:`EngineStats`). A step's outputs travel as
 ``columns`` (:class:`OutputBatch`), one row per request that progressed or ended:
 ``[request_ids, token_offsets, token_ids, finish_reasons, num_cached_tokens, extras]``,
@@ -51,6 +52,7 @@ import msgpack
 import numpy as np
 
 from fastsched._core import FINISH_REASONS
+from fastsched.lora.request import LoRARequest
 from fastsched.sampling_params import SamplingParams
 
 FINISH_CODES = {reason: code for code, reason in FINISH_REASONS.items()}
@@ -71,6 +73,7 @@ class EngineCoreRequest:
     # without stop strings or logprobs), which then costs the engine nothing per step.
     # Not on the wire: a frontend always gets deltas.
     final_only: bool = False
+    lora_request: LoRARequest | None = None  # the adapter to apply, None: the base model
 
 
 @dataclass
@@ -358,7 +361,7 @@ def _to_wire(msg: Message) -> list[Any]:
     if isinstance(msg, AddRequest):
         r = msg.request
         return [ADD, r.request_id, list(r.prompt_token_ids), dataclasses.asdict(r.params), float(r.arrival_time),
-                int(r.priority), msg.frontend_index]
+                int(r.priority), msg.frontend_index, _lora_to_wire(r.lora_request)]
     if isinstance(msg, Abort):
         return [ABORT, list(msg.request_ids)]
     if isinstance(msg, Ready):
@@ -472,7 +475,19 @@ def _decode_hello(frontend_index: Any) -> Hello:
     return Hello(_index(frontend_index, "frontend_index"))
 
 
-def _decode_add(request_id: Any, prompt: Any, params: Any, arrival: Any, priority: Any, frontend: Any) -> AddRequest:
+def _lora_to_wire(lora: LoRARequest | None) -> list[Any] | None:
+    return None if lora is None else [lora.name, lora.id, lora.path]
+
+
+def _decode_lora(value: Any) -> LoRARequest | None:
+    if value is None:
+        return None
+    _check(isinstance(value, list) and len(value) == 3, "lora must be nil or [name, id, path]")
+    return LoRARequest(_str(value[0], "lora name"), _int(value[1], "lora id"), _str(value[2], "lora path"))
+
+
+def _decode_add(request_id: Any, prompt: Any, params: Any, arrival: Any, priority: Any, frontend: Any,
+                lora: Any) -> AddRequest:
     params = _map(params, "params")
     unknown = set(params) - _PARAM_FIELDS
     _check(not unknown, f"unknown sampling parameters: {', '.join(sorted(map(str, unknown)))}")
@@ -482,6 +497,7 @@ def _decode_add(request_id: Any, prompt: Any, params: Any, arrival: Any, priorit
         SamplingParams(**params),
         _float(arrival, "arrival_time"),
         _int(priority, "priority"),
+        lora_request=_decode_lora(lora),
     )
     return AddRequest(request, _index(frontend, "frontend_index"))
 
@@ -665,4 +681,4 @@ _DECODERS = {
     QUERY: _decode_query,
     STATUS: _decode_status,
 }
-_ARITY = {HELLO: 1, ADD: 6, ABORT: 1, READY: 2, HEARTBEAT: 2, OUTPUTS: 4, FAILED: 2, QUERY: 3, STATUS: 3}
+_ARITY = {HELLO: 1, ADD: 7, ABORT: 1, READY: 2, HEARTBEAT: 2, OUTPUTS: 4, FAILED: 2, QUERY: 3, STATUS: 3}

@@ -1,0 +1,214 @@
+"""Adapters in fixed device slots, fed from an LRU cache of CPU copies.
+
+The scheduler admits at most ``max_loras`` distinct adapters into the running batch
+(S7), so a step never needs more than ``max_loras`` slots. Slot weights are preallocated
+once per layer and fused projection (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+``down_proj``), every adapter padded to ``max_lora_rank``: loading an adapter is a copy,
+never an allocation, and the model's shapes never change.
+
+Work is split across the engine's two threads: :meth:`LoRAManager.plan` runs on the
+host while the step is prepared (which adapter goes in which slot, the CPU cache,
+reading adapters from disk); :meth:`LoRAManager.activate` runs just before the forward
+pass, on the thread that runs them in order, and is the only code that writes the slots.
+A step planned while the previous one still runs may thus reuse a slot the previous one
+reads: the write happens after that forward pass, never during it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fastsched.lora.adapter import LoRAAdapter, load_adapter, projection_shapes
+from fastsched.lora.punica import BGMV_MAX_TOKENS, bgmv, sgmv
+from fastsched.lora.request import LoRARequest
+from fastsched.models.config import ModelConfig
+
+# The model's fused projections and the PEFT modules packed in each, in output order.
+FUSED_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+@dataclass
+class LoRAMapping:
+    """One step's plan (host arrays): each token's slot, the adapters to copy into slots
+    first, and which fused projections any of the step's adapters targets."""
+
+    token_slots: np.ndarray  # [T] int64, -1: base model
+    loads: list[tuple[int, LoRAAdapter]]
+    groups: list[tuple[int, np.ndarray]] | None  # (slot, token indices) for sgmv; None: bgmv
+    projections: frozenset[str]
+
+
+class LoRAStep:
+    """What the model reads during one forward pass (:meth:`layer` per decoder layer)."""
+
+    def __init__(self, stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], token_slots: torch.Tensor,
+                 groups: list[tuple[int, torch.Tensor]] | None, projections: frozenset[str]) -> None:
+        self._stacks = stacks
+        self._token_slots = token_slots
+        self._groups = groups
+        self.projections = projections  # the fused projections some adapter of the step changes
+
+    def layer(self, index: int) -> LayerLoRA:
+        return LayerLoRA(self, self._stacks[index])
+
+    def delta(self, weights: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        a, b = weights
+        if self._groups is None:
+            return bgmv(x, a, b, self._token_slots)
+        return sgmv(x, a, b, self._groups)
+
+
+class LayerLoRA:
+    """One decoder layer's view of a :class:`LoRAStep`."""
+
+    def __init__(self, step: LoRAStep, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._step = step
+        self._weights = weights
+
+    def add(self, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out += `` the LoRA delta of fused ``projection`` (a model parameter name) for input ``x``."""
+        if projection in self._step.projections:
+            out += self._step.delta(self._weights[projection], x)
+
+
+class LoRAManager:
+    """Registered adapters (id -> :class:`LoRARequest`), their CPU copies (LRU, at most
+    ``max_cpu_loras``) and the ``max_loras`` device slots (LRU among the adapters the
+    step at hand does not use)."""
+
+    def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.device = device
+        shapes = projection_shapes(config)
+        self._shapes = shapes
+        # One more slot than max_loras: the last stays zero, for the base model's tokens (-1).
+        num_slots = max_loras + 1
+        self._stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for _ in range(config.num_layers):
+            layer = {}
+            for fused, modules in FUSED_PROJECTIONS.items():
+                k = len(modules) * max_lora_rank
+                in_features = shapes[modules[0]][0]
+                out_features = sum(shapes[m][1] for m in modules)
+                layer[fused] = (torch.zeros(num_slots, k, in_features, dtype=dtype, device=device),
+                                torch.zeros(num_slots, out_features, k, dtype=dtype, device=device))
+            self._stacks.append(layer)
+        self._requests: dict[int, LoRARequest] = {}
+        self._targets: dict[int, frozenset[str]] = {}  # id -> fused projections it changes
+        self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
+        self._free_slots = list(range(max_loras - 1, -1, -1))
+
+    @property
+    def slot_of(self) -> dict[int, int]:
+        """Adapter id -> device slot, as planned for the last step."""
+        return dict(self._slot_of)
+
+    @property
+    def cpu_cached(self) -> list[int]:
+        """Adapter ids with a CPU copy, least recently used first."""
+        return list(self._cpu)
+
+    def register(self, request: LoRARequest) -> None:
+        """Makes ``request.id`` known, reading and checking its adapter the first time (a
+        bad adapter fails the request that names it, never a step). One id, one path."""
+        known = self._requests.get(request.id)
+        if known is not None:
+            if known.path != request.path:
+                raise ValueError(f"LoRA id {request.id} is adapter {known.name!r} ({known.path}); "
+                                 f"adapter {request.name!r} names {request.path}")
+            return
+        adapter = load_adapter(request.path, request.id, self.config, self.max_lora_rank)
+        self._requests[request.id] = request
+        self._targets[request.id] = frozenset(
+            fused for fused, modules in FUSED_PROJECTIONS.items() if adapter.target_modules & set(modules))
+        self._remember(adapter)
+
+    def plan(self, lora_ids: np.ndarray, num_scheduled: np.ndarray) -> LoRAMapping | None:
+        """The slots of a step whose requests use adapters ``lora_ids`` (0: none), with
+        ``num_scheduled`` tokens each; None when no request uses one."""
+        if not np.count_nonzero(lora_ids):
+            return None
+        wanted = np.unique(lora_ids[lora_ids > 0]).tolist()
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"a step uses {len(wanted)} LoRA adapters, more than max_loras ({self.max_loras}); "
+                               "the scheduler's S7 skip should have prevented it")
+        loads = []
+        req_slots = np.full(len(lora_ids), -1, dtype=np.int64)
+        for lora_id in wanted:
+            slot = self._slot_of.get(lora_id)
+            if slot is None:
+                slot = self._take_slot(wanted)
+                self._slot_of[lora_id] = slot
+                loads.append((slot, self._cpu_copy(lora_id)))
+            self._slot_of.move_to_end(lora_id)
+            req_slots[lora_ids == lora_id] = slot
+        token_slots = np.repeat(req_slots, num_scheduled)
+        groups = None
+        if len(token_slots) > BGMV_MAX_TOKENS:
+            groups = [(self._slot_of[i], np.flatnonzero(token_slots == self._slot_of[i])) for i in wanted]
+        projections = frozenset().union(*(self._targets[i] for i in wanted))
+        return LoRAMapping(token_slots, loads, groups, projections)
+
+    def activate(self, mapping: LoRAMapping) -> LoRAStep:
+        """Copies the planned adapters into their slots and returns the step's view. Runs on
+        the forward-pass thread, in step order (see the module docstring)."""
+        for slot, adapter in mapping.loads:
+            self._write_slot(slot, adapter)
+        dev = self.device
+        groups = None
+        if mapping.groups is not None:
+            groups = [(slot, torch.from_numpy(rows).to(dev)) for slot, rows in mapping.groups]
+        return LoRAStep(self._stacks, torch.from_numpy(mapping.token_slots).to(dev), groups, mapping.projections)
+
+    def _take_slot(self, wanted: list[int]) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        victim = next(i for i in self._slot_of if i not in wanted)  # exists: len(wanted) <= max_loras
+        return self._slot_of.pop(victim)
+
+    def _cpu_copy(self, lora_id: int) -> LoRAAdapter:
+        adapter = self._cpu.get(lora_id)
+        if adapter is None:
+            request = self._requests[lora_id]
+            adapter = load_adapter(request.path, lora_id, self.config, self.max_lora_rank)
+            self._remember(adapter)
+        self._cpu.move_to_end(lora_id)
+        return adapter
+
+    def _remember(self, adapter: LoRAAdapter) -> None:
+        self._cpu[adapter.id] = adapter
+        while len(self._cpu) > self.max_cpu_loras:
+            self._cpu.popitem(last=False)
+
+    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Packs the adapter into the fused stacks: shard ``j`` of a fused projection owns
+        rank columns ``[j*R, j*R + r)`` of A's rows and B's columns, and its own rows of B."""
+        rank_size = self.max_lora_rank
+        for layer, stacks in zip(adapter.weights, self._stacks):
+            for fused, modules in FUSED_PROJECTIONS.items():
+                a, b = stacks[fused]
+                a[slot].zero_()
+                b[slot].zero_()
+                out_start = 0
+                for j, module in enumerate(modules):
+                    out_size = self._shapes[module][1]
+                    if module in layer:
+                        lora_a, lora_b = layer[module]
+                        r = lora_a.shape[0]
+                        a[slot, j * rank_size : j * rank_size + r] = lora_a
+                        b[slot, out_start : out_start + out_size, j * rank_size : j * rank_size + r] = lora_b
+                    out_start += out_size
