@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import zmq
 
-from fastsched.config import EngineConfig
+from fastsched.config import EngineConfig, parse_lora_modules
 from fastsched.engine import protocol
 from fastsched.engine.core import EngineCore
 from fastsched.engine.protocol import EngineCoreOutput, EngineStats, ModelInfo, OutputBatch, RequestTiming
@@ -141,6 +141,8 @@ def _build_engine(engine_config: dict[str, Any], torch_num_threads: int | None) 
         tokenizer=config.tokenizer,
         sampling_defaults=core.sampling_defaults,
         cache_config=_cache_config(config, sc),
+        lora_modules=parse_lora_modules(config.lora_modules) if config.enable_lora else None,
+        max_lora_rank=config.max_lora_rank,
     )
     return core, info
 

@@ -225,6 +225,10 @@ class ModelInfo:
     # The KV cache's configuration as text (block_size, num_gpu_blocks, enable_prefix_caching, ...):
     # the labels of the metric cache_config_info, as vLLM's.
     cache_config: dict[str, str] = field(default_factory=dict)
+    # LoRA (--enable-lora): the adapters to serve from the start (--lora-modules, name -> path)
+    # and the largest rank accepted; None: the engine serves no adapters.
+    lora_modules: dict[str, str] | None = None
+    max_lora_rank: int = 0
 
 
 # Upper bounds of EngineStats.iteration_tokens' buckets: vLLM's for vllm:iteration_tokens_total.
