@@ -24,6 +24,7 @@ from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.lora import LoRARequest  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
+from fastsched.tools.metrics_snapshot import parse_metrics  # noqa: E402
 from fastsched.tools.tiny_lora import make_tiny_lora  # noqa: E402
 
 MODEL = "tiny"
@@ -153,6 +154,16 @@ def test_a_bad_load_is_400_and_changes_nothing(stack: Stack, body: dict[str, Any
     assert all(len(llm.loras.adapters()) == 1 for llm in stack.llms if llm.loras is not None)
 
 
+def lora_info(stack: Stack) -> dict[str, str] | None:
+    """The labels of the (one engine's) ``fastsched:lora_requests_info`` series."""
+    page = parse_metrics(httpx.get(f"{stack.url}/metrics").text, 0.0)
+    samples = page.samples.get("fastsched:lora_requests_info") or []
+    if len(samples) != 1:
+        return None
+    labels = samples[0].labels
+    return {k: labels[k] for k in ("max_lora", "running_lora_adapters", "waiting_lora_adapters")}
+
+
 def test_an_adapter_in_use_is_not_unloaded(stack: Stack) -> None:
     with httpx.stream("POST", f"{stack.url}/v1/completions", headers=AUTH, timeout=60,
                       json={"model": "one", "prompt": PROMPT, "max_tokens": 2000, "temperature": 0.0,
@@ -161,6 +172,8 @@ def test_an_adapter_in_use_is_not_unloaded(stack: Stack) -> None:
         next(lines)  # the request runs
         refused = post(stack, "/v1/unload_lora_adapter", {"lora_name": "one"})
         assert refused.status_code == 409 and "in flight" in refused.json()["error"]["message"]
+        assert wait_for(lambda: lora_info(stack) == {"max_lora": "2", "running_lora_adapters": "one",
+                                                     "waiting_lora_adapters": ""}, timeout=10)
     # The stream closed: its request is aborted and the adapter free again.
     assert wait_for(lambda: all(llm._num_requests_using("one") == 0 for llm in stack.llms), timeout=10)
     assert all(llm.loras is not None and llm.loras.get("one") is not None for llm in stack.llms), \

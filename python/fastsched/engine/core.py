@@ -236,6 +236,14 @@ class EngineCore:
         self.lora.register(lora)
         return lora.id
 
+    def lora_adapters_of(self, handles: Sequence[int]) -> list[str]:
+        """The names of the adapters the requests ``handles`` use, sorted (vLLM's
+        lora_requests_info labels)."""
+        if self.lora is None or not len(handles):
+            return []
+        ids = np.unique(self._columns.lora_id[np.asarray(handles, dtype=np.int64)])
+        return sorted(self.lora.name_of(int(i)) for i in ids if i > 0)
+
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Frees the requests' blocks at once (S18); unknown or finished ids are ignored.
         A step in flight that holds one of them still runs, but its token for it is dropped."""

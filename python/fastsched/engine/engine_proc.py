@@ -328,7 +328,16 @@ class _EngineLoop:
             prefill_tokens_per_s=self.core.prefill_meter.tokens_per_s,
             iteration_tokens=list(counters.iteration_tokens),
             iteration_tokens_sum=counters.iteration_tokens_sum,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        core = self.core
+        if core.lora is None:
+            return {}
+        return {"running_lora_adapters": core.lora_adapters_of(core.scheduler.running_handles()),
+                "waiting_lora_adapters": core.lora_adapters_of(core.scheduler.waiting_handles()),
+                "max_lora": core.config.max_loras}
 
     def send(self, frontend: int, data: bytes) -> None:
         """Never blocks: a frontend that stopped reading (gone, or stuck) must not stall

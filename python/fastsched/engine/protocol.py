@@ -260,6 +260,11 @@ class EngineStats:
     iteration_tokens_sum: int = 0
     # The engine process's resource use (fastsched.process_stats), sent with heartbeats only.
     process: dict[str, float] | None = None
+    # LoRA (vLLM's lora_requests_info): the adapters (names) of running and of waiting
+    # requests, and max_loras; 0: the engine serves no adapters.
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    max_lora: int = 0
 
 
 @dataclass
@@ -553,6 +558,10 @@ def _decode_stats(value: Any) -> EngineStats:
             _check(len(value) in (0, len(ITERATION_TOKENS_BUCKETS) + 1),
                    f"stats.iteration_tokens must have {len(ITERATION_TOKENS_BUCKETS) + 1} buckets")
             _check(all(c >= 0 for c in value), "stats.iteration_tokens must be non-negative")
+        elif f.name in ("running_lora_adapters", "waiting_lora_adapters"):
+            _check(isinstance(value, list), f"stats.{f.name} must be an array")
+            for name in value:
+                _str(name, f"stats.{f.name} entry")
         elif f.name == "process":
             if value is not None:
                 for key, number in _map(value, "stats.process").items():

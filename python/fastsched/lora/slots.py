@@ -122,6 +122,9 @@ class LoRAManager:
         """Adapter ids with a CPU copy, least recently used first."""
         return list(self._cpu)
 
+    def name_of(self, lora_id: int) -> str:
+        return self._requests[lora_id].name
+
     def register(self, request: LoRARequest) -> None:
         """Makes ``request.id`` known, reading and checking its adapter the first time (a
         bad adapter fails the request that names it, never a step). One id, one path."""
