@@ -37,8 +37,8 @@ def make_llm(base_dir: Path, **kwargs: object) -> LLM:
 def test_a_batch_mixing_the_base_model_and_two_adapters_gives_the_tokens_of_peft(
     base_dir: Path, adapters: dict[str, LoRARequest], peft_reference: PeftReference, budget: int
 ) -> None:
-    # Prompts past BGMV_MAX_TOKENS make the first step take the segmented (sgmv) path;
-    # the decode steps after it take the gathered (bgmv) one.
+    # Prompts past DENSE_MAX_TOKENS make the first step take the segmented (sgmv) path;
+    # the decode steps after it take the dense one (bgmv_dense).
     prompts = [prompt(n, seed) for seed, n in enumerate([9, 40, 150, 17, 70, 5])]
     names = ["full", None, "qv", "qv", "full", None]
     llm = make_llm(base_dir, max_num_batched_tokens=budget, max_num_seqs=8)

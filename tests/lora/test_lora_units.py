@@ -15,24 +15,36 @@ from fastsched.config import EngineConfig
 from fastsched.engine.protocol import AddRequest, EngineCoreRequest, decode, encode
 from fastsched.lora import LoRARequest
 from fastsched.lora.adapter import load_adapter
-from fastsched.lora.punica import bgmv, sgmv
+from fastsched.lora.punica import bgmv_dense, sgmv
 from fastsched.lora.slots import LoRAManager
 from fastsched.model_loader import load_model_config
 from fastsched.sampling_params import SamplingParams
 from fastsched.tools.tiny_lora import make_tiny_lora
 
 
-def test_bgmv_and_sgmv_compute_each_tokens_own_adapter_and_zero_for_the_base_slot() -> None:
+def test_bgmv_dense_and_sgmv_add_each_tokens_own_adapter_and_nothing_for_the_base_model() -> None:
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(4, 6, 10, generator=g), torch.randn(4, 12, 6, generator=g)
-    a[-1] = 0  # the base model's slot, last
-    b[-1] = 0
-    x = torch.randn(7, 10, generator=g)
-    slots = torch.tensor([0, 2, 2, -1, 1, 0, -1])
-    expected = torch.stack([b[s] @ (a[s] @ x[t]) if s >= 0 else torch.zeros(12) for t, s in enumerate(slots.tolist())])
-    torch.testing.assert_close(bgmv(x, a, b, slots), expected)
-    groups = [(s, torch.nonzero(slots == s).squeeze(1)) for s in (0, 1, 2)]
-    torch.testing.assert_close(sgmv(x, a, b, groups), expected)
+    num_slots, k = 3, 6
+    a, b = torch.randn(10, num_slots * k, generator=g), torch.randn(num_slots * k, 12, generator=g)
+    x, base = torch.randn(7, 10, generator=g), torch.randn(7, 12, generator=g)
+    slots = [0, 2, 2, -1, 1, 0, -1]
+
+    def own(s: int) -> slice:
+        return slice(s * k, (s + 1) * k)
+
+    expected = torch.stack([base[t] + (x[t] @ a[:, own(s)] @ b[own(s)] if s >= 0 else 0)
+                            for t, s in enumerate(slots)])
+    mask = torch.zeros(7, num_slots * k)
+    for t, s in enumerate(slots):
+        if s >= 0:
+            mask[t, own(s)] = 1
+    out = base.clone()
+    bgmv_dense(x, a, b, mask, out)
+    torch.testing.assert_close(out, expected)
+    groups = [(s, torch.tensor([t for t, u in enumerate(slots) if u == s])) for s in range(num_slots)]
+    out = base.clone()
+    sgmv(x, a, b, k, groups, out)
+    torch.testing.assert_close(out, expected)
 
 
 def test_an_adapter_is_read_with_its_scaling_folded_into_b(base_dir: Path, tmp_path: Path) -> None:
@@ -93,7 +105,9 @@ def test_slots_are_reused_least_recently_used_first_and_never_for_an_adapter_of_
     assert manager.cpu_cached == [2, 3], "at most max_cpu_loras copies, the oldest evicted"
     one = np.ones(1, dtype=np.int64)
     first = manager.plan(np.array([1, 0, 2]), np.array([1, 1, 1]))
-    assert first is not None and list(first.token_slots) == [0, -1, 1]
+    assert first is not None and first.masks is not None
+    token_slots = [int(np.flatnonzero(row.reshape(2, -1).any(1))[0]) if row.any() else -1 for row in first.masks[1]]
+    assert token_slots == [0, -1, 1]
     assert [s for s, _ in first.loads] == [0, 1]
     again = manager.plan(np.array([2]), one)
     assert again is not None and again.loads == [], "already in a slot: nothing to copy"

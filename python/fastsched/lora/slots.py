@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from fastsched.lora.adapter import LoRAAdapter, load_adapter, projection_shapes
-from fastsched.lora.punica import BGMV_MAX_TOKENS, bgmv, sgmv
+from fastsched.lora.punica import DENSE_MAX_TOKENS, bgmv_dense, sgmv
 from fastsched.lora.request import LoRARequest
 from fastsched.models.config import ModelConfig
 
@@ -38,33 +38,40 @@ FUSED_PROJECTIONS = {
 
 @dataclass
 class LoRAMapping:
-    """One step's plan (host arrays): each token's slot, the adapters to copy into slots
-    first, and which fused projections any of the step's adapters targets."""
+    """One step's plan (host arrays): the adapters to copy into slots first, how the
+    tokens map to slots, and which fused projections any of the step's adapters targets."""
 
-    token_slots: np.ndarray  # [T] int64, -1: base model
     loads: list[tuple[int, LoRAAdapter]]
-    groups: list[tuple[int, np.ndarray]] | None  # (slot, token indices) for sgmv; None: bgmv
+    # bgmv_dense: per number of shards (1, 2, 3) the [T, S*K] mask of each token's columns.
+    masks: dict[int, np.ndarray] | None
+    groups: list[tuple[int, np.ndarray]] | None  # sgmv: (slot, token indices)
     projections: frozenset[str]
 
 
 class LoRAStep:
     """What the model reads during one forward pass (:meth:`layer` per decoder layer)."""
 
-    def __init__(self, stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], token_slots: torch.Tensor,
-                 groups: list[tuple[int, torch.Tensor]] | None, projections: frozenset[str]) -> None:
+    def __init__(self, stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], max_lora_rank: int,
+                 masks: dict[int, torch.Tensor] | None, groups: list[tuple[int, torch.Tensor]] | None,
+                 projections: frozenset[str]) -> None:
         self._stacks = stacks
-        self._token_slots = token_slots
+        self._rank = max_lora_rank
+        self._masks = masks
         self._groups = groups
         self.projections = projections  # the fused projections some adapter of the step changes
 
     def layer(self, index: int) -> LayerLoRA:
         return LayerLoRA(self, self._stacks[index])
 
-    def delta(self, weights: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def add_delta(self, projection: str, weights: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                  out: torch.Tensor) -> None:
         a, b = weights
-        if self._groups is None:
-            return bgmv(x, a, b, self._token_slots)
-        return sgmv(x, a, b, self._groups)
+        shards = len(FUSED_PROJECTIONS[projection])
+        if self._masks is not None:
+            bgmv_dense(x, a, b, self._masks[shards], out)
+        else:
+            assert self._groups is not None
+            sgmv(x, a, b, shards * self._rank, self._groups, out)
 
 
 class LayerLoRA:
@@ -77,7 +84,7 @@ class LayerLoRA:
     def add(self, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out += `` the LoRA delta of fused ``projection`` (a model parameter name) for input ``x``."""
         if projection in self._step.projections:
-            out += self._step.delta(self._weights[projection], x)
+            self._step.add_delta(projection, self._weights[projection], x, out)
 
 
 class LoRAManager:
@@ -94,8 +101,8 @@ class LoRAManager:
         self.device = device
         shapes = projection_shapes(config)
         self._shapes = shapes
-        # One more slot than max_loras: the last stays zero, for the base model's tokens (-1).
-        num_slots = max_loras + 1
+        self.dtype = dtype
+        # Per layer and fused projection, a [in, S*K] and b [S*K, out] (fastsched.lora.punica).
         self._stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         for _ in range(config.num_layers):
             layer = {}
@@ -103,8 +110,8 @@ class LoRAManager:
                 k = len(modules) * max_lora_rank
                 in_features = shapes[modules[0]][0]
                 out_features = sum(shapes[m][1] for m in modules)
-                layer[fused] = (torch.zeros(num_slots, k, in_features, dtype=dtype, device=device),
-                                torch.zeros(num_slots, out_features, k, dtype=dtype, device=device))
+                layer[fused] = (torch.zeros(in_features, max_loras * k, dtype=dtype, device=device),
+                                torch.zeros(max_loras * k, out_features, dtype=dtype, device=device))
             self._stacks.append(layer)
         self._requests: dict[int, LoRARequest] = {}
         self._targets: dict[int, frozenset[str]] = {}  # id -> fused projections it changes
@@ -160,11 +167,16 @@ class LoRAManager:
             self._slot_of.move_to_end(lora_id)
             req_slots[lora_ids == lora_id] = slot
         token_slots = np.repeat(req_slots, num_scheduled)
-        groups = None
-        if len(token_slots) > BGMV_MAX_TOKENS:
+        masks = groups = None
+        if len(token_slots) <= DENSE_MAX_TOKENS:
+            own = np.zeros((len(token_slots), self.max_loras), dtype=np.float32)
+            adapted = np.flatnonzero(token_slots >= 0)
+            own[adapted, token_slots[adapted]] = 1.0
+            masks = {shards: np.repeat(own, shards * self.max_lora_rank, axis=1) for shards in (1, 2, 3)}
+        else:
             groups = [(self._slot_of[i], np.flatnonzero(token_slots == self._slot_of[i])) for i in wanted]
         projections = frozenset().union(*(self._targets[i] for i in wanted))
-        return LoRAMapping(token_slots, loads, groups, projections)
+        return LoRAMapping(loads, masks, groups, projections)
 
     def activate(self, mapping: LoRAMapping) -> LoRAStep:
         """Copies the planned adapters into their slots and returns the step's view. Runs on
@@ -172,10 +184,12 @@ class LoRAManager:
         for slot, adapter in mapping.loads:
             self._write_slot(slot, adapter)
         dev = self.device
-        groups = None
+        masks = groups = None
+        if mapping.masks is not None:
+            masks = {k: torch.from_numpy(m).to(dev, self.dtype) for k, m in mapping.masks.items()}
         if mapping.groups is not None:
             groups = [(slot, torch.from_numpy(rows).to(dev)) for slot, rows in mapping.groups]
-        return LoRAStep(self._stacks, torch.from_numpy(mapping.token_slots).to(dev), groups, mapping.projections)
+        return LoRAStep(self._stacks, self.max_lora_rank, masks, groups, mapping.projections)
 
     def _take_slot(self, wanted: list[int]) -> int:
         if self._free_slots:
@@ -198,20 +212,22 @@ class LoRAManager:
             self._cpu.popitem(last=False)
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Packs the adapter into the fused stacks: shard ``j`` of a fused projection owns
-        rank columns ``[j*R, j*R + r)`` of A's rows and B's columns, and its own rows of B."""
+        """Packs the adapter into the fused stacks. A fused projection of ``n`` shards gives
+        each slot ``K = n*R`` columns of ``a`` (rows of ``b``); shard ``j`` owns the first
+        ``r`` of its ``R`` (the rest stay zero) and its own output columns of ``b``."""
         rank_size = self.max_lora_rank
         for layer, stacks in zip(adapter.weights, self._stacks):
             for fused, modules in FUSED_PROJECTIONS.items():
                 a, b = stacks[fused]
-                a[slot].zero_()
-                b[slot].zero_()
+                base = slot * len(modules) * rank_size
+                a[:, base : base + len(modules) * rank_size] = 0
+                b[base : base + len(modules) * rank_size] = 0
                 out_start = 0
                 for j, module in enumerate(modules):
                     out_size = self._shapes[module][1]
                     if module in layer:
                         lora_a, lora_b = layer[module]
-                        r = lora_a.shape[0]
-                        a[slot, j * rank_size : j * rank_size + r] = lora_a
-                        b[slot, out_start : out_start + out_size, j * rank_size : j * rank_size + r] = lora_b
+                        cols = slice(base + j * rank_size, base + j * rank_size + lora_a.shape[0])
+                        a[:, cols] = lora_a.T
+                        b[cols, out_start : out_start + out_size] = lora_b.T
                     out_start += out_size
