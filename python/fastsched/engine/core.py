@@ -128,7 +128,8 @@ class EngineCore:
         self.lora = None
         if config.enable_lora:
             self.lora = LoRAManager(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                                    max_cpu_loras=config.lora_cpu_capacity, device=device, dtype=dtype)
+                                    max_cpu_loras=config.lora_cpu_capacity, device=device, dtype=dtype,
+                                    kernel="triton" if device.type == "cuda" else "torch")
         self.scheduler = _core.Scheduler(config.scheduler_config(self.max_model_len, num_blocks))
         self.runner = ModelRunner(
             model,

@@ -17,6 +17,7 @@ reads: the write happens after that forward pass, never during it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,7 @@ class LoRAMapping:
     loads: list[tuple[int, LoRAAdapter]]
     # bgmv_dense: per number of shards (1, 2, 3) the [T, S*K] mask of each token's columns.
     masks: dict[int, np.ndarray] | None
+    token_slots: np.ndarray | None  # bgmv_triton: [T] int64, -1 for the base model
     groups: list[tuple[int, np.ndarray]] | None  # sgmv: (slot, token indices)
     projections: frozenset[str]
 
@@ -52,11 +54,14 @@ class LoRAStep:
     """What the model reads during one forward pass (:meth:`layer` per decoder layer)."""
 
     def __init__(self, stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], max_lora_rank: int,
-                 masks: dict[int, torch.Tensor] | None, groups: list[tuple[int, torch.Tensor]] | None,
-                 projections: frozenset[str]) -> None:
+                 masks: dict[int, torch.Tensor] | None, token_slots: torch.Tensor | None,
+                 groups: list[tuple[int, torch.Tensor]] | None, projections: frozenset[str],
+                 bgmv_triton: Callable[..., None] | None) -> None:
         self._stacks = stacks
+        self._bgmv_triton = bgmv_triton
         self._rank = max_lora_rank
         self._masks = masks
+        self._token_slots = token_slots
         self._groups = groups
         self.projections = projections  # the fused projections some adapter of the step changes
 
@@ -69,6 +74,9 @@ class LoRAStep:
         shards = len(FUSED_PROJECTIONS[projection])
         if self._masks is not None:
             bgmv_dense(x, a, b, self._masks[shards], out)
+        elif self._token_slots is not None:
+            assert self._bgmv_triton is not None
+            self._bgmv_triton(x, a, b, shards * self._rank, self._token_slots, out)
         else:
             assert self._groups is not None
             sgmv(x, a, b, shards * self._rank, self._groups, out)
@@ -90,10 +98,20 @@ class LayerLoRA:
 class LoRAManager:
     """Registered adapters (id -> :class:`LoRARequest`), their CPU copies (LRU, at most
     ``max_cpu_loras``) and the ``max_loras`` device slots (LRU among the adapters the
-    step at hand does not use)."""
+    step at hand does not use). ``kernel`` computes the decode-size steps: ``torch``
+    (:func:`~fastsched.lora.punica.bgmv_dense`) or ``triton``
+    (:func:`~fastsched.lora.triton_bgmv.bgmv_triton`, the engine's choice on CUDA)."""
 
     def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, kernel: str = "torch") -> None:
+        if kernel not in ("torch", "triton"):
+            raise ValueError(f"LoRA kernel must be torch or triton, got {kernel!r}")
+        self.kernel = kernel
+        self._bgmv_triton = None
+        if kernel == "triton":
+            from fastsched.lora.triton_bgmv import bgmv_triton  # imports triton, only where it is used
+
+            self._bgmv_triton = bgmv_triton
         self.config = config
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -167,16 +185,18 @@ class LoRAManager:
             self._slot_of.move_to_end(lora_id)
             req_slots[lora_ids == lora_id] = slot
         token_slots = np.repeat(req_slots, num_scheduled)
-        masks = groups = None
-        if len(token_slots) <= DENSE_MAX_TOKENS:
+        masks = groups = triton_slots = None
+        if len(token_slots) > DENSE_MAX_TOKENS:
+            groups = [(self._slot_of[i], np.flatnonzero(token_slots == self._slot_of[i])) for i in wanted]
+        elif self.kernel == "triton":
+            triton_slots = token_slots
+        else:
             own = np.zeros((len(token_slots), self.max_loras), dtype=np.float32)
             adapted = np.flatnonzero(token_slots >= 0)
             own[adapted, token_slots[adapted]] = 1.0
             masks = {shards: np.repeat(own, shards * self.max_lora_rank, axis=1) for shards in (1, 2, 3)}
-        else:
-            groups = [(self._slot_of[i], np.flatnonzero(token_slots == self._slot_of[i])) for i in wanted]
         projections = frozenset().union(*(self._targets[i] for i in wanted))
-        return LoRAMapping(loads, masks, groups, projections)
+        return LoRAMapping(loads, masks, triton_slots, groups, projections)
 
     def activate(self, mapping: LoRAMapping) -> LoRAStep:
         """Copies the planned adapters into their slots and returns the step's view. Runs on
@@ -184,12 +204,15 @@ class LoRAManager:
         for slot, adapter in mapping.loads:
             self._write_slot(slot, adapter)
         dev = self.device
-        masks = groups = None
+        masks = token_slots = groups = None
         if mapping.masks is not None:
             masks = {k: torch.from_numpy(m).to(dev, self.dtype) for k, m in mapping.masks.items()}
+        if mapping.token_slots is not None:
+            token_slots = torch.from_numpy(mapping.token_slots).to(dev)
         if mapping.groups is not None:
             groups = [(slot, torch.from_numpy(rows).to(dev)) for slot, rows in mapping.groups]
-        return LoRAStep(self._stacks, self.max_lora_rank, masks, groups, mapping.projections)
+        return LoRAStep(self._stacks, self.max_lora_rank, masks, token_slots, groups, mapping.projections,
+                        self._bgmv_triton)
 
     def _take_slot(self, wanted: list[int]) -> int:
         if self._free_slots:
