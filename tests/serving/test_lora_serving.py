@@ -16,6 +16,7 @@ pytest.importorskip("grpc", reason="grpcio is not installed (requirements-serve.
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirements-serve.txt)")
 pytest.importorskip("starlette", reason="starlette is not installed (requirements-serve.txt)")
 
+from conftest import ipc_dir, launch, teardown  # noqa: E402
 from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
 
 from fastsched import LLM, SamplingParams  # noqa: E402
@@ -51,8 +52,6 @@ def adapter_dirs(tiny_model_dir: Path) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
           adapter_dirs: dict[str, Path]) -> Iterator[Stack]:
-    from conftest import ipc_dir, launch, teardown
-
     config = {**engine_config, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
               "lora_modules": [f"one={adapter_dirs['one']}"]}
     engines = launch(config, ipc_dir(tmp_path_factory, "ipc"), num_engines=1, num_frontends=2)

@@ -91,7 +91,7 @@ def _process_proto(msg: Any, stats: Mapping[str, float] | None) -> None:
 
 
 def _engine_extras(msg: Any, engine: Mapping[str, Any]) -> None:
-    """Iteration tokens, cache config and process stats: per engine only, like the gates."""
+    """Iteration tokens, cache config, KV connector and process stats: per engine only, like the gates."""
     counts = engine.get("iteration_tokens")
     if counts:
         msg.iteration_tokens.CopyFrom(pb.Histogram(
@@ -102,6 +102,8 @@ def _engine_extras(msg: Any, engine: Mapping[str, Any]) -> None:
     msg.running_lora_adapters.extend(engine.get("running_lora_adapters") or ())
     msg.waiting_lora_adapters.extend(engine.get("waiting_lora_adapters") or ())
     msg.max_lora = int(engine.get("max_lora") or 0)
+    for key, value in (engine.get("kv_connector") or {}).items():
+        msg.kv_connector[key] = float(value)
     _process_proto(msg, engine.get("process"))
 
 

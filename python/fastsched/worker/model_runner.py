@@ -135,6 +135,21 @@ class ModelRunner:
         # The tokens sampled by the last step executed, on the device: the next step's placeholders.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
 
+    def read_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
+        """Whole KV blocks, copied to the CPU: [n, layers, 2 (K, V), block_size, kv_heads, head_dim]
+        (what a KV connector saves)."""
+        index = torch.from_numpy(block_ids.astype(np.int64)).to(self.device)
+        # Each layer's [2, n, ...] slice, stacked to [layers, 2, n, ...], then blocks first.
+        blocks = torch.stack([kv[:, index] for kv in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)
+        return blocks.to("cpu").contiguous()
+
+    def write_blocks(self, block_ids: np.ndarray, blocks: torch.Tensor) -> None:
+        """Fills KV blocks with ``blocks`` as :meth:`read_blocks` returns them (a KV connector's load)."""
+        index = torch.from_numpy(block_ids.astype(np.int64)).to(self.device)
+        data = blocks.to(self.device, non_blocking=True)
+        for layer, kv in enumerate(self.kv_caches):
+            kv[:, index] = data[:, layer].transpose(0, 1)
+
     def prepare(
         self,
         so: SchedulerOutput,
