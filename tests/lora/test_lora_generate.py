@@ -121,3 +121,25 @@ def test_an_adapter_of_too_high_a_rank_is_refused_with_the_request(
     with pytest.raises(ValueError, match="r is 8, more than max_lora_rank \\(4\\)"):
         llm.generate([prompt(5, 0)], GREEDY, lora_request=adapters["full"], use_tqdm=False)
     assert llm.generate([prompt(5, 0)], GREEDY, lora_request=adapters["qv"], use_tqdm=False)[0].finished
+
+
+def test_after_a_failed_step_adapters_are_copied_into_their_slots_again(
+    base_dir: Path, adapters: dict[str, LoRARequest], peft_reference: PeftReference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step that would have copied adapter "qv" into its slot fails before the copy;
+    the manager must not believe the slot holds it."""
+    llm = make_llm(base_dir, max_loras=1)
+    lora = llm.engine.lora
+    assert lora is not None
+    real_activate = lora.activate
+
+    def fail_once(mapping):
+        monkeypatch.setattr(lora, "activate", real_activate)
+        raise RuntimeError("injected failure before the copy")
+
+    monkeypatch.setattr(lora, "activate", fail_once)
+    p = prompt(10, 5)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([p], GREEDY, lora_request=adapters["qv"], use_tqdm=False)
+    out = llm.generate([p], GREEDY, lora_request=adapters["qv"], use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == peft_reference(p, GREEDY.max_tokens, "qv")

@@ -473,6 +473,8 @@ class EngineCore:
             self.scheduler.update_from_tokens(np.full(len(s.so), -1, dtype=np.int64))
             if s.prepared is not None:
                 self.runner.abandon(s.prepared)
+        if self.lora is not None:
+            self.lora.forget_slots()  # a failed step may have planned copies it never made
 
     def _collect(self, eco: _core.EngineCoreOutputs, step: _Step, result: StepResult) -> OutputBatch:
         """The step's outputs as an OutputBatch, from the scheduler's arrays: numpy over all

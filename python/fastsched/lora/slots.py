@@ -214,6 +214,13 @@ class LoRAManager:
         return LoRAStep(self._stacks, self.max_lora_rank, masks, token_slots, groups, mapping.projections,
                         self._bgmv_triton)
 
+    def forget_slots(self) -> None:
+        """Treats every slot as empty, so the next steps copy their adapters in again: after
+        a failed step, whose planned copies (:meth:`activate`) may never have run. Call it
+        with no step in flight."""
+        self._slot_of.clear()
+        self._free_slots = list(range(self.max_loras - 1, -1, -1))
+
     def _take_slot(self, wanted: list[int]) -> int:
         if self._free_slots:
             return self._free_slots.pop()
