@@ -39,7 +39,7 @@ from fastsched import _core
 from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
-from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, OutputBatch, select_csr
+from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, OutputBatch, pause_state, select_csr
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.inputs import check_prompt
@@ -57,7 +57,6 @@ logger = logging.getLogger(__name__)
 KIND_NEW = 1  # SchedulerOutput.kinds: scheduled for the first time
 FINISH_STOP = 1
 FINISH_IGNORED = 4
-PAUSE_MODES = ("new", "all")  # EngineCore.pause: paused_new / paused_all (S13)
 
 
 class _RequestColumns:
@@ -159,6 +158,8 @@ class EngineCore:
         self._row_states: dict[int, RowState] = {}  # live handle -> what the runner needs when it takes a row
         self._handles: dict[str, int] = {}
         self.pause_state = "unpaused"  # S13, as last set
+        # S15 input waiting for a step in flight to be collected (add_stream_input).
+        self._deferred_inputs: list[tuple[str, list[int], int, bool]] = []
         self.stats = StatsLogger(config.log_stats_interval)
         self.step_tracer = StepTracer(config.step_trace) if config.step_trace else None  # --step-trace
         self.prefill_meter = PrefillThroughputMeter()  # read by the TTFT-SLO valve (--ttft-slo)
@@ -235,10 +236,38 @@ class EngineCore:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"session {request_id!r}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        handle = self.scheduler.handle_of(request_id)
+        if handle is None:
+            raise KeyError(f"no live request {request_id!r}")
+        if any(np.count_nonzero(step.so.req_handles == handle) for step in self._in_flight):
+            # Async scheduling: a step launched before the segment ended still holds the
+            # session's (dropped) token; input given before that step is collected would
+            # let the scheduler take that token as the new segment's. Applied once it is.
+            self._deferred_inputs.append((request_id, list(token_ids), max_tokens, is_last))
+            return
+        self._apply_stream_input(request_id, token_ids, max_tokens, is_last)
+
+    def _apply_stream_input(self, request_id: str, token_ids: Sequence[int], max_tokens: int, is_last: bool) -> None:
         self.scheduler.add_stream_input(request_id, token_ids, max_tokens, is_last)
         handle = self._handles[request_id]
         c = self._columns
         c.max_tokens[handle] = c.num_sampled[handle] + max_tokens
+
+    def _apply_deferred_inputs(self) -> None:
+        """Stream input held back by ``add_stream_input`` whose session no step in flight holds now.
+        The frontend checked it, so a refusal here means the session has ended meanwhile."""
+        held = np.concatenate([step.so.req_handles for step in self._in_flight]) if self._in_flight else None
+        waiting = []
+        for entry in self._deferred_inputs:
+            handle = self.scheduler.handle_of(entry[0])
+            if handle is not None and held is not None and np.count_nonzero(held == handle):
+                waiting.append(entry)
+                continue
+            try:
+                self._apply_stream_input(*entry)
+            except (KeyError, ValueError) as e:
+                logger.warning("stream input for %s dropped: %s", entry[0], e)
+        self._deferred_inputs = waiting
 
     def client_of(self, request_id: str) -> int | None:
         """The frontend a live request came from (``add_request``'s ``client``), else None."""
@@ -260,9 +289,7 @@ class EngineCore:
     def pause(self, mode: str) -> None:
         """S13: ``"new"`` lets running requests finish and admits nobody; ``"all"`` schedules
         nothing, every request keeping its place and KV. ``ValueError`` for another mode."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self.set_pause_state(f"paused_{mode}")
+        self.set_pause_state(pause_state(mode))
 
     def resume(self) -> None:
         """S13: schedules again from where the pause stopped."""
@@ -287,7 +314,7 @@ class EngineCore:
         return float(c.arrival_time[handle]), known(c.first_scheduled_time[handle]), known(c.first_token_time[handle])
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._in_flight) or self.scheduler.has_requests()
+        return bool(self._in_flight) or bool(self._deferred_inputs) or self.scheduler.has_requests()
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -374,6 +401,8 @@ class EngineCore:
             raise
         self._in_flight.popleft()
         eco = self.scheduler.update_from_tokens(result.tokens)
+        if self._deferred_inputs:
+            self._apply_deferred_inputs()
         self.runner.write_sampled(step.prepared, result)
         outputs = self._collect(eco, step, result)
         self.stats.on_step(len(eco.token_ids), self.scheduler.stats)

@@ -218,6 +218,20 @@ STREAM_INPUT = "stream_input"
 CLOSE_STREAM = "close_stream"
 
 PAUSE_STATES = ("unpaused", "paused_new", "paused_all")  # the scheduler's states (S13)
+PAUSE_MODES = ("new", "all")  # what a user asks for: paused_new / paused_all
+
+
+def pause_state(mode: str) -> str:
+    """The scheduler's state for pause ``mode`` (S13): ``"new"`` lets running requests finish and
+    admits nobody, ``"all"`` schedules nothing. ``ValueError`` naming the mode for another one."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+    return f"paused_{mode}"
+
+
+def pause_mode(state: str) -> str | None:
+    """The mode of a pause state, None when unpaused."""
+    return None if state == "unpaused" else state.removeprefix("paused_")
 
 _PARAM_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 

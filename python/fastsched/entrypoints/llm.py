@@ -39,7 +39,10 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (text, or a list of token ids); outputs in input order."""
+        """Generates for every prompt (text, or a list of token ids); outputs in input order.
+        ``RuntimeError`` while paused: nothing new would ever be scheduled."""
+        if self.is_paused():
+            raise RuntimeError(f"the engine is paused ({self.engine.pause_state}); call resume() first")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:  # the model's generation config, as vLLM's LLM does
             sampling_params = SamplingParams(**self.engine.sampling_defaults)
@@ -68,6 +71,18 @@ class LLM:
             self.engine.abort_requests(added)  # their blocks are freed at once (S18)
             raise
         return results
+
+    def pause(self, mode: str = "all") -> None:
+        """S13, between ``generate`` calls, e.g. to load new weights (RL): nothing is scheduled
+        until :meth:`resume`. ``mode``: ``"all"`` or ``"new"`` (the same here: offline, every
+        request runs inside one ``generate`` call). ``ValueError`` for another mode."""
+        self.engine.pause(mode)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def is_paused(self) -> bool:
+        return self.engine.pause_state != "unpaused"
 
     def chat(
         self,

@@ -768,6 +768,33 @@ fn s15_streaming_session_keeps_its_slot_and_the_counter_pairs() {
 }
 
 #[test]
+fn s15_a_token_scheduled_ahead_past_a_segment_end_is_dropped() {
+    let mut s = sched_with(64, |c| c.max_model_len = 64);
+    s.set_async_scheduling(true);
+    let h = add_with(&mut s, "sess", 5, 1, |r| r.streaming = true);
+    add(&mut s, "other", 4, 20);
+    let o0 = s.schedule(); // prefill both; the session samples its one token
+    let o1 = s.schedule(); // scheduled ahead: the session again, on a placeholder
+    assert!(o1.req_handles.contains(&h));
+    let res = s.update_from_output(&outputs_for(&s, &o0)).unwrap();
+    assert!(res.segment_ended.contains(&true));
+    let tokens = s.request(h).unwrap().num_tokens();
+    let res = s.update_from_output(&outputs_for(&s, &o1)).unwrap();
+    assert!(
+        !res.handles.contains(&h),
+        "nothing reported for the session"
+    );
+    assert_eq!(
+        s.request(h).unwrap().num_tokens(),
+        tokens,
+        "its stale token is dropped"
+    );
+    assert_eq!(s.progress(h).unwrap().num_output_placeholders, 0);
+    assert_eq!(s.num_waiting_for_streaming_input(), 1);
+    s.check_invariants().unwrap();
+}
+
+#[test]
 fn s15_closing_a_session_still_serves_input_already_sent() {
     let mut s = sched(64);
     add_with(&mut s, "sess", 5, 3, |r| r.streaming = true);
