@@ -253,6 +253,7 @@ class GrpcSession:
                 return tokens, response
 
     def close(self) -> None:
+        self.send(None)  # ends the request stream
         self.loop.call(self.channel.close())
 
 
@@ -263,7 +264,23 @@ def reference(stack: Stack, request_id: str, prompt: list[int], max_tokens: int)
     return streams.wait(request_id)
 
 
+async def unauthenticated_session(address: str) -> Any:
+    """The status of a GenerateSession call without the API key (its request stream stays open)."""
+    async def nothing() -> Any:
+        await asyncio.Event().wait()
+        yield pb.SessionRequest()
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.FrontendStub(channel).GenerateSession(nothing())
+        try:
+            await call.read()
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+        return None
+
+
 def test_s15_s6_grpc_session_of_three_chunks_holds_its_slot_and_kv_between_them(stack: Stack) -> None:
+    assert stack.loop.call(unauthenticated_session(stack.grpc_addrs[0])) == grpc.StatusCode.UNAUTHENTICATED
     chunks = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23], [31, 32, 33, 34, 35]]
     with httpx.Client(base_url=stack.urls[0], timeout=60) as http:
         s1 = GrpcSession(stack, "sess-1", chunks[0], 4)  # engine 0
@@ -300,7 +317,7 @@ def test_s15_s6_grpc_session_of_three_chunks_holds_its_slot_and_kv_between_them(
             s1.chunk(chunk, 4, last=k == len(chunks) - 1)
             history += chunk
             tokens, last = s1.segment()
-            assert tokens == reference(stack, f"ref-{k}", history, 4), f"segment {k}: the session's KV was lost {last}"
+            assert tokens == reference(stack, f"ref-{k}", history, 4), f"segment {k}: the session's KV was lost"
             assert last.segment == k
             history += tokens
         assert last.finish_reason == "length" and not last.segment_ended
