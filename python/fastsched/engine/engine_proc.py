@@ -266,6 +266,7 @@ class _EngineLoop:
     def _pause(self, msg: protocol.Pause) -> None:
         """S13, answered once in force: the next schedule() follows the new state."""
         self.core.set_pause_state(msg.state)
+        self.latest_stats = self._stats()  # heartbeats from now on carry the new state
         logger.info("engine %d: pause state %s", self.engine_index, msg.state)
         if msg.frontend_index < len(self.pushes):
             self.send(msg.frontend_index, protocol.encode(protocol.Paused(self.engine_index, msg.query_id, msg.state)))
@@ -399,7 +400,8 @@ class _Heartbeat(threading.Thread):
                 sock.connect(addr)
                 socks.append(sock)
             while not self._done.wait(self._interval):
-                stats = replace(self._loop.latest_stats, process=read_process_stats())
+                process = read_process_stats()  # first: the loop's stats are read just before sending
+                stats = replace(self._loop.latest_stats, process=process)
                 data = protocol.encode(protocol.Heartbeat(self._loop.engine_index, stats))
                 for sock in socks:
                     try:
