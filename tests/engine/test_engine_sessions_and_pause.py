@@ -181,3 +181,20 @@ def test_s13_offline_llm_refuses_to_generate_while_paused_and_resumes(tiny_model
     (out,) = llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
     llm.engine.shutdown()
+
+
+def test_s13_weights_reload_only_while_paused_all_and_only_weights_that_fit(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    from fastsched.engine.core import NotPausedError
+
+    core = make_core(tiny_model_dir, False)
+    for pause in (None, "new"):
+        if pause is not None:
+            core.pause(pause)
+        with pytest.raises(NotPausedError, match="only while paused with mode all"):
+            core.reload_weights(str(tiny_model_dir))
+    core.pause("all")
+    with pytest.raises((ValueError, OSError)):
+        core.reload_weights(str(tmp_path))  # no checkpoint there
+    core.reload_weights(str(tiny_model_dir))
+    core.shutdown()

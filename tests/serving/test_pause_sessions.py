@@ -395,3 +395,47 @@ def test_s15_websocket_session_three_chunks_idle_timeout_and_disconnect(stack: S
             error = json.loads(ws.recv(timeout=30))
             assert error["type"] == "error" and "last" in error["error"]["message"]
 
+
+
+# ------------------------------------------------------------------ reload weights (last: it swaps the model)
+
+
+def prefix_cache_hits(http: httpx.Client) -> float:
+    return sum(metric(http, "prefix_cache_hits_total", engine=e) for e in ("0", "1"))
+
+
+def test_s13_reload_weights_only_while_paused_all_and_it_drops_the_prefix_cache(
+        stack: Stack, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from fastsched.tools.tiny_model import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "other", seed=1)
+    prompt = list(range(100, 140))  # 2 full blocks and a part
+
+    with httpx.Client(base_url=stack.urls[0], timeout=120) as http:
+        def complete() -> str:
+            r = http.post("/v1/completions", headers=KEY, json={"model": MODEL, "prompt": prompt, "max_tokens": 8,
+                                                               **GREEDY})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        def reload(model: Path) -> httpx.Response:
+            return http.post("/reload_weights", headers=KEY, json={"path": str(model)})
+
+        original = complete()
+        assert complete() == original
+        not_paused = reload(other)
+        assert not_paused.status_code == 409 and not_paused.json()["error"]["code"] == "not_paused"
+        assert http.post("/pause?mode=all", headers=KEY).status_code == 200
+        bad = reload(tmp_path / "missing")
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "path"
+        assert reload(other).json() == {"reloaded": True, "path": str(other)}
+        assert http.post("/resume", headers=KEY).status_code == 200
+        hits = prefix_cache_hits(http)
+        swapped = complete()
+        assert swapped != original, "the new weights serve"
+        assert prefix_cache_hits(http) == hits, "no hit on KV the old weights computed"
+
+        http.post("/pause?mode=all", headers=KEY)
+        assert reload(tiny_model_dir).status_code == 200
+        http.post("/resume", headers=KEY)
+        assert complete() == original

@@ -92,6 +92,10 @@ class _RequestColumns:
             setattr(self, name, grown)
 
 
+class NotPausedError(RuntimeError):
+    """What needs the engine paused with mode ``all`` (a weight reload) was asked of it otherwise."""
+
+
 @dataclass
 class _Step:
     """A step scheduled and launched but not yet collected."""
@@ -294,6 +298,23 @@ class EngineCore:
     def resume(self) -> None:
         """S13: schedules again from where the pause stopped."""
         self.set_pause_state("unpaused")
+
+    def reload_weights(self, model: str) -> None:
+        """Loads the weights of ``model`` (a checkpoint of the served architecture) into the
+        running model and drops the prefix cache, whose KV they make stale: the RL use of S13,
+        new weights between rollouts. Only while paused with mode ``all`` (:class:`NotPausedError`
+        otherwise): no step runs meanwhile. Requests held by the pause keep their KV, computed
+        with the old weights. ``ValueError`` when the checkpoint does not fit the model."""
+        if self.pause_state != "paused_all":
+            raise NotPausedError(f"weights can be reloaded only while paused with mode all; the engine is "
+                               f"{self.pause_state}")
+        new = load_model(model, dtype=self.config.torch_dtype, device=self.config.torch_device)
+        try:
+            self.runner.model.load_state_dict(new.state_dict())
+        except RuntimeError as e:  # missing, unexpected or differently shaped tensors
+            raise ValueError(f"the weights of {model} do not fit the served model: {e}") from None
+        self.scheduler.reset_prefix_cache()
+        logger.info("reloaded weights from %s; prefix cache dropped", model)
 
     def set_pause_state(self, state: str) -> None:
         """The scheduler's pause state (``unpaused``, ``paused_new``, ``paused_all``)."""

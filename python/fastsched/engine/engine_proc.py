@@ -35,7 +35,7 @@ import zmq
 
 from fastsched.config import EngineConfig
 from fastsched.engine import protocol
-from fastsched.engine.core import EngineCore
+from fastsched.engine.core import EngineCore, NotPausedError
 from fastsched.engine.protocol import EngineCoreOutput, EngineStats, ModelInfo, OutputBatch, RequestTiming
 from fastsched.engine.status import engine_statuses
 from fastsched.process_stats import read_process_stats
@@ -260,6 +260,8 @@ class _EngineLoop:
                 self._stream_input(msg)
             elif isinstance(msg, protocol.CloseStream):
                 self._close_stream(msg)
+            elif isinstance(msg, protocol.ReloadWeights):
+                self._reload_weights(msg)
             else:
                 logger.warning("engine %d: unexpected %s message", self.engine_index, type(msg).__name__)
 
@@ -270,6 +272,20 @@ class _EngineLoop:
         logger.info("engine %d: pause state %s", self.engine_index, msg.state)
         if msg.frontend_index < len(self.pushes):
             self.send(msg.frontend_index, protocol.encode(protocol.Paused(self.engine_index, msg.query_id, msg.state)))
+
+    def _reload_weights(self, msg: protocol.ReloadWeights) -> None:
+        """Answered once loaded (or refused); heartbeats go on from their own thread meanwhile."""
+        error = None
+        try:
+            self.core.reload_weights(msg.model)
+        except NotPausedError as e:
+            error = (protocol.RELOAD_CONFLICT, str(e))
+        except (ValueError, OSError, RuntimeError) as e:
+            error = (protocol.RELOAD_INVALID, f"{type(e).__name__}: {e}")
+        if error is not None:
+            logger.warning("engine %d: weights from %s not reloaded: %s", self.engine_index, msg.model, error[1])
+        if msg.frontend_index < len(self.pushes):
+            self.send(msg.frontend_index, protocol.encode(protocol.Reloaded(self.engine_index, msg.query_id, error)))
 
     def _close_stream(self, msg: protocol.CloseStream) -> None:
         frontend = self.core.client_of(msg.request_id)

@@ -302,7 +302,8 @@ class AsyncLLM:
         self._queries: dict[int, asyncio.Future[list[EngineRequestStatus]]] = {}  # query id -> the engine's answer
         # A random start: an answer queued for a predecessor on this address must not answer ours.
         self._query_ids = itertools.count(secrets.randbelow(2**62))
-        self._pauses: dict[int, asyncio.Future[str]] = {}  # PAUSE query id -> the state the engine answered
+        # PAUSE / RELOAD_WEIGHTS query id -> the engine's answer (PAUSED / RELOADED).
+        self._commands: dict[int, asyncio.Future[protocol.Message]] = {}
         self._ready = asyncio.Event()
         self._started = False
         self._closed = False
@@ -654,11 +655,12 @@ class AsyncLLM:
             answer = self._queries.get(msg.query_id)
             if answer is not None and not answer.done():
                 answer.set_result(msg.statuses)
-        elif isinstance(msg, protocol.Paused):
-            engine.stats.pause_state = msg.state
-            paused = self._pauses.get(msg.query_id)
-            if paused is not None and not paused.done():
-                paused.set_result(msg.state)
+        elif isinstance(msg, (protocol.Paused, protocol.Reloaded)):
+            if isinstance(msg, protocol.Paused):
+                engine.stats.pause_state = msg.state
+            answer = self._commands.get(msg.query_id)
+            if answer is not None and not answer.done():
+                answer.set_result(msg)
 
     def _process_outputs(self, msg: protocol.Outputs) -> None:
         for timing in msg.timings:
@@ -800,25 +802,44 @@ class AsyncLLM:
         """Each live engine's pause state (``unpaused``, ``paused_new``, ``paused_all``)."""
         return {e.index: e.stats.pause_state for e in self._engines if e.healthy}
 
+    async def reload_weights(self, model: str, timeout: float = 600.0) -> None:
+        """Loads the weights of ``model`` (a checkpoint of the served architecture, as the
+        engines see the filesystem) into every live engine and drops their prefix caches; the
+        RL use of S13, between :meth:`pause` with mode ``all`` and :meth:`resume`. Returns once
+        every engine has loaded them. ``RuntimeError`` when an engine is not paused with mode
+        ``all``, ``ValueError`` when the weights do not fit, ``TimeoutError`` after ``timeout`` s."""
+        answers = await self._command_all(lambda q: protocol.ReloadWeights(model, q, self.frontend_index), timeout)
+        errors = {index: a.error for index, a in answers.items() if isinstance(a, protocol.Reloaded) and a.error}
+        if errors:
+            kinds = {kind for kind, _ in errors.values()}
+            detail = "; ".join(f"engine {index}: {message}" for index, (_, message) in sorted(errors.items()))
+            raise (RuntimeError if protocol.RELOAD_CONFLICT in kinds else ValueError)(detail)
+
     async def _set_pause_state(self, state: str) -> None:
+        await self._command_all(lambda q: protocol.Pause(state, q, self.frontend_index), self.engine_timeout)
+
+    async def _command_all(self, make: Any, timeout: float) -> dict[int, protocol.Message]:
+        """Sends ``make(query_id)`` to every live engine; their answers, by engine index.
+        ``TimeoutError`` naming an engine that does not answer within ``timeout`` seconds."""
         self._check_started()
         loop = asyncio.get_running_loop()
         waits = []
         for e in [e for e in self._engines if e.healthy]:
             query_id = next(self._query_ids)
-            self._pauses[query_id] = answer = loop.create_future()
+            self._commands[query_id] = answer = loop.create_future()
             waits.append((query_id, e, answer))
-            self._send(e, protocol.encode(protocol.Pause(state, query_id, self.frontend_index)))
+            self._send(e, protocol.encode(make(query_id)))
+        answers = {}
         try:
             for query_id, e, answer in waits:
                 try:
-                    await asyncio.wait_for(answer, self.engine_timeout)
+                    answers[e.index] = await asyncio.wait_for(answer, timeout)
                 except TimeoutError:
-                    raise TimeoutError(f"engine {e.index} did not confirm pause state {state} within "
-                                       f"{self.engine_timeout:g} s") from None
+                    raise TimeoutError(f"engine {e.index} did not answer within {timeout:g} s") from None
         finally:
             for query_id, _, _ in waits:
-                self._pauses.pop(query_id, None)
+                self._commands.pop(query_id, None)
+        return answers
 
     # ------------------------------------------------------------ introspection
 

@@ -298,6 +298,21 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         return self._pause_response()
 
+    async def ReloadWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not request.model:
+            context.set_trailing_metadata(((INVALID_PARAM_KEY, "model"),))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model (the checkpoint to load) is required")
+        try:
+            await self.async_llm.reload_weights(request.model)
+        except ValueError as e:
+            context.set_trailing_metadata(((INVALID_PARAM_KEY, "model"),))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TimeoutError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except RuntimeError as e:  # not paused with mode all
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return pb.ReloadWeightsResponse()
+
     async def IsPaused(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return self._pause_response()
 

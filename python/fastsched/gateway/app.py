@@ -12,7 +12,7 @@ chunk) is still a 503, never an error inside a 200 stream. When the client goes 
 the gRPC call is cancelled and the frontend aborts the request in the engine.
 
 ``--api-key`` guards ``/v1/*`` (the ``/v1/sessions`` WebSocket included, ``gateway.sessions``),
-``/debug/*`` and ``/pause``, ``/resume``, ``/is_paused`` (``gateway.pause``); ``/health`` and ``/metrics`` stay open for
+``/debug/*`` and ``/pause``, ``/resume``, ``/is_paused``, ``/reload_weights`` (``gateway.pause``); ``/health`` and ``/metrics`` stay open for
 probes and scrapers, as in vLLM. The gateway sends the same key to the frontends
 (metadata ``authorization: Bearer <key>``), whose gRPC ports require it too.
 
@@ -678,6 +678,7 @@ def create_app(
         Route("/pause", pause.pause, methods=["POST"]),
         Route("/resume", pause.resume, methods=["POST"]),
         Route("/is_paused", pause.is_paused, methods=["GET"]),
+        Route("/reload_weights", pause.reload_weights, methods=["POST"]),
         WebSocketRoute("/v1/sessions", session_websocket),
     ]
     handlers = {ApiError: _api_error, LimitError: _limit_error, HTTPException: _http_error, Exception: _internal_error}

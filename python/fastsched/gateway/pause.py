@@ -1,4 +1,5 @@
-"""``POST /pause?mode=new|all``, ``POST /resume`` and ``GET /is_paused`` (S13), behind ``--api-key``.
+"""``POST /pause?mode=new|all``, ``POST /resume``, ``GET /is_paused`` and ``POST /reload_weights``
+(S13), behind ``--api-key``.
 
 Each asks every frontend (gRPC ``Pause`` / ``Resume`` / ``IsPaused``), and each frontend
 every engine, so one call pauses the whole server, D engines included; a frontend answers
@@ -7,6 +8,11 @@ running requests finish, waiting ones stay queued; ``all``: nothing is scheduled
 running requests keep their KV (an RL trainer swapping weights between rollouts).
 Requests are still admitted while paused (and count toward ``max_num_queued_reqs``);
 ``/health`` stays 200. The answer: ``{"is_paused": bool, "engines": {index: state}}``.
+
+``POST /reload_weights`` with ``{"path": checkpoint}`` loads new weights into every engine
+(a checkpoint of the served architecture, a path the engines can read) and drops their prefix
+caches, whose KV the new weights make stale: the RL loop is pause (all), reload, resume. It is
+a 409 unless the server is paused with mode ``all``, a 400 when the weights do not fit.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from fastsched.proto_gen import import_stubs
 pb, pb_grpc = import_stubs()
 
 _CALL_TIMEOUT_S = 10.0  # longer than a frontend's wait for its engines (engine_timeout, 5 s by default)
+_RELOAD_TIMEOUT_S = 660.0  # longer than a frontend's wait for a reload (AsyncLLM.reload_weights, 600 s)
 
 
 async def pause(request: Request) -> Response:
@@ -40,6 +47,34 @@ async def resume(request: Request) -> Response:
 
 async def is_paused(request: Request) -> Response:
     return await _call_all(request, "IsPaused", pb.IsPausedRequest())
+
+
+async def reload_weights(request: Request) -> Response:
+    """``{"path": checkpoint}``: new weights on every engine, only while paused with mode all (else 409)."""
+    gateway = request.app.state.gateway
+    gateway._check_api_key(request)
+    body, _ = await gateway._read_json(request)
+    model = body.get("path")
+    if not isinstance(model, str) or not model:
+        raise bad_request("path must name the checkpoint to load (a path the engines can read)", "path")
+    pool = gateway.pool
+    await pool.start()
+    replies = await asyncio.gather(
+        *(f.stub.ReloadWeights(pb.ReloadWeightsRequest(model=model), timeout=_RELOAD_TIMEOUT_S,
+                               metadata=pool.metadata) for f in pool.frontends),
+        return_exceptions=True,
+    )
+    for reply in replies:
+        if isinstance(reply, grpc.aio.AioRpcError):
+            if reply.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise ApiError(409, f"{reply.details()}; POST /pause?mode=all first", type="conflict_error",
+                               code="not_paused")
+            if reply.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise bad_request(reply.details() or "the weights cannot be loaded", "path")
+        if isinstance(reply, BaseException):
+            raise ApiError(503, f"ReloadWeights failed: {_describe(reply)}", type="service_unavailable",
+                           code="frontend_unavailable", headers={"Retry-After": str(gateway.retry_after_s)})
+    return JSONResponse({"reloaded": True, "path": model})
 
 
 async def _call_all(request: Request, rpc: str, message: Any) -> Response:

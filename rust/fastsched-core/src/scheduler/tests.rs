@@ -429,6 +429,33 @@ fn s8_duplicate_prompt_hits_whole_blocks_capped_below_num_tokens() {
 }
 
 #[test]
+fn s8_reset_prefix_cache_makes_every_block_a_miss_and_keeps_requests_going() {
+    let mut s = sched(64);
+    let p: Vec<u32> = (10..18).collect(); // 2 full blocks
+    s.add_request(NewRequest::new("done", p.clone(), 1))
+        .unwrap();
+    s.add_request(NewRequest::new("running", (30..38).collect(), 8))
+        .unwrap();
+    step(&mut s);
+    s.reset_prefix_cache();
+    s.add_request(NewRequest::new("again", p.clone(), 1))
+        .unwrap();
+    s.add_request(NewRequest::new("same", (30..38).collect(), 1))
+        .unwrap();
+    let (out, _) = step(&mut s);
+    assert_eq!(
+        names(&s, &out.req_handles),
+        vec!["running", "again", "same"]
+    );
+    assert_eq!(
+        out.num_cached_tokens,
+        vec![0, 0, 0],
+        "no hit on blocks cached before the reset"
+    );
+    s.check_invariants().unwrap();
+}
+
+#[test]
 fn s8_cached_blocks_of_finished_requests_stay_until_evicted_lru() {
     let mut s = sched(6);
     let p: Vec<u32> = (10..18).collect();
