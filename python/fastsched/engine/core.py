@@ -38,10 +38,12 @@ import torch
 from fastsched import _core
 from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
+from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector, store_identity
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
 from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, OutputBatch, pause_state, select_csr
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
+from fastsched.engine.structured_outputs import StructuredOutputs
 from fastsched.inputs import check_prompt
 from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.generation_defaults import load_generation_defaults
@@ -107,6 +109,7 @@ class _Step:
     launched_wall: float  # time.time() then
     backlogged: bool  # requests were still waiting after its schedule()
     num_ending: int  # requests that reach max_tokens with this step's sample
+    saves: Saves | None = None  # KV blocks to save once it has run (sync); async queues them itself
 
 
 class EngineCore:
@@ -146,10 +149,12 @@ class EngineCore:
             ThreadPoolExecutor(1, thread_name_prefix="fastsched-forward") if config.async_scheduling else None
         )
         self._in_flight: deque[_Step] = deque()
+        self.kv_transfer = self._make_kv_transfer(dtype)  # --kv-transfer-config
         self._last_step_end = 0.0  # perf_counter() when the last step was collected
         self._last_step_end_wall = 0.0
         # The tokenizer may add an end-of-turn id (GGUF chat models) to the model's EOS ids.
-        tokenizer_eos = load_tokenizer(config.tokenizer or config.model).eos_token_ids
+        tokenizer = load_tokenizer(config.tokenizer or config.model)
+        tokenizer_eos = tokenizer.eos_token_ids
         self.sampling_defaults = load_generation_defaults(config.model, config.generation_config)
         if self.sampling_defaults:
             logger.info("sampling defaults from the model's generation config (--generation-config %s): %s",
@@ -157,6 +162,7 @@ class EngineCore:
         self.eos_token_ids = tuple(dict.fromkeys((*self.model_config.eos_token_ids, *tokenizer_eos)))
         self._eos_set = frozenset(self.eos_token_ids)
         self.vocab_size = self.model_config.vocab_size
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
         self._columns = _RequestColumns()
         self._num_final_only = 0  # live final-only requests: while there are none, no row is filtered
         self._row_states: dict[int, RowState] = {}  # live handle -> what the runner needs when it takes a row
@@ -176,6 +182,18 @@ class EngineCore:
         )
         _freeze_start_up_heap()
 
+    def _make_kv_transfer(self, dtype: torch.dtype) -> KVTransfer | None:
+        kv_config = self.config.kv_transfer_config
+        if kv_config is None:
+            return None
+        identity = store_identity(self.config.model, self.model_config, self.config.block_size, dtype)
+        logger.info("KV connector %s (%s) at %s, store key %s", kv_config.kv_connector, kv_config.kv_role,
+                    kv_config.shared_storage_path, identity.key)
+        # Copies into and out of the KV cache run in forward-pass order: on the forward thread when there is one.
+        executor = self._executor
+        ordered = (lambda fn: executor.submit(fn)) if executor is not None else (lambda fn: fn())
+        return KVTransfer(kv_config, make_connector(kv_config, identity), self.scheduler, self.runner, ordered)
+
     # ------------------------------------------------------------ requests
 
     def add_request(self, request: EngineCoreRequest, client: int = 0) -> None:
@@ -186,9 +204,17 @@ class EngineCore:
         check_prompt(request.prompt_token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
         if request.request_id in self._handles:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        eos = None if params.ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
+        grammar = None
+        if params.structured_outputs is not None:
+            if request.streaming:
+                # Input arriving between segments would go past the matcher, which sees outputs only.
+                raise ValueError("structured_outputs cannot be used by a streaming-input session")
+            grammar = self.structured.compile(params.structured_outputs)
+        # A constrained request ends where its grammar does, by the EOS the grammar then forces.
+        ignore_eos = params.ignore_eos and grammar is None
+        eos = None if ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
         stop_ids = list(params.stop_token_ids or [])
-        if not params.ignore_eos:
+        if not ignore_eos:
             stop_ids += [t for t in self.eos_token_ids[1:] if t not in stop_ids]
         handle = self.scheduler.add_request(
             request.request_id,
@@ -197,7 +223,7 @@ class EngineCore:
             min_tokens=params.min_tokens,
             eos_token_id=eos,
             stop_token_ids=stop_ids,
-            ignore_eos=params.ignore_eos,
+            ignore_eos=ignore_eos,
             priority=request.priority,
             arrival_time=request.arrival_time,
             streaming=request.streaming,
@@ -217,10 +243,14 @@ class EngineCore:
         c.arrival_time[handle] = request.arrival_time
         c.first_scheduled_time[handle] = c.first_token_time[handle] = math.nan
         generator = make_generator(params.seed, self.runner.device) if params.seed is not None else None
-        eos_ids = () if params.ignore_eos else self.eos_token_ids
+        eos_ids = () if ignore_eos else self.eos_token_ids
         self._row_states[handle] = RowState(params, n, eos_ids, generator)
         self._handles[request.request_id] = handle
+        if grammar is not None:
+            self.structured.add(handle, grammar)
         self.stats.on_arrival(n)
+        if self.kv_transfer is not None:
+            self.kv_transfer.on_add(handle)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Frees the requests' blocks at once (S18); unknown or finished ids are ignored.
@@ -304,7 +334,11 @@ class EngineCore:
         running model and drops the prefix cache, whose KV they make stale: the RL use of S13,
         new weights between rollouts. Only while paused with mode ``all`` (:class:`NotPausedError`
         otherwise): no step runs meanwhile. Requests held by the pause keep their KV, computed
-        with the old weights. ``ValueError`` when the checkpoint does not fit the model."""
+        with the old weights. ``ValueError`` when the checkpoint does not fit the model, or with a
+        KV connector (its store would serve KV of the old weights)."""
+        if self.config.kv_transfer_config is not None:
+            raise ValueError("weights cannot be reloaded with --kv-transfer-config: the KV store's blocks, keyed "
+                             "by the served model, were computed with the old weights")
         if self.pause_state != "paused_all":
             raise NotPausedError(f"weights can be reloaded only while paused with mode all; the engine is "
                                f"{self.pause_state}")
@@ -347,6 +381,8 @@ class EngineCore:
         """Stops the forward-pass thread (async scheduling); the engine is not used after this."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
 
     # ------------------------------------------------------------ the step
 
@@ -378,9 +414,17 @@ class EngineCore:
     def _launch(self) -> None:
         """Schedules a step, prepares its inputs and starts its forward pass (on the worker thread)."""
         launched, launched_wall = time.perf_counter(), time.time()
+        if self.kv_transfer is not None:
+            self.kv_transfer.before_schedule()
         so = self.scheduler.schedule()
         try:
-            step = self._prepare(so, launched, launched_wall)
+            step = self._prepare(so, launched, launched_wall, first_in_flight=not self._in_flight)
+            if self.kv_transfer is not None:
+                step.saves = self.kv_transfer.after_schedule()
+                if step.saves is not None and self._executor is not None:
+                    # After this step's forward pass, before the next one's (which may reuse the blocks).
+                    self._executor.submit(self.kv_transfer.save, step.saves)
+                    step.saves = None
         except BaseException:
             # The scheduler holds the step in flight: close it (and those before it) too.
             self._in_flight.append(_Step(so, None, None, launched, launched_wall, False, 0))
@@ -388,9 +432,11 @@ class EngineCore:
             raise
         self._in_flight.append(step)
 
-    def _prepare(self, so: _core.SchedulerOutput, launched: float, launched_wall: float) -> _Step:
+    def _prepare(self, so: _core.SchedulerOutput, launched: float, launched_wall: float,
+                 first_in_flight: bool) -> _Step:
         backlogged = self.scheduler.num_waiting > 0
         c = self._columns
+        self.structured.remove(so.finished)
         for h in so.finished.tolist():
             # Reported finished (or aborted): the handle may be reused after this step.
             if self._row_states.pop(h, None) is not None:
@@ -401,6 +447,8 @@ class EngineCore:
         if np.count_nonzero(so.kinds):
             c.first_scheduled_time[so.req_handles[so.kinds == KIND_NEW]] = launched_wall
         prepared = self.runner.prepare(so, self.scheduler.token_ids, self._row_states.__getitem__)
+        # Its token bitmask needs the tokens of the step before it: now, or once that one is collected.
+        prepared.bitmask = self.structured.step_bitmask(prepared.sampled_handles, fill_now=first_in_flight)
         future = None
         num_ending = 0
         if self._executor is not None:
@@ -421,10 +469,14 @@ class EngineCore:
             self._abandon_in_flight()
             raise
         self._in_flight.popleft()
+        if step.saves is not None and self.kv_transfer is not None:
+            self.kv_transfer.save(step.saves)
         eco = self.scheduler.update_from_tokens(result.tokens)
         if self._deferred_inputs:
             self._apply_deferred_inputs()
         self.runner.write_sampled(step.prepared, result)
+        following = self._in_flight[0].prepared if self._in_flight else None
+        self.structured.advance(eco, following.bitmask if following is not None else None)
         outputs = self._collect(eco, step, result)
         self.stats.on_step(len(eco.token_ids), self.scheduler.stats)
         so = step.so
@@ -449,6 +501,9 @@ class EngineCore:
         given up at the next schedule(), which reports the aborts."""
         steps = list(self._in_flight)
         self._in_flight.clear()
+        for s in steps:
+            if s.prepared is not None and s.prepared.bitmask is not None:
+                s.prepared.bitmask.abandon()
         for s in steps:
             if s.future is not None:
                 try:

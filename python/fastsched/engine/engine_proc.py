@@ -375,6 +375,7 @@ class _EngineLoop:
             prefill_tokens_per_s=self.core.prefill_meter.tokens_per_s,
             iteration_tokens=list(counters.iteration_tokens),
             iteration_tokens_sum=counters.iteration_tokens_sum,
+            kv_connector=self.core.kv_transfer.stats if self.core.kv_transfer is not None else {},
             pause_state=self.core.pause_state,
             num_waiting_for_streaming_input=s["num_waiting_for_streaming_input"],
         )

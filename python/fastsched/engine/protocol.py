@@ -295,6 +295,8 @@ class EngineStats:
     iteration_tokens_sum: int = 0
     # The engine process's resource use (fastsched.process_stats), sent with heartbeats only.
     process: dict[str, float] | None = None
+    # KV connector counters (engine.kv_connector.KVConnectorStats); empty without a connector.
+    kv_connector: dict[str, float] = field(default_factory=dict)
     pause_state: str = "unpaused"  # one of PAUSE_STATES (S13)
     num_waiting_for_streaming_input: int = 0  # sessions holding their slot and KV between segments (S15)
 
@@ -673,6 +675,9 @@ def _decode_stats(value: Any) -> EngineStats:
             _check(len(value) in (0, len(ITERATION_TOKENS_BUCKETS) + 1),
                    f"stats.iteration_tokens must have {len(ITERATION_TOKENS_BUCKETS) + 1} buckets")
             _check(all(c >= 0 for c in value), "stats.iteration_tokens must be non-negative")
+        elif f.name == "kv_connector":
+            for key, number in _map(value, "stats.kv_connector").items():
+                _float(number, f"stats.kv_connector[{_str(key, 'stats.kv_connector key')}]")
         elif f.name == "process":
             if value is not None:
                 for key, number in _map(value, "stats.process").items():

@@ -22,6 +22,7 @@ from fastsched._core import SchedulerOutput
 from fastsched.attention import AttentionBackend, AttentionMetadata
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, to_device
+from fastsched.structured.bitmask import StepBitmask
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class PreparedStep:
     # ... and the same tokens for the penalties' histories: sampling row, previous index.
     penalty_rows: np.ndarray
     penalty_src: np.ndarray
+    # Structured outputs: the constrained rows' token bitmask, set by the engine after prepare().
+    bitmask: StepBitmask | None = None
 
 
 @dataclass
@@ -130,6 +133,21 @@ class ModelRunner:
         self._on_device = _array_to(device)
         # The tokens sampled by the last step executed, on the device: the next step's placeholders.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
+
+    def read_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
+        """Whole KV blocks, copied to the CPU: [n, layers, 2 (K, V), block_size, kv_heads, head_dim]
+        (what a KV connector saves)."""
+        index = torch.from_numpy(block_ids.astype(np.int64)).to(self.device)
+        # Each layer's [2, n, ...] slice, stacked to [layers, 2, n, ...], then blocks first.
+        blocks = torch.stack([kv[:, index] for kv in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)
+        return blocks.to("cpu").contiguous()
+
+    def write_blocks(self, block_ids: np.ndarray, blocks: torch.Tensor) -> None:
+        """Fills KV blocks with ``blocks`` as :meth:`read_blocks` returns them (a KV connector's load)."""
+        index = torch.from_numpy(block_ids.astype(np.int64)).to(self.device)
+        data = blocks.to(self.device, non_blocking=True)
+        for layer, kv in enumerate(self.kv_caches):
+            kv[:, index] = data[:, layer].transpose(0, 1)
 
     def prepare(
         self,
@@ -257,6 +275,8 @@ class ModelRunner:
         if step.logits_indices is not None:
             hidden = hidden[on_device(step.logits_indices.astype(np.int64))]
         logits = self.model.compute_logits(hidden).float()
+        if step.bitmask is not None:
+            step.bitmask.apply(logits)
         out = self.sampler(logits, sampling)
         self._last_sampled = out.sampled_token_ids
         if dev.type == "cpu":
