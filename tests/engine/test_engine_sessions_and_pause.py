@@ -7,11 +7,10 @@ only if the session kept its KV and its runner row stayed valid between segments
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from conftest import GreedyReference
 
 from fastsched.config import EngineConfig
 from fastsched.engine.core import EngineCore
@@ -19,6 +18,8 @@ from fastsched.engine.protocol import EngineCoreRequest
 from fastsched.sampling_params import SamplingParams
 
 SEGMENT_TOKENS = 5
+# The ``greedy_reference`` fixture (tests/engine/conftest.py): transformers' greedy tokens per prompt.
+GreedyReference = Callable[[Sequence[Sequence[int]], Sequence[int]], list[list[int]]]
 
 
 def make_core(model_dir: Path, async_scheduling: bool, **engine_args: object) -> EngineCore:
