@@ -467,6 +467,9 @@ class Scheduler:
         schedules nothing; ``"unpaused"`` resumes. Nothing is lost. Takes effect at the
         next ``schedule()`` and changes ``has_requests()`` at once. ``ValueError`` for
         another string."""
+    def reset_prefix_cache(self) -> None:
+        """S8: no block computed so far is a prefix-cache hit again (new weights make their KV
+        stale). Requests keep their blocks and go on; their blocks are never shared."""
     def add_stream_input(
         self, request_id: str, token_ids: _TokenIds, max_tokens: int, is_last: bool = False
     ) -> None:

@@ -7,11 +7,10 @@ only if the session kept its KV and its runner row stayed valid between segments
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from conftest import GreedyReference
 
 from fastsched.config import EngineConfig
 from fastsched.engine.core import EngineCore
@@ -19,6 +18,8 @@ from fastsched.engine.protocol import EngineCoreRequest
 from fastsched.sampling_params import SamplingParams
 
 SEGMENT_TOKENS = 5
+# The ``greedy_reference`` fixture (tests/engine/conftest.py): transformers' greedy tokens per prompt.
+GreedyReference = Callable[[Sequence[Sequence[int]], Sequence[int]], list[list[int]]]
 
 
 def make_core(model_dir: Path, async_scheduling: bool, **engine_args: object) -> EngineCore:
@@ -144,4 +145,57 @@ def test_s13_pause_new_finishes_running_requests_and_holds_new_ones(
     assert finished == {"queued"}
     with pytest.raises(ValueError, match="pause mode must be one of"):
         core.pause("everything")
+    core.shutdown()
+
+
+def test_s15_s6_session_with_a_request_waiting_behind_it_stays_exact_under_async_scheduling(
+        tiny_model_dir: Path, greedy_reference: GreedyReference, random_prompt: Callable[[int, int], list[int]]) -> None:
+    """A request waiting behind the session (its active slot, S6) makes the async engine schedule
+    the session one step past its segment's end; that step's token must be dropped, and input
+    given before that step is collected must not be taken for it."""
+    core = make_core(tiny_model_dir, True, max_num_seqs=2, max_num_active_seqs=1)
+    chunks = [random_prompt(7, seed=8), random_prompt(3, seed=9), random_prompt(5, seed=10)]
+    core.add_request(EngineCoreRequest("s", chunks[0], greedy(4), streaming=True))
+    history = list(chunks[0])
+    history += run_segment(core, "s")
+    core.add_request(EngineCoreRequest("blocked", random_prompt(3, seed=11), greedy(3)))
+    for chunk in chunks[1:]:
+        core.add_stream_input("s", chunk, 4)  # at once: the step scheduled ahead is still in flight
+        history += chunk
+        segment = run_segment(core, "s")
+        assert segment == greedy_reference([history], [4])[0]
+        history += segment
+    assert core.scheduler.request_info(core.scheduler.handle_of("blocked"))["status"] == "waiting"
+    core.shutdown()
+
+
+def test_s13_offline_llm_refuses_to_generate_while_paused_and_resumes(tiny_model_dir: Path) -> None:
+    from fastsched import LLM
+
+    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", log_stats_interval=0)
+    llm.pause()
+    assert llm.is_paused()
+    with pytest.raises(RuntimeError, match="paused_all.*resume"):
+        llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False)
+    llm.resume()
+    assert not llm.is_paused()
+    (out,) = llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+    llm.engine.shutdown()
+
+
+def test_s13_weights_reload_only_while_paused_all_and_only_weights_that_fit(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    from fastsched.engine.core import NotPausedError
+
+    core = make_core(tiny_model_dir, False)
+    for pause in (None, "new"):
+        if pause is not None:
+            core.pause(pause)
+        with pytest.raises(NotPausedError, match="only while paused with mode all"):
+            core.reload_weights(str(tiny_model_dir))
+    core.pause("all")
+    with pytest.raises((ValueError, OSError)):
+        core.reload_weights(str(tmp_path))  # no checkpoint there
+    core.reload_weights(str(tiny_model_dir))
     core.shutdown()

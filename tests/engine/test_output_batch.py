@@ -69,10 +69,13 @@ def test_malformed_columns_are_a_protocol_error(bad: list[object]) -> None:
     protocol.Paused(2, 7, "unpaused"),
     protocol.StreamInput("s", [1, 2, 3], 16, is_last=True),
     protocol.CloseStream("s"),
+    protocol.ReloadWeights("/ckpt", 3, 0),
+    protocol.Reloaded(1, 3, None),
+    protocol.Reloaded(1, 3, (protocol.RELOAD_CONFLICT, "the engine is unpaused")),
     protocol.AddRequest(protocol.EngineCoreRequest("s", [4, 5], SamplingParams(max_tokens=3),
                                                    arrival_time=1.0, streaming=True), 0),
 ])
-def test_s13_s15_pause_and_session_messages_round_trip(msg: protocol.Message) -> None:
+def test_s13_s15_pause_reload_and_session_messages_round_trip(msg: protocol.Message) -> None:
     assert protocol.decode(protocol.encode(msg)) == msg
 
 
@@ -82,7 +85,9 @@ def test_s13_s15_pause_and_session_messages_round_trip(msg: protocol.Message) ->
     ["stream_input", "s", [1], -1, False],
     ["stream_input", "s", [1], 4, "yes"],
     ["close_stream", 5],
+    ["reloaded", 0, 1, ["broken", "why"]],
+    ["reload_weights", None, 1, 0],
 ])
-def test_s13_s15_malformed_pause_and_session_messages_are_protocol_errors(wire: list[object]) -> None:
+def test_s13_s15_malformed_pause_reload_and_session_messages_are_protocol_errors(wire: list[object]) -> None:
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(msgpack.packb(wire, use_bin_type=True))

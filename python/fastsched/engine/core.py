@@ -40,7 +40,7 @@ from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
 from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector, store_identity
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
-from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, OutputBatch, select_csr
+from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, OutputBatch, pause_state, select_csr
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.engine.structured_outputs import StructuredOutputs
@@ -60,7 +60,6 @@ logger = logging.getLogger(__name__)
 KIND_NEW = 1  # SchedulerOutput.kinds: scheduled for the first time
 FINISH_STOP = 1
 FINISH_IGNORED = 4
-PAUSE_MODES = ("new", "all")  # EngineCore.pause: paused_new / paused_all (S13)
 
 
 class _RequestColumns:
@@ -95,6 +94,10 @@ class _RequestColumns:
             grown = np.empty(new_size, dtype=column.dtype)
             grown[:size] = column
             setattr(self, name, grown)
+
+
+class NotPausedError(RuntimeError):
+    """What needs the engine paused with mode ``all`` (a weight reload) was asked of it otherwise."""
 
 
 @dataclass
@@ -173,6 +176,8 @@ class EngineCore:
         self._row_states: dict[int, RowState] = {}  # live handle -> what the runner needs when it takes a row
         self._handles: dict[str, int] = {}
         self.pause_state = "unpaused"  # S13, as last set
+        # S15 input waiting for a step in flight to be collected (add_stream_input).
+        self._deferred_inputs: list[tuple[str, list[int], int, bool]] = []
         self.stats = StatsLogger(config.log_stats_interval)
         self.step_tracer = StepTracer(config.step_trace) if config.step_trace else None  # --step-trace
         self.prefill_meter = PrefillThroughputMeter()  # read by the TTFT-SLO valve (--ttft-slo)
@@ -296,10 +301,38 @@ class EngineCore:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"session {request_id!r}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        handle = self.scheduler.handle_of(request_id)
+        if handle is None:
+            raise KeyError(f"no live request {request_id!r}")
+        if any(np.count_nonzero(step.so.req_handles == handle) for step in self._in_flight):
+            # Async scheduling: a step launched before the segment ended still holds the
+            # session's (dropped) token; input given before that step is collected would
+            # let the scheduler take that token as the new segment's. Applied once it is.
+            self._deferred_inputs.append((request_id, list(token_ids), max_tokens, is_last))
+            return
+        self._apply_stream_input(request_id, token_ids, max_tokens, is_last)
+
+    def _apply_stream_input(self, request_id: str, token_ids: Sequence[int], max_tokens: int, is_last: bool) -> None:
         self.scheduler.add_stream_input(request_id, token_ids, max_tokens, is_last)
         handle = self._handles[request_id]
         c = self._columns
         c.max_tokens[handle] = c.num_sampled[handle] + max_tokens
+
+    def _apply_deferred_inputs(self) -> None:
+        """Stream input held back by ``add_stream_input`` whose session no step in flight holds now.
+        The frontend checked it, so a refusal here means the session has ended meanwhile."""
+        held = np.concatenate([step.so.req_handles for step in self._in_flight]) if self._in_flight else None
+        waiting = []
+        for entry in self._deferred_inputs:
+            handle = self.scheduler.handle_of(entry[0])
+            if handle is not None and held is not None and np.count_nonzero(held == handle):
+                waiting.append(entry)
+                continue
+            try:
+                self._apply_stream_input(*entry)
+            except (KeyError, ValueError) as e:
+                logger.warning("stream input for %s dropped: %s", entry[0], e)
+        self._deferred_inputs = waiting
 
     def client_of(self, request_id: str) -> int | None:
         """The frontend a live request came from (``add_request``'s ``client``), else None."""
@@ -321,13 +354,32 @@ class EngineCore:
     def pause(self, mode: str) -> None:
         """S13: ``"new"`` lets running requests finish and admits nobody; ``"all"`` schedules
         nothing, every request keeping its place and KV. ``ValueError`` for another mode."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self.set_pause_state(f"paused_{mode}")
+        self.set_pause_state(pause_state(mode))
 
     def resume(self) -> None:
         """S13: schedules again from where the pause stopped."""
         self.set_pause_state("unpaused")
+
+    def reload_weights(self, model: str) -> None:
+        """Loads the weights of ``model`` (a checkpoint of the served architecture) into the
+        running model and drops the prefix cache, whose KV they make stale: the RL use of S13,
+        new weights between rollouts. Only while paused with mode ``all`` (:class:`NotPausedError`
+        otherwise): no step runs meanwhile. Requests held by the pause keep their KV, computed
+        with the old weights. ``ValueError`` when the checkpoint does not fit the model, or with a
+        KV connector (its store would serve KV of the old weights)."""
+        if self.config.kv_transfer_config is not None:
+            raise ValueError("weights cannot be reloaded with --kv-transfer-config: the KV store's blocks, keyed "
+                             "by the served model, were computed with the old weights")
+        if self.pause_state != "paused_all":
+            raise NotPausedError(f"weights can be reloaded only while paused with mode all; the engine is "
+                               f"{self.pause_state}")
+        new = load_model(model, dtype=self.config.torch_dtype, device=self.config.torch_device)
+        try:
+            self.runner.model.load_state_dict(new.state_dict())
+        except RuntimeError as e:  # missing, unexpected or differently shaped tensors
+            raise ValueError(f"the weights of {model} do not fit the served model: {e}") from None
+        self.scheduler.reset_prefix_cache()
+        logger.info("reloaded weights from %s; prefix cache dropped", model)
 
     def set_pause_state(self, state: str) -> None:
         """The scheduler's pause state (``unpaused``, ``paused_new``, ``paused_all``)."""
@@ -348,7 +400,7 @@ class EngineCore:
         return float(c.arrival_time[handle]), known(c.first_scheduled_time[handle]), known(c.first_token_time[handle])
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._in_flight) or self.scheduler.has_requests()
+        return bool(self._in_flight) or bool(self._deferred_inputs) or self.scheduler.has_requests()
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -453,6 +505,8 @@ class EngineCore:
         if step.saves is not None and self.kv_transfer is not None:
             self.kv_transfer.save(step.saves)
         eco = self.scheduler.update_from_tokens(result.tokens)
+        if self._deferred_inputs:
+            self._apply_deferred_inputs()
         self.runner.write_sampled(step.prepared, result)
         following = self._in_flight[0].prepared if self._in_flight else None
         self.structured.advance(eco, following.bitmask if following is not None else None)

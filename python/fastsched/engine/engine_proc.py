@@ -35,7 +35,7 @@ import zmq
 
 from fastsched.config import EngineConfig, parse_lora_modules
 from fastsched.engine import protocol
-from fastsched.engine.core import EngineCore
+from fastsched.engine.core import EngineCore, NotPausedError
 from fastsched.engine.protocol import EngineCoreOutput, EngineStats, ModelInfo, OutputBatch, RequestTiming
 from fastsched.engine.status import engine_statuses
 from fastsched.process_stats import read_process_stats
@@ -262,15 +262,32 @@ class _EngineLoop:
                 self._stream_input(msg)
             elif isinstance(msg, protocol.CloseStream):
                 self._close_stream(msg)
+            elif isinstance(msg, protocol.ReloadWeights):
+                self._reload_weights(msg)
             else:
                 logger.warning("engine %d: unexpected %s message", self.engine_index, type(msg).__name__)
 
     def _pause(self, msg: protocol.Pause) -> None:
         """S13, answered once in force: the next schedule() follows the new state."""
         self.core.set_pause_state(msg.state)
+        self.latest_stats = self._stats()  # heartbeats from now on carry the new state
         logger.info("engine %d: pause state %s", self.engine_index, msg.state)
         if msg.frontend_index < len(self.pushes):
             self.send(msg.frontend_index, protocol.encode(protocol.Paused(self.engine_index, msg.query_id, msg.state)))
+
+    def _reload_weights(self, msg: protocol.ReloadWeights) -> None:
+        """Answered once loaded (or refused); heartbeats go on from their own thread meanwhile."""
+        error = None
+        try:
+            self.core.reload_weights(msg.model)
+        except NotPausedError as e:
+            error = (protocol.RELOAD_CONFLICT, str(e))
+        except (ValueError, OSError, RuntimeError) as e:
+            error = (protocol.RELOAD_INVALID, f"{type(e).__name__}: {e}")
+        if error is not None:
+            logger.warning("engine %d: weights from %s not reloaded: %s", self.engine_index, msg.model, error[1])
+        if msg.frontend_index < len(self.pushes):
+            self.send(msg.frontend_index, protocol.encode(protocol.Reloaded(self.engine_index, msg.query_id, error)))
 
     def _close_stream(self, msg: protocol.CloseStream) -> None:
         frontend = self.core.client_of(msg.request_id)
@@ -411,7 +428,8 @@ class _Heartbeat(threading.Thread):
                 sock.connect(addr)
                 socks.append(sock)
             while not self._done.wait(self._interval):
-                stats = replace(self._loop.latest_stats, process=read_process_stats())
+                process = read_process_stats()  # first: the loop's stats are read just before sending
+                stats = replace(self._loop.latest_stats, process=process)
                 data = protocol.encode(protocol.Heartbeat(self._loop.engine_index, stats))
                 for sock in socks:
                     try:

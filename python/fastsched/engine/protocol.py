@@ -14,6 +14,7 @@ frontend -> engine (the engine's PULL socket at its input address)
                                                        an ADD that opens a streaming-input session (S15)
     ["stream_input", request_id, token_ids, max_tokens, is_last]   a session's next segment
     ["close_stream", request_id]                       end a session once its input is served
+    ["reload_weights", model, query_id, frontend_index]   load new weights (paused_all only; a RELOADED answers)
 
 engine -> frontend (a PUSH socket per frontend, connected to its output address)
     ["ready",     engine_index, model_info]
@@ -22,6 +23,7 @@ engine -> frontend (a PUSH socket per frontend, connected to its output address)
     ["failed",    engine_index, message]               the engine is about to exit on an error
     ["status",    engine_index, query_id, [status, ...]]   the answer to a QUERY, one status per id
     ["paused",    engine_index, query_id, state]       the answer to a PAUSE: the state now in force
+    ["reloaded",  engine_index, query_id, error]       the answer to a RELOAD_WEIGHTS: nil, or [kind, message]
 
 ``params`` is a map of :class:`SamplingParams` fields, ``lora`` ``nil`` or the request's
 adapter as ``[name, id, path]`` (:class:`LoRARequest`); ``model_info`` and ``stats``
@@ -219,8 +221,26 @@ PAUSED = "paused"
 SESSION = "session"
 STREAM_INPUT = "stream_input"
 CLOSE_STREAM = "close_stream"
+RELOAD_WEIGHTS = "reload_weights"
+RELOADED = "reloaded"
+RELOAD_CONFLICT = "conflict"  # a RELOADED error kind: the engine is not paused with mode all
+RELOAD_INVALID = "invalid"  # a RELOADED error kind: the weights cannot be loaded into the served model
 
 PAUSE_STATES = ("unpaused", "paused_new", "paused_all")  # the scheduler's states (S13)
+PAUSE_MODES = ("new", "all")  # what a user asks for: paused_new / paused_all
+
+
+def pause_state(mode: str) -> str:
+    """The scheduler's state for pause ``mode`` (S13): ``"new"`` lets running requests finish and
+    admits nobody, ``"all"`` schedules nothing. ``ValueError`` naming the mode for another one."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+    return f"paused_{mode}"
+
+
+def pause_mode(state: str) -> str | None:
+    """The mode of a pause state, None when unpaused."""
+    return None if state == "unpaused" else state.removeprefix("paused_")
 
 _PARAM_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
@@ -407,8 +427,22 @@ class CloseStream:
     request_id: str
 
 
+@dataclass
+class ReloadWeights:
+    model: str  # a checkpoint of the served architecture (directory or GGUF file)
+    query_id: int
+    frontend_index: int
+
+
+@dataclass
+class Reloaded:
+    engine_index: int
+    query_id: int
+    error: tuple[str, str] | None = None  # (RELOAD_CONFLICT or RELOAD_INVALID, message)
+
+
 Message = Union[Hello, AddRequest, Abort, Ready, Heartbeat, Outputs, Failed, Query, Status, Pause, Paused,
-                StreamInput, CloseStream]
+                StreamInput, CloseStream, ReloadWeights, Reloaded]
 
 
 # ------------------------------------------------------------------ encode
@@ -449,6 +483,10 @@ def _to_wire(msg: Message) -> list[Any]:
         return [STREAM_INPUT, msg.request_id, list(msg.token_ids), msg.max_tokens, msg.is_last]
     if isinstance(msg, CloseStream):
         return [CLOSE_STREAM, msg.request_id]
+    if isinstance(msg, ReloadWeights):
+        return [RELOAD_WEIGHTS, msg.model, msg.query_id, msg.frontend_index]
+    if isinstance(msg, Reloaded):
+        return [RELOADED, msg.engine_index, msg.query_id, None if msg.error is None else list(msg.error)]
     raise TypeError(f"not a protocol message: {type(msg).__name__}")
 
 
@@ -599,6 +637,18 @@ def _decode_stream_input(request_id: Any, token_ids: Any, max_tokens: Any, is_la
 
 def _decode_close_stream(request_id: Any) -> CloseStream:
     return CloseStream(_str(request_id, "request_id"))
+
+
+def _decode_reload_weights(model: Any, query_id: Any, frontend: Any) -> ReloadWeights:
+    return ReloadWeights(_str(model, "model"), _index(query_id, "query_id"), _index(frontend, "frontend_index"))
+
+
+def _decode_reloaded(engine_index: Any, query_id: Any, error: Any) -> Reloaded:
+    if error is not None:
+        _check(isinstance(error, list) and len(error) == 2 and error[0] in (RELOAD_CONFLICT, RELOAD_INVALID),
+               "a reload error must be [conflict|invalid, message]")
+        error = (error[0], _str(error[1], "reload error message"))
+    return Reloaded(_index(engine_index, "engine_index"), _index(query_id, "query_id"), error)
 
 
 def _decode_abort(request_ids: Any) -> Abort:
@@ -796,6 +846,8 @@ _DECODERS = {
     SESSION: _decode_session,
     STREAM_INPUT: _decode_stream_input,
     CLOSE_STREAM: _decode_close_stream,
+    RELOAD_WEIGHTS: _decode_reload_weights,
+    RELOADED: _decode_reloaded,
 }
 _ARITY = {HELLO: 1, ADD: 7, ABORT: 1, READY: 2, HEARTBEAT: 2, OUTPUTS: 4, FAILED: 2, QUERY: 3, STATUS: 3,
-          PAUSE: 3, PAUSED: 3, SESSION: 7, STREAM_INPUT: 4, CLOSE_STREAM: 1}
+          PAUSE: 3, PAUSED: 3, SESSION: 7, STREAM_INPUT: 4, CLOSE_STREAM: 1, RELOAD_WEIGHTS: 3, RELOADED: 3}

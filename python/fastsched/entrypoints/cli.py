@@ -101,6 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
         ttft_slo=args.ttft_slo,
+        session_idle_timeout=args.session_idle_timeout,
         enable_fault_tolerance=args.enable_fault_tolerance,
         max_engine_restarts=args.max_engine_restarts,
         api_key=resolve_api_key(args),
@@ -177,6 +178,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "declares an engine dead")
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds allowed for the engines (model load) and frontends to start")
+    p.add_argument("--session-idle-timeout", type=float, default=None, metavar="SECONDS",
+                   help="S15: a streaming-input session (/v1/sessions, gRPC GenerateSession) waiting longer than "
+                        "this for its next chunk is aborted, freeing its runner slot and KV (default: no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, seconds the gateway lets requests in flight finish before the processes "
                         "are stopped (a second signal skips the wait)")

@@ -45,7 +45,9 @@ class LLM:
         """Generates for every prompt (text, or a list of token ids); outputs in input order.
 
         ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
-        model); needs ``LLM(..., enable_lora=True)``."""
+        model); needs ``LLM(..., enable_lora=True)``. ``RuntimeError`` while paused: nothing new would ever be scheduled."""
+        if self.is_paused():
+            raise RuntimeError(f"the engine is paused ({self.engine.pause_state}); call resume() first")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:  # the model's generation config, as vLLM's LLM does
             sampling_params = SamplingParams(**self.engine.sampling_defaults)
@@ -81,6 +83,18 @@ class LLM:
             self.engine.abort_requests(added)  # their blocks are freed at once (S18)
             raise
         return results
+
+    def pause(self, mode: str = "all") -> None:
+        """S13, between ``generate`` calls, e.g. to load new weights (RL): nothing is scheduled
+        until :meth:`resume`. ``mode``: ``"all"`` or ``"new"`` (the same here: offline, every
+        request runs inside one ``generate`` call). ``ValueError`` for another mode."""
+        self.engine.pause(mode)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def is_paused(self) -> bool:
+        return self.engine.pause_state != "unpaused"
 
     def chat(
         self,

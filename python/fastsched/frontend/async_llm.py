@@ -51,6 +51,7 @@ from fastsched.frontend.output_processor import OutputProcessor
 from fastsched.frontend.request_log import RequestLogger
 from fastsched.frontend.request_metrics import EngineRequestMetrics
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
+from fastsched.frontend.session import Session, SessionState, chunk_token_ids
 from fastsched.inputs import InputProcessor, PromptType, TokenizedText, child_params, child_request_ids
 from fastsched.limits import INLINE_TOKENIZE_CHARS, RequestLimits
 from fastsched.lora.request import LoRARequest
@@ -128,6 +129,7 @@ class _RequestState:
     # What the previous snapshot contained, per completion: text, tokens, logprobs, finished.
     sent: list[tuple[int, int, int, bool]] = field(default_factory=list)
     lora_name: str | None = None  # its adapter, counted against an unload (LoRARegistry)
+    session: SessionState | None = None  # a streaming-input session's own state (S15)
 
     def snapshot(self) -> StreamOutput:
         parent, deltas, outputs = self.parent, [], []
@@ -252,6 +254,7 @@ class AsyncLLM:
         engine_procs: Sequence[_ProcessHandle | None] | None,
         engine_timeout: float,
         limits: RequestLimits | None = None,
+        session_idle_timeout: float | None = None,
     ) -> None:
         if not engine_input_addrs:
             raise ValueError("at least one engine input address is needed")
@@ -261,6 +264,9 @@ class AsyncLLM:
             )
         if engine_timeout <= 0:
             raise ValueError(f"engine_timeout must be positive, got {engine_timeout}")
+        if session_idle_timeout is not None and not session_idle_timeout > 0:
+            raise ValueError(f"session_idle_timeout must be a positive number of seconds, got {session_idle_timeout}")
+        self.session_idle_timeout = session_idle_timeout
         self.frontend_index = frontend_index
         self.output_addr = output_addr
         self.admission = admission
@@ -299,6 +305,8 @@ class AsyncLLM:
         self._queries: dict[int, asyncio.Future[list[EngineRequestStatus]]] = {}  # query id -> the engine's answer
         # A random start: an answer queued for a predecessor on this address must not answer ours.
         self._query_ids = itertools.count(secrets.randbelow(2**62))
+        # PAUSE / RELOAD_WEIGHTS query id -> the engine's answer (PAUSED / RELOADED).
+        self._commands: dict[int, asyncio.Future[protocol.Message]] = {}
         self._ready = asyncio.Event()
         self._started = False
         self._closed = False
@@ -324,6 +332,7 @@ class AsyncLLM:
         tokenizer: Tokenizer | None = None,
         limits: RequestLimits | None = None,
         request_logger: RequestLogger | None = None,
+        session_idle_timeout: float | None = None,
     ) -> AsyncLLM:
         """Bind ``output_addr`` (this frontend's PULL), connect to every engine's input,
         and wait until each has answered READY (``TimeoutError`` after ``ready_timeout``
@@ -332,12 +341,15 @@ class AsyncLLM:
         given. ``shared_stats``: this frontend's opened ``SharedAdmissionStats`` slot (A6).
         ``ttft_slo``: seconds; turns on the TTFT-SLO valve (see ``frontend.admission``), whose
         limit this frontend takes a ``1 / num_frontends`` share of. ``limits``: the bounds on
-        what a request controls (``fastsched.limits``; default: ``RequestLimits()``)."""
+        what a request controls (``fastsched.limits``; default: ``RequestLimits()``).
+        ``session_idle_timeout``: seconds a streaming session may wait for input before it is
+        aborted (``session()``; default: no limit)."""
         admission = AdmissionController(max_num_queued_reqs, max_num_queued_tokens, fault_tolerance, shared_stats,
                                         ttft_slo=ttft_slo, num_frontends=num_frontends)
         llm = cls(
             engine_input_addrs, output_addr, frontend_index=frontend_index, admission=admission,
             engine_procs=engine_procs, engine_timeout=engine_timeout, limits=limits,
+            session_idle_timeout=session_idle_timeout,
         )
         llm.request_logger = request_logger
         try:
@@ -405,6 +417,25 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         return TokenizedText(prompt, await loop.run_in_executor(self._tokenize_pool, self.tokenizer.encode, prompt))
 
+    def session(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> Session:
+        """Opens a streaming-input session (S15; ``fastsched.frontend.session``): ``prompt`` is its
+        first chunk and ``params.max_tokens`` that chunk's generation. Admitted like a request
+        (it counts as one request in flight until it ends), with the same errors as
+        :meth:`generate`; ``ValueError`` also for ``n > 1`` or stop strings, which a session
+        does not support."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"a session generates one completion: n must be 1, got {params.n}")
+        if params.stop:
+            raise ValueError("stop strings are not supported in a session: stop must be empty")
+        return Session(self, self._admit(request_id, prompt, params, priority, streaming=True))
+
     def generate(
         self,
         request_id: str,
@@ -424,8 +455,12 @@ class AsyncLLM:
         ignored, e.g. longer than the whole KV pool). ``lora_request``: the adapter every
         child runs with (see :attr:`loras`), None for the base model.
         """
+        return RequestStream(self, self._admit(request_id, prompt, params or SamplingParams(), priority,
+                                               lora_request=lora_request))
+
+    def _admit(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
+               streaming: bool = False, lora_request: LoRARequest | None = None) -> _RequestState:
         self._check_started()
-        params = params or SamplingParams()
         self.limits.check_request_id(request_id)
         self.limits.check_n(params.n)
         self.limits.check_stop(params.stop or ())
@@ -450,6 +485,9 @@ class AsyncLLM:
             self.request_logger.received(request_id, text, token_ids, params, priority)
         requests = InputProcessor.engine_requests(
             state.child_ids, token_ids, params, state.metrics.arrival_time, priority)
+        if streaming:
+            requests[0].streaming = True
+            state.session = SessionState(len(token_ids) + params.max_tokens, len(token_ids))
         try:
             for request in requests:
                 request.lora_request = lora_request
@@ -457,7 +495,7 @@ class AsyncLLM:
         except BaseException:
             self._drop(state)
             raise
-        return RequestStream(self, state)
+        return state
 
     def _register(
         self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, engine: _Engine
@@ -496,6 +534,50 @@ class AsyncLLM:
         state.queue.put_nowait(None)
         return True
 
+    def _send_stream_input(self, state: _RequestState, prompt: PromptType, max_tokens: int, last: bool) -> None:
+        """A session's next chunk (``Session.send``), checked here so that the engine never refuses it."""
+        session = state.session
+        assert session is not None and self.tokenizer is not None and self._inputs is not None
+        if state.done or session.closing:
+            raise ValueError(f"session {state.request_id!r} has ended or is closing: it takes no more input")
+        token_ids = chunk_token_ids(prompt, self.tokenizer, self._inputs.vocab_size)
+        session.charge(state.request_id, len(token_ids), max_tokens, self._inputs.max_model_len)
+        session.closing = last
+        session.stop_idle_timer()
+        child_id = state.child_ids[0]
+        self._send(self._engines[state.engine_index],
+                   protocol.encode(protocol.StreamInput(child_id, token_ids, max_tokens, last)))
+
+    def _close_session(self, state: _RequestState) -> None:
+        """``Session.close``: the engine ends the session once its input is served."""
+        session = state.session
+        assert session is not None
+        if state.done or session.closing:
+            return
+        session.closing = True
+        session.stop_idle_timer()
+        self._send(self._engines[state.engine_index], protocol.encode(protocol.CloseStream(state.child_ids[0])))
+
+    def _on_segment_end(self, state: _RequestState) -> None:
+        """S15: a session's segment ended; it may now wait for input, for at most
+        ``session_idle_timeout`` seconds."""
+        session = state.session
+        assert session is not None
+        completion = state.parent.outputs[0]
+        session.segment_ends.append((len(completion.token_ids), len(completion.text)))
+        if self.session_idle_timeout is not None and session.waits_for_input():
+            session.idle_timer = asyncio.get_running_loop().call_later(
+                self.session_idle_timeout, self._expire_session, state)
+
+    def _expire_session(self, state: _RequestState) -> None:
+        if state.done:
+            return
+        logger.info("frontend %d: session %s waited %g s for input; aborted (--session-idle-timeout)",
+                    self.frontend_index, state.request_id, self.session_idle_timeout)
+        state.parent.outputs[0].finish_reason = "abort"
+        self._drop(state)
+        state.queue.put_nowait(None)
+
     def _drop(self, state: _RequestState) -> None:
         """End a request early (consumer gone, abort): abort what still runs in the engine
         and give everything back."""
@@ -511,6 +593,8 @@ class AsyncLLM:
         if state.done:
             return
         state.done = True
+        if state.session is not None:
+            state.session.stop_idle_timer()
         if state.metrics.e2e is None:
             state.metrics.e2e = time.time() - state.metrics.arrival_time
         counted = error is None and not any(o.finish_reason == "ignored" for o in state.parent.outputs)
@@ -585,6 +669,12 @@ class AsyncLLM:
             answer = self._queries.get(msg.query_id)
             if answer is not None and not answer.done():
                 answer.set_result(msg.statuses)
+        elif isinstance(msg, (protocol.Paused, protocol.Reloaded)):
+            if isinstance(msg, protocol.Paused):
+                engine.stats.pause_state = msg.state
+            answer = self._commands.get(msg.query_id)
+            if answer is not None and not answer.done():
+                answer.set_result(msg)
 
     def _process_outputs(self, msg: protocol.Outputs) -> None:
         for timing in msg.timings:
@@ -621,6 +711,8 @@ class AsyncLLM:
         engine = self._engines[state.engine_index]
         if to_abort:  # ended by a stop string: the engine would go on generating
             self._send(engine, protocol.encode(protocol.Abort(to_abort)))
+        if state.session is not None and any(o.segment_ended for o in outs):
+            self._on_segment_end(state)
         for i, child_id in enumerate(state.child_ids):
             if state.parent.outputs[i].finished and self._children.pop(child_id, None) is not None:
                 self._record_finished(state, i, child_id, state.parent.outputs[i].finish_reason)
@@ -701,6 +793,67 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         """True while started and every engine is alive (A1 uses this)."""
         return self._started and not self._closed and all(e.healthy for e in self._engines)
+
+    # ------------------------------------------------------------ pause (S13)
+
+    async def pause(self, mode: str = "all") -> None:
+        """Pauses every live engine (S13) and returns once each has said the pause is in force:
+        ``"new"`` lets running requests finish while waiting ones stay queued, ``"all"`` schedules
+        nothing (running requests keep their KV). Requests are still admitted meanwhile, and
+        count toward ``max_num_queued_reqs``. ``ValueError`` for another mode; ``TimeoutError``
+        when an engine does not answer within ``engine_timeout``."""
+        await self._set_pause_state(protocol.pause_state(mode))
+
+    async def resume(self) -> None:
+        """Every live engine schedules again from where its pause stopped it."""
+        await self._set_pause_state("unpaused")
+
+    def is_paused(self) -> bool:
+        """Whether a live engine is paused, as it last said."""
+        return any(e.stats.pause_state != "unpaused" for e in self._engines if e.healthy)
+
+    def pause_states(self) -> dict[int, str]:
+        """Each live engine's pause state (``unpaused``, ``paused_new``, ``paused_all``)."""
+        return {e.index: e.stats.pause_state for e in self._engines if e.healthy}
+
+    async def reload_weights(self, model: str, timeout: float = 600.0) -> None:
+        """Loads the weights of ``model`` (a checkpoint of the served architecture, as the
+        engines see the filesystem) into every live engine and drops their prefix caches; the
+        RL use of S13, between :meth:`pause` with mode ``all`` and :meth:`resume`. Returns once
+        every engine has loaded them. ``RuntimeError`` when an engine is not paused with mode
+        ``all``, ``ValueError`` when the weights do not fit, ``TimeoutError`` after ``timeout`` s."""
+        answers = await self._command_all(lambda q: protocol.ReloadWeights(model, q, self.frontend_index), timeout)
+        errors = {index: a.error for index, a in answers.items() if isinstance(a, protocol.Reloaded) and a.error}
+        if errors:
+            kinds = {kind for kind, _ in errors.values()}
+            detail = "; ".join(f"engine {index}: {message}" for index, (_, message) in sorted(errors.items()))
+            raise (RuntimeError if protocol.RELOAD_CONFLICT in kinds else ValueError)(detail)
+
+    async def _set_pause_state(self, state: str) -> None:
+        await self._command_all(lambda q: protocol.Pause(state, q, self.frontend_index), self.engine_timeout)
+
+    async def _command_all(self, make: Any, timeout: float) -> dict[int, protocol.Message]:
+        """Sends ``make(query_id)`` to every live engine; their answers, by engine index.
+        ``TimeoutError`` naming an engine that does not answer within ``timeout`` seconds."""
+        self._check_started()
+        loop = asyncio.get_running_loop()
+        waits = []
+        for e in [e for e in self._engines if e.healthy]:
+            query_id = next(self._query_ids)
+            self._commands[query_id] = answer = loop.create_future()
+            waits.append((query_id, e, answer))
+            self._send(e, protocol.encode(make(query_id)))
+        answers = {}
+        try:
+            for query_id, e, answer in waits:
+                try:
+                    answers[e.index] = await asyncio.wait_for(answer, timeout)
+                except TimeoutError:
+                    raise TimeoutError(f"engine {e.index} did not answer within {timeout:g} s") from None
+        finally:
+            for query_id, _, _ in waits:
+                self._commands.pop(query_id, None)
+        return answers
 
     # ------------------------------------------------------------ introspection
 

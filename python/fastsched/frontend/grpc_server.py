@@ -44,6 +44,7 @@ from google.protobuf import json_format
 from fastsched.frontend.admission import ENGINE_FAULTED, AdmissionError
 from fastsched.frontend.async_llm import CompletionDelta, StreamOutput
 from fastsched.frontend.lora_registry import LoRAInUseError, LoRANotFoundError, LoRARegistry
+from fastsched.frontend.session import Session, SessionOutput
 from fastsched.frontend.stats import LatencyHistograms, stats_to_proto
 from fastsched.limits import RequestLimits
 from fastsched.lora.request import LoRARequest
@@ -265,6 +266,74 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         context.set_trailing_metadata(((REJECTION_REASON_KEY, reason),))
         await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
 
+    async def GenerateSession(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        """S15 (see the proto): the first message opens the session, a task feeds it the
+        following ones while this call streams its outputs. Refused input ends the call
+        INVALID_ARGUMENT; the request stream ending without ``close`` closes the session."""
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "open":
+            context.set_trailing_metadata(((INVALID_PARAM_KEY, "open"),))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session's first message must be `open`")
+        request_id = first.open.request_id or f"session-{uuid.uuid4().hex}"
+        try:
+            prompt, params = self._parse(first.open)
+            session = self.async_llm.session(request_id, prompt, params, first.open.priority)
+        except AdmissionError as e:
+            await self._abort_unavailable(context, e.reason)
+        except ValueError as e:
+            await self._abort_invalid(context, e)
+        except Exception as e:
+            await self._abort_failed(context, request_id, e)
+        feeder = asyncio.create_task(feed_session(session, request_iterator))
+        try:
+            async with session:
+                async for out in session:
+                    yield session_response(out, session)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:
+            await self._abort_failed(context, request_id, e)
+        finally:
+            feeder.cancel()
+
+    async def Pause(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            await self.async_llm.pause(request.mode or "all")
+        except ValueError as e:
+            context.set_trailing_metadata(((INVALID_PARAM_KEY, "mode"),))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TimeoutError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        return self._pause_response()
+
+    async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            await self.async_llm.resume()
+        except TimeoutError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        return self._pause_response()
+
+    async def ReloadWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not request.model:
+            context.set_trailing_metadata(((INVALID_PARAM_KEY, "model"),))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model (the checkpoint to load) is required")
+        try:
+            await self.async_llm.reload_weights(request.model)
+        except ValueError as e:
+            context.set_trailing_metadata(((INVALID_PARAM_KEY, "model"),))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TimeoutError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except RuntimeError as e:  # not paused with mode all
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return pb.ReloadWeightsResponse()
+
+    async def IsPaused(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return self._pause_response()
+
+    def _pause_response(self) -> Any:
+        return pb.PauseResponse(paused=self.async_llm.is_paused(), engines=self.async_llm.pause_states())
+
     async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return pb.HealthResponse(status=pb.SERVING if self.async_llm.is_healthy() else pb.NOT_SERVING)
 
@@ -317,6 +386,38 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return json_format.ParseDict(status, pb.RequestStatusResponse())
 
 
+async def feed_session(session: Session, request_iterator: Any) -> None:
+    """Hands a session the chunks and the close of its request stream; a refused chunk fails
+    the session (its stream raises the ``ValueError``)."""
+    try:
+        async for msg in request_iterator:
+            kind = msg.WhichOneof("kind")
+            if kind == "chunk":
+                chunk = msg.chunk
+                which = chunk.WhichOneof("input")
+                if which is None:
+                    raise ValueError("a chunk needs its input: set `text` or `token_ids`")
+                prompt = chunk.text if which == "text" else list(chunk.token_ids.ids)
+                await session.send(prompt, chunk.max_tokens, last=chunk.last)
+            elif kind == "close":
+                await session.close()
+            else:
+                raise ValueError(f"a session takes `open` once, then `chunk` or `close`; got {kind or 'nothing'}")
+        await session.close()  # no more input can come
+    except ValueError as e:
+        session.fail(e)
+
+
+def session_response(out: SessionOutput, session: Session) -> Any:
+    response = pb.SessionResponse(request_id=out.request_id, segment=out.segment, token_ids=out.token_ids,
+                                  text=out.text, segment_ended=out.segment_ended,
+                                  finish_reason=out.finish_reason or "")
+    if out.finished:
+        response.usage.CopyFrom(pb.Usage(prompt_tokens=session.num_input_tokens,
+                                         completion_tokens=session.num_output_tokens))
+    return response
+
+
 class _NotFound(ValueError):
     """The request names a model this frontend does not serve."""
 
@@ -339,14 +440,21 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
             yield  # an async generator, as a server-streaming handler must be
 
+        async def deny_bidi(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+            yield
+
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny_unary)
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
+        self._deny_bidi = grpc.stream_stream_rpc_method_handler(deny_bidi)
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 handler_call_details: Any) -> Any:
         method = handler_call_details.method
         if method.endswith("/Health") or self._authorized(handler_call_details.invocation_metadata or ()):
             return await continuation(handler_call_details)
+        if method.endswith("/GenerateSession"):
+            return self._deny_bidi
         return self._deny_stream if method.endswith("/Generate") else self._deny_unary
 
     def _authorized(self, metadata: Any) -> bool:

@@ -107,6 +107,12 @@ def _engine_extras(msg: Any, engine: Mapping[str, Any]) -> None:
     _process_proto(msg, engine.get("process"))
 
 
+def _set_session_fields(msg: Any, engine: Mapping[str, Any]) -> None:
+    """The pause state (S13) and the sessions waiting for input (S15): per engine only."""
+    msg.pause_state = engine.get("pause_state") or "unpaused"
+    msg.num_requests_waiting_for_streaming_input = int(engine.get("num_waiting_for_streaming_input") or 0)
+
+
 def _requests_by_engine(msg: Any, stats: Mapping[str, Any], latencies: LatencyHistograms) -> None:
     """The per-engine request stats: AsyncLLM's and the gRPC server's latencies, merged."""
     theirs: Mapping[int, EngineRequestMetrics] = stats.get("requests_by_engine") or {}
@@ -144,6 +150,7 @@ def stats_to_proto(stats: Mapping[str, Any], latencies: LatencyHistograms) -> An
         if not engine.get("healthy", True):
             entry.dead, entry.dead_reason = True, engine.get("dead_reason") or ""
         _engine_extras(entry, engine)
+        _set_session_fields(entry, engine)
     for reason, count in (stats.get("admission_rejections_total") or {}).items():
         msg.admission_rejections_total[reason] = int(count)
     if stats.get("admission_queued_tokens_limit") is not None:

@@ -11,7 +11,8 @@ only once the frontend has sent its first chunk, so a rejection (which comes bef
 chunk) is still a 503, never an error inside a 200 stream. When the client goes away,
 the gRPC call is cancelled and the frontend aborts the request in the engine.
 
-``--api-key`` guards ``/v1/*`` and ``/debug/*``; ``/health`` and ``/metrics`` stay open for
+``--api-key`` guards ``/v1/*`` (the ``/v1/sessions`` WebSocket included, ``gateway.sessions``),
+``/debug/*`` and ``/pause``, ``/resume``, ``/is_paused``, ``/reload_weights`` (``gateway.pause``); ``/health`` and ``/metrics`` stay open for
 probes and scrapers, as in vLLM. The gateway sends the same key to the frontends
 (metadata ``authorization: Bearer <key>``), whose gRPC ports require it too.
 
@@ -54,11 +55,12 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastsched.frontend.admission import ENGINE_FAULTED
 from fastsched.gateway import metrics as gateway_metrics
+from fastsched.gateway import pause
 from fastsched.gateway.http_protocol import guarded_h11_protocol
 from fastsched.gateway.lora_admin import LoRAAdmin
 from fastsched.gateway.openai_protocol import (
@@ -69,6 +71,7 @@ from fastsched.gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
+from fastsched.gateway.sessions import session_websocket
 from fastsched.gateway.tokenize import detokenize, tokenize
 from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits
 from fastsched.proto_gen import import_stubs
@@ -696,6 +699,11 @@ def create_app(
         Route("/version", gateway.version, methods=["GET"]),
         Route("/ping", gateway.ping, methods=["GET", "POST"]),
         Route("/debug/requests/{request_id}", gateway.request_status, methods=["GET"]),
+        Route("/pause", pause.pause, methods=["POST"]),
+        Route("/resume", pause.resume, methods=["POST"]),
+        Route("/is_paused", pause.is_paused, methods=["GET"]),
+        Route("/reload_weights", pause.reload_weights, methods=["POST"]),
+        WebSocketRoute("/v1/sessions", session_websocket),
     ]
     handlers = {ApiError: _api_error, LimitError: _limit_error, HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,

@@ -160,6 +160,7 @@ def metric_families(stats: Sequence[Any], model_name: str = "", own_process: boo
     families.extend(_gate_families(engines, m))
     families.append(_prefill_throughput_family(engines, m))
     families.extend(_kv_connector_families(engines, m))
+    families.extend(_session_families(engines, m))
     families.extend(_process_families(stats, engines, own_process))
     return families
 
@@ -279,6 +280,23 @@ def _prefill_throughput_family(engines: Sequence[Any], m: str) -> Metric:
         if e.HasField("prefill_tokens_per_s"):
             throughput.add_metric([m, str(e.engine_index)], e.prefill_tokens_per_s)
     return throughput
+
+
+def _session_families(engines: Sequence[Any], m: str) -> list[Metric]:
+    """S13's pause (one series per engine and mode, 1 for the mode in force) and S15's
+    sessions holding their slot while they wait for input."""
+    paused = GaugeMetricFamily(PREFIX + "engine_paused",
+                               "1 while the engine is paused in this mode (new: no admissions; all: nothing runs).",
+                               labels=["model_name", "engine", "mode"])
+    waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting_for_streaming_input",
+                                "Streaming-input sessions holding their slot and KV while they wait for input.",
+                                labels=["model_name", "engine"])
+    for e in engines:
+        engine = str(e.engine_index)
+        for mode in ("new", "all"):
+            paused.add_metric([m, engine, mode], 1.0 if e.pause_state == f"paused_{mode}" else 0.0)
+        waiting.add_metric([m, engine], e.num_requests_waiting_for_streaming_input)
+    return [paused, waiting]
 
 
 def _gate_families(engines: Sequence[Any], m: str) -> list[Metric]:

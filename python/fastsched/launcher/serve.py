@@ -102,6 +102,7 @@ class ServeConfig:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     ttft_slo: float | None = None  # seconds; the TTFT-SLO valve (frontend.admission)
+    session_idle_timeout: float | None = None  # seconds a streaming session may wait for input (S15)
     enable_fault_tolerance: bool = False
     max_engine_restarts: int = 3  # with enable_fault_tolerance, per engine over the server's life
     api_key: str | None = None
@@ -125,8 +126,10 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
-        if self.ttft_slo is not None and not 0 < self.ttft_slo < float("inf"):
-            raise ValueError(f"ttft_slo must be a positive number of seconds, got {self.ttft_slo}")
+        for name in ("ttft_slo", "session_idle_timeout"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         for name in ("engine_timeout", "ready_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -353,7 +356,7 @@ class Launcher:
         self.tokenizer_dir = self._export_tokenizer()
         admission = {"max_num_queued_reqs": c.max_num_queued_reqs, "max_num_queued_tokens": c.max_num_queued_tokens,
                      "fault_tolerance": c.enable_fault_tolerance, "ttft_slo": c.ttft_slo,
-                     "num_frontends": c.api_server_count}
+                     "num_frontends": c.api_server_count, "session_idle_timeout": c.session_idle_timeout}
         engine_pids = [e.proc.pid for e in self.engines]
         for k, (addr, port) in enumerate(zip(frontend_outputs, self.grpc_ports)):
             ours_ready, theirs_ready = _ready_pipe()

@@ -311,6 +311,11 @@ impl PyScheduler {
         Ok(())
     }
 
+    /// Drops the prefix cache (after a weight reload); requests keep their blocks.
+    fn reset_prefix_cache(&mut self) {
+        self.inner.reset_prefix_cache();
+    }
+
     #[pyo3(signature = (request_id, token_ids, max_tokens, is_last = false))]
     fn add_stream_input(
         &mut self,

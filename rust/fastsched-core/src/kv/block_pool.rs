@@ -104,6 +104,15 @@ impl BlockPool {
         }
     }
 
+    /// Forgets every block's cached content (new weights make it stale):
+    /// index entries go stale as on eviction, and blocks in use keep their
+    /// KV but are never a prefix hit again.
+    pub fn reset_prefix_cache(&mut self) {
+        for block in self.blocks.iter_mut() {
+            block.evict();
+        }
+    }
+
     /// A prefix hit takes its blocks: free ones leave the free queue.
     pub fn touch(&mut self, blocks: &[u32]) {
         for &b in blocks {

@@ -296,6 +296,12 @@ impl Scheduler {
         self.pause
     }
 
+    /// Drops the prefix cache (S8), e.g. after a weight reload: no block
+    /// computed so far is a prefix hit again. Requests keep their blocks.
+    pub fn reset_prefix_cache(&mut self) {
+        self.kv.pool.reset_prefix_cache();
+    }
+
     // ----------------------------------------------------------------- requests
 
     /// Adds a request to the waiting queue. A prompt that can never run

@@ -429,6 +429,33 @@ fn s8_duplicate_prompt_hits_whole_blocks_capped_below_num_tokens() {
 }
 
 #[test]
+fn s8_reset_prefix_cache_makes_every_block_a_miss_and_keeps_requests_going() {
+    let mut s = sched(64);
+    let p: Vec<u32> = (10..18).collect(); // 2 full blocks
+    s.add_request(NewRequest::new("done", p.clone(), 1))
+        .unwrap();
+    s.add_request(NewRequest::new("running", (30..38).collect(), 8))
+        .unwrap();
+    step(&mut s);
+    s.reset_prefix_cache();
+    s.add_request(NewRequest::new("again", p.clone(), 1))
+        .unwrap();
+    s.add_request(NewRequest::new("same", (30..38).collect(), 1))
+        .unwrap();
+    let (out, _) = step(&mut s);
+    assert_eq!(
+        names(&s, &out.req_handles),
+        vec!["running", "again", "same"]
+    );
+    assert_eq!(
+        out.num_cached_tokens,
+        vec![0, 0, 0],
+        "no hit on blocks cached before the reset"
+    );
+    s.check_invariants().unwrap();
+}
+
+#[test]
 fn s8_cached_blocks_of_finished_requests_stay_until_evicted_lru() {
     let mut s = sched(6);
     let p: Vec<u32> = (10..18).collect();
@@ -764,6 +791,33 @@ fn s15_streaming_session_keeps_its_slot_and_the_counter_pairs() {
         vec![FinishReason::Length as u8],
         "last segment ends it"
     );
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn s15_a_token_scheduled_ahead_past_a_segment_end_is_dropped() {
+    let mut s = sched_with(64, |c| c.max_model_len = 64);
+    s.set_async_scheduling(true);
+    let h = add_with(&mut s, "sess", 5, 1, |r| r.streaming = true);
+    add(&mut s, "other", 4, 20);
+    let o0 = s.schedule(); // prefill both; the session samples its one token
+    let o1 = s.schedule(); // scheduled ahead: the session again, on a placeholder
+    assert!(o1.req_handles.contains(&h));
+    let res = s.update_from_output(&outputs_for(&s, &o0)).unwrap();
+    assert!(res.segment_ended.contains(&true));
+    let tokens = s.request(h).unwrap().num_tokens();
+    let res = s.update_from_output(&outputs_for(&s, &o1)).unwrap();
+    assert!(
+        !res.handles.contains(&h),
+        "nothing reported for the session"
+    );
+    assert_eq!(
+        s.request(h).unwrap().num_tokens(),
+        tokens,
+        "its stale token is dropped"
+    );
+    assert_eq!(s.progress(h).unwrap().num_output_placeholders, 0);
+    assert_eq!(s.num_waiting_for_streaming_input(), 1);
     s.check_invariants().unwrap();
 }
 

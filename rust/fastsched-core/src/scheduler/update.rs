@@ -107,6 +107,11 @@ impl Scheduler {
             if row.samples && p.num_output_placeholders > 0 {
                 p.num_output_placeholders -= 1;
             }
+            if req.status == RequestStatus::WaitingForStreamingReq {
+                // S15: its segment ended while this step, scheduled ahead
+                // (async), was in flight: the token lies past the stop.
+                continue;
+            }
             let sampled = sampled(j);
             let num_spec = row.num_spec as usize;
             if num_spec > 0 && p.num_computed_tokens > 0 && !sampled.is_empty() {

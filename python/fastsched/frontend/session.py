@@ -1,0 +1,231 @@
+"""Streaming-input sessions (docs/design.md S15) as a frontend sees them.
+
+A session is one engine request opened with ``streaming=True``: its prompt is the first
+chunk of input, and each later chunk (``Session.send``) adds a *segment*, the chunk and
+up to ``max_tokens`` generated tokens. Between segments the engine keeps the session's
+KV blocks and runner slot (it counts toward ``max_num_seqs``, and toward the active-seqs
+gate of S6 while it waits, docs/scheduler.md Difference 8), so the next chunk is
+prefilled on top of everything before it instead of from scratch: a realtime client
+(speech, a game, an agent's tool results) sends input as it comes and pays only for
+the new tokens.
+
+``Session`` is what ``AsyncLLM.session()`` returns: ``send`` / ``close`` on one side,
+``async for out in session`` on the other, yielding :class:`SessionOutput` deltas
+that never straddle a segment boundary. A session left waiting for input longer than
+the frontend's ``session_idle_timeout`` is aborted (its slot and KV freed); so is one
+whose consumer goes away (``aclose``, leaving ``async with``, dropping it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fastsched.inputs import PromptType, TokenizedText
+from fastsched.model_loader import Tokenizer
+from fastsched.outputs import RequestOutput
+
+__all__ = ["Session", "SessionOutput", "SessionState", "chunk_token_ids"]
+
+
+def chunk_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """A chunk's token ids: a text continues the session, so no special tokens (BOS) are added.
+    ``ValueError`` for an empty chunk or a token id outside the vocabulary."""
+    if isinstance(prompt, TokenizedText):
+        prompt = prompt.text
+    if isinstance(prompt, str):
+        token_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        token_ids = [int(t) for t in prompt]
+    if not token_ids:
+        raise ValueError("a session chunk must contain at least one token")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"chunk token id {bad} is out of range for a vocabulary of {vocab_size}")
+    return token_ids
+
+
+@dataclass
+class SessionState:
+    """What a frontend keeps of a session beside its request's state."""
+
+    # Tokens the session may hold once every chunk sent is served: prompt, chunks, and each
+    # segment's max_tokens (an upper bound of what it generates).
+    max_tokens_reached: int
+    num_input_tokens: int  # the prompt and every chunk sent
+    num_chunks: int = 1  # the opening prompt included
+    closing: bool = False  # close() or a last chunk was sent: no more input
+    # (output tokens, text length) at each segment end, in order.
+    segment_ends: list[tuple[int, int]] = field(default_factory=list)
+    idle_timer: asyncio.TimerHandle | None = None  # --session-idle-timeout, while it waits for input
+
+    def charge(self, request_id: str, num_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        """Counts a chunk in, or raises ``ValueError`` naming the values if it could reach
+        ``max_model_len`` (which the engine would refuse, S15 / Difference 7)."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        total = self.max_tokens_reached + num_tokens + max_tokens
+        if total >= max_model_len:
+            raise ValueError(
+                f"session {request_id!r}: this chunk ({num_tokens} tokens) plus max_tokens ({max_tokens}) could "
+                f"grow the session to {total} tokens, which reaches max_model_len ({max_model_len})")
+        self.max_tokens_reached = total
+        self.num_input_tokens += num_tokens
+        self.num_chunks += 1
+
+    def waits_for_input(self) -> bool:
+        """Whether every chunk sent has been served and no close is on its way."""
+        return not self.closing and len(self.segment_ends) >= self.num_chunks
+
+    def stop_idle_timer(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+
+
+class _SessionRequest(Protocol):
+    """The part of AsyncLLM's per-request state a session reads."""
+
+    request_id: str
+    engine_index: int
+    parent: RequestOutput
+    queue: asyncio.Queue[BaseException | None]
+    done: bool
+    session: SessionState | None
+
+
+class _SessionHost(Protocol):
+    """What a session asks of its AsyncLLM."""
+
+    def _send_stream_input(self, state: _SessionRequest, prompt: PromptType, max_tokens: int,
+                           last: bool) -> None: ...
+    def _close_session(self, state: _SessionRequest) -> None: ...
+    def _drop(self, state: _SessionRequest) -> None: ...
+
+
+@dataclass(frozen=True)
+class SessionOutput:
+    """What a session produced since the previous output, within one segment."""
+
+    request_id: str
+    segment: int  # the chunk this generation answers: 0 = the opening prompt
+    token_ids: list[int]
+    text: str
+    segment_ended: bool  # the segment's generation is complete; the session waits for input
+    finish_reason: str | None  # the session ended: stop, length or abort
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Session:
+    """An open streaming-input session (see the module docstring)."""
+
+    def __init__(self, llm: _SessionHost, state: _SessionRequest) -> None:
+        self._llm = llm
+        self._state = state
+        self._segment = 0
+        self._sent_tokens = 0  # output tokens already yielded
+        self._sent_text = 0
+        self._closed = False  # nothing more will be yielded
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    @property
+    def engine_index(self) -> int:
+        return self._state.engine_index
+
+    async def send(self, prompt: PromptType, max_tokens: int, *, last: bool = False) -> None:
+        """The next chunk: text or token ids, then up to ``max_tokens`` generated tokens. Queued
+        by the engine if the previous segment is still generating. ``last`` ends the session
+        after this segment. ``ValueError`` (naming the value) for an empty chunk, ``max_tokens < 1``,
+        input that would reach ``max_model_len``, or a session that has ended or was closed."""
+        self._llm._send_stream_input(self._state, prompt, max_tokens, last)
+
+    @property
+    def num_input_tokens(self) -> int:
+        """The prompt and every chunk sent, in tokens."""
+        assert self._state.session is not None
+        return self._state.session.num_input_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._state.parent.outputs[0].token_ids)
+
+    def fail(self, error: BaseException) -> None:
+        """Aborts the session in the engine; iterating raises ``error``."""
+        if not self._state.done:
+            self._llm._drop(self._state)
+            self._state.queue.put_nowait(error)
+
+    async def close(self) -> None:
+        """Ends the session once the chunks already sent are served; iteration then ends
+        with ``finish_reason`` set."""
+        self._llm._close_session(self._state)
+
+    async def aclose(self) -> None:
+        """Stops listening; aborts the session in the engine (its slot and KV are freed at once)."""
+        self._close()
+
+    def __aiter__(self) -> Session:
+        return self
+
+    async def __anext__(self) -> SessionOutput:
+        state = self._state
+        while True:
+            if self._closed:
+                raise StopAsyncIteration
+            out = self._next_output()
+            if out is not None:
+                if out.finished:
+                    self._closed = True
+                return out
+            try:
+                item = await state.queue.get()
+            except BaseException:  # cancelled: the consumer is gone, so is the session
+                self._close()
+                raise
+            if item is not None:
+                self._closed = True
+                raise item
+
+    def _next_output(self) -> SessionOutput | None:
+        """The delta up to the next unseen segment end, else up to now; None when nothing is new."""
+        state = self._state
+        completion = state.parent.outputs[0]
+        assert state.session is not None
+        segment_ends = state.session.segment_ends
+        ended = self._segment < len(segment_ends)
+        tokens, text = segment_ends[self._segment] if ended else (len(completion.token_ids),
+                                                                         len(completion.text))
+        finish = None if ended else completion.finish_reason
+        if not ended and finish is None and tokens == self._sent_tokens:
+            return None
+        out = SessionOutput(state.request_id, self._segment, completion.token_ids[self._sent_tokens:tokens],
+                            completion.text[self._sent_text:text], ended, finish)
+        self._sent_tokens, self._sent_text = tokens, text
+        if ended:
+            self._segment += 1
+        return out
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._llm._drop(self._state)
+
+    def __del__(self) -> None:
+        if not self._closed:
+            try:
+                self._close()
+            except Exception:
+                pass

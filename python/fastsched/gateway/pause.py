@@ -1,0 +1,104 @@
+"""``POST /pause?mode=new|all``, ``POST /resume``, ``GET /is_paused`` and ``POST /reload_weights``
+(S13), behind ``--api-key``.
+
+Each asks every frontend (gRPC ``Pause`` / ``Resume`` / ``IsPaused``), and each frontend
+every engine, so one call pauses the whole server, D engines included; a frontend answers
+once its engines have confirmed the state, so a 200 means the pause is in force. ``new``:
+running requests finish, waiting ones stay queued; ``all``: nothing is scheduled and
+running requests keep their KV (an RL trainer swapping weights between rollouts).
+Requests are still admitted while paused (and count toward ``max_num_queued_reqs``);
+``/health`` stays 200. The answer: ``{"is_paused": bool, "engines": {index: state}}``.
+
+``POST /reload_weights`` with ``{"path": checkpoint}`` loads new weights into every engine
+(a checkpoint of the served architecture, a path the engines can read) and drops their prefix
+caches, whose KV the new weights make stale: the RL loop is pause (all), reload, resume. It is
+a 409 unless the server is paused with mode ``all``, a 400 when the weights do not fit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from fastsched.engine.protocol import PAUSE_MODES
+from fastsched.gateway.openai_protocol import ApiError, bad_request
+from fastsched.proto_gen import import_stubs
+
+pb, pb_grpc = import_stubs()
+
+_CALL_TIMEOUT_S = 10.0  # longer than a frontend's wait for its engines (engine_timeout, 5 s by default)
+_RELOAD_TIMEOUT_S = 660.0  # longer than a frontend's wait for a reload (AsyncLLM.reload_weights, 600 s)
+
+
+async def pause(request: Request) -> Response:
+    mode = request.query_params.get("mode", "all")
+    if mode not in PAUSE_MODES:
+        raise bad_request(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
+    return await _call_all(request, "Pause", pb.PauseRequest(mode=mode))
+
+
+async def resume(request: Request) -> Response:
+    return await _call_all(request, "Resume", pb.ResumeRequest())
+
+
+async def is_paused(request: Request) -> Response:
+    return await _call_all(request, "IsPaused", pb.IsPausedRequest())
+
+
+async def reload_weights(request: Request) -> Response:
+    """``{"path": checkpoint}``: new weights on every engine, only while paused with mode all (else 409)."""
+    gateway = request.app.state.gateway
+    gateway._check_api_key(request)
+    body, _ = await gateway._read_json(request)
+    model = body.get("path")
+    if not isinstance(model, str) or not model:
+        raise bad_request("path must name the checkpoint to load (a path the engines can read)", "path")
+    pool = gateway.pool
+    await pool.start()
+    replies = await asyncio.gather(
+        *(f.stub.ReloadWeights(pb.ReloadWeightsRequest(model=model), timeout=_RELOAD_TIMEOUT_S,
+                               metadata=pool.metadata) for f in pool.frontends),
+        return_exceptions=True,
+    )
+    for reply in replies:
+        if isinstance(reply, grpc.aio.AioRpcError):
+            if reply.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise ApiError(409, f"{reply.details()}; POST /pause?mode=all first", type="conflict_error",
+                               code="not_paused")
+            if reply.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise bad_request(reply.details() or "the weights cannot be loaded", "path")
+        if isinstance(reply, BaseException):
+            raise ApiError(503, f"ReloadWeights failed: {_describe(reply)}", type="service_unavailable",
+                           code="frontend_unavailable", headers={"Retry-After": str(gateway.retry_after_s)})
+    return JSONResponse({"reloaded": True, "path": model})
+
+
+async def _call_all(request: Request, rpc: str, message: Any) -> Response:
+    """``rpc`` on every frontend; 503 naming the frontends that could not do it."""
+    gateway = request.app.state.gateway
+    gateway._check_api_key(request)
+    pool = gateway.pool
+    await pool.start()
+    replies = await asyncio.gather(
+        *(getattr(f.stub, rpc)(message, timeout=_CALL_TIMEOUT_S, metadata=pool.metadata) for f in pool.frontends),
+        return_exceptions=True,
+    )
+    failed = {f.address: _describe(r) for f, r in zip(pool.frontends, replies) if isinstance(r, BaseException)}
+    if failed:
+        raise ApiError(503, f"{rpc} failed on frontend(s): {failed}", type="service_unavailable",
+                       code="frontend_unavailable", headers={"Retry-After": str(gateway.retry_after_s)})
+    engines: dict[str, str] = {}
+    for reply in replies:
+        engines.update({str(index): state for index, state in reply.engines.items()})
+    return JSONResponse({"is_paused": any(r.paused for r in replies),
+                         "engines": dict(sorted(engines.items(), key=lambda kv: int(kv[0])))})
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"

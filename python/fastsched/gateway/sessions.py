@@ -1,0 +1,187 @@
+"""``/v1/sessions``: streaming-input sessions (S15) over a WebSocket, behind ``--api-key``.
+
+One WebSocket is one session, carried to a frontend as one gRPC ``GenerateSession`` call.
+The client sends JSON messages:
+
+- ``{"type": "open", "prompt": text or token ids, "max_tokens": n, ...}`` first, with any
+  sampling parameter of the gRPC ``SamplingParams`` (``temperature``, ``seed``, ...) and
+  optionally ``request_id`` and ``priority``;
+- ``{"type": "chunk", "prompt": ..., "max_tokens": n, "last": false}`` for each next chunk;
+- ``{"type": "close"}`` to end the session once its chunks are served.
+
+The server sends ``{"type": "output", "request_id", "segment", "text", "token_ids",
+"segment_ended", "finish_reason"}`` as tokens come (``usage`` on the last one), and on an
+error ``{"type": "error", "error": {...}}`` in OpenAI's shape before closing the socket
+(code 1008 for a request that can never succeed, 1013 for a 503, 1011 otherwise). A
+client that disconnects ends the session at once: its slot and KV are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from fastsched.gateway.openai_protocol import ApiError, bad_request
+from fastsched.proto_gen import import_stubs
+from fastsched.rpc import INVALID_PARAM_KEY, REJECTION_REASON_KEY
+
+pb, pb_grpc = import_stubs()
+
+_OPEN_FIELDS = frozenset({"type", "prompt", "request_id", "priority"})
+_CHUNK_FIELDS = frozenset({"type", "prompt", "max_tokens", "last"})
+_CLOSE_POLICY, _CLOSE_TRY_AGAIN, _CLOSE_INTERNAL = 1008, 1013, 1011
+
+
+async def session_websocket(websocket: WebSocket) -> None:
+    gateway = websocket.app.state.gateway
+    if not _authorized(websocket, gateway.api_key):
+        await websocket.close(code=_CLOSE_POLICY, reason="Invalid or missing API key: send Authorization: Bearer")
+        return
+    await websocket.accept()
+    pool = gateway.pool
+    await pool.start()
+    frontend = pool._order()[0]
+    call = None
+    try:
+        opening = open_request(await _receive(websocket))
+        call = frontend.stub.GenerateSession(metadata=pool.metadata)
+        frontend.outstanding += 1
+        await call.write(opening)
+        feeder = asyncio.create_task(_feed(websocket, call))
+        try:
+            async for response in call:
+                await websocket.send_json(_output(response))
+        except asyncio.CancelledError:
+            if not call.cancelled():
+                raise
+            return  # the feeder ended the call: the client left, or was told why
+        finally:
+            feeder.cancel()
+        await websocket.close()
+    except ApiError as e:
+        await _fail(websocket, e)
+    except grpc.aio.AioRpcError as e:
+        await _fail(websocket, _api_error(e, gateway.retry_after_s))
+    except WebSocketDisconnect:
+        pass  # the client left: cancelling the call aborts the session
+    finally:
+        if call is not None:
+            call.cancel()
+            frontend.outstanding -= 1
+
+
+def open_request(message: dict[str, Any]) -> Any:
+    """The ``open`` message as a ``SessionRequest``; ``ApiError`` 400 naming a bad field."""
+    if message.get("type") != "open":
+        raise bad_request("a session's first message must be {\"type\": \"open\", ...}", "type")
+    request = pb.GenerateRequest(request_id=_field(message, "request_id", str, ""),
+                                 priority=_field(message, "priority", int, 0))
+    _set_prompt(request, message.get("prompt"))
+    params = {k: v for k, v in message.items() if k not in _OPEN_FIELDS}
+    try:
+        json_format.ParseDict(params, request.sampling_params)
+    except json_format.ParseError as e:
+        raise bad_request(f"invalid sampling parameters: {e}", None) from None
+    return pb.SessionRequest(open=request)
+
+
+def chunk_request(message: dict[str, Any]) -> Any:
+    """A ``chunk`` or ``close`` message as a ``SessionRequest``; ``ApiError`` 400 otherwise."""
+    kind = message.get("type")
+    if kind == "close":
+        return pb.SessionRequest(close=True)
+    if kind != "chunk":
+        raise bad_request(f"type must be chunk or close after open, got {kind!r}", "type")
+    unknown = sorted(set(message) - _CHUNK_FIELDS)
+    if unknown:
+        raise bad_request(f"unknown chunk fields: {', '.join(unknown)}", unknown[0])
+    chunk = pb.SessionChunk(max_tokens=_field(message, "max_tokens", int, 16), last=_field(message, "last", bool, False))
+    _set_prompt(chunk, message.get("prompt"))
+    return pb.SessionRequest(chunk=chunk)
+
+
+def _set_prompt(msg: Any, prompt: Any) -> None:
+    if isinstance(prompt, str):
+        msg.text = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        msg.token_ids.ids.extend(prompt)
+    else:
+        raise bad_request("prompt must be a string or an array of token ids", "prompt")
+
+
+def _field(message: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = message.get(name, default)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise bad_request(f"{name} must be of type {kind.__name__}, got {value!r}", name)
+    return value
+
+
+async def _feed(websocket: WebSocket, call: Any) -> None:
+    """The client's chunks into the call. A malformed message or a disconnect ends the call."""
+    try:
+        while True:
+            await call.write(chunk_request(await _receive(websocket)))
+    except ApiError as e:
+        await _fail(websocket, e)
+        call.cancel()
+    except (WebSocketDisconnect, RuntimeError):
+        call.cancel()  # gone: the frontend aborts the session at once
+    except grpc.aio.AioRpcError:
+        pass  # the call ended; its error reaches the reading side
+
+
+async def _receive(websocket: WebSocket) -> dict[str, Any]:
+    text = await websocket.receive_text()
+    try:
+        message = json.loads(text)
+    except ValueError as e:
+        raise bad_request(f"a session message must be a JSON object: {e}", None) from None
+    if not isinstance(message, dict):
+        raise bad_request("a session message must be a JSON object", None)
+    return message
+
+
+def _output(response: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "type": "output", "request_id": response.request_id, "segment": response.segment, "text": response.text,
+        "token_ids": list(response.token_ids), "segment_ended": response.segment_ended,
+        "finish_reason": response.finish_reason or None,
+    }
+    if response.HasField("usage"):
+        out["usage"] = {"prompt_tokens": response.usage.prompt_tokens,
+                        "completion_tokens": response.usage.completion_tokens}
+    return out
+
+
+def _api_error(error: grpc.aio.AioRpcError, retry_after_s: int) -> ApiError:
+    metadata = {k: v for k, v in (error.trailing_metadata() or ()) if isinstance(v, str)}
+    code = error.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return bad_request(error.details() or "invalid session request", metadata.get(INVALID_PARAM_KEY))
+    if code == grpc.StatusCode.UNAVAILABLE:
+        reason = metadata.get(REJECTION_REASON_KEY, "frontend_unavailable")
+        return ApiError(503, f"The server cannot take this session now: {reason}", type="service_unavailable",
+                        code=reason, headers={"Retry-After": str(retry_after_s)})
+    return ApiError(500, f"The session failed: {error.details()}", type="internal_error")
+
+
+async def _fail(websocket: WebSocket, error: ApiError) -> None:
+    code = _CLOSE_POLICY if error.status < 500 else _CLOSE_TRY_AGAIN if error.status == 503 else _CLOSE_INTERNAL
+    try:
+        await websocket.send_json({"type": "error", **error.body()})
+        await websocket.close(code=code, reason=error.message[:120])
+    except (WebSocketDisconnect, RuntimeError):
+        pass  # already gone or closed
+
+
+def _authorized(websocket: WebSocket, api_key: str | None) -> bool:
+    if api_key is None:
+        return True
+    scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
