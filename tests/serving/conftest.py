@@ -13,11 +13,8 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-import multiprocessing  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from multiprocessing.process import BaseProcess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -26,6 +23,8 @@ try:
     import fastsched  # noqa: F401  (installed, e.g. by maturin develop)
 except ImportError:  # running from a bare checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+
+from engine_stack import Engines, ipc_dir, launch, teardown  # noqa: E402
 
 from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
 
@@ -46,46 +45,6 @@ def engine_config(tiny_model_dir: Path) -> dict:
         "kv_cache_memory": KV_CACHE_MEMORY,
         "log_stats_interval": 0.0,
     }
-
-
-@dataclass
-class Engines:
-    """D engine processes, each pushing to the same F frontend output addresses."""
-
-    input_addrs: list[str]
-    output_addrs: list[str]
-    procs: list[BaseProcess]
-
-
-def ipc_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    path = tmp_path_factory.mktemp(name)
-    # A unix socket path is limited to ~107 bytes.
-    assert len(str(path)) < 80, f"ipc directory path too long for unix sockets: {path}"
-    return path
-
-
-def launch(engine_config: dict, directory: Path, num_engines: int, num_frontends: int) -> Engines:
-    from fastsched.engine.engine_proc import start_engine_process  # needs pyzmq: imported by the tests that use it
-
-    inputs = [f"ipc://{directory}/engine{i}.in" for i in range(num_engines)]
-    outputs = [f"ipc://{directory}/frontend{i}.out" for i in range(num_frontends)]
-    procs = [
-        start_engine_process(engine_config, i, inputs[i], outputs, torch_num_threads=1, heartbeat_interval=0.5)
-        for i in range(num_engines)
-    ]
-    return Engines(inputs, outputs, procs)
-
-
-def teardown(engines: Engines, expect_clean_exit: bool = False) -> None:
-    from fastsched.engine.engine_proc import stop_engine_processes
-
-    codes = stop_engine_processes(engines.procs, timeout=10.0)
-    if expect_clean_exit:
-        assert codes == [0] * len(codes), f"engine processes exited with {codes} on SIGTERM"
-    for proc in engines.procs:
-        assert not proc.is_alive(), f"engine process {proc.pid} outlived its test"
-    alive = [p for p in multiprocessing.active_children() if p in engines.procs]
-    assert not alive, f"orphan engine processes: {alive}"
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ from fastsched.limits import LimitError  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
-    from conftest import Engines
+    from engine_stack import Engines
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = ["def main():\n    return", "The quick brown fox", "import os\nimport sys\n", "class Queue:"]

@@ -28,7 +28,7 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirement
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed (requirements.txt)")
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
-from conftest import ipc_dir, launch, teardown  # noqa: E402
+from engine_stack import ipc_dir, launch, teardown  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from loop_thread import LoopThread, free_port, wait_for  # noqa: E402

@@ -27,7 +27,7 @@ from fastsched.sampling_params import SamplingParams  # noqa: E402
 from fastsched.tools.metrics_snapshot import parse_metrics  # noqa: E402
 
 if TYPE_CHECKING:
-    from conftest import Engines
+    from engine_stack import Engines
 
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 MODEL = "tiny"

@@ -27,7 +27,7 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirement
 pytest.importorskip("starlette", reason="starlette is not installed (requirements-serve.txt)")
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
-from conftest import ipc_dir, launch, teardown  # noqa: E402
+from engine_stack import ipc_dir, launch, teardown  # noqa: E402
 from loop_thread import LoopThread, free_port  # noqa: E402
 
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402

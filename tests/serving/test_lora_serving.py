@@ -16,7 +16,7 @@ pytest.importorskip("grpc", reason="grpcio is not installed (requirements-serve.
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirements-serve.txt)")
 pytest.importorskip("starlette", reason="starlette is not installed (requirements-serve.txt)")
 
-from conftest import ipc_dir, launch, teardown  # noqa: E402
+from engine_stack import ipc_dir, launch, teardown  # noqa: E402
 from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
 
 from fastsched import LLM, SamplingParams  # noqa: E402

@@ -25,7 +25,7 @@ pytest.importorskip("grpc", reason="grpcio is not installed (requirements-serve.
 pytest.importorskip("starlette", reason="starlette is not installed (requirements-serve.txt)")
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (requirements-serve.txt)")
 
-from conftest import ipc_dir, launch, teardown  # noqa: E402
+from engine_stack import ipc_dir, launch, teardown  # noqa: E402
 from loop_thread import LoopThread, free_port  # noqa: E402
 
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402

@@ -20,7 +20,7 @@ from fastsched.gateway.metrics import render  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
-    from conftest import Engines
+    from engine_stack import Engines
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

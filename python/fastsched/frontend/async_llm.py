@@ -423,18 +423,20 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Session:
         """Opens a streaming-input session (S15; ``fastsched.frontend.session``): ``prompt`` is its
         first chunk and ``params.max_tokens`` that chunk's generation. Admitted like a request
         (it counts as one request in flight until it ends), with the same errors as
         :meth:`generate`; ``ValueError`` also for ``n > 1`` or stop strings, which a session
-        does not support."""
+        does not support. ``lora_request``: the adapter the session runs with, as for :meth:`generate`."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"a session generates one completion: n must be 1, got {params.n}")
         if params.stop:
             raise ValueError("stop strings are not supported in a session: stop must be empty")
-        return Session(self, self._admit(request_id, prompt, params, priority, streaming=True))
+        return Session(self, self._admit(request_id, prompt, params, priority, streaming=True,
+                                         lora_request=lora_request))
 
     def generate(
         self,

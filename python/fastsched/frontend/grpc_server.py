@@ -276,8 +276,8 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session's first message must be `open`")
         request_id = first.open.request_id or f"session-{uuid.uuid4().hex}"
         try:
-            prompt, params = self._parse(first.open)
-            session = self.async_llm.session(request_id, prompt, params, first.open.priority)
+            prompt, params, lora = self._parse(first.open)
+            session = self.async_llm.session(request_id, prompt, params, first.open.priority, lora_request=lora)
         except AdmissionError as e:
             await self._abort_unavailable(context, e.reason)
         except ValueError as e:
