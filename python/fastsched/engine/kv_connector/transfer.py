@@ -20,6 +20,7 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -94,7 +95,7 @@ class KVTransfer:
             n = len(load.blocks)
             if not self._scheduler.finish_kv_load(load.handle, load.load_id, n) or not n:
                 continue  # aborted meanwhile (its blocks may be someone else's now), or nothing loaded
-            copy = self._ordered(lambda ids=load.block_ids[:n], blocks=load.blocks: self._runner.write_blocks(ids, blocks))
+            copy = self._ordered(partial(self._runner.write_blocks, load.block_ids[:n], load.blocks))
             if copy is not None:
                 self._copies.append(copy)
 
