@@ -40,7 +40,7 @@ from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
 from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector, store_identity
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
-from fastsched.engine.protocol import EngineCoreRequest, OutputBatch, select_csr
+from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, OutputBatch, select_csr
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.inputs import check_prompt
@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 KIND_NEW = 1  # SchedulerOutput.kinds: scheduled for the first time
 FINISH_STOP = 1
 FINISH_IGNORED = 4
+PAUSE_MODES = ("new", "all")  # EngineCore.pause: paused_new / paused_all (S13)
 
 
 class _RequestColumns:
@@ -160,6 +161,7 @@ class EngineCore:
         self._num_final_only = 0  # live final-only requests: while there are none, no row is filtered
         self._row_states: dict[int, RowState] = {}  # live handle -> what the runner needs when it takes a row
         self._handles: dict[str, int] = {}
+        self.pause_state = "unpaused"  # S13, as last set
         self.stats = StatsLogger(config.log_stats_interval)
         self.step_tracer = StepTracer(config.step_trace) if config.step_trace else None  # --step-trace
         self.prefill_meter = PrefillThroughputMeter()  # read by the TTFT-SLO valve (--ttft-slo)
@@ -208,6 +210,7 @@ class EngineCore:
             ignore_eos=params.ignore_eos,
             priority=request.priority,
             arrival_time=request.arrival_time,
+            streaming=request.streaming,
         )
         c = self._columns
         c.ensure(handle)
@@ -237,6 +240,55 @@ class EngineCore:
         for request_id in request_ids:
             if self.scheduler.abort_request(request_id) is not None:
                 self._handles.pop(request_id, None)
+
+    def add_stream_input(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
+                         is_last: bool = False) -> None:
+        """S15: a streaming session's next segment: ``token_ids`` then up to ``max_tokens``
+        generated tokens. ``ValueError`` naming the value for a token id outside the vocabulary,
+        an empty input, or input the scheduler refuses (not an open session, growth past
+        ``max_model_len``); ``KeyError`` for an id the engine does not hold."""
+        if not token_ids:
+            raise ValueError(f"session {request_id!r}: stream input must hold at least one token")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"session {request_id!r}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        self.scheduler.add_stream_input(request_id, token_ids, max_tokens, is_last)
+        handle = self._handles[request_id]
+        c = self._columns
+        c.max_tokens[handle] = c.num_sampled[handle] + max_tokens
+
+    def client_of(self, request_id: str) -> int | None:
+        """The frontend a live request came from (``add_request``'s ``client``), else None."""
+        handle = self._handles.get(request_id)
+        return None if handle is None else int(self._columns.client[handle])
+
+    def close_stream(self, request_id: str) -> EngineCoreOutput | None:
+        """S15: ends a session once its input is served; unknown or finished ids are ignored.
+        A session waiting for input ends at once, which no step reports: its final output
+        (finish reason ``stop``, no tokens) is returned instead. A session still generating
+        ends with its segment, in that step's outputs."""
+        handle = self.scheduler.handle_of(request_id)
+        if handle is None:
+            return None
+        waiting = self.scheduler.request_info(handle)["status"] == "waiting_for_streaming_req"
+        self.scheduler.close_stream(request_id)
+        return EngineCoreOutput(request_id, [], "stop") if waiting else None
+
+    def pause(self, mode: str) -> None:
+        """S13: ``"new"`` lets running requests finish and admits nobody; ``"all"`` schedules
+        nothing, every request keeping its place and KV. ``ValueError`` for another mode."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self.set_pause_state(f"paused_{mode}")
+
+    def resume(self) -> None:
+        """S13: schedules again from where the pause stopped."""
+        self.set_pause_state("unpaused")
+
+    def set_pause_state(self, state: str) -> None:
+        """The scheduler's pause state (``unpaused``, ``paused_new``, ``paused_all``)."""
+        self.scheduler.set_pause_state(state)
+        self.pause_state = state
 
     def request_times(self, request_id: str) -> tuple[float, float | None, float | None] | None:
         """(arrival, first scheduled, first token) wall-clock times of a request the engine
@@ -289,6 +341,8 @@ class EngineCore:
         """Whether a request will still run after the last step in flight: scheduling
         the next step now would otherwise be a forward pass whose every token is dropped
         (it only knows which requests finish by EOS or a stop token once their tokens land)."""
+        if not self.scheduler.has_requests():  # paused (S13): nothing may be scheduled
+            return False
         live = self.scheduler.num_running + self.scheduler.num_waiting
         return live > self._in_flight[-1].num_ending
 
@@ -395,6 +449,7 @@ class EngineCore:
         tokens = eco.token_ids
         reasons = eco.finish_reasons
         cached = eco.num_cached_tokens
+        segment_ended = eco.segment_ended
         c = self._columns
         if self._num_final_only and len(handles):
             # Final-only requests show up only when they finish.
@@ -403,6 +458,7 @@ class EngineCore:
                 rows = np.flatnonzero(keep)
                 offsets, tokens = select_csr(offsets, tokens, rows)
                 handles, reasons, cached = handles[rows], reasons[rows], cached[rows]
+                segment_ended = segment_ended[rows]
         n = len(handles)
         if not n:
             return OutputBatch.empty()
@@ -415,6 +471,8 @@ class EngineCore:
             first_token=np.zeros(n, dtype=bool),
             clients=c.client[handles],
         )
+        if np.count_nonzero(segment_ended):
+            batch.segment_ends = set(np.flatnonzero(segment_ended).tolist())
         watch = c.watch[handles]
         if np.count_nonzero(watch):
             self._collect_watched(batch, handles, np.flatnonzero(watch), cached, step, result)
