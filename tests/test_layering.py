@@ -20,7 +20,7 @@ LAYERS = [
      "kv_transfer", "config"),
     ("kernels", "sample"),
     ("attention",),
-    ("models",),
+    ("models", "lora"),
     ("model_loader",),
     ("worker",),
     ("engine", "inputs"),

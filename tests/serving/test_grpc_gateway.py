@@ -129,6 +129,7 @@ class FakeAsyncLLM:
         self.aborts: list[str] = []
         self.rejections: Counter[str] = Counter()
         self.finished = 0
+        self.loras = None  # serves no LoRA adapters
 
     def reset(self) -> None:
         self.reject, self.fail, self.healthy, self.token_delay = None, None, True, 0.0
@@ -137,7 +138,7 @@ class FakeAsyncLLM:
         return prompt
 
     def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 priority: int = 0) -> FakeStream:
+                 priority: int = 0, lora_request: None = None) -> FakeStream:
         prompt_ids = self._admit(request_id, prompt, params, priority)
         return FakeStream(self._stream(request_id, prompt, prompt_ids, params))
 
@@ -823,11 +824,8 @@ def test_stream_with_n_sends_one_choice_per_chunk(servers: Servers) -> None:
 
 
 @pytest.mark.parametrize(("path", "field", "value"), [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "guided_json", {"type": "object"}),
-    ("/v1/chat/completions", "continue_final_message", True),
-    ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": False}),
-    ("/v1/completions", "structured_outputs", {"regex": "a+"}),
+    ("/v1/chat/completions", "chat_template", "{{ messages }}"),
+    ("/v1/completions", "guided_decoding_backend", "xgrammar"),
     ("/v1/completions", "frobnicate", 1),
 ])
 def test_errors_a_field_the_server_does_not_implement_is_400_naming_it(http: httpx.Client, path: str, field: str,

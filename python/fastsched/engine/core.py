@@ -43,7 +43,9 @@ from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_token
 from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, OutputBatch, select_csr
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
+from fastsched.engine.structured_outputs import StructuredOutputs
 from fastsched.inputs import check_prompt
+from fastsched.lora.slots import LoRAManager
 from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.generation_defaults import load_generation_defaults
 from fastsched.model_loader.weights import load_model
@@ -81,6 +83,7 @@ class _RequestColumns:
         self.arrival_time = np.zeros(size, dtype=np.float64)
         self.first_scheduled_time = np.full(size, math.nan)
         self.first_token_time = np.full(size, math.nan)
+        self.lora_id = np.zeros(size, dtype=np.int64)  # 0: the base model
 
     def ensure(self, handle: int) -> None:
         """Grows every column (doubling) so that ``handle`` indexes it."""
@@ -126,6 +129,11 @@ class EngineCore:
         if device.type == "cuda" and config.num_gpu_blocks is None:
             peak = profile_peak_bytes(model, backend, config, dtype, device, self.max_model_len)
         num_blocks = determine_num_blocks(config, self.model_config, dtype, device, self.max_model_len, peak)
+        self.lora = None
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                    max_cpu_loras=config.lora_cpu_capacity, device=device, dtype=dtype,
+                                    kernel="triton" if device.type == "cuda" else "torch")
         self.scheduler = _core.Scheduler(config.scheduler_config(self.max_model_len, num_blocks))
         self.runner = ModelRunner(
             model,
@@ -137,6 +145,7 @@ class EngineCore:
             device=device,
             dtype=dtype,
             seed=config.seed,
+            lora=self.lora,
         )
         self.scheduler.set_async_scheduling(config.async_scheduling)
         # One worker thread runs the forward passes in order (async scheduling); the
@@ -149,7 +158,8 @@ class EngineCore:
         self._last_step_end = 0.0  # perf_counter() when the last step was collected
         self._last_step_end_wall = 0.0
         # The tokenizer may add an end-of-turn id (GGUF chat models) to the model's EOS ids.
-        tokenizer_eos = load_tokenizer(config.tokenizer or config.model).eos_token_ids
+        tokenizer = load_tokenizer(config.tokenizer or config.model)
+        tokenizer_eos = tokenizer.eos_token_ids
         self.sampling_defaults = load_generation_defaults(config.model, config.generation_config)
         if self.sampling_defaults:
             logger.info("sampling defaults from the model's generation config (--generation-config %s): %s",
@@ -157,6 +167,7 @@ class EngineCore:
         self.eos_token_ids = tuple(dict.fromkeys((*self.model_config.eos_token_ids, *tokenizer_eos)))
         self._eos_set = frozenset(self.eos_token_ids)
         self.vocab_size = self.model_config.vocab_size
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
         self._columns = _RequestColumns()
         self._num_final_only = 0  # live final-only requests: while there are none, no row is filtered
         self._row_states: dict[int, RowState] = {}  # live handle -> what the runner needs when it takes a row
@@ -196,9 +207,18 @@ class EngineCore:
         check_prompt(request.prompt_token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
         if request.request_id in self._handles:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        eos = None if params.ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
+        grammar = None
+        if params.structured_outputs is not None:
+            if request.streaming:
+                # Input arriving between segments would go past the matcher, which sees outputs only.
+                raise ValueError("structured_outputs cannot be used by a streaming-input session")
+            grammar = self.structured.compile(params.structured_outputs)
+        # A constrained request ends where its grammar does, by the EOS the grammar then forces.
+        ignore_eos = params.ignore_eos and grammar is None
+        eos = None if ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
+        lora_id = self._lora_id(request)
         stop_ids = list(params.stop_token_ids or [])
-        if not params.ignore_eos:
+        if not ignore_eos:
             stop_ids += [t for t in self.eos_token_ids[1:] if t not in stop_ids]
         handle = self.scheduler.add_request(
             request.request_id,
@@ -207,9 +227,10 @@ class EngineCore:
             min_tokens=params.min_tokens,
             eos_token_id=eos,
             stop_token_ids=stop_ids,
-            ignore_eos=params.ignore_eos,
+            ignore_eos=ignore_eos,
             priority=request.priority,
             arrival_time=request.arrival_time,
+            lora_id=lora_id,
             streaming=request.streaming,
         )
         c = self._columns
@@ -226,13 +247,36 @@ class EngineCore:
         c.cached_reported[handle] = False
         c.arrival_time[handle] = request.arrival_time
         c.first_scheduled_time[handle] = c.first_token_time[handle] = math.nan
+        c.lora_id[handle] = lora_id or 0
         generator = make_generator(params.seed, self.runner.device) if params.seed is not None else None
-        eos_ids = () if params.ignore_eos else self.eos_token_ids
+        eos_ids = () if ignore_eos else self.eos_token_ids
         self._row_states[handle] = RowState(params, n, eos_ids, generator)
         self._handles[request.request_id] = handle
+        if grammar is not None:
+            self.structured.add(handle, grammar)
         self.stats.on_arrival(n)
         if self.kv_transfer is not None:
             self.kv_transfer.on_add(handle)
+
+    def _lora_id(self, request: EngineCoreRequest) -> int | None:
+        """The scheduler's id of the request's adapter (S7, S8), registered (and read from
+        disk) the first time it is seen; None for the base model."""
+        lora = request.lora_request
+        if lora is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"request {request.request_id!r} names LoRA adapter {lora.name!r} but the engine was "
+                             "started without enable_lora")
+        self.lora.register(lora)
+        return lora.id
+
+    def lora_adapters_of(self, handles: Sequence[int]) -> list[str]:
+        """The names of the adapters the requests ``handles`` use, sorted (vLLM's
+        lora_requests_info labels)."""
+        if self.lora is None or not len(handles):
+            return []
+        ids = np.unique(self._columns.lora_id[np.asarray(handles, dtype=np.int64)])
+        return sorted(self.lora.name_of(int(i)) for i in ids if i > 0)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Frees the requests' blocks at once (S18); unknown or finished ids are ignored.
@@ -353,7 +397,7 @@ class EngineCore:
             self.kv_transfer.before_schedule()
         so = self.scheduler.schedule()
         try:
-            step = self._prepare(so, launched, launched_wall)
+            step = self._prepare(so, launched, launched_wall, first_in_flight=not self._in_flight)
             if self.kv_transfer is not None:
                 step.saves = self.kv_transfer.after_schedule()
                 if step.saves is not None and self._executor is not None:
@@ -367,9 +411,11 @@ class EngineCore:
             raise
         self._in_flight.append(step)
 
-    def _prepare(self, so: _core.SchedulerOutput, launched: float, launched_wall: float) -> _Step:
+    def _prepare(self, so: _core.SchedulerOutput, launched: float, launched_wall: float,
+                 first_in_flight: bool) -> _Step:
         backlogged = self.scheduler.num_waiting > 0
         c = self._columns
+        self.structured.remove(so.finished)
         for h in so.finished.tolist():
             # Reported finished (or aborted): the handle may be reused after this step.
             if self._row_states.pop(h, None) is not None:
@@ -380,6 +426,10 @@ class EngineCore:
         if np.count_nonzero(so.kinds):
             c.first_scheduled_time[so.req_handles[so.kinds == KIND_NEW]] = launched_wall
         prepared = self.runner.prepare(so, self.scheduler.token_ids, self._row_states.__getitem__)
+        # Its token bitmask needs the tokens of the step before it: now, or once that one is collected.
+        prepared.bitmask = self.structured.step_bitmask(prepared.sampled_handles, fill_now=first_in_flight)
+        if self.lora is not None and len(so):
+            prepared.lora = self.lora.plan(c.lora_id[so.req_handles], so.num_scheduled_tokens)
         future = None
         num_ending = 0
         if self._executor is not None:
@@ -404,6 +454,8 @@ class EngineCore:
             self.kv_transfer.save(step.saves)
         eco = self.scheduler.update_from_tokens(result.tokens)
         self.runner.write_sampled(step.prepared, result)
+        following = self._in_flight[0].prepared if self._in_flight else None
+        self.structured.advance(eco, following.bitmask if following is not None else None)
         outputs = self._collect(eco, step, result)
         self.stats.on_step(len(eco.token_ids), self.scheduler.stats)
         so = step.so
@@ -429,6 +481,9 @@ class EngineCore:
         steps = list(self._in_flight)
         self._in_flight.clear()
         for s in steps:
+            if s.prepared is not None and s.prepared.bitmask is not None:
+                s.prepared.bitmask.abandon()
+        for s in steps:
             if s.future is not None:
                 try:
                     s.future.result()  # let the worker finish before the next step is run
@@ -440,6 +495,8 @@ class EngineCore:
             self.scheduler.update_from_tokens(np.full(len(s.so), -1, dtype=np.int64))
             if s.prepared is not None:
                 self.runner.abandon(s.prepared)
+        if self.lora is not None:
+            self.lora.forget_slots()  # a failed step may have planned copies it never made
 
     def _collect(self, eco: _core.EngineCoreOutputs, step: _Step, result: StepResult) -> OutputBatch:
         """The step's outputs as an OutputBatch, from the scheduler's arrays: numpy over all

@@ -14,6 +14,7 @@ from pathlib import Path
 from fastsched.config import add_engine_args, engine_kwargs
 from fastsched.frontend.cli_args import add_admission_limit_args
 from fastsched.limits import add_request_limit_args, request_limits
+from fastsched.lora.request import TARGET_MODULES
 from fastsched.units import parse_count
 
 API_KEY_ENV = "FASTSCHED_API_KEY"  # as vLLM's VLLM_API_KEY: a key kept out of argv (/proc/PID/cmdline)
@@ -76,8 +77,18 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_tiny_lora(args: argparse.Namespace) -> int:
+    from fastsched.tools.tiny_lora import make_tiny_lora
+
+    path = make_tiny_lora(args.base_dir, args.out_dir, rank=args.rank, seed=args.seed,
+                          target_modules=args.target_modules)
+    print(f"wrote a random rank-{args.rank} LoRA adapter (PEFT format) for {args.base_dir} to {path}")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from fastsched.launcher.serve import ServeConfig, ServeError, serve
+    from fastsched.model_loader.tokenizer import resolve_chat_template
 
     config = ServeConfig(
         engine_config=engine_kwargs(args),
@@ -98,6 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_timeout=args.engine_timeout,
         ready_timeout=args.ready_timeout,
         served_model_name=args.served_model_name,
+        chat_template=resolve_chat_template(args.chat_template) if args.chat_template is not None else None,
         torch_num_threads=args.torch_num_threads,
         access_log=not args.disable_access_log,
         enable_log_requests=args.enable_log_requests,
@@ -145,6 +157,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) clients may send; responses and /v1/models use the first "
                         "(default: the checkpoint's directory or file name)")
+    n.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
+                   help="the Jinja chat template that renders chat requests (a file, or the template itself) "
+                        "instead of the checkpoint's")
     n.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
     n.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request when a frontend admits it (prompt, parameters) and when it ends")
@@ -265,6 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", help="directory to write")
     tiny.add_argument("--seed", type=int, default=0, help="weights and tokenizer seed")
     tiny.set_defaults(func=cmd_make_tiny_model)
+
+    tiny_lora = sub.add_parser("make-tiny-lora", help="write a random LoRA adapter (PEFT format) for a checkpoint",
+                               description="Write a seeded random LoRA adapter in PEFT's format "
+                                           "(adapter_config.json + adapter_model.safetensors) for the HF "
+                                           "checkpoint in BASE_DIR; both halves are random, so it changes outputs.")
+    tiny_lora.add_argument("base_dir", help="the base model's HF directory")
+    tiny_lora.add_argument("out_dir", help="directory to write")
+    tiny_lora.add_argument("--rank", type=int, default=8, help="LoRA rank r")
+    tiny_lora.add_argument("--seed", type=int, default=0, help="weights seed")
+    tiny_lora.add_argument("--target-modules", nargs="+", default=list(TARGET_MODULES), choices=TARGET_MODULES,
+                           help="projections to adapt")
+    tiny_lora.set_defaults(func=cmd_make_tiny_lora)
 
     version = sub.add_parser("version", help="print the version", description="Print the version.")
     version.set_defaults(func=cmd_version)

@@ -20,8 +20,10 @@ import torch
 
 from fastsched._core import SchedulerOutput
 from fastsched.attention import AttentionBackend, AttentionMetadata
+from fastsched.lora.slots import LoRAManager, LoRAMapping
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, to_device
+from fastsched.structured.bitmask import StepBitmask
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,9 @@ class PreparedStep:
     # ... and the same tokens for the penalties' histories: sampling row, previous index.
     penalty_rows: np.ndarray
     penalty_src: np.ndarray
+    # Structured outputs: the constrained rows' token bitmask, set by the engine after prepare().
+    bitmask: StepBitmask | None = None
+    lora: LoRAMapping | None = None  # the step's adapters (the engine plans them); None: base model only
 
 
 @dataclass
@@ -111,8 +116,10 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.config: ModelConfig = model.config
         self.backend = backend
         self.device = device
@@ -267,7 +274,8 @@ class ModelRunner:
             max_seq_len=step.max_seq_len,
         )
         self.backend.prepare(metadata)
-        hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend)
+        lora = None if step.lora is None or self.lora is None else self.lora.activate(step.lora)
+        hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend, lora)
         if step.sampling is None:
             return ExecutedStep(step, None, None, None)
         sampling = step.sampling if dev.type == "cpu" else step.sampling.to(dev)
@@ -276,6 +284,8 @@ class ModelRunner:
         if step.logits_indices is not None:
             hidden = hidden[on_device(step.logits_indices.astype(np.int64))]
         logits = self.model.compute_logits(hidden).float()
+        if step.bitmask is not None:
+            step.bitmask.apply(logits)
         out = self.sampler(logits, sampling)
         self._last_sampled = out.sampled_token_ids
         if dev.type == "cpu":
