@@ -77,9 +77,12 @@ class KVTransfer:
     def stats(self) -> dict[str, float]:
         return self.connector.stats.as_dict()
 
-    def on_add(self, handle: int) -> None:
-        """Tells the scheduler how much of the new request's prompt the store holds."""
-        if not self.config.is_consumer:
+    def on_add(self, handle: int, lora_id: int | None) -> None:
+        """Tells the scheduler how much of the new request's prompt the store holds. Requests
+        with a LoRA adapter do not use the store (the scheduler does not list their blocks for
+        saving either): their block hashes chain from the adapter's numeric id, which another
+        engine, or this one after a restart, may give to another adapter."""
+        if not self.config.is_consumer or lora_id is not None:
             return
         num_blocks = self.connector.lookup(self._scheduler.block_hashes(handle))
         if num_blocks:
