@@ -95,8 +95,8 @@ def test_s7_two_live_engines_share_a_prefix_through_the_store(tiny_model_dir, ra
     assert b.kv_transfer.stats["blocks_loaded"] == 3  # the shared 48-token system prompt
 
 
-def generate_one(core: EngineCore, prompt: list[int]) -> list[int]:
-    core.add_request(EngineCoreRequest("r", prompt, greedy()))
+def generate_one(core: EngineCore, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    core.add_request(EngineCoreRequest("r", prompt, greedy(max_tokens)))
     tokens: list[int] = []
     while core.has_unfinished_requests():
         tokens += [t for out in core.step() for t in out.new_token_ids]
@@ -172,3 +172,20 @@ def test_s7_a_request_aborted_while_loading_leaves_its_load_unused(tiny_model_di
         core.step()
     core.shutdown()
     assert core.scheduler.num_free_blocks == core.scheduler.config.num_gpu_blocks - 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_s7_blocks_filled_by_generated_tokens_are_saved_with_their_kv(
+    tiny_model_dir, random_prompt, greedy_reference, tmp_path, async_scheduling: bool
+) -> None:
+    """The conversation's next turn (prompt + answer + more) loads the block the answer
+    completed: its KV is the one the decode steps wrote, whatever step saved it."""
+    prompt = random_prompt(43, seed=7)  # 2 full blocks; answer tokens 43..47 fill the third
+    first = make_core(tiny_model_dir, tmp_path, async_scheduling)
+    answer = generate_one(first, prompt, max_tokens=10)
+    first.shutdown()
+    assert first.kv_transfer.stats["blocks_saved"] == 3
+    follow_up = prompt + answer + random_prompt(5, seed=8)
+    second = make_core(tiny_model_dir, tmp_path, async_scheduling)
+    assert generate_one(second, follow_up) == greedy_reference([follow_up], [MAX_TOKENS])[0]
+    assert second.kv_transfer.stats["blocks_loaded"] == 3

@@ -261,7 +261,7 @@ class EngineCore:
             self.structured.add(handle, grammar)
         self.stats.on_arrival(n)
         if self.kv_transfer is not None:
-            self.kv_transfer.on_add(handle)
+            self.kv_transfer.on_add(handle, lora_id)
 
     def _lora_id(self, request: EngineCoreRequest) -> int | None:
         """The scheduler's id of the request's adapter (S7, S8), registered (and read from

@@ -96,8 +96,10 @@ class SharedStorageConnector(KVConnector):
                     if isinstance(e, CorruptBlockError):
                         path.unlink(missing_ok=True)  # so that the recomputed block is saved again
                     break
+        except Exception:
+            logger.exception("reading KV blocks failed; the rest of the load is computed")
         finally:
-            # Even a bug in a read reports the load (as failed), or its request would wait forever.
+            # Whatever happened, the load is reported (short), or its request would wait forever.
             seconds = time.perf_counter() - start
             shape = (len(blocks), *self.identity.block_shape)
             data = torch.stack(blocks) if blocks else torch.empty(shape, dtype=self.identity.torch_dtype)

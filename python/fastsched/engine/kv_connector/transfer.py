@@ -20,6 +20,7 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -76,9 +77,12 @@ class KVTransfer:
     def stats(self) -> dict[str, float]:
         return self.connector.stats.as_dict()
 
-    def on_add(self, handle: int) -> None:
-        """Tells the scheduler how much of the new request's prompt the store holds."""
-        if not self.config.is_consumer:
+    def on_add(self, handle: int, lora_id: int | None) -> None:
+        """Tells the scheduler how much of the new request's prompt the store holds. Requests
+        with a LoRA adapter do not use the store (the scheduler does not list their blocks for
+        saving either): their block hashes chain from the adapter's numeric id, which another
+        engine, or this one after a restart, may give to another adapter."""
+        if not self.config.is_consumer or lora_id is not None:
             return
         num_blocks = self.connector.lookup(self._scheduler.block_hashes(handle))
         if num_blocks:
@@ -94,7 +98,7 @@ class KVTransfer:
             n = len(load.blocks)
             if not self._scheduler.finish_kv_load(load.handle, load.load_id, n) or not n:
                 continue  # aborted meanwhile (its blocks may be someone else's now), or nothing loaded
-            copy = self._ordered(lambda ids=load.block_ids[:n], blocks=load.blocks: self._runner.write_blocks(ids, blocks))
+            copy = self._ordered(partial(self._runner.write_blocks, load.block_ids[:n], load.blocks))
             if copy is not None:
                 self._copies.append(copy)
 

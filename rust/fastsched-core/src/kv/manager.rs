@@ -70,8 +70,10 @@ pub struct KvCacheManager {
     counts: Vec<BlockCounts>,
     pub stats: PrefixCacheStats,
     scratch: Vec<u32>,
-    /// When set, every block `cache_blocks` registers, with its hash: the
-    /// full blocks a KV connector may save.
+    /// When set, every block `cache_blocks` registers for a base-model
+    /// request, with its hash: the full blocks a KV connector may save.
+    /// Adapter blocks are left out: their hashes chain from the adapter's
+    /// numeric id, which another engine may give to another adapter.
     recorded: Option<Vec<(u32, u64)>>,
 }
 
@@ -352,7 +354,7 @@ impl KvCacheManager {
                 parent,
                 &req.token_ids[i * bs..(i + 1) * bs],
             );
-            if let Some(recorded) = self.recorded.as_mut() {
+            if let Some(recorded) = self.recorded.as_mut().filter(|_| req.lora_id.is_none()) {
                 recorded.push((block, req.block_hashes[i]));
             }
         }

@@ -1874,6 +1874,21 @@ fn engine_connector_lists_each_newly_full_block_once_for_saving() {
 }
 
 #[test]
+fn engine_connector_never_lists_adapter_blocks_for_saving() {
+    let mut s = sched_with(64, |c| c.max_loras = 1);
+    s.use_engine_connector();
+    add_with(&mut s, "lora", 9, 4, |r| r.lora_id = Some(1));
+    let base = add(&mut s, "base", 9, 4);
+    step(&mut s);
+    let hashes = s.request(base).unwrap().block_hashes.clone();
+    let blocks = s.blocks_of(base).to_vec();
+    assert_eq!(
+        s.take_cached_blocks(),
+        vec![(blocks[0], hashes[0]), (blocks[1], hashes[1])]
+    );
+}
+
+#[test]
 fn engine_connector_calls_without_one_name_it() {
     let mut s = sched(64);
     let h = add(&mut s, "a", 9, 4);
