@@ -16,11 +16,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastsched"
 # Lowest first. A module may import its own layer and those below it. The root package
 # (``fastsched/__init__.py``) is above everything: it only loads the offline API lazily.
 LAYERS = [
-    ("_core", "sampling_params", "limits", "outputs", "proto_gen", "rpc", "units", "structured", "process_stats", "config"),
+    ("_core", "sampling_params", "limits", "outputs", "proto_gen", "rpc", "units", "structured", "process_stats",
+     "speculative_config", "config"),
     ("kernels", "sample"),
     ("attention",),
     ("models",),
     ("model_loader",),
+    ("spec_decode",),
     ("worker",),
     ("engine", "inputs"),
     ("frontend",),

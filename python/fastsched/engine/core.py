@@ -48,6 +48,7 @@ from fastsched.model_loader.generation_defaults import load_generation_defaults
 from fastsched.model_loader.weights import load_model
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, make_generator
+from fastsched.spec_decode import SpecDecodingCounters, build_proposer, draft_rows
 from fastsched.worker.input_batch import RowState
 from fastsched.worker.kv_sizing import determine_num_blocks, profile_peak_bytes
 from fastsched.worker.model_runner import ExecutedStep, ModelRunner, PreparedStep, StepResult
@@ -124,6 +125,17 @@ class EngineCore:
             peak = profile_peak_bytes(model, backend, config, dtype, device, self.max_model_len)
         num_blocks = determine_num_blocks(config, self.model_config, dtype, device, self.max_model_len, peak)
         self.scheduler = _core.Scheduler(config.scheduler_config(self.max_model_len, num_blocks))
+        spec = config.speculative_config
+        self.proposer = None if spec is None else build_proposer(
+            spec, self.model_config, backend, block_size=config.block_size, max_model_len=self.max_model_len,
+            device=device, dtype=dtype)
+        self.spec_counters = None if spec is None else SpecDecodingCounters(spec.num_speculative_tokens)
+        # Drafts are proposed from the tokens a step accepts, so the next step cannot be
+        # scheduled before they are known (docs/scheduler.md, "Speculative decoding in the engine").
+        async_scheduling = config.async_scheduling and spec is None
+        if spec is not None:
+            logger.info("speculative decoding: %s, %d tokens per step%s", spec.method, spec.num_speculative_tokens,
+                        "; async scheduling is off" if config.async_scheduling else "")
         self.runner = ModelRunner(
             model,
             backend,
@@ -135,11 +147,11 @@ class EngineCore:
             dtype=dtype,
             seed=config.seed,
         )
-        self.scheduler.set_async_scheduling(config.async_scheduling)
+        self.scheduler.set_async_scheduling(async_scheduling)
         # One worker thread runs the forward passes in order (async scheduling); the
         # host prepares the next step meanwhile.
         self._executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="fastsched-forward") if config.async_scheduling else None
+            ThreadPoolExecutor(1, thread_name_prefix="fastsched-forward") if async_scheduling else None
         )
         self._in_flight: deque[_Step] = deque()
         self._last_step_end = 0.0  # perf_counter() when the last step was collected
@@ -157,7 +169,7 @@ class EngineCore:
         self._num_final_only = 0  # live final-only requests: while there are none, no row is filtered
         self._row_states: dict[int, RowState] = {}  # live handle -> what the runner needs when it takes a row
         self._handles: dict[str, int] = {}
-        self.stats = StatsLogger(config.log_stats_interval)
+        self.stats = StatsLogger(config.log_stats_interval, spec=self.spec_counters)
         self.step_tracer = StepTracer(config.step_trace) if config.step_trace else None  # --step-trace
         self.prefill_meter = PrefillThroughputMeter()  # read by the TTFT-SLO valve (--ttft-slo)
         sc = self.scheduler.config
@@ -319,8 +331,11 @@ class EngineCore:
             self._abandon_in_flight()
             raise
         self._in_flight.popleft()
-        eco = self.scheduler.update_from_tokens(result.tokens)
-        self.runner.write_sampled(step.prepared, result)
+        if self.proposer is None:
+            eco = self.scheduler.update_from_tokens(result.tokens)
+            self.runner.write_sampled(step.prepared, result)
+        else:
+            eco = self._update_speculative(step, result)
         outputs = self._collect(eco, step, result)
         self.stats.on_step(len(eco.token_ids), self.scheduler.stats)
         so = step.so
@@ -337,6 +352,28 @@ class EngineCore:
             self.step_tracer.on_step(StepShape.of(so, prompt_lens), start, end_wall)
         self._last_step_end, self._last_step_end_wall = end, end_wall
         return outputs
+
+    def _update_speculative(self, step: _Step, result: StepResult) -> _core.EngineCoreOutputs:
+        """Speculative decoding: the step's tokens (accepted drafts and the target's own) and
+        the drafts for the next step, proposed from the sequences those tokens extend.
+        Requests that ask for logprobs get no drafts (one token, one logprobs entry per step)."""
+        so, prepared = step.so, step.prepared
+        assert prepared is not None
+        tokens, offsets = result.tokens, result.token_offsets
+        if offsets is None:  # nothing verified: at most one token per request
+            got = tokens >= 0
+            offsets = np.zeros(len(so) + 1, dtype=np.int64)
+            np.cumsum(got, out=offsets[1:])
+            tokens = tokens[got]
+        self.runner.write_sampled(prepared, result)
+        if prepared.spec is not None and self.spec_counters is not None and result.num_accepted is not None:
+            self.spec_counters.observe(prepared.spec.num_real_drafts, result.num_accepted)
+        positions = result.sampled_positions
+        positions = positions[self._columns.logprobs[so.req_handles[positions]] < 0]
+        drafts = self.proposer.propose(self.runner.token_sequences(so.req_handles[positions]))
+        draft_offsets, draft_ids = draft_rows(len(so), positions, drafts)
+        return self.scheduler.update_from_output(offsets.astype(np.uint32), tokens.astype(np.uint32),
+                                                 draft_offsets, draft_ids)
 
     def _abandon_in_flight(self) -> None:
         """A step failed (a runner error, Ctrl-C): its KV and that of the step after it
