@@ -215,7 +215,8 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Iterable[str] = ()
             for alias in meta["aliases"]:  # an older spelling of the off switch
                 group.add_argument(alias, action="store_false", dest=f.name, help=f"same as --no-{flag[2:]}")
             continue
-        kwargs.setdefault("type", _TYPES[f.type.removesuffix(" | None")])
+        if "type" not in kwargs:
+            kwargs["type"] = _TYPES[f.type.removesuffix(" | None")]
         group.add_argument(flag, *meta["aliases"], **kwargs)
 
 

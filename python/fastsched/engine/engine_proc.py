@@ -326,7 +326,16 @@ class _EngineLoop:
             prefill_tokens_per_s=self.core.prefill_meter.tokens_per_s,
             iteration_tokens=list(counters.iteration_tokens),
             iteration_tokens_sum=counters.iteration_tokens_sum,
+            **self._spec_decode_stats(),
         )
+
+    def _spec_decode_stats(self) -> dict[str, object]:
+        spec = self.core.spec_counters
+        if spec is None:
+            return {}
+        return dict(spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos))
 
     def send(self, frontend: int, data: bytes) -> None:
         """Never blocks: a frontend that stopped reading (gone, or stuck) must not stall
