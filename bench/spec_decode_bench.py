@@ -7,8 +7,12 @@ finds its drafts. The tiny random model gets raw token ids, prompts that repeat 
 phrase, and ignores EOS. Every request is greedy, so each configuration produces the same
 tokens (checked) and only the time differs.
 
-    PYTHONPATH=python python bench/spec_decode_bench.py --model default --num-requests 8 --max-tokens 96
-    PYTHONPATH=python python bench/spec_decode_bench.py --model tiny --num-requests 16 --max-tokens 128
+    PYTHONPATH=python python bench/spec_decode_bench.py --model default --num-requests 1 --max-tokens 256 --repeat 3
+    PYTHONPATH=python python bench/spec_decode_bench.py --model tiny --num-requests 16 --max-tokens 128 --repeat 3
+
+Each configuration keeps its engine; the timed runs go round the configurations ``--repeat``
+times (so a burst of load on a shared machine hits them alike) and the median is reported.
+Without drafts the engine runs with async scheduling (the default); with drafts it cannot.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -46,25 +51,28 @@ def prompts_for(llm: LLM, model: str, n: int) -> list:
     return [llm.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
 
 
-def run(model_path: str | None, spec: dict | None, model: str, num_requests: int, max_tokens: int) -> dict:
-    llm = LLM(model=model_path, log_stats_interval=0, speculative_config=spec, async_scheduling=spec is None)
-    prompts = prompts_for(llm, model, num_requests)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=model == "tiny")
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+def timed_run(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, int, list[list[int]]]:
+    """(seconds, engine steps, output tokens) of one generate call over every prompt."""
     steps_before = llm.engine.scheduler.stats()["num_steps"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    row = {"spec": spec.get("method", "draft_model") if spec else "none", "k": spec["num_speculative_tokens"] if spec else 0,
-           "tokens": tokens, "seconds": round(elapsed, 2), "tokens_per_s": round(tokens / elapsed, 1),
-           "steps": llm.engine.scheduler.stats()["num_steps"] - steps_before,
-           "outputs": [o.outputs[0].token_ids for o in outputs]}
+    return elapsed, llm.engine.scheduler.stats()["num_steps"] - steps_before, [o.outputs[0].token_ids for o in outputs]
+
+
+def summary(spec: dict | None, llm: LLM, times: list[float], steps: int, outputs: list[list[int]],
+            repeat: int) -> dict:
+    tokens = sum(len(t) for t in outputs)
+    seconds = statistics.median(times)
+    row = {"spec": spec.get("method", "draft_model") if spec else "none",
+           "k": spec["num_speculative_tokens"] if spec else 0, "tokens": tokens, "steps": steps,
+           "tokens_per_step": round(tokens / steps, 2), "median_s": round(seconds, 2),
+           "tokens_per_s": round(tokens / seconds, 1), "runs_s": [round(t, 2) for t in times]}
     c = llm.engine.spec_counters
-    if c is not None:
+    if c is not None:  # summed over the repeats; the warm-up's few drafts included
         row.update(acceptance_rate=round(c.acceptance_rate, 3),
-                   accepted_per_draft=round(c.num_accepted_tokens / max(c.num_drafts, 1), 2),
-                   accepted_per_pos=c.num_accepted_tokens_per_pos)
+                   mean_acceptance_length=round(1 + c.num_accepted_tokens / max(c.num_drafts, 1), 2),
+                   accepted_per_pos=[round(n / repeat) for n in c.num_accepted_tokens_per_pos])
     return row
 
 
@@ -75,6 +83,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per configuration (median reported)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_path = None
@@ -84,11 +93,24 @@ def main() -> None:
                        "prompt_lookup_max": 4} for k in args.k]
     if args.model == "tiny":
         specs.append({"model": model_path, "num_speculative_tokens": args.k[-1]})
-    rows = [run(model_path, spec, args.model, args.num_requests, args.max_tokens) for spec in specs]
-    baseline = rows[0]["outputs"]
-    for row in rows:
-        if row.pop("outputs") != baseline:
-            raise SystemExit(f"greedy outputs differ from the run without drafts: {row}")
+    llms = [LLM(model=model_path, log_stats_interval=0, speculative_config=spec) for spec in specs]
+    prompts = prompts_for(llms[0], args.model, args.num_requests)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.model == "tiny")
+    for llm in llms:
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    times: list[list[float]] = [[] for _ in specs]
+    results: list[tuple[int, list[list[int]]]] = []
+    for _ in range(args.repeat):
+        results = []
+        for i, llm in enumerate(llms):
+            elapsed, steps, outputs = timed_run(llm, prompts, params)
+            times[i].append(elapsed)
+            results.append((steps, outputs))
+    baseline = results[0][1]
+    if any(outputs != baseline for _, outputs in results):
+        raise SystemExit("greedy outputs differ from the run without drafts")
+    rows = [summary(spec, llm, t, steps, outputs, args.repeat)
+            for spec, llm, t, (steps, outputs) in zip(specs, llms, times, results)]
     print(json.dumps(rows, indent=1))
 
 
