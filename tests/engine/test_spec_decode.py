@@ -10,6 +10,7 @@ from prompts that repeat a phrase.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 from fastsched import LLM, SamplingParams
 from fastsched.engine.protocol import EngineCoreRequest
+from fastsched.tools.tiny_model import make_tiny_model
 
 K = 3
 PROMPT_LENGTHS = (3, 11, 26, 41, 63, 80)
@@ -168,3 +170,17 @@ def test_random_sampling_and_logprobs_run_with_drafts(tiny_model_dir, repetitive
     logprobs = outs[2].outputs[0].logprobs
     assert len(logprobs) == 15 and all(t in entry for t, entry in zip(outs[2].outputs[0].token_ids, logprobs))
     assert llm.engine.spec_counters.num_accepted_tokens > 0
+
+
+def test_the_stats_line_reports_the_acceptance_rate(tiny_model_dir, repetitive_prompts, caplog) -> None:
+    llm = LLM(model=str(tiny_model_dir), log_stats_interval=1e-9, speculative_config=draft_model(tiny_model_dir))
+    with caplog.at_level(logging.INFO, logger="fastsched.engine"):
+        greedy(llm, repetitive_prompts[:2], [9, 9])
+    lines = [r.getMessage() for r in caplog.records if "draft acceptance rate" in r.getMessage()]
+    assert lines and all("draft acceptance rate: 100.0%, mean acceptance length: 4.00" in line for line in lines)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(tiny_model_dir, tmp_path) -> None:
+    other = make_tiny_model(tmp_path / "other", vocab_size=512)
+    with pytest.raises(ValueError, match=r"vocab_size \(512\) differs from the target model's \(1024\)"):
+        make_llm(tiny_model_dir, draft_model(other))

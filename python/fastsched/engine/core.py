@@ -354,9 +354,10 @@ class EngineCore:
         return outputs
 
     def _update_speculative(self, step: _Step, result: StepResult) -> _core.EngineCoreOutputs:
-        """Speculative decoding: the step's tokens (accepted drafts and the target's own) and
-        the drafts for the next step, proposed from the sequences those tokens extend.
-        Requests that ask for logprobs get no drafts (one token, one logprobs entry per step)."""
+        """Speculative decoding: the step's tokens (accepted drafts and the target's own), then
+        the next step's drafts for the requests still running, proposed from the sequences
+        those tokens extend (as vLLM's ``post_step``). Requests that ask for logprobs get no
+        drafts (one token, one logprobs entry per step)."""
         so, prepared = step.so, step.prepared
         assert prepared is not None
         tokens, offsets = result.tokens, result.token_offsets
@@ -368,12 +369,13 @@ class EngineCore:
         self.runner.write_sampled(prepared, result)
         if prepared.spec is not None and self.spec_counters is not None and result.num_accepted is not None:
             self.spec_counters.observe(prepared.spec.num_real_drafts, result.num_accepted)
-        positions = result.sampled_positions
-        positions = positions[self._columns.logprobs[so.req_handles[positions]] < 0]
-        drafts = self.proposer.propose(self.runner.token_sequences(so.req_handles[positions]))
-        draft_offsets, draft_ids = draft_rows(len(so), positions, drafts)
-        return self.scheduler.update_from_output(offsets.astype(np.uint32), tokens.astype(np.uint32),
-                                                 draft_offsets, draft_ids)
+        eco = self.scheduler.update_from_output(offsets.astype(np.uint32), tokens.astype(np.uint32))
+        handles = so.req_handles[result.sampled_positions]
+        drafting = (self._columns.logprobs[handles] < 0) & ~np.isin(handles, eco.handles[eco.finish_reasons != 0])
+        handles = handles[drafting]
+        drafts = self.proposer.propose(self.runner.token_sequences(handles))
+        self.scheduler.update_draft_token_ids(handles, *draft_rows(drafts))
+        return eco
 
     def _abandon_in_flight(self) -> None:
         """A step failed (a runner error, Ctrl-C): its KV and that of the step after it

@@ -74,15 +74,18 @@ class StatsLogger:
         self._prefix_hits = sched_stats["prefix_cache_hits"]
 
     def _log_spec(self, spec: SpecDecodingCounters) -> None:
-        """Speculative decoding since the last line, as vLLM's SpecDecoding metrics line."""
+        """Speculative decoding since the last line, as vLLM's SpecDecoding metrics line (none
+        when nothing was drafted since)."""
         drafts = spec.num_drafts - self._spec_drafts
+        if not drafts:
+            return
         draft_tokens = spec.num_draft_tokens - self._spec_draft_tokens
         accepted = spec.num_accepted_tokens - self._spec_accepted
         logger.info(
             "speculative decoding: draft acceptance rate: %.1f%%, mean acceptance length: %.2f, "
             "accepted: %d tokens, drafted: %d tokens",
-            100 * accepted / draft_tokens if draft_tokens else 0.0,
-            1 + accepted / drafts if drafts else 1.0,
+            100 * accepted / draft_tokens,
+            1 + accepted / drafts,
             accepted,
             draft_tokens,
         )

@@ -39,12 +39,10 @@ def build_proposer(config: SpeculativeConfig, target: ModelConfig, backend: Atte
     return DraftModelProposer(draft, backend, k, block_size, device)
 
 
-def draft_rows(num_rows: int, positions: np.ndarray, drafts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """``drafts[j]`` as CSR row ``positions[j]`` of ``num_rows`` (the others empty), in the
-    uint32 arrays ``Scheduler.update_from_output`` takes."""
-    counts = np.zeros(num_rows, dtype=np.int64)
-    counts[positions] = [len(d) for d in drafts]
-    offsets = np.zeros(num_rows + 1, dtype=np.uint32)
-    np.cumsum(counts, out=offsets[1:])
+def draft_rows(drafts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The drafts as CSR rows (offsets, token ids) in the uint32 arrays
+    ``Scheduler.update_draft_token_ids`` takes."""
+    offsets = np.zeros(len(drafts) + 1, dtype=np.uint32)
+    np.cumsum([len(d) for d in drafts], out=offsets[1:])
     ids = np.concatenate(drafts).astype(np.uint32) if drafts else np.zeros(0, dtype=np.uint32)
     return offsets, ids
