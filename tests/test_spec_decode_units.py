@@ -84,6 +84,20 @@ def test_ngram_lookup_prefers_the_longest_ngram_and_its_first_occurrence() -> No
     assert proposer.propose_one(np.array([5, 6, 5])).tolist() == [6, 5]  # fewer than k near the end
 
 
+def test_ngram_lookup_agrees_with_a_brute_force_search() -> None:
+    proposer = NgramProposer(4, prompt_lookup_min=2, prompt_lookup_max=4)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens = rng.integers(0, 5, rng.integers(1, 40))
+        length, expected = len(tokens), []
+        for n in range(min(4, length - 1), 1, -1):
+            starts = [s for s in range(length - n) if (tokens[s : s + n] == tokens[length - n :]).all()]
+            if starts:
+                expected = tokens[starts[0] + n : starts[0] + n + 4].tolist()
+                break
+        assert proposer.propose_one(tokens).tolist() == expected, tokens
+
+
 def test_speculative_config_parses_vllms_json_and_names_bad_fields() -> None:
     config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}')
     assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (

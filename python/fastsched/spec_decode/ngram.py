@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -28,11 +27,20 @@ class NgramProposer:
 
     def propose_one(self, tokens: np.ndarray) -> np.ndarray:
         length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows that start early enough to be followed by at least one token.
-            windows = sliding_window_view(tokens[: length - 1], n)
-            hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
-            if len(hits):
-                start = int(hits[0]) + n
-                return np.asarray(tokens[start : start + self.k], dtype=np.int64)
-        return np.zeros(0, dtype=np.int64)
+        if length <= self.min_n:
+            return np.zeros(0, dtype=np.int64)
+        # matched[i]: the n tokens ending at i (i <= length - 2, so a token follows) equal the
+        # last n, for n = 1, 2, ...: each longer n-gram narrows the matches of the shorter one.
+        matched = np.ones(length - 1, dtype=bool)
+        found: np.ndarray | None = None
+        for j in range(min(self.max_n, length - 1)):
+            matched[j:] &= tokens[: length - 1 - j] == tokens[length - 1 - j]
+            matched[:j] = False
+            if not np.count_nonzero(matched):
+                break
+            if j + 1 >= self.min_n:
+                found = matched.copy()
+        if found is None:
+            return np.zeros(0, dtype=np.int64)
+        start = int(np.argmax(found)) + 1
+        return np.asarray(tokens[start : start + self.k], dtype=np.int64)
