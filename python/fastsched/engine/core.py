@@ -120,15 +120,16 @@ class EngineCore:
         logger.info("loading model %s (%s, %s)", config.model or "SmolLM2-135M-Instruct (embedded)", dtype, device)
         model = load_model(config.model, dtype=dtype, device=device)
         backend = select_backend(device, config.attention_backend)
+        spec = config.speculative_config
+        # Before KV sizing, so that a draft model's weights are not counted as free memory.
+        self.proposer = None if spec is None else build_proposer(
+            spec, self.model_config, backend, block_size=config.block_size, max_model_len=self.max_model_len,
+            device=device, dtype=dtype)
         peak = 0
         if device.type == "cuda" and config.num_gpu_blocks is None:
             peak = profile_peak_bytes(model, backend, config, dtype, device, self.max_model_len)
         num_blocks = determine_num_blocks(config, self.model_config, dtype, device, self.max_model_len, peak)
         self.scheduler = _core.Scheduler(config.scheduler_config(self.max_model_len, num_blocks))
-        spec = config.speculative_config
-        self.proposer = None if spec is None else build_proposer(
-            spec, self.model_config, backend, block_size=config.block_size, max_model_len=self.max_model_len,
-            device=device, dtype=dtype)
         self.spec_counters = None if spec is None else SpecDecodingCounters(spec.num_speculative_tokens)
         # Drafts are proposed from the tokens a step accepts, so the next step cannot be
         # scheduled before they are known (docs/scheduler.md, "Speculative decoding in the engine").
