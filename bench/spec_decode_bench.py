@@ -12,7 +12,8 @@ tokens (checked) and only the time differs.
 
 Each configuration keeps its engine; the timed runs go round the configurations ``--repeat``
 times (so a burst of load on a shared machine hits them alike) and the median is reported.
-Without drafts the engine runs with async scheduling (the default); with drafts it cannot.
+Without drafts the engine runs with async scheduling (the default) and without it (the loop
+speculation runs); with drafts it cannot overlap.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def summary(spec: dict | None, llm: LLM, times: list[float], steps: int, outputs
             repeat: int) -> dict:
     tokens = sum(len(t) for t in outputs)
     seconds = statistics.median(times)
-    row = {"spec": spec.get("method", "draft_model") if spec else "none",
+    loop = "sync" if spec or not llm.config.async_scheduling else "async"
+    row = {"spec": spec.get("method", "draft_model") if spec else f"none ({loop})",
            "k": spec["num_speculative_tokens"] if spec else 0, "tokens": tokens, "steps": steps,
            "tokens_per_step": round(tokens / steps, 2), "median_s": round(seconds, 2),
            "tokens_per_s": round(tokens / seconds, 1), "runs_s": [round(t, 2) for t in times]}
@@ -89,11 +91,13 @@ def main() -> None:
     model_path = None
     if args.model == "tiny":
         model_path = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
-    specs = [None] + [{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+    specs = [None, None] + [{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
                        "prompt_lookup_max": 4} for k in args.k]
     if args.model == "tiny":
         specs.append({"model": model_path, "num_speculative_tokens": args.k[-1]})
-    llms = [LLM(model=model_path, log_stats_interval=0, speculative_config=spec) for spec in specs]
+    # Without drafts: the default loop (async scheduling) and the synchronous one that speculation uses.
+    llms = [LLM(model=model_path, log_stats_interval=0, speculative_config=spec, async_scheduling=i != 1)
+            for i, spec in enumerate(specs)]
     prompts = prompts_for(llms[0], args.model, args.num_requests)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.model == "tiny")
     for llm in llms:
