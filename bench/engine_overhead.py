@@ -21,7 +21,9 @@ Per step the bench reports (medians, µs):
 - the split: ``schedule`` (``Scheduler.schedule``), ``prepare_inputs`` (the runner's input
   arrays and tensors), ``sample`` (sampling metadata and the sampler), ``update``
   (``Scheduler.update_from_*``), ``collect`` (the step's outputs), ``output`` (encoding the
-  OUTPUTS message an engine process sends). What the split leaves out (bookkeeping of the
+  OUTPUTS message an engine process sends), ``structured`` (``--sampling structured``: advancing
+  the matchers and filling the token bitmasks; applying a mask to the logits, just before
+  sampling, is left in ``other``). What the split leaves out (bookkeeping of the
   step itself, statistics, the prefill meter) is ``other``. With async scheduling the
   sampler runs on the forward thread, overlapping the rest, so ``other`` can be negative.
 
@@ -58,7 +60,7 @@ import torch  # noqa: E402
 
 FIRST_PROMPT_TOKEN = 3  # the tiny model's ids below this are special tokens
 LOGITS_TABLE_ROWS = 257
-PHASES = ("schedule", "prepare_inputs", "sample", "update", "collect", "output")
+PHASES = ("schedule", "prepare_inputs", "sample", "update", "collect", "output", "structured")
 
 
 class NullModel:
@@ -191,6 +193,9 @@ def instrument(core: Any, timer: PhaseTimer) -> Iterator[Callable[[], float]]:
 
         runner.fetch = waiting_fetch
     core._collect = timer.wrap("collect", core._collect)
+    structured = core.structured
+    structured.advance = timer.wrap("structured", structured.advance)
+    structured.step_bitmask = timer.wrap("structured", structured.step_bitmask)
 
     def model_time() -> float:
         seconds, model.model_seconds = model.model_seconds, 0.0
@@ -211,6 +216,10 @@ def sampling_params(kind: str, max_tokens: int) -> Any:
         return SamplingParams(temperature=0, repetition_penalty=1.1, presence_penalty=0.5, **common)
     if kind == "logprobs":
         return SamplingParams(temperature=0, logprobs=5, **common)
+    if kind == "structured":
+        # A JSON array of at least 1000 strings: no request completes it (and ends) within the bench.
+        schema = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
+        return SamplingParams(temperature=0, structured_outputs={"json": schema}, **common)
     raise ValueError(kind)
 
 
@@ -341,7 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="decode steps timed")
     parser.add_argument("--warmup", type=int, default=20, help="decode steps run before timing")
     parser.add_argument("--fake-forward-ms", type=float, default=0.0, help="the null model's forward pass")
-    parser.add_argument("--sampling", choices=("greedy", "random", "penalties", "logprobs"), default="greedy")
+    parser.add_argument("--sampling", choices=("greedy", "random", "penalties", "logprobs", "structured"),
+                        default="greedy")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule step N+1 while step N's forward pass runs (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)

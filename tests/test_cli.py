@@ -25,7 +25,7 @@ VLLM_SHARED_SERVE_FLAGS = (
     "--max-model-len", "--long-prefill-token-threshold", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
     "--scheduling-policy", "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching",
     "--num-gpu-blocks-override", "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--tensor-parallel-size",
-    "--attention-backend", "--device", "--log-level",
+    "--attention-backend", "--device", "--log-level", "--chat-template",
 )
 OLD_SPELLINGS = ("--policy", "--num-gpu-blocks", "--kv-cache-memory", "--no-prefix-caching", "--no-chunked-prefill")
 

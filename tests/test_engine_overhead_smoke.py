@@ -38,7 +38,7 @@ def run(bench, *extra: str) -> tuple[str, dict]:
     return out.getvalue(), json.loads(lines[-1])
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "random", "penalties", "logprobs"])
+@pytest.mark.parametrize("sampling", ["greedy", "random", "penalties", "logprobs", "structured"])
 @pytest.mark.parametrize("loop", ["--async-scheduling", "--no-async-scheduling"])
 def test_last_line_is_json_summary_with_sane_values(bench, sampling: str, loop: str) -> None:
     stdout, summary = run(bench, "--sampling", sampling, loop, "--no-real-model", "--fake-forward-ms", "1")

@@ -128,3 +128,17 @@ def test_params_from_a_request_map_reject_unknown_fields():
     with pytest.raises(ValueError, match="unknown field"):
         StructuredOutputsParams.from_value({"regexp": "a+"})
 
+
+
+def test_a_step_of_tokens_is_accepted_in_parallel_and_a_forbidden_one_raises(manager, tokenizer) -> None:
+    grammar = StructuredOutputsParams(choice=["yes", "no"]).grammar_text()
+    manager.add("a", grammar)
+    manager.add("b", grammar)
+    try:
+        yes, no = tokenizer.encode("yes", add_special_tokens=False), tokenizer.encode("no", add_special_tokens=False)
+        manager.accept_each(["a", "b"], [yes[0], no[0]])
+        with pytest.raises(RuntimeError, match="'b' took a token its grammar forbids"):
+            manager.accept_each(["a", "b"], [yes[1], yes[1]])
+    finally:
+        manager.remove("a")
+        manager.remove("b")

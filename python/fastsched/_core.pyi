@@ -481,6 +481,28 @@ class Scheduler:
         """Installs the test KV connector (S7): every request has up to
         ``num_external_tokens`` tokens (whole blocks, never the last token) of
         remote KV, loaded asynchronously in ``ready_after_steps`` scheduler steps."""
+    def use_engine_connector(self) -> None:
+        """Installs the engine-driven KV connector (S7 ``remote_kv``): the engine says
+        what its store holds (:meth:`set_external_tokens`), runs the loads the scheduler
+        starts (:meth:`take_kv_loads`), reports them (:meth:`finish_kv_load`) and saves
+        the blocks that become full (:meth:`take_cached_blocks`)."""
+    def block_hashes(self, handle: int) -> npt.NDArray[np.uint64]:
+        """Prefix-cache hashes of the full blocks of a request's tokens (chained;
+        the first covers the LoRA adapter). ``KeyError`` for an unknown handle."""
+    def set_external_tokens(self, handle: int, num_tokens: int) -> None:
+        """The engine's store holds the KV of the first ``num_tokens`` prompt tokens
+        of ``handle``: at admission, the whole blocks of that past the local prefix-cache
+        hit (never the last token) are loaded asynchronously."""
+    def take_kv_loads(self) -> list[tuple[int, int, npt.NDArray[np.uint32], npt.NDArray[np.uint64]]]:
+        """Loads started since the last call, as ``(load_id, handle, block_ids,
+        block_hashes)``: fill those blocks with the KV stored under those hashes."""
+    def take_cached_blocks(self) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64]]:
+        """Blocks that became full and cached since the last call, and their hashes.
+        Their KV is computed by the step scheduled last (or an earlier one)."""
+    def finish_kv_load(self, handle: int, load_id: int, num_loaded_blocks: int) -> bool:
+        """Ends a load whose first ``num_loaded_blocks`` blocks were filled (fewer than
+        all: a failure; the rest is computed). False: the load is no longer live (its
+        request was aborted), and its blocks must not be written."""
     def set_async_scheduling(self, on: bool) -> None:
         """With async scheduling the next step is scheduled before the previous
         step's tokens are known (a decode's next token is a placeholder)."""

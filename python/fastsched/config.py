@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from fastsched._core import SchedulerConfig
+from fastsched.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from fastsched.speculative_config import SpeculativeConfig, parse_speculative_config
 from fastsched.units import parse_bytes, parse_count
 
@@ -119,6 +120,10 @@ class EngineConfig:
     kv_cache_memory: int | None = field(default=None, metadata=_flag(
         KV_CACHE, f"bytes for the KV pool on CPU, e.g. 8MiB (default: {DEFAULT_CPU_KV_CACHE_BYTES // 1024**3} GiB)",
         "--kv-cache-memory", flag="--kv-cache-memory-bytes", type=parse_bytes))
+    kv_transfer_config: KVTransferConfig | None = field(default=None, metadata=_flag(
+        KV_CACHE, 'KV connector as JSON, e.g. \'{"kv_connector":"SharedStorageConnector","kv_role":"kv_both",'
+                  '"kv_connector_extra_config":{"shared_storage_path":"/mnt/kv"}}\' (docs/scheduler.md, S7)',
+        type=parse_kv_transfer_config, metavar="JSON"))
 
     log_stats_interval: float = field(default=5.0, metadata=_flag(
         DIAGNOSTICS, "seconds between engine stats log lines (0: off)"))
@@ -145,6 +150,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.speculative_config is not None:
             self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config = KVTransferConfig.of(self.kv_transfer_config)
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_transfer_config needs prefix caching (its blocks are keyed by the "
+                                 "prefix-cache block hash); drop --no-enable-prefix-caching")
         if self.extra:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(self.extra))}")
 

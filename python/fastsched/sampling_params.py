@@ -11,6 +11,7 @@ import copy
 from dataclasses import dataclass, field
 
 from fastsched.limits import check_finite
+from fastsched.structured.params import StructuredOutputsParams, check_compiles
 
 # Below this a temperature means greedy: dividing logits by it would overflow fp32.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -26,6 +27,9 @@ class SamplingParams:
     ``stop`` accepts a single string, a list or ``None`` and is normalised to a
     list; ``stop_token_ids`` accepts ``None`` likewise.  ``top_k`` of 0 or -1
     disables top-k.  ``logprobs=0`` returns only the sampled token's logprob.
+    ``structured_outputs`` (a :class:`StructuredOutputsParams` or a map of its fields)
+    constrains the output to a JSON schema, a regex, a choice or a grammar; the output then
+    ends where the grammar does (finish reason ``stop``), even with ``ignore_eos``.
     """
 
     n: int = 1
@@ -45,6 +49,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -52,6 +57,7 @@ class SamplingParams:
             raise ValueError(f"stop must not contain an empty string, got {stops!r}")
         self.stop = stops
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -87,6 +93,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.structured_outputs is not None:
+            if self.min_tokens:
+                # min_tokens bans the EOS that a complete grammar leaves as the only token.
+                raise ValueError(f"min_tokens must be 0 with structured_outputs (the grammar decides where the "
+                                 f"output ends), got {self.min_tokens}")
+            check_compiles(self.structured_outputs)
 
     @property
     def is_greedy(self) -> bool:

@@ -9,12 +9,14 @@ import pytest
 
 from fastsched.engine import protocol
 from fastsched.engine.protocol import EngineCoreOutput, EngineStats, OutputBatch
+from fastsched.sampling_params import SamplingParams
 
 OUTPUTS = [
     EngineCoreOutput("a", [5, 6], None, num_cached_tokens=16),
     EngineCoreOutput("b", [7], "stop", 7, [{7: (-0.5, 1), 9: (-1.5, 2)}]),
     EngineCoreOutput("c", [], "ignored", error="prompt too long"),
     EngineCoreOutput("d", [8, 9, 10], "length"),
+    EngineCoreOutput("e", [11], None, segment_ended=True),
 ]
 
 
@@ -34,12 +36,13 @@ def test_select_keeps_the_rows_and_their_extras() -> None:
     batch = OutputBatch.from_outputs(OUTPUTS)
     assert list(batch.select(np.array([1, 3]))) == [OUTPUTS[1], OUTPUTS[3]]
     assert list(batch.select(np.array([0, 2]))) == [OUTPUTS[0], OUTPUTS[2]]
+    assert list(batch.select(np.array([3, 4]))) == [OUTPUTS[3], OUTPUTS[4]]
     assert list(batch.select(np.array([], dtype=np.int64))) == []
 
 
 def columns(**changes: object) -> list[object]:
     wire = protocol._batch_to_wire(OutputBatch.from_outputs(OUTPUTS))
-    names = ["request_ids", "token_offsets", "token_ids", "finish_reasons", "num_cached_tokens", "extras"]
+    names = ["request_ids", "token_offsets", "token_ids", "finish_reasons", "num_cached_tokens", "extras", "segment_ends"]
     for name, value in changes.items():
         wire[names.index(name)] = value
     return wire
@@ -49,12 +52,37 @@ def columns(**changes: object) -> list[object]:
     columns(token_offsets=np.array([0, 2, 3], dtype="<u4").tobytes()),  # one entry short
     columns(token_offsets=np.array([0, 3, 2, 2, 6], dtype="<u4").tobytes()),  # decreasing
     columns(token_ids=b"\x01\x02\x03"),  # not whole uint32 values
-    columns(finish_reasons=bytes([0, 1, 9, 2])),  # unknown code
-    columns(num_cached_tokens=np.array([-2, 0, 0, 0], dtype="<i8").tobytes()),
+    columns(finish_reasons=bytes([0, 1, 9, 2, 0])),  # unknown code
+    columns(num_cached_tokens=np.array([-2, 0, 0, 0, 0], dtype="<i8").tobytes()),
     columns(extras=[[7, None, None, None]]),  # row out of range
     columns(request_ids=["a", "b"]),  # fewer ids than rows
-    columns()[:5],  # a column missing
+    columns(segment_ends=[5]),  # row out of range
+    columns()[:6],  # a column missing
 ])
 def test_malformed_columns_are_a_protocol_error(bad: list[object]) -> None:
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(msgpack.packb(["outputs", 0, bad, {}, []], use_bin_type=True))
+
+
+@pytest.mark.parametrize("msg", [
+    protocol.Pause("paused_all", 7, 1),
+    protocol.Paused(2, 7, "unpaused"),
+    protocol.StreamInput("s", [1, 2, 3], 16, is_last=True),
+    protocol.CloseStream("s"),
+    protocol.AddRequest(protocol.EngineCoreRequest("s", [4, 5], SamplingParams(max_tokens=3),
+                                                   arrival_time=1.0, streaming=True), 0),
+])
+def test_s13_s15_pause_and_session_messages_round_trip(msg: protocol.Message) -> None:
+    assert protocol.decode(protocol.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("wire", [
+    ["pause", "paused_some", 1, 0],
+    ["paused", 0, 1, "sleeping"],
+    ["stream_input", "s", [1], -1, False],
+    ["stream_input", "s", [1], 4, "yes"],
+    ["close_stream", 5],
+])
+def test_s13_s15_malformed_pause_and_session_messages_are_protocol_errors(wire: list[object]) -> None:
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(msgpack.packb(wire, use_bin_type=True))

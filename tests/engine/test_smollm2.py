@@ -8,6 +8,9 @@ through the whole engine together, as one continuously batched run.
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 import torch
 
@@ -60,3 +63,23 @@ def test_default_model_answers_a_chat_question(llm) -> None:
         use_tqdm=False,
     )
     assert "Paris" in output.outputs[0].text
+
+
+def test_structured_outputs_make_smollm2_answer_in_the_schema(llm: LLM) -> None:
+    """A real vocabulary (49,152 tokens, GGUF tokenizer) under the grammar: greedy and sampled, n = 3."""
+    schema = {"type": "object", "required": ["city", "country", "population"], "additionalProperties": False,
+              "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"enum": ["France", "Italy"]},
+                             "population": {"type": "integer", "minimum": 0, "maximum": 10**8}}}
+    question = [{"role": "user", "content": "Give a city in Italy as JSON."}]
+    outputs = llm.chat(question, [SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": schema})],
+                       use_tqdm=False)
+    outputs += llm.chat(question, SamplingParams(temperature=0.8, n=3, seed=1, max_tokens=64,
+                                                 structured_outputs={"json": schema}), use_tqdm=False)
+    completions = [c for o in outputs for c in o.outputs]
+    assert len(completions) == 4
+    for c in completions:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), schema)
+    [answer] = llm.generate(["Is Paris in France? Answer:"], SamplingParams(
+        temperature=0, structured_outputs={"choice": ["yes", "no"]}), use_tqdm=False)
+    assert answer.outputs[0].text in {"yes", "no"}

@@ -184,3 +184,22 @@ def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(tiny_model_d
     other = make_tiny_model(tmp_path / "other", vocab_size=512)
     with pytest.raises(ValueError, match=r"vocab_size \(512\) differs from the target model's \(1024\)"):
         make_llm(tiny_model_dir, draft_model(other))
+
+
+def test_constrained_requests_beside_speculated_ones_keep_their_grammar(tiny_model_dir) -> None:
+    """Structured outputs: a constrained request gets no drafts (its mask applies at its one
+    emitted position), so its output is the engine's without drafts, next to requests that
+    speculate."""
+    schema = {"type": "object", "properties": {"size": {"enum": ["small", "large"]}}, "required": ["size"],
+              "additionalProperties": False}
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema}),
+              SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": r"[a-f]{4,9}"}),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    prompts = ["Describe a box:", "letters", "def main():"]
+    texts = []
+    for spec in (None, draft_model(tiny_model_dir)):
+        llm = make_llm(tiny_model_dir, spec)
+        texts.append([(o.outputs[0].text, o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                                          use_tqdm=False)])
+    assert texts[1] == texts[0]
+    assert llm.engine.spec_counters.num_accepted_tokens > 0

@@ -101,7 +101,8 @@ JSON = st.recursive(SCALAR, lambda inner: st.one_of(st.lists(inner, max_size=5),
 FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "temperature", "top_p",
           "top_k", "min_p", "min_tokens", "seed", "stop", "stop_token_ids", "stream", "stream_options", "logprobs",
           "top_logprobs", "echo", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "priority", "model", "suffix", "logit_bias", "tools", "include_stop_str_in_output", "skip_special_tokens"]
+          "priority", "model", "suffix", "logit_bias", "tools", "tool_choice", "include_stop_str_in_output",
+          "skip_special_tokens", "response_format", "structured_outputs", "guided_json", "guided_choice"]
 PLAUSIBLE = {  # values of the right shape, so that fuzzing reaches past the type checks
     "prompt": st.one_of(TEXT, st.lists(st.integers(-5, 2000), max_size=8), st.lists(TEXT, max_size=6)),
     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),

@@ -823,11 +823,8 @@ def test_stream_with_n_sends_one_choice_per_chunk(servers: Servers) -> None:
 
 
 @pytest.mark.parametrize(("path", "field", "value"), [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "guided_json", {"type": "object"}),
-    ("/v1/chat/completions", "continue_final_message", True),
-    ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": False}),
-    ("/v1/completions", "structured_outputs", {"regex": "a+"}),
+    ("/v1/chat/completions", "chat_template", "{{ messages }}"),
+    ("/v1/completions", "guided_decoding_backend", "xgrammar"),
     ("/v1/completions", "frobnicate", 1),
 ])
 def test_errors_a_field_the_server_does_not_implement_is_400_naming_it(http: httpx.Client, path: str, field: str,

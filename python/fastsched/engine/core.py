@@ -38,10 +38,12 @@ import torch
 from fastsched import _core
 from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
+from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector, store_identity
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
-from fastsched.engine.protocol import EngineCoreRequest, OutputBatch, select_csr
+from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, OutputBatch, select_csr
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
+from fastsched.engine.structured_outputs import StructuredOutputs
 from fastsched.inputs import check_prompt
 from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.generation_defaults import load_generation_defaults
@@ -58,6 +60,7 @@ logger = logging.getLogger(__name__)
 KIND_NEW = 1  # SchedulerOutput.kinds: scheduled for the first time
 FINISH_STOP = 1
 FINISH_IGNORED = 4
+PAUSE_MODES = ("new", "all")  # EngineCore.pause: paused_new / paused_all (S13)
 
 
 class _RequestColumns:
@@ -104,6 +107,7 @@ class _Step:
     launched_wall: float  # time.time() then
     backlogged: bool  # requests were still waiting after its schedule()
     num_ending: int  # requests that reach max_tokens with this step's sample
+    saves: Saves | None = None  # KV blocks to save once it has run (sync); async queues them itself
 
 
 class EngineCore:
@@ -155,10 +159,12 @@ class EngineCore:
             ThreadPoolExecutor(1, thread_name_prefix="fastsched-forward") if async_scheduling else None
         )
         self._in_flight: deque[_Step] = deque()
+        self.kv_transfer = self._make_kv_transfer(dtype)  # --kv-transfer-config
         self._last_step_end = 0.0  # perf_counter() when the last step was collected
         self._last_step_end_wall = 0.0
         # The tokenizer may add an end-of-turn id (GGUF chat models) to the model's EOS ids.
-        tokenizer_eos = load_tokenizer(config.tokenizer or config.model).eos_token_ids
+        tokenizer = load_tokenizer(config.tokenizer or config.model)
+        tokenizer_eos = tokenizer.eos_token_ids
         self.sampling_defaults = load_generation_defaults(config.model, config.generation_config)
         if self.sampling_defaults:
             logger.info("sampling defaults from the model's generation config (--generation-config %s): %s",
@@ -166,10 +172,12 @@ class EngineCore:
         self.eos_token_ids = tuple(dict.fromkeys((*self.model_config.eos_token_ids, *tokenizer_eos)))
         self._eos_set = frozenset(self.eos_token_ids)
         self.vocab_size = self.model_config.vocab_size
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
         self._columns = _RequestColumns()
         self._num_final_only = 0  # live final-only requests: while there are none, no row is filtered
         self._row_states: dict[int, RowState] = {}  # live handle -> what the runner needs when it takes a row
         self._handles: dict[str, int] = {}
+        self.pause_state = "unpaused"  # S13, as last set
         self.stats = StatsLogger(config.log_stats_interval, spec=self.spec_counters)
         self.step_tracer = StepTracer(config.step_trace) if config.step_trace else None  # --step-trace
         self.prefill_meter = PrefillThroughputMeter()  # read by the TTFT-SLO valve (--ttft-slo)
@@ -182,6 +190,18 @@ class EngineCore:
         )
         _freeze_start_up_heap()
 
+    def _make_kv_transfer(self, dtype: torch.dtype) -> KVTransfer | None:
+        kv_config = self.config.kv_transfer_config
+        if kv_config is None:
+            return None
+        identity = store_identity(self.config.model, self.model_config, self.config.block_size, dtype)
+        logger.info("KV connector %s (%s) at %s, store key %s", kv_config.kv_connector, kv_config.kv_role,
+                    kv_config.shared_storage_path, identity.key)
+        # Copies into and out of the KV cache run in forward-pass order: on the forward thread when there is one.
+        executor = self._executor
+        ordered = (lambda fn: executor.submit(fn)) if executor is not None else (lambda fn: fn())
+        return KVTransfer(kv_config, make_connector(kv_config, identity), self.scheduler, self.runner, ordered)
+
     # ------------------------------------------------------------ requests
 
     def add_request(self, request: EngineCoreRequest, client: int = 0) -> None:
@@ -192,9 +212,17 @@ class EngineCore:
         check_prompt(request.prompt_token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
         if request.request_id in self._handles:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        eos = None if params.ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
+        grammar = None
+        if params.structured_outputs is not None:
+            if request.streaming:
+                # Input arriving between segments would go past the matcher, which sees outputs only.
+                raise ValueError("structured_outputs cannot be used by a streaming-input session")
+            grammar = self.structured.compile(params.structured_outputs)
+        # A constrained request ends where its grammar does, by the EOS the grammar then forces.
+        ignore_eos = params.ignore_eos and grammar is None
+        eos = None if ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
         stop_ids = list(params.stop_token_ids or [])
-        if not params.ignore_eos:
+        if not ignore_eos:
             stop_ids += [t for t in self.eos_token_ids[1:] if t not in stop_ids]
         handle = self.scheduler.add_request(
             request.request_id,
@@ -203,9 +231,10 @@ class EngineCore:
             min_tokens=params.min_tokens,
             eos_token_id=eos,
             stop_token_ids=stop_ids,
-            ignore_eos=params.ignore_eos,
+            ignore_eos=ignore_eos,
             priority=request.priority,
             arrival_time=request.arrival_time,
+            streaming=request.streaming,
         )
         c = self._columns
         c.ensure(handle)
@@ -222,10 +251,14 @@ class EngineCore:
         c.arrival_time[handle] = request.arrival_time
         c.first_scheduled_time[handle] = c.first_token_time[handle] = math.nan
         generator = make_generator(params.seed, self.runner.device) if params.seed is not None else None
-        eos_ids = () if params.ignore_eos else self.eos_token_ids
+        eos_ids = () if ignore_eos else self.eos_token_ids
         self._row_states[handle] = RowState(params, n, eos_ids, generator)
         self._handles[request.request_id] = handle
+        if grammar is not None:
+            self.structured.add(handle, grammar)
         self.stats.on_arrival(n)
+        if self.kv_transfer is not None:
+            self.kv_transfer.on_add(handle)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Frees the requests' blocks at once (S18); unknown or finished ids are ignored.
@@ -233,6 +266,55 @@ class EngineCore:
         for request_id in request_ids:
             if self.scheduler.abort_request(request_id) is not None:
                 self._handles.pop(request_id, None)
+
+    def add_stream_input(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
+                         is_last: bool = False) -> None:
+        """S15: a streaming session's next segment: ``token_ids`` then up to ``max_tokens``
+        generated tokens. ``ValueError`` naming the value for a token id outside the vocabulary,
+        an empty input, or input the scheduler refuses (not an open session, growth past
+        ``max_model_len``); ``KeyError`` for an id the engine does not hold."""
+        if not token_ids:
+            raise ValueError(f"session {request_id!r}: stream input must hold at least one token")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"session {request_id!r}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        self.scheduler.add_stream_input(request_id, token_ids, max_tokens, is_last)
+        handle = self._handles[request_id]
+        c = self._columns
+        c.max_tokens[handle] = c.num_sampled[handle] + max_tokens
+
+    def client_of(self, request_id: str) -> int | None:
+        """The frontend a live request came from (``add_request``'s ``client``), else None."""
+        handle = self._handles.get(request_id)
+        return None if handle is None else int(self._columns.client[handle])
+
+    def close_stream(self, request_id: str) -> EngineCoreOutput | None:
+        """S15: ends a session once its input is served; unknown or finished ids are ignored.
+        A session waiting for input ends at once, which no step reports: its final output
+        (finish reason ``stop``, no tokens) is returned instead. A session still generating
+        ends with its segment, in that step's outputs."""
+        handle = self.scheduler.handle_of(request_id)
+        if handle is None:
+            return None
+        waiting = self.scheduler.request_info(handle)["status"] == "waiting_for_streaming_req"
+        self.scheduler.close_stream(request_id)
+        return EngineCoreOutput(request_id, [], "stop") if waiting else None
+
+    def pause(self, mode: str) -> None:
+        """S13: ``"new"`` lets running requests finish and admits nobody; ``"all"`` schedules
+        nothing, every request keeping its place and KV. ``ValueError`` for another mode."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self.set_pause_state(f"paused_{mode}")
+
+    def resume(self) -> None:
+        """S13: schedules again from where the pause stopped."""
+        self.set_pause_state("unpaused")
+
+    def set_pause_state(self, state: str) -> None:
+        """The scheduler's pause state (``unpaused``, ``paused_new``, ``paused_all``)."""
+        self.scheduler.set_pause_state(state)
+        self.pause_state = state
 
     def request_times(self, request_id: str) -> tuple[float, float | None, float | None] | None:
         """(arrival, first scheduled, first token) wall-clock times of a request the engine
@@ -260,6 +342,8 @@ class EngineCore:
         """Stops the forward-pass thread (async scheduling); the engine is not used after this."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
 
     # ------------------------------------------------------------ the step
 
@@ -283,15 +367,25 @@ class EngineCore:
         """Whether a request will still run after the last step in flight: scheduling
         the next step now would otherwise be a forward pass whose every token is dropped
         (it only knows which requests finish by EOS or a stop token once their tokens land)."""
+        if not self.scheduler.has_requests():  # paused (S13): nothing may be scheduled
+            return False
         live = self.scheduler.num_running + self.scheduler.num_waiting
         return live > self._in_flight[-1].num_ending
 
     def _launch(self) -> None:
         """Schedules a step, prepares its inputs and starts its forward pass (on the worker thread)."""
         launched, launched_wall = time.perf_counter(), time.time()
+        if self.kv_transfer is not None:
+            self.kv_transfer.before_schedule()
         so = self.scheduler.schedule()
         try:
-            step = self._prepare(so, launched, launched_wall)
+            step = self._prepare(so, launched, launched_wall, first_in_flight=not self._in_flight)
+            if self.kv_transfer is not None:
+                step.saves = self.kv_transfer.after_schedule()
+                if step.saves is not None and self._executor is not None:
+                    # After this step's forward pass, before the next one's (which may reuse the blocks).
+                    self._executor.submit(self.kv_transfer.save, step.saves)
+                    step.saves = None
         except BaseException:
             # The scheduler holds the step in flight: close it (and those before it) too.
             self._in_flight.append(_Step(so, None, None, launched, launched_wall, False, 0))
@@ -299,9 +393,11 @@ class EngineCore:
             raise
         self._in_flight.append(step)
 
-    def _prepare(self, so: _core.SchedulerOutput, launched: float, launched_wall: float) -> _Step:
+    def _prepare(self, so: _core.SchedulerOutput, launched: float, launched_wall: float,
+                 first_in_flight: bool) -> _Step:
         backlogged = self.scheduler.num_waiting > 0
         c = self._columns
+        self.structured.remove(so.finished)
         for h in so.finished.tolist():
             # Reported finished (or aborted): the handle may be reused after this step.
             if self._row_states.pop(h, None) is not None:
@@ -312,6 +408,8 @@ class EngineCore:
         if np.count_nonzero(so.kinds):
             c.first_scheduled_time[so.req_handles[so.kinds == KIND_NEW]] = launched_wall
         prepared = self.runner.prepare(so, self.scheduler.token_ids, self._row_states.__getitem__)
+        # Its token bitmask needs the tokens of the step before it: now, or once that one is collected.
+        prepared.bitmask = self.structured.step_bitmask(prepared.sampled_handles, fill_now=first_in_flight)
         future = None
         num_ending = 0
         if self._executor is not None:
@@ -332,11 +430,15 @@ class EngineCore:
             self._abandon_in_flight()
             raise
         self._in_flight.popleft()
+        if step.saves is not None and self.kv_transfer is not None:
+            self.kv_transfer.save(step.saves)
         if self.proposer is None:
             eco = self.scheduler.update_from_tokens(result.tokens)
             self.runner.write_sampled(step.prepared, result)
         else:
             eco = self._update_speculative(step, result)
+        following = self._in_flight[0].prepared if self._in_flight else None
+        self.structured.advance(eco, following.bitmask if following is not None else None)
         outputs = self._collect(eco, step, result)
         self.stats.on_step(len(eco.token_ids), self.scheduler.stats)
         so = step.so
@@ -358,7 +460,8 @@ class EngineCore:
         """Speculative decoding: the step's tokens (accepted drafts and the target's own), then
         the next step's drafts for the requests still running, proposed from the sequences
         those tokens extend (as vLLM's ``post_step``). Requests that ask for logprobs get no
-        drafts (one token, one logprobs entry per step)."""
+        drafts (one token, one logprobs entry per step), nor do constrained ones (structured
+        outputs: one grammar step, one token bitmask per step)."""
         so, prepared = step.so, step.prepared
         assert prepared is not None
         tokens, offsets = result.tokens, result.token_offsets
@@ -373,6 +476,8 @@ class EngineCore:
         eco = self.scheduler.update_from_output(offsets.astype(np.uint32), tokens.astype(np.uint32))
         handles = so.req_handles[result.sampled_positions]
         drafting = (self._columns.logprobs[handles] < 0) & ~np.isin(handles, eco.handles[eco.finish_reasons != 0])
+        if self.structured.num_constrained:
+            drafting &= ~self.structured._is_constrained(handles)
         handles = handles[drafting]
         drafts = self.proposer.propose(self.runner.token_sequences(handles))
         self.scheduler.update_draft_token_ids(handles, *draft_rows(drafts))
@@ -385,6 +490,9 @@ class EngineCore:
         given up at the next schedule(), which reports the aborts."""
         steps = list(self._in_flight)
         self._in_flight.clear()
+        for s in steps:
+            if s.prepared is not None and s.prepared.bitmask is not None:
+                s.prepared.bitmask.abandon()
         for s in steps:
             if s.future is not None:
                 try:
@@ -406,6 +514,7 @@ class EngineCore:
         tokens = eco.token_ids
         reasons = eco.finish_reasons
         cached = eco.num_cached_tokens
+        segment_ended = eco.segment_ended
         c = self._columns
         if self._num_final_only and len(handles):
             # Final-only requests show up only when they finish.
@@ -414,6 +523,7 @@ class EngineCore:
                 rows = np.flatnonzero(keep)
                 offsets, tokens = select_csr(offsets, tokens, rows)
                 handles, reasons, cached = handles[rows], reasons[rows], cached[rows]
+                segment_ended = segment_ended[rows]
         n = len(handles)
         if not n:
             return OutputBatch.empty()
@@ -426,6 +536,8 @@ class EngineCore:
             first_token=np.zeros(n, dtype=bool),
             clients=c.client[handles],
         )
+        if np.count_nonzero(segment_ended):
+            batch.segment_ends = set(np.flatnonzero(segment_ended).tolist())
         watch = c.watch[handles]
         if np.count_nonzero(watch):
             self._collect_watched(batch, handles, np.flatnonzero(watch), cached, step, result)

@@ -1,7 +1,7 @@
 """The engine process (docs/design.md §1): one EngineCore behind ZMQ sockets.
 
 It binds a PULL socket at its input address (every frontend pushes ADD / ABORT /
-HELLO / QUERY there) and connects one PUSH socket to each frontend's output address; a
+HELLO / QUERY / PAUSE and the sessions' SESSION / STREAM_INPUT / CLOSE_STREAM there) and connects one PUSH socket to each frontend's output address; a
 request's outputs go to the frontend named in its ADD. The loop never blocks while
 it has work: it drains the input without waiting, steps, and sends. Idle, it waits on
 the input with a short poll timeout so that signals and the parent check still run.
@@ -254,8 +254,40 @@ class _EngineLoop:
                     statuses = engine_statuses(self.core.scheduler, msg.request_ids)
                     self.send(msg.frontend_index, protocol.encode(protocol.Status(self.engine_index, msg.query_id,
                                                                                   statuses)))
+            elif isinstance(msg, protocol.Pause):
+                self._pause(msg)
+            elif isinstance(msg, protocol.StreamInput):
+                self._stream_input(msg)
+            elif isinstance(msg, protocol.CloseStream):
+                self._close_stream(msg)
             else:
                 logger.warning("engine %d: unexpected %s message", self.engine_index, type(msg).__name__)
+
+    def _pause(self, msg: protocol.Pause) -> None:
+        """S13, answered once in force: the next schedule() follows the new state."""
+        self.core.set_pause_state(msg.state)
+        logger.info("engine %d: pause state %s", self.engine_index, msg.state)
+        if msg.frontend_index < len(self.pushes):
+            self.send(msg.frontend_index, protocol.encode(protocol.Paused(self.engine_index, msg.query_id, msg.state)))
+
+    def _close_stream(self, msg: protocol.CloseStream) -> None:
+        frontend = self.core.client_of(msg.request_id)
+        out = self.core.close_stream(msg.request_id)
+        if out is not None and frontend is not None:
+            self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, [out], self._stats())))
+
+    def _stream_input(self, msg: protocol.StreamInput) -> None:
+        """S15. Input the engine refuses (the frontend checks it first) ends the session as
+        aborted, with the reason, rather than leaving its client waiting for a segment."""
+        try:
+            self.core.add_stream_input(msg.request_id, msg.token_ids, msg.max_tokens, msg.is_last)
+        except (KeyError, ValueError) as e:
+            logger.warning("engine %d: stream input for %s refused: %s", self.engine_index, msg.request_id, e)
+            frontend = self.core.client_of(msg.request_id)
+            self.core.abort_requests([msg.request_id])
+            if frontend is not None:
+                out = EngineCoreOutput(msg.request_id, [], "abort", error=str(e))
+                self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, [out], self._stats())))
 
     def _add(self, msg: protocol.AddRequest) -> None:
         request, frontend = msg.request, msg.frontend_index
@@ -326,6 +358,9 @@ class _EngineLoop:
             prefill_tokens_per_s=self.core.prefill_meter.tokens_per_s,
             iteration_tokens=list(counters.iteration_tokens),
             iteration_tokens_sum=counters.iteration_tokens_sum,
+            kv_connector=self.core.kv_transfer.stats if self.core.kv_transfer is not None else {},
+            pause_state=self.core.pause_state,
+            num_waiting_for_streaming_input=s["num_waiting_for_streaming_input"],
             **self._spec_decode_stats(),
         )
 

@@ -9,6 +9,11 @@ frontend -> engine (the engine's PULL socket at its input address)
     ["add",     request_id, prompt_token_ids, params, arrival_time, priority, frontend_index]
     ["abort",   [request_id, ...]]
     ["query",   query_id, [request_id, ...], frontend_index]   where are these requests? (a STATUS answers)
+    ["pause",   state, query_id, frontend_index]       set the pause state (S13; a PAUSED answers)
+    ["session", request_id, prompt_token_ids, params, arrival_time, priority, frontend_index]
+                                                       an ADD that opens a streaming-input session (S15)
+    ["stream_input", request_id, token_ids, max_tokens, is_last]   a session's next segment
+    ["close_stream", request_id]                       end a session once its input is served
 
 engine -> frontend (a PUSH socket per frontend, connected to its output address)
     ["ready",     engine_index, model_info]
@@ -16,17 +21,19 @@ engine -> frontend (a PUSH socket per frontend, connected to its output address)
     ["outputs",   engine_index, columns, stats, [timing, ...]]
     ["failed",    engine_index, message]               the engine is about to exit on an error
     ["status",    engine_index, query_id, [status, ...]]   the answer to a QUERY, one status per id
+    ["paused",    engine_index, query_id, state]       the answer to a PAUSE: the state now in force
 
 ``params`` is a map of :class:`SamplingParams` fields; ``model_info`` and ``stats``
 are maps (:class:`ModelInfo`, :class:`EngineStats`). A step's outputs travel as
 ``columns`` (:class:`OutputBatch`), one row per request that progressed or ended:
-``[request_ids, token_offsets, token_ids, finish_reasons, num_cached_tokens, extras]``,
+``[request_ids, token_offsets, token_ids, finish_reasons, num_cached_tokens, extras, segment_ends]``,
 where ``token_offsets`` (``n + 1`` entries, CSR into ``token_ids``) and ``token_ids``
 are little-endian uint32 bytes, ``finish_reasons`` one byte per row (0 = still
 running, else a key of ``FINISH_REASONS``), ``num_cached_tokens`` little-endian int64
 per row (-1: nothing to report), and ``extras`` the few rows with more to say:
 ``[row, stop_reason, logprobs, error]``, ``logprobs`` ``nil`` or, per new token, a list
-of ``[token_id, logprob, rank]``. Columns because an engine step reports up to
+of ``[token_id, logprob, rank]``, and ``segment_ends`` the rows of streaming sessions that
+ended a segment and now wait for input (S15). Columns because an engine step reports up to
 thousands of rows: the engine packs them from its arrays without a Python object per
 row, and the frontend, which works per request anyway, expands them into one
 :class:`EngineCoreOutput` per row. A ``timing`` is ``[request_id, queue_time, ttft, e2e]``
@@ -71,6 +78,9 @@ class EngineCoreRequest:
     # without stop strings or logprobs), which then costs the engine nothing per step.
     # Not on the wire: a frontend always gets deltas.
     final_only: bool = False
+    # A streaming-input session (S15): after each segment it waits for STREAM_INPUT or CLOSE_STREAM
+    # instead of finishing. Sent as a SESSION message rather than an ADD.
+    streaming: bool = False
 
 
 @dataclass
@@ -84,6 +94,7 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, tuple[float, int]]] | None = None  # per token: id -> (logprob, rank)
     num_cached_tokens: int | None = None
     error: str | None = None  # why an ignored request could not run
+    segment_ended: bool = False  # a streaming session ended a segment: it waits for input (S15)
 
 
 _Logprobs = list[dict[int, tuple[float, int]]]
@@ -109,6 +120,7 @@ class OutputBatch:
     stop_reasons: dict[int, int | str] = field(default_factory=dict)  # row -> the stop token id that ended it
     logprobs: dict[int, _Logprobs] = field(default_factory=dict)  # row -> per new token: id -> (logprob, rank)
     errors: dict[int, str] = field(default_factory=dict)  # row -> why an ignored request could not run
+    segment_ends: set[int] = field(default_factory=set)  # rows of sessions that ended a segment (S15)
 
     @classmethod
     def empty(cls) -> OutputBatch:
@@ -133,6 +145,7 @@ class OutputBatch:
             stop_reasons={i: o.stop_reason for i, o in enumerate(outputs) if o.stop_reason is not None},
             logprobs={i: o.new_logprobs for i, o in enumerate(outputs) if o.new_logprobs is not None},
             errors={i: o.error for i, o in enumerate(outputs) if o.error is not None},
+            segment_ends={i for i, o in enumerate(outputs) if o.segment_ended},
         )
 
     def __len__(self) -> int:
@@ -152,6 +165,7 @@ class OutputBatch:
                 self.logprobs.get(i),
                 None if cached[i] < 0 else cached[i],
                 self.errors.get(i),
+                i in self.segment_ends,
             )
 
     def select(self, rows: np.ndarray) -> OutputBatch:
@@ -169,10 +183,11 @@ class OutputBatch:
             stop_reasons={new_row[r]: v for r, v in self.stop_reasons.items() if r in new_row},
             logprobs={new_row[r]: v for r, v in self.logprobs.items() if r in new_row},
             errors={new_row[r]: v for r, v in self.errors.items() if r in new_row},
+            segment_ends={new_row[r] for r in self.segment_ends if r in new_row},
         )
 
     def _has_extras(self) -> bool:
-        return bool(self.stop_reasons or self.logprobs or self.errors)
+        return bool(self.stop_reasons or self.logprobs or self.errors or self.segment_ends)
 
 
 def select_csr(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -196,6 +211,13 @@ OUTPUTS = "outputs"
 FAILED = "failed"
 QUERY = "query"
 STATUS = "status"
+PAUSE = "pause"
+PAUSED = "paused"
+SESSION = "session"
+STREAM_INPUT = "stream_input"
+CLOSE_STREAM = "close_stream"
+
+PAUSE_STATES = ("unpaused", "paused_new", "paused_all")  # the scheduler's states (S13)
 
 _PARAM_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
@@ -259,6 +281,10 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     # The engine process's resource use (fastsched.process_stats), sent with heartbeats only.
     process: dict[str, float] | None = None
+    # KV connector counters (engine.kv_connector.KVConnectorStats); empty without a connector.
+    kv_connector: dict[str, float] = field(default_factory=dict)
+    pause_state: str = "unpaused"  # one of PAUSE_STATES (S13)
+    num_waiting_for_streaming_input: int = 0  # sessions holding their slot and KV between segments (S15)
 
 
 @dataclass
@@ -348,7 +374,35 @@ class Status:
     statuses: list[EngineRequestStatus]
 
 
-Message = Union[Hello, AddRequest, Abort, Ready, Heartbeat, Outputs, Failed, Query, Status]
+@dataclass
+class Pause:
+    state: str  # one of PAUSE_STATES
+    query_id: int
+    frontend_index: int
+
+
+@dataclass
+class Paused:
+    engine_index: int
+    query_id: int
+    state: str
+
+
+@dataclass
+class StreamInput:
+    request_id: str
+    token_ids: list[int]
+    max_tokens: int
+    is_last: bool = False
+
+
+@dataclass
+class CloseStream:
+    request_id: str
+
+
+Message = Union[Hello, AddRequest, Abort, Ready, Heartbeat, Outputs, Failed, Query, Status, Pause, Paused,
+                StreamInput, CloseStream]
 
 
 # ------------------------------------------------------------------ encode
@@ -363,7 +417,7 @@ def _to_wire(msg: Message) -> list[Any]:
         return [HELLO, msg.frontend_index]
     if isinstance(msg, AddRequest):
         r = msg.request
-        return [ADD, r.request_id, list(r.prompt_token_ids), dataclasses.asdict(r.params), float(r.arrival_time),
+        return [SESSION if r.streaming else ADD, r.request_id, list(r.prompt_token_ids), dataclasses.asdict(r.params), float(r.arrival_time),
                 int(r.priority), msg.frontend_index]
     if isinstance(msg, Abort):
         return [ABORT, list(msg.request_ids)]
@@ -381,6 +435,14 @@ def _to_wire(msg: Message) -> list[Any]:
         return [QUERY, msg.query_id, list(msg.request_ids), msg.frontend_index]
     if isinstance(msg, Status):
         return [STATUS, msg.engine_index, msg.query_id, [dataclasses.asdict(s) for s in msg.statuses]]
+    if isinstance(msg, Pause):
+        return [PAUSE, msg.state, msg.query_id, msg.frontend_index]
+    if isinstance(msg, Paused):
+        return [PAUSED, msg.engine_index, msg.query_id, msg.state]
+    if isinstance(msg, StreamInput):
+        return [STREAM_INPUT, msg.request_id, list(msg.token_ids), msg.max_tokens, msg.is_last]
+    if isinstance(msg, CloseStream):
+        return [CLOSE_STREAM, msg.request_id]
     raise TypeError(f"not a protocol message: {type(msg).__name__}")
 
 
@@ -406,6 +468,7 @@ def _batch_to_wire(b: OutputBatch) -> list[Any]:
         b.finish_reasons.astype(np.uint8).tobytes(),
         b.num_cached_tokens.astype("<i8").tobytes(),
         extras,
+        sorted(b.segment_ends),
     ]
 
 
@@ -492,6 +555,33 @@ def _decode_add(request_id: Any, prompt: Any, params: Any, arrival: Any, priorit
     return AddRequest(request, _index(frontend, "frontend_index"))
 
 
+def _decode_session(request_id: Any, prompt: Any, params: Any, arrival: Any, priority: Any,
+                    frontend: Any) -> AddRequest:
+    msg = _decode_add(request_id, prompt, params, arrival, priority, frontend)
+    msg.request.streaming = True
+    return msg
+
+
+def _decode_pause(state: Any, query_id: Any, frontend: Any) -> Pause:
+    _check(state in PAUSE_STATES, f"pause state must be one of {PAUSE_STATES}, got {state!r}")
+    return Pause(state, _index(query_id, "query_id"), _index(frontend, "frontend_index"))
+
+
+def _decode_paused(engine_index: Any, query_id: Any, state: Any) -> Paused:
+    _check(state in PAUSE_STATES, f"pause state must be one of {PAUSE_STATES}, got {state!r}")
+    return Paused(_index(engine_index, "engine_index"), _index(query_id, "query_id"), state)
+
+
+def _decode_stream_input(request_id: Any, token_ids: Any, max_tokens: Any, is_last: Any) -> StreamInput:
+    _check(isinstance(is_last, bool), "is_last must be a bool")
+    return StreamInput(_str(request_id, "request_id"), _int_list(token_ids, "token_ids"),
+                       _index(max_tokens, "max_tokens"), is_last)
+
+
+def _decode_close_stream(request_id: Any) -> CloseStream:
+    return CloseStream(_str(request_id, "request_id"))
+
+
 def _decode_abort(request_ids: Any) -> Abort:
     _check(isinstance(request_ids, list), "request_ids must be an array")
     return Abort([_str(r, "request_id") for r in request_ids])
@@ -532,6 +622,8 @@ def _decode_stats(value: Any) -> EngineStats:
         elif f.name in ("scan_stops_total", "skips_total"):
             for key, count in _map(value, f"stats.{f.name}").items():
                 _index(count, f"stats.{f.name}[{_str(key, f'stats.{f.name} key')}]")
+        elif f.name == "pause_state":
+            _check(value in PAUSE_STATES, f"stats.pause_state must be one of {PAUSE_STATES}, got {value!r}")
         elif f.name == "last_scan_stop":
             _check(value is None or isinstance(value, str), "stats.last_scan_stop must be a string or nil")
         elif f.name == "iteration_tokens":
@@ -542,6 +634,9 @@ def _decode_stats(value: Any) -> EngineStats:
         elif f.name == "spec_decode_num_accepted_tokens_per_pos":
             _int_list(value, f"stats.{f.name}")
             _check(all(c >= 0 for c in value), f"stats.{f.name} must be non-negative")
+        elif f.name == "kv_connector":
+            for key, number in _map(value, "stats.kv_connector").items():
+                _float(number, f"stats.kv_connector[{_str(key, 'stats.kv_connector key')}]")
         elif f.name == "process":
             if value is not None:
                 for key, number in _map(value, "stats.process").items():
@@ -584,8 +679,8 @@ def _column(data: Any, dtype: str, length: int | None, what: str) -> np.ndarray:
 
 
 def _decode_batch(columns: Any) -> list[EngineCoreOutput]:
-    _check(isinstance(columns, list) and len(columns) == 6, "outputs must be an array of 6 columns")
-    request_ids, offsets_b, tokens_b, reasons_b, cached_b, extras = columns
+    _check(isinstance(columns, list) and len(columns) == 7, "outputs must be an array of 7 columns")
+    request_ids, offsets_b, tokens_b, reasons_b, cached_b, extras, segment_ends = columns
     _check(isinstance(request_ids, list), "request_ids must be an array")
     ids = [_str(r, "request_id") for r in request_ids]
     n = len(ids)
@@ -612,6 +707,9 @@ def _decode_batch(columns: Any) -> list[EngineCoreOutput]:
         _check(error is None or isinstance(error, str), "error must be a string or nil")
         out = outputs[row]
         out.stop_reason, out.new_logprobs, out.error = stop_reason, _decode_logprobs(logprobs), error
+    for row in _int_list(segment_ends, "segment_ends"):
+        _check(0 <= row < n, f"segment_ends row {row} is out of range")
+        outputs[row].segment_ended = True
     return outputs
 
 
@@ -673,5 +771,11 @@ _DECODERS = {
     FAILED: _decode_failed,
     QUERY: _decode_query,
     STATUS: _decode_status,
+    PAUSE: _decode_pause,
+    PAUSED: _decode_paused,
+    SESSION: _decode_session,
+    STREAM_INPUT: _decode_stream_input,
+    CLOSE_STREAM: _decode_close_stream,
 }
-_ARITY = {HELLO: 1, ADD: 6, ABORT: 1, READY: 2, HEARTBEAT: 2, OUTPUTS: 4, FAILED: 2, QUERY: 3, STATUS: 3}
+_ARITY = {HELLO: 1, ADD: 6, ABORT: 1, READY: 2, HEARTBEAT: 2, OUTPUTS: 4, FAILED: 2, QUERY: 3, STATUS: 3,
+          PAUSE: 3, PAUSED: 3, SESSION: 6, STREAM_INPUT: 4, CLOSE_STREAM: 1}

@@ -78,6 +78,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from fastsched.launcher.serve import ServeConfig, ServeError, serve
+    from fastsched.model_loader.tokenizer import resolve_chat_template
 
     config = ServeConfig(
         engine_config=engine_kwargs(args),
@@ -98,6 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_timeout=args.engine_timeout,
         ready_timeout=args.ready_timeout,
         served_model_name=args.served_model_name,
+        chat_template=resolve_chat_template(args.chat_template) if args.chat_template is not None else None,
         torch_num_threads=args.torch_num_threads,
         access_log=not args.disable_access_log,
         enable_log_requests=args.enable_log_requests,
@@ -145,6 +147,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) clients may send; responses and /v1/models use the first "
                         "(default: the checkpoint's directory or file name)")
+    n.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
+                   help="the Jinja chat template that renders chat requests (a file, or the template itself) "
+                        "instead of the checkpoint's")
     n.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
     n.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request when a frontend admits it (prompt, parameters) and when it ends")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -75,11 +76,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template (with the assistant prompt) to each conversation."""
+        """Applies the model's chat template to each conversation: with the assistant prompt,
+        or (``continue_final_message``) leaving the last message open for the model to go on."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=True, tokenize=True)
+            self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message, tokenize=True,
+                                               **(chat_template_kwargs or {}))
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

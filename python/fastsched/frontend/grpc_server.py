@@ -72,7 +72,17 @@ def sampling_params_from_proto(msg: Any, defaults: Mapping[str, Any] | None = No
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL_PARAMS if msg.HasField(name)})
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = _structured_outputs_from_proto(msg.structured_outputs)
     return SamplingParams(**kwargs)
+
+
+def _structured_outputs_from_proto(msg: Any) -> dict[str, Any]:
+    """The constraint as ``StructuredOutputsParams`` fields; an empty one raises ValueError there."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return {}
+    return {kind: list(msg.choice.values) if kind == "choice" else getattr(msg, kind)}
 
 
 def param_named_in(message: str) -> str:

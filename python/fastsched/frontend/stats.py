@@ -91,7 +91,8 @@ def _process_proto(msg: Any, stats: Mapping[str, float] | None) -> None:
 
 
 def _engine_extras(msg: Any, engine: Mapping[str, Any]) -> None:
-    """Iteration tokens, cache config, speculative decoding and process stats: per engine only, like the gates."""
+    """Iteration tokens, cache config, KV connector, speculative decoding and process stats: per engine
+    only, like the gates."""
     counts = engine.get("iteration_tokens")
     if counts:
         msg.iteration_tokens.CopyFrom(pb.Histogram(
@@ -99,6 +100,8 @@ def _engine_extras(msg: Any, engine: Mapping[str, Any]) -> None:
             sum=float(engine.get("iteration_tokens_sum", 0)), count=int(sum(counts))))
     for key, value in (engine.get("cache_config") or {}).items():
         msg.cache_config[key] = str(value)
+    for key, value in (engine.get("kv_connector") or {}).items():
+        msg.kv_connector[key] = float(value)
     per_pos = engine.get("spec_decode_num_accepted_tokens_per_pos")
     if per_pos:
         msg.spec_decode.CopyFrom(pb.SpecDecodeStats(

@@ -60,6 +60,17 @@ _LATENCY_HISTOGRAMS = {
 }
 _REQUEST_HISTOGRAMS = {**_LATENCY_HISTOGRAMS, **REQUEST_HISTOGRAMS}
 _PROCESS_COUNTERS = ("cpu_seconds_total",)
+# EngineStats.kv_connector key -> (metric name without the prefix and the _total suffix, help).
+KV_CONNECTOR_COUNTERS = {
+    "queries": ("kv_connector_queries", "Requests whose prompt was looked up in the KV connector's store."),
+    "hits": ("kv_connector_hits", "Requests that found at least one KV block in the connector's store."),
+    "blocks_loaded": ("kv_connector_blocks_loaded", "KV blocks loaded from the connector's store."),
+    "blocks_saved": ("kv_connector_blocks_saved", "KV blocks saved to the connector's store."),
+    "load_failures": ("kv_connector_load_failures",
+                      "KV blocks found in the store but missing or corrupt when loaded (computed instead)."),
+    "load_seconds": ("kv_connector_load_seconds", "Seconds spent reading and checking loaded KV blocks."),
+    "save_seconds": ("kv_connector_save_seconds", "Seconds spent writing saved KV blocks."),
+}
 
 NO_ENGINE = ""  # the engine label of a frontend's values that are not broken down by engine
 
@@ -147,6 +158,7 @@ def metric_families(stats: Sequence[Any], model_name: str = "", own_process: boo
     families.extend(_gate_families(engines, m))
     families.append(_prefill_throughput_family(engines, m))
     families.extend(_spec_decode_families(engines, m))
+    families.extend(_kv_connector_families(engines, m))
     families.extend(_process_families(stats, engines, own_process))
     return families
 
@@ -300,6 +312,18 @@ def _gate_families(engines: Sequence[Any], m: str) -> list[Metric]:
         for reason, count in sorted(e.skips_total.items()):
             skips.add_metric([m, engine, reason], count)
     return [stops, skips, last]
+
+
+def _kv_connector_families(engines: Sequence[Any], m: str) -> list[Metric]:
+    """The KV connector's counters (``--kv-transfer-config``), per engine that has one."""
+    families = []
+    for key, (name, doc) in KV_CONNECTOR_COUNTERS.items():
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "engine"])
+        for e in engines:
+            if key in e.kv_connector:
+                family.add_metric([m, str(e.engine_index)], e.kv_connector[key])
+        families.append(family)
+    return families
 
 
 def _process_families(stats: Sequence[Any], engines: Sequence[Any], own_process: bool) -> list[Metric]:

@@ -21,6 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fastsched.gateway import structured, tool_calls
+from fastsched.gateway.chat_template import template_options
+from fastsched.gateway.request_fields import FieldError
 from fastsched.limits import RequestLimits, check_finite, check_prompt_chars
 from fastsched.proto_gen import import_stubs
 
@@ -137,7 +140,9 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     echo: bool = False
+    chat_echo: str = ""  # chat with echo: the text put before the answer
     top_logprobs: int | None = None  # the number asked for; None = no logprobs
+    tool_calling: tool_calls.ToolCalling | None = None  # chat with tools
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -177,6 +182,12 @@ def _sampling_params(body: dict, max_tokens: int | None, limits: RequestLimits) 
             setattr(msg, name, value)
     if msg.HasField("n"):
         limits.check_n(msg.n)
+    try:
+        constraint = structured.structured_outputs_from_body(body)
+    except FieldError as e:
+        raise bad_request(str(e), e.param) from None
+    if constraint is not None:
+        msg.structured_outputs.CopyFrom(constraint)
     return msg
 
 
@@ -198,10 +209,12 @@ _SAMPLING_FIELDS = frozenset({
     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "include_stop_str_in_output", "skip_special_tokens", "priority", "logprobs",
     "logit_bias",  # refused when used
+    *structured.FIELDS,
 })
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "add_generation_prompt", "max_completion_tokens", "top_logprobs",
-                                  "tools", "tool_choice"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "add_generation_prompt", "continue_final_message",
+                                  "chat_template_kwargs", "echo", "max_completion_tokens", "top_logprobs", "tools",
+                                  "tool_choice"}
 # Accepted and ignored: they do not change the output, so refusing them would only break clients.
 # Each is logged once per process.
 IGNORED_FIELDS = {
@@ -305,8 +318,11 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     text is bounded first, as a completion prompt's (``parse_completion``)."""
     limits = limits or RequestLimits()
     check_fields(body, CHAT_FIELDS)
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad_request("tool_choice other than \"none\" is not supported by this server (no tools)", "tool_choice")
+    try:
+        tool_calling = tool_calls.tool_calling_from_body(body, getattr(tokenizer, "chat_template", None))
+        options = template_options(body)
+    except FieldError as e:
+        raise bad_request(str(e), e.param) from None
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise bad_request(f"messages must be a non-empty list of message objects, got {_short(messages)}",
@@ -315,14 +331,14 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     max_token_chars = getattr(tokenizer, "max_token_chars", None)
     if max_model_len is not None and max_token_chars is not None:
         check_prompt_chars(sum(len(m["content"]) for m in messages), max_model_len, max_token_chars, "messages")
-    add_generation_prompt = _get_bool(body, "add_generation_prompt", True)
+    if tool_calling is not None:
+        options["tools"] = tool_calling.tools
     try:
-        prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                        tokenize=True))
+        prompt_ids = list(tokenizer.apply_chat_template(tool_calls.template_messages(messages), tokenize=True,
+                                                        **options))
     except Exception as e:  # a template's raise_exception(), or no template at all
         raise bad_request(f"messages could not be rendered with the chat template: {e}", "messages") from e
     _unsupported(body, "logit_bias")
-    _unsupported(body, "tools")
     max_tokens = _get_int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _get_int(body, "max_tokens")
@@ -338,10 +354,28 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     sampling = _sampling_params(body, max_tokens, limits)
     if logprobs:
         sampling.logprobs = top_logprobs or 0
+    if tool_calling is not None and (forced := tool_calling.constraint()) is not None:
+        if sampling.HasField("structured_outputs"):
+            raise bad_request(f'tool_choice "{tool_calling.mode}" forces the output\'s shape: it cannot be combined '
+                              "with another output constraint", "tool_choice")
+        sampling.structured_outputs.CopyFrom(forced)
+    if tool_calling is not None and tool_calling.mode == "auto" and not sampling.HasField("skip_special_tokens"):
+        sampling.skip_special_tokens = False  # <tool_call> is a special token in Qwen's and Hermes' vocabularies
     stream, include_usage = _stream_flags(body)
+    echo = bool(_get_bool(body, "echo", False))
+    if echo and tool_calling is not None:
+        raise bad_request("echo with tools is not supported by this server", "echo")
     return ParsedRequest("chat", [prompt_ids], sampling, _get_int(body, "priority", 0), stream, include_usage,
+                         echo=echo, chat_echo=_chat_echo(messages, options["add_generation_prompt"]) if echo else "",
                          top_logprobs=(top_logprobs or 0) if logprobs else None,
-                         request_id=request_id)
+                         request_id=request_id, tool_calling=tool_calling)
+
+
+def _chat_echo(messages: list[dict], add_generation_prompt: bool) -> str:
+    """What ``echo`` puts before a chat answer, as vLLM does: the last message's content when
+    the answer continues its turn (the same role: assistant, or any without a new prompt)."""
+    last = messages[-1]
+    return last["content"] if not add_generation_prompt or last.get("role") == "assistant" else ""
 
 
 @dataclass
@@ -352,6 +386,8 @@ class _Choice:
     logprobs: list[Any] = field(default_factory=list)  # formatted entries (chat) or raw positions (completion)
     text_offset: int = 0
     started: bool = False
+    tool_stream: tool_calls.ToolCallStream | None = None  # chat with tools
+    tool_calls: list[dict] = field(default_factory=list)
 
 
 class ResponseFormatter:
@@ -371,6 +407,8 @@ class ResponseFormatter:
         return lp.decoded_token if lp.HasField("decoded_token") else self.tokenizer.decode([lp.token_id])
 
     def _prompt_text(self, prompt_index: int) -> str:
+        if self.req.kind == "chat":
+            return self.req.chat_echo
         prompt = self.req.prompts[prompt_index]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
@@ -399,11 +437,24 @@ class ResponseFormatter:
                 entry = {"index": index, "text": text, "logprobs": logprobs}
             else:
                 message = {"role": "assistant", "content": text} if first else {"content": text}
+                if self.req.tool_calling is not None:
+                    self._tool_call_delta(choice, message, delta.finish_reason)
                 entry = {"index": index, "delta": message, "logprobs": logprobs}
             entry["finish_reason"] = choice.finish_reason if delta.finish_reason else None
             entry["stop_reason"] = choice.stop_reason if delta.finish_reason else None
             entries.append(entry)
         return entries
+
+    def _tool_call_delta(self, choice: _Choice, message: dict, finished: bool) -> None:
+        """Holds back text that is (or may be) a tool call; the calls come with the last delta."""
+        if choice.tool_stream is None:
+            choice.tool_stream = tool_calls.ToolCallStream(self.req.tool_calling)
+        message["content"] = choice.tool_stream.feed(message["content"])
+        if finished:
+            rest, choice.tool_calls, choice.finish_reason = choice.tool_stream.finish(choice.finish_reason)
+            message["content"] += rest
+            if choice.tool_calls:
+                message["tool_calls"] = choice.tool_calls
 
     def _logprobs(self, choice: _Choice, delta: Any) -> dict:
         if self.req.kind == "chat":
@@ -467,6 +518,12 @@ class ResponseFormatter:
                                 for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
             if self.req.kind == "completion":
                 choice = {"index": index, "text": text, "logprobs": logprobs}
+            elif c.tool_calls:
+                auto = self.req.tool_calling.mode == "auto"
+                content = text[: text.find(tool_calls.TOOL_CALL_START)].strip() if auto else ""
+                calls = [{k: v for k, v in call.items() if k != "index"} for call in c.tool_calls]
+                choice = {"index": index, "message": {"role": "assistant", "content": content or None,
+                                                      "tool_calls": calls}, "logprobs": logprobs}
             else:
                 choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
             choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastsched.gateway.chat_template import template_options
 from fastsched.gateway.openai_protocol import bad_request
+from fastsched.gateway.request_fields import FieldError
 from fastsched.limits import RequestLimits, check_prompt_chars
 
 _COMMON = {"model"}
 _PROMPT_FIELDS = _COMMON | {"prompt", "add_special_tokens", "return_token_strs"}
-_CHAT_FIELDS = _COMMON | {"messages", "add_generation_prompt", "add_special_tokens", "return_token_strs",
-                          "chat_template_kwargs"}
+_CHAT_FIELDS = _COMMON | {"messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                          "return_token_strs", "chat_template_kwargs"}
 _DETOKENIZE_FIELDS = _COMMON | {"tokens"}
 
 
@@ -43,12 +45,12 @@ def tokenize(body: dict[str, Any], tokenizer: Any, max_model_len: int | None, li
         messages = body["messages"]
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise bad_request("messages must be a non-empty list of message objects", "messages")
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=_bool(body, "add_generation_prompt", True),
-                                                 tokenize=False, **kwargs)
+            options = template_options(body)
+        except FieldError as e:
+            raise bad_request(str(e), e.param) from None
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
         except (ValueError, TypeError) as e:
             raise bad_request(f"The chat template cannot render these messages: {e}", "messages") from None
         # The template writes the special tokens itself (as /v1/chat/completions tokenizes).

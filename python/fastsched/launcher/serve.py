@@ -110,6 +110,7 @@ class ServeConfig:
     engine_timeout: float = 5.0
     ready_timeout: float = 300.0
     served_model_name: list[str] | None = None  # clients may send any; the first is reported
+    chat_template: str | None = None  # --chat-template's text; None: the checkpoint's
     torch_num_threads: int | None = None
     access_log: bool = True
     enable_log_requests: bool = False
@@ -462,6 +463,8 @@ class Launcher:
         except Exception as e:
             model = info.model or "the default model"
             raise ServeError(f"the gateway cannot load the tokenizer of {model}: {e}") from e
+        if c.chat_template is not None:
+            tokenizer.chat_template = c.chat_template
         addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
         app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key, limits=c.limits)
         server = gateway_server(app, c.host, c.port, log_config=None, log_level=c.log_level.lower(),

@@ -21,6 +21,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import processors
 
 _GIL_FREE_ENCODE_CHARS = 4096  # texts longer than this are encoded without holding the GIL
+# Appended to the message left open by ``continue_final_message``: the rendered text is cut
+# where it appears, so whatever the template writes after a message is left out.
+_CONTINUE_MARK = "FASTSCHED_CONTINUE_FINAL_MESSAGE "
 
 
 class Tokenizer:
@@ -38,7 +41,7 @@ class Tokenizer:
         post-processor (GGUF files carry it as a flag); HF ``tokenizer.json`` files already add it."""
         self.backend = backend
         self.eos_token_ids = tuple(eos_token_ids)
-        self.chat_template = chat_template
+        self._chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
@@ -95,17 +98,31 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        """Replaces the checkpoint's template (``serve --chat-template``)."""
+        self._chat_template = template
+        self._compiled_template = None
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tokenize: bool = False,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """Render ``messages`` with the checkpoint's Jinja template, the way transformers does
         (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``bos_token``...).
 
+        ``continue_final_message`` leaves the last message open (no end-of-turn after it), for
+        the model to go on with it, as transformers does: the text is cut right after that
+        message's content (after its last non-space character when the template trims it).
         When tokenizing, special tokens are not added again: the template writes them.
         """
         if self.chat_template is None:
@@ -113,6 +130,10 @@ class Tokenizer:
                              "chat_template.jinja, or GGUF tokenizer.chat_template)")
         if self._compiled_template is None:
             self._compiled_template = _jinja_environment().from_string(self.chat_template)
+        if continue_final_message:
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise ValueError("continue_final_message needs a last message with text content")
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_MARK}]
         text = self._compiled_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -120,6 +141,12 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             **template_kwargs,
         )
+        if continue_final_message:
+            at = text.rfind(_CONTINUE_MARK.strip())
+            if at < 0:
+                raise ValueError("continue_final_message: the chat template does not write the last message's "
+                                 "content, so it cannot be left open")
+            text = text[:at] if text.startswith(_CONTINUE_MARK, at) else text[:at].rstrip()
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -140,3 +167,25 @@ def _jinja_environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def resolve_chat_template(value: str) -> str:
+    """``--chat-template``: a file's text when ``value`` names a file, else ``value`` itself
+    when it is a Jinja template; it must compile (a clear error at start-up, not per request)."""
+    try:
+        is_file = Path(value).is_file()
+    except OSError:  # a template can be longer than a file name may be
+        is_file = False
+    try:
+        template = Path(value).read_text() if is_file else None
+    except OSError as e:
+        raise ValueError(f"--chat-template {value}: cannot read it: {e}") from None
+    if template is None:
+        if "{{" not in value and "{%" not in value:
+            raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+        template = value
+    try:
+        _jinja_environment().from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template {value}: not a valid Jinja template: {e}") from None
+    return template

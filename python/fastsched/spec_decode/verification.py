@@ -39,6 +39,11 @@ class SpecStep:
         return self.num_drafts + 1
 
     @property
+    def first_positions(self) -> np.ndarray:
+        """Each request's first verified position, among all of them (the rows of the logits)."""
+        return np.cumsum(self.num_positions) - self.num_positions
+
+    @property
     def position_in_row(self) -> np.ndarray:
         """For each verified position, its index within its request's positions."""
         counts = self.num_positions

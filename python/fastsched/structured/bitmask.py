@@ -7,6 +7,8 @@ and unpacked by torch on the device."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
 import torch
 
@@ -41,3 +43,29 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: np.ndar
         return
     index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
     logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+
+
+class StepBitmask:
+    """The token bitmask of one step's constrained rows, which may be filled after the step
+    was launched: with async scheduling step N+1 is prepared before step N's tokens, which
+    its masks depend on, are known. The forward thread waits for it (:meth:`apply`) only
+    between the forward pass and sampling, so the masks are computed while the pass runs."""
+
+    def __init__(self, rows: np.ndarray, keys: np.ndarray) -> None:
+        self.rows = rows  # indices among the step's sampled rows (= rows of its logits)
+        self.keys = keys  # the matchers' keys (requests) of those rows
+        self._filled: Future[tuple[np.ndarray, np.ndarray]] = Future()
+
+    def fill(self, bitmask: np.ndarray, rows: np.ndarray) -> None:
+        """``bitmask[i]`` for logits row ``rows[i]`` (``rows``: the constrained rows still live).
+        The array is only read by :meth:`apply`, which runs before the next fill reuses it."""
+        self._filled.set_result((bitmask, rows))
+
+    def abandon(self) -> None:
+        """The step will never be sampled (a step before it failed): release the forward thread."""
+        if not self._filled.done():
+            self._filled.set_exception(RuntimeError("the step was abandoned before its token bitmask was filled"))
+
+    def apply(self, logits: torch.Tensor) -> None:
+        bitmask, rows = self._filled.result()
+        apply_token_bitmask(logits, bitmask, rows)

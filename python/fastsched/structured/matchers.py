@@ -4,11 +4,16 @@ constrained rows of a batch (filled in parallel by llguidance's executor, off th
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
+
+# Compiled grammars kept for reuse: the n completions of a request, and clients that send
+# the same schema again, start from a copy instead of compiling it once more.
+COMPILED_CACHE_SIZE = 128
 
 
 class StructuredOutputManager:
@@ -21,6 +26,7 @@ class StructuredOutputManager:
                                                 eos_token=list(eos_token_ids) or None)
         self._executor = llguidance.LLExecutor()
         self._matchers: dict[Hashable, llguidance.LLMatcher] = {}
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar text -> fresh matcher
         self._bitmask = llg_numpy.allocate_token_bitmask(1, vocab_size)
 
     def __contains__(self, key: Hashable) -> bool:
@@ -29,12 +35,25 @@ class StructuredOutputManager:
     def __len__(self) -> int:
         return len(self._matchers)
 
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher for a grammar of ``StructuredOutputsParams``; a grammar compiled
+        before (same text, so same hash) is copied, not compiled again. ``ValueError`` names
+        what does not compile."""
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self.tokenizer, grammar)
+            if compiled.is_error():
+                raise ValueError(f"structured output grammar does not compile: {compiled.get_error()}")
+            self._compiled[grammar] = compiled
+            if len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return compiled.deep_copy()
+
     def add(self, key: Hashable, grammar: str) -> None:
-        """Start a matcher for ``key`` (a request) from a grammar of ``StructuredOutputsParams``."""
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
-        if matcher.is_error():
-            raise ValueError(f"structured output grammar does not compile: {matcher.get_error()}")
-        self._matchers[key] = matcher
+        """Start a matcher for ``key`` (a request) from a grammar (see :meth:`compile`)."""
+        self._matchers[key] = self.compile(grammar)
 
     def remove(self, key: Hashable) -> None:
         self._matchers.pop(key, None)
@@ -46,6 +65,17 @@ class StructuredOutputManager:
         if not matcher.consume_tokens(list(tokens)):
             raise RuntimeError(f"structured output of {key!r} took a token its grammar forbids: "
                                f"{matcher.get_error()}")
+
+    def accept_each(self, keys: Sequence[Hashable], tokens: Sequence[int]) -> None:
+        """Advance each key's matcher by its one token (a step's tokens); a forbidden token
+        raises, as in :meth:`accept`. One call per matcher: llguidance's parallel
+        ``consume_token_par`` measured slower here (256 rows: ~3 ms against ~2 ms on 2 cores),
+        a token costing a few µs, less than handing it to a thread pool."""
+        matchers = self._matchers
+        for key, token in zip(keys, tokens):
+            if not matchers[key].consume_token(token):
+                raise RuntimeError(f"structured output of {key!r} took a token its grammar forbids: "
+                                   f"{matchers[key].get_error()}")
 
     def rollback(self, key: Hashable, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""

@@ -110,8 +110,8 @@ class InputBatch:
             self.row_of_handle = grown
         offsets = so.block_offsets
         for i in np.flatnonzero(so.kinds != KIND_CACHED).tolist():
-            row = self._free_rows.pop()
             handle = int(handles[i])
+            row = self._take_row(handle)
             self.row_of_handle[handle] = row
             tokens = tokens_of(handle)
             self.token_ids[row, : len(tokens)] = tokens
@@ -123,6 +123,21 @@ class InputBatch:
             blocks = so.block_ids[offsets[i] : offsets[i + 1]]
             self.block_table[row, : len(blocks)] = blocks
             self.num_blocks[row] = len(blocks)
+
+    def _take_row(self, handle: int) -> int:
+        """A free row for ``handle``. A streaming session coming back for its next segment
+        (S15) still holds its row: it moves to a fresh one when there is one, so that a write
+        reserved for the old row by a step still in flight (async scheduling) misses it."""
+        old = int(self.row_of_handle[handle])
+        if old < 0:
+            return self._free_rows.pop()
+        if not self._free_rows:
+            return old
+        row = self._free_rows.pop()
+        self.sampling.clear_row(old)
+        self._free_rows.append(old)
+        self.num_releases += 1
+        return row
 
     def _append_blocks(self, so: SchedulerOutput, rows: np.ndarray) -> None:
         """Running rows append the blocks added this step, all rows at once."""

@@ -23,6 +23,7 @@ from fastsched.attention import AttentionBackend, AttentionMetadata
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, to_device
 from fastsched.spec_decode import SpecStep, rejection_sample, verification_logprobs
+from fastsched.structured.bitmask import StepBitmask
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class PreparedStep:
     penalty_rows: np.ndarray
     penalty_src: np.ndarray
     spec: SpecStep | None = None  # the drafts this step verifies (speculative decoding)
+    # Structured outputs: the constrained rows' token bitmask, set by the engine after prepare().
+    bitmask: StepBitmask | None = None
 
 
 @dataclass
@@ -136,6 +139,21 @@ class ModelRunner:
         self._on_device = _array_to(device)
         # The tokens sampled by the last step executed, on the device: the next step's placeholders.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
+
+    def read_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
+        """Whole KV blocks, copied to the CPU: [n, layers, 2 (K, V), block_size, kv_heads, head_dim]
+        (what a KV connector saves)."""
+        index = torch.from_numpy(block_ids.astype(np.int64)).to(self.device)
+        # Each layer's [2, n, ...] slice, stacked to [layers, 2, n, ...], then blocks first.
+        blocks = torch.stack([kv[:, index] for kv in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)
+        return blocks.to("cpu").contiguous()
+
+    def write_blocks(self, block_ids: np.ndarray, blocks: torch.Tensor) -> None:
+        """Fills KV blocks with ``blocks`` as :meth:`read_blocks` returns them (a KV connector's load)."""
+        index = torch.from_numpy(block_ids.astype(np.int64)).to(self.device)
+        data = blocks.to(self.device, non_blocking=True)
+        for layer, kv in enumerate(self.kv_caches):
+            kv[:, index] = data[:, layer].transpose(0, 1)
 
     def prepare(
         self,
@@ -302,6 +320,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden).float()
         if step.spec is not None:
             return self._verify(step, logits, sampling)
+        if step.bitmask is not None:
+            step.bitmask.apply(logits)
         out = self.sampler(logits, sampling)
         self._last_sampled = out.sampled_token_ids
         if dev.type == "cpu":
@@ -322,6 +342,13 @@ class ModelRunner:
         spec = step.spec
         assert spec is not None
         on_device = self._on_device
+        if step.bitmask is not None:
+            # Constrained requests get no drafts (at most -1 placeholders, never accepted): only
+            # their first position can emit a token, so their mask applies there.
+            first = on_device(spec.first_positions)
+            masked = logits[first]
+            step.bitmask.apply(masked)
+            logits[first] = masked
         verified = rejection_sample(logits, sampling, on_device(spec.num_drafts), on_device(spec.draft_token_ids),
                                     generator=self.sampler.generator)
         logprobs = verification_logprobs(logits, sampling, verified)

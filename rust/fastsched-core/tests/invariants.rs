@@ -2,7 +2,7 @@
 //! streaming input and remote KV loads. The invariants are checked after
 //! every step, and every trace must drain completely once arrivals stop.
 
-use fastsched_core::connector::TestConnector;
+use fastsched_core::connector::{KvLoad, TestConnector};
 use fastsched_core::{
     Handle, ModelRunnerOutput, NewRequest, PauseState, Policy, ScanStop, Scheduler,
     SchedulerConfig, StreamInput,
@@ -121,12 +121,18 @@ struct Driver {
     ids: Vec<String>,
     sessions: Vec<String>,
     knobs: Knobs,
+    /// Engine-driven connector (half the connector cases): loads the
+    /// "engine" has not reported yet.
+    engine_loads: Option<Vec<KvLoad>>,
 }
 
 impl Driver {
     fn new(knobs: Knobs) -> Self {
         let mut s = Scheduler::new(knobs.cfg.clone()).expect("generated configs are valid");
-        if knobs.connector {
+        let engine_connector = knobs.connector && (knobs.seed >> 2) & 1 == 1;
+        if engine_connector {
+            s.use_engine_connector();
+        } else if knobs.connector {
             s.set_connector(Box::new(TestConnector::new(24, 2, knobs.cfg.block_size)));
         }
         Driver {
@@ -136,6 +142,7 @@ impl Driver {
             ids: Vec::new(),
             sessions: Vec::new(),
             knobs,
+            engine_loads: engine_connector.then(Vec::new),
         }
     }
 
@@ -169,7 +176,12 @@ impl Driver {
             req.streaming = true;
             self.sessions.push(id.clone());
         }
-        self.s.add_request(req).expect("valid request");
+        let h = self.s.add_request(req).expect("valid request");
+        if self.engine_loads.is_some() && self.rng.chance(50) {
+            let n = self.rng.below(prompt_len as u64 + 1) as usize;
+            // An ignored prompt has already ended.
+            let _ = self.s.set_external_tokens(h, n);
+        }
         self.ids.push(id);
     }
 
@@ -197,7 +209,65 @@ impl Driver {
     }
 
     /// One engine step with the S16 checks; returns whether it was idle.
+    /// The engine's side of an engine-driven connector: reports some loads
+    /// (whole, partial or failed) and checks what the scheduler hands out.
+    fn engine_connector_events(&mut self) {
+        let Some(mut loads) = self.engine_loads.take() else {
+            return;
+        };
+        for load in self.s.take_kv_loads().unwrap() {
+            let r = self.s.request(load.handle).unwrap();
+            let table = self.s.blocks_of(load.handle);
+            let end = load.first_block + load.block_ids.len();
+            assert!(!load.block_ids.is_empty());
+            assert_eq!(&table[load.first_block..end], &load.block_ids[..]);
+            assert_eq!(
+                &r.block_hashes[load.first_block..end],
+                &load.block_hashes[..]
+            );
+            assert!(
+                end * self.knobs.cfg.block_size < r.num_tokens(),
+                "the last token is loaded"
+            );
+            loads.push(load);
+        }
+        let bs = self.knobs.cfg.block_size;
+        let saved = self.s.take_cached_blocks();
+        let mut unique = saved.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), saved.len(), "a block listed twice for saving");
+        let mut i = 0;
+        while i < loads.len() {
+            if !self.rng.chance(40) {
+                i += 1;
+                continue;
+            }
+            let load = loads.swap_remove(i);
+            let n = load.block_ids.len();
+            let ok = if self.rng.chance(70) {
+                n
+            } else {
+                self.rng.below(n as u64 + 1) as usize
+            };
+            let live = self
+                .s
+                .finish_kv_load(load.handle, load.load_id, ok)
+                .unwrap();
+            if live {
+                let r = self.s.request(load.handle).unwrap();
+                assert_eq!(
+                    r.num_loaded_tokens >= (load.first_block + ok) * bs,
+                    true,
+                    "a finished load counts its loaded blocks"
+                );
+            }
+        }
+        self.engine_loads = Some(loads);
+    }
+
     fn step(&mut self) -> bool {
+        self.engine_connector_events();
         if !self.s.has_requests() {
             self.s.check_invariants().unwrap();
             return true;

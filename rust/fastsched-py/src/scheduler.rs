@@ -343,6 +343,81 @@ impl PyScheduler {
         )));
     }
 
+    /// Installs the engine-driven KV connector (S7 `remote_kv`): the engine
+    /// says what its store holds, runs the loads, reports them, saves blocks.
+    fn use_engine_connector(&mut self) {
+        self.inner.use_engine_connector();
+    }
+
+    /// Prefix-cache hashes of the full blocks of a request's tokens.
+    fn block_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        handle: Handle,
+    ) -> PyResult<Bound<'py, PyArray1<u64>>> {
+        Ok(PyArray1::from_slice(py, &self.live(handle)?.block_hashes))
+    }
+
+    /// The engine's store holds the KV of the first `num_tokens` prompt tokens.
+    fn set_external_tokens(&mut self, handle: Handle, num_tokens: usize) -> PyResult<()> {
+        self.inner
+            .set_external_tokens(handle, num_tokens)
+            .map_err(to_py)
+    }
+
+    /// Loads started since the last call: (load_id, handle, block_ids, block_hashes).
+    #[allow(clippy::type_complexity)]
+    fn take_kv_loads<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<
+        Vec<(
+            u64,
+            Handle,
+            Bound<'py, PyArray1<u32>>,
+            Bound<'py, PyArray1<u64>>,
+        )>,
+    > {
+        Ok(self
+            .inner
+            .take_kv_loads()
+            .map_err(to_py)?
+            .into_iter()
+            .map(|l| {
+                (
+                    l.load_id,
+                    l.handle,
+                    PyArray1::from_vec(py, l.block_ids),
+                    PyArray1::from_vec(py, l.block_hashes),
+                )
+            })
+            .collect())
+    }
+
+    /// Blocks that became full and cached since the last call: (block_ids, block_hashes).
+    fn take_cached_blocks<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyArray1<u32>>, Bound<'py, PyArray1<u64>>) {
+        let (ids, hashes): (Vec<u32>, Vec<u64>) =
+            self.inner.take_cached_blocks().into_iter().unzip();
+        (PyArray1::from_vec(py, ids), PyArray1::from_vec(py, hashes))
+    }
+
+    /// Ends a load with its first `num_loaded_blocks` blocks filled (fewer:
+    /// the rest is computed). False: the load is no longer live (aborted), so
+    /// its blocks must not be written.
+    fn finish_kv_load(
+        &mut self,
+        handle: Handle,
+        load_id: u64,
+        num_loaded_blocks: usize,
+    ) -> PyResult<bool> {
+        self.inner
+            .finish_kv_load(handle, load_id, num_loaded_blocks)
+            .map_err(to_py)
+    }
+
     fn set_async_scheduling(&mut self, on: bool) {
         self.inner.set_async_scheduling(on);
     }

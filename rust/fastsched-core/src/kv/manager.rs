@@ -70,6 +70,9 @@ pub struct KvCacheManager {
     counts: Vec<BlockCounts>,
     pub stats: PrefixCacheStats,
     scratch: Vec<u32>,
+    /// When set, every block `cache_blocks` registers, with its hash: the
+    /// full blocks a KV connector may save.
+    recorded: Option<Vec<(u32, u64)>>,
 }
 
 impl KvCacheManager {
@@ -88,7 +91,29 @@ impl KvCacheManager {
             counts: Vec::new(),
             stats: PrefixCacheStats::default(),
             scratch: Vec::new(),
+            recorded: None,
         }
+    }
+
+    /// Starts (or stops) recording the blocks `cache_blocks` registers.
+    pub fn record_cached_blocks(&mut self, on: bool) {
+        self.recorded = on.then(Vec::new);
+    }
+
+    /// The blocks registered since the last call, with their hashes.
+    pub fn take_recorded(&mut self) -> Vec<(u32, u64)> {
+        self.recorded
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// `cache_blocks` without recording: blocks whose KV came from the
+    /// connector's store, which has them already.
+    pub fn cache_blocks_unrecorded(&mut self, req: &Request, num_tokens: usize) {
+        let recorded = self.recorded.take();
+        self.cache_blocks(req, num_tokens);
+        self.recorded = recorded;
     }
 
     pub fn block_size(&self) -> usize {
@@ -327,6 +352,9 @@ impl KvCacheManager {
                 parent,
                 &req.token_ids[i * bs..(i + 1) * bs],
             );
+            if let Some(recorded) = self.recorded.as_mut() {
+                recorded.push((block, req.block_hashes[i]));
+            }
         }
         self.counts[h].num_cached = num_full as u32;
     }

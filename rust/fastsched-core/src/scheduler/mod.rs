@@ -6,6 +6,7 @@
 //! KV shortage), then admits waiting ones while slots, budget and KV last.
 
 mod invariants;
+mod kv_transfer;
 mod running;
 mod step;
 mod streaming;
@@ -221,6 +222,8 @@ pub struct Scheduler {
     in_flight: VecDeque<InFlightStep>,
     pause: PauseState,
     connector: Option<Box<dyn KvConnector>>,
+    /// The id of the next remote load started (`KvLoad::load_id`).
+    next_load_id: u64,
     async_scheduling: bool,
     interval: PrefillInterval,
     next_step_id: u64,
@@ -260,6 +263,7 @@ impl Scheduler {
             in_flight: VecDeque::new(),
             pause: PauseState::Unpaused,
             connector: None,
+            next_load_id: 0,
             async_scheduling: false,
             interval,
             next_step_id: 0,

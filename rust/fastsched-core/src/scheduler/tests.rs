@@ -1691,3 +1691,138 @@ fn s15_a_segment_stopped_inside_accepted_drafts_goes_on_from_its_last_token() {
     let (out, _) = step(&mut s);
     assert_eq!(out.num_scheduled_tokens, vec![3]);
 }
+
+// ------------------------------------------------------- S7 engine connector
+
+/// A scheduler with an engine-driven connector whose store holds the first
+/// `external` tokens of a 13-token request `remote`.
+fn engine_store(external: usize) -> (Scheduler, Handle) {
+    let mut s = sched(64);
+    s.use_engine_connector();
+    let h = add(&mut s, "remote", 13, 4);
+    s.set_external_tokens(h, external).unwrap();
+    (s, h)
+}
+
+#[test]
+fn s7_engine_connector_load_is_skipped_until_the_engine_reports_it() {
+    let (mut s, remote) = engine_store(100);
+    add(&mut s, "short", 3, 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.req_handles), vec!["short"]);
+    let loads = s.take_kv_loads().unwrap();
+    assert_eq!(loads.len(), 1);
+    let load = &loads[0];
+    // 12 of 13 tokens, whole blocks: never the last token.
+    assert_eq!((load.handle, load.first_block), (remote, 0));
+    assert_eq!(load.block_ids, s.blocks_of(remote)[..3].to_vec());
+    assert_eq!(
+        load.block_hashes,
+        s.request(remote).unwrap().block_hashes[..3].to_vec()
+    );
+    step(&mut s);
+    step(&mut s);
+    assert_eq!(
+        skips(&s, SkipReason::RemoteKv),
+        2,
+        "skipped while not reported"
+    );
+    assert!(s.finish_kv_load(remote, load.load_id, 3).unwrap());
+    let (out, _) = step(&mut s);
+    assert_eq!(scheduled(&s, &out), sv(&[("short", 1), ("remote", 1)]));
+    assert_eq!(out.num_cached_tokens[1], 12);
+    assert_eq!(skips(&s, SkipReason::RemoteKv), 2);
+}
+
+#[test]
+fn s7_engine_connector_failed_load_is_recomputed() {
+    let (mut s, remote) = engine_store(8);
+    step(&mut s);
+    let load = s.take_kv_loads().unwrap().remove(0);
+    assert_eq!(load.block_ids.len(), 2);
+    assert!(s.finish_kv_load(remote, load.load_id, 0).unwrap());
+    let (out, _) = step(&mut s);
+    assert_eq!(scheduled(&s, &out), sv(&[("remote", 13)]));
+    assert_eq!(out.num_cached_tokens[0], 0);
+    assert!(
+        s.take_kv_loads().unwrap().is_empty(),
+        "a failed load is not retried"
+    );
+}
+
+#[test]
+fn s7_engine_connector_partial_load_keeps_its_loaded_prefix() {
+    let (mut s, remote) = engine_store(12);
+    step(&mut s);
+    let load = s.take_kv_loads().unwrap().remove(0);
+    assert!(s.finish_kv_load(remote, load.load_id, 1).unwrap());
+    let (out, _) = step(&mut s);
+    assert_eq!(scheduled(&s, &out), sv(&[("remote", 9)]));
+    // Only the loaded block is cached until the rest is computed.
+    assert_eq!(
+        s.kv().pool.block_hash(load.block_ids[0]),
+        Some(load.block_hashes[0])
+    );
+}
+
+#[test]
+fn s7_engine_connector_loads_start_after_the_local_prefix_hit() {
+    let mut s = sched(64);
+    s.use_engine_connector();
+    let first = add(&mut s, "a", 13, 1);
+    step(&mut s); // caches the 3 full blocks of "a"
+    step(&mut s);
+    let mut p = prompt("a", 4);
+    p.extend(prompt("b", 13));
+    let h = s.add_request(NewRequest::new("b", p, 4)).unwrap();
+    s.set_external_tokens(h, 12).unwrap();
+    assert!(s.request(first).is_none_or(|r| r.is_finished()));
+    step(&mut s);
+    let load = s.take_kv_loads().unwrap().remove(0);
+    assert_eq!(
+        (load.first_block, load.block_ids.len()),
+        (1, 2),
+        "block 0 is a local hit"
+    );
+    assert!(s.finish_kv_load(h, load.load_id, 2).unwrap());
+    let (out, _) = step(&mut s);
+    assert_eq!(scheduled(&s, &out), sv(&[("b", 5)]));
+}
+
+#[test]
+fn s7_engine_connector_report_of_an_aborted_request_is_ignored() {
+    let (mut s, remote) = engine_store(12);
+    step(&mut s);
+    let load = s.take_kv_loads().unwrap().remove(0);
+    s.abort_request("remote");
+    assert!(!s.finish_kv_load(remote, load.load_id, 3).unwrap());
+    assert!(!s.finish_kv_load(remote, load.load_id + 1, 3).unwrap());
+}
+
+#[test]
+fn engine_connector_lists_each_newly_full_block_once_for_saving() {
+    let mut s = sched(64);
+    s.use_engine_connector();
+    let h = add(&mut s, "a", 9, 10);
+    step(&mut s); // 2 full prompt blocks
+    let hashes = s.request(h).unwrap().block_hashes.clone();
+    let blocks = s.blocks_of(h).to_vec();
+    assert_eq!(
+        s.take_cached_blocks(),
+        vec![(blocks[0], hashes[0]), (blocks[1], hashes[1])]
+    );
+    step(&mut s); // 10 tokens
+    assert_eq!(s.take_cached_blocks(), vec![]);
+    step(&mut s);
+    step(&mut s); // the 12th token is scheduled: block 2 is full
+    let hashes = s.request(h).unwrap().block_hashes.clone();
+    assert_eq!(s.take_cached_blocks(), vec![(s.blocks_of(h)[2], hashes[2])]);
+}
+
+#[test]
+fn engine_connector_calls_without_one_name_it() {
+    let mut s = sched(64);
+    let h = add(&mut s, "a", 9, 4);
+    let err = s.set_external_tokens(h, 8).unwrap_err();
+    assert!(err.to_string().contains("use_engine_connector"), "{err}");
+}

@@ -3,6 +3,7 @@
 
 use super::step::advance;
 use super::{PauseState, Scheduled, Scheduler, StepBudget, WhichQueue};
+use crate::connector::KvLoad;
 use crate::kv::manager::AllocRequest;
 use crate::kv::CacheHit;
 use crate::output::{ScheduledKind, SchedulerOutput};
@@ -180,7 +181,7 @@ impl Scheduler {
         }
         self.queue_mut(which).pop();
         if found.load_async {
-            self.start_remote_load(h, size.num_computed, &mut scan.deferred);
+            self.start_remote_load(h, &found, size.num_computed, &mut scan.deferred);
             return Admission::Skip;
         }
         self.admit(h, size, scan, out, rows, budget);
@@ -362,15 +363,26 @@ impl Scheduler {
     fn start_remote_load(
         &mut self,
         h: Handle,
+        found: &FoundKv,
         num_computed: usize,
         deferred: &mut Vec<(WhichQueue, QueueEntry)>,
     ) {
+        let first_block = found.hit.blocks.len();
+        let blocks = first_block..first_block + found.num_external / self.cfg.block_size;
+        let load = KvLoad {
+            load_id: self.next_load_id,
+            handle: h,
+            first_block,
+            block_ids: self.kv.blocks(h)[blocks.clone()].to_vec(),
+            block_hashes: self.req(h).block_hashes[blocks].to_vec(),
+        };
+        self.next_load_id += 1;
         let req = self.req_mut(h);
         req.status = RequestStatus::WaitingForRemoteKvs;
         req.num_loaded_tokens = num_computed;
         deferred.push((WhichQueue::KvHolding, QueueEntry::of(req)));
         if let Some(c) = self.connector.as_mut() {
-            c.start_load(h);
+            c.start_load(load);
         }
     }
 
@@ -496,6 +508,25 @@ impl Scheduler {
         self.num_preemptions_total += 1;
     }
 
+    /// A load that brought nothing: the request gives its blocks back and
+    /// waits again at the head of the waiting queue, not as a preemption.
+    pub(super) fn return_loading_kv(&mut self, h: Handle) {
+        self.kv_holding.remove(h);
+        self.kv.free(h);
+        let req = self.req_mut(h);
+        req.status = if req.num_preemptions > 0 {
+            RequestStatus::Preempted
+        } else {
+            RequestStatus::Waiting
+        };
+        req.num_loaded_tokens = 0;
+        let entry = QueueEntry::of(req);
+        self.waiting.prepend(entry);
+        if let Some(c) = self.connector.as_mut() {
+            c.request_finished(h);
+        }
+    }
+
     fn defer_head(
         &mut self,
         which: WhichQueue,
@@ -543,6 +574,6 @@ impl Scheduler {
         } else {
             RequestStatus::Waiting
         };
-        self.kv.cache_blocks(req, computed);
+        self.kv.cache_blocks_unrecorded(req, computed);
     }
 }

@@ -1,0 +1,94 @@
+"""``--kv-transfer-config``: the KV connector an engine uses, in vLLM's JSON shape.
+
+    {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+     "kv_connector_extra_config": {"shared_storage_path": "/mnt/kv"}}
+
+Parsed and checked here, where flags are read (no torch); the engine builds the connector
+from it (``fastsched.engine.kv_connector``). Every error names the field and the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+CONNECTORS = ("SharedStorageConnector",)
+# kv_producer saves full blocks, kv_consumer loads them, kv_both does both.
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+_FIELDS = ("kv_connector", "kv_role", "kv_connector_extra_config")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in CONNECTORS:
+            raise ValueError(f"kv_transfer_config.kv_connector must be one of {', '.join(CONNECTORS)}; "
+                             f"got {self.kv_connector!r}")
+        if self.kv_role not in ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(ROLES)}; got {self.kv_role!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config must be an object; "
+                             f"got {self.kv_connector_extra_config!r}")
+        path = self.kv_connector_extra_config.get("shared_storage_path")
+        if not isinstance(path, str) or not path:
+            raise ValueError("kv_transfer_config.kv_connector_extra_config.shared_storage_path must be a "
+                             f"non-empty string (the store's directory); got {path!r}")
+
+    @property
+    def shared_storage_path(self) -> str:
+        return self.kv_connector_extra_config["shared_storage_path"]
+
+    @property
+    def is_producer(self) -> bool:
+        """Saves the blocks it computes."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """Loads the blocks it finds in the store."""
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> KVTransferConfig:
+        unknown = sorted(set(value) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown fields {unknown}; known: {', '.join(_FIELDS)}")
+        if "kv_connector" not in value:
+            raise ValueError("kv_transfer_config.kv_connector is required")
+        return cls(**value)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVTransferConfig:
+        """The flag's value: a JSON object."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_transfer_config is not valid JSON ({e}): {text!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object; got {text!r}")
+        return cls.from_dict(value)
+
+    @classmethod
+    def of(cls, value: KVTransferConfig | dict[str, Any] | str) -> KVTransferConfig:
+        """From what ``LLM(kv_transfer_config=...)`` or a flag gives: the config, a dict or JSON."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if isinstance(value, str):
+            return cls.from_json(value)
+        raise ValueError(f"kv_transfer_config must be a JSON string or an object; got {value!r}")
+
+
+def parse_kv_transfer_config(text: str) -> KVTransferConfig:
+    """``--kv-transfer-config``'s type: argparse shows this error's text (it hides a ValueError's)."""
+    try:
+        return KVTransferConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
