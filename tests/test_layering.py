@@ -20,7 +20,7 @@ LAYERS = [
      "speculative_config", "kv_transfer", "config"),
     ("kernels", "sample"),
     ("attention",),
-    ("models",),
+    ("models", "lora"),
     ("model_loader",),
     ("spec_decode",),
     ("worker",),

@@ -35,6 +35,7 @@ SCHEDULER = "scheduler (docs/design.md §3)"
 KV_CACHE = "KV cache"
 ENGINE_LOOP = "engine loop"
 SPECULATIVE = "speculative decoding"
+LORA = "LoRA adapters (docs/lora.md)"
 DIAGNOSTICS = "diagnostics"
 
 
@@ -125,6 +126,18 @@ class EngineConfig:
                   '"kv_connector_extra_config":{"shared_storage_path":"/mnt/kv"}}\' (docs/scheduler.md, S7)',
         type=parse_kv_transfer_config, metavar="JSON"))
 
+    enable_lora: bool = field(default=False, metadata=_flag(
+        LORA, "serve PEFT LoRA adapters on top of the model, chosen per request"))
+    lora_modules: tuple[str, ...] = field(default=(), metadata=_flag(
+        LORA, "adapters to serve from the start, as NAME=PATH (a PEFT directory); the OpenAI `model` field "
+              "selects one by NAME", nargs="+", type=str, metavar="NAME=PATH"))
+    max_loras: int = field(default=1, metadata=_flag(
+        LORA, "adapters in one batch, each in a device slot (the scheduler skips a request whose adapter would "
+              "exceed it, S7)"))
+    max_lora_rank: int = field(default=16, metadata=_flag(LORA, "largest adapter rank accepted (slot size)"))
+    max_cpu_loras: int | None = field(default=None, metadata=_flag(
+        LORA, "adapters kept in CPU memory, least recently used evicted (default: --max-loras)"))
+
     log_stats_interval: float = field(default=5.0, metadata=_flag(
         DIAGNOSTICS, "seconds between engine stats log lines (0: off)"))
     step_trace: str | None = field(default=None, metadata=_flag(
@@ -150,6 +163,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.speculative_config is not None:
             self.speculative_config = parse_speculative_config(self.speculative_config)
+        self._check_lora()
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.of(self.kv_transfer_config)
             if not self.enable_prefix_caching:
@@ -157,6 +171,23 @@ class EngineConfig:
                                  "prefix-cache block hash); drop --no-enable-prefix-caching")
         if self.extra:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(self.extra))}")
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        self.lora_modules = tuple(self.lora_modules)
+        parse_lora_modules(self.lora_modules)
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+
+    @property
+    def lora_cpu_capacity(self) -> int:
+        """``max_cpu_loras``, defaulting to ``max_loras``."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -194,10 +225,25 @@ class EngineConfig:
     def scheduler_config(self, max_model_len: int, num_gpu_blocks: int) -> SchedulerConfig:
         scheduler_knobs = {f.name: getattr(self, f.name) for f in cli_fields() if f.metadata["group"] == SCHEDULER}
         scheduler_knobs.update(max_model_len=max_model_len, num_gpu_blocks=num_gpu_blocks,
-                               block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
+                               block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                               max_loras=self.max_loras if self.enable_lora else 0)
         if self.speculative_config is not None:
             scheduler_knobs["num_speculative_tokens"] = self.speculative_config.num_speculative_tokens
         return SchedulerConfig(**scheduler_knobs)
+
+
+def parse_lora_modules(specs: Iterable[str]) -> dict[str, str]:
+    """``["NAME=PATH", ...]`` (``--lora-modules``) -> ``{name: path}``; an entry without
+    ``=``, with an empty side, or a name given twice is an error naming it."""
+    modules: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules entry {spec!r} must be NAME=PATH")
+        if name in modules:
+            raise ValueError(f"lora_modules names adapter {name!r} twice")
+        modules[name] = path
+    return modules
 
 
 def cli_fields() -> list[Any]:

@@ -18,6 +18,8 @@ import pytest
 
 from fastsched import LLM, SamplingParams
 from fastsched.engine.protocol import EngineCoreRequest
+from fastsched.lora import LoRARequest
+from fastsched.tools.tiny_lora import make_tiny_lora
 from fastsched.tools.tiny_model import make_tiny_model
 
 K = 3
@@ -203,3 +205,20 @@ def test_constrained_requests_beside_speculated_ones_keep_their_grammar(tiny_mod
                                                                                           use_tqdm=False)])
     assert texts[1] == texts[0]
     assert llm.engine.spec_counters.num_accepted_tokens > 0
+
+
+def test_lora_requests_with_drafts_give_their_adapters_tokens_without(tiny_model_dir, repetitive_prompts,
+                                                                      tmp_path) -> None:
+    """The drafter knows nothing of adapters; verification runs the target with each row's
+    adapter, so a request's greedy tokens are its adapter's, drafts or not."""
+    adapter = make_tiny_lora(tiny_model_dir, tmp_path / "a", rank=8, seed=1)
+    lora = [LoRARequest("a", 1, str(adapter)), None, LoRARequest("a", 1, str(adapter))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = []
+    for spec in (None, ngram(), draft_model(tiny_model_dir)):
+        llm = make_llm(tiny_model_dir, spec, enable_lora=True, max_loras=2, max_lora_rank=8)
+        prompts = [repetitive_prompts[2], repetitive_prompts[2], repetitive_prompts[3]]
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+    assert tokens[1] == tokens[0] and tokens[2] == tokens[0]
+    assert tokens[0][0] != tokens[0][1]  # the adapter changes the output: it was applied

@@ -129,6 +129,7 @@ class FakeAsyncLLM:
         self.aborts: list[str] = []
         self.rejections: Counter[str] = Counter()
         self.finished = 0
+        self.loras = None  # serves no LoRA adapters
 
     def reset(self) -> None:
         self.reject, self.fail, self.healthy, self.token_delay = None, None, True, 0.0
@@ -137,7 +138,7 @@ class FakeAsyncLLM:
         return prompt
 
     def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 priority: int = 0) -> FakeStream:
+                 priority: int = 0, lora_request: None = None) -> FakeStream:
         prompt_ids = self._admit(request_id, prompt, params, priority)
         return FakeStream(self._stream(request_id, prompt, prompt_ids, params))
 

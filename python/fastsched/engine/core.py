@@ -45,6 +45,7 @@ from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.engine.structured_outputs import StructuredOutputs
 from fastsched.inputs import check_prompt
+from fastsched.lora.slots import LoRAManager
 from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.generation_defaults import load_generation_defaults
 from fastsched.model_loader.weights import load_model
@@ -83,6 +84,7 @@ class _RequestColumns:
         self.arrival_time = np.zeros(size, dtype=np.float64)
         self.first_scheduled_time = np.full(size, math.nan)
         self.first_token_time = np.full(size, math.nan)
+        self.lora_id = np.zeros(size, dtype=np.int64)  # 0: the base model
 
     def ensure(self, handle: int) -> None:
         """Grows every column (doubling) so that ``handle`` indexes it."""
@@ -133,6 +135,11 @@ class EngineCore:
         if device.type == "cuda" and config.num_gpu_blocks is None:
             peak = profile_peak_bytes(model, backend, config, dtype, device, self.max_model_len)
         num_blocks = determine_num_blocks(config, self.model_config, dtype, device, self.max_model_len, peak)
+        self.lora = None
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                    max_cpu_loras=config.lora_cpu_capacity, device=device, dtype=dtype,
+                                    kernel="triton" if device.type == "cuda" else "torch")
         self.scheduler = _core.Scheduler(config.scheduler_config(self.max_model_len, num_blocks))
         self.spec_counters = None if spec is None else SpecDecodingCounters(spec.num_speculative_tokens)
         # Drafts are proposed from the tokens a step accepts, so the next step cannot be
@@ -151,6 +158,7 @@ class EngineCore:
             device=device,
             dtype=dtype,
             seed=config.seed,
+            lora=self.lora,
         )
         self.scheduler.set_async_scheduling(async_scheduling)
         # One worker thread runs the forward passes in order (async scheduling); the
@@ -221,6 +229,7 @@ class EngineCore:
         # A constrained request ends where its grammar does, by the EOS the grammar then forces.
         ignore_eos = params.ignore_eos and grammar is None
         eos = None if ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
+        lora_id = self._lora_id(request)
         stop_ids = list(params.stop_token_ids or [])
         if not ignore_eos:
             stop_ids += [t for t in self.eos_token_ids[1:] if t not in stop_ids]
@@ -234,6 +243,7 @@ class EngineCore:
             ignore_eos=ignore_eos,
             priority=request.priority,
             arrival_time=request.arrival_time,
+            lora_id=lora_id,
             streaming=request.streaming,
         )
         c = self._columns
@@ -250,6 +260,7 @@ class EngineCore:
         c.cached_reported[handle] = False
         c.arrival_time[handle] = request.arrival_time
         c.first_scheduled_time[handle] = c.first_token_time[handle] = math.nan
+        c.lora_id[handle] = lora_id or 0
         generator = make_generator(params.seed, self.runner.device) if params.seed is not None else None
         eos_ids = () if ignore_eos else self.eos_token_ids
         self._row_states[handle] = RowState(params, n, eos_ids, generator)
@@ -259,6 +270,26 @@ class EngineCore:
         self.stats.on_arrival(n)
         if self.kv_transfer is not None:
             self.kv_transfer.on_add(handle)
+
+    def _lora_id(self, request: EngineCoreRequest) -> int | None:
+        """The scheduler's id of the request's adapter (S7, S8), registered (and read from
+        disk) the first time it is seen; None for the base model."""
+        lora = request.lora_request
+        if lora is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"request {request.request_id!r} names LoRA adapter {lora.name!r} but the engine was "
+                             "started without enable_lora")
+        self.lora.register(lora)
+        return lora.id
+
+    def lora_adapters_of(self, handles: Sequence[int]) -> list[str]:
+        """The names of the adapters the requests ``handles`` use, sorted (vLLM's
+        lora_requests_info labels)."""
+        if self.lora is None or not len(handles):
+            return []
+        ids = np.unique(self._columns.lora_id[np.asarray(handles, dtype=np.int64)])
+        return sorted(self.lora.name_of(int(i)) for i in ids if i > 0)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Frees the requests' blocks at once (S18); unknown or finished ids are ignored.
@@ -410,6 +441,8 @@ class EngineCore:
         prepared = self.runner.prepare(so, self.scheduler.token_ids, self._row_states.__getitem__)
         # Its token bitmask needs the tokens of the step before it: now, or once that one is collected.
         prepared.bitmask = self.structured.step_bitmask(prepared.sampled_handles, fill_now=first_in_flight)
+        if self.lora is not None and len(so):
+            prepared.lora = self.lora.plan(c.lora_id[so.req_handles], so.num_scheduled_tokens)
         future = None
         num_ending = 0
         if self._executor is not None:
@@ -505,6 +538,8 @@ class EngineCore:
             self.scheduler.update_from_tokens(np.full(len(s.so), -1, dtype=np.int64))
             if s.prepared is not None:
                 self.runner.abandon(s.prepared)
+        if self.lora is not None:
+            self.lora.forget_slots()  # a failed step may have planned copies it never made
 
     def _collect(self, eco: _core.EngineCoreOutputs, step: _Step, result: StepResult) -> OutputBatch:
         """The step's outputs as an OutputBatch, from the scheduler's arrays: numpy over all

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import zmq
 
-from fastsched.config import EngineConfig
+from fastsched.config import EngineConfig, parse_lora_modules
 from fastsched.engine import protocol
 from fastsched.engine.core import EngineCore
 from fastsched.engine.protocol import EngineCoreOutput, EngineStats, ModelInfo, OutputBatch, RequestTiming
@@ -141,6 +141,8 @@ def _build_engine(engine_config: dict[str, Any], torch_num_threads: int | None) 
         tokenizer=config.tokenizer,
         sampling_defaults=core.sampling_defaults,
         cache_config=_cache_config(config, sc),
+        lora_modules=parse_lora_modules(config.lora_modules) if config.enable_lora else None,
+        max_lora_rank=config.max_lora_rank,
     )
     return core, info
 
@@ -358,11 +360,20 @@ class _EngineLoop:
             prefill_tokens_per_s=self.core.prefill_meter.tokens_per_s,
             iteration_tokens=list(counters.iteration_tokens),
             iteration_tokens_sum=counters.iteration_tokens_sum,
+            **self._lora_stats(),
             kv_connector=self.core.kv_transfer.stats if self.core.kv_transfer is not None else {},
             pause_state=self.core.pause_state,
             num_waiting_for_streaming_input=s["num_waiting_for_streaming_input"],
             **self._spec_decode_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        core = self.core
+        if core.lora is None:
+            return {}
+        return {"running_lora_adapters": core.lora_adapters_of(core.scheduler.running_handles()),
+                "waiting_lora_adapters": core.lora_adapters_of(core.scheduler.waiting_handles()),
+                "max_lora": core.config.max_loras}
 
     def _spec_decode_stats(self) -> dict[str, object]:
         spec = self.core.spec_counters

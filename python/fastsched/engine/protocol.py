@@ -6,11 +6,11 @@ data. Every message is a msgpack array whose first element is its tag:
 
 frontend -> engine (the engine's PULL socket at its input address)
     ["hello",   frontend_index]                       ask for READY (a late or restarted frontend)
-    ["add",     request_id, prompt_token_ids, params, arrival_time, priority, frontend_index]
+    ["add",     request_id, prompt_token_ids, params, arrival_time, priority, frontend_index, lora]
     ["abort",   [request_id, ...]]
     ["query",   query_id, [request_id, ...], frontend_index]   where are these requests? (a STATUS answers)
     ["pause",   state, query_id, frontend_index]       set the pause state (S13; a PAUSED answers)
-    ["session", request_id, prompt_token_ids, params, arrival_time, priority, frontend_index]
+    ["session", request_id, prompt_token_ids, params, arrival_time, priority, frontend_index, lora]
                                                        an ADD that opens a streaming-input session (S15)
     ["stream_input", request_id, token_ids, max_tokens, is_last]   a session's next segment
     ["close_stream", request_id]                       end a session once its input is served
@@ -23,7 +23,8 @@ engine -> frontend (a PUSH socket per frontend, connected to its output address)
     ["status",    engine_index, query_id, [status, ...]]   the answer to a QUERY, one status per id
     ["paused",    engine_index, query_id, state]       the answer to a PAUSE: the state now in force
 
-``params`` is a map of :class:`SamplingParams` fields; ``model_info`` and ``stats``
+``params`` is a map of :class:`SamplingParams` fields, ``lora`` ``nil`` or the request's
+adapter as ``[name, id, path]`` (:class:`LoRARequest`); ``model_info`` and ``stats``
 are maps (:class:`ModelInfo`, :class:`EngineStats`). A step's outputs travel as
 ``columns`` (:class:`OutputBatch`), one row per request that progressed or ended:
 ``[request_ids, token_offsets, token_ids, finish_reasons, num_cached_tokens, extras, segment_ends]``,
@@ -58,6 +59,7 @@ import msgpack
 import numpy as np
 
 from fastsched._core import FINISH_REASONS
+from fastsched.lora.request import LoRARequest
 from fastsched.sampling_params import SamplingParams
 
 FINISH_CODES = {reason: code for code, reason in FINISH_REASONS.items()}
@@ -78,6 +80,7 @@ class EngineCoreRequest:
     # without stop strings or logprobs), which then costs the engine nothing per step.
     # Not on the wire: a frontend always gets deltas.
     final_only: bool = False
+    lora_request: LoRARequest | None = None  # the adapter to apply, None: the base model
     # A streaming-input session (S15): after each segment it waits for STREAM_INPUT or CLOSE_STREAM
     # instead of finishing. Sent as a SESSION message rather than an ADD.
     streaming: bool = False
@@ -244,6 +247,10 @@ class ModelInfo:
     # The KV cache's configuration as text (block_size, num_gpu_blocks, enable_prefix_caching, ...):
     # the labels of the metric cache_config_info, as vLLM's.
     cache_config: dict[str, str] = field(default_factory=dict)
+    # LoRA (--enable-lora): the adapters to serve from the start (--lora-modules, name -> path)
+    # and the largest rank accepted; None: the engine serves no adapters.
+    lora_modules: dict[str, str] | None = None
+    max_lora_rank: int = 0
 
 
 # Upper bounds of EngineStats.iteration_tokens' buckets: vLLM's for vllm:iteration_tokens_total.
@@ -281,6 +288,11 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     # The engine process's resource use (fastsched.process_stats), sent with heartbeats only.
     process: dict[str, float] | None = None
+    # LoRA (vLLM's lora_requests_info): the adapters (names) of running and of waiting
+    # requests, and max_loras; 0: the engine serves no adapters.
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    max_lora: int = 0
     # KV connector counters (engine.kv_connector.KVConnectorStats); empty without a connector.
     kv_connector: dict[str, float] = field(default_factory=dict)
     pause_state: str = "unpaused"  # one of PAUSE_STATES (S13)
@@ -417,8 +429,8 @@ def _to_wire(msg: Message) -> list[Any]:
         return [HELLO, msg.frontend_index]
     if isinstance(msg, AddRequest):
         r = msg.request
-        return [SESSION if r.streaming else ADD, r.request_id, list(r.prompt_token_ids), dataclasses.asdict(r.params), float(r.arrival_time),
-                int(r.priority), msg.frontend_index]
+        return [SESSION if r.streaming else ADD, r.request_id, list(r.prompt_token_ids), dataclasses.asdict(r.params),
+                float(r.arrival_time), int(r.priority), msg.frontend_index, _lora_to_wire(r.lora_request)]
     if isinstance(msg, Abort):
         return [ABORT, list(msg.request_ids)]
     if isinstance(msg, Ready):
@@ -541,7 +553,19 @@ def _decode_hello(frontend_index: Any) -> Hello:
     return Hello(_index(frontend_index, "frontend_index"))
 
 
-def _decode_add(request_id: Any, prompt: Any, params: Any, arrival: Any, priority: Any, frontend: Any) -> AddRequest:
+def _lora_to_wire(lora: LoRARequest | None) -> list[Any] | None:
+    return None if lora is None else [lora.name, lora.id, lora.path]
+
+
+def _decode_lora(value: Any) -> LoRARequest | None:
+    if value is None:
+        return None
+    _check(isinstance(value, list) and len(value) == 3, "lora must be nil or [name, id, path]")
+    return LoRARequest(_str(value[0], "lora name"), _int(value[1], "lora id"), _str(value[2], "lora path"))
+
+
+def _decode_add(request_id: Any, prompt: Any, params: Any, arrival: Any, priority: Any, frontend: Any,
+                lora: Any) -> AddRequest:
     params = _map(params, "params")
     unknown = set(params) - _PARAM_FIELDS
     _check(not unknown, f"unknown sampling parameters: {', '.join(sorted(map(str, unknown)))}")
@@ -551,13 +575,14 @@ def _decode_add(request_id: Any, prompt: Any, params: Any, arrival: Any, priorit
         SamplingParams(**params),
         _float(arrival, "arrival_time"),
         _int(priority, "priority"),
+        lora_request=_decode_lora(lora),
     )
     return AddRequest(request, _index(frontend, "frontend_index"))
 
 
 def _decode_session(request_id: Any, prompt: Any, params: Any, arrival: Any, priority: Any,
-                    frontend: Any) -> AddRequest:
-    msg = _decode_add(request_id, prompt, params, arrival, priority, frontend)
+                    frontend: Any, lora: Any) -> AddRequest:
+    msg = _decode_add(request_id, prompt, params, arrival, priority, frontend, lora)
     msg.request.streaming = True
     return msg
 
@@ -634,6 +659,10 @@ def _decode_stats(value: Any) -> EngineStats:
         elif f.name == "spec_decode_num_accepted_tokens_per_pos":
             _int_list(value, f"stats.{f.name}")
             _check(all(c >= 0 for c in value), f"stats.{f.name} must be non-negative")
+        elif f.name in ("running_lora_adapters", "waiting_lora_adapters"):
+            _check(isinstance(value, list), f"stats.{f.name} must be an array")
+            for name in value:
+                _str(name, f"stats.{f.name} entry")
         elif f.name == "kv_connector":
             for key, number in _map(value, "stats.kv_connector").items():
                 _float(number, f"stats.kv_connector[{_str(key, 'stats.kv_connector key')}]")
@@ -777,5 +806,5 @@ _DECODERS = {
     STREAM_INPUT: _decode_stream_input,
     CLOSE_STREAM: _decode_close_stream,
 }
-_ARITY = {HELLO: 1, ADD: 6, ABORT: 1, READY: 2, HEARTBEAT: 2, OUTPUTS: 4, FAILED: 2, QUERY: 3, STATUS: 3,
-          PAUSE: 3, PAUSED: 3, SESSION: 6, STREAM_INPUT: 4, CLOSE_STREAM: 1}
+_ARITY = {HELLO: 1, ADD: 7, ABORT: 1, READY: 2, HEARTBEAT: 2, OUTPUTS: 4, FAILED: 2, QUERY: 3, STATUS: 3,
+          PAUSE: 3, PAUSED: 3, SESSION: 7, STREAM_INPUT: 4, CLOSE_STREAM: 1}

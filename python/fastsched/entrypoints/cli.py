@@ -14,6 +14,7 @@ from pathlib import Path
 from fastsched.config import add_engine_args, engine_kwargs
 from fastsched.frontend.cli_args import add_admission_limit_args
 from fastsched.limits import add_request_limit_args, request_limits
+from fastsched.lora.request import TARGET_MODULES
 from fastsched.units import parse_count
 
 API_KEY_ENV = "FASTSCHED_API_KEY"  # as vLLM's VLLM_API_KEY: a key kept out of argv (/proc/PID/cmdline)
@@ -73,6 +74,15 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
     path = make_tiny_model(args.dir, seed=args.seed)
     print(f"wrote a random-weight Llama checkpoint to {path}")
+    return 0
+
+
+def cmd_make_tiny_lora(args: argparse.Namespace) -> int:
+    from fastsched.tools.tiny_lora import make_tiny_lora
+
+    path = make_tiny_lora(args.base_dir, args.out_dir, rank=args.rank, seed=args.seed,
+                          target_modules=args.target_modules)
+    print(f"wrote a random rank-{args.rank} LoRA adapter (PEFT format) for {args.base_dir} to {path}")
     return 0
 
 
@@ -270,6 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", help="directory to write")
     tiny.add_argument("--seed", type=int, default=0, help="weights and tokenizer seed")
     tiny.set_defaults(func=cmd_make_tiny_model)
+
+    tiny_lora = sub.add_parser("make-tiny-lora", help="write a random LoRA adapter (PEFT format) for a checkpoint",
+                               description="Write a seeded random LoRA adapter in PEFT's format "
+                                           "(adapter_config.json + adapter_model.safetensors) for the HF "
+                                           "checkpoint in BASE_DIR; both halves are random, so it changes outputs.")
+    tiny_lora.add_argument("base_dir", help="the base model's HF directory")
+    tiny_lora.add_argument("out_dir", help="directory to write")
+    tiny_lora.add_argument("--rank", type=int, default=8, help="LoRA rank r")
+    tiny_lora.add_argument("--seed", type=int, default=0, help="weights seed")
+    tiny_lora.add_argument("--target-modules", nargs="+", default=list(TARGET_MODULES), choices=TARGET_MODULES,
+                           help="projections to adapt")
+    tiny_lora.set_defaults(func=cmd_make_tiny_lora)
 
     version = sub.add_parser("version", help="print the version", description="Print the version.")
     version.set_defaults(func=cmd_version)

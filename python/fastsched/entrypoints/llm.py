@@ -12,6 +12,7 @@ from fastsched.config import EngineConfig
 from fastsched.engine.core import EngineCore
 from fastsched.frontend.output_processor import OutputProcessor
 from fastsched.inputs import InputProcessor, PromptType, child_request_ids
+from fastsched.lora.request import LoRARequest
 from fastsched.model_loader import load_tokenizer
 from fastsched.outputs import CompletionOutput, RequestOutput
 from fastsched.sampling_params import SamplingParams
@@ -39,8 +40,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (text, or a list of token ids); outputs in input order."""
+        """Generates for every prompt (text, or a list of token ids); outputs in input order.
+
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); needs ``LLM(..., enable_lora=True)``."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:  # the model's generation config, as vLLM's LLM does
             sampling_params = SamplingParams(**self.engine.sampling_defaults)
@@ -53,12 +58,19 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; "
                     "pass one, or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(f"got {len(lora_list)} lora_request for {len(prompt_list)} prompts; "
+                                 "pass one, or one per prompt")
         processor = OutputProcessor(self.tokenizer, stream=False)
         results: list[RequestOutput] = []
         added: list[str] = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
-                results.append(self._add(prompt, params, processor, added))
+            for prompt, params, lora in zip(prompt_list, params_list, lora_list):
+                results.append(self._add(prompt, params, lora, processor, added))
         except BaseException:
             self.engine.abort_requests(added)
             self._drain()  # no step has run yet, so this one only reports the aborts
@@ -94,7 +106,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add(
-        self, prompt: PromptType, params: SamplingParams, processor: OutputProcessor, added: list[str]
+        self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None, processor: OutputProcessor,
+        added: list[str],
     ) -> RequestOutput:
         text, token_ids = self.inputs.tokenize(prompt, params)
         request_id = str(next(self._ids))
@@ -106,6 +119,7 @@ class LLM:
             # Text is only looked at by stop strings before the end, and logprobs come per
             # token: anything else is reported once, when it finishes (no per-step cost).
             request.final_only = not request.params.stop and request.params.logprobs is None
+            request.lora_request = lora
             self.engine.add_request(request)
             added.append(request.request_id)
             processor.add_request(request.request_id, parent, i, request.params)

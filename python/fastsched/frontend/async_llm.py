@@ -46,12 +46,14 @@ from fastsched.frontend.admission import (
     SharedInFlightCounter,
     TtftSloError,
 )
+from fastsched.frontend.lora_registry import LoRARegistry
 from fastsched.frontend.output_processor import OutputProcessor
 from fastsched.frontend.request_log import RequestLogger
 from fastsched.frontend.request_metrics import EngineRequestMetrics
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
 from fastsched.inputs import InputProcessor, PromptType, TokenizedText, child_params, child_request_ids
 from fastsched.limits import INLINE_TOKENIZE_CHARS, RequestLimits
+from fastsched.lora.request import LoRARequest
 from fastsched.model_loader import Tokenizer, load_tokenizer
 from fastsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from fastsched.sampling_params import SamplingParams
@@ -125,6 +127,7 @@ class _RequestState:
     timings: dict[str, tuple[float | None, float | None, float | None]] = field(default_factory=dict)
     # What the previous snapshot contained, per completion: text, tokens, logprobs, finished.
     sent: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    lora_name: str | None = None  # its adapter, counted against an unload (LoRARegistry)
 
     def snapshot(self) -> StreamOutput:
         parent, deltas, outputs = self.parent, [], []
@@ -300,6 +303,7 @@ class AsyncLLM:
         self._started = False
         self._closed = False
         self._tasks: list[asyncio.Task[None]] = []
+        self.loras: LoRARegistry | None = None  # adapters by name, when the engines serve LoRA
 
     @classmethod
     async def start(
@@ -375,6 +379,8 @@ class AsyncLLM:
                 raise RuntimeError(f"engine {e.index} serves {e.info} but engine 0 serves {first}")
         self.tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, first.tokenizer or first.model)
         self._inputs = InputProcessor(self.tokenizer, first.max_model_len, first.vocab_size)
+        if first.lora_modules is not None:
+            self.loras = LoRARegistry.from_modules(first.lora_modules, first.max_lora_rank, self._num_requests_using)
         now = time.monotonic()
         for e in self._engines:
             e.last_seen = now
@@ -405,6 +411,7 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Admit and send one request; returns its stream (see the module docstring).
 
@@ -414,7 +421,8 @@ class AsyncLLM:
         take, A4), :class:`AdmissionError` (A1–A3), :class:`EngineDeadError` (no engine
         alive, fault tolerance off). Iterating raises :class:`EngineDeadError` if its
         engine dies and ``ValueError`` if the engine refuses the prompt (docs/design.md §4:
-        ignored, e.g. longer than the whole KV pool).
+        ignored, e.g. longer than the whole KV pool). ``lora_request``: the adapter every
+        child runs with (see :attr:`loras`), None for the base model.
         """
         self._check_started()
         params = params or SamplingParams()
@@ -437,12 +445,14 @@ class AsyncLLM:
             raise
         engine = min(healthy, key=lambda e: (e.num_in_flight, e.index))  # least loaded; ties: lowest index
         state = self._register(request_id, text, token_ids, params, engine)
+        state.lora_name = None if lora_request is None else lora_request.name
         if self.request_logger is not None:
             self.request_logger.received(request_id, text, token_ids, params, priority)
         requests = InputProcessor.engine_requests(
             state.child_ids, token_ids, params, state.metrics.arrival_time, priority)
         try:
             for request in requests:
+                request.lora_request = lora_request
                 self._send(engine, protocol.encode(protocol.AddRequest(request, self.frontend_index)))
         except BaseException:
             self._drop(state)
@@ -468,6 +478,9 @@ class AsyncLLM:
         self._requests[request_id] = state
         engine.num_in_flight += params.n
         return state
+
+    def _num_requests_using(self, lora_name: str) -> int:
+        return sum(1 for state in self._requests.values() if state.lora_name == lora_name)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request: the engine frees its KV blocks; its stream ends with a final

@@ -43,8 +43,10 @@ from google.protobuf import json_format
 
 from fastsched.frontend.admission import ENGINE_FAULTED, AdmissionError
 from fastsched.frontend.async_llm import CompletionDelta, StreamOutput
+from fastsched.frontend.lora_registry import LoRAInUseError, LoRANotFoundError, LoRARegistry
 from fastsched.frontend.stats import LatencyHistograms, stats_to_proto
 from fastsched.limits import RequestLimits
+from fastsched.lora.request import LoRARequest
 from fastsched.outputs import RequestOutput
 from fastsched.proto_gen import import_stubs
 from fastsched.rpc import AUTHORIZATION_KEY, INVALID_PARAM_KEY, MESSAGE_SIZE_OPTIONS, REJECTION_REASON_KEY
@@ -193,11 +195,11 @@ class FrontendServicer(pb_grpc.FrontendServicer):
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
-            prompt, params = self._parse(request)
+            prompt, params, lora = self._parse(request)
             prompt = await self.async_llm.prepare_prompt(prompt)
             # AsyncLLM checks and admits when called: a rejection or a bad prompt ends the
             # call here, before any response, and leaves no request behind (A5).
-            stream = self.async_llm.generate(request_id, prompt, params, request.priority)
+            stream = self.async_llm.generate(request_id, prompt, params, request.priority, lora)
         except AdmissionError as e:
             await self._abort_unavailable(context, e.reason)
         except ValueError as e:
@@ -232,10 +234,13 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         logger.error("request %s failed", request_id, exc_info=error)
         await context.abort(grpc.StatusCode.INTERNAL, f"request {request_id} failed: {error}")
 
-    def _parse(self, request: Any) -> tuple[str | list[int], SamplingParams]:
+    def _parse(self, request: Any) -> tuple[str | list[int], SamplingParams, LoRARequest | None]:
+        lora = None
         if request.model:
             served = model_info_dict(self.async_llm.model_info())["model"]
-            if request.model != served:
+            loras = self.async_llm.loras
+            lora = None if loras is None else loras.get(request.model)
+            if request.model != served and lora is None:
                 raise _NotFound(f"The model `{request.model}` does not exist; this frontend serves `{served}`.")
         info = self.async_llm.model_info()
         defaults = info.get("sampling_defaults") if isinstance(info, Mapping) else info.sampling_defaults
@@ -243,7 +248,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         kind = request.WhichOneof("input")
         if kind is None:
             raise ValueError("prompt is required: set `text` or `token_ids`")
-        return (request.text if kind == "text" else list(request.token_ids.ids)), params
+        return (request.text if kind == "text" else list(request.token_ids.ids)), params, lora
 
     @staticmethod
     async def _abort_invalid(context: grpc.aio.ServicerContext, error: ValueError) -> None:
@@ -265,6 +270,35 @@ class FrontendServicer(pb_grpc.FrontendServicer):
 
     async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return pb.ModelInfoResponse(**model_info_dict(self.async_llm.model_info()))
+
+    async def ListLoRAAdapters(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        loras = self.async_llm.loras
+        adapters = [] if loras is None else loras.adapters()
+        return pb.ListLoRAAdaptersResponse(adapters=[pb.LoRAAdapter(name=a.name, path=a.path) for a in adapters])
+
+    async def LoadLoRAAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            await asyncio.to_thread(self._loras().load, request.lora_name, request.lora_path)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.LoadLoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._loras().unload(request.lora_name)
+        except LoRANotFoundError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except LoRAInUseError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.UnloadLoRAAdapterResponse()
+
+    def _loras(self) -> LoRARegistry:
+        loras = self.async_llm.loras
+        if loras is None:
+            raise ValueError("LoRA is not enabled on this server (start it with --enable-lora)")
+        return loras
 
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return stats_to_proto(self.async_llm.stats(), self.latencies)

@@ -100,6 +100,9 @@ def _engine_extras(msg: Any, engine: Mapping[str, Any]) -> None:
             sum=float(engine.get("iteration_tokens_sum", 0)), count=int(sum(counts))))
     for key, value in (engine.get("cache_config") or {}).items():
         msg.cache_config[key] = str(value)
+    msg.running_lora_adapters.extend(engine.get("running_lora_adapters") or ())
+    msg.waiting_lora_adapters.extend(engine.get("waiting_lora_adapters") or ())
+    msg.max_lora = int(engine.get("max_lora") or 0)
     for key, value in (engine.get("kv_connector") or {}).items():
         msg.kv_connector[key] = float(value)
     per_pos = engine.get("spec_decode_num_accepted_tokens_per_pos")

@@ -60,6 +60,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from fastsched.frontend.admission import ENGINE_FAULTED
 from fastsched.gateway import metrics as gateway_metrics
 from fastsched.gateway.http_protocol import guarded_h11_protocol
+from fastsched.gateway.lora_admin import LoRAAdmin
 from fastsched.gateway.openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -339,6 +340,7 @@ class Gateway:
         self.model_name, self.tokenizer, self.api_key = self.model_names[0], tokenizer, api_key
         self.limits, self.retry_after_s = limits, retry_after_s
         self.created = int(time.time())
+        self.loras = LoRAAdmin(self.pool._each)
         # Chat templates of long bodies are rendered and tokenized here, off the event loop.
         self._parse_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="fastsched-chat-template")
 
@@ -387,7 +389,7 @@ class Gateway:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad_request(f"model must be a string, got {model!r}", "model")
-        if model is not None and model not in self.model_names:
+        if model is not None and model not in self.model_names and not await self.loras.is_adapter(model):
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
         return body, len(raw)
@@ -397,8 +399,8 @@ class Gateway:
         self._check_api_key(request)
         body, _ = await self._read_json(request)
         info = await self.pool.model_info()
-        return await self._generate(request, parse_completion(body, request_id, self.limits,
-                                                              info and info["max_model_len"], self.tokenizer))
+        parsed = parse_completion(body, request_id, self.limits, info and info["max_model_len"], self.tokenizer)
+        return await self._generate(request, self._with_adapter(parsed, body))
 
     async def chat_completions(self, request: Request) -> Response:
         request_id = _assign_request_id(request, "chatcmpl")
@@ -410,7 +412,14 @@ class Gateway:
             parsed = parse_chat(*args)
         else:
             parsed = await asyncio.get_running_loop().run_in_executor(self._parse_pool, parse_chat, *args)
-        return await self._generate(request, parsed)
+        return await self._generate(request, self._with_adapter(parsed, body))
+
+    def _with_adapter(self, parsed: ParsedRequest, body: dict[str, Any]) -> ParsedRequest:
+        """A ``model`` that is not one of the served names is an adapter (``_read_json`` checked)."""
+        model = body.get("model")
+        if model is not None and model not in self.model_names:
+            parsed.lora_name = model
+        return parsed
 
     async def _open_all(self, parsed: ParsedRequest) -> list[FrontendStream]:
         tasks = [asyncio.ensure_future(self.pool.open(r, self.retry_after_s)) for r in parsed.grpc_requests()]
@@ -425,7 +434,7 @@ class Gateway:
             raise
 
     async def _generate(self, request: Request, parsed: ParsedRequest) -> Response:
-        formatter = ResponseFormatter(parsed, self.model_name, self.tokenizer)
+        formatter = ResponseFormatter(parsed, parsed.lora_name or self.model_name, self.tokenizer)
         if not parsed.stream:
             body = await _until_disconnect(request, self._collect(parsed, formatter))
             return JSONResponse(body) if body is not None else Response(status_code=499)
@@ -492,7 +501,20 @@ class Gateway:
         cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "fastsched",
                   "root": info.get("model", self.model_name), "max_model_len": info.get("max_model_len")}
                  for name in self.model_names]
+        cards += [{"id": name, "object": "model", "created": self.created, "owned_by": "fastsched", "root": path,
+                   "parent": self.model_name, "max_model_len": info.get("max_model_len")}
+                  for name, path in await self.loras.adapters()]
         return JSONResponse({"object": "list", "data": cards})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        self._check_api_key(request)
+        body, _ = await self._read_json(request)
+        return await self.loras.load(body)
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        self._check_api_key(request)
+        body, _ = await self._read_json(request)
+        return await self.loras.unload(body)
 
     async def health(self, request: Request) -> Response:
         frontends = await self.pool.health()
@@ -665,6 +687,8 @@ def create_app(
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", gateway.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", gateway.unload_lora_adapter, methods=["POST"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics, methods=["GET"]),
         Route("/tokenize", gateway.tokenize, methods=["POST"]),

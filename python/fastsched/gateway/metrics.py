@@ -24,6 +24,7 @@ and ``index``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -155,6 +156,7 @@ def metric_families(stats: Sequence[Any], model_name: str = "", own_process: boo
     families.extend(_request_families(stats, m))
     families.append(_iteration_tokens_family(engines, m))
     families.append(_cache_config_family(engines, m))
+    families.append(_lora_family(engines, m))
     families.extend(_gate_families(engines, m))
     families.append(_prefill_throughput_family(engines, m))
     families.extend(_spec_decode_families(engines, m))
@@ -252,6 +254,20 @@ def _cache_config_family(engines: Sequence[Any], m: str) -> Metric:
     for e in engines:
         if e.cache_config:
             family.add_metric([m, str(e.engine_index), *(e.cache_config.get(k, "") for k in keys)], 1.0)
+    return family
+
+
+def _lora_family(engines: Sequence[Any], m: str) -> Metric:
+    """vLLM's ``lora_requests_info``: one series per engine serving LoRA, its adapters as
+    comma-separated labels, the value the time of this scrape (vLLM: set_to_current_time)."""
+    family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on lora requests.",
+                               labels=["model_name", "engine", "max_lora", "waiting_lora_adapters",
+                                       "running_lora_adapters"])
+    now = time.time()
+    for e in engines:
+        if e.max_lora:
+            family.add_metric([m, str(e.engine_index), str(e.max_lora), ",".join(e.waiting_lora_adapters),
+                               ",".join(e.running_lora_adapters)], now)
     return family
 
 

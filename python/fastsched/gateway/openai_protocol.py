@@ -145,6 +145,7 @@ class ParsedRequest:
     tool_calling: tool_calls.ToolCalling | None = None  # chat with tools
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    lora_name: str = ""  # the LoRA adapter the client named as `model`; empty: the base model
 
     @property
     def n(self) -> int:
@@ -154,7 +155,7 @@ class ParsedRequest:
         requests = []
         for i, prompt in enumerate(self.prompts):
             req = pb.GenerateRequest(request_id=f"{self.request_id}-{i}", sampling_params=self.sampling,
-                                     priority=self.priority)
+                                     priority=self.priority, model=self.lora_name)
             if isinstance(prompt, str):
                 req.text = prompt
             else:

@@ -7,13 +7,15 @@ them numerically identical to ``transformers`` with a single code path to test.
 Tokens arrive flattened (``[T]``, requests back to back, prefill chunks and decodes
 mixed); attention is the backend's job, everything else is position-wise. q/k/v and
 gate/up are fused into one matmul each; ``load_weights`` packs the checkpoint's
-separate tensors into them.
+separate tensors into them. With LoRA (``fastsched.lora``) each fused projection's
+output gets its per-token adapter delta added, by the fused parameter's name.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,9 @@ from torch import nn
 
 from fastsched.attention.base import AttentionBackend, AttentionMetadata
 from fastsched.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from fastsched.lora.slots import LayerLoRA, LoRAStep
 
 
 class RMSNorm(nn.Module):
@@ -105,17 +110,24 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LayerLoRA | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if lora is not None:
+            lora.add("qkv_proj", hidden, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = backend.forward(q, k, v.contiguous(), kv_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = backend.forward(q, k, v.contiguous(), kv_cache, metadata, self.scale).reshape(num_tokens, self.q_size)
+        projected = self.o_proj(out)
+        if lora is not None:
+            lora.add("o_proj", out, projected)
+        return projected
 
 
 class MLP(nn.Module):
@@ -125,9 +137,16 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.add("gate_up_proj", x, gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        activated = F.silu(gate) * up
+        out = self.down_proj(activated)
+        if lora is not None:
+            lora.add("down_proj", activated, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -146,9 +165,10 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LayerLoRA | None = None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata, backend, lora)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
 
 # Checkpoint projection name -> (fused parameter, index of its shard in the fused output).
@@ -182,11 +202,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # one per layer, see fastsched.attention.base
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LoRAStep | None = None,  # the step's adapters, None: the base model for every token
     ) -> torch.Tensor:  # [T, hidden_size], final-normed
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, metadata, backend)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata, backend, None if lora is None else lora.layer(i))
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from fastsched._core import SchedulerOutput
 from fastsched.attention import AttentionBackend, AttentionMetadata
+from fastsched.lora.slots import LoRAManager, LoRAMapping
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, to_device
 from fastsched.spec_decode import SpecStep, rejection_sample, verification_logprobs
@@ -72,6 +73,7 @@ class PreparedStep:
     spec: SpecStep | None = None  # the drafts this step verifies (speculative decoding)
     # Structured outputs: the constrained rows' token bitmask, set by the engine after prepare().
     bitmask: StepBitmask | None = None
+    lora: LoRAMapping | None = None  # the step's adapters (the engine plans them); None: base model only
 
 
 @dataclass
@@ -120,8 +122,10 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.config: ModelConfig = model.config
         self.backend = backend
         self.device = device
@@ -309,7 +313,8 @@ class ModelRunner:
             max_seq_len=step.max_seq_len,
         )
         self.backend.prepare(metadata)
-        hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend)
+        lora = None if step.lora is None or self.lora is None else self.lora.activate(step.lora)
+        hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend, lora)
         if step.sampling is None:
             return ExecutedStep(step, None, None, None)
         sampling = step.sampling if dev.type == "cpu" else step.sampling.to(dev)
