@@ -58,6 +58,8 @@ CONFIGS = {
     "chunked-prefill": dict(max_num_batched_tokens=16, max_num_seqs=16),
     "preemption": SMALL_POOL,
     "chunked-preemption": dict(**SMALL_POOL, max_num_batched_tokens=16, max_num_seqs=16),
+    "preemption-no-prefix-caching": dict(**SMALL_POOL, enable_prefix_caching=False),
+    "priority-preemption": dict(**SMALL_POOL, policy="priority"),
 }
 
 
@@ -73,7 +75,7 @@ def test_s17_greedy_tokens_with_drafts_match_transformers(
     assert counters.num_draft_tokens > 0 and counters.num_accepted_tokens > 0
     if drafter == "draft-model":  # the target drafting for itself: every greedy draft holds
         assert counters.num_accepted_tokens == counters.num_draft_tokens
-    if config == "preemption":
+    if config in ("preemption", "preemption-no-prefix-caching", "priority-preemption"):
         assert llm.engine.scheduler.stats()["num_preemptions_total"] > 0
 
 
