@@ -17,11 +17,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastsched"
 # (``fastsched/__init__.py``) is above everything: it only loads the offline API lazily.
 LAYERS = [
     ("_core", "sampling_params", "limits", "outputs", "proto_gen", "rpc", "units", "structured", "process_stats",
-     "kv_transfer", "config"),
+     "speculative_config", "kv_transfer", "config"),
     ("kernels", "sample"),
     ("attention",),
     ("models", "lora"),
     ("model_loader",),
+    ("spec_decode",),
     ("worker",),
     ("engine", "inputs"),
     ("frontend",),

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastsched._core import SchedulerConfig
 from fastsched.kv_transfer import KVTransferConfig, parse_kv_transfer_config
+from fastsched.speculative_config import SpeculativeConfig, parse_speculative_config
 from fastsched.units import parse_bytes, parse_count
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ MODEL = "model and device"
 SCHEDULER = "scheduler (docs/design.md §3)"
 KV_CACHE = "KV cache"
 ENGINE_LOOP = "engine loop"
+SPECULATIVE = "speculative decoding"
 LORA = "LoRA adapters (docs/lora.md)"
 DIAGNOSTICS = "diagnostics"
 
@@ -102,6 +104,12 @@ class EngineConfig:
     async_scheduling: bool = field(default=True, metadata=_flag(
         ENGINE_LOOP, "schedule and prepare step N+1 while step N's forward pass runs (docs/scheduler.md)"))
 
+    # Parsed and checked in __post_init__, whether given as JSON (the flag) or a dict (LLM(...)).
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata=_flag(
+        SPECULATIVE, 'JSON as vLLM\'s: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, '
+                     '"prompt_lookup_max": b} or {"model": DRAFT_DIR, "num_speculative_tokens": k}; turns '
+                     "async scheduling off", type=parse_speculative_config, metavar="JSON"))
+
     block_size: int = field(default=_core_default("block_size"), metadata=_flag(KV_CACHE, "tokens per KV block"))
     enable_prefix_caching: bool = field(default=_core_default("enable_prefix_caching"), metadata=_flag(
         KV_CACHE, "reuse KV blocks of identical prompt prefixes", "--no-prefix-caching"))
@@ -153,6 +161,8 @@ class EngineConfig:
                              "model on one device (use data_parallel_size for more replicas)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.speculative_config is not None:
+            self.speculative_config = parse_speculative_config(self.speculative_config)
         self._check_lora()
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.of(self.kv_transfer_config)
@@ -217,6 +227,8 @@ class EngineConfig:
         scheduler_knobs.update(max_model_len=max_model_len, num_gpu_blocks=num_gpu_blocks,
                                block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                max_loras=self.max_loras if self.enable_lora else 0)
+        if self.speculative_config is not None:
+            scheduler_knobs["num_speculative_tokens"] = self.speculative_config.num_speculative_tokens
         return SchedulerConfig(**scheduler_knobs)
 
 

@@ -118,6 +118,9 @@ def engine(index: int, tokens: int, steps: int) -> dict[str, Any]:
             "prefix_cache_hits": 0, "scan_stops_total": {"no_waiting": steps}, "last_scan_stop": "no_waiting",
             "skips_total": {"lora_slots": 0}, "prefill_tokens_per_s": 100.0, "iteration_tokens": iteration,
             "iteration_tokens_sum": 20 * steps,
+            "spec_decode_num_drafts": steps, "spec_decode_num_draft_tokens": 3 * steps,
+            "spec_decode_num_accepted_tokens": 2 * steps,
+            "spec_decode_num_accepted_tokens_per_pos": [steps, steps, 0] if index == 0 else [],
             "cache_config": {"block_size": "16", "num_gpu_blocks": "512", "enable_prefix_caching": "True"},
             "process": {"pid": 1000 + index, "cpu_seconds_total": 2.0, "resident_memory_bytes": 1e8,
                         "virtual_memory_bytes": 2e8, "start_time_seconds": 1.7e9, "open_fds": 10.0,
@@ -194,6 +197,19 @@ def test_engine_families_take_each_engine_once_from_its_freshest_report() -> Non
     assert page.value("fastsched:generation_tokens_total", engine="1") == 50
     assert page.value("fastsched:admission_rejections_total") == 2  # summed over frontends
     assert page.value("fastsched:admission_queued_tokens_limit", model_name=MODEL) == 200
+
+
+def test_spec_decode_counters_are_vllms_per_engine_that_speculates() -> None:
+    page = parse_metrics(full_page(), 0.0)
+    # Engine 0 speculates (its fresh report: 7 steps); engine 1 does not and has no series.
+    for name, value in (("num_drafts", 7), ("num_draft_tokens", 21), ("num_accepted_tokens", 14)):
+        samples = page.samples[f"fastsched:spec_decode_{name}_total"]
+        assert [(s.labels["engine"], s.value) for s in samples] == [("0", value)], name
+    per_pos = page.samples["fastsched:spec_decode_num_accepted_tokens_per_pos_total"]
+    assert [(s.labels["position"], s.value) for s in per_pos] == [("0", 7), ("1", 7), ("2", 0)]
+    stats = protocol.EngineStats(spec_decode_num_drafts=2, spec_decode_num_accepted_tokens_per_pos=[2, 1])
+    back = protocol.decode(protocol.encode(protocol.Heartbeat(0, stats))).stats
+    assert (back.spec_decode_num_drafts, back.spec_decode_num_accepted_tokens_per_pos) == (2, [2, 1])
 
 
 def test_process_families_one_series_per_process() -> None:

@@ -51,6 +51,7 @@ from fastsched.model_loader.generation_defaults import load_generation_defaults
 from fastsched.model_loader.weights import load_model
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, make_generator
+from fastsched.spec_decode import SpecDecodingCounters, build_proposer, draft_rows
 from fastsched.worker.input_batch import RowState
 from fastsched.worker.kv_sizing import determine_num_blocks, profile_peak_bytes
 from fastsched.worker.model_runner import ExecutedStep, ModelRunner, PreparedStep, StepResult
@@ -128,6 +129,11 @@ class EngineCore:
         logger.info("loading model %s (%s, %s)", config.model or "SmolLM2-135M-Instruct (embedded)", dtype, device)
         model = load_model(config.model, dtype=dtype, device=device)
         backend = select_backend(device, config.attention_backend)
+        spec = config.speculative_config
+        # Before KV sizing, so that a draft model's weights are not counted as free memory.
+        self.proposer = None if spec is None else build_proposer(
+            spec, self.model_config, backend, block_size=config.block_size, max_model_len=self.max_model_len,
+            device=device, dtype=dtype)
         peak = 0
         if device.type == "cuda" and config.num_gpu_blocks is None:
             peak = profile_peak_bytes(model, backend, config, dtype, device, self.max_model_len)
@@ -138,6 +144,13 @@ class EngineCore:
                                     max_cpu_loras=config.lora_cpu_capacity, device=device, dtype=dtype,
                                     kernel="triton" if device.type == "cuda" else "torch")
         self.scheduler = _core.Scheduler(config.scheduler_config(self.max_model_len, num_blocks))
+        self.spec_counters = None if spec is None else SpecDecodingCounters(spec.num_speculative_tokens)
+        # Drafts are proposed from the tokens a step accepts, so the next step cannot be
+        # scheduled before they are known (docs/scheduler.md, "Speculative decoding in the engine").
+        async_scheduling = config.async_scheduling and spec is None
+        if spec is not None:
+            logger.info("speculative decoding: %s, %d tokens per step%s", spec.method, spec.num_speculative_tokens,
+                        "; async scheduling is off" if config.async_scheduling else "")
         self.runner = ModelRunner(
             model,
             backend,
@@ -150,11 +163,11 @@ class EngineCore:
             seed=config.seed,
             lora=self.lora,
         )
-        self.scheduler.set_async_scheduling(config.async_scheduling)
+        self.scheduler.set_async_scheduling(async_scheduling)
         # One worker thread runs the forward passes in order (async scheduling); the
         # host prepares the next step meanwhile.
         self._executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="fastsched-forward") if config.async_scheduling else None
+            ThreadPoolExecutor(1, thread_name_prefix="fastsched-forward") if async_scheduling else None
         )
         self._in_flight: deque[_Step] = deque()
         self.kv_transfer = self._make_kv_transfer(dtype)  # --kv-transfer-config
@@ -178,7 +191,7 @@ class EngineCore:
         self.pause_state = "unpaused"  # S13, as last set
         # S15 input waiting for a step in flight to be collected (add_stream_input).
         self._deferred_inputs: list[tuple[str, list[int], int, bool]] = []
-        self.stats = StatsLogger(config.log_stats_interval)
+        self.stats = StatsLogger(config.log_stats_interval, spec=self.spec_counters)
         self.step_tracer = StepTracer(config.step_trace) if config.step_trace else None  # --step-trace
         self.prefill_meter = PrefillThroughputMeter()  # read by the TTFT-SLO valve (--ttft-slo)
         sc = self.scheduler.config
@@ -321,6 +334,8 @@ class EngineCore:
     def _apply_deferred_inputs(self) -> None:
         """Stream input held back by ``add_stream_input`` whose session no step in flight holds now.
         The frontend checked it, so a refusal here means the session has ended meanwhile."""
+        if not self._deferred_inputs:
+            return
         held = np.concatenate([step.so.req_handles for step in self._in_flight]) if self._in_flight else None
         waiting = []
         for entry in self._deferred_inputs:
@@ -504,10 +519,13 @@ class EngineCore:
         self._in_flight.popleft()
         if step.saves is not None and self.kv_transfer is not None:
             self.kv_transfer.save(step.saves)
-        eco = self.scheduler.update_from_tokens(result.tokens)
-        if self._deferred_inputs:
+        if self.proposer is None:
+            eco = self.scheduler.update_from_tokens(result.tokens)
             self._apply_deferred_inputs()
-        self.runner.write_sampled(step.prepared, result)
+            self.runner.write_sampled(step.prepared, result)
+        else:
+            eco = self._update_speculative(step, result)
+            self._apply_deferred_inputs()
         following = self._in_flight[0].prepared if self._in_flight else None
         self.structured.advance(eco, following.bitmask if following is not None else None)
         outputs = self._collect(eco, step, result)
@@ -526,6 +544,33 @@ class EngineCore:
             self.step_tracer.on_step(StepShape.of(so, prompt_lens), start, end_wall)
         self._last_step_end, self._last_step_end_wall = end, end_wall
         return outputs
+
+    def _update_speculative(self, step: _Step, result: StepResult) -> _core.EngineCoreOutputs:
+        """Speculative decoding: the step's tokens (accepted drafts and the target's own), then
+        the next step's drafts for the requests still running, proposed from the sequences
+        those tokens extend (as vLLM's ``post_step``). Requests that ask for logprobs get no
+        drafts (one token, one logprobs entry per step), nor do constrained ones (structured
+        outputs: one grammar step, one token bitmask per step)."""
+        so, prepared = step.so, step.prepared
+        assert prepared is not None
+        tokens, offsets = result.tokens, result.token_offsets
+        if offsets is None:  # nothing verified: at most one token per request
+            got = tokens >= 0
+            offsets = np.zeros(len(so) + 1, dtype=np.int64)
+            np.cumsum(got, out=offsets[1:])
+            tokens = tokens[got]
+        self.runner.write_sampled(prepared, result)
+        if prepared.spec is not None and self.spec_counters is not None and result.num_accepted is not None:
+            self.spec_counters.observe(prepared.spec.num_real_drafts, result.num_accepted)
+        eco = self.scheduler.update_from_output(offsets.astype(np.uint32), tokens.astype(np.uint32))
+        handles = so.req_handles[result.sampled_positions]
+        drafting = (self._columns.logprobs[handles] < 0) & ~np.isin(handles, eco.handles[eco.finish_reasons != 0])
+        if self.structured.num_constrained:
+            drafting &= ~self.structured._is_constrained(handles)
+        handles = handles[drafting]
+        drafts = self.proposer.propose(self.runner.token_sequences(handles))
+        self.scheduler.update_draft_token_ids(handles, *draft_rows(drafts))
+        return eco
 
     def _abandon_in_flight(self) -> None:
         """A step failed (a runner error, Ctrl-C): its KV and that of the step after it

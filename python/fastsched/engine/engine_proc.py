@@ -381,6 +381,7 @@ class _EngineLoop:
             kv_connector=self.core.kv_transfer.stats if self.core.kv_transfer is not None else {},
             pause_state=self.core.pause_state,
             num_waiting_for_streaming_input=s["num_waiting_for_streaming_input"],
+            **self._spec_decode_stats(),
         )
 
     def _lora_stats(self) -> dict[str, Any]:
@@ -390,6 +391,14 @@ class _EngineLoop:
         return {"running_lora_adapters": core.lora_adapters_of(core.scheduler.running_handles()),
                 "waiting_lora_adapters": core.lora_adapters_of(core.scheduler.waiting_handles()),
                 "max_lora": core.config.max_loras}
+
+    def _spec_decode_stats(self) -> dict[str, object]:
+        spec = self.core.spec_counters
+        if spec is None:
+            return {}
+        return dict(spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos))
 
     def send(self, frontend: int, data: bytes) -> None:
         """Never blocks: a frontend that stopped reading (gone, or stuck) must not stall

@@ -300,6 +300,12 @@ class EngineStats:
     # (not cumulative; the last one past the largest bound), and their sum. Empty: not counted.
     iteration_tokens: list[int] = field(default_factory=list)
     iteration_tokens_sum: int = 0
+    # Speculative decoding since start (vllm:spec_decode_*, fastsched.spec_decode.metrics): verified
+    # proposals, their tokens, the accepted ones and those by position (k entries; empty: not speculating).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     # The engine process's resource use (fastsched.process_stats), sent with heartbeats only.
     process: dict[str, float] | None = None
     # LoRA (vLLM's lora_requests_info): the adapters (names) of running and of waiting
@@ -700,6 +706,9 @@ def _decode_stats(value: Any) -> EngineStats:
             _check(len(value) in (0, len(ITERATION_TOKENS_BUCKETS) + 1),
                    f"stats.iteration_tokens must have {len(ITERATION_TOKENS_BUCKETS) + 1} buckets")
             _check(all(c >= 0 for c in value), "stats.iteration_tokens must be non-negative")
+        elif f.name == "spec_decode_num_accepted_tokens_per_pos":
+            _int_list(value, f"stats.{f.name}")
+            _check(all(c >= 0 for c in value), f"stats.{f.name} must be non-negative")
         elif f.name in ("running_lora_adapters", "waiting_lora_adapters"):
             _check(isinstance(value, list), f"stats.{f.name} must be an array")
             for name in value:

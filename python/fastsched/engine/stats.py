@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastsched.engine.protocol import ITERATION_TOKENS_BUCKETS
+from fastsched.spec_decode.metrics import SpecDecodingCounters
 
 logger = logging.getLogger("fastsched.engine")
 
@@ -28,6 +29,10 @@ class StatsLogger:
     # Tokens per step (vllm:iteration_tokens_total): counts per bucket of ITERATION_TOKENS_BUCKETS.
     iteration_tokens: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
     iteration_tokens_sum: int = 0
+    spec: SpecDecodingCounters | None = None  # speculative decoding's counters, when it is on
+    _spec_drafts: int = 0  # their values at the last log line
+    _spec_draft_tokens: int = 0
+    _spec_accepted: int = 0
 
     def on_iteration(self, num_scheduled_tokens: int) -> None:
         """One engine step that scheduled ``num_scheduled_tokens`` (prompt and decode tokens)."""
@@ -61,7 +66,28 @@ class StatsLogger:
             100 * sched_stats["kv_cache_usage"],
             100 * hits / queries if queries else 0.0,
         )
+        if self.spec is not None:
+            self._log_spec(self.spec)
         self._last_log = now
         self._prompt_since = self._generation_since = 0
         self._prefix_queries = sched_stats["prefix_cache_queries"]
         self._prefix_hits = sched_stats["prefix_cache_hits"]
+
+    def _log_spec(self, spec: SpecDecodingCounters) -> None:
+        """Speculative decoding since the last line, as vLLM's SpecDecoding metrics line (none
+        when nothing was drafted since)."""
+        drafts = spec.num_drafts - self._spec_drafts
+        if not drafts:
+            return
+        draft_tokens = spec.num_draft_tokens - self._spec_draft_tokens
+        accepted = spec.num_accepted_tokens - self._spec_accepted
+        logger.info(
+            "speculative decoding: draft acceptance rate: %.1f%%, mean acceptance length: %.2f, "
+            "accepted: %d tokens, drafted: %d tokens",
+            100 * accepted / draft_tokens,
+            1 + accepted / drafts,
+            accepted,
+            draft_tokens,
+        )
+        self._spec_drafts, self._spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+        self._spec_accepted = spec.num_accepted_tokens

@@ -59,7 +59,10 @@ class OutputProcessor:
             if c is None:
                 continue  # ended by a stop string; the engine's last words are dropped
             o = c.output
-            o.token_ids.extend(out.new_token_ids)
+            # Several tokens in one step (speculative decoding) may hold a stop string's end.
+            one_by_one = bool(c.params.stop) and len(out.new_token_ids) > 1
+            if not one_by_one:
+                o.token_ids.extend(out.new_token_ids)
             if out.num_cached_tokens is not None and c.parent.num_cached_tokens is None:
                 c.parent.num_cached_tokens = out.num_cached_tokens
             if out.new_logprobs and o.logprobs is not None:
@@ -67,8 +70,10 @@ class OutputProcessor:
                     o.logprobs.append(
                         {t: Logprob(lp, rank, self.tokenizer.decode([t], False)) for t, (lp, rank) in entry.items()}
                     )
-            if self.stream or c.params.stop:
-                c.new_text = self._detokenize(c, out)
+            if one_by_one:
+                c.new_text = self._detokenize_each(c, out)
+            elif self.stream or c.params.stop:
+                c.new_text = self._detokenize(c, out.finish_reason is not None)
             elif out.finish_reason is not None:
                 c.new_text = self.tokenizer.decode(o.token_ids, skip_special_tokens=c.params.skip_special_tokens)
             if c.stop.stopped:
@@ -85,7 +90,20 @@ class OutputProcessor:
             changed[id(c.parent)] = c.parent
         return list(changed.values()), to_abort
 
-    def _detokenize(self, c: _Completion, out: EngineCoreOutput) -> str:
+    def _detokenize_each(self, c: _Completion, out: EngineCoreOutput) -> str:
+        """Appends a step's tokens one at a time, as if each came in a step of its own, so that
+        the output ends with the token that completed a stop string and no token after it
+        reaches the client."""
+        text = ""
+        last = len(out.new_token_ids) - 1
+        for i, token in enumerate(out.new_token_ids):
+            c.output.token_ids.append(token)
+            text += self._detokenize(c, i == last and out.finish_reason is not None)
+            if c.stop.stopped:
+                break
+        return text
+
+    def _detokenize(self, c: _Completion, finished: bool) -> str:
         """The newly releasable text, holding back a trailing partial UTF-8 character
         until its bytes are complete.
 
@@ -99,7 +117,7 @@ class OutputProcessor:
         skip = c.params.skip_special_tokens
         prefix_text = self.tokenizer.decode(ids[c.prefix_offset : c.read_offset], skip_special_tokens=skip)
         new_text = self.tokenizer.decode(ids[c.prefix_offset :], skip_special_tokens=skip)
-        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and out.finish_reason is None):
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not finished):
             delta = ""
         else:
             delta = new_text[len(prefix_text) :]

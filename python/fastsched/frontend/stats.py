@@ -91,7 +91,8 @@ def _process_proto(msg: Any, stats: Mapping[str, float] | None) -> None:
 
 
 def _engine_extras(msg: Any, engine: Mapping[str, Any]) -> None:
-    """Iteration tokens, cache config, KV connector and process stats: per engine only, like the gates."""
+    """Iteration tokens, cache config, KV connector, speculative decoding and process stats: per engine
+    only, like the gates."""
     counts = engine.get("iteration_tokens")
     if counts:
         msg.iteration_tokens.CopyFrom(pb.Histogram(
@@ -104,6 +105,12 @@ def _engine_extras(msg: Any, engine: Mapping[str, Any]) -> None:
     msg.max_lora = int(engine.get("max_lora") or 0)
     for key, value in (engine.get("kv_connector") or {}).items():
         msg.kv_connector[key] = float(value)
+    per_pos = engine.get("spec_decode_num_accepted_tokens_per_pos")
+    if per_pos:
+        msg.spec_decode.CopyFrom(pb.SpecDecodeStats(
+            num_drafts=int(engine["spec_decode_num_drafts"]), num_draft_tokens=int(engine["spec_decode_num_draft_tokens"]),
+            num_accepted_tokens=int(engine["spec_decode_num_accepted_tokens"]),
+            num_accepted_tokens_per_pos=[int(c) for c in per_pos]))
     _process_proto(msg, engine.get("process"))
 
 

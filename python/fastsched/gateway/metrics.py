@@ -9,7 +9,7 @@ has vLLM's ``model_name`` label (the served model name), plus ``engine`` (the en
 index) where the value is an engine's:
 
 - Engine-level values (requests running and waiting, KV usage, token and preemption
-  counters, prefix cache, tokens per step, the cache config, the gates): every frontend
+  counters, prefix cache, tokens per step, the cache config, the gates, speculative decoding): every frontend
   talks to the same D engines and reports what they last told it, so each engine is
   taken once, from its freshest report (the one with the most tokens counted).
 - Per-request values (latency and phase histograms, token counts, finish reasons): each
@@ -159,6 +159,7 @@ def metric_families(stats: Sequence[Any], model_name: str = "", own_process: boo
     families.append(_lora_family(engines, m))
     families.extend(_gate_families(engines, m))
     families.append(_prefill_throughput_family(engines, m))
+    families.extend(_spec_decode_families(engines, m))
     families.extend(_kv_connector_families(engines, m))
     families.extend(_session_families(engines, m))
     families.extend(_process_families(stats, engines, own_process))
@@ -297,6 +298,33 @@ def _session_families(engines: Sequence[Any], m: str) -> list[Metric]:
             paused.add_metric([m, engine, mode], 1.0 if e.pause_state == f"paused_{mode}" else 0.0)
         waiting.add_metric([m, engine], e.num_requests_waiting_for_streaming_input)
     return [paused, waiting]
+
+
+_SPEC_DECODE_COUNTERS = {
+    "num_drafts": "Number of spec decoding drafts.",
+    "num_draft_tokens": "Number of draft tokens.",
+    "num_accepted_tokens": "Number of accepted tokens.",
+}
+
+
+def _spec_decode_families(engines: Sequence[Any], m: str) -> list[Metric]:
+    """vLLM's ``spec_decode_*`` counters, for the engines that speculate (none otherwise)."""
+    speculating = [e for e in engines if e.HasField("spec_decode")]
+    if not speculating:
+        return []
+    families: list[Metric] = []
+    for name, doc in _SPEC_DECODE_COUNTERS.items():
+        family = CounterMetricFamily(PREFIX + "spec_decode_" + name, doc, labels=["model_name", "engine"])
+        for e in speculating:
+            family.add_metric([m, str(e.engine_index)], getattr(e.spec_decode, name))
+        families.append(family)
+    per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.", labels=["model_name", "engine", "position"])
+    for e in speculating:
+        for position, count in enumerate(e.spec_decode.num_accepted_tokens_per_pos):
+            per_pos.add_metric([m, str(e.engine_index), str(position)], count)
+    families.append(per_pos)
+    return families
 
 
 def _gate_families(engines: Sequence[Any], m: str) -> list[Metric]:

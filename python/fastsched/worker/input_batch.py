@@ -182,6 +182,17 @@ class InputBatch:
             rows = rows[self.pending_pos[rows] == positions]
         self.pending_pos[rows] = -1
 
+    def write_accepted(self, reservation: Reservation, counts: np.ndarray, tokens: np.ndarray) -> None:
+        """A verification step's tokens (speculative decoding, synchronous): row ``i`` of the
+        reservation got ``counts[i]`` tokens, its accepted drafts and its own, from its reserved
+        position on. No row changed hands since the step was prepared (no step ran between)."""
+        rows, positions = reservation.rows, reservation.positions
+        self.num_unwritten_steps -= 1
+        within = np.arange(len(tokens)) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.token_ids[np.repeat(rows, counts), np.repeat(positions, counts) + within] = tokens
+        self.num_tokens[rows] = positions + counts
+        self.pending_pos[rows] = -1
+
 
 @dataclass
 class Reservation:

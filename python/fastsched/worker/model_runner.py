@@ -23,6 +23,7 @@ from fastsched.attention import AttentionBackend, AttentionMetadata
 from fastsched.lora.slots import LoRAManager, LoRAMapping
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, to_device
+from fastsched.spec_decode import SpecStep, rejection_sample, verification_logprobs
 from fastsched.structured.bitmask import StepBitmask
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState
 
@@ -31,11 +32,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    """One sampled token per scheduled request (-1 for a partial prefill), and logprobs."""
+    """One sampled token per scheduled request (-1 for a partial prefill), and logprobs.
+    A step that verified drafts gives several per request instead, as CSR rows."""
 
-    tokens: np.ndarray  # [num_scheduled] int64
+    tokens: np.ndarray  # [num_scheduled] int64; with token_offsets, the rows' tokens one after the other
     sampled_positions: np.ndarray  # indices into the scheduled requests that sampled
     logprobs: LogprobsTensors | None  # rows aligned with sampled_positions, on the CPU
+    token_offsets: np.ndarray | None = None  # [num_scheduled + 1] (speculative steps)
+    num_accepted: np.ndarray | None = None  # drafts accepted per sampled request (speculative steps)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class PreparedStep:
     # ... and the same tokens for the penalties' histories: sampling row, previous index.
     penalty_rows: np.ndarray
     penalty_src: np.ndarray
+    spec: SpecStep | None = None  # the drafts this step verifies (speculative decoding)
     # Structured outputs: the constrained rows' token bitmask, set by the engine after prepare().
     bitmask: StepBitmask | None = None
     lora: LoRAMapping | None = None  # the step's adapters (the engine plans them); None: base model only
@@ -79,6 +84,7 @@ class ExecutedStep:
     sampled: torch.Tensor | None  # [num sampled] int64 on the host (copy in flight until ``ready``)
     logprobs: LogprobsTensors | None  # likewise
     ready: torch.cuda.Event | None  # None on the CPU: the results are there already
+    num_sampled: torch.Tensor | None = None  # tokens per sampled request when drafts were verified
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -171,6 +177,9 @@ class ModelRunner:
         rows = batch.update(so, tokens_of, row_state_of) if n_reqs else _EMPTY
         computed = so.num_computed_tokens.astype(np.int64)
         total = so.total_num_scheduled_tokens
+        has_drafts = n_reqs and np.count_nonzero(so.num_spec_tokens)
+        if has_drafts:
+            self._write_drafts(so, rows, computed)
         if total == n_reqs:
             # One token per request (decodes, the common step): no per-token expansion.
             token_rows, positions = rows, computed
@@ -205,7 +214,14 @@ class ModelRunner:
         sampled_rows = rows[sampled_positions]
         sampling = None
         penalty_rows = penalty_src = _EMPTY
-        if len(sampled_rows):
+        spec = logits_indices = None
+        if len(sampled_positions) != total:
+            logits_indices = query_start[1:][sampled_positions] - 1
+        if has_drafts:
+            spec = SpecStep.of(so, sampled_positions, rows=sampled_rows)
+            logits_indices = spec.logits_indices(query_start[1:][sampled_positions])
+            sampling = self._verification_sampling(sampled_rows, spec)
+        elif len(sampled_rows):
             # Host tensors: execute() moves them, so that this thread never waits for the device.
             sampling = batch.sampling.gather(
                 sampled_rows,
@@ -228,14 +244,41 @@ class ModelRunner:
             max_seq_len=max_seq_len,
             sampled_positions=sampled_positions,
             sampled_handles=so.req_handles[sampled_positions],
-            logits_indices=None if len(sampled_positions) == total else query_start[1:][sampled_positions] - 1,
+            logits_indices=logits_indices,
             reservation=batch.reserve(sampled_rows),
             sampling=sampling,
             placeholder_dst=placeholder_dst,
             placeholder_src=placeholder_src,
             penalty_rows=penalty_rows,
             penalty_src=penalty_src,
+            spec=spec,
         )
+
+    def _write_drafts(self, so: SchedulerOutput, rows: np.ndarray, computed: np.ndarray) -> None:
+        """Puts the drafts a step verifies after each row's real tokens, as its inputs (speculative
+        decoding, never with async scheduling). Past ``num_tokens`` they are scratch: only the
+        accepted ones become the row's tokens (:meth:`write_sampled`). A ``-1`` placeholder
+        is fed as token 0; it is never accepted."""
+        num_spec = so.num_spec_tokens.astype(np.int64)
+        first = computed + so.num_scheduled_tokens - num_spec  # the first draft's position
+        within = np.arange(int(num_spec.sum())) - np.repeat(np.cumsum(num_spec) - num_spec, num_spec)
+        positions = np.repeat(first, num_spec) + within
+        self.batch.token_ids[np.repeat(rows, num_spec), positions] = np.maximum(so.spec_token_ids, 0)
+
+    def _verification_sampling(self, sampled_rows: np.ndarray, spec: SpecStep) -> SamplingMetadata:
+        """Sampling metadata with one row per verified position: position ``j`` of a request
+        has its ``j`` drafts before it in its output (penalties and ``min_tokens`` see them)."""
+        batch = self.batch
+        rows = np.repeat(sampled_rows, spec.num_positions)
+        within = spec.position_in_row
+        num_tokens = batch.num_tokens[rows]
+
+        def history(i: int) -> tuple[np.ndarray, np.ndarray]:
+            row = rows[i]
+            num_prompt = batch.num_prompt_tokens[row]
+            return batch.token_ids[row, :num_prompt], batch.token_ids[row, num_prompt : num_tokens[i] + within[i]]
+
+        return batch.sampling.gather(rows, lambda: num_tokens - batch.num_prompt_tokens[rows] + within, history)
 
     def _history(self, sampled_rows: np.ndarray) -> Callable[[int], tuple[np.ndarray, np.ndarray]]:
         """(prompt, output) token ids of sampled row ``i`` for the penalties, written ones only:
@@ -284,6 +327,8 @@ class ModelRunner:
         if step.logits_indices is not None:
             hidden = hidden[on_device(step.logits_indices.astype(np.int64))]
         logits = self.model.compute_logits(hidden).float()
+        if step.spec is not None:
+            return self._verify(step, logits, sampling)
         if step.bitmask is not None:
             step.bitmask.apply(logits)
         out = self.sampler(logits, sampling)
@@ -301,6 +346,34 @@ class ModelRunner:
         ready.record()
         return ExecutedStep(step, tokens, logprobs, ready)
 
+    def _verify(self, step: PreparedStep, logits: torch.Tensor, sampling: SamplingMetadata) -> ExecutedStep:
+        """Rejection sampling of a step's drafts (speculative decoding); see :mod:`fastsched.spec_decode`."""
+        spec = step.spec
+        assert spec is not None
+        on_device = self._on_device
+        if step.bitmask is not None:
+            # Constrained requests get no drafts (at most -1 placeholders, never accepted): only
+            # their first position can emit a token, so their mask applies there.
+            first = on_device(spec.first_positions)
+            masked = logits[first]
+            step.bitmask.apply(masked)
+            logits[first] = masked
+        verified = rejection_sample(logits, sampling, on_device(spec.num_drafts), on_device(spec.draft_token_ids),
+                                    generator=self.sampler.generator)
+        logprobs = verification_logprobs(logits, sampling, verified)
+        num_sampled = verified.num_accepted + 1
+        if self.device.type == "cpu":
+            return ExecutedStep(step, verified.token_ids, logprobs, None, num_sampled)
+        tokens = verified.token_ids.to("cpu", non_blocking=True)
+        num_sampled = num_sampled.to("cpu", non_blocking=True)
+        if logprobs is not None:
+            logprobs = LogprobsTensors(
+                *(getattr(logprobs, f.name).to("cpu", non_blocking=True) for f in dataclasses.fields(logprobs))
+            )
+        ready = torch.cuda.Event()
+        ready.record()
+        return ExecutedStep(step, tokens, logprobs, ready, num_sampled)
+
     def fetch(self, executed: ExecutedStep) -> StepResult:
         """Waits for an executed step's results (on a GPU, for the device) and returns them on the host."""
         step = executed.step
@@ -310,6 +383,14 @@ class ModelRunner:
         if executed.ready is not None:
             executed.ready.synchronize()
         sampled = executed.sampled.numpy()
+        if executed.num_sampled is not None:
+            counts = executed.num_sampled.numpy()
+            per_request = np.zeros(step.num_reqs, dtype=np.int64)
+            per_request[step.sampled_positions] = counts
+            offsets = np.zeros(step.num_reqs + 1, dtype=np.int64)
+            np.cumsum(per_request, out=offsets[1:])
+            return StepResult(tokens=sampled, sampled_positions=step.sampled_positions, logprobs=executed.logprobs,
+                              token_offsets=offsets, num_accepted=counts - 1)
         if len(sampled) == step.num_reqs:  # every request sampled (decodes): the common step
             tokens = sampled
         else:
@@ -324,4 +405,13 @@ class ModelRunner:
 
     def write_sampled(self, step: PreparedStep, result: StepResult) -> None:
         """Records a finished step's sampled tokens in the batch, for the steps prepared after it."""
+        if result.num_accepted is not None:
+            self.batch.write_accepted(step.reservation, result.num_accepted + 1, result.tokens)
+            return
         self.batch.write_sampled(step.sampled_handles, step.reservation, result.tokens[step.sampled_positions])
+
+    def token_sequences(self, handles: np.ndarray) -> list[np.ndarray]:
+        """The tokens (prompt and outputs, all written) of requests holding a row: what a drafter reads."""
+        batch = self.batch
+        rows = batch.row_of_handle[handles]
+        return [batch.token_ids[row, : batch.num_tokens[row]] for row in rows.tolist()]
