@@ -5,9 +5,8 @@ block could otherwise be read as another adapter's KV."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-
-from conftest import PeftReference
 
 from fastsched import SamplingParams
 from fastsched.config import EngineConfig
@@ -34,7 +33,7 @@ def run(base_dir: Path, store: Path, lora: LoRARequest) -> tuple[list[int], dict
 
 
 def test_s7_adapter_requests_neither_save_nor_load(base_dir: Path, adapters: dict[str, LoRARequest],
-                                                    peft_reference: PeftReference, tmp_path: Path) -> None:
+                                                    peft_reference: Callable[..., list[int]], tmp_path: Path) -> None:
     first, stats = run(base_dir, tmp_path, adapters["full"])
     assert first == peft_reference(PROMPT, 4, "full")
     assert stats["blocks_saved"] == 0 and not list(tmp_path.rglob("*.kv"))
