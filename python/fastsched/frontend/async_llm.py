@@ -48,6 +48,7 @@ from fastsched.frontend.admission import (
 )
 from fastsched.frontend.lora_registry import LoRARegistry
 from fastsched.frontend.output_processor import OutputProcessor
+from fastsched.frontend.request_handle import RequestHandle
 from fastsched.frontend.request_log import RequestLogger
 from fastsched.frontend.request_metrics import EngineRequestMetrics
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
@@ -156,24 +157,11 @@ class _RequestState:
         )
 
 
-class RequestStream:
+class RequestStream(RequestHandle[_RequestState]):
     """An admitted request's outputs: ``async for out in stream`` (see the module docstring).
 
     Usable as ``async with stream:`` too; leaving the block early aborts the request.
     """
-
-    def __init__(self, llm: AsyncLLM, state: _RequestState) -> None:
-        self._llm = llm
-        self._state = state
-        self._closed = False
-
-    @property
-    def request_id(self) -> str:
-        return self._state.request_id
-
-    @property
-    def engine_index(self) -> int:
-        return self._state.engine_index
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -197,29 +185,6 @@ class RequestStream:
         if out.finished:
             self._closed = True
         return out
-
-    async def aclose(self) -> None:
-        """Stop listening; aborts the request in the engine if it is still running."""
-        self._close()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._llm._drop(self._state)
-
-    def __del__(self) -> None:
-        # A consumer that broke out of `async for` without aclose(): still abort.
-        if not self._closed:
-            try:
-                self._close()
-            except Exception:
-                pass
 
 
 # ------------------------------------------------------------------ AsyncLLM

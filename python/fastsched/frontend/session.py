@@ -22,6 +22,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fastsched.frontend.request_handle import RequestHandle
 from fastsched.inputs import PromptType, TokenizedText
 from fastsched.model_loader import Tokenizer
 from fastsched.outputs import RequestOutput
@@ -120,24 +121,16 @@ class SessionOutput:
         return self.finish_reason is not None
 
 
-class Session:
+class Session(RequestHandle[_SessionRequest]):
     """An open streaming-input session (see the module docstring)."""
 
+    _llm: _SessionHost
+
     def __init__(self, llm: _SessionHost, state: _SessionRequest) -> None:
-        self._llm = llm
-        self._state = state
+        super().__init__(llm, state)
         self._segment = 0
         self._sent_tokens = 0  # output tokens already yielded
         self._sent_text = 0
-        self._closed = False  # nothing more will be yielded
-
-    @property
-    def request_id(self) -> str:
-        return self._state.request_id
-
-    @property
-    def engine_index(self) -> int:
-        return self._state.engine_index
 
     async def send(self, prompt: PromptType, max_tokens: int, *, last: bool = False) -> None:
         """The next chunk: text or token ids, then up to ``max_tokens`` generated tokens. Queued
@@ -166,10 +159,6 @@ class Session:
         """Ends the session once the chunks already sent are served; iteration then ends
         with ``finish_reason`` set."""
         self._llm._close_session(self._state)
-
-    async def aclose(self) -> None:
-        """Stops listening; aborts the session in the engine (its slot and KV are freed at once)."""
-        self._close()
 
     def __aiter__(self) -> Session:
         return self
@@ -211,21 +200,3 @@ class Session:
         if ended:
             self._segment += 1
         return out
-
-    async def __aenter__(self) -> Session:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._llm._drop(self._state)
-
-    def __del__(self) -> None:
-        if not self._closed:
-            try:
-                self._close()
-            except Exception:
-                pass
