@@ -8,6 +8,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -48,6 +49,16 @@ class LoopThread:
         for _, done in self._uvicorns:
             done.result(10)
         self._uvicorns.clear()
+
+    def stop_stack(self, servers: Iterable[Any] = (), llms: Iterable[Any] = ()) -> None:
+        """Stops what a test started on this loop, the last started first: the gateways, the
+        frontends' gRPC servers, their AsyncLLMs; then the loop itself."""
+        self.stop_gateways()
+        for server in servers:
+            self.call(server.stop(0))
+        for llm in llms:
+            self.call(llm.shutdown())
+        self.close()
 
     def close(self) -> None:
         self.stop_gateways()

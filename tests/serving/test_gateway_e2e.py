@@ -54,12 +54,7 @@ def stack(engines: Engines, tiny_model_dir: Any) -> Iterator[Stack]:
     try:
         yield Stack(loop, llms, url, tokenizer)
     finally:
-        loop.stop_gateways()
-        for server in servers:
-            loop.call(server.stop(0))
-        for llm in llms:
-            loop.call(llm.shutdown())
-        loop.close()
+        loop.stop_stack(servers, llms)
 
 
 @pytest.fixture

@@ -65,12 +65,7 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
     try:
         yield Stack(loop, llms, url, adapter_dirs)
     finally:
-        loop.stop_gateways()
-        for server in servers:
-            loop.call(server.stop(0))
-        for llm in llms:
-            loop.call(llm.shutdown())
-        loop.close()
+        loop.stop_stack(servers, llms)
         teardown(engines)
 
 

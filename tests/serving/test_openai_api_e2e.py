@@ -79,10 +79,7 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
         yield Stack(loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, load_tokenizer(str(tiny_model_dir)))),
                     loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, hermes)))
     finally:
-        loop.stop_gateways()
-        loop.call(server.stop(0))
-        loop.call(llm.shutdown())
-        loop.close()
+        loop.stop_stack([server], [llm])
         teardown(engines)
 
 

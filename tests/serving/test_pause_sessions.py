@@ -81,12 +81,7 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
                 loop.start_gateway(create_app([grpc_addrs[1]], MODEL, tokenizer))]
         yield Stack(loop, llms, grpc_addrs, urls)
     finally:
-        loop.stop_gateways()
-        for server in servers:
-            loop.call(server.stop(0))
-        for llm in llms:
-            loop.call(llm.shutdown())
-        loop.close()
+        loop.stop_stack(servers, llms)
         stop_engine_processes(procs, timeout=10.0)
         assert not any(p.is_alive() for p in procs)
 

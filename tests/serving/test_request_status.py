@@ -77,12 +77,7 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
         keyed_url = loop.start_gateway(create_app(grpc_addrs, MODEL, tokenizer, api_key=API_KEY))
         yield Stack(loop, inputs, outputs[2], llms, grpc_addrs, url, keyed_url)
     finally:
-        loop.stop_gateways()
-        for server in servers:
-            loop.call(server.stop(0))
-        for llm in llms:
-            loop.call(llm.shutdown())
-        loop.close()
+        loop.stop_stack(servers, llms)
         stop_engine_processes(procs, timeout=10.0)
         assert not any(p.is_alive() for p in procs)
 
