@@ -358,18 +358,16 @@ class Gateway:
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.limits.max_body_bytes
-        too_large = ApiError(413, f"The request body exceeds this server's limit of {limit} bytes "
-                                  "(--max-body-bytes).", code="request_too_large")
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
-            raise too_large
+            raise _body_too_large(limit)
         chunks, size = [], 0
         try:
             async with asyncio.timeout(self.limits.body_timeout):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
-                        raise too_large
+                        raise _body_too_large(limit)
                     chunks.append(chunk)
         except TimeoutError:
             raise ApiError(408, f"The request body was not received within {self.limits.body_timeout:g} s "
@@ -425,7 +423,10 @@ class Gateway:
         return parsed
 
     async def _open_all(self, parsed: ParsedRequest) -> list[FrontendStream]:
-        tasks = [asyncio.ensure_future(self.pool.open(r, self.retry_after_s)) for r in parsed.grpc_requests()]
+        requests = parsed.grpc_requests()
+        if len(requests) == 1:  # the common case: no task of its own
+            return [await self.pool.open(requests[0], self.retry_after_s)]
+        tasks = [asyncio.ensure_future(self.pool.open(r, self.retry_after_s)) for r in requests]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -559,6 +560,11 @@ class Gateway:
                     return prompts
                 prompts.append(status)
             chunk = await asyncio.gather(*lookups(len(prompts)))
+
+
+def _body_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body exceeds this server's limit of {limit} bytes (--max-body-bytes).",
+                    code="request_too_large")
 
 
 def _assign_request_id(request: Request, prefix: str) -> str:
