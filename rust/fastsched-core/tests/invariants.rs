@@ -348,7 +348,7 @@ impl Driver {
                 r.num_tokens(),
                 r.status.as_str()
             );
-            assert_eq!(out.block_ids_of(i).len() > 0 || out.kinds[i] == 0, true);
+            assert!(!out.block_ids_of(i).is_empty() || out.kinds[i] == 0);
             if !p.is_prefill_chunk {
                 // Some drafts accepted (never padding), then the model's own token.
                 let real = spec.iter().take_while(|&&t| t >= 0).count() as u64;

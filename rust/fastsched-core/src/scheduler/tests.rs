@@ -170,11 +170,7 @@ fn s2_position_never_passes_max_model_len() {
             );
         }
         total_outputs += res.token_ids.len();
-        if res
-            .finish_reasons
-            .iter()
-            .any(|&r| r == FinishReason::Length as u8)
-        {
+        if res.finish_reasons.contains(&(FinishReason::Length as u8)) {
             break;
         }
     }
