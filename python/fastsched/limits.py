@@ -62,7 +62,7 @@ class RequestLimits:
         "longest request id accepted over gRPC, in characters (ids are remembered for /debug/requests); "
         "the gateway's X-Request-Id is at most 128"))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_limit(
-        "largest HTTP request body (413 above it)", "BYTES"))
+        "largest HTTP request body (413 above it) or WebSocket message (closed with 1009 above it)", "BYTES"))
     max_json_depth: int = field(default=32, metadata=_limit(
         "deepest nesting of objects and arrays in a JSON body"))
     max_header_bytes: int = field(default=32 * 1024, metadata=_limit(

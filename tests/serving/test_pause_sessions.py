@@ -31,6 +31,7 @@ from fastsched.engine.engine_proc import start_engine_process, stop_engine_proce
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
+from fastsched.limits import RequestLimits  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
 from fastsched.proto_gen import import_stubs  # noqa: E402
 from fastsched.rpc import AUTHORIZATION_KEY  # noqa: E402
@@ -390,6 +391,19 @@ def test_s15_websocket_session_three_chunks_idle_timeout_and_disconnect(stack: S
             error = json.loads(ws.recv(timeout=30))
             assert error["type"] == "error" and "last" in error["error"]["message"]
 
+
+
+
+def test_s15_a_websocket_message_over_max_body_bytes_closes_the_socket_with_1009(stack: Stack,
+                                                                                 tiny_model_dir: Path) -> None:
+    app = create_app([stack.grpc_addrs[1]], MODEL, load_tokenizer(str(tiny_model_dir)),
+                     limits=RequestLimits(max_body_bytes=4096))
+    url = stack.loop.start_gateway(app).replace("http://", "ws://") + "/v1/sessions"
+    with ws_connect(url) as ws:
+        ws.send(json.dumps({"type": "open", "prompt": [7] * 2000, "max_tokens": 1}))  # ~6 KB
+        with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
+            ws.recv(timeout=30)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
 
 
 # ------------------------------------------------------------------ reload weights (last: it swaps the model)

@@ -721,8 +721,10 @@ def create_app(
 def gateway_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, **uvicorn_kwargs: Any) -> uvicorn.Server:
     """A uvicorn server for ``app``: ``await server.serve()`` (or ``server.run()``) runs it,
     ``server.should_exit = True`` stops it. Its HTTP protocol enforces the header limits of
-    the app's ``RequestLimits`` (``gateway.http_protocol``)."""
+    the app's ``RequestLimits`` (``gateway.http_protocol``), and a WebSocket message (a
+    ``/v1/sessions`` chunk) is bounded as a request body is: larger ones close the socket
+    with code 1009."""
     uvicorn_kwargs.setdefault("log_level", "info")
     limits = app.state.gateway.limits
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, lifespan="on", http=guarded_h11_protocol(limits),
-                                         **uvicorn_kwargs))
+                                         ws_max_size=limits.max_body_bytes, **uvicorn_kwargs))
