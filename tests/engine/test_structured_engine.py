@@ -193,3 +193,17 @@ def test_a_failing_step_releases_the_forward_thread_waiting_for_a_bitmask(
     worker.start()
     worker.join(timeout=60)
     assert failed.is_set() and not worker.is_alive()
+
+
+def test_a_grammar_past_the_engines_limits_ends_its_request_and_nothing_else(llm: LLM) -> None:
+    """The regex compiles, but advancing it exceeds llguidance's lexer limits (the matcher
+    errs for good): that request ends with EOS at its next step, after at most the one token
+    it had; its neighbours in the batch and the engine's next requests are unaffected."""
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = outputs(llm, ["neighbour"], plain)
+    hostile = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"regex": "((a{1000}){1000})"})
+    (hostile_text, hostile_finish), neighbour = outputs(llm, ["hostile", "neighbour"], [hostile, plain])
+    assert hostile_finish == "stop" and re.fullmatch("a?", hostile_text), hostile_text
+    assert [neighbour] == expected
+    assert outputs(llm, ["neighbour"], plain) == expected
+

@@ -4,6 +4,8 @@ constrained rows of a batch (filled in parallel by llguidance's executor, off th
 
 from __future__ import annotations
 
+import logging
+import re
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
@@ -15,6 +17,12 @@ import numpy as np
 # the same schema again, start from a copy instead of compiling it once more.
 COMPILED_CACHE_SIZE = 128
 
+logger = logging.getLogger(__name__)
+
+# How llguidance's errors for a grammar past its resource limits begin (ParserLimits: lexer
+# states and fuel, Earley items), as opposed to a token the grammar does not allow.
+_RESOURCE_LIMIT = re.compile(r"lexer error|limit|too many|fuel|too complex", re.IGNORECASE)
+
 
 class StructuredOutputManager:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
@@ -24,8 +32,13 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(eos_token_ids) or None)
+        # What a request whose grammar gave up may still produce: the end of its output.
+        self._eos_only = np.zeros(llg_numpy.allocate_token_bitmask(1, vocab_size).shape[1], dtype=np.uint32)
+        for t in eos_token_ids:
+            self._eos_only[t >> 5] |= np.uint32(1 << (t & 31))
         self._executor = llguidance.LLExecutor()
         self._matchers: dict[Hashable, llguidance.LLMatcher] = {}
+        self._gave_up: set[Hashable] = set()  # keys whose matcher hit a resource limit (_give_up)
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar text -> fresh matcher
         self._bitmask = llg_numpy.allocate_token_bitmask(1, vocab_size)
 
@@ -57,25 +70,37 @@ class StructuredOutputManager:
 
     def remove(self, key: Hashable) -> None:
         self._matchers.pop(key, None)
+        self._gave_up.discard(key)
 
     def accept(self, key: Hashable, tokens: Sequence[int]) -> None:
-        """Advance ``key``'s matcher by tokens the request produced. A token the grammar
-        forbids can only come from a sampler that ignored the mask: that is a bug, so it raises."""
+        """Advance ``key``'s matcher by tokens the request produced (see :meth:`_consume_failed`
+        for when that fails)."""
         matcher = self._matchers[key]
         if not matcher.consume_tokens(list(tokens)):
-            raise RuntimeError(f"structured output of {key!r} took a token its grammar forbids: "
-                               f"{matcher.get_error()}")
+            self._consume_failed(key, matcher)
 
     def accept_each(self, keys: Sequence[Hashable], tokens: Sequence[int]) -> None:
-        """Advance each key's matcher by its one token (a step's tokens); a forbidden token
-        raises, as in :meth:`accept`. One call per matcher: llguidance's parallel
+        """Advance each key's matcher by its one token (a step's tokens), as :meth:`accept`. One call per matcher: llguidance's parallel
         ``consume_token_par`` measured slower here (256 rows: ~3 ms against ~2 ms on 2 cores),
         a token costing a few µs, less than handing it to a thread pool."""
         matchers = self._matchers
         for key, token in zip(keys, tokens):
             if not matchers[key].consume_token(token):
-                raise RuntimeError(f"structured output of {key!r} took a token its grammar forbids: "
-                                   f"{matchers[key].get_error()}")
+                self._consume_failed(key, matchers[key])
+
+    def _consume_failed(self, key: Hashable, matcher: llguidance.LLMatcher) -> None:
+        """The grammar engine may give up on a grammar past its resource limits while
+        advancing (:meth:`_give_up`): the request's next mask then ends it. Any other failure
+        is a token the grammar forbids, which only a sampler that ignored the mask can produce:
+        a bug, so it raises."""
+        error = matcher.get_error()
+        if key in self._gave_up:
+            return
+        if not _RESOURCE_LIMIT.search(error.split("\n", 1)[0]):
+            raise RuntimeError(f"structured output of {key!r} took a token its grammar forbids: {error}")
+        self._gave_up.add(key)
+        logger.warning("structured output of request %r: its grammar exceeds the grammar engine's limits (%s); "
+                       "ending the request", key, error.splitlines()[0])
 
     def rollback(self, key: Hashable, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""
@@ -93,7 +118,21 @@ class StructuredOutputManager:
         if self._bitmask.shape[0] < rows:
             self._bitmask = llg_numpy.allocate_token_bitmask(max(rows, 2 * self._bitmask.shape[0]), self.vocab_size)
         mask = self._bitmask[:rows]
-        llg_numpy.fill_next_token_bitmask_par(self._executor, [(self._matchers[k], i) for i, k in enumerate(keys)],
-                                              mask)
+        matchers = [self._matchers[k] for k in keys]
+        llg_numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], mask)
+        for i, matcher in enumerate(matchers):
+            if matcher.is_error():
+                self._give_up(keys[i], matcher, mask[i])
         return mask
+
+    def _give_up(self, key: Hashable, matcher: llguidance.LLMatcher, mask_row: np.ndarray) -> None:
+        """A grammar that compiled may still exceed llguidance's resource limits when a mask
+        is computed or a token consumed (a regex such as ``(a{1000}){1000}``: "too many
+        expressions constructed"); its matcher is then in an error state for good. The request
+        is ended, not the engine: its row allows only EOS."""
+        mask_row.view(np.uint32)[:] = self._eos_only
+        if key not in self._gave_up:
+            self._gave_up.add(key)
+            logger.warning("structured output of request %r: its grammar exceeds the grammar engine's limits (%s); "
+                           "ending the request", key, matcher.get_error().splitlines()[0])
 
