@@ -29,12 +29,13 @@ an O(1) check that it could fit at all, so a huge prompt never holds the event l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -195,18 +196,10 @@ class FrontendServicer(pb_grpc.FrontendServicer):
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        try:
+        async with self._admission(context, request_id):
             prompt, params, lora = self._parse(request)
             prompt = await self.async_llm.prepare_prompt(prompt)
-            # AsyncLLM checks and admits when called: a rejection or a bad prompt ends the
-            # call here, before any response, and leaves no request behind (A5).
             stream = self.async_llm.generate(request_id, prompt, params, request.priority, lora)
-        except AdmissionError as e:
-            await self._abort_unavailable(context, e.reason)
-        except ValueError as e:
-            await self._abort_invalid(context, e)
-        except Exception as e:
-            await self._abort_failed(context, request_id, e)
         responses = _ResponseStream(request_id, params.logprobs, self.latencies,
                                     getattr(stream, "engine_index", None))
         try:
@@ -222,6 +215,20 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             await self._abort_failed(context, request_id, e)
         if not responses.usage_sent:  # ended without a finished snapshot
             yield pb.GenerateResponse(request_id=request_id, usage=responses.usage())
+
+    @contextlib.asynccontextmanager
+    async def _admission(self, context: grpc.aio.ServicerContext, request_id: str) -> AsyncIterator[None]:
+        """Around parsing and admitting a request (Generate, GenerateSession): AsyncLLM checks
+        and admits when called, so a rejection or a bad prompt ends the call here, before any
+        response, and leaves no request behind (A5)."""
+        try:
+            yield
+        except AdmissionError as e:
+            await self._abort_unavailable(context, e.reason)
+        except ValueError as e:
+            await self._abort_invalid(context, e)
+        except Exception as e:
+            await self._abort_failed(context, request_id, e)
 
     async def _abort_failed(self, context: grpc.aio.ServicerContext, request_id: str, error: Exception) -> None:
         """End the call for a request that failed: UNAVAILABLE ``engine_faulted`` while the
@@ -275,15 +282,9 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             context.set_trailing_metadata(((INVALID_PARAM_KEY, "open"),))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session's first message must be `open`")
         request_id = first.open.request_id or f"session-{uuid.uuid4().hex}"
-        try:
+        async with self._admission(context, request_id):
             prompt, params, lora = self._parse(first.open)
             session = self.async_llm.session(request_id, prompt, params, first.open.priority, lora_request=lora)
-        except AdmissionError as e:
-            await self._abort_unavailable(context, e.reason)
-        except ValueError as e:
-            await self._abort_invalid(context, e)
-        except Exception as e:
-            await self._abort_failed(context, request_id, e)
         feeder = asyncio.create_task(feed_session(session, request_iterator))
         try:
             async with session:
