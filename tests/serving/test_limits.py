@@ -365,3 +365,39 @@ def test_oversized_headers_are_431_which_the_client_reads(http: httpx.Client) ->
     assert response.status_code == 431, response.text
     assert "--max-header-bytes" in response.text
     assert http.get("/health").status_code == 200  # a fresh connection is fine
+
+
+def test_headers_arriving_in_pieces_are_431_once_their_sum_outgrows_the_limit(stack: Stack) -> None:
+    """Each piece is below --max-header-bytes; the parser alone would take them all."""
+    host, port = stack.urls[0].removeprefix("http://").split(":")
+    piece = b"X-Piece: " + b"p" * (LIMITS.max_header_bytes // 4) + b"\r\n"
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(6):
+            try:
+                sock.sendall(piece)
+            except OSError:  # already answered and half-closed
+                break
+            time.sleep(0.05)
+        answer = _read_all(sock, 5)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert b"--max-header-bytes" in answer
+
+
+def test_a_malformed_request_is_400_which_the_client_reads(stack: Stack) -> None:
+    host, port = stack.urls[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"NOT A REQUEST LINE\r\n\r\n" + b"x" * 10_000)
+        answer = _read_all(sock, 5)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+
+
+def test_kept_alive_connection_serves_a_second_request_and_its_head_is_bounded(stack: Stack) -> None:
+    host, port = stack.urls[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        sock.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (LIMITS.max_header_bytes + 1) + b"\r\n\r\n")
+        answer = _read_all(sock, 5)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]

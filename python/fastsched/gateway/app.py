@@ -44,7 +44,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import uvicorn
@@ -54,14 +54,14 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastsched.frontend.admission import ENGINE_FAULTED
 from fastsched.gateway import metrics as gateway_metrics
 from fastsched.gateway import pause
-from fastsched.gateway.http_protocol import guarded_h11_protocol
+from fastsched.gateway.http_protocol import guarded_http_protocol
 from fastsched.gateway.lora_admin import LoRAAdmin
 from fastsched.gateway.openai_protocol import (
     ApiError,
@@ -91,7 +91,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.enable_http_proxy", 0),  # frontends are local: never route through $http_proxy
     *MESSAGE_SIZE_OPTIONS,
 ]
-T = TypeVar("T")
 MAX_CONCURRENT_STREAMS = "max_concurrent_streams"  # the 503 reason when every frontend is at its limit
 # A raw JSON string escape of a UTF-16 surrogate: only then can a parsed string hold a lone one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -139,11 +138,14 @@ class Frontend:
 
 
 class FrontendStream:
-    """A Generate call whose first response has arrived; iterate for the rest."""
+    """A Generate call whose first response has arrived; iterate for the rest. The
+    message that carries ``usage`` is the call's last (the frontend sends usage when the
+    request ends), so iteration stops there without waiting for the call's status."""
 
     def __init__(self, frontend: Frontend, call: Any, first: Any) -> None:
         self.frontend, self.call, self.first = frontend, call, first
         self._released = False
+        self._finished = False  # the last message arrived: nothing left to cancel
 
     def _release(self) -> None:
         if not self._released:
@@ -151,17 +153,21 @@ class FrontendStream:
             self.frontend.outstanding -= 1
 
     def cancel(self) -> None:
-        """Cancels the call (the frontend then aborts the request in the engine)."""
-        if not self.call.done():
+        """Cancels the call (the frontend then aborts the request in the engine) unless
+        its last message arrived."""
+        if not self._finished and not self.call.done():
             self.call.cancel()
         self._release()
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         try:
-            if self.first is not grpc.aio.EOF:
-                yield self.first
-                while (msg := await self.call.read()) is not grpc.aio.EOF:
-                    yield msg
+            msg = self.first
+            while msg is not grpc.aio.EOF:
+                self._finished = msg.HasField("usage")
+                yield msg
+                if self._finished:
+                    return
+                msg = await self.call.read()
         finally:
             self.cancel()
 
@@ -312,24 +318,62 @@ async def _merge(streams: Sequence[FrontendStream]) -> AsyncIterator[tuple[int, 
             task.cancel()
 
 
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-    """Runs ``work``; if the client disconnects first, cancels it and returns None."""
-    task = asyncio.ensure_future(work)
+class _ClientWatch:
+    """``async with _ClientWatch(receive) as watch``: if the client disconnects inside the
+    block, the task serving it is cancelled (its gRPC calls with it, so the frontends abort
+    the request in the engine), the block ends quietly and ``watch.gone`` is True. One
+    watcher task per request, however long it streams."""
 
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self.gone = False
+
+    async def __aenter__(self) -> _ClientWatch:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._watcher = asyncio.ensure_future(self._watch())
+        return self
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
             pass
-        task.cancel()
+        self.gone = True
+        self._task.cancel()
 
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if watcher.done() and task.cancelled():
-            return None
-        raise
-    finally:
-        watcher.cancel()
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        self._watcher.cancel()
+        if self.gone and exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            self._task.uncancel()
+            return True
+        return False
+
+
+class _EventStream(Response):
+    """A streaming completion as server-sent events. It opens the request's gRPC calls
+    when called, so that an error before the first token (a 503, a 400 from the engine)
+    is still an ordinary error response, then sends one body chunk per frontend message;
+    the last chunk carries ``[DONE]`` and the end of the response, so a short completion
+    costs few socket writes."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, gateway: Gateway, parsed: ParsedRequest, formatter: ResponseFormatter) -> None:
+        self.gateway, self.parsed, self.formatter = gateway, parsed, formatter
+        self.status_code, self.background = 200, None
+        self.init_headers({"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with _ClientWatch(receive):
+            streams = await self.gateway._open_all(self.parsed)
+            try:
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                async for events, last in self.gateway._sse(self.parsed, self.formatter, streams):
+                    if events or last:
+                        await send({"type": "http.response.body", "body": events.encode(), "more_body": not last})
+            finally:
+                for stream in streams:
+                    stream.cancel()
 
 
 class Gateway:
@@ -439,14 +483,12 @@ class Gateway:
 
     async def _generate(self, request: Request, parsed: ParsedRequest) -> Response:
         formatter = ResponseFormatter(parsed, parsed.lora_name or self.model_name, self.tokenizer)
-        if not parsed.stream:
-            body = await _until_disconnect(request, self._collect(parsed, formatter))
-            return JSONResponse(body) if body is not None else Response(status_code=499)
-        streams = await _until_disconnect(request, self._open_all(parsed))
-        if streams is None:
-            return Response(status_code=499)
-        return StreamingResponse(self._sse(parsed, formatter, streams), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        if parsed.stream:
+            return _EventStream(self, parsed, formatter)
+        body = None
+        async with _ClientWatch(request.receive) as watch:
+            body = await self._collect(parsed, formatter)
+        return Response(status_code=499) if watch.gone or body is None else JSONResponse(body)
 
     async def _collect(self, parsed: ParsedRequest, formatter: ResponseFormatter) -> dict[str, Any]:
         streams = await self._open_all(parsed)
@@ -461,21 +503,27 @@ class Gateway:
         return formatter.final()
 
     async def _sse(self, parsed: ParsedRequest, formatter: ResponseFormatter,
-                   streams: list[FrontendStream]) -> AsyncIterator[str]:
+                   streams: list[FrontendStream]) -> AsyncIterator[tuple[str, bool]]:
+        """``(events, last)``: the events of each frontend message, joined; the last item,
+        which ends the response, also holds the usage chunk and ``[DONE]``."""
+        unfinished = len(streams)
         try:
-            try:
-                async for prompt_index, resp in _merge(streams):
+            async with contextlib.aclosing(_merge(streams)) as responses:
+                async for prompt_index, resp in responses:
                     # One choice per chunk, as OpenAI and vLLM stream n > 1 (clients index chunks by choice).
-                    for entry in formatter.consume(prompt_index, resp):
-                        yield _sse_event(formatter.chunk([entry]))
-                if parsed.include_usage:
-                    yield _sse_event(formatter.usage_chunk())
-            except grpc.aio.AioRpcError as e:  # after the 200 has been sent: report inside the stream
-                yield _sse_event(api_error_from_rpc(e, self.retry_after_s).body())
-            yield "data: [DONE]\n\n"
-        finally:  # also on disconnect: Starlette cancels this generator
-            for stream in streams:
-                stream.cancel()
+                    entries = formatter.consume(prompt_index, resp)
+                    events = "".join(_sse_event(formatter.chunk([entry])) for entry in entries)
+                    unfinished -= resp.HasField("usage")  # a call's last message (FrontendStream)
+                    if not unfinished:
+                        break
+                    yield events, False
+                else:
+                    events = ""
+            if parsed.include_usage:
+                events += _sse_event(formatter.usage_chunk())
+        except grpc.aio.AioRpcError as e:  # after the 200 has been sent: report inside the stream
+            events = _sse_event(api_error_from_rpc(e, self.retry_after_s).body())
+        yield events + "data: [DONE]\n\n", True
 
     async def tokenize(self, request: Request) -> Response:
         self._check_api_key(request)
@@ -726,5 +774,5 @@ def gateway_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, **
     with code 1009."""
     uvicorn_kwargs.setdefault("log_level", "info")
     limits = app.state.gateway.limits
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, lifespan="on", http=guarded_h11_protocol(limits),
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, lifespan="on", http=guarded_http_protocol(limits),
                                          ws_max_size=limits.max_body_bytes, **uvicorn_kwargs))
