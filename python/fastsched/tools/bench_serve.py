@@ -83,10 +83,11 @@ BACKENDS = {"openai": COMPLETIONS, "vllm": COMPLETIONS, "openai-chat": CHAT_COMP
 
 
 class HttpClient:
-    """A lean HTTP/1.1 client on asyncio streams: one connection per request
-    (``Connection: close``), chunked or sized bodies. httpx spends ~10 ms of CPU per
-    streamed request, so at a few hundred requests/s a load generator built on it
-    measures its own queue, not the server's; this one spends well under 1 ms."""
+    """A lean HTTP/1.1 client on asyncio streams: kept-alive connections reused between
+    requests (as the connection pools of real clients and of vLLM's benchmark are),
+    chunked or sized bodies. httpx spends ~10 ms of CPU per streamed request, so at a few
+    hundred requests/s a load generator built on it measures its own queue, not the
+    server's; this one spends well under 1 ms."""
 
     def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
         parts = urlsplit(url)
@@ -96,38 +97,73 @@ class HttpClient:
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.ssl = parts.scheme == "https"
         self.base_path = parts.path.rstrip("/")
-        self.head = f"Host: {parts.netloc}\r\nConnection: close\r\nAccept: */*\r\n" + "".join(
+        self.head = f"Host: {parts.netloc}\r\nAccept: */*\r\n" + "".join(
             f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def open(self, method: str, path: str, payload: Any = None) -> tuple[int, dict[str, str], Any, Any]:
-        """Sends the request; returns (status, headers, reader, writer) once the headers are in."""
-        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl or None)
-        try:
-            body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode()
-            head = f"{method} {self.base_path}{path} HTTP/1.1\r\n{self.head}"
-            if payload is not None:
-                head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            writer.write(head.encode("latin-1") + b"\r\n" + body)
-            status_line = await reader.readline()
-            parts = status_line.split(None, 2)
-            if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
-                raise ConnectionError(f"not an HTTP response: {status_line[:80]!r}")
-            headers = {}
-            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                name, _, value = line.decode("latin-1").partition(":")
-                headers[name.strip().lower()] = value.strip()
-            return int(parts[1]), headers, reader, writer
-        except BaseException:
+        """Sends the request; returns (status, headers, reader, writer) once the headers are in.
+        Give the connection back with ``release`` when the body has been read."""
+        body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode()
+        head = f"{method} {self.base_path}{path} HTTP/1.1\r\n{self.head}"
+        if payload is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        request = head.encode("latin-1") + b"\r\n" + body
+        while True:
+            reused = bool(self._idle)
+            reader, writer = self._idle.pop() if reused else await asyncio.open_connection(
+                self.host, self.port, ssl=self.ssl or None)
+            try:
+                writer.write(request)
+                status_line = await reader.readline()
+            except (ConnectionError, OSError):
+                writer.close()
+                if reused:  # the server closed it while it was idle: try another
+                    continue
+                raise
+            if not status_line and reused:
+                writer.close()
+                continue
+            try:
+                return (*await self._read_head(status_line, reader), reader, writer)  # type: ignore[return-value]
+            except BaseException:
+                writer.close()
+                raise
+
+    @staticmethod
+    async def _read_head(status_line: bytes, reader: Any) -> tuple[int, dict[str, str]]:
+        parts = status_line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
+            raise ConnectionError(f"not an HTTP response: {status_line[:80]!r}")
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return int(parts[1]), headers
+
+    def release(self, headers: dict[str, str], reader: Any, writer: Any, complete: bool) -> None:
+        """Keeps the connection for the next request if its response was read to the end
+        (``complete``) and the server keeps it open; else closes it."""
+        if complete and headers.get("connection", "").lower() != "close" and not reader.at_eof():
+            self._idle.append((reader, writer))
+        else:
             writer.close()
-            raise
+
+    def close(self) -> None:
+        """Closes the idle connections."""
+        for _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
 
     @staticmethod
     async def chunks(reader: Any, headers: dict[str, str]) -> AsyncIterator[bytes]:
-        """The body as it arrives."""
+        """The body as it arrives, read to its end."""
         if headers.get("transfer-encoding", "").lower() == "chunked":
             while True:
                 size = int((await reader.readline()).split(b";", 1)[0].strip() or b"0", 16)
                 if size == 0:
+                    while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                        pass  # trailers, then the blank line that ends the body
                     return
                 data = await reader.readexactly(size + 2)  # the chunk and its CRLF
                 yield data[:-2]
@@ -139,10 +175,12 @@ class HttpClient:
 
     async def get_json(self, path: str) -> tuple[int, Any]:
         status, headers, reader, writer = await self.open("GET", path)
+        complete = False
         try:
             body = b"".join([chunk async for chunk in self.chunks(reader, headers)])
+            complete = True
         finally:
-            writer.close()
+            self.release(headers, reader, writer, complete)
         return status, json.loads(body) if body else None
 
 
@@ -173,12 +211,14 @@ async def send_request(client: HttpClient, model: str, req: BenchRequest,
     start = time.perf_counter()
     last = start
     writer = None
+    complete = False
     try:
         result.status, headers, reader, writer = await client.open("POST", endpoint, request_body(model, req, endpoint))
         if result.status != 200:
             text = b"".join([c async for c in client.chunks(reader, headers)]).decode(errors="replace")
             result.e2e = time.perf_counter() - start
             result.reason = _error_code(text) or f"http_{result.status}"
+            complete = True
             return result
         pending = b""
         async for data in client.chunks(reader, headers):
@@ -204,6 +244,7 @@ async def send_request(client: HttpClient, model: str, req: BenchRequest,
                     else:
                         result.itl.append(now - last)
                     last = now
+        complete = True
         if result.error is None and result.output_tokens == 0:
             result.error = "the stream ended without a usage chunk"
     except (OSError, asyncio.IncompleteReadError, ValueError, TimeoutError) as e:
@@ -211,7 +252,7 @@ async def send_request(client: HttpClient, model: str, req: BenchRequest,
         result.reason = result.reason or "client_error"
     finally:
         if writer is not None:
-            writer.close()
+            client.release(headers, reader, writer, complete)
     result.e2e = time.perf_counter() - start
     return result
 
@@ -297,16 +338,19 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
         raise ValueError(f"--endpoint must be {COMPLETIONS} or {CHAT_COMPLETIONS}, got {endpoint!r}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     client = HttpClient(url, headers)
-    served, max_model_len = await asyncio.wait_for(server_model(client), 30)
-    model = model or served
-    requests = build_workload(dataset_name, dataset_path, num_requests, prompt_len, output_len, seed, token_id_range,
-                         range_ratio, max_model_len, tokenizer, sharegpt_output_len, endpoint)
-    summaries = []
-    for i, qps in enumerate(qps_values):
-        results, duration = await run_rate(client, model, requests, qps, seed + 1 + i, timeout, progress, endpoint,
-                                           max_concurrency)
-        summaries.append(summarize(qps, results, duration, percentiles=percentiles,
-                                   percentile_metrics=percentile_metrics, goodput=goodput))
+    try:
+        served, max_model_len = await asyncio.wait_for(server_model(client), 30)
+        model = model or served
+        requests = build_workload(dataset_name, dataset_path, num_requests, prompt_len, output_len, seed,
+                                  token_id_range, range_ratio, max_model_len, tokenizer, sharegpt_output_len, endpoint)
+        summaries = []
+        for i, qps in enumerate(qps_values):
+            results, duration = await run_rate(client, model, requests, qps, seed + 1 + i, timeout, progress,
+                                               endpoint, max_concurrency)
+            summaries.append(summarize(qps, results, duration, percentiles=percentiles,
+                                       percentile_metrics=percentile_metrics, goodput=goodput))
+    finally:
+        client.close()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "url": url,
