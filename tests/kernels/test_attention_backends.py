@@ -40,6 +40,9 @@ STEPS = {
     "decode_only": ([69, 2, 32], [1, 1, 1], {}),
     # seq_len 1: all of a request's padding reads the slot this step just wrote
     "one_token_prompts_beside_a_long_decode": ([0, 47, 0], [1, 1, 1], {}),
+    # whole prompts of different lengths, batched into one padded call, beside a chunk with context and a decode
+    "fresh_prompts_batched": ([0, 0, 30, 0, 21, 0], [7, 21, 1, 12, 6, 2], {}),
+    "fresh_prompts_gqa3_block_8": ([0, 0, 0], [9, 17, 3], dict(num_heads=6, num_kv_heads=2, head_dim=40, block_size=8)),
 }
 
 

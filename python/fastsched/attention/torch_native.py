@@ -1,8 +1,10 @@
 """The CPU attention backend: plain torch ops, vectorised per request.
 
-Each prefill chunk runs one ``scaled_dot_product_attention`` with a causal
-mask offset by the context already in the cache (a chunk with no context
-attends over this step's own keys and values and reads nothing back).
+A prefill chunk with context in the cache runs one ``scaled_dot_product_attention``
+with a causal mask offset by that context. Chunks with no context (whole short
+prompts, the common case when serving) attend only over this step's own keys
+and values, so they are batched: padded to the longest of them and run through
+one SDPA call with a causal, length-limited mask, instead of one call each.
 Decodes (one query token, which sees every key) are the common case at high
 concurrency, so they are batched: their keys and values are gathered into
 one tensor padded to the longest of them and run through a single SDPA call
@@ -32,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from fastsched.attention.base import AttentionMetadata
-from fastsched.kernels.reference import reshape_and_cache_ref
 
 # Cap on key positions gathered per batched-decode SDPA call (requests x
 # padded length), so a large batch of long decodes does not allocate the
@@ -52,6 +53,19 @@ class _Prefill:
 
 
 @dataclass
+class _FreshPrefills:
+    """Prefill chunks with no context, attended in one SDPA call over this step's own
+    keys and values, padded to ``max_len`` query rows each."""
+
+    gather: torch.Tensor  # [n * max_len] int64, the step's row behind each padded position
+    mask: torch.Tensor  # [n, 1, max_len, max_len] bool, causal and within the chunk
+    valid: torch.Tensor  # [sum of lengths] int64, the padded positions that are real rows
+    rows: torch.Tensor  # [sum of lengths] int64, their rows in the step (same order)
+    num: int
+    max_len: int
+
+
+@dataclass
 class _DecodeGroup:
     """Single-token requests attended in one SDPA call over keys padded to ``max_len``."""
 
@@ -67,7 +81,10 @@ class _StepPlan:
 
     metadata: AttentionMetadata
     block_size: int
-    prefills: list[_Prefill]
+    write_slots: torch.Tensor  # [rows written] int64, the cache slot of each row written
+    write_rows: torch.Tensor | None  # the step's rows written, in that order; None: all of them
+    prefills: list[_Prefill]  # chunks with context, one SDPA call each
+    fresh: _FreshPrefills | None
     decode_groups: list[_DecodeGroup]
 
 
@@ -93,17 +110,19 @@ class TorchNativeBackend:
         scale: float,
     ) -> torch.Tensor:
         """Write this step's K/V at ``slot_mapping``, then attend causally over the cache."""
-        reshape_and_cache_ref(key, value, kv_cache, metadata.slot_mapping)
         plan = self._plan
         # The block size is known only here; a caller that skips prepare()
         # passes new metadata, which gets its own plan.
         if plan is None or plan.metadata is not metadata or plan.block_size != kv_cache.shape[2]:
             plan = self._plan = _plan_step(metadata, kv_cache)
+        _write_cache(key, value, kv_cache, plan)
         # Contiguous (the model reshapes it to [T, hidden]); padding rows stay zero.
         out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
         for p in plan.prefills:
             rows = slice(p.start, p.end)
             out[rows] = _prefill(query[rows], key[rows], value[rows], kv_cache, p, scale)
+        if plan.fresh is not None:
+            out.index_copy_(0, plan.fresh.rows, _fresh_prefills(query, key, value, plan.fresh, kv_cache.dtype, scale))
         for group in plan.decode_groups:
             out.index_copy_(0, group.rows, _decode(query.index_select(0, group.rows), kv_cache, group, scale))
         return out
@@ -117,10 +136,12 @@ def _plan_step(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan
     block_size = kv_cache.shape[2]
     query_lens = metadata.query_start_loc.diff()
     starts = metadata.query_start_loc.tolist()
-    prefills = []
+    prefills, fresh = [], []
     for i in torch.nonzero(query_lens > 1).flatten().tolist():
-        prefills.append(_plan_prefill(starts[i], starts[i + 1], int(metadata.seq_lens[i]),
-                                      metadata.block_tables[i], block_size))
+        p = _plan_prefill(starts[i], starts[i + 1], int(metadata.seq_lens[i]), metadata.block_tables[i], block_size)
+        (fresh if p.blocks is None else prefills).append(p)
+    if len(fresh) == 1:  # alone, its own call needs no padding
+        prefills, fresh = prefills + fresh, []
     groups = []
     decodes = torch.nonzero(query_lens == 1).flatten()
     if len(decodes):
@@ -130,7 +151,54 @@ def _plan_step(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan
             reqs = decodes[first : first + chunk]
             max_len = int(decode_lens[first : first + chunk].max())
             groups.append(_plan_decode_group(metadata, reqs, max_len, block_size))
-    return _StepPlan(metadata, block_size, prefills, groups)
+    slots = metadata.slot_mapping.long()
+    padded = slots < 0
+    write_rows = torch.nonzero(~padded).flatten() if bool(padded.any()) else None
+    write_slots = slots if write_rows is None else slots.index_select(0, write_rows)
+    return _StepPlan(metadata, block_size, write_slots, write_rows, prefills,
+                     _plan_fresh_prefills(fresh, slots.device) if fresh else None, groups)
+
+
+def _write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
+    """``reshape_and_cache_ref`` with the rows to write found once per step, not per layer."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    for i, rows in enumerate((key, value)):
+        if plan.write_rows is not None:
+            rows = rows.index_select(0, plan.write_rows)
+        kv_cache[i].view(-1, num_kv_heads, head_dim).index_copy_(0, plan.write_slots, rows.to(kv_cache.dtype))
+
+
+def _plan_fresh_prefills(chunks: list[_Prefill], device: torch.device) -> _FreshPrefills:
+    lens = torch.tensor([p.end - p.start for p in chunks], device=device)
+    starts = torch.tensor([p.start for p in chunks], device=device)
+    max_len = int(lens.max())
+    offsets = torch.arange(max_len, device=device)
+    within = offsets < lens[:, None]  # [n, max_len]
+    # Padding repeats the chunk's first row: finite, and masked out as a key.
+    gather = starts[:, None] + torch.where(within, offsets, 0)
+    causal = offsets[None, :] <= offsets[:, None]  # [query, key]
+    mask = causal & within[:, None, :]  # a padded query row still sees the chunk's keys: no empty row
+    valid = torch.nonzero(within.flatten()).flatten()
+    return _FreshPrefills(gather.flatten(), mask[:, None], valid, gather.flatten().index_select(0, valid),
+                          len(chunks), max_len)
+
+
+def _fresh_prefills(
+    query: torch.Tensor,  # [T, num_heads, head_dim], the whole step's
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    f: _FreshPrefills,
+    cache_dtype: torch.dtype,
+    scale: float,
+) -> torch.Tensor:  # [len(f.rows), num_heads, head_dim], in f.rows' order
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [n, heads, max_len, head_dim]
+        return x.index_select(0, f.gather).view(f.num, f.max_len, *x.shape[1:]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        padded(query), padded(key.to(cache_dtype)), padded(value.to(cache_dtype)),
+        attn_mask=f.mask, scale=scale, enable_gqa=True,
+    )  # [n, num_heads, max_len, head_dim]
+    return out.transpose(1, 2).reshape(f.num * f.max_len, *query.shape[1:]).index_select(0, f.valid)
 
 
 def _plan_decode_group(

@@ -4,8 +4,8 @@ They read the same paged layout as the kernels (``kv_cache`` of shape
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]``) but gather every key
 position explicitly and do the softmax in fp32, one request at a time, so a
 reader can check them line by line against the contract in
-``fastsched.attention.base``.  Tests compare the kernels against these; the
-CPU backend shares only the cache write.
+``fastsched.attention.base``.  Tests compare the kernels and the CPU
+backend against these.
 """
 
 from __future__ import annotations
