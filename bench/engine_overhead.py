@@ -356,6 +356,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="schedule step N+1 while step N's forward pass runs (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--vocab-size", type=int, default=1024,
+                        help="the tiny model's vocabulary, i.e. the width of every step's logits (SmolLM2's: 49152)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-real-model", action="store_true", help="skip the run on the real tiny model")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
@@ -385,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     from fastsched.tools.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="fastsched-overhead-") as tmp:
-        model_dir = str(make_tiny_model(Path(tmp) / "tiny"))
+        model_dir = str(make_tiny_model(Path(tmp) / "tiny", vocab_size=args.vocab_size))
         rows = {f"null model, forward {args.fake_forward_ms:g} ms": run_engine(args, model_dir, null_model=True)}
         if not args.no_real_model:
             rows["real tiny model"] = run_engine(args, model_dir, null_model=False)

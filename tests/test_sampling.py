@@ -7,11 +7,12 @@ import re
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
+import numpy as np
 import pytest
 import torch
 
 from fastsched.frontend.stop import StopChecker
-from fastsched.sample import Sampler, SamplingMetadata, make_generator
+from fastsched.sample import RowSamplingParams, Sampler, SamplingMetadata, TokenHistories, make_generator
 from fastsched.sample.sampler import apply_penalties, apply_top_k_top_p
 from fastsched.sampling_params import SamplingParams
 
@@ -356,3 +357,51 @@ def test_append_after_stop_is_an_error() -> None:
     checker.append("ax")
     with pytest.raises(RuntimeError, match="already stopped"):
         checker.append("b")
+
+
+def test_penalty_histories_of_different_lengths_count_only_their_own_tokens() -> None:
+    """Rows' histories are read as one padded array: what lies past a row's end (a shorter
+    row's padding, or an earlier request's tokens left in a batch row) is never counted,
+    and a row without penalties is left alone."""
+    vocab = 8
+    penalty = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5)
+    rows = RowSamplingParams(4, vocab)
+    for row, p in enumerate([penalty, SamplingParams(), penalty, penalty]):
+        rows.set_row(row, p, (), None)
+    token_ids = np.array([[1, 2, 2, 7, 7, 7],    # prompt [1], output [2, 2]; 7s past the end
+                          [5, 5, 5, 5, 5, 5],    # not penalized: never read
+                          [3, 4, 4, 4, 6, 0],    # prompt [3, 4], output [4, 4, 6, 0]
+                          [6, 6, 7, 7, 7, 7]])   # prompt [6, 6], no output yet
+    num_prompt, end = np.array([1, 1, 2, 2]), np.array([3, 6, 6, 2])
+
+    def history(used: np.ndarray) -> TokenHistories:
+        assert used.tolist() == [0, 2, 3]
+        return TokenHistories(token_ids[used], num_prompt[used], end[used])
+
+    md = rows.gather(np.arange(4), lambda: end - num_prompt, history)
+    assert md.penalties is not None
+    logits = torch.tensor([[3.0, -1.0, 0.5, -0.5, 2.0, 1.0, -2.0, 4.0]] * 4)
+    expected = logits.clone()
+    for row in (0, 2, 3):
+        seen = set(token_ids[row, : end[row]].tolist())
+        output = token_ids[row, num_prompt[row] : end[row]].tolist()
+        for token in seen:
+            value = expected[row, token].item()
+            value = value / 2.0 if value > 0 else value * 2.0
+            expected[row, token] = value - 0.25 * output.count(token) - 0.5 * (token in output)
+    assert apply_penalties(logits, md.penalties).tolist() == expected.tolist()
+
+
+def test_async_output_tokens_join_the_penalized_rows_histories() -> None:
+    """A token known only after the metadata was built (async scheduling) counts as output."""
+    vocab = 6
+    rows = RowSamplingParams(3, vocab)
+    for row, p in enumerate([SamplingParams(frequency_penalty=1.0), SamplingParams(),
+                             SamplingParams(presence_penalty=0.5)]):
+        rows.set_row(row, p, (), None)
+    history = np.array([[0, 1], [2, 2], [3, 3]])
+    md = rows.gather(np.arange(3), lambda: np.array([1, 1, 1]),
+                     lambda used: TokenHistories(history[used], np.array([1, 1]), np.array([2, 2])))
+    md.add_output_tokens(torch.tensor([0, 2]), torch.tensor([1, 5]))
+    logits = apply_penalties(torch.zeros(3, vocab), md.penalties)
+    assert logits.tolist() == [[0, -2, 0, 0, 0, 0], [0] * 6, [0, 0, 0, -0.5, 0, -0.5]]

@@ -8,6 +8,7 @@ from fastsched.sample.sampler import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,
+    TokenHistories,
     make_generator,
     to_device,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
+    "TokenHistories",
     "make_generator",
     "to_device",
 ]

@@ -6,8 +6,9 @@ greedy argmax -> temperature -> min_p -> top-k/top-p -> exponential race.
 Every per-row parameter arrives as a tensor gathered once per step from columns
 kept per batch row (:class:`RowSamplingParams`), so the only per-row Python in the
 hot path is for rows that need something of their own: one draw per seeded row from
-that request's own generator, the histories of rows with penalties, the banned ids
-of rows below ``min_tokens``.
+that request's own generator and the banned ids of rows below ``min_tokens``. The
+histories of rows with penalties are read as one padded array (:class:`TokenHistories`)
+and counted with one scatter each for prompts and outputs.
 """
 
 from __future__ import annotations
@@ -45,13 +46,44 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 @dataclass
 class PenaltyTensors:
-    """Presence, frequency and repetition penalties with the token histories they need."""
+    """Presence, frequency and repetition penalties of the rows that use them, with the
+    (row, token) pairs they change: every token in a row's prompt or output. A penalty
+    changes only those logits, so they are gathered, penalized and written back, rather
+    than computed over the whole ``[rows, vocab]`` (mostly unchanged) every step."""
 
-    presence: torch.Tensor  # [B] fp32, 0 where off
-    frequency: torch.Tensor  # [B] fp32, 0 where off
-    repetition: torch.Tensor  # [B] fp32, 1 where off
-    output_counts: torch.Tensor  # [B, vocab] int32, occurrences of each token in the output
-    seen_mask: torch.Tensor  # [B, vocab] bool, token occurs in the prompt or the output
+    rows: torch.Tensor  # [P] int64, the step rows that use penalties
+    presence: torch.Tensor  # [P] fp32, 0 where off
+    frequency: torch.Tensor  # [P] fp32, 0 where off
+    repetition: torch.Tensor  # [P] fp32, 1 where off
+    token_ids: torch.Tensor  # [P, L] int64, row j's prompt and output tokens (repeats allowed)
+    output_counts: torch.Tensor  # [P, vocab] int32, occurrences of each token in row j's output
+
+    def add_output_tokens(self, penalized: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Counts ``tokens[i]`` once more in the output of penalized row ``penalized[i]``."""
+        self.output_counts.index_put_((penalized, tokens), torch.ones_like(tokens, dtype=self.output_counts.dtype),
+                                      accumulate=True)
+        column = self.token_ids[:, 0].clone()  # rows without a new token repeat a pair they have
+        column[penalized] = tokens
+        self.token_ids = torch.cat((self.token_ids, column[:, None]), dim=1)
+
+
+@dataclass
+class TokenHistories:
+    """Some rows' token ids, one row each, for the penalties: ``token_ids[j, :num_prompt[j]]``
+    is row ``j``'s prompt and ``token_ids[j, num_prompt[j]:end[j]]`` its output so far; what
+    lies past ``end[j]`` is ignored."""
+
+    token_ids: np.ndarray  # [rows, >= max(end)] int64
+    num_prompt: np.ndarray  # [rows] int64
+    end: np.ndarray  # [rows] int64
+
+    @classmethod
+    def from_lists(cls, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> TokenHistories:
+        ends = [len(p) + len(o) for p, o in zip(prompts, outputs)]
+        token_ids = np.zeros((len(ends), max(ends, default=0)), dtype=np.int64)
+        for j, (prompt, output) in enumerate(zip(prompts, outputs)):
+            token_ids[j, : ends[j]] = [*prompt, *output]
+        return cls(token_ids, np.array([len(p) for p in prompts], dtype=np.int64), np.array(ends, dtype=np.int64))
 
 
 @dataclass
@@ -98,7 +130,8 @@ class SamplingMetadata:
         return rows.gather(
             np.arange(len(params)),
             lambda: np.array([len(o) for o in output_token_ids], dtype=np.int64),
-            lambda i: (prompt_token_ids[i], output_token_ids[i]),
+            lambda used: TokenHistories.from_lists([prompt_token_ids[i] for i in used],
+                                                   [output_token_ids[i] for i in used]),
             device,
         )
 
@@ -130,9 +163,8 @@ class SamplingMetadata:
         if self.penalties is None or rows.numel() == 0:
             return
         p = self.penalties
-        p.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=p.output_counts.dtype),
-                                   accumulate=True)
-        p.seen_mask[rows, tokens] = True
+        penalized = torch.searchsorted(p.rows, rows)  # rows use penalties; p.rows is sorted
+        p.add_output_tokens(penalized, tokens)
 
 
 class RowSamplingParams:
@@ -141,8 +173,8 @@ class RowSamplingParams:
     A row's columns are set when a request takes the row (:meth:`set_row`), so a step
     gathers its rows' parameters with a few numpy takes (:meth:`gather`) instead of
     reading one ``SamplingParams`` per row.  Only rows that need something of their own
-    are visited one by one: seeded rows (their generator), rows with penalties (their
-    histories) and rows still below ``min_tokens`` (their banned ids).
+    are visited one by one: seeded rows (their generator) and rows still below
+    ``min_tokens`` (their banned ids).
     """
 
     def __init__(self, num_rows: int, vocab_size: int) -> None:
@@ -197,14 +229,14 @@ class RowSamplingParams:
         self,
         rows: np.ndarray,
         num_output_tokens: Callable[[], np.ndarray],
-        history: Callable[[int], tuple[Sequence[int], Sequence[int]]],
+        history: Callable[[np.ndarray], TokenHistories],
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
         """The metadata of a step sampling ``rows`` (one metadata row each, in order).
 
         ``num_output_tokens()[i]``: outputs row ``i`` already has, asked only when a row
-        has ``min_tokens``. ``history(i)``: its (prompt, output) token ids, asked only for
-        rows with penalties.
+        has ``min_tokens``. ``history(used)``: the token ids of rows ``used`` (indices into
+        ``rows``), asked only for rows with penalties.
         """
         if np.count_nonzero(self.plain[rows]) == len(rows):  # rather than all(): see engine/core.py
             return self._all_greedy(len(rows), device)
@@ -247,22 +279,29 @@ class RowSamplingParams:
         return cached
 
     def _penalties(
-        self, rows: np.ndarray, history: Callable[[int], tuple[Sequence[int], Sequence[int]]],
-        device: torch.device | str,
+        self, rows: np.ndarray, history: Callable[[np.ndarray], TokenHistories], device: torch.device | str,
     ) -> PenaltyTensors | None:
-        used = np.flatnonzero(self.penalized[rows]).tolist()
-        if not used:
+        used = np.flatnonzero(self.penalized[rows])
+        if not len(used):
             return None
-        # Rows without penalties get neutral values, so their histories need not be read.
-        histories = [history(i) for i in used]
-        output_counts = _bin_counts(used, [h[1] for h in histories], len(rows), self.vocab_size, device)
-        prompt_counts = _bin_counts(used, [h[0] for h in histories], len(rows), self.vocab_size, device)
+        # Only rows with penalties are read.
+        h = history(used)
+        length = int(h.end.max())
+        token_ids = torch.from_numpy(np.ascontiguousarray(h.token_ids[:, :length])).to(device)
+        position = torch.arange(length, device=device)
+        num_prompt = torch.from_numpy(h.num_prompt).to(device)[:, None]
+        within = position < torch.from_numpy(h.end).to(device)[:, None]
+        # Past a row's end: its first token again, a pair it has anyway (prompts are never empty).
+        token_ids = torch.where(within, token_ids, token_ids[:, :1])
+        counts = torch.zeros(len(used), self.vocab_size, dtype=torch.int32, device=device)
+        counts.scatter_add_(1, token_ids, (within & (position >= num_prompt)).to(torch.int32))
         return PenaltyTensors(
-            presence=torch.from_numpy(self.presence[rows]).to(device),
-            frequency=torch.from_numpy(self.frequency[rows]).to(device),
-            repetition=torch.from_numpy(self.repetition[rows]).to(device),
-            output_counts=output_counts,
-            seen_mask=(output_counts > 0) | (prompt_counts > 0),
+            rows=torch.from_numpy(used.astype(np.int64)).to(device),
+            presence=torch.from_numpy(self.presence[rows[used]]).to(device),
+            frequency=torch.from_numpy(self.frequency[rows[used]]).to(device),
+            repetition=torch.from_numpy(self.repetition[rows[used]]).to(device),
+            token_ids=token_ids,
+            output_counts=counts,
         )
 
     def _min_tokens_mask(
@@ -287,31 +326,26 @@ def _has_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
-def _bin_counts(
-    rows: Sequence[int], token_ids: Sequence[Sequence[int]], num_rows: int, vocab_size: int,
-    device: torch.device | str,
-) -> torch.Tensor:
-    """``[num_rows, vocab]`` occurrence counts of ``token_ids[j]`` in row ``rows[j]`` (other rows zero);
-    only the flat ids cross to the device, not a dense matrix."""
-    lengths = torch.tensor([len(t) for t in token_ids], device=device)
-    flat = torch.from_numpy(np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids])).to(device)
-    row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=device), lengths)
-    counts = torch.zeros(num_rows * vocab_size, dtype=torch.int32, device=device)
-    counts.scatter_add_(0, row_ids * vocab_size + flat, torch.ones_like(flat, dtype=torch.int32))
-    return counts.view(num_rows, vocab_size)
-
-
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
     """vLLM's penalties, in place.
 
     Repetition (tokens in prompt or output): positive logits divided by the penalty,
     negative ones multiplied.  Frequency: minus penalty x output count.  Presence:
-    minus penalty once for any token in the output.
+    minus penalty once for any token in the output.  Only the logits of each row's
+    (row, token) pairs change: they are gathered, penalized with the same operations in
+    the same order as over the whole row, and written back. A pair listed twice is
+    computed twice from the same logit, so both writes agree.
     """
-    repetition = torch.where(penalties.seen_mask, penalties.repetition.unsqueeze(1), 1.0)
-    logits.copy_(torch.where(logits > 0, logits / repetition, logits * repetition))
-    logits -= penalties.frequency.unsqueeze(1) * penalties.output_counts
-    logits -= penalties.presence.unsqueeze(1) * (penalties.output_counts > 0)
+    p = penalties
+    flat = logits.view(-1)  # the sampler's logits are a contiguous [B, vocab]
+    index = (p.rows[:, None] * logits.shape[1] + p.token_ids).flatten()
+    values = flat.index_select(0, index).view_as(p.token_ids)  # [P, L]
+    counts = p.output_counts.gather(1, p.token_ids)
+    repetition = p.repetition[:, None]
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values -= p.frequency[:, None] * counts
+    values -= p.presence[:, None] * (counts > 0)
+    flat.index_copy_(0, index, values.flatten())
     return logits
 
 

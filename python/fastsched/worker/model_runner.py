@@ -22,7 +22,7 @@ from fastsched._core import SchedulerOutput
 from fastsched.attention import AttentionBackend, AttentionMetadata
 from fastsched.lora.slots import LoRAManager, LoRAMapping
 from fastsched.models.config import ModelConfig
-from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, to_device
+from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, TokenHistories, to_device
 from fastsched.spec_decode import SpecStep, rejection_sample, verification_logprobs
 from fastsched.structured.bitmask import StepBitmask
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState
@@ -273,24 +273,23 @@ class ModelRunner:
         within = spec.position_in_row
         num_tokens = batch.num_tokens[rows]
 
-        def history(i: int) -> tuple[np.ndarray, np.ndarray]:
-            row = rows[i]
-            num_prompt = batch.num_prompt_tokens[row]
-            return batch.token_ids[row, :num_prompt], batch.token_ids[row, num_prompt : num_tokens[i] + within[i]]
+        def history(used: np.ndarray) -> TokenHistories:
+            end = num_tokens[used] + within[used]
+            return TokenHistories(batch.token_ids[rows[used], : int(end.max())], batch.num_prompt_tokens[rows[used]],
+                                  end)
 
         return batch.sampling.gather(rows, lambda: num_tokens - batch.num_prompt_tokens[rows] + within, history)
 
-    def _history(self, sampled_rows: np.ndarray) -> Callable[[int], tuple[np.ndarray, np.ndarray]]:
-        """(prompt, output) token ids of sampled row ``i`` for the penalties, written ones only:
-        the token of a position still pending is added by execute() (async scheduling)."""
+    def _history(self, sampled_rows: np.ndarray) -> Callable[[np.ndarray], TokenHistories]:
+        """The token ids of sampled rows ``used`` for the penalties, written ones only: the
+        token of a position still pending is added by execute() (async scheduling)."""
         batch = self.batch
 
-        def history(i: int) -> tuple[np.ndarray, np.ndarray]:
-            row = sampled_rows[i]
-            num_prompt = batch.num_prompt_tokens[row]
-            pending = batch.pending_pos[row]
-            end = pending if pending >= 0 else batch.num_tokens[row]
-            return batch.token_ids[row, :num_prompt], batch.token_ids[row, num_prompt:end]
+        def history(used: np.ndarray) -> TokenHistories:
+            rows = sampled_rows[used]
+            pending = batch.pending_pos[rows]
+            end = np.where(pending >= 0, pending, batch.num_tokens[rows])
+            return TokenHistories(batch.token_ids[rows, : int(end.max())], batch.num_prompt_tokens[rows], end)
 
         return history
 
