@@ -405,3 +405,17 @@ def test_async_output_tokens_join_the_penalized_rows_histories() -> None:
     md.add_output_tokens(torch.tensor([0, 2]), torch.tensor([1, 5]))
     logits = apply_penalties(torch.zeros(3, vocab), md.penalties)
     assert logits.tolist() == [[0, -2, 0, 0, 0, 0], [0] * 6, [0, 0, 0, -0.5, 0, -0.5]]
+
+
+def test_top_k_top_p_on_the_cpu_sort_matches_torch_sort() -> None:
+    """The CPU path sorts with numpy; without ties it must mask exactly as torch.sort does."""
+    logits = torch.randn(64, 512, generator=torch.Generator().manual_seed(3)) * 4
+    top_k = torch.randint(1, 513, (64,), generator=torch.Generator().manual_seed(4))
+    top_p = torch.rand(64, generator=torch.Generator().manual_seed(5))
+    sorted_logits, order = logits.sort(dim=-1)
+    kth_largest = sorted_logits.gather(1, (logits.shape[1] - top_k).unsqueeze(1))
+    sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    outside_nucleus = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1.0 - top_p).unsqueeze(1)
+    outside_nucleus[:, -1] = False
+    expected = logits.clone().scatter_(1, order, sorted_logits.masked_fill(outside_nucleus, float("-inf")))
+    assert torch.equal(apply_top_k_top_p(logits.clone(), top_k, top_p), expected)

@@ -362,7 +362,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     One ascending sort serves both masks; ties at the k-th value are all kept.
     The most likely token always survives top-p.
     """
-    sorted_logits, order = logits.sort(dim=-1)
+    sorted_logits, order = _sort_rows(logits)
     if top_k is not None:
         kth_largest = sorted_logits.gather(1, (logits.shape[1] - top_k).unsqueeze(1))
         sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
@@ -372,6 +372,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         outside_nucleus[:, -1] = False
         sorted_logits.masked_fill_(outside_nucleus, float("-inf"))
     return logits.scatter_(1, order, sorted_logits)
+
+
+def _sort_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row sorted ascending, and the order that sorts it. On the CPU numpy's argsort
+    (SIMD) takes about a third of the time of ``torch.sort`` (5.5 vs 16 ms at [256, 1024]);
+    tied logits may come out in another order, which ``torch.sort`` does not fix either."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return logits.sort(dim=-1)
+    order = torch.from_numpy(np.argsort(logits.numpy(), axis=-1))
+    return logits.gather(1, order), order
 
 
 @dataclass
