@@ -7,8 +7,8 @@ Every per-row parameter arrives as a tensor gathered once per step from columns
 kept per batch row (:class:`RowSamplingParams`), so the only per-row Python in the
 hot path is for rows that need something of their own: one draw per seeded row from
 that request's own generator and the banned ids of rows below ``min_tokens``. The
-histories of rows with penalties are read as one padded array (:class:`TokenHistories`)
-and counted with one scatter each for prompts and outputs.
+histories of rows with penalties are read as one padded array (:class:`TokenHistories`),
+and only their (row, token) pairs are penalized (:func:`apply_penalties`).
 """
 
 from __future__ import annotations
