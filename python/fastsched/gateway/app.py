@@ -369,7 +369,7 @@ class _EventStream(Response):
             try:
                 await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
                 async for events, last in self.gateway._sse(self.parsed, self.formatter, streams):
-                    if events or last:
+                    if events:  # the last always holds [DONE]
                         await send({"type": "http.response.body", "body": events.encode(), "more_body": not last})
             finally:
                 for stream in streams:
