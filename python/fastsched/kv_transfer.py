@@ -10,9 +10,10 @@ from it (``fastsched.engine.kv_connector``). Every error names the field and the
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from fastsched.json_flags import json_object
 
 CONNECTORS = ("SharedStorageConnector",)
 # kv_producer saves full blocks, kv_consumer loads them, kv_both does both.
@@ -66,13 +67,7 @@ class KVTransferConfig:
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
         """The flag's value: a JSON object."""
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_transfer_config is not valid JSON ({e}): {text!r}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object; got {text!r}")
-        return cls.from_dict(value)
+        return cls.from_dict(json_object(text, "kv_transfer_config"))
 
     @classmethod
     def of(cls, value: KVTransferConfig | dict[str, Any] | str) -> KVTransferConfig:

@@ -12,10 +12,11 @@ Kept free of torch so that reading flags stays cheap (frontends and the gateway 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from fastsched.json_flags import json_object
 
 METHODS = ("ngram", "draft_model")
 _KNOWN_FIELDS = frozenset({"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"})
@@ -56,10 +57,7 @@ def parse_speculative_config(value: str | Mapping[str, Any] | SpeculativeConfig)
     if isinstance(value, SpeculativeConfig):
         return value
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        value = json_object(value, "speculative_config")
     if not isinstance(value, Mapping):
         raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
     unknown = sorted(set(value) - _KNOWN_FIELDS)

@@ -179,8 +179,8 @@ def _plan_fresh_prefills(chunks: list[_Prefill], device: torch.device) -> _Fresh
     causal = offsets[None, :] <= offsets[:, None]  # [query, key]
     mask = causal & within[:, None, :]  # a padded query row still sees the chunk's keys: no empty row
     valid = torch.nonzero(within.flatten()).flatten()
-    return _FreshPrefills(gather.flatten(), mask[:, None], valid, gather.flatten().index_select(0, valid),
-                          len(chunks), max_len)
+    gather = gather.flatten()
+    return _FreshPrefills(gather, mask[:, None], valid, gather.index_select(0, valid), len(chunks), max_len)
 
 
 def _fresh_prefills(
