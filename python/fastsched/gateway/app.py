@@ -379,6 +379,8 @@ class _EventStream(Response):
 class Gateway:
     """The routes' state: the frontend pool, the model's name and tokenizer, the limits."""
 
+    tool_parser: str | None = None  # --tool-call-parser, for tool_choice "auto" (gateway.tool_calls)
+
     def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
                  api_key: str | None, limits: RequestLimits, retry_after_s: int) -> None:
         self.pool = FrontendPool(frontend_addrs, api_key)
@@ -452,7 +454,7 @@ class Gateway:
         self._check_api_key(request)
         body, size = await self._read_json(request)
         info = await self.pool.model_info()
-        args = (body, self.tokenizer, info and info["max_model_len"], request_id, self.limits)
+        args = (body, self.tokenizer, info and info["max_model_len"], request_id, self.limits, self.tool_parser)
         if size <= INLINE_TOKENIZE_CHARS:
             parsed = parse_chat(*args)
         else:
@@ -720,6 +722,7 @@ def create_app(
     api_key: str | None = None,
     limits: RequestLimits | None = None,
     retry_after_s: int = 1,
+    tool_parser: str | None = None,
 ) -> Starlette:
     """The gateway's ASGI app over the frontends at ``frontend_addrs`` (``host:port``).
 
@@ -727,9 +730,11 @@ def create_app(
     (another one is a 404);
     ``tokenizer`` (a ``fastsched.model_loader.Tokenizer``) renders chat templates and
     decodes logprob tokens; ``limits``: see ``fastsched.limits`` (default: ``RequestLimits()``);
-    ``retry_after_s`` is the ``Retry-After`` of every 503.
+    ``retry_after_s`` is the ``Retry-After`` of every 503; ``tool_parser`` (a name of
+    ``gateway.tool_parsers``) finds the calls of ``tool_choice: "auto"``.
     """
     gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s)
+    gateway.tool_parser = tool_parser
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
