@@ -623,7 +623,8 @@ class AsyncLLM:
             self._update_ttft_slo_limit()
         elif isinstance(msg, protocol.Ready):
             if engine.info is None:
-                logger.info("frontend %d: engine %d ready: %s", self.frontend_index, index, msg.model_info)
+                logger.debug("frontend %d: engine %d ready (model=%s KV blocks=%d)", self.frontend_index, index,
+                             msg.model_info.model_name, msg.model_info.num_gpu_blocks)
             engine.info = msg.model_info
             if engine.requests is None:
                 engine.requests = EngineRequestMetrics(msg.model_info.max_model_len)
