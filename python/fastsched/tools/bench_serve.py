@@ -4,9 +4,12 @@ For each ``--qps`` (``--request-rate``) rate, ``--num-requests`` (``--num-prompt
 streaming requests are sent at Poisson arrivals (exponential gaps, seeded) whether or
 not earlier ones have finished — an open loop, as real clients behave, so an
 overloaded server shows up as growing latency or as rejections, never as a politely
-slowed-down client. Every rate sends the same requests (same seed): only the rate
-differs. ``--max-concurrency N`` caps the requests in flight (a request waits for a
-free slot; its latencies count from when it is sent).
+slowed-down client. Each rate draws its own requests from the workload (seed
+``--seed`` + its position): sending the same prompts again would find them in the
+server's prefix cache and report a flattering TTFT for every rate after the first. The
+prefix-cache hit rate the server saw during each rate (from ``/metrics``) is recorded as
+``prefix_cache_hit_rate``. ``--max-concurrency N`` caps the requests in flight (a request
+waits for a free slot; its latencies count from when it is sent).
 
 Workloads (``--dataset-name``):
 
@@ -173,7 +176,8 @@ class HttpClient:
             while data := await reader.read(65536):
                 yield data
 
-    async def get_json(self, path: str) -> tuple[int, Any]:
+    async def get(self, path: str) -> tuple[int, bytes]:
+        """(status, body) of ``GET path``."""
         status, headers, reader, writer = await self.open("GET", path)
         complete = False
         try:
@@ -181,6 +185,10 @@ class HttpClient:
             complete = True
         finally:
             self.release(headers, reader, writer, complete)
+        return status, body
+
+    async def get_json(self, path: str) -> tuple[int, Any]:
+        status, body = await self.get(path)
         return status, json.loads(body) if body else None
 
 
@@ -274,7 +282,9 @@ async def run_rate(client: Any, model: str, requests: Sequence[BenchRequest], qp
     arrival to the last answer."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(requests), desc=f"qps {qps:g}", unit="req", disable=not progress, file=sys.stderr)
+    # disable=None: no bar when stderr is not a terminal (no \r fragments in a redirected log).
+    bar = tqdm(total=len(requests), desc=f"qps {qps:g}", unit="req", disable=None if progress else True,
+               file=sys.stderr)
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     start = time.perf_counter()
 
@@ -304,6 +314,36 @@ async def run_rate(client: Any, model: str, requests: Sequence[BenchRequest], qp
     duration = time.perf_counter() - start
     bar.close()
     return results, duration
+
+
+PREFIX_CACHE_QUERIES = "fastsched:prefix_cache_queries_total"  # tokens looked up (vLLM's counter names)
+PREFIX_CACHE_HITS = "fastsched:prefix_cache_hits_total"  # tokens found
+
+
+async def prefix_cache_counters(client: Any) -> tuple[float, float] | None:
+    """(queried, hit) prompt tokens of the server's prefix cache so far, summed over its
+    engines; None when ``/metrics`` does not say (another server, or no such counters)."""
+    from fastsched.tools.metrics_snapshot import parse_metrics
+
+    try:
+        status, body = await client.get("/metrics")
+        snapshot = parse_metrics(body.decode(), time.monotonic()) if status == 200 else None
+    except (OSError, ValueError, asyncio.IncompleteReadError):
+        return None
+    if snapshot is None:
+        return None
+    queries, hits = snapshot.value(PREFIX_CACHE_QUERIES), snapshot.value(PREFIX_CACHE_HITS)
+    return None if queries is None or hits is None else (queries, hits)
+
+
+def prefix_cache_hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Hit tokens / queried tokens between two readings (None without both, or no query)."""
+    if before is None or after is None:
+        return None
+    from fastsched.tools.metrics_snapshot import counter_increase
+
+    queries = counter_increase(after[0], before[0])
+    return counter_increase(after[1], before[1]) / queries if queries > 0 else None
 
 
 async def server_model(client: HttpClient) -> tuple[str, int | None]:
@@ -341,14 +381,19 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
     try:
         served, max_model_len = await asyncio.wait_for(server_model(client), 30)
         model = model or served
-        requests = build_workload(dataset_name, dataset_path, num_requests, prompt_len, output_len, seed,
-                                  token_id_range, range_ratio, max_model_len, tokenizer, sharegpt_output_len, endpoint)
         summaries = []
         for i, qps in enumerate(qps_values):
+            # Each rate its own prompts: the same ones again would be prefix-cache hits.
+            requests = build_workload(dataset_name, dataset_path, num_requests, prompt_len, output_len, seed + i,
+                                      token_id_range, range_ratio, max_model_len, tokenizer, sharegpt_output_len,
+                                      endpoint)
+            before = await prefix_cache_counters(client)
             results, duration = await run_rate(client, model, requests, qps, seed + 1 + i, timeout, progress,
                                                endpoint, max_concurrency)
-            summaries.append(summarize(qps, results, duration, percentiles=percentiles,
-                                       percentile_metrics=percentile_metrics, goodput=goodput))
+            summary = summarize(qps, results, duration, percentiles=percentiles,
+                                percentile_metrics=percentile_metrics, goodput=goodput)
+            summary["prefix_cache_hit_rate"] = prefix_cache_hit_rate(before, await prefix_cache_counters(client))
+            summaries.append(summary)
     finally:
         client.close()
     return {
