@@ -55,7 +55,8 @@ class FakeServer:
         self.fake.token_delay = 0.002
         port = free_port()
         self.grpc = self.loop.call(serve_frontend(self.fake, "127.0.0.1", port))
-        self.url = self.loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, FakeTokenizer()))
+        self.grpc_addr = f"127.0.0.1:{port}"
+        self.url = self.loop.start_gateway(create_app([self.grpc_addr], MODEL, FakeTokenizer()))
 
     def close(self) -> None:
         self.loop.stop_gateways()
@@ -128,6 +129,27 @@ def test_bench_serve_counts_503s_by_reason(server: FakeServer, fake: FakeAsyncLL
     assert r["completed"] == 0 and r["failed"] == 6 and r["num_errors"] == 0
     assert r["rejected"] == {"max_num_queued_reqs": 6} and r["num_rejected"] == 6
     assert r["rejection_latency_ms"]["p50"] > 0 and r["median_ttft_ms"] is None
+
+
+def test_reset_prefix_cache_empties_the_servers_cache_before_each_rate(server: FakeServer, fake: FakeAsyncLLM,
+                                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    out = str(tmp_path / "r.json")
+    argv = ["bench", "serve", "--num-requests", "2", "--prompt-len", "4", "--output-len", "2", "--no-progress",
+            "--qps", "inf", "inf", "--reset-prefix-cache", "--out", out]
+    assert main([*argv, "--url", server.url]) == 1  # this gateway has no admin routes
+    assert "start it with --enable-admin-api" in capsys.readouterr().err
+    resets = []
+
+    async def reset_prefix_cache() -> None:
+        resets.append(len(fake.journal))
+
+    monkeypatch.setattr(fake, "reset_prefix_cache", reset_prefix_cache, raising=False)
+    admin = server.loop.start_gateway(create_app([server.grpc_addr], MODEL, FakeTokenizer(), enable_admin_api=True))
+    start = len(fake.journal)
+    assert main([*argv, "--url", admin]) == 0
+    assert resets == [start, start + 2]  # before each rate's requests
+    assert json.loads(Path(out).read_text())["config"]["reset_prefix_cache"] is True
 
 
 def test_the_prefix_cache_hit_rate_is_read_from_two_scrapes_of_the_servers_counters() -> None:

@@ -264,6 +264,11 @@ class _EngineLoop:
                 self._close_stream(msg)
             elif isinstance(msg, protocol.ReloadWeights):
                 self._reload_weights(msg)
+            elif isinstance(msg, protocol.ResetPrefixCache):
+                self.core.reset_prefix_cache()
+                if msg.frontend_index < len(self.pushes):
+                    self.send(msg.frontend_index,
+                              protocol.encode(protocol.PrefixCacheReset(self.engine_index, msg.query_id)))
             else:
                 logger.warning("engine %d: unexpected %s message", self.engine_index, type(msg).__name__)
 

@@ -125,6 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        enable_admin_api=args.enable_admin_api,
     )
     try:
         return serve(config)

@@ -59,6 +59,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastsched.frontend.admission import ENGINE_FAULTED
+from fastsched.gateway import cache_admin
 from fastsched.gateway import metrics as gateway_metrics
 from fastsched.gateway import pause
 from fastsched.gateway.http_protocol import guarded_http_protocol
@@ -723,6 +724,7 @@ def create_app(
     limits: RequestLimits | None = None,
     retry_after_s: int = 1,
     tool_parser: str | None = None,
+    enable_admin_api: bool = False,
 ) -> Starlette:
     """The gateway's ASGI app over the frontends at ``frontend_addrs`` (``host:port``).
 
@@ -731,7 +733,8 @@ def create_app(
     ``tokenizer`` (a ``fastsched.model_loader.Tokenizer``) renders chat templates and
     decodes logprob tokens; ``limits``: see ``fastsched.limits`` (default: ``RequestLimits()``);
     ``retry_after_s`` is the ``Retry-After`` of every 503; ``tool_parser`` (a name of
-    ``gateway.tool_parsers``) finds the calls of ``tool_choice: "auto"``.
+    ``gateway.tool_parsers``) finds the calls of ``tool_choice: "auto"``; ``enable_admin_api``
+    adds the administrative routes (``POST /reset_prefix_cache``).
     """
     gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s)
     gateway.tool_parser = tool_parser
@@ -764,6 +767,8 @@ def create_app(
         Route("/reload_weights", pause.reload_weights, methods=["POST"]),
         WebSocketRoute("/v1/sessions", session_websocket),
     ]
+    if enable_admin_api:
+        routes.append(Route("/reset_prefix_cache", cache_admin.reset_prefix_cache, methods=["POST"]))
     handlers = {ApiError: _api_error, LimitError: _limit_error, HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
                     middleware=[Middleware(_RequestIdHeader)])

@@ -119,6 +119,7 @@ class ServeConfig:
     log_level: str = "INFO"
     uvicorn_log_level: str | None = None  # uvicorn's loggers (None: log_level's); debug logs the probes too
     tool_call_parser: str | None = None  # tool_choice "auto" (gateway.tool_parsers): --enable-auto-tool-choice
+    enable_admin_api: bool = False  # administrative routes (POST /reset_prefix_cache)
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "api_server_count"):
@@ -477,7 +478,7 @@ class Launcher:
             tokenizer.chat_template = c.chat_template
         addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
         app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key, limits=c.limits,
-                         tool_parser=c.tool_call_parser)
+                         tool_parser=c.tool_call_parser, enable_admin_api=c.enable_admin_api)
         server = gateway_server(app, c.host, c.port, log_config=None,
                                 log_level=c.uvicorn_log_level or c.log_level.lower(),
                                 access_log=c.access_log, timeout_graceful_shutdown=c.shutdown_timeout)
