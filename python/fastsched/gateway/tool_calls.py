@@ -42,29 +42,28 @@ def supports_hermes_tools(chat_template: str | None) -> bool:
 class _NamedParser:
     """``tool_choice`` naming a function: the whole output is that call's arguments."""
 
-    markers = ()
+    name = "named"
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, function: str) -> None:
+        self.function = function
 
     def extract(self, text: str, final: bool) -> Extraction:
         if not final:
             body = text.strip()
-            return Extraction("", [PartialCall(self.name, body, complete=False)] if body else [])
+            return Extraction("", [PartialCall(self.function, body, complete=False)] if body else [])
         try:
             arguments = json.loads(text)
         except json.JSONDecodeError as e:
             raise NotACall("the arguments are not JSON") from e
         if not isinstance(arguments, dict):
             raise NotACall("the arguments are not an object")
-        return Extraction("", [PartialCall(self.name, text.strip())])
+        return Extraction("", [PartialCall(self.function, text.strip())])
 
 
 class _RequiredParser:
     """``tool_choice: "required"``: the output is a JSON array of ``{"name", "parameters"}``."""
 
     name = "required"
-    markers = ()
 
     def extract(self, text: str, final: bool) -> Extraction:
         body = text.lstrip()

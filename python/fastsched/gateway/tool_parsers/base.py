@@ -44,7 +44,6 @@ class ToolParser(Protocol):
     """One model family's tool-call format (``--tool-call-parser NAME``)."""
 
     name: str
-    markers: tuple[str, ...]  # special tokens the parser must see (so not skipped when detokenizing)
 
     def extract(self, text: str, final: bool) -> Extraction:
         """Content and calls in ``text``; with ``final``, every call complete or NotACall."""

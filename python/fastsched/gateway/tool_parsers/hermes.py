@@ -17,7 +17,6 @@ START, END = "<tool_call>", "</tool_call>"
 
 class HermesParser:
     name = "hermes"
-    markers = (START, END)
 
     def extract(self, text: str, final: bool) -> Extraction:
         first = text.find(START)

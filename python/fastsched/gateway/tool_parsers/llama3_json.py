@@ -11,7 +11,6 @@ PYTHON_TAG = "<|python_tag|>"
 
 class Llama3JsonParser:
     name = "llama3_json"
-    markers = (PYTHON_TAG,)
 
     def extract(self, text: str, final: bool) -> Extraction:
         body = text.lstrip()

@@ -23,7 +23,6 @@ _NAMED = re.compile(r"\s*([A-Za-z_][\w.-]*)" + re.escape(ARGS) + r"\s*(?=\{)")
 
 class MistralParser:
     name = "mistral"
-    markers = (TOOL_CALLS, ARGS)
 
     def extract(self, text: str, final: bool) -> Extraction:
         first = text.find(TOOL_CALLS)

@@ -17,7 +17,6 @@ _MAYBE_START = re.compile(r"\s*(\[\s*([A-Za-z_][\w.]*\s*)?)?")
 
 class PythonicParser:
     name = "pythonic"
-    markers = ()
 
     def extract(self, text: str, final: bool) -> Extraction:
         if _START.match(text) is None:
