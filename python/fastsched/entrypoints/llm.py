@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from fastsched.config import EngineConfig
 from fastsched.engine.core import EngineCore
+from fastsched.entrypoints.vllm_compat import pop_vllm_engine_kwargs
 from fastsched.frontend.output_processor import OutputProcessor
 from fastsched.inputs import InputProcessor, PromptType, child_request_ids
 from fastsched.lora.request import LoRARequest
@@ -28,7 +29,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
-        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        # vLLM's enforce_eager, trust_remote_code and kv_cache_dtype: accepted as vLLM's flags are.
+        self.config = EngineConfig.from_kwargs(model=model, **pop_vllm_engine_kwargs(engine_args))
         self.tokenizer = load_tokenizer(self.config.tokenizer or model)
         self.engine = EngineCore(self.config)
         self.inputs = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)

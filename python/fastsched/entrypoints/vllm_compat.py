@@ -66,19 +66,37 @@ def add_vllm_serve_compat_args(parser: argparse.ArgumentParser) -> None:
                         "([f(x=1)], Llama 3.2/4)")
 
 
+def check_vllm_engine_options(enforce_eager: bool = False, trust_remote_code: bool = False,
+                              kv_cache_dtype: str = "auto", dtype: str = "auto") -> None:
+    """vLLM's engine options that fastsched has no knob for (flags, or ``LLM(...)`` keywords):
+    one warning for those without effect, a ValueError for a KV cache dtype it cannot keep."""
+    if enforce_eager:
+        logger.warning("--enforce-eager: fastsched captures no CUDA graphs, so every step runs eagerly anyway")
+    if trust_remote_code:
+        logger.warning("--trust-remote-code: fastsched's loader never runs code from a checkpoint; ignored")
+    if kv_cache_dtype.startswith("fp8"):
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is not supported: fastsched keeps the KV cache in the "
+                         f"model's dtype ({', '.join(DTYPES)}; --dtype)")
+    if kv_cache_dtype != "auto" and kv_cache_dtype != dtype:
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: the KV cache is kept in the model's dtype (--dtype "
+                         f"{dtype}); give --dtype {kv_cache_dtype} to store both in {kv_cache_dtype}")
+
+
+def pop_vllm_engine_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
+    """``LLM(...)`` keywords without the vLLM-only options (checked as the flags are)."""
+    if kwargs.get("kv_cache_dtype", "auto") not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {kwargs['kv_cache_dtype']!r}")
+    rest = dict(kwargs)
+    check_vllm_engine_options(bool(rest.pop("enforce_eager", False)), bool(rest.pop("trust_remote_code", False)),
+                              str(rest.pop("kv_cache_dtype", "auto")), str(rest.get("dtype", "auto")))
+    return rest
+
+
 def check_vllm_compat_args(args: argparse.Namespace) -> None:
     """Warnings for the flags accepted without effect; a ValueError for what cannot work."""
-    if getattr(args, "enforce_eager", False):
-        logger.warning("--enforce-eager: fastsched captures no CUDA graphs, so every step runs eagerly anyway")
-    if getattr(args, "trust_remote_code", False):
-        logger.warning("--trust-remote-code: fastsched's loader never runs code from a checkpoint; ignored")
-    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
-    if kv_dtype.startswith("fp8"):
-        raise ValueError(f"--kv-cache-dtype {kv_dtype} is not supported: fastsched keeps the KV cache in the model's "
-                         f"dtype ({', '.join(DTYPES)}; --dtype)")
-    if kv_dtype != "auto" and kv_dtype != getattr(args, "dtype", None):
-        raise ValueError(f"--kv-cache-dtype {kv_dtype}: the KV cache is kept in the model's dtype (--dtype "
-                         f"{getattr(args, 'dtype', 'auto')}); give --dtype {kv_dtype} to store both in {kv_dtype}")
+    check_vllm_engine_options(getattr(args, "enforce_eager", False), getattr(args, "trust_remote_code", False),
+                              getattr(args, "kv_cache_dtype", "auto"), getattr(args, "dtype", "auto"))
     auto, parser = getattr(args, "enable_auto_tool_choice", False), getattr(args, "tool_call_parser", None)
     if auto and parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSERS)}): the format in "
