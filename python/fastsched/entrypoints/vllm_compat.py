@@ -12,7 +12,6 @@ import logging
 from collections.abc import Sequence
 
 from fastsched.config import DTYPES
-from fastsched.gateway.tool_parsers import PARSERS
 
 logger = logging.getLogger("fastsched.cli")
 
@@ -43,6 +42,8 @@ def add_vllm_engine_compat_args(parser: argparse.ArgumentParser) -> None:
 
 def add_vllm_serve_compat_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's serving flags: tool-call parsing, uvicorn's log switches, the old request-log switch."""
+    from fastsched.gateway.tool_parsers import PARSERS  # not loaded by LLM(...), which needs none
+
     n = _group(parser, "network")
     n.add_argument("--disable-uvicorn-access-log", dest="disable_access_log", action="store_true",
                    help="same as --disable-access-log (vLLM's spelling); /health, /ping and /metrics probes are "
@@ -97,6 +98,8 @@ def check_vllm_compat_args(args: argparse.Namespace) -> None:
     """Warnings for the flags accepted without effect; a ValueError for what cannot work."""
     check_vllm_engine_options(getattr(args, "enforce_eager", False), getattr(args, "trust_remote_code", False),
                               getattr(args, "kv_cache_dtype", "auto"), getattr(args, "dtype", "auto"))
+    from fastsched.gateway.tool_parsers import PARSERS
+
     auto, parser = getattr(args, "enable_auto_tool_choice", False), getattr(args, "tool_call_parser", None)
     if auto and parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSERS)}): the format in "
