@@ -9,8 +9,9 @@ slowed-down client. Each rate draws its own requests from the workload (seed
 server's prefix cache and report a flattering TTFT for every rate after the first. The
 prefix-cache hit rate the server saw during each rate (from ``/metrics``) is recorded as
 ``prefix_cache_hit_rate``; ``--reset-prefix-cache`` also empties the server's cache before
-each rate (vLLM's ``POST /reset_prefix_cache``, served with ``--enable-admin-api``). ``--max-concurrency N`` caps the requests in flight (a request
-waits for a free slot; its latencies count from when it is sent).
+each rate (vLLM's ``POST /reset_prefix_cache``, served with ``--enable-admin-api``).
+``--max-concurrency N`` caps the requests in flight (a request waits for a free slot; its
+latencies count from when it is sent).
 
 Workloads (``--dataset-name``):
 
