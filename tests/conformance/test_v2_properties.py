@@ -2,7 +2,8 @@
 other seeds of the same kinds as the vendored ones, without vLLM references.
 Every line must keep what ``vllm/v2/README.md`` promises of vLLM's decisions
 (draft counts, padding, LoRA slots, pause states, budgets), and a replay must be
-deterministic.
+deterministic. The ``interval_preempt`` traces also check the S3 scan position
+that vLLM 0.33's code gives a priority victim ahead of the scan.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from replay import replay
-from tracegen import KINDS, generate
+from tracegen import INTERVAL_PREEMPT, KINDS, generate
 
 SEEDS = range(1, 4)
 
@@ -82,3 +83,46 @@ def test_generated_traces_exercise_drafts_padding_lora_skips_and_pauses(tmp_path
                 seen["paused_new"] += line["pause"] == "new"
                 seen["preempted"] += len(line["preempted"])
     assert all(seen.values()), seen
+
+
+INTERVAL_PREEMPT_SEEDS = range(40)
+
+
+def replay_with_running_state(trace: dict, path: Path) -> tuple[list[str], dict[int, list[tuple[str, bool]]]]:
+    """The replay's lines, and for every step that called ``schedule()`` the
+    ``running`` list it started from: (id, is_prefill_chunk) in order."""
+    path.write_text(json.dumps(trace))
+    running: dict[int, list[tuple[str, bool]]] = {}
+
+    def probe(step: int, sched) -> None:
+        running[step] = [(sched.request_id(h), sched.request_info(h)["is_prefill_chunk"]) for h in sched.running_handles()]
+
+    return replay(path, probe), running
+
+
+def test_interval_preempt_traces_pass_over_no_running_decode_while_budget_is_left(tmp_path: Path):
+    """S3 (vLLM 0.33: ``if victim_index < req_index: req_index -= 1``): a priority
+    victim ahead of the scan, a prefill chunk that a held step (S12) passed over
+    included, moves the scan back, so the request behind the one that preempted
+    it is still visited. While the token budget is not used up, every running
+    request of the step's start is then scheduled, preempted, or a prefill chunk
+    (which S12 may hold). The generated ``interval_preempt`` traces put such
+    victims ahead of growing decodes."""
+    passed_over_chunk_victims = 0
+    for seed in INTERVAL_PREEMPT_SEEDS:
+        trace = generate(INTERVAL_PREEMPT, seed)
+        lines, running = replay_with_running_state(trace, tmp_path / f"ip-{seed}.trace.json")
+        check_lines(trace, lines)
+        budget = trace["config"]["max_num_batched_tokens"]
+        for raw in lines[1:]:
+            line = json.loads(raw)
+            if line["idle"]:
+                continue
+            start = running[line["step"]]
+            chunks = {rid for rid, chunk in start if chunk}
+            preempted = set(line["preempted"])
+            if line["total_tokens"] < budget:
+                missed = [rid for rid, _ in start if rid not in line["scheduled"] and rid not in preempted | chunks]
+                assert not missed, f"seed {seed} step {line['step']}: {missed} passed over; running was {start}"
+            passed_over_chunk_victims += len((preempted & chunks) - set(line["scheduled"]))
+    assert passed_over_chunk_victims >= 20, passed_over_chunk_victims
