@@ -1,5 +1,5 @@
-"""What pyproject.toml declares and what python/fastsched imports, for tests/test_packaging.py and
-tests/test_wheel_install.py: the declared requirements per extra, their transitive closure over
+"""What pyproject.toml declares and what python/fastsched imports, for test_packaging.py and
+test_wheel_install.py: the declared requirements per extra, their transitive closure over
 the installed distributions, and an import blocker that hides everything outside a closure."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "python" / "fastsched"
 
 
