@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (requirements.txt: kubernetes-validate)")
+yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (the test extra: kubernetes-validate)")
 kubernetes_validate = pytest.importorskip("kubernetes_validate",
-                                          reason="kubernetes-validate is not installed (requirements.txt)")
+                                          reason="kubernetes-validate is not installed (the test extra)")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirements-serve.txt)")
 pytest.importorskip("grpc", reason="grpcio is not installed (requirements-serve.txt)")
 
