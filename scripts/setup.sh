@@ -35,7 +35,7 @@ fi
 
 # The Rust extension fastsched._core (cargo rebuilds only what changed). maturin, its
 # builder, is in the test lock; a serve-only venv gets it here.
-[ -x .venv/bin/maturin ] || .venv/bin/python -m pip install -q "maturin>=1.16,<2"
+[ -x .venv/bin/maturin ] || .venv/bin/python -m pip install -q "$(grep -o '^maturin==[^ ]*' requirements-test.txt)"
 src_hash=$(find rust Cargo.toml Cargo.lock pyproject.toml -type f \( -name '*.rs' -o -name '*.toml' -o -name '*.lock' \) -print0 \
     | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
 ext_stamp=.venv/.fastsched-extension

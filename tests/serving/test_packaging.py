@@ -80,7 +80,8 @@ def test_every_declared_dependency_is_imported(extra: str | None) -> None:
     owners = module_owners()
     imported = set().union(*(owners.get(module, set()) for module in third_party_imports()))
     unused = _declared_names(extra) - imported - LOADED_BY_NAME - AWAITING_MERGE
-    assert not unused, f"declared in {extra or 'the base install'} but imported nowhere under python/fastsched: {unused}"
+    where = extra or "the base install"
+    assert not unused, f"declared in {where} but imported nowhere under python/fastsched: {unused}"
 
 
 def test_lock_files_pin_what_pyproject_declares() -> None:
@@ -128,7 +129,8 @@ llm = LLM(model={str(model)!r}, device="cpu", dtype="float32", num_gpu_blocks=32
 out = llm.generate(["a b"], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
 assert len(out[0].outputs[0].token_ids) == 3, out
 import sys
-leaked = sorted({{m.split(".")[0] for m, v in sys.modules.items() if v is not None}} & {{"grpc", "zmq", "starlette", "uvicorn", "transformers"}})
+loaded = {{m.split(".")[0] for m, v in sys.modules.items() if v is not None}}
+leaked = sorted(loaded & {{"grpc", "zmq", "starlette", "uvicorn", "transformers"}})
 assert not leaked, leaked
 print("ok")
 """
@@ -144,7 +146,8 @@ for name in ("fastsched.entrypoints.cli", "fastsched.launcher.serve", "fastsched
              "fastsched.tools.top_screen"):
     importlib.import_module(name)
 import sys
-leaked = sorted({m.split(".")[0] for m, v in sys.modules.items() if v is not None} & {"pytest", "transformers", "openai", "grpc_tools"})
+loaded = {m.split(".")[0] for m, v in sys.modules.items() if v is not None}
+leaked = sorted(loaded & {"pytest", "transformers", "openai", "grpc_tools"})
 assert not leaked, leaked
 print("ok")
 """

@@ -59,7 +59,8 @@ def test_the_wheel_carries_the_stubs_and_no_top_level_proto(wheel: Path) -> None
     raw = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     metadata = email.parser.Parser().parsestr(raw)
     assert set(metadata.get_all("Provides-Extra")) == set(pyproject()["project"]["optional-dependencies"])
-    shipped = {(canonical(r.name), str(r.specifier), _extra_of(r)) for r in map(Requirement, metadata.get_all("Requires-Dist"))}
+    shipped = {(canonical(r.name), str(r.specifier), _extra_of(r))
+               for r in map(Requirement, metadata.get_all("Requires-Dist"))}
     wanted = {(canonical(r.name), str(r.specifier), extra)
               for extra in (None, *pyproject()["project"]["optional-dependencies"]) for r in declared(extra)}
     assert shipped == wanted
@@ -100,8 +101,9 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     farm = root / "deps"
     farm.mkdir()
     _link_farm(farm, needed)
-    site = Path(subprocess.run([str(env_dir / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.run([str(env_dir / "bin" / "python"), "-c", purelib], capture_output=True, text=True,
+                               check=True).stdout.strip())
     (site / "fastsched-deps.pth").write_text(f"{farm}\n")
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install",
                               "--no-deps", "--no-index", "-q", str(wheel)], capture_output=True, text=True, timeout=300)
