@@ -128,6 +128,7 @@ from fastsched import LLM, SamplingParams
 llm = LLM(model={str(model)!r}, device="cpu", dtype="float32", num_gpu_blocks=32, max_model_len=64)
 out = llm.generate(["a b"], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
 assert len(out[0].outputs[0].token_ids) == 3, out
+import fastsched.entrypoints.cli  # `fastsched generate` is in the base install too
 import sys
 loaded = {{m.split(".")[0] for m, v in sys.modules.items() if v is not None}}
 leaked = sorted(loaded & {{"grpc", "zmq", "starlette", "uvicorn", "transformers"}})
