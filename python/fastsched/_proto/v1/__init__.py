@@ -1,3 +1,3 @@
 """Generated from proto/fastsched/v1/generate.proto by `python -m fastsched.proto_gen`; do not edit."""
 
-SOURCE_SHA256 = "de00c91a6dc65b421abb6b5807e33d3b2286de3c9fe9621ee2fd4be70896ff27"
+SOURCE_SHA256 = "935174a440542f8fc6f6f790560e6446b0ae9fd7690b0fd2833de0e123f28113"

@@ -571,3 +571,11 @@ class ReloadWeightsRequest(_message.Message):
 class ReloadWeightsResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -100,6 +100,11 @@ class FrontendStub:
                 request_serializer=fastsched_dot___proto_dot_v1_dot_generate__pb2.ReloadWeightsRequest.SerializeToString,
                 response_deserializer=fastsched_dot___proto_dot_v1_dot_generate__pb2.ReloadWeightsResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/fastsched.v1.Frontend/ResetPrefixCache',
+                request_serializer=fastsched_dot___proto_dot_v1_dot_generate__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=fastsched_dot___proto_dot_v1_dot_generate__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class FrontendServicer:
@@ -206,6 +211,14 @@ class FrontendServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Every engine forgets its cached prefixes (vLLM's POST /reset_prefix_cache); answered
+        once all have. Requests in flight keep their blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FrontendServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -273,6 +286,11 @@ def add_FrontendServicer_to_server(servicer, server):
                     servicer.ReloadWeights,
                     request_deserializer=fastsched_dot___proto_dot_v1_dot_generate__pb2.ReloadWeightsRequest.FromString,
                     response_serializer=fastsched_dot___proto_dot_v1_dot_generate__pb2.ReloadWeightsResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=fastsched_dot___proto_dot_v1_dot_generate__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=fastsched_dot___proto_dot_v1_dot_generate__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -627,6 +645,33 @@ class Frontend:
             '/fastsched.v1.Frontend/ReloadWeights',
             fastsched_dot___proto_dot_v1_dot_generate__pb2.ReloadWeightsRequest.SerializeToString,
             fastsched_dot___proto_dot_v1_dot_generate__pb2.ReloadWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastsched.v1.Frontend/ResetPrefixCache',
+            fastsched_dot___proto_dot_v1_dot_generate__pb2.ResetPrefixCacheRequest.SerializeToString,
+            fastsched_dot___proto_dot_v1_dot_generate__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
