@@ -6,7 +6,7 @@ request's outputs go to the frontend named in its ADD. The loop never blocks whi
 it has work: it drains the input without waiting, steps, and sends. Idle, it waits on
 the input with a short poll timeout so that signals and the parent check still run.
 A thread sends every frontend a heartbeat each second, busy or idle. Messages are
-msgpack (``protocol``), never pickle.
+``protocol``'s, never pickle.
 
 ``start_engine_process`` / ``stop_engine_process(es)`` are the launcher's side: a spawned
 (not forked: torch and ZMQ state must not be copied) daemon process running
@@ -23,12 +23,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import zmq
@@ -59,7 +59,7 @@ def run_engine(
 ) -> None:
     """The process main. ``engine_config`` holds :class:`EngineConfig` keyword arguments;
     frontend ``i`` listens at ``output_addrs[i]``. ``ready_pipe`` (optional, for a launcher)
-    receives one msgpack READY or FAILED message as bytes. Exits 0 on SIGTERM/SIGINT or
+    receives one READY or FAILED message (``protocol``) as bytes. Exits 0 on SIGTERM/SIGINT or
     when the parent process dies, 1 when the engine fails (after telling the frontends)."""
     _setup_logging(engine_index, log_level)
     stop = threading.Event()
@@ -438,7 +438,7 @@ class _Heartbeat(threading.Thread):
                 socks.append(sock)
             while not self._done.wait(self._interval):
                 process = read_process_stats()  # first: the loop's stats are read just before sending
-                stats = replace(self._loop.latest_stats, process=process)
+                stats = msgspec.structs.replace(self._loop.latest_stats, process=process)
                 data = protocol.encode(protocol.Heartbeat(self._loop.engine_index, stats))
                 for sock in socks:
                     try:
