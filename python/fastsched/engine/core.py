@@ -61,18 +61,20 @@ logger = logging.getLogger(__name__)
 KIND_NEW = 1  # SchedulerOutput.kinds: scheduled for the first time
 FINISH_STOP = 1
 FINISH_IGNORED = 4
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 class _RequestColumns:
-    """Per-request values a step reads or writes, as numpy arrays indexed by scheduler
-    handle: a step gathers them for all its rows at once. Written by ``add_request``;
-    a handle's values are overwritten when the scheduler reuses it for a new request."""
+    """Per-request values a step reads or writes that the scheduler does not hold (it holds
+    the request itself: its id, prompt, limits, arrival and progress, which the engine asks
+    it for), as numpy arrays indexed by scheduler handle: a step gathers them for all its
+    rows at once. Written by ``add_request``; a handle's values are overwritten when the
+    scheduler reuses it for a new request."""
 
     def __init__(self, size: int = 64) -> None:
+        # The handle's id: the step's outputs name their rows without a call per row (the
+        # scheduler maps ids to handles, and answers handle -> id one call per row).
         self.request_id = np.empty(size, dtype=object)
-        self.num_prompt_tokens = np.zeros(size, dtype=np.int64)
-        self.max_tokens = np.zeros(size, dtype=np.int64)
-        self.num_sampled = np.zeros(size, dtype=np.int64)  # tokens sampled, those in flight included
         self.final_only = np.zeros(size, dtype=bool)
         # Rows a step must look at one by one: a request before its first token (first-token
         # time, prefix-cache hit to report) and any request with logprobs.
@@ -80,7 +82,6 @@ class _RequestColumns:
         self.client = np.zeros(size, dtype=np.int64)
         self.logprobs = np.full(size, -1, dtype=np.int64)  # -1: none requested
         self.cached_reported = np.zeros(size, dtype=bool)
-        self.arrival_time = np.zeros(size, dtype=np.float64)
         self.first_scheduled_time = np.full(size, math.nan)
         self.first_token_time = np.full(size, math.nan)
         self.lora_id = np.zeros(size, dtype=np.int64)  # 0: the base model
@@ -111,7 +112,7 @@ class _Step:
     launched: float  # perf_counter() when it was scheduled
     launched_wall: float  # time.time() then
     backlogged: bool  # requests were still waiting after its schedule()
-    num_ending: int  # requests that reach max_tokens with this step's sample
+    prompt_lens: np.ndarray  # the prompt length of each scheduled request
     saves: Saves | None = None  # KV blocks to save once it has run (sync); async queues them itself
 
 
@@ -187,8 +188,6 @@ class EngineCore:
         self._columns = _RequestColumns()
         self._num_final_only = 0  # live final-only requests: while there are none, no row is filtered
         self._row_states: dict[int, RowState] = {}  # live handle -> what the runner needs when it takes a row
-        self._handles: dict[str, int] = {}
-        self.pause_state = "unpaused"  # S13, as last set
         # S15 input waiting for a step in flight to be collected (add_stream_input).
         self._deferred_inputs: list[tuple[str, list[int], int, bool]] = []
         self.stats = StatsLogger(config.log_stats_interval, spec=self.spec_counters)
@@ -223,7 +222,7 @@ class EngineCore:
         params = request.params
         n = len(request.prompt_token_ids)
         check_prompt(request.prompt_token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
-        if request.request_id in self._handles:
+        if self.scheduler.handle_of(request.request_id) is not None:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         grammar = None
         if params.structured_outputs is not None:
@@ -254,22 +253,17 @@ class EngineCore:
         c = self._columns
         c.ensure(handle)
         c.request_id[handle] = request.request_id
-        c.num_prompt_tokens[handle] = n
-        c.max_tokens[handle] = params.max_tokens
-        c.num_sampled[handle] = 0
         c.final_only[handle] = request.final_only
         c.watch[handle] = not request.final_only or params.logprobs is not None
         self._num_final_only += request.final_only
         c.client[handle] = client
         c.logprobs[handle] = -1 if params.logprobs is None else params.logprobs
         c.cached_reported[handle] = False
-        c.arrival_time[handle] = request.arrival_time
         c.first_scheduled_time[handle] = c.first_token_time[handle] = math.nan
         c.lora_id[handle] = lora_id or 0
         generator = make_generator(params.seed, self.runner.device) if params.seed is not None else None
         eos_ids = () if ignore_eos else self.eos_token_ids
         self._row_states[handle] = RowState(params, n, eos_ids, generator)
-        self._handles[request.request_id] = handle
         if grammar is not None:
             self.structured.add(handle, grammar)
         self.stats.on_arrival(n)
@@ -300,8 +294,7 @@ class EngineCore:
         """Frees the requests' blocks at once (S18); unknown or finished ids are ignored.
         A step in flight that holds one of them still runs, but its token for it is dropped."""
         for request_id in request_ids:
-            if self.scheduler.abort_request(request_id) is not None:
-                self._handles.pop(request_id, None)
+            self.scheduler.abort_request(request_id)
 
     def add_stream_input(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
                          is_last: bool = False) -> None:
@@ -327,9 +320,6 @@ class EngineCore:
 
     def _apply_stream_input(self, request_id: str, token_ids: Sequence[int], max_tokens: int, is_last: bool) -> None:
         self.scheduler.add_stream_input(request_id, token_ids, max_tokens, is_last)
-        handle = self._handles[request_id]
-        c = self._columns
-        c.max_tokens[handle] = c.num_sampled[handle] + max_tokens
 
     def _apply_deferred_inputs(self) -> None:
         """Stream input held back by ``add_stream_input`` whose session no step in flight holds now.
@@ -351,7 +341,7 @@ class EngineCore:
 
     def client_of(self, request_id: str) -> int | None:
         """The frontend a live request came from (``add_request``'s ``client``), else None."""
-        handle = self._handles.get(request_id)
+        handle = self.scheduler.handle_of(request_id)
         return None if handle is None else int(self._columns.client[handle])
 
     def close_stream(self, request_id: str) -> EngineCoreOutput | None:
@@ -399,20 +389,19 @@ class EngineCore:
     def set_pause_state(self, state: str) -> None:
         """The scheduler's pause state (``unpaused``, ``paused_new``, ``paused_all``)."""
         self.scheduler.set_pause_state(state)
-        self.pause_state = state
 
-    def request_times(self, request_id: str) -> tuple[float, float | None, float | None] | None:
-        """(arrival, first scheduled, first token) wall-clock times of a request the engine
-        still holds (live, or finished in the last step); None otherwise."""
-        handle = self._handles.get(request_id)
-        if handle is None:
-            return None
+    @property
+    def pause_state(self) -> str:
+        """The pause state in force (S13), as the scheduler holds it."""
+        return self.scheduler.pause_state
+
+    def request_times(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(arrival, first scheduled, first token) wall-clock times of the requests ``handles``,
+        which the engine still holds (live, or finished in the last step; an ``OutputBatch``'s
+        ``handles``); NaN where not known yet."""
+        handles = np.asarray(handles, dtype=np.uint32)
         c = self._columns
-
-        def known(t: float) -> float | None:
-            return None if math.isnan(t) else float(t)
-
-        return float(c.arrival_time[handle]), known(c.first_scheduled_time[handle]), known(c.first_token_time[handle])
+        return self.scheduler.arrival_times(handles), c.first_scheduled_time[handles], c.first_token_time[handles]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._in_flight) or bool(self._deferred_inputs) or self.scheduler.has_requests()
@@ -444,18 +433,11 @@ class EngineCore:
             if not self.scheduler.has_requests():
                 return OutputBatch.empty()
             self._launch()
-        if self._executor is not None and self._worth_scheduling_ahead():
+        # Only when a request will still run once the steps in flight land: the next step
+        # would otherwise be a forward pass whose every token is dropped (the scheduler's call).
+        if self._executor is not None and self.scheduler.runs_after_in_flight():
             self._launch()
         return self._collect_oldest()
-
-    def _worth_scheduling_ahead(self) -> bool:
-        """Whether a request will still run after the last step in flight: scheduling
-        the next step now would otherwise be a forward pass whose every token is dropped
-        (it only knows which requests finish by EOS or a stop token once their tokens land)."""
-        if not self.scheduler.has_requests():  # paused (S13): nothing may be scheduled
-            return False
-        live = self.scheduler.num_running + self.scheduler.num_waiting
-        return live > self._in_flight[-1].num_ending
 
     def _launch(self) -> None:
         """Schedules a step, prepares its inputs and starts its forward pass (on the worker thread)."""
@@ -473,7 +455,7 @@ class EngineCore:
                     step.saves = None
         except BaseException:
             # The scheduler holds the step in flight: close it (and those before it) too.
-            self._in_flight.append(_Step(so, None, None, launched, launched_wall, False, 0))
+            self._in_flight.append(_Step(so, None, None, launched, launched_wall, False, _NO_ROWS))
             self._abandon_in_flight()
             raise
         self._in_flight.append(step)
@@ -487,9 +469,8 @@ class EngineCore:
             # Reported finished (or aborted): the handle may be reused after this step.
             if self._row_states.pop(h, None) is not None:
                 self._num_final_only -= bool(c.final_only[h])
-            request_id = c.request_id[h]
-            if self._handles.get(request_id) == h:
-                del self._handles[request_id]
+        # Read now: a request aborted before this step is collected leaves the scheduler then.
+        prompt_lens = self.scheduler.num_prompt_tokens(so.req_handles)
         if np.count_nonzero(so.kinds):
             c.first_scheduled_time[so.req_handles[so.kinds == KIND_NEW]] = launched_wall
         prepared = self.runner.prepare(so, self.scheduler.token_ids, self._row_states.__getitem__)
@@ -498,14 +479,9 @@ class EngineCore:
         if self.lora is not None and len(so):
             prepared.lora = self.lora.plan(c.lora_id[so.req_handles], so.num_scheduled_tokens)
         future = None
-        num_ending = 0
-        if self._executor is not None:
-            sampled = prepared.sampled_handles
-            c.num_sampled[sampled] += 1
-            num_ending = int((c.num_sampled[sampled] >= c.max_tokens[sampled]).sum())
-            if prepared.num_reqs:
-                future = self._executor.submit(self.runner.execute, prepared)
-        return _Step(so, prepared, future, launched, launched_wall, backlogged, num_ending)
+        if self._executor is not None and prepared.num_reqs:
+            future = self._executor.submit(self.runner.execute, prepared)
+        return _Step(so, prepared, future, launched, launched_wall, backlogged, prompt_lens)
 
     def _collect_oldest(self) -> OutputBatch:
         step = self._in_flight[0]
@@ -532,7 +508,7 @@ class EngineCore:
         self.stats.on_step(len(eco.token_ids), self.scheduler.stats)
         so = step.so
         self.stats.on_iteration(so.total_num_scheduled_tokens)
-        prompt_lens = self._columns.num_prompt_tokens[so.req_handles]
+        prompt_lens = step.prompt_lens
         prefill, partial = prefill_tokens(so.num_scheduled_tokens, so.num_computed_tokens, prompt_lens)
         # A step lasts from its launch, or from the end of the step before it when that
         # came later (async: it was launched while that one ran), to its collection.
@@ -626,6 +602,7 @@ class EngineCore:
             num_cached_tokens=np.full(n, -1, dtype=np.int64),
             first_token=np.zeros(n, dtype=bool),
             clients=c.client[handles],
+            handles=handles.astype(np.int64),
         )
         if np.count_nonzero(segment_ended):
             batch.segment_ends = set(np.flatnonzero(segment_ended).tolist())
@@ -686,9 +663,10 @@ class EngineCore:
         c = self._columns
         offsets = batch.token_offsets
         pieces = []
+        prompt_lens = self.scheduler.num_prompt_tokens(handles).tolist()
         for i, h in enumerate(handles.tolist()):
             if c.final_only[h]:
-                pieces.append(self.scheduler.token_ids(h)[c.num_prompt_tokens[h]:])
+                pieces.append(self.scheduler.token_ids(h)[prompt_lens[i]:])
             else:
                 pieces.append(batch.token_ids[offsets[i] : offsets[i + 1]])
         batch.token_offsets = np.zeros(len(pieces) + 1, dtype=np.int64)

@@ -16,6 +16,7 @@ A thread sends every frontend a heartbeat each second, busy or idle. Messages ar
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -330,12 +331,7 @@ class _EngineLoop:
         if not len(batch):
             return
         finished = batch.finish_reasons != 0
-        timing_rows = np.flatnonzero(batch.first_token | finished).tolist()
-        timings: dict[int, RequestTiming] = {}
-        for i in timing_rows:
-            timing = self._timing(batch.request_ids[i], bool(finished[i]))
-            if timing is not None:
-                timings[i] = timing
+        timings = self._timings(batch, np.flatnonzero((batch.first_token | finished) & (batch.handles >= 0)))
         stats = self._stats()
         frontends = np.unique(batch.clients).tolist()
         for frontend in frontends:
@@ -343,21 +339,18 @@ class _EngineLoop:
             share_timings = [t for i, t in timings.items() if batch.clients[i] == frontend]
             self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, share, stats, share_timings)))
 
-    def _timing(self, request_id: str, finished: bool) -> RequestTiming | None:
-        times = self.core.request_times(request_id)
-        if times is None:
-            return None
-        arrival, first_scheduled, first_token = times
-
-        def since(t: float | None) -> float | None:
-            return None if t is None else max(0.0, t - arrival)
-
-        return RequestTiming(
-            request_id,
-            since(first_scheduled),
-            since(first_token),
-            since(time.time()) if finished else None,
-        )
+    def _timings(self, batch: OutputBatch, rows: np.ndarray) -> dict[int, RequestTiming]:
+        """The timings of ``rows`` (a first token or the end), by row: seconds since arrival."""
+        if not len(rows):
+            return {}
+        arrival, first_scheduled, first_token = self.core.request_times(batch.handles[rows])
+        now = time.time()
+        e2e = np.where(batch.finish_reasons[rows] != 0, now, np.nan)
+        since = [np.maximum(t - arrival, 0.0).tolist() for t in (first_scheduled, first_token, e2e)]
+        return {
+            row: RequestTiming(batch.request_ids[row], *(None if math.isnan(s[k]) else s[k] for s in since))
+            for k, row in enumerate(rows.tolist())
+        }
 
     def _stats(self) -> EngineStats:
         s = self.core.scheduler.stats()

@@ -92,6 +92,7 @@ class OutputBatch:
     num_cached_tokens: np.ndarray  # [n] int64: the prefix-cache hit, reported once; -1 = nothing
     first_token: np.ndarray  # [n] bool: the request's first token is in this delta (engine side only)
     clients: np.ndarray  # [n] int: the frontend the request came from (engine side only)
+    handles: np.ndarray  # [n] int64: the request's scheduler handle, -1 where not known (engine side only)
     stop_reasons: dict[int, int | str] = field(default_factory=dict)  # row -> the stop token id that ended it
     logprobs: dict[int, _Logprobs] = field(default_factory=dict)  # row -> per new token: id -> (logprob, rank)
     errors: dict[int, str] = field(default_factory=dict)  # row -> why an ignored request could not run
@@ -117,6 +118,7 @@ class OutputBatch:
                                         for o in outputs], dtype=np.int64),
             first_token=np.zeros(n, dtype=bool),
             clients=np.zeros(n, dtype=np.int64),
+            handles=np.full(n, -1, dtype=np.int64),
             stop_reasons={i: o.stop_reason for i, o in enumerate(outputs) if o.stop_reason is not None},
             logprobs={i: o.new_logprobs for i, o in enumerate(outputs) if o.new_logprobs is not None},
             errors={i: o.error for i, o in enumerate(outputs) if o.error is not None},
@@ -155,6 +157,7 @@ class OutputBatch:
             num_cached_tokens=self.num_cached_tokens[rows],
             first_token=self.first_token[rows],
             clients=self.clients[rows],
+            handles=self.handles[rows],
             stop_reasons={new_row[r]: v for r, v in self.stop_reasons.items() if r in new_row},
             logprobs={new_row[r]: v for r, v in self.logprobs.items() if r in new_row},
             errors={new_row[r]: v for r, v in self.errors.items() if r in new_row},
