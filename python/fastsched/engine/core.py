@@ -40,7 +40,14 @@ from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
 from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector, store_identity
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
-from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, OutputBatch, pause_state, select_csr
+from fastsched.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    OutputBatch,
+    PauseState,
+    pause_state,
+    select_csr,
+)
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.engine.structured_outputs import StructuredOutputs
@@ -386,12 +393,12 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()
         logger.info("reloaded weights from %s; prefix cache dropped", model)
 
-    def set_pause_state(self, state: str) -> None:
+    def set_pause_state(self, state: PauseState) -> None:
         """The scheduler's pause state (``unpaused``, ``paused_new``, ``paused_all``)."""
         self.scheduler.set_pause_state(state)
 
     @property
-    def pause_state(self) -> str:
+    def pause_state(self) -> PauseState:
         """The pause state in force (S13), as the scheduler holds it."""
         return self.scheduler.pause_state
 

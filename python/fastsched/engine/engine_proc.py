@@ -278,7 +278,7 @@ class _EngineLoop:
 
     def _reload_weights(self, msg: protocol.ReloadWeights) -> None:
         """Answered once loaded (or refused); heartbeats go on from their own thread meanwhile."""
-        error = None
+        error: tuple[protocol.ReloadErrorKind, str] | None = None
         try:
             self.core.reload_weights(msg.model)
         except NotPausedError as e:

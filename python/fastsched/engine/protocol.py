@@ -50,8 +50,9 @@ PauseState = Literal["unpaused", "paused_new", "paused_all"]  # the scheduler's 
 PAUSE_STATES: tuple[str, ...] = ("unpaused", "paused_new", "paused_all")
 PAUSE_MODES = ("new", "all")  # what a user asks for: paused_new / paused_all
 UNKNOWN = "unknown"  # a request status: the engine no longer holds it; its last output is on its way
-RELOAD_CONFLICT = "conflict"  # a RELOADED error kind: the engine is not paused with mode all
-RELOAD_INVALID = "invalid"  # a RELOADED error kind: the weights cannot be loaded into the served model
+ReloadErrorKind = Literal["conflict", "invalid"]
+RELOAD_CONFLICT: ReloadErrorKind = "conflict"  # the engine is not paused with mode all
+RELOAD_INVALID: ReloadErrorKind = "invalid"  # the weights cannot be loaded into the served model
 
 
 class ProtocolError(ValueError):
@@ -178,12 +179,12 @@ def select_csr(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tup
     return new_offsets, values[np.repeat(starts, lengths) + within]
 
 
-def pause_state(mode: str) -> str:
+def pause_state(mode: str) -> PauseState:
     """The scheduler's state for pause ``mode`` (S13): ``"new"`` lets running requests finish and
     admits nobody, ``"all"`` schedules nothing. ``ValueError`` naming the mode for another one."""
     if mode not in PAUSE_MODES:
         raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-    return f"paused_{mode}"
+    return "paused_new" if mode == "new" else "paused_all"
 
 
 def pause_mode(state: str) -> str | None:
@@ -322,7 +323,10 @@ def _params_struct() -> type[msgspec.Struct]:
 _SamplingParamsWire = _params_struct()
 # EngineCoreRequest.params is a SamplingParams for its users (the annotation type checkers
 # read) and this struct for msgspec, which decodes it without running SamplingParams' rules.
-_Params = SamplingParams if TYPE_CHECKING else _SamplingParamsWire
+if TYPE_CHECKING:
+    _Params = SamplingParams
+else:
+    _Params = _SamplingParamsWire
 
 
 def _trusted_params(wire: Any) -> SamplingParams:
@@ -512,7 +516,10 @@ class Heartbeat(_Message, tag="heartbeat"):
 
 
 # What Outputs.outputs is for its users (the annotation type checkers read), and on the wire.
-_OutputsField = Union[list[EngineCoreOutput], OutputBatch] if TYPE_CHECKING else OutputColumns
+if TYPE_CHECKING:
+    _OutputsField = Union[list[EngineCoreOutput], OutputBatch]
+else:
+    _OutputsField = OutputColumns
 
 
 class Outputs(_Message, tag="outputs"):
@@ -554,7 +561,7 @@ class Reloaded(_Message, tag="reloaded"):
 
     engine_index: Count
     query_id: Count
-    error: tuple[Literal["conflict", "invalid"], str] | None = None
+    error: tuple[ReloadErrorKind, str] | None = None
 
 
 class FrontendReady(_Message, tag="frontend_ready"):

@@ -797,7 +797,7 @@ class AsyncLLM:
             detail = "; ".join(f"engine {index}: {message}" for index, (_, message) in sorted(errors.items()))
             raise (RuntimeError if protocol.RELOAD_CONFLICT in kinds else ValueError)(detail)
 
-    async def _set_pause_state(self, state: str) -> None:
+    async def _set_pause_state(self, state: protocol.PauseState) -> None:
         await self._command_all(lambda q: protocol.Pause(state, q, self.frontend_index), self.engine_timeout)
 
     async def _command_all(self, make: Any, timeout: float) -> dict[int, protocol.Message]:

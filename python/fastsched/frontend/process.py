@@ -16,7 +16,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from fastsched.engine import protocol
 from fastsched.frontend.request_log import RequestLogger
 from fastsched.limits import RequestLimits
 
@@ -100,6 +99,7 @@ def run_frontend(spec: FrontendSpec, ready_pipe: Connection) -> None:
 
 async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
     from fastsched._core import SharedAdmissionStats
+    from fastsched.engine import protocol
     from fastsched.frontend.async_llm import AsyncLLM
     from fastsched.frontend.grpc_server import serve_frontend
 
