@@ -1,8 +1,9 @@
 """The engine process (docs/design.md §1): one EngineCore behind ZMQ sockets.
 
 It binds a PULL socket at its input address (every frontend pushes ADD / ABORT /
-HELLO / QUERY / PAUSE and the sessions' SESSION / STREAM_INPUT / CLOSE_STREAM there) and connects one PUSH socket to each frontend's output address; a
-request's outputs go to the frontend named in its ADD. The loop never blocks while
+HELLO / QUERY / PAUSE / RELOAD_WEIGHTS and the sessions' STREAM_INPUT / CLOSE_STREAM there)
+and connects one PUSH socket to each frontend's output address; a request's outputs go
+to the frontend named in its ADD. The loop never blocks while
 it has work: it drains the input without waiting, steps, and sends. Idle, it waits on
 the input with a short poll timeout so that signals and the parent check still run.
 A thread sends every frontend a heartbeat each second, busy or idle. Messages are
