@@ -192,7 +192,7 @@ def instrument(core: Any, timer: PhaseTimer) -> Iterator[Callable[[], float]]:
             return fetch(executed)
 
         runner.fetch = waiting_fetch
-    core._collect = timer.wrap("collect", core._collect)
+    core._outputs.collect = timer.wrap("collect", core._outputs.collect)
     structured = core.structured
     structured.advance = timer.wrap("structured", structured.advance)
     structured.step_bitmask = timer.wrap("structured", structured.step_bitmask)

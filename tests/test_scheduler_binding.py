@@ -994,3 +994,39 @@ def test_config_speculative_and_lora_settings_have_getters():
     cfg = SchedulerConfig(num_speculative_tokens=4, num_lookahead_tokens=4, max_loras=2)
     assert (cfg.num_speculative_tokens, cfg.num_lookahead_tokens, cfg.max_loras) == (4, 4, 2)
     assert SchedulerConfig().num_lookahead_tokens == 0
+
+
+# --------------------------------------------------------------------------- what the engine asks the core
+
+
+def test_s17_runs_after_in_flight_counts_the_tokens_in_flight():
+    """Async scheduling asks the core whether a request will still run once the steps in flight
+    land (docs/design.md §2: Python never re-implements a scheduling rule)."""
+    sched = make_scheduler()
+    sched.set_async_scheduling(True)
+    add(sched, "a", num_prompt_tokens=8, max_tokens=2)
+    assert sched.runs_after_in_flight()  # waiting
+    sched.schedule()  # the prefill samples token 1
+    assert sched.runs_after_in_flight()
+    sched.schedule()  # token 2, the last one, in flight too
+    assert not sched.runs_after_in_flight()
+
+
+def test_s13_runs_after_in_flight_follows_the_pause_state():
+    sched = make_scheduler()
+    add(sched, "a")
+    sched.set_pause_state("paused_new")
+    assert sched.pause_state == "paused_new" and not sched.runs_after_in_flight()
+    sched.set_pause_state("unpaused")
+    assert sched.pause_state == "unpaused" and sched.runs_after_in_flight()
+
+
+def test_prompt_lengths_and_arrival_times_are_read_from_the_core_by_handle():
+    sched = make_scheduler()
+    a = add(sched, "a", num_prompt_tokens=5, arrival_time=10.5)
+    b = add(sched, "b", num_prompt_tokens=9, arrival_time=11.0)
+    handles = u32([b, a])
+    assert sched.num_prompt_tokens(handles).tolist() == [9, 5]
+    assert sched.arrival_times(handles).tolist() == [11.0, 10.5]
+    with pytest.raises(KeyError):
+        sched.arrival_times(u32([99]))

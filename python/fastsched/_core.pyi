@@ -453,6 +453,17 @@ class Scheduler:
         """Ids of an array of handles (diagnostics; ``KeyError`` for a stale handle)."""
     def handle_of(self, request_id: str) -> int | None:
         """The handle of a live (not finished) request id, else None."""
+    def runs_after_in_flight(self) -> bool:
+        """Whether scheduling another step now can give a request a token that is not
+        dropped: a waiting request the pause state lets in (S13), or a running one that
+        the tokens in flight do not take to ``max_tokens`` or ``max_model_len`` (S17).
+        Async scheduling schedules a step ahead only then."""
+    def num_prompt_tokens(self, handles: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:
+        """Prompt lengths of live handles (or finished ones not yet reported by
+        ``schedule()``); ``KeyError`` for a stale handle."""
+    def arrival_times(self, handles: npt.NDArray[np.uint32]) -> npt.NDArray[np.float64]:
+        """The ``arrival_time`` given to ``add_request``, per handle (live, or finished and not
+        yet reported by ``schedule()``); ``KeyError`` for a stale handle."""
     def request_info(self, handle: int) -> _RequestInfo:
         """A request's state as a dict (diagnostics); ``KeyError`` for a stale handle."""
     def token_ids(self, handle: int) -> npt.NDArray[np.uint32]:
@@ -469,6 +480,9 @@ class Scheduler:
         schedules nothing; ``"unpaused"`` resumes. Nothing is lost. Takes effect at the
         next ``schedule()`` and changes ``has_requests()`` at once. ``ValueError`` for
         another string."""
+    @property
+    def pause_state(self) -> _PauseState:
+        """The pause state in force (S13), as ``set_pause_state`` takes it."""
     def reset_prefix_cache(self) -> None:
         """S8: no block computed so far is a prefix-cache hit again (new weights make their KV
         stale). Requests keep their blocks and go on; their blocks are never shared."""

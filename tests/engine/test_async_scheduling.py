@@ -246,3 +246,17 @@ def test_a_step_that_fails_aborts_the_steps_in_flight_and_the_engine_stays_usabl
     assert not core.has_unfinished_requests()
     assert core.scheduler.num_free_blocks == 63
     assert core.runner.batch.num_unwritten_steps == 0
+
+
+def test_no_step_is_scheduled_ahead_for_requests_that_all_reach_max_tokens(tiny_model_dir, prompts) -> None:
+    """The core says whether a request runs after the steps in flight (``runs_after_in_flight``):
+    the async loop then schedules no forward pass of dead rows, and steps as often as the sync one."""
+    steps = {}
+    for async_scheduling in (True, False):
+        run = Run(make_core(tiny_model_dir, async_scheduling))
+        run.add("a", prompts[0], greedy(5))
+        run.add("b", prompts[1], greedy(3))
+        run.to_end()
+        assert len(run.tokens("a")) == 5 and len(run.tokens("b")) == 3
+        steps[async_scheduling] = run.core.scheduler.stats()["num_steps"]
+    assert steps[True] == steps[False]

@@ -4,6 +4,7 @@ an OUTPUTS message carries, and how the frontend gets one ``EngineCoreOutput`` p
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -41,7 +42,7 @@ def test_select_keeps_the_rows_and_their_extras() -> None:
 
 
 def columns(**changes: object) -> list[object]:
-    wire = protocol._batch_to_wire(OutputBatch.from_outputs(OUTPUTS))
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(protocol.OutputColumns.of(OutputBatch.from_outputs(OUTPUTS))))
     names = ["request_ids", "token_offsets", "token_ids", "finish_reasons", "num_cached_tokens", "extras", "segment_ends"]
     for name, value in changes.items():
         wire[names.index(name)] = value

@@ -293,14 +293,38 @@ def test_protocol_round_trips_every_message() -> None:
     b"\xc1",  # not msgpack
     msgpack.packb(["nope", 1]),
     msgpack.packb(["abort", "r"]),  # ids must be an array
-    msgpack.packb(["add", "r", [1], {"n": 0}, 0.0, 0, 0]),  # invalid sampling value
-    msgpack.packb(["add", "r", [1], {"evil": 1}, 0.0, 0, 0]),  # unknown field
+    msgpack.packb(["add", ["r", [1], {"n": "two"}, 0.0, 0, False, None, False], 0]),  # wrong-typed sampling value
+    msgpack.packb(["add", ["r", [1], {"evil": 1}, 0.0, 0, False, None, False], 0]),  # unknown field
+    msgpack.packb(["add", ["r", [1], {}, 0.0, 0, False, None, False], -1]),  # negative frontend index
+    msgpack.packb(["add", ["r", [1], {}, 0.0, 0, False, None, False], 0, 7]),  # a field too many
+    msgpack.packb(["add", ["r", ["x"], {}, 0.0, 0, False, None, False], 0]),  # a token that is no int
+    msgpack.packb(["pause", "paused_some", 1, 0]),  # not a pause state
     msgpack.packb(["outputs", 0, [["r", [1], "weird", None, None, None, None]], {}, []]),
     msgpack.packb(["heartbeat", -1, {}]),
 ])
 def test_protocol_rejects_malformed_messages(wire: bytes) -> None:
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(wire)
+
+
+def test_the_engine_trusts_the_sampling_params_a_frontend_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding an ADD checks the parameters' types, not their rules again: the frontend ran
+    them (the grammar check included) when it built them."""
+    params = SamplingParams(max_tokens=5, stop=["x"], structured_outputs={"choice": ["yes", "no"]})
+    data = protocol.encode(protocol.AddRequest(EngineCoreRequest("r", [1, 2], params, 1.0), 0))
+
+    def no_second_check(self: SamplingParams) -> None:
+        raise AssertionError("SamplingParams validated again")
+
+    monkeypatch.setattr(SamplingParams, "_validate", no_second_check)
+    msg = protocol.decode(data)
+    assert isinstance(msg, protocol.AddRequest) and type(msg.request.params) is SamplingParams
+    assert msg.request.params == params and msg.request.params.structured_outputs.choice == ["yes", "no"]
+
+
+def test_every_child_answers_the_launcher_on_the_same_wire() -> None:
+    for msg in (protocol.FrontendReady(1, "127.0.0.1:5000"), protocol.Failed(1, "no port")):
+        assert protocol.decode(protocol.encode(msg)) == msg
 
 
 # ------------------------------------------------------------------ generation through engine processes

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 pytest.importorskip("prometheus_client", reason="prometheus_client is not installed (requirements-serve.txt)")
@@ -28,7 +29,7 @@ def test_engine_counters_reach_metrics_per_engine() -> None:
     # Through the engine's wire format (msgpack) as a heartbeat carries them.
     back = protocol.decode(protocol.encode(protocol.Heartbeat(0, with_connector))).stats
     assert back.kv_connector == COUNTERS
-    engines = [{"index": 0, **vars(back)}, {"index": 1, **vars(protocol.EngineStats())}]
+    engines = [{"index": 0, **msgspec.structs.asdict(back)}, {"index": 1, **msgspec.structs.asdict(protocol.EngineStats())}]
     page = parse_metrics(render([stats_to_proto({"engines": engines}, LatencyHistograms())], "m").decode(), 0.0)
     loaded = page.samples["fastsched:kv_connector_blocks_loaded_total"]
     assert [(s.labels["engine"], s.value) for s in loaded] == [("0", 12.0)], "engine 1 has no connector"

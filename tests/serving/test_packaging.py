@@ -25,9 +25,6 @@ TRANSITIVE = {"triton": "torch"}
 # Declared but loaded by name rather than imported: uvicorn picks its HTTP parser and its
 # WebSocket implementation by module name (--http httptools, --ws websockets).
 LOADED_BY_NAME = {"httptools", "websockets"}
-# Declared ahead of the code that imports it (the msgspec wire lands on another branch); delete
-# the entry once python/fastsched imports it.
-AWAITING_MERGE = {"msgspec"}
 USER_EXTRAS = ("serve", "bench")
 # Developer commands whose imports come from the `test` extra (python -m fastsched.proto_gen: grpcio-tools).
 DEV_MODULES = {"proto_gen.py"}
@@ -79,7 +76,7 @@ def test_undeclared_optional_imports_are_guarded() -> None:
 def test_every_declared_dependency_is_imported(extra: str | None) -> None:
     owners = module_owners()
     imported = set().union(*(owners.get(module, set()) for module in third_party_imports()))
-    unused = _declared_names(extra) - imported - LOADED_BY_NAME - AWAITING_MERGE
+    unused = _declared_names(extra) - imported - LOADED_BY_NAME
     where = extra or "the base install"
     assert not unused, f"declared in {where} but imported nowhere under python/fastsched: {unused}"
 

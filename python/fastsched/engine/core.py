@@ -5,13 +5,15 @@ text (detokenization, stop strings, ``n`` fan-out) is the output processor's
 job, in the frontend or in ``fastsched.LLM``.
 
 The host work of a step is array work over the scheduler's arrays: per-request
-values the step reads (ids, prompt lengths, output kinds, times) are numpy columns
-indexed by scheduler handle, written when a request is added, and a step's outputs
-leave as one :class:`OutputBatch`. Python runs per request only when a request
-starts (it takes a runner row), finishes, or needs something of its own (logprobs,
-a stop token id, an error). With a few dozen numpy calls per step their fixed cost
-is what counts: the hot path tests arrays with ``np.count_nonzero``, a fraction of
-the cost of ``any()``/``all()`` (a ufunc reduction) on arrays of a few hundred rows.
+values the step reads that the scheduler does not hold (ids, output kinds, times) are
+numpy columns indexed by scheduler handle, written when a request is added; what the
+scheduler holds (prompt lengths, limits, arrival, progress) the engine asks it for, in
+arrays. A step's outputs leave as one :class:`OutputBatch` (``engine.step_outputs``).
+Python runs per request only when a request starts (it takes a runner row), finishes,
+or needs something of its own (logprobs, a stop token id, an error). With a few dozen
+numpy calls per step their fixed cost is what counts: the hot path tests arrays with
+``np.count_nonzero``, a fraction of the cost of ``any()``/``all()`` (a ufunc reduction)
+on arrays of a few hundred rows.
 
 With async scheduling (``EngineConfig.async_scheduling``) the forward pass runs on a
 worker thread: while step N's forward pass runs, ``step()`` schedules and prepares
@@ -40,8 +42,15 @@ from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
 from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector, store_identity
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
-from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, OutputBatch, pause_state, select_csr
+from fastsched.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    OutputBatch,
+    PauseState,
+    pause_state,
+)
 from fastsched.engine.stats import StatsLogger
+from fastsched.engine.step_outputs import StepOutputs
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.engine.structured_outputs import StructuredOutputs
 from fastsched.inputs import check_prompt
@@ -50,7 +59,7 @@ from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.generation_defaults import load_generation_defaults
 from fastsched.model_loader.weights import load_model
 from fastsched.models.config import ModelConfig
-from fastsched.sample import LogprobsTensors, make_generator
+from fastsched.sample import make_generator
 from fastsched.spec_decode import SpecDecodingCounters, build_proposer, draft_rows
 from fastsched.worker.input_batch import RowState
 from fastsched.worker.kv_sizing import determine_num_blocks, profile_peak_bytes
@@ -59,42 +68,7 @@ from fastsched.worker.model_runner import ExecutedStep, ModelRunner, PreparedSte
 logger = logging.getLogger(__name__)
 
 KIND_NEW = 1  # SchedulerOutput.kinds: scheduled for the first time
-FINISH_STOP = 1
-FINISH_IGNORED = 4
-
-
-class _RequestColumns:
-    """Per-request values a step reads or writes, as numpy arrays indexed by scheduler
-    handle: a step gathers them for all its rows at once. Written by ``add_request``;
-    a handle's values are overwritten when the scheduler reuses it for a new request."""
-
-    def __init__(self, size: int = 64) -> None:
-        self.request_id = np.empty(size, dtype=object)
-        self.num_prompt_tokens = np.zeros(size, dtype=np.int64)
-        self.max_tokens = np.zeros(size, dtype=np.int64)
-        self.num_sampled = np.zeros(size, dtype=np.int64)  # tokens sampled, those in flight included
-        self.final_only = np.zeros(size, dtype=bool)
-        # Rows a step must look at one by one: a request before its first token (first-token
-        # time, prefix-cache hit to report) and any request with logprobs.
-        self.watch = np.zeros(size, dtype=bool)
-        self.client = np.zeros(size, dtype=np.int64)
-        self.logprobs = np.full(size, -1, dtype=np.int64)  # -1: none requested
-        self.cached_reported = np.zeros(size, dtype=bool)
-        self.arrival_time = np.zeros(size, dtype=np.float64)
-        self.first_scheduled_time = np.full(size, math.nan)
-        self.first_token_time = np.full(size, math.nan)
-        self.lora_id = np.zeros(size, dtype=np.int64)  # 0: the base model
-
-    def ensure(self, handle: int) -> None:
-        """Grows every column (doubling) so that ``handle`` indexes it."""
-        size = len(self.request_id)
-        if handle < size:
-            return
-        new_size = max(2 * size, handle + 1)
-        for name, column in vars(self).items():
-            grown = np.empty(new_size, dtype=column.dtype)
-            grown[:size] = column
-            setattr(self, name, grown)
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 class NotPausedError(RuntimeError):
@@ -111,7 +85,7 @@ class _Step:
     launched: float  # perf_counter() when it was scheduled
     launched_wall: float  # time.time() then
     backlogged: bool  # requests were still waiting after its schedule()
-    num_ending: int  # requests that reach max_tokens with this step's sample
+    prompt_lens: np.ndarray  # the prompt length of each scheduled request
     saves: Saves | None = None  # KV blocks to save once it has run (sync); async queues them itself
 
 
@@ -181,14 +155,11 @@ class EngineCore:
             logger.info("sampling defaults from the model's generation config (--generation-config %s): %s",
                         config.generation_config, self.sampling_defaults)
         self.eos_token_ids = tuple(dict.fromkeys((*self.model_config.eos_token_ids, *tokenizer_eos)))
-        self._eos_set = frozenset(self.eos_token_ids)
         self.vocab_size = self.model_config.vocab_size
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
-        self._columns = _RequestColumns()
-        self._num_final_only = 0  # live final-only requests: while there are none, no row is filtered
+        self._outputs = StepOutputs(self.scheduler, self.eos_token_ids)
+        self._columns = self._outputs.columns
         self._row_states: dict[int, RowState] = {}  # live handle -> what the runner needs when it takes a row
-        self._handles: dict[str, int] = {}
-        self.pause_state = "unpaused"  # S13, as last set
         # S15 input waiting for a step in flight to be collected (add_stream_input).
         self._deferred_inputs: list[tuple[str, list[int], int, bool]] = []
         self.stats = StatsLogger(config.log_stats_interval, spec=self.spec_counters)
@@ -223,7 +194,7 @@ class EngineCore:
         params = request.params
         n = len(request.prompt_token_ids)
         check_prompt(request.prompt_token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
-        if request.request_id in self._handles:
+        if self.scheduler.handle_of(request.request_id) is not None:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         grammar = None
         if params.structured_outputs is not None:
@@ -254,22 +225,17 @@ class EngineCore:
         c = self._columns
         c.ensure(handle)
         c.request_id[handle] = request.request_id
-        c.num_prompt_tokens[handle] = n
-        c.max_tokens[handle] = params.max_tokens
-        c.num_sampled[handle] = 0
         c.final_only[handle] = request.final_only
         c.watch[handle] = not request.final_only or params.logprobs is not None
-        self._num_final_only += request.final_only
+        self._outputs.num_final_only += request.final_only
         c.client[handle] = client
         c.logprobs[handle] = -1 if params.logprobs is None else params.logprobs
         c.cached_reported[handle] = False
-        c.arrival_time[handle] = request.arrival_time
         c.first_scheduled_time[handle] = c.first_token_time[handle] = math.nan
         c.lora_id[handle] = lora_id or 0
         generator = make_generator(params.seed, self.runner.device) if params.seed is not None else None
         eos_ids = () if ignore_eos else self.eos_token_ids
         self._row_states[handle] = RowState(params, n, eos_ids, generator)
-        self._handles[request.request_id] = handle
         if grammar is not None:
             self.structured.add(handle, grammar)
         self.stats.on_arrival(n)
@@ -300,8 +266,7 @@ class EngineCore:
         """Frees the requests' blocks at once (S18); unknown or finished ids are ignored.
         A step in flight that holds one of them still runs, but its token for it is dropped."""
         for request_id in request_ids:
-            if self.scheduler.abort_request(request_id) is not None:
-                self._handles.pop(request_id, None)
+            self.scheduler.abort_request(request_id)
 
     def add_stream_input(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
                          is_last: bool = False) -> None:
@@ -327,9 +292,6 @@ class EngineCore:
 
     def _apply_stream_input(self, request_id: str, token_ids: Sequence[int], max_tokens: int, is_last: bool) -> None:
         self.scheduler.add_stream_input(request_id, token_ids, max_tokens, is_last)
-        handle = self._handles[request_id]
-        c = self._columns
-        c.max_tokens[handle] = c.num_sampled[handle] + max_tokens
 
     def _apply_deferred_inputs(self) -> None:
         """Stream input held back by ``add_stream_input`` whose session no step in flight holds now.
@@ -351,7 +313,7 @@ class EngineCore:
 
     def client_of(self, request_id: str) -> int | None:
         """The frontend a live request came from (``add_request``'s ``client``), else None."""
-        handle = self._handles.get(request_id)
+        handle = self.scheduler.handle_of(request_id)
         return None if handle is None else int(self._columns.client[handle])
 
     def close_stream(self, request_id: str) -> EngineCoreOutput | None:
@@ -402,23 +364,22 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()
         logger.info("prefix cache reset")
 
-    def set_pause_state(self, state: str) -> None:
+    def set_pause_state(self, state: PauseState) -> None:
         """The scheduler's pause state (``unpaused``, ``paused_new``, ``paused_all``)."""
         self.scheduler.set_pause_state(state)
-        self.pause_state = state
 
-    def request_times(self, request_id: str) -> tuple[float, float | None, float | None] | None:
-        """(arrival, first scheduled, first token) wall-clock times of a request the engine
-        still holds (live, or finished in the last step); None otherwise."""
-        handle = self._handles.get(request_id)
-        if handle is None:
-            return None
+    @property
+    def pause_state(self) -> PauseState:
+        """The pause state in force (S13), as the scheduler holds it."""
+        return self.scheduler.pause_state
+
+    def request_times(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(arrival, first scheduled, first token) wall-clock times of the requests ``handles``,
+        which the engine still holds (live, or finished in the last step; an ``OutputBatch``'s
+        ``handles``); NaN where not known yet."""
+        handles = np.asarray(handles, dtype=np.uint32)
         c = self._columns
-
-        def known(t: float) -> float | None:
-            return None if math.isnan(t) else float(t)
-
-        return float(c.arrival_time[handle]), known(c.first_scheduled_time[handle]), known(c.first_token_time[handle])
+        return self.scheduler.arrival_times(handles), c.first_scheduled_time[handles], c.first_token_time[handles]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._in_flight) or bool(self._deferred_inputs) or self.scheduler.has_requests()
@@ -450,18 +411,11 @@ class EngineCore:
             if not self.scheduler.has_requests():
                 return OutputBatch.empty()
             self._launch()
-        if self._executor is not None and self._worth_scheduling_ahead():
+        # Only when a request will still run once the steps in flight land: the next step
+        # would otherwise be a forward pass whose every token is dropped (the scheduler's call).
+        if self._executor is not None and self.scheduler.runs_after_in_flight():
             self._launch()
         return self._collect_oldest()
-
-    def _worth_scheduling_ahead(self) -> bool:
-        """Whether a request will still run after the last step in flight: scheduling
-        the next step now would otherwise be a forward pass whose every token is dropped
-        (it only knows which requests finish by EOS or a stop token once their tokens land)."""
-        if not self.scheduler.has_requests():  # paused (S13): nothing may be scheduled
-            return False
-        live = self.scheduler.num_running + self.scheduler.num_waiting
-        return live > self._in_flight[-1].num_ending
 
     def _launch(self) -> None:
         """Schedules a step, prepares its inputs and starts its forward pass (on the worker thread)."""
@@ -479,7 +433,7 @@ class EngineCore:
                     step.saves = None
         except BaseException:
             # The scheduler holds the step in flight: close it (and those before it) too.
-            self._in_flight.append(_Step(so, None, None, launched, launched_wall, False, 0))
+            self._in_flight.append(_Step(so, None, None, launched, launched_wall, False, _NO_ROWS))
             self._abandon_in_flight()
             raise
         self._in_flight.append(step)
@@ -492,10 +446,9 @@ class EngineCore:
         for h in so.finished.tolist():
             # Reported finished (or aborted): the handle may be reused after this step.
             if self._row_states.pop(h, None) is not None:
-                self._num_final_only -= bool(c.final_only[h])
-            request_id = c.request_id[h]
-            if self._handles.get(request_id) == h:
-                del self._handles[request_id]
+                self._outputs.num_final_only -= bool(c.final_only[h])
+        # Read now: a request aborted before this step is collected leaves the scheduler then.
+        prompt_lens = self.scheduler.num_prompt_tokens(so.req_handles)
         if np.count_nonzero(so.kinds):
             c.first_scheduled_time[so.req_handles[so.kinds == KIND_NEW]] = launched_wall
         prepared = self.runner.prepare(so, self.scheduler.token_ids, self._row_states.__getitem__)
@@ -504,14 +457,9 @@ class EngineCore:
         if self.lora is not None and len(so):
             prepared.lora = self.lora.plan(c.lora_id[so.req_handles], so.num_scheduled_tokens)
         future = None
-        num_ending = 0
-        if self._executor is not None:
-            sampled = prepared.sampled_handles
-            c.num_sampled[sampled] += 1
-            num_ending = int((c.num_sampled[sampled] >= c.max_tokens[sampled]).sum())
-            if prepared.num_reqs:
-                future = self._executor.submit(self.runner.execute, prepared)
-        return _Step(so, prepared, future, launched, launched_wall, backlogged, num_ending)
+        if self._executor is not None and prepared.num_reqs:
+            future = self._executor.submit(self.runner.execute, prepared)
+        return _Step(so, prepared, future, launched, launched_wall, backlogged, prompt_lens)
 
     def _collect_oldest(self) -> OutputBatch:
         step = self._in_flight[0]
@@ -534,11 +482,11 @@ class EngineCore:
             self._apply_deferred_inputs()
         following = self._in_flight[0].prepared if self._in_flight else None
         self.structured.advance(eco, following.bitmask if following is not None else None)
-        outputs = self._collect(eco, step, result)
+        outputs = self._outputs.collect(eco, step.so, result)
         self.stats.on_step(len(eco.token_ids), self.scheduler.stats)
         so = step.so
         self.stats.on_iteration(so.total_num_scheduled_tokens)
-        prompt_lens = self._columns.num_prompt_tokens[so.req_handles]
+        prompt_lens = step.prompt_lens
         prefill, partial = prefill_tokens(so.num_scheduled_tokens, so.num_computed_tokens, prompt_lens)
         # A step lasts from its launch, or from the end of the step before it when that
         # came later (async: it was launched while that one ran), to its collection.
@@ -603,105 +551,6 @@ class EngineCore:
         if self.lora is not None:
             self.lora.forget_slots()  # a failed step may have planned copies it never made
 
-    def _collect(self, eco: _core.EngineCoreOutputs, step: _Step, result: StepResult) -> OutputBatch:
-        """The step's outputs as an OutputBatch, from the scheduler's arrays: numpy over all
-        rows, Python only for watched rows (see ``_RequestColumns.watch``) and finished ones."""
-        handles = eco.handles
-        offsets = eco.token_offsets
-        tokens = eco.token_ids
-        reasons = eco.finish_reasons
-        cached = eco.num_cached_tokens
-        segment_ended = eco.segment_ended
-        c = self._columns
-        if self._num_final_only and len(handles):
-            # Final-only requests show up only when they finish.
-            keep = ~c.final_only[handles] | (reasons != 0)
-            if np.count_nonzero(keep) < len(keep):
-                rows = np.flatnonzero(keep)
-                offsets, tokens = select_csr(offsets, tokens, rows)
-                handles, reasons, cached = handles[rows], reasons[rows], cached[rows]
-                segment_ended = segment_ended[rows]
-        n = len(handles)
-        if not n:
-            return OutputBatch.empty()
-        batch = OutputBatch(
-            request_ids=c.request_id[handles].tolist(),
-            token_offsets=offsets,
-            token_ids=tokens,
-            finish_reasons=reasons,
-            num_cached_tokens=np.full(n, -1, dtype=np.int64),
-            first_token=np.zeros(n, dtype=bool),
-            clients=c.client[handles],
-        )
-        if np.count_nonzero(segment_ended):
-            batch.segment_ends = set(np.flatnonzero(segment_ended).tolist())
-        watch = c.watch[handles]
-        if np.count_nonzero(watch):
-            self._collect_watched(batch, handles, np.flatnonzero(watch), cached, step, result)
-        if np.count_nonzero(reasons):
-            self._collect_finished(batch, handles, cached)
-        return batch
-
-    def _collect_finished(self, batch: OutputBatch, handles: np.ndarray, cached: np.ndarray) -> None:
-        """Stop token ids, why ignored requests could not run, and final-only requests' outputs."""
-        c = self._columns
-        offsets, tokens, reasons = batch.token_offsets, batch.token_ids, batch.finish_reasons
-        for i in np.flatnonzero(reasons).tolist():
-            h = int(handles[i])
-            if reasons[i] == FINISH_STOP and offsets[i + 1] > offsets[i]:
-                last = int(tokens[offsets[i + 1] - 1])
-                if last not in self._eos_set:
-                    batch.stop_reasons[i] = last
-            elif reasons[i] == FINISH_IGNORED:
-                batch.errors[i] = self.scheduler.ignore_reason(h)
-            if c.final_only[h]:
-                batch.num_cached_tokens[i] = cached[i]
-        if self._num_final_only:
-            self._final_only_tokens(batch, handles)
-
-    def _collect_watched(self, batch: OutputBatch, handles: np.ndarray, watched: np.ndarray, cached: np.ndarray,
-                         step: _Step, result: StepResult) -> None:
-        """First tokens (their time, the prefix-cache hit reported once) and logprobs."""
-        c = self._columns
-        wh = handles[watched]
-        offsets = batch.token_offsets
-        got = offsets[watched + 1] > offsets[watched]
-        first = got & np.isnan(c.first_token_time[wh])
-        batch.first_token[watched[first]] = True
-        c.first_token_time[wh[first]] = time.time()
-        hit = cached[watched]
-        report = (hit >= 0) & ~c.cached_reported[wh]
-        batch.num_cached_tokens[watched[report]] = hit[report]
-        c.cached_reported[wh[report]] = True
-        k = c.logprobs[wh]
-        wants = (k >= 0) & got
-        if np.count_nonzero(wants) and result.logprobs is not None:
-            # Each row's index among the step's sampled rows, where its logprobs are.
-            sampled_handles = step.so.req_handles[result.sampled_positions]
-            order = np.argsort(sampled_handles)
-            j_of = order[np.searchsorted(sampled_handles, wh[wants], sorter=order)]
-            rows = watched[wants]
-            tokens = batch.token_ids[offsets[rows]].tolist()
-            for i, entry in zip(rows.tolist(), _logprobs_entries(result.logprobs, j_of, tokens, k[wants])):
-                batch.logprobs[i] = [entry]
-        c.watch[wh] = (k >= 0) | ~c.cached_reported[wh] | np.isnan(c.first_token_time[wh])
-
-    def _final_only_tokens(self, batch: OutputBatch, handles: np.ndarray) -> None:
-        """Finished final-only rows get all their output tokens (read from the scheduler,
-        which holds a finished request until the next schedule())."""
-        c = self._columns
-        offsets = batch.token_offsets
-        pieces = []
-        for i, h in enumerate(handles.tolist()):
-            if c.final_only[h]:
-                pieces.append(self.scheduler.token_ids(h)[c.num_prompt_tokens[h]:])
-            else:
-                pieces.append(batch.token_ids[offsets[i] : offsets[i + 1]])
-        batch.token_offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
-        np.cumsum([len(p) for p in pieces], out=batch.token_offsets[1:])
-        batch.token_ids = np.concatenate(pieces)
-
-
 def _freeze_start_up_heap() -> None:
     """What exists once an engine is built (model, tokenizer, torch and numpy internals)
     lives as long as the engine: frozen, it is no longer scanned by every full collection,
@@ -718,21 +567,3 @@ def _freeze_start_up_heap() -> None:
 
 
 _unfreeze_registered = False
-
-
-def _logprobs_entries(lp: LogprobsTensors, rows: np.ndarray, tokens: list[int],
-                      k: np.ndarray) -> list[dict[int, tuple[float, int]]]:
-    """Sampled rows ``rows`` of ``lp``: each one's token (``tokens``) with its (logprob, rank),
-    plus its ``k`` most likely tokens'. The tensors are read once, as lists, for all rows."""
-    index = torch.from_numpy(rows)
-    sampled = lp.sampled_logprobs[index].tolist()
-    ranks = lp.sampled_ranks[index].tolist()
-    top_ids = lp.topk_token_ids[index].tolist()
-    top_values = lp.topk_logprobs[index].tolist()
-    entries = []
-    for token, value, rank, ids, values, k_i in zip(tokens, sampled, ranks, top_ids, top_values, k.tolist()):
-        entry = {token: (value, rank)}
-        for r, (t, v) in enumerate(zip(ids[:k_i], values[:k_i]), start=1):
-            entry.setdefault(t, (v, r))
-        entries.append(entry)
-    return entries

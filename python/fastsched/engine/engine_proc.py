@@ -1,12 +1,13 @@
 """The engine process (docs/design.md §1): one EngineCore behind ZMQ sockets.
 
 It binds a PULL socket at its input address (every frontend pushes ADD / ABORT /
-HELLO / QUERY / PAUSE and the sessions' SESSION / STREAM_INPUT / CLOSE_STREAM there) and connects one PUSH socket to each frontend's output address; a
-request's outputs go to the frontend named in its ADD. The loop never blocks while
+HELLO / QUERY / PAUSE / RELOAD_WEIGHTS and the sessions' STREAM_INPUT / CLOSE_STREAM there)
+and connects one PUSH socket to each frontend's output address; a request's outputs go
+to the frontend named in its ADD. The loop never blocks while
 it has work: it drains the input without waiting, steps, and sends. Idle, it waits on
 the input with a short poll timeout so that signals and the parent check still run.
 A thread sends every frontend a heartbeat each second, busy or idle. Messages are
-msgpack (``protocol``), never pickle.
+``protocol``'s, never pickle.
 
 ``start_engine_process`` / ``stop_engine_process(es)`` are the launcher's side: a spawned
 (not forked: torch and ZMQ state must not be copied) daemon process running
@@ -16,6 +17,7 @@ msgpack (``protocol``), never pickle.
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -23,12 +25,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import zmq
@@ -59,7 +61,7 @@ def run_engine(
 ) -> None:
     """The process main. ``engine_config`` holds :class:`EngineConfig` keyword arguments;
     frontend ``i`` listens at ``output_addrs[i]``. ``ready_pipe`` (optional, for a launcher)
-    receives one msgpack READY or FAILED message as bytes. Exits 0 on SIGTERM/SIGINT or
+    receives one READY or FAILED message (``protocol``) as bytes. Exits 0 on SIGTERM/SIGINT or
     when the parent process dies, 1 when the engine fails (after telling the frontends)."""
     _setup_logging(engine_index, log_level)
     stop = threading.Event()
@@ -282,7 +284,7 @@ class _EngineLoop:
 
     def _reload_weights(self, msg: protocol.ReloadWeights) -> None:
         """Answered once loaded (or refused); heartbeats go on from their own thread meanwhile."""
-        error = None
+        error: tuple[protocol.ReloadErrorKind, str] | None = None
         try:
             self.core.reload_weights(msg.model)
         except NotPausedError as e:
@@ -335,12 +337,7 @@ class _EngineLoop:
         if not len(batch):
             return
         finished = batch.finish_reasons != 0
-        timing_rows = np.flatnonzero(batch.first_token | finished).tolist()
-        timings: dict[int, RequestTiming] = {}
-        for i in timing_rows:
-            timing = self._timing(batch.request_ids[i], bool(finished[i]))
-            if timing is not None:
-                timings[i] = timing
+        timings = self._timings(batch, np.flatnonzero((batch.first_token | finished) & (batch.handles >= 0)))
         stats = self._stats()
         frontends = np.unique(batch.clients).tolist()
         for frontend in frontends:
@@ -348,21 +345,18 @@ class _EngineLoop:
             share_timings = [t for i, t in timings.items() if batch.clients[i] == frontend]
             self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, share, stats, share_timings)))
 
-    def _timing(self, request_id: str, finished: bool) -> RequestTiming | None:
-        times = self.core.request_times(request_id)
-        if times is None:
-            return None
-        arrival, first_scheduled, first_token = times
-
-        def since(t: float | None) -> float | None:
-            return None if t is None else max(0.0, t - arrival)
-
-        return RequestTiming(
-            request_id,
-            since(first_scheduled),
-            since(first_token),
-            since(time.time()) if finished else None,
-        )
+    def _timings(self, batch: OutputBatch, rows: np.ndarray) -> dict[int, RequestTiming]:
+        """The timings of ``rows`` (a first token or the end), by row: seconds since arrival."""
+        if not len(rows):
+            return {}
+        arrival, first_scheduled, first_token = self.core.request_times(batch.handles[rows])
+        now = time.time()
+        e2e = np.where(batch.finish_reasons[rows] != 0, now, np.nan)
+        since = [np.maximum(t - arrival, 0.0).tolist() for t in (first_scheduled, first_token, e2e)]
+        return {
+            row: RequestTiming(batch.request_ids[row], *(None if math.isnan(s[k]) else s[k] for s in since))
+            for k, row in enumerate(rows.tolist())
+        }
 
     def _stats(self) -> EngineStats:
         s = self.core.scheduler.stats()
@@ -443,7 +437,7 @@ class _Heartbeat(threading.Thread):
                 socks.append(sock)
             while not self._done.wait(self._interval):
                 process = read_process_stats()  # first: the loop's stats are read just before sending
-                stats = replace(self._loop.latest_stats, process=process)
+                stats = msgspec.structs.replace(self._loop.latest_stats, process=process)
                 data = protocol.encode(protocol.Heartbeat(self._loop.engine_index, stats))
                 for sock in socks:
                     try:

@@ -2,7 +2,7 @@
 
 It does the frontend's share of a request — tokenize, validate, admit (A1–A5, A6 via
 the shared counters), route, fan out ``n``, detokenize and cut at stop strings — and
-talks to the engines over ZMQ with msgpack (``protocol``). One output-reader task
+talks to the engines over ZMQ in ``protocol``'s messages. One output-reader task
 receives every engine's messages and dispatches them to per-request streams; a
 monitor task marks an engine dead when it goes silent or its process exits, so no
 request ever waits on a dead engine. A dead engine stays dead until a new process at its
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -803,7 +804,7 @@ class AsyncLLM:
         await self._command_all(lambda q: protocol.ResetPrefixCache(q, self.frontend_index),
                                 timeout if timeout is not None else self.engine_timeout)
 
-    async def _set_pause_state(self, state: str) -> None:
+    async def _set_pause_state(self, state: protocol.PauseState) -> None:
         await self._command_all(lambda q: protocol.Pause(state, q, self.frontend_index), self.engine_timeout)
 
     async def _command_all(self, make: Any, timeout: float) -> dict[int, protocol.Message]:
@@ -878,7 +879,7 @@ class AsyncLLM:
         total["kv_cache_usage"] = sum(e.stats.kv_cache_usage for e in engines) / len(engines) if engines else 0.0
         total["engines"] = [
             {"index": e.index, "healthy": e.healthy, "dead_reason": e.dead_reason,
-             "num_in_flight": e.num_in_flight, **vars(e.stats if e.healthy else EngineStats()),
+             "num_in_flight": e.num_in_flight, **msgspec.structs.asdict(e.stats if e.healthy else EngineStats()),
              "process": e.process_stats, "cache_config": dict(e.info.cache_config) if e.info is not None else {}}
             for e in self._engines  # dead ones too: they are reported dead, their gauges zero
         ]

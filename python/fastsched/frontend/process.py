@@ -90,7 +90,7 @@ class FrontendSpec:
 
 def run_frontend(spec: FrontendSpec, ready_pipe: Connection) -> None:
     """A frontend process's main: AsyncLLM + gRPC server until SIGTERM or the launcher's
-    death. Sends ``("ready", address)`` or ``("failed", message)`` on ``ready_pipe``."""
+    death. Sends a FrontendReady or a Failed message (``engine.protocol``) on ``ready_pipe``."""
     block_sigint()
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s %(levelname)s [frontend {spec.index}] %(name)s: %(message)s")
@@ -99,6 +99,7 @@ def run_frontend(spec: FrontendSpec, ready_pipe: Connection) -> None:
 
 async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
     from fastsched._core import SharedAdmissionStats
+    from fastsched.engine import protocol
     from fastsched.frontend.async_llm import AsyncLLM
     from fastsched.frontend.grpc_server import serve_frontend
 
@@ -144,9 +145,10 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
         except Exception as e:
             logger.error("frontend %d failed to start: %s", spec.index, e)
             with contextlib.suppress(OSError):
-                ready_pipe.send(("failed", f"frontend {spec.index} failed to start: {type(e).__name__}: {e}"))
+                message = f"frontend {spec.index} failed to start: {type(e).__name__}: {e}"
+                ready_pipe.send_bytes(protocol.encode(protocol.Failed(spec.index, message)))
             return 1
-        ready_pipe.send(("ready", address))
+        ready_pipe.send_bytes(protocol.encode(protocol.FrontendReady(spec.index, address)))
         ready_pipe.close()
         await stop.wait()
         logger.info("frontend %d stopping", spec.index)

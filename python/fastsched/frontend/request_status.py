@@ -16,10 +16,11 @@ gateway prints them. A field that does not apply is absent, never null.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from fastsched.engine.protocol import UNKNOWN, EngineRequestStatus
 
@@ -115,7 +116,7 @@ def _finished_sequence(o: CompletionOutput) -> dict[str, Any]:
 def _engine_sequence(index: int, reply: EngineRequestStatus) -> dict[str, Any]:
     if reply.status == UNKNOWN:
         return {"index": index, "state": UNKNOWN}
-    fields = dataclasses.asdict(reply)
+    fields = msgspec.structs.asdict(reply)
     del fields["request_id"], fields["status"]
     return {"index": index, "state": reply.status, **{k: v for k, v in fields.items() if v is not None}}
 

@@ -421,14 +421,14 @@ class Launcher:
                 assert pipe is not None
                 if pipe.poll():  # before the sentinel: a failing child reports, then exits
                     try:
-                        # An engine answers in msgpack (engine_proc), a frontend with a pickled tuple.
-                        message = pipe.recv_bytes() if ch.kind == "engine" else pipe.recv()
+                        msg = protocol.decode(pipe.recv_bytes())  # the engine wire, from every child
                     except EOFError:
-                        message = None
-                    if message is not None and ch.kind == "engine":
-                        msg = protocol.decode(message)
-                        if isinstance(msg, protocol.Failed):
-                            raise ServeError(msg.message)
+                        msg = None
+                    except protocol.ProtocolError as e:
+                        raise ServeError(f"{ch.name} sent a malformed ready message: {e}") from None
+                    if isinstance(msg, protocol.Failed):
+                        raise ServeError(msg.message)
+                    if isinstance(msg, protocol.Ready) and ch.kind == "engine":
                         ch.info = msg.model_info
                         logger.debug(  # the engine logs its own ready line
                             "engine %d ready (pid %d): model=%s max_model_len=%d KV blocks=%d", ch.index,
@@ -436,13 +436,12 @@ class Launcher:
                         )
                         self._mark_ready(ch)
                         continue
-                    if message is not None:
-                        status, detail = message
-                        if status == "failed":
-                            raise ServeError(detail)
-                        logger.info("frontend %d serving gRPC on %s (pid %d)", ch.index, detail, ch.proc.pid)
+                    if isinstance(msg, protocol.FrontendReady) and ch.kind == "frontend":
+                        logger.info("frontend %d serving gRPC on %s (pid %d)", ch.index, msg.address, ch.proc.pid)
                         self._mark_ready(ch)
                         continue
+                    if msg is not None:
+                        raise ServeError(f"{ch.name} sent {type(msg).__name__} instead of its ready message")
                 if not ch.proc.is_alive():
                     raise ServeError(f"{ch.name} exited with code {ch.proc.exitcode} before it was ready; "
                                      "see its log above")

@@ -255,6 +255,41 @@ impl PyScheduler {
         self.inner.handle_of(request_id)
     }
 
+    /// Whether a request will still run once the steps in flight land (see
+    /// the core's `runs_after_in_flight`): async scheduling schedules a step
+    /// ahead only then.
+    fn runs_after_in_flight(&self) -> bool {
+        self.inner.runs_after_in_flight()
+    }
+
+    /// The prompt lengths of `handles` (live requests, or finished ones not
+    /// yet reported by `schedule()`), as int64.
+    fn num_prompt_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        handles: PyReadonlyArray1<'_, u32>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let v = slice("handles", &handles)?
+            .iter()
+            .map(|&h| Ok(self.live(h)?.num_prompt_tokens as i64))
+            .collect::<PyResult<Vec<i64>>>()?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    /// The `arrival_time`s given to `add_request` for `handles` (live requests,
+    /// or finished ones not yet reported by `schedule()`).
+    fn arrival_times<'py>(
+        &self,
+        py: Python<'py>,
+        handles: PyReadonlyArray1<'_, u32>,
+    ) -> PyResult<Bound<'py, PyArray1<f64>>> {
+        let v = slice("handles", &handles)?
+            .iter()
+            .map(|&h| Ok(self.live(h)?.arrival_time))
+            .collect::<PyResult<Vec<f64>>>()?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
     /// A request's state as a dict (diagnostics).
     fn request_info<'py>(&self, py: Python<'py>, handle: Handle) -> PyResult<Bound<'py, PyDict>> {
         let r = self.live(handle)?;
@@ -310,6 +345,16 @@ impl PyScheduler {
         };
         self.inner.set_pause_state(s);
         Ok(())
+    }
+
+    /// The pause state in force (S13), as `set_pause_state` takes it.
+    #[getter]
+    fn pause_state(&self) -> &'static str {
+        match self.inner.pause_state() {
+            PauseState::Unpaused => "unpaused",
+            PauseState::PausedNew => "paused_new",
+            PauseState::PausedAll => "paused_all",
+        }
     }
 
     /// Drops the prefix cache (after a weight reload); requests keep their blocks.

@@ -5,6 +5,7 @@
 //! list hold handles. A step first extends running requests (preempting on
 //! KV shortage), then admits waiting ones while slots, budget and KV last.
 
+mod ahead;
 mod invariants;
 mod kv_transfer;
 mod running;
