@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from fastsched.frontend.request_handle import RequestHandle
-from fastsched.inputs import PromptType, TokenizedText
+from fastsched.inputs import ContextLengthError, PromptType, TokenizedText
 from fastsched.model_loader import Tokenizer
 from fastsched.outputs import RequestOutput
 
@@ -69,7 +69,7 @@ class SessionState:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         total = self.max_tokens_reached + num_tokens + max_tokens
         if total >= max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"session {request_id!r}: this chunk ({num_tokens} tokens) plus max_tokens ({max_tokens}) could "
                 f"grow the session to {total} tokens, which reaches max_model_len ({max_model_len})")
         self.max_tokens_reached = total
