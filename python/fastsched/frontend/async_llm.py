@@ -47,7 +47,14 @@ from fastsched.frontend.request_log import RequestLogger
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
 from fastsched.frontend.request_stream import CompletionDelta, RequestStream, StreamOutput
 from fastsched.frontend.request_table import RequestState, RequestTable
-from fastsched.frontend.session import Session, SessionState, SessionTimer, chunk_token_ids
+from fastsched.frontend.session import (
+    Session,
+    SessionLimitError,
+    SessionState,
+    SessionTimer,
+    chunk_token_ids,
+    session_cap,
+)
 from fastsched.inputs import InputProcessor, PromptType, TokenizedText, child_params, child_request_ids
 from fastsched.limits import INLINE_TOKENIZE_CHARS, RequestLimits
 from fastsched.lora.request import LoRARequest
@@ -87,8 +94,19 @@ class AsyncLLM:
         engine_timeout: float,
         limits: RequestLimits | None = None,
         session_idle_timeout: float | None = None,
+        max_sessions: int | None = None,
+        num_frontends: int = 1,
+        session_open_timeout: float | None = None,
     ) -> None:
+        if max_sessions is not None and max_sessions < 0:
+            raise ValueError(f"max_sessions must be at least 0, got {max_sessions}")
+        if session_open_timeout is not None and not 0 < session_open_timeout < float("inf"):
+            raise ValueError(f"session_open_timeout must be a positive number of seconds, got {session_open_timeout}")
         self._timer = SessionTimer(session_idle_timeout, self._expire_session)
+        self._max_sessions_flag, self._num_frontends = max_sessions, num_frontends
+        self.max_sessions = 0  # this frontend's share, once the engines have said their max_num_seqs
+        self.num_sessions = 0  # sessions open now
+        self.session_open_timeout = session_open_timeout  # gRPC GenerateSession's wait for `open`
         self.session_idle_timeout = session_idle_timeout
         self.frontend_index = frontend_index
         self.admission = admission
@@ -120,6 +138,8 @@ class AsyncLLM:
         """Who hears of a request's first token and of its end (``frontend.request_table``)."""
         table = self._table
         table.on_first_token.append(lambda state: self.admission.mark_first_token(state.request_id))
+        table.on_added.append(lambda state: self._count_session(state, 1))
+        table.on_finished.append(lambda state, error, counted: self._count_session(state, -1))
         table.on_segment_ended.append(self._timer.segment_ended)
         table.on_child_finished.append(self._record_finished)
         table.on_finished.extend([self._timer.finished, self._record_request, self._remember,
@@ -145,6 +165,8 @@ class AsyncLLM:
         limits: RequestLimits | None = None,
         request_logger: RequestLogger | None = None,
         session_idle_timeout: float | None = None,
+        max_sessions: int | None = None,
+        session_open_timeout: float | None = None,
     ) -> AsyncLLM:
         """Bind ``output_addr`` (this frontend's PULL), connect to every engine's input,
         and wait until each has answered READY (``TimeoutError`` after ``ready_timeout``
@@ -155,13 +177,17 @@ class AsyncLLM:
         limit this frontend takes a ``1 / num_frontends`` share of. ``limits``: the bounds on
         what a request controls (``fastsched.limits``; default: ``RequestLimits()``).
         ``session_idle_timeout``: seconds a streaming session may wait for input before it is
-        aborted (``session()``; default: no limit)."""
+        aborted (``session()``; default: no limit). ``max_sessions``: sessions open at once over
+        the server, of which this frontend takes a ``1 / num_frontends`` share (default: a quarter
+        of the engines' ``max_num_seqs``; ``frontend.session.session_cap``).
+        ``session_open_timeout``: seconds the gRPC server waits for a session's ``open``."""
         admission = AdmissionController(max_num_queued_reqs, max_num_queued_tokens, fault_tolerance, shared_stats,
                                         ttft_slo=ttft_slo, num_frontends=num_frontends)
         llm = cls(
             engine_input_addrs, output_addr, frontend_index=frontend_index, admission=admission,
             engine_procs=engine_procs, engine_timeout=engine_timeout, limits=limits,
-            session_idle_timeout=session_idle_timeout,
+            session_idle_timeout=session_idle_timeout, max_sessions=max_sessions, num_frontends=num_frontends,
+            session_open_timeout=session_open_timeout,
         )
         llm.request_logger = request_logger
         try:
@@ -175,6 +201,8 @@ class AsyncLLM:
         first = await self._client.connect(ready_timeout)
         self.tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, first.tokenizer or first.model)
         self._inputs = InputProcessor(self.tokenizer, first.max_model_len, first.vocab_size)
+        max_num_seqs = sum(e.info.max_num_seqs for e in self._engines if e.info is not None)
+        self.max_sessions = session_cap(self._max_sessions_flag, max_num_seqs, self._num_frontends)
         if first.lora_modules is not None:
             self.loras = LoRARegistry.from_modules(first.lora_modules, first.max_lora_rank)
             self._table.on_added.append(self.loras.request_started)
@@ -217,6 +245,12 @@ class AsyncLLM:
             raise ValueError(f"a session generates one completion: n must be 1, got {params.n}")
         if params.stop:
             raise ValueError("stop strings are not supported in a session: stop must be empty")
+        if self.num_sessions >= self.max_sessions:
+            error = SessionLimitError(
+                f"{self.num_sessions} sessions are open on this frontend, its share of --max-sessions "
+                f"({self.max_sessions}); retry later", limit=self.max_sessions, current=self.num_sessions)
+            self._history.add(rejected_status(request_id, self.frontend_index, error, time.time(), 0))
+            raise error
         return Session(self, self._admit(request_id, prompt, params, priority, streaming=True,
                                          lora_request=lora_request))
 
@@ -337,6 +371,10 @@ class AsyncLLM:
         session.closing = True
         session.stop_idle_timer()
         self._client.send(state.engine_index, protocol.CloseStream(state.child_ids[0]))
+
+    def _count_session(self, state: RequestState, delta: int) -> None:
+        if state.session is not None:
+            self.num_sessions += delta
 
     def _expire_session(self, state: Any) -> None:
         logger.info("frontend %d: session %s waited %g s for input; aborted (--session-idle-timeout)",

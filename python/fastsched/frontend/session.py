@@ -23,12 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from fastsched.frontend.admission import AdmissionError
 from fastsched.frontend.request_handle import RequestHandle
 from fastsched.inputs import ContextLengthError, PromptType, TokenizedText
 from fastsched.model_loader import Tokenizer
 from fastsched.outputs import RequestOutput
 
-__all__ = ["Session", "SessionHost", "SessionOutput", "SessionState", "SessionTimer", "chunk_token_ids"]
+__all__ = ["Session", "SessionHost", "SessionLimitError", "SessionOutput", "SessionState", "SessionTimer",
+           "chunk_token_ids", "session_cap"]
 
 
 def chunk_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
@@ -46,6 +48,29 @@ def chunk_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int) -
     if bad is not None:
         raise ValueError(f"chunk token id {bad} is out of range for a vocabulary of {vocab_size}")
     return token_ids
+
+
+DEFAULT_SESSION_IDLE_TIMEOUT_S = 60.0  # fastsched serve's --session-idle-timeout
+SESSION_OPEN_TIMEOUT_S = 10.0  # fastsched serve's --session-open-timeout
+MAX_SESSIONS = "max_sessions"  # the rejection reason (A5) of a session over the cap
+# The default cap: this share of the engines' max_num_seqs, so that sessions, which hold their
+# runner slot while they wait for input, never take every slot from ordinary requests.
+DEFAULT_SESSION_SHARE = 4
+
+
+class SessionLimitError(AdmissionError):
+    """``--max-sessions`` sessions are open already: retry later (503 with Retry-After)."""
+
+    reason = MAX_SESSIONS
+
+
+def session_cap(max_sessions: int | None, max_num_seqs: int, num_frontends: int) -> int:
+    """This frontend's share of ``max_sessions`` (default: ``max_num_seqs`` over all engines
+    divided by ``DEFAULT_SESSION_SHARE``); at least 1 unless ``max_sessions`` is 0 (no sessions)."""
+    total = max_num_seqs // DEFAULT_SESSION_SHARE if max_sessions is None else max_sessions
+    if total < 0:
+        raise ValueError(f"max_sessions must be at least 0, got {max_sessions}")
+    return 0 if total == 0 else max(1, total // num_frontends)
 
 
 @dataclass

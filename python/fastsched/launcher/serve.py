@@ -72,7 +72,9 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from fastsched.admin import AdminSettings
 from fastsched.frontend.process import FrontendSpec, block_sigint, run_frontend
+from fastsched.frontend.session import DEFAULT_SESSION_IDLE_TIMEOUT_S, SESSION_OPEN_TIMEOUT_S
 from fastsched.limits import RequestLimits
 
 logger = logging.getLogger("fastsched.serve")
@@ -102,7 +104,11 @@ class ServeConfig:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     ttft_slo: float | None = None  # seconds; the TTFT-SLO valve (frontend.admission)
-    session_idle_timeout: float | None = None  # seconds a streaming session may wait for input (S15)
+    session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S  # seconds a session may wait for input (S15)
+    max_sessions: int | None = None  # sessions open at once; None: a quarter of the engines' max_num_seqs
+    session_open_timeout: float = SESSION_OPEN_TIMEOUT_S  # seconds a session has to send its `open`
+    allowed_origins: tuple[str, ...] = ()  # pages that may open a /v1/sessions WebSocket besides our own
+    admin: AdminSettings = field(default_factory=AdminSettings)  # admin routes, their key, allowed paths
     enable_fault_tolerance: bool = False
     max_engine_restarts: int = 3  # with enable_fault_tolerance, per engine over the server's life
     api_key: str | None = None
@@ -139,6 +145,11 @@ class ServeConfig:
             raise ValueError(f"max_engine_restarts must be non-negative, got {self.max_engine_restarts}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        self.admin.check_keys(self.api_key)
+        if self.max_sessions is not None and self.max_sessions < 0:
+            raise ValueError(f"max_sessions must be at least 0, got {self.max_sessions}")
+        if not 0 < self.session_open_timeout < float("inf"):
+            raise ValueError(f"session_open_timeout must be a positive number of seconds, got {self.session_open_timeout}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.grpc_port != 0 and not 1 <= self.grpc_port <= 65535 - (self.api_server_count - 1):
@@ -356,13 +367,15 @@ class Launcher:
         self.tokenizer_dir = self._export_tokenizer()
         admission = {"max_num_queued_reqs": c.max_num_queued_reqs, "max_num_queued_tokens": c.max_num_queued_tokens,
                      "fault_tolerance": c.enable_fault_tolerance, "ttft_slo": c.ttft_slo,
-                     "num_frontends": c.api_server_count, "session_idle_timeout": c.session_idle_timeout}
+                     "num_frontends": c.api_server_count, "session_idle_timeout": c.session_idle_timeout,
+                     "max_sessions": c.max_sessions, "session_open_timeout": c.session_open_timeout}
         engine_pids = [e.proc.pid for e in self.engines]
         for k, (addr, port) in enumerate(zip(frontend_outputs, self.grpc_ports)):
             ours_ready, theirs_ready = _ready_pipe()
             spec = FrontendSpec(k, tuple(engine_inputs), tuple(engine_pids), addr, c.grpc_host, port,
                                 self.shm.name, admission, c.engine_timeout, c.ready_timeout, c.log_level,
-                                c.limits, c.api_key, self.tokenizer_dir, c.enable_log_requests, c.max_log_len)
+                                c.limits, c.api_key, self.tokenizer_dir, c.enable_log_requests, c.max_log_len,
+                                c.admin)
             proc = _spawn(run_frontend, f"fastsched-frontend-{k}", (spec, theirs_ready), {})
             theirs_ready.close()
             self.frontends.append(_Child("frontend", k, proc, ours_ready))
@@ -452,6 +465,7 @@ class Launcher:
 
     async def _serve_gateway(self) -> None:
         from fastsched.gateway.app import create_app, gateway_server
+        from fastsched.gateway.sessions import SessionSettings
         from fastsched.model_loader import load_tokenizer
 
         c = self.config
@@ -469,7 +483,8 @@ class Launcher:
         if c.chat_template is not None:
             tokenizer.chat_template = c.chat_template
         addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
-        app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key, limits=c.limits)
+        app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key, limits=c.limits,
+                         admin=c.admin, sessions=SessionSettings(c.session_open_timeout, c.allowed_origins))
         server = gateway_server(app, c.host, c.port, log_config=None, log_level=c.log_level.lower(),
                                 access_log=c.access_log, timeout_graceful_shutdown=c.shutdown_timeout)
         # The launcher owns SIGINT/SIGTERM (shutdown order, second signal): uvicorn must not take them.
