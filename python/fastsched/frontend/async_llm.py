@@ -80,8 +80,9 @@ logger = logging.getLogger("fastsched.frontend")
 
 
 class AsyncLLM:
-    """The frontend's engine client. Create with ``await AsyncLLM.start(...)``; one per
-    frontend process, used from one event loop."""
+    """A frontend's requests to its engines, over an :class:`EngineClient` and a :class:`RequestTable`
+    (see the module docstring). Create with ``await AsyncLLM.start(...)``; one per frontend
+    process, used from one event loop."""
 
     def __init__(
         self,
@@ -239,7 +240,9 @@ class AsyncLLM:
         first chunk and ``params.max_tokens`` that chunk's generation. Admitted like a request
         (it counts as one request in flight until it ends), with the same errors as
         :meth:`generate`; ``ValueError`` also for ``n > 1`` or stop strings, which a session
-        does not support. ``lora_request``: the adapter the session runs with, as for :meth:`generate`."""
+        does not support. ``lora_request``: the adapter the session runs with, as for :meth:`generate`.
+        :class:`SessionLimitError` (an :class:`AdmissionError`) when this frontend's share of
+        ``max_sessions`` is open already."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"a session generates one completion: n must be 1, got {params.n}")
