@@ -13,8 +13,11 @@ from pathlib import Path
 
 from fastsched.admin import AdminSettings
 from fastsched.config import add_engine_args, engine_kwargs
-from fastsched.frontend.cli_args import add_admission_limit_args
-from fastsched.frontend.session import DEFAULT_SESSION_IDLE_TIMEOUT_S, SESSION_OPEN_TIMEOUT_S
+from fastsched.frontend.cli_args import (
+    DEFAULT_SESSION_IDLE_TIMEOUT_S,
+    SESSION_OPEN_TIMEOUT_S,
+    add_admission_limit_args,
+)
 from fastsched.limits import add_request_limit_args, request_limits
 from fastsched.lora.request import TARGET_MODULES
 from fastsched.units import parse_count

@@ -50,8 +50,6 @@ def chunk_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int) -
     return token_ids
 
 
-DEFAULT_SESSION_IDLE_TIMEOUT_S = 60.0  # fastsched serve's --session-idle-timeout
-SESSION_OPEN_TIMEOUT_S = 10.0  # fastsched serve's --session-open-timeout
 MAX_SESSIONS = "max_sessions"  # the rejection reason (A5) of a session over the cap
 # The default cap: this share of the engines' max_num_seqs, so that sessions, which hold their
 # runner slot while they wait for input, never take every slot from ordinary requests.

@@ -74,7 +74,7 @@ from typing import Any
 
 from fastsched.admin import AdminSettings
 from fastsched.frontend.process import FrontendSpec, block_sigint, run_frontend
-from fastsched.frontend.session import DEFAULT_SESSION_IDLE_TIMEOUT_S, SESSION_OPEN_TIMEOUT_S
+from fastsched.frontend.cli_args import DEFAULT_SESSION_IDLE_TIMEOUT_S, SESSION_OPEN_TIMEOUT_S
 from fastsched.limits import RequestLimits
 
 logger = logging.getLogger("fastsched.serve")
