@@ -123,6 +123,8 @@ class ServeConfig:
     enable_log_requests: bool = False
     max_log_len: int | None = None
     log_level: str = "INFO"
+    uvicorn_log_level: str | None = None  # uvicorn's loggers (None: log_level's); debug logs the probes too
+    tool_call_parser: str | None = None  # tool_choice "auto" (gateway.tool_parsers): --enable-auto-tool-choice
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "api_server_count"):
@@ -150,6 +152,10 @@ class ServeConfig:
             raise ValueError(f"max_sessions must be at least 0, got {self.max_sessions}")
         if not 0 < self.session_open_timeout < float("inf"):
             raise ValueError(f"session_open_timeout must be a positive number of seconds, got {self.session_open_timeout}")
+        if self.tool_call_parser is not None:
+            from fastsched.gateway.tool_parsers import get_parser
+
+            get_parser(self.tool_call_parser)  # a ValueError listing the known names
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.grpc_port != 0 and not 1 <= self.grpc_port <= 65535 - (self.api_server_count - 1):
@@ -436,7 +442,7 @@ class Launcher:
                         if isinstance(msg, protocol.Failed):
                             raise ServeError(msg.message)
                         ch.info = msg.model_info
-                        logger.info(
+                        logger.debug(  # the engine logs its own ready line
                             "engine %d ready (pid %d): model=%s max_model_len=%d KV blocks=%d", ch.index,
                             ch.proc.pid, ch.info.model_name, ch.info.max_model_len, ch.info.num_gpu_blocks,
                         )
@@ -464,6 +470,7 @@ class Launcher:
     # ------------------------------------------------------------ serving
 
     async def _serve_gateway(self) -> None:
+        from fastsched.gateway.access_log import quiet_probes
         from fastsched.gateway.app import create_app, gateway_server
         from fastsched.gateway.sessions import SessionSettings
         from fastsched.model_loader import load_tokenizer
@@ -484,9 +491,12 @@ class Launcher:
             tokenizer.chat_template = c.chat_template
         addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
         app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key, limits=c.limits,
-                         admin=c.admin, sessions=SessionSettings(c.session_open_timeout, c.allowed_origins))
-        server = gateway_server(app, c.host, c.port, log_config=None, log_level=c.log_level.lower(),
+                         tool_parser=c.tool_call_parser, admin=c.admin,
+                         sessions=SessionSettings(c.session_open_timeout, c.allowed_origins))
+        server = gateway_server(app, c.host, c.port, log_config=None,
+                                log_level=c.uvicorn_log_level or c.log_level.lower(),
                                 access_log=c.access_log, timeout_graceful_shutdown=c.shutdown_timeout)
+        quiet_probes()
         # The launcher owns SIGINT/SIGTERM (shutdown order, second signal): uvicorn must not take them.
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         dead: list[_Child] = []
