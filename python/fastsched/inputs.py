@@ -34,13 +34,19 @@ class _Encoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
+class ContextLengthError(ValueError):
+    """The prompt (or a session's input) plus ``max_tokens`` cannot fit in ``max_model_len``."""
+
+    code = "context_length_exceeded"  # OpenAI's error code, sent to the gateway as structured metadata
+
+
 def check_prompt(token_ids: Sequence[int], max_tokens: int, max_model_len: int, vocab_size: int) -> None:
     """Raise ``ValueError`` naming the problem if a prompt can never be served."""
     n = len(token_ids)
     if n == 0:
         raise ValueError("the prompt must contain at least one token")
     if n + max_tokens > max_model_len:
-        raise ValueError(
+        raise ContextLengthError(
             f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) is longer than max_model_len ({max_model_len})"
         )
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)

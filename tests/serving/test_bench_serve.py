@@ -21,6 +21,7 @@ pytest.importorskip("prometheus_client", reason="prometheus_client is not instal
 from loop_thread import LoopThread, free_port  # noqa: E402
 from test_grpc_gateway import MODEL, FakeAsyncLLM, FakeTokenizer  # noqa: E402
 
+from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.entrypoints.cli import main  # noqa: E402
 from fastsched.frontend.admission import QueueOverflowError  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
@@ -54,7 +55,9 @@ class FakeServer:
         self.fake = FakeAsyncLLM(stats_names="engine", journal=[])
         self.fake.token_delay = 0.002
         port = free_port()
-        self.grpc = self.loop.call(serve_frontend(self.fake, "127.0.0.1", port))
+        # Its admin methods are on (ResetPrefixCache); the gateway of `url` offers no admin routes.
+        self.grpc = self.loop.call(serve_frontend(self.fake, "127.0.0.1", port,
+                                                  admin=AdminSettings(enable_admin_api=True)))
         self.grpc_addr = f"127.0.0.1:{port}"
         self.url = self.loop.start_gateway(create_app([self.grpc_addr], MODEL, FakeTokenizer()))
 
@@ -145,7 +148,8 @@ def test_reset_prefix_cache_empties_the_servers_cache_before_each_rate(server: F
         resets.append(len(fake.journal))
 
     monkeypatch.setattr(fake, "reset_prefix_cache", reset_prefix_cache, raising=False)
-    admin = server.loop.start_gateway(create_app([server.grpc_addr], MODEL, FakeTokenizer(), enable_admin_api=True))
+    admin = server.loop.start_gateway(create_app([server.grpc_addr], MODEL, FakeTokenizer(),
+                                                  admin=AdminSettings(enable_admin_api=True)))
     start = len(fake.journal)
     assert main([*argv, "--url", admin]) == 0
     assert resets == [start, start + 2]  # before each rate's requests

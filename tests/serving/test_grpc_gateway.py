@@ -36,6 +36,7 @@ from fastsched.frontend.admission import (  # noqa: E402
 from fastsched.frontend.async_llm import CompletionDelta, StreamOutput  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
+from fastsched.inputs import ContextLengthError  # noqa: E402
 from fastsched.limits import RequestLimits  # noqa: E402
 from fastsched.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from fastsched.proto_gen import import_stubs  # noqa: E402
@@ -147,7 +148,7 @@ class FakeAsyncLLM:
         if not prompt_ids:
             raise ValueError("the prompt must contain at least one token")
         if len(prompt_ids) + params.max_tokens > MAX_MODEL_LEN:
-            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is longer "
+            raise ContextLengthError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is longer "
                              f"than max_model_len ({MAX_MODEL_LEN})")
         if self.reject is not None:
             self.rejections[self.reject.reason] += 1

@@ -53,9 +53,6 @@ def add_vllm_serve_compat_args(parser: argparse.ArgumentParser) -> None:
                         "(default: --log-level's)")
     n.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="same as --no-enable-log-requests, the default (vLLM's older spelling)")
-    n.add_argument("--enable-admin-api", action="store_true",
-                   help="serve the administrative routes: POST /reset_prefix_cache (every engine forgets its cached "
-                        "prefixes, e.g. between benchmark runs; behind --api-key)")
     t = _group(parser, "tool calls")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default when a request sends tools): the model decides, and '

@@ -7,6 +7,11 @@ import argparse
 
 from fastsched.units import parse_count
 
+# Streaming-input sessions (S15): fastsched serve's defaults, here so that the CLI and the launcher
+# read them without importing the frontend (a spawned child re-imports the CLI before it blocks SIGINT).
+DEFAULT_SESSION_IDLE_TIMEOUT_S = 60.0  # --session-idle-timeout
+SESSION_OPEN_TIMEOUT_S = 10.0  # --session-open-timeout
+
 
 def add_admission_limit_args(group: argparse._ArgumentGroup) -> None:
     """Add ``--max-num-queued-reqs``, ``--max-num-queued-tokens`` and ``--ttft-slo`` to ``group``."""

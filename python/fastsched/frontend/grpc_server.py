@@ -20,7 +20,10 @@ become status codes (docs/design.md §8):
   RESOURCE_EXHAUSTED from grpc itself, before any work (the gateway tries another
   frontend, then answers 503).
 - With an API key, every call but ``Health`` (left open for probes, as the gateway's
-  ``/health``) must carry metadata ``authorization: Bearer <key>``; else UNAUTHENTICATED.
+  ``/health``) and the admin methods must carry metadata ``authorization: Bearer <key>``; else
+  UNAUTHENTICATED. Admin methods (pause, resume, reload, LoRA load/unload, request status;
+  ``fastsched.admin``) are UNIMPLEMENTED unless enabled, take the admin key instead, and a path
+  outside ``--allowed-local-paths`` is PERMISSION_DENIED.
 
 A long text prompt is tokenized in a worker thread (``AsyncLLM.prepare_prompt``), after
 an O(1) check that it could fit at all, so a huge prompt never holds the event loop.
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import re
 import time
@@ -42,6 +44,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from fastsched.admin import ADMIN_RPCS, LORA_RPCS, AdminSettings, PathNotAllowedError
 from fastsched.frontend.admission import ENGINE_FAULTED, AdmissionError
 from fastsched.frontend.async_llm import CompletionDelta, StreamOutput
 from fastsched.frontend.lora_registry import LoRAInUseError, LoRANotFoundError, LoRARegistry
@@ -51,7 +54,14 @@ from fastsched.limits import RequestLimits
 from fastsched.lora.request import LoRARequest
 from fastsched.outputs import RequestOutput
 from fastsched.proto_gen import import_stubs
-from fastsched.rpc import AUTHORIZATION_KEY, INVALID_PARAM_KEY, MESSAGE_SIZE_OPTIONS, REJECTION_REASON_KEY
+from fastsched.rpc import (
+    AUTHORIZATION_KEY,
+    INVALID_PARAM_KEY,
+    MESSAGE_SIZE_OPTIONS,
+    REJECTION_REASON_KEY,
+    bearer_matches,
+    error_metadata,
+)
 from fastsched.sampling_params import SamplingParams
 
 pb, pb_grpc = import_stubs()
@@ -189,9 +199,11 @@ class _ResponseStream:
 class FrontendServicer(pb_grpc.FrontendServicer):
     """Serves one AsyncLLM (see the module docstring for the error mapping)."""
 
-    def __init__(self, async_llm: Any, limits: RequestLimits | None = None) -> None:
+    def __init__(self, async_llm: Any, limits: RequestLimits | None = None,
+                 admin: AdminSettings | None = None) -> None:
         self.async_llm = async_llm
         self.limits = limits or RequestLimits()
+        self.admin = admin or AdminSettings()
         self.latencies = LatencyHistograms()
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -260,12 +272,14 @@ class FrontendServicer(pb_grpc.FrontendServicer):
 
     @staticmethod
     async def _abort_invalid(context: grpc.aio.ServicerContext, error: ValueError) -> None:
+        error_code: str | None
         if isinstance(error, _NotFound):
-            code, param = grpc.StatusCode.NOT_FOUND, "model"
+            code, param, error_code = grpc.StatusCode.NOT_FOUND, "model", "model_not_found"
         else:
             code = grpc.StatusCode.INVALID_ARGUMENT
             param = getattr(error, "field", None) or param_named_in(str(error))  # a LimitError knows its field
-        context.set_trailing_metadata(((INVALID_PARAM_KEY, param),))
+            error_code = getattr(error, "code", None)  # e.g. context_length_exceeded
+        context.set_trailing_metadata(error_metadata(param=param, code=error_code))
         await context.abort(code, str(error))
 
     @staticmethod
@@ -277,7 +291,13 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         """S15 (see the proto): the first message opens the session, a task feeds it the
         following ones while this call streams its outputs. Refused input ends the call
         INVALID_ARGUMENT; the request stream ending without ``close`` closes the session."""
-        first = await anext(aiter(request_iterator), None)
+        try:
+            async with asyncio.timeout(getattr(self.async_llm, "session_open_timeout", None)):
+                first = await anext(aiter(request_iterator), None)
+        except TimeoutError:
+            context.set_trailing_metadata(error_metadata(param="open", code="session_open_timeout"))
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no `open` message within the session open "
+                                "timeout (--session-open-timeout)")
         if first is None or first.WhichOneof("kind") != "open":
             context.set_trailing_metadata(((INVALID_PARAM_KEY, "open"),))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session's first message must be `open`")
@@ -297,7 +317,26 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         finally:
             feeder.cancel()
 
+    async def _check_admin(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
+        """Admin methods (``fastsched.admin``): UNIMPLEMENTED unless enabled, UNAUTHENTICATED
+        without the admin key when there is one (the API key never grants them)."""
+        if not self.admin.enabled(rpc):
+            flag = "--enable-runtime-lora-updating" if rpc in LORA_RPCS else "--enable-admin-api"
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc} is off: start the server with {flag}")
+        key = self.admin.admin_api_key
+        if key is not None and not any(k == AUTHORIZATION_KEY and isinstance(v, str) and bearer_matches(v, key)
+                                       for k, v in context.invocation_metadata() or ()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED_ADMIN)
+
+    async def _check_path(self, context: grpc.aio.ServicerContext, path: str, field: str) -> None:
+        try:
+            self.admin.check_local_path(path, field)
+        except PathNotAllowedError as e:
+            context.set_trailing_metadata(error_metadata(param=field, code=e.code))
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+
     async def Pause(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "Pause")
         try:
             await self.async_llm.pause(request.mode or "all")
         except ValueError as e:
@@ -308,6 +347,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return self._pause_response()
 
     async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "Resume")
         try:
             await self.async_llm.resume()
         except TimeoutError as e:
@@ -315,9 +355,11 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return self._pause_response()
 
     async def ReloadWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "ReloadWeights")
         if not request.model:
             context.set_trailing_metadata(((INVALID_PARAM_KEY, "model"),))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model (the checkpoint to load) is required")
+        await self._check_path(context, request.model, "model")
         try:
             await self.async_llm.reload_weights(request.model)
         except ValueError as e:
@@ -326,10 +368,12 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         except TimeoutError as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except RuntimeError as e:  # not paused with mode all
+            context.set_trailing_metadata(error_metadata(code="not_paused"))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return pb.ReloadWeightsResponse()
 
     async def ResetPrefixCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "ResetPrefixCache")
         try:
             await self.async_llm.reset_prefix_cache()
         except TimeoutError as e:
@@ -337,6 +381,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return pb.ResetPrefixCacheResponse()
 
     async def IsPaused(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "IsPaused")
         return self._pause_response()
 
     def _pause_response(self) -> Any:
@@ -354,6 +399,8 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return pb.ListLoRAAdaptersResponse(adapters=[pb.LoRAAdapter(name=a.name, path=a.path) for a in adapters])
 
     async def LoadLoRAAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "LoadLoRAAdapter")
+        await self._check_path(context, request.lora_path, "lora_path")
         try:
             await asyncio.to_thread(self._loras().load, request.lora_name, request.lora_path)
         except ValueError as e:
@@ -361,11 +408,14 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return pb.LoadLoRAAdapterResponse()
 
     async def UnloadLoRAAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "UnloadLoRAAdapter")
         try:
             self._loras().unload(request.lora_name)
         except LoRANotFoundError as e:
+            context.set_trailing_metadata(error_metadata(param="lora_name", code="lora_not_found"))
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except LoRAInUseError as e:
+            context.set_trailing_metadata(error_metadata(param="lora_name", code="lora_in_use"))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -381,6 +431,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return stats_to_proto(self.async_llm.stats(), self.latencies)
 
     async def GetRequestStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "GetRequestStatus")
         try:
             self.limits.check_request_id(request.request_id)
         except ValueError as e:
@@ -390,6 +441,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         except TimeoutError as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         if status is None:
+            context.set_trailing_metadata(error_metadata(param="request_id", code="request_not_found"))
             await context.abort(grpc.StatusCode.NOT_FOUND, f"this frontend does not know request {request.request_id!r}")
         return json_format.ParseDict(status, pb.RequestStatusResponse())
 
@@ -439,7 +491,7 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     without); answers every other one UNAUTHENTICATED before its handler runs."""
 
     def __init__(self, api_key: str) -> None:
-        self._key = api_key.encode()
+        self._key = api_key
 
         async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
@@ -459,7 +511,10 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 handler_call_details: Any) -> Any:
         method = handler_call_details.method
-        if method.endswith("/Health") or self._authorized(handler_call_details.invocation_metadata or ()):
+        rpc = method.rsplit("/", 1)[-1]
+        # Health is open for probes; admin methods take the admin key instead (FrontendServicer._check_admin).
+        if rpc == "Health" or rpc in ADMIN_RPCS or rpc in LORA_RPCS \
+                or self._authorized(handler_call_details.invocation_metadata or ()):
             return await continuation(handler_call_details)
         if method.endswith("/GenerateSession"):
             return self._deny_bidi
@@ -468,27 +523,31 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def _authorized(self, metadata: Any) -> bool:
         for key, value in metadata:
             if key == AUTHORIZATION_KEY and isinstance(value, str):
-                scheme, _, token = value.partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+                return bearer_matches(value, self._key)
         return False
 
 
 _UNAUTHENTICATED = "Invalid or missing API key: send metadata `authorization: Bearer <key>`."
+_UNAUTHENTICATED_ADMIN = "Invalid or missing admin API key (--admin-api-key): send metadata `authorization: Bearer <key>`."
 
 
 async def serve_frontend(async_llm: Any, host: str = "127.0.0.1", port: int = 50051, *,
-                         api_key: str | None = None, limits: RequestLimits | None = None) -> grpc.aio.Server:
+                         api_key: str | None = None, limits: RequestLimits | None = None,
+                         admin: AdminSettings | None = None) -> grpc.aio.Server:
     """Starts a grpc.aio server for ``async_llm`` on ``host:port`` and returns it (stop it
     with ``await server.stop(grace)``). Fails if the port is taken: SO_REUSEPORT is off so
     two frontends can never silently share one port. ``api_key``: required of every call
-    but Health; ``limits.max_concurrent_streams``: the most calls served at once."""
+    but Health and the admin methods; ``limits.max_concurrent_streams``: the most calls served at
+    once; ``admin``: which admin methods are on and their key (``fastsched.admin``; default: none)."""
     limits = limits or RequestLimits()
+    admin = admin or AdminSettings()
+    admin.check_keys(api_key)
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), *MESSAGE_SIZE_OPTIONS],
         interceptors=[_ApiKeyInterceptor(api_key)] if api_key is not None else None,
         maximum_concurrent_rpcs=limits.max_concurrent_streams,
     )
-    pb_grpc.add_FrontendServicer_to_server(FrontendServicer(async_llm, limits), server)
+    pb_grpc.add_FrontendServicer_to_server(FrontendServicer(async_llm, limits, admin), server)
     try:
         server.add_insecure_port(_address(host, port))
     except RuntimeError as e:

@@ -11,11 +11,12 @@ import os
 import select
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from fastsched.admin import AdminSettings
 from fastsched.frontend.request_log import RequestLogger
 from fastsched.limits import RequestLimits
 
@@ -86,6 +87,7 @@ class FrontendSpec:
     tokenizer_dir: str | None = None  # the launcher's export of the model's tokenizer (fast to load)
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    admin: AdminSettings = field(default_factory=AdminSettings)  # the gRPC admin methods (fastsched.admin)
 
 
 def run_frontend(spec: FrontendSpec, ready_pipe: Connection) -> None:
@@ -141,7 +143,7 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
                 return 0
             llm = starting.result()
             server = await serve_frontend(llm, spec.grpc_host, spec.grpc_port, api_key=spec.api_key,
-                                          limits=spec.limits)
+                                          limits=spec.limits, admin=spec.admin)
         except Exception as e:
             logger.error("frontend %d failed to start: %s", spec.index, e)
             with contextlib.suppress(OSError):

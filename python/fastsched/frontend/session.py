@@ -19,15 +19,18 @@ whose consumer goes away (``aclose``, leaving ``async with``, dropping it).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
+from fastsched.frontend.admission import AdmissionError
 from fastsched.frontend.request_handle import RequestHandle
-from fastsched.inputs import PromptType, TokenizedText
+from fastsched.inputs import ContextLengthError, PromptType, TokenizedText
 from fastsched.model_loader import Tokenizer
 from fastsched.outputs import RequestOutput
 
-__all__ = ["Session", "SessionOutput", "SessionState", "chunk_token_ids"]
+__all__ = ["Session", "SessionHost", "SessionLimitError", "SessionOutput", "SessionState", "SessionTimer",
+           "chunk_token_ids", "session_cap"]
 
 
 def chunk_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
@@ -45,6 +48,27 @@ def chunk_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int) -
     if bad is not None:
         raise ValueError(f"chunk token id {bad} is out of range for a vocabulary of {vocab_size}")
     return token_ids
+
+
+MAX_SESSIONS = "max_sessions"  # the rejection reason (A5) of a session over the cap
+# The default cap: this share of the engines' max_num_seqs, so that sessions, which hold their
+# runner slot while they wait for input, never take every slot from ordinary requests.
+DEFAULT_SESSION_SHARE = 4
+
+
+class SessionLimitError(AdmissionError):
+    """``--max-sessions`` sessions are open already: retry later (503 with Retry-After)."""
+
+    reason = MAX_SESSIONS
+
+
+def session_cap(max_sessions: int | None, max_num_seqs: int, num_frontends: int) -> int:
+    """This frontend's share of ``max_sessions`` (default: ``max_num_seqs`` over all engines
+    divided by ``DEFAULT_SESSION_SHARE``); at least 1 unless ``max_sessions`` is 0 (no sessions)."""
+    total = max_num_seqs // DEFAULT_SESSION_SHARE if max_sessions is None else max_sessions
+    if total < 0:
+        raise ValueError(f"max_sessions must be at least 0, got {max_sessions}")
+    return 0 if total == 0 else max(1, total // num_frontends)
 
 
 @dataclass
@@ -68,7 +92,7 @@ class SessionState:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         total = self.max_tokens_reached + num_tokens + max_tokens
         if total >= max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"session {request_id!r}: this chunk ({num_tokens} tokens) plus max_tokens ({max_tokens}) could "
                 f"grow the session to {total} tokens, which reaches max_model_len ({max_model_len})")
         self.max_tokens_reached = total
@@ -85,8 +109,8 @@ class SessionState:
             self.idle_timer = None
 
 
-class _SessionRequest(Protocol):
-    """The part of AsyncLLM's per-request state a session reads."""
+class SessionRequest(Protocol):
+    """The part of a request's state (``frontend.request_table``) a session reads."""
 
     request_id: str
     engine_index: int
@@ -96,13 +120,41 @@ class _SessionRequest(Protocol):
     session: SessionState | None
 
 
-class _SessionHost(Protocol):
-    """What a session asks of its AsyncLLM."""
+R_contra = TypeVar("R_contra", bound=SessionRequest, contravariant=True)
 
-    def _send_stream_input(self, state: _SessionRequest, prompt: PromptType, max_tokens: int,
-                           last: bool) -> None: ...
-    def _close_session(self, state: _SessionRequest) -> None: ...
-    def _drop(self, state: _SessionRequest) -> None: ...
+
+class SessionHost(Protocol[R_contra]):
+    """What a session asks of its frontend (``AsyncLLM``), about the session's own request."""
+
+    def send_stream_input(self, state: R_contra, prompt: PromptType, max_tokens: int, last: bool) -> None: ...
+    def close_session(self, state: R_contra) -> None: ...
+    def drop(self, state: R_contra) -> None: ...
+
+
+class SessionTimer:
+    """``--session-idle-timeout``: a session that has served every chunk sent and waits for
+    more input is aborted after ``idle_timeout`` seconds (``expire(state)``), which frees its
+    slot and KV. Subscribed to the request table's ``segment_ended`` and ``finished`` events."""
+
+    def __init__(self, idle_timeout: float | None, expire: Callable[[SessionRequest], None]) -> None:
+        if idle_timeout is not None and not idle_timeout > 0:
+            raise ValueError(f"session_idle_timeout must be a positive number of seconds, got {idle_timeout}")
+        self.idle_timeout = idle_timeout
+        self._expire = expire
+
+    def segment_ended(self, state: SessionRequest) -> None:
+        session = state.session
+        assert session is not None
+        if self.idle_timeout is not None and session.waits_for_input():
+            session.idle_timer = asyncio.get_running_loop().call_later(self.idle_timeout, self._fire, state)
+
+    def finished(self, state: SessionRequest, error: str | None, counted: bool) -> None:
+        if state.session is not None:
+            state.session.stop_idle_timer()
+
+    def _fire(self, state: SessionRequest) -> None:
+        if not state.done:
+            self._expire(state)
 
 
 @dataclass(frozen=True)
@@ -121,13 +173,13 @@ class SessionOutput:
         return self.finish_reason is not None
 
 
-class Session(RequestHandle[_SessionRequest]):
+class Session(RequestHandle[SessionRequest]):
     """An open streaming-input session (see the module docstring)."""
 
-    _llm: _SessionHost
+    _owner: SessionHost[Any]
 
-    def __init__(self, llm: _SessionHost, state: _SessionRequest) -> None:
-        super().__init__(llm, state)
+    def __init__(self, host: SessionHost[Any], state: SessionRequest) -> None:
+        super().__init__(host, state)
         self._segment = 0
         self._sent_tokens = 0  # output tokens already yielded
         self._sent_text = 0
@@ -137,7 +189,7 @@ class Session(RequestHandle[_SessionRequest]):
         by the engine if the previous segment is still generating. ``last`` ends the session
         after this segment. ``ValueError`` (naming the value) for an empty chunk, ``max_tokens < 1``,
         input that would reach ``max_model_len``, or a session that has ended or was closed."""
-        self._llm._send_stream_input(self._state, prompt, max_tokens, last)
+        self._owner.send_stream_input(self._state, prompt, max_tokens, last)
 
     @property
     def num_input_tokens(self) -> int:
@@ -152,13 +204,13 @@ class Session(RequestHandle[_SessionRequest]):
     def fail(self, error: BaseException) -> None:
         """Aborts the session in the engine; iterating raises ``error``."""
         if not self._state.done:
-            self._llm._drop(self._state)
+            self._owner.drop(self._state)
             self._state.queue.put_nowait(error)
 
     async def close(self) -> None:
         """Ends the session once the chunks already sent are served; iteration then ends
         with ``finish_reason`` set."""
-        self._llm._close_session(self._state)
+        self._owner.close_session(self._state)
 
     def __aiter__(self) -> Session:
         return self

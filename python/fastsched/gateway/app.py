@@ -11,10 +11,11 @@ only once the frontend has sent its first chunk, so a rejection (which comes bef
 chunk) is still a 503, never an error inside a 200 stream. When the client goes away,
 the gRPC call is cancelled and the frontend aborts the request in the engine.
 
-``--api-key`` guards ``/v1/*`` (the ``/v1/sessions`` WebSocket included, ``gateway.sessions``),
-``/debug/*`` and ``/pause``, ``/resume``, ``/is_paused``, ``/reload_weights`` (``gateway.pause``); ``/health`` and ``/metrics`` stay open for
-probes and scrapers, as in vLLM. The gateway sends the same key to the frontends
-(metadata ``authorization: Bearer <key>``), whose gRPC ports require it too.
+Who may call what is declared per route in ``create_app`` (``gateway.auth``: one key check);
+a frontend's gRPC error becomes an HTTP error in one place (``gateway.errors``), and the
+frontends are reached through ``gateway.pool`` (routing, and ``FrontendPool.each``, the one
+fan-out). The gateway sends its key to the frontends (metadata ``authorization: Bearer <key>``),
+whose gRPC ports require it too.
 
 Limits (``fastsched.limits.RequestLimits``): the body is read within ``body_timeout``
 and up to ``max_body_bytes`` (408 / 413); it must be JSON without NaN or Infinity, at
@@ -36,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hmac
 import importlib.metadata
 import json
 import logging
@@ -48,7 +48,6 @@ from typing import Any
 
 import grpc
 import uvicorn
-from google.protobuf import json_format
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
@@ -58,11 +57,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fastsched.frontend.admission import ENGINE_FAULTED
-from fastsched.gateway import cache_admin
+from fastsched.admin import AdminSettings, PathNotAllowedError
+from fastsched.gateway import cache_admin, pause
 from fastsched.gateway import metrics as gateway_metrics
-from fastsched.gateway import pause
+from fastsched.gateway.auth import ADMIN, Auth
+from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.http_protocol import guarded_http_protocol
+from fastsched.gateway.json_body import SURROGATE_ESCAPE, check_json, reject_constant
 from fastsched.gateway.lora_admin import LoRAAdmin
 from fastsched.gateway.openai_protocol import (
     ApiError,
@@ -72,217 +73,17 @@ from fastsched.gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
-from fastsched.gateway.sessions import session_websocket
+from fastsched.gateway.pool import FrontendPool, FrontendStream
+from fastsched.gateway.sessions import SessionSettings, session_websocket
 from fastsched.gateway.tokenize import detokenize, tokenize
 from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits
-from fastsched.proto_gen import import_stubs
-from fastsched.rpc import AUTHORIZATION_KEY, INVALID_PARAM_KEY, MESSAGE_SIZE_OPTIONS, REJECTION_REASON_KEY
-
-pb, pb_grpc = import_stubs()
 
 logger = logging.getLogger("fastsched.gateway")
 _VERSION = importlib.metadata.version("fastsched")
 
-_PROBE_TIMEOUT_S = 2.0
-_STATUS_TIMEOUT_S = 10.0  # longer than a frontend's wait for its engine (engine_timeout, 5 s by default)
 _PROMPT_CHUNK = 8  # prompts of an OpenAI response id looked up at once
 # An X-Request-Id the gateway accepts: printable ASCII without "/", so it fits a URL path.
 _VALID_REQUEST_ID = re.compile(r"[!-.0-~]{1,128}")
-_CHANNEL_OPTIONS = [
-    ("grpc.enable_http_proxy", 0),  # frontends are local: never route through $http_proxy
-    *MESSAGE_SIZE_OPTIONS,
-]
-MAX_CONCURRENT_STREAMS = "max_concurrent_streams"  # the 503 reason when every frontend is at its limit
-# A raw JSON string escape of a UTF-16 surrogate: only then can a parsed string hold a lone one.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _metadata(error: grpc.aio.AioRpcError) -> dict[str, str]:
-    return {key: value for key, value in (error.trailing_metadata() or ()) if isinstance(value, str)}
-
-
-def _unavailable(reason: str, retry_after_s: int) -> ApiError:
-    if reason == ENGINE_FAULTED:
-        message = "The engine is not healthy (engine_faulted); the request was not admitted."
-    elif reason == "frontend_unavailable":
-        message = "No frontend could be reached (frontend_unavailable)."
-    elif reason == MAX_CONCURRENT_STREAMS:
-        message = "Every frontend is serving as many calls as it may (max_concurrent_streams)."
-    else:
-        message = f"The server is overloaded: the request was rejected at admission ({reason})."
-    return ApiError(503, f"{message} Retry after {retry_after_s} s.", type="service_unavailable_error",
-                    code=reason, headers={"Retry-After": str(retry_after_s)})
-
-
-def api_error_from_rpc(error: grpc.aio.AioRpcError, retry_after_s: int) -> ApiError:
-    """docs/design.md §8: the frontend's status codes as HTTP errors."""
-    code, details, metadata = error.code(), error.details() or "", _metadata(error)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        too_long = "max_model_len" in details or "maximum context length" in details
-        return bad_request(details, metadata.get(INVALID_PARAM_KEY) or None,
-                           code="context_length_exceeded" if too_long else None)
-    if code == grpc.StatusCode.NOT_FOUND:
-        return ApiError(404, details, type="invalid_request_error", param="model", code="model_not_found")
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return _unavailable(metadata.get(REJECTION_REASON_KEY, "frontend_unavailable"), retry_after_s)
-    return ApiError(500, f"the frontend failed: {code.name}: {details}", type="internal_error")
-
-
-class Frontend:
-    """One frontend's channel and the number of this gateway's requests in flight on it."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self.stub = pb_grpc.FrontendStub(self.channel)
-        self.outstanding = 0
-
-
-class FrontendStream:
-    """A Generate call whose first response has arrived; iterate for the rest. The
-    message that carries ``usage`` is the call's last (the frontend sends usage when the
-    request ends), so iteration stops there without waiting for the call's status."""
-
-    def __init__(self, frontend: Frontend, call: Any, first: Any) -> None:
-        self.frontend, self.call, self.first = frontend, call, first
-        self._released = False
-        self._finished = False  # the last message arrived: nothing left to cancel
-
-    def _release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.frontend.outstanding -= 1
-
-    def cancel(self) -> None:
-        """Cancels the call (the frontend then aborts the request in the engine) unless
-        its last message arrived."""
-        if not self._finished and not self.call.done():
-            self.call.cancel()
-        self._release()
-
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        try:
-            msg = self.first
-            while msg is not grpc.aio.EOF:
-                self._finished = msg.HasField("usage")
-                yield msg
-                if self._finished:
-                    return
-                msg = await self.call.read()
-        finally:
-            self.cancel()
-
-
-class FrontendPool:
-    """The K frontends. Channels are made in ``start`` (inside the serving event loop)."""
-
-    def __init__(self, addresses: Sequence[str], api_key: str | None = None) -> None:
-        if not addresses:
-            raise ValueError("frontend_addrs must name at least one frontend")
-        self.addresses = list(addresses)
-        # Sent on every call: the frontends' gRPC ports require the key the gateway does.
-        self.metadata = ((AUTHORIZATION_KEY, f"Bearer {api_key}"),) if api_key is not None else ()
-        self.frontends: list[Frontend] = []
-        self._next = 0
-        self._model_info: dict[str, Any] | None = None
-
-    async def start(self) -> None:
-        if not self.frontends:
-            self.frontends = [Frontend(address) for address in self.addresses]
-
-    async def close(self) -> None:
-        frontends, self.frontends = self.frontends, []
-        await asyncio.gather(*(f.channel.close() for f in frontends), return_exceptions=True)
-
-    def _order(self) -> list[Frontend]:
-        """Least outstanding first; equal counts in round-robin order."""
-        k = len(self.frontends)
-        start, self._next = self._next, (self._next + 1) % k
-        rotated = [self.frontends[(start + i) % k] for i in range(k)]
-        return sorted(rotated, key=lambda f: f.outstanding)  # stable: keeps the rotation among ties
-
-    async def open(self, request: Any, retry_after_s: int) -> FrontendStream:
-        """Starts ``request`` on a frontend and waits for its first response (or its error)."""
-        await self.start()
-        last_error: grpc.aio.AioRpcError | None = None
-        reason = "frontend_unavailable"
-        for frontend in self._order():
-            call = frontend.stub.Generate(request, metadata=self.metadata)
-            frontend.outstanding += 1
-            try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as e:
-                frontend.outstanding -= 1
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # at max_concurrent_streams: try another
-                    reason, last_error = MAX_CONCURRENT_STREAMS, e
-                    continue
-                if e.code() == grpc.StatusCode.UNAVAILABLE and REJECTION_REASON_KEY not in _metadata(e):
-                    logger.warning("frontend %s unreachable: %s", frontend.address, e.details())
-                    last_error = e
-                    continue
-                raise api_error_from_rpc(e, retry_after_s) from e
-            except BaseException:  # cancelled (client gone) while waiting for the first token
-                call.cancel()
-                frontend.outstanding -= 1
-                raise
-            return FrontendStream(frontend, call, first)
-        raise _unavailable(reason, retry_after_s) from last_error
-
-    async def stats_by_frontend(self) -> list[Any | BaseException]:
-        """Each frontend's GetStats reply, or the error its call ended with (the launcher's
-        liveness probe: a hung frontend times out, a dead engine shows as ``dead``)."""
-        return await self._each("GetStats", pb.GetStatsRequest())
-
-    async def _each(self, rpc: str, request: Any) -> list[Any | BaseException]:
-        await self.start()
-        calls = [getattr(f.stub, rpc)(request, timeout=_PROBE_TIMEOUT_S, metadata=self.metadata)
-                 for f in self.frontends]
-        return await asyncio.gather(*calls, return_exceptions=True)
-
-    async def model_info(self) -> dict[str, Any] | None:
-        """The served model's limits from the first frontend that answers; cached."""
-        if self._model_info is None:
-            for reply in await self._each("ModelInfo", pb.ModelInfoRequest()):
-                if not isinstance(reply, BaseException):
-                    self._model_info = {"model": reply.model, "max_model_len": reply.max_model_len,
-                                        "vocab_size": reply.vocab_size}
-                    break
-        return self._model_info
-
-    async def health(self) -> dict[str, str]:
-        replies = await self._each("Health", pb.HealthRequest())
-        return {
-            f.address: "unreachable" if isinstance(r, BaseException) else pb.ServingStatus.Name(r.status).lower()
-            for f, r in zip(self.frontends, replies)
-        }
-
-    async def request_status(self, request_id: str, retry_after_s: int) -> dict[str, Any] | None:
-        """Where ``request_id`` is, from the frontend that knows it (the latest arrival if several
-        do: an id reused after a rejection); None when every frontend answers NOT_FOUND."""
-        await self.start()
-        request = pb.RequestStatusRequest(request_id=request_id)
-        replies = await asyncio.gather(
-            *(f.stub.GetRequestStatus(request, timeout=_STATUS_TIMEOUT_S, metadata=self.metadata)
-              for f in self.frontends),
-            return_exceptions=True,
-        )
-        found = [json_format.MessageToDict(r, preserving_proto_field_name=True)
-                 for r in replies if not isinstance(r, BaseException)]
-        if found:
-            return max(found, key=lambda status: status.get("metrics", {}).get("arrival_time", 0.0))
-        for reply in replies:  # a frontend that could not answer might know it: not a 404
-            if not isinstance(reply, grpc.aio.AioRpcError):
-                raise reply
-            if reply.code() != grpc.StatusCode.NOT_FOUND:
-                raise api_error_from_rpc(reply, retry_after_s) from reply
-        return None
-
-    async def stats(self) -> list[Any]:
-        replies = await self._each("GetStats", pb.GetStatsRequest())
-        for f, r in zip(self.frontends, replies):
-            if isinstance(r, BaseException):
-                logger.warning("GetStats from %s failed: %s", f.address, r)
-        return [r for r in replies if not isinstance(r, BaseException)]
 
 
 async def _merge(streams: Sequence[FrontendStream]) -> AsyncIterator[tuple[int, Any]]:
@@ -383,25 +184,21 @@ class Gateway:
     tool_parser: str | None = None  # --tool-call-parser, for tool_choice "auto" (gateway.tool_calls)
 
     def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
-                 api_key: str | None, limits: RequestLimits, retry_after_s: int) -> None:
+                 api_key: str | None, limits: RequestLimits, retry_after_s: int,
+                 admin: AdminSettings | None = None, sessions: SessionSettings | None = None) -> None:
+        self.admin = admin or AdminSettings()
+        self.admin.check_keys(api_key)
+        self.sessions = sessions or SessionSettings()
+        self.auth = Auth(api_key, self.admin.admin_api_key)
         self.pool = FrontendPool(frontend_addrs, api_key)
         # Clients may send any of the names; responses carry the first (vLLM's --served-model-name).
         self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
         self.model_name, self.tokenizer, self.api_key = self.model_names[0], tokenizer, api_key
         self.limits, self.retry_after_s = limits, retry_after_s
         self.created = int(time.time())
-        self.loras = LoRAAdmin(self.pool._each)
+        self.loras = LoRAAdmin(self.pool, retry_after_s, self.admin, self.auth.metadata(ADMIN))
         # Chat templates of long bodies are rendered and tokenized here, off the event loop.
         self._parse_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="fastsched-chat-template")
-
-    def _check_api_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
-                           type="authentication_error", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.limits.max_body_bytes
@@ -421,11 +218,11 @@ class Gateway:
                                 "(--body-timeout).", code="request_timeout", headers={"Connection": "close"}) from None
         return b"".join(chunks)
 
-    async def _read_json(self, request: Request) -> tuple[dict[str, Any], int]:
+    async def read_json(self, request: Request) -> tuple[dict[str, Any], int]:
         """The body as a JSON object, checked (see the module docstring), and its size in bytes."""
         raw = await self._read_body(request)
         try:
-            body = json.loads(raw, parse_constant=_reject_constant)
+            body = json.loads(raw, parse_constant=reject_constant)
         except RecursionError:
             raise bad_request(f"The request body nests objects and arrays deeper than this server's limit of "
                               f"{self.limits.max_json_depth} (--max-json-depth).", None) from None
@@ -433,7 +230,7 @@ class Gateway:
             raise bad_request(f"The request body is not valid JSON: {e}", None) from e
         if not isinstance(body, dict):
             raise bad_request("The request body must be a JSON object.", None)
-        _check_json(body, self.limits.max_json_depth, check_strings=_SURROGATE_ESCAPE.search(raw) is not None)
+        check_json(body, self.limits.max_json_depth, check_strings=SURROGATE_ESCAPE.search(raw) is not None)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad_request(f"model must be a string, got {model!r}", "model")
@@ -444,16 +241,14 @@ class Gateway:
 
     async def completions(self, request: Request) -> Response:
         request_id = _assign_request_id(request, "cmpl")
-        self._check_api_key(request)
-        body, _ = await self._read_json(request)
+        body, _ = await self.read_json(request)
         info = await self.pool.model_info()
         parsed = parse_completion(body, request_id, self.limits, info and info["max_model_len"], self.tokenizer)
         return await self._generate(request, self._with_adapter(parsed, body))
 
     async def chat_completions(self, request: Request) -> Response:
         request_id = _assign_request_id(request, "chatcmpl")
-        self._check_api_key(request)
-        body, size = await self._read_json(request)
+        body, size = await self.read_json(request)
         info = await self.pool.model_info()
         args = (body, self.tokenizer, info and info["max_model_len"], request_id, self.limits, self.tool_parser)
         if size <= INLINE_TOKENIZE_CHARS:
@@ -463,7 +258,7 @@ class Gateway:
         return await self._generate(request, self._with_adapter(parsed, body))
 
     def _with_adapter(self, parsed: ParsedRequest, body: dict[str, Any]) -> ParsedRequest:
-        """A ``model`` that is not one of the served names is an adapter (``_read_json`` checked)."""
+        """A ``model`` that is not one of the served names is an adapter (``read_json`` checked)."""
         model = body.get("model")
         if model is not None and model not in self.model_names:
             parsed.lora_name = model
@@ -529,8 +324,7 @@ class Gateway:
         yield events + "data: [DONE]\n\n", True
 
     async def tokenize(self, request: Request) -> Response:
-        self._check_api_key(request)
-        body, size = await self._read_json(request)
+        body, size = await self.read_json(request)
         info = await self.pool.model_info()
         args = (body, self.tokenizer, info and info["max_model_len"], self.limits)
         if size <= INLINE_TOKENIZE_CHARS:
@@ -538,8 +332,7 @@ class Gateway:
         return JSONResponse(await asyncio.get_running_loop().run_in_executor(self._parse_pool, tokenize, *args))
 
     async def detokenize(self, request: Request) -> Response:
-        self._check_api_key(request)
-        body, _ = await self._read_json(request)
+        body, _ = await self.read_json(request)
         info = await self.pool.model_info()
         return JSONResponse(detokenize(body, self.tokenizer, info and info["vocab_size"]))
 
@@ -551,7 +344,6 @@ class Gateway:
         return await self.health(request)
 
     async def models(self, request: Request) -> Response:
-        self._check_api_key(request)
         info = await self.pool.model_info() or {}
         cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "fastsched",
                   "root": info.get("model", self.model_name), "max_model_len": info.get("max_model_len")}
@@ -562,13 +354,11 @@ class Gateway:
         return JSONResponse({"object": "list", "data": cards})
 
     async def load_lora_adapter(self, request: Request) -> Response:
-        self._check_api_key(request)
-        body, _ = await self._read_json(request)
+        body, _ = await self.read_json(request)
         return await self.loras.load(body)
 
     async def unload_lora_adapter(self, request: Request) -> Response:
-        self._check_api_key(request)
-        body, _ = await self._read_json(request)
+        body, _ = await self.read_json(request)
         return await self.loras.unload(body)
 
     async def health(self, request: Request) -> Response:
@@ -583,7 +373,6 @@ class Gateway:
 
     async def request_status(self, request: Request) -> Response:
         """``{"request_id", "state", "prompts": [status of each prompt]}``; see docs/serving.md."""
-        self._check_api_key(request)
         request_id = request.path_params["request_id"]
         prompts = await self._find_prompts(request_id)
         if not prompts:
@@ -598,10 +387,11 @@ class Gateway:
         ``request_id``: ``<id>-0``, ``<id>-1``, ... up to the first one no frontend knows."""
 
         def lookups(start: int) -> list[Awaitable[dict[str, Any] | None]]:
-            return [self.pool.request_status(f"{request_id}-{i}", self.retry_after_s)
+            return [self.pool.request_status(f"{request_id}-{i}", self.retry_after_s, self.auth.metadata(ADMIN))
                     for i in range(start, start + _PROMPT_CHUNK)]
 
-        exact, *chunk = await asyncio.gather(self.pool.request_status(request_id, self.retry_after_s), *lookups(0))
+        exact, *chunk = await asyncio.gather(
+            self.pool.request_status(request_id, self.retry_after_s, self.auth.metadata(ADMIN)), *lookups(0))
         if exact is not None:
             return [exact]
         prompts: list[dict[str, Any]] = []
@@ -652,43 +442,6 @@ class _RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _check_json(body: Any, max_depth: int, check_strings: bool) -> None:
-    """400 for a body nested deeper than ``max_depth`` or, when ``check_strings``, with a
-    string (key or value) that holds a lone surrogate: it cannot be encoded as UTF-8, so
-    neither sent to a frontend nor tokenized. Iterative: the depth is what is checked."""
-    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
-    while stack:
-        value, depth, path = stack.pop()
-        if depth > max_depth:
-            raise bad_request(f"The request body nests objects and arrays more than {max_depth} deep (at "
-                              f"{path or 'the top'}): this server's limit (--max-json-depth).", None)
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            if isinstance(item, (dict, list)):
-                stack.append((item, depth + 1, _json_path(path, key)))
-            elif check_strings and isinstance(item, str):
-                _check_unicode(item, _json_path(path, key))
-            if check_strings and isinstance(key, str):
-                _check_unicode(key, _json_path(path, key))
-
-
-def _json_path(path: str, key: str | int) -> str:
-    return f"{path}.{key}".lstrip(".") if isinstance(key, str) else f"{path}[{key}]"
-
-
-def _check_unicode(text: str, where: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        field = where.split(".")[0].split("[")[0] or None
-        raise bad_request(f"{where} holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is "
-                          "not valid Unicode text.", field) from None
-
-
 def _sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
@@ -703,6 +456,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return JSONResponse(ApiError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code,
                         headers=exc.headers)
+
+
+async def _path_not_allowed(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, PathNotAllowedError)
+    error = ApiError(403, str(exc), type="permission_error", param=exc.field, code=exc.code)
+    return JSONResponse(error.body(), status_code=403)
 
 
 async def _limit_error(request: Request, exc: Exception) -> Response:
@@ -724,7 +483,8 @@ def create_app(
     limits: RequestLimits | None = None,
     retry_after_s: int = 1,
     tool_parser: str | None = None,
-    enable_admin_api: bool = False,
+    admin: AdminSettings | None = None,
+    sessions: SessionSettings | None = None,
 ) -> Starlette:
     """The gateway's ASGI app over the frontends at ``frontend_addrs`` (``host:port``).
 
@@ -733,10 +493,13 @@ def create_app(
     ``tokenizer`` (a ``fastsched.model_loader.Tokenizer``) renders chat templates and
     decodes logprob tokens; ``limits``: see ``fastsched.limits`` (default: ``RequestLimits()``);
     ``retry_after_s`` is the ``Retry-After`` of every 503; ``tool_parser`` (a name of
-    ``gateway.tool_parsers``) finds the calls of ``tool_choice: "auto"``; ``enable_admin_api``
-    adds the administrative routes (``POST /reset_prefix_cache``).
+    ``gateway.tool_parsers``) finds the calls of ``tool_choice: "auto"``; ``admin``: which admin
+    routes exist and their key (``fastsched.admin``; default: none); ``sessions``: the
+    ``/v1/sessions`` WebSocket's settings (``gateway.sessions.SessionSettings``). ``ValueError``
+    for admin routes guarded by ``api_key`` alone.
     """
-    gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s)
+    gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s,
+                      admin, sessions)
     gateway.tool_parser = tool_parser
 
     @contextlib.asynccontextmanager
@@ -748,28 +511,39 @@ def create_app(
             await gateway.pool.close()
             gateway._parse_pool.shutdown(wait=False, cancel_futures=True)
 
+    guard = gateway.auth.guard
     routes = [
-        Route("/v1/completions", gateway.completions, methods=["POST"]),
-        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
-        Route("/v1/models", gateway.models, methods=["GET"]),
-        Route("/v1/load_lora_adapter", gateway.load_lora_adapter, methods=["POST"]),
-        Route("/v1/unload_lora_adapter", gateway.unload_lora_adapter, methods=["POST"]),
+        Route("/v1/completions", guard(gateway.completions), methods=["POST"]),
+        Route("/v1/chat/completions", guard(gateway.chat_completions), methods=["POST"]),
+        Route("/v1/models", guard(gateway.models), methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics, methods=["GET"]),
-        Route("/tokenize", gateway.tokenize, methods=["POST"]),
-        Route("/detokenize", gateway.detokenize, methods=["POST"]),
+        Route("/tokenize", guard(gateway.tokenize), methods=["POST"]),
+        Route("/detokenize", guard(gateway.detokenize), methods=["POST"]),
         Route("/version", gateway.version, methods=["GET"]),
         Route("/ping", gateway.ping, methods=["GET", "POST"]),
-        Route("/debug/requests/{request_id}", gateway.request_status, methods=["GET"]),
-        Route("/pause", pause.pause, methods=["POST"]),
-        Route("/resume", pause.resume, methods=["POST"]),
-        Route("/is_paused", pause.is_paused, methods=["GET"]),
-        Route("/reload_weights", pause.reload_weights, methods=["POST"]),
         WebSocketRoute("/v1/sessions", session_websocket),
     ]
-    if enable_admin_api:
-        routes.append(Route("/reset_prefix_cache", cache_admin.reset_prefix_cache, methods=["POST"]))
-    handlers = {ApiError: _api_error, LimitError: _limit_error, HTTPException: _http_error, Exception: _internal_error}
+    # Admin routes exist only when enabled (fastsched.admin), behind the admin key.
+    if gateway.admin.enable_runtime_lora_updating:
+        routes += [
+            Route("/v1/load_lora_adapter", guard(gateway.load_lora_adapter, ADMIN), methods=["POST"]),
+            Route("/v1/unload_lora_adapter", guard(gateway.unload_lora_adapter, ADMIN), methods=["POST"]),
+        ]
+    if gateway.admin.enable_admin_api:
+        routes += [
+            Route("/debug/requests/{request_id}", guard(gateway.request_status, ADMIN), methods=["GET"]),
+            Route("/pause", guard(pause.pause, ADMIN), methods=["POST"]),
+            Route("/resume", guard(pause.resume, ADMIN), methods=["POST"]),
+            Route("/is_paused", guard(pause.is_paused, ADMIN), methods=["GET"]),
+            Route("/reload_weights", guard(pause.reload_weights, ADMIN), methods=["POST"]),
+            Route("/reset_prefix_cache", guard(cache_admin.reset_prefix_cache, ADMIN), methods=["POST"]),
+        ]
+    if (gateway.admin.enable_admin_api or gateway.admin.enable_runtime_lora_updating) \
+            and gateway.admin.admin_api_key is None:
+        logger.warning("admin routes are on without --admin-api-key: anyone who reaches the gateway may use them")
+    handlers = {ApiError: _api_error, LimitError: _limit_error, PathNotAllowedError: _path_not_allowed,
+                HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
                     middleware=[Middleware(_RequestIdHeader)])
     app.state.gateway = gateway

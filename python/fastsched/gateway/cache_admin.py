@@ -1,17 +1,16 @@
 """``POST /reset_prefix_cache`` (vLLM's route): every engine forgets its cached prefixes, so
 that what follows (a benchmark at the next rate, a timing run) starts from a cold cache.
-Served only with ``--enable-admin-api`` (a 404 otherwise, as an unknown route), and behind
-``--api-key``. Requests in flight keep their blocks; a 200 means every engine has reset."""
+An admin route (``fastsched.admin``): served only with ``--enable-admin-api`` (a 404 otherwise,
+as an unknown route), behind ``--admin-api-key``. Requests in flight keep their blocks; a 200
+means every engine has reset."""
 
 from __future__ import annotations
 
-import asyncio
-
-import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from fastsched.gateway.openai_protocol import ApiError
+from fastsched.gateway.auth import ADMIN
+from fastsched.gateway.errors import FRONTEND_UNAVAILABLE, api_error_from_rpc, unavailable
 from fastsched.proto_gen import import_stubs
 
 pb, pb_grpc = import_stubs()
@@ -21,22 +20,13 @@ _CALL_TIMEOUT_S = 10.0  # longer than a frontend's wait for its engines (engine_
 
 async def reset_prefix_cache(request: Request) -> Response:
     gateway = request.app.state.gateway
-    gateway._check_api_key(request)
-    pool = gateway.pool
-    await pool.start()
-    replies = await asyncio.gather(
-        *(f.stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=_CALL_TIMEOUT_S, metadata=pool.metadata)
-          for f in pool.frontends),
-        return_exceptions=True,
-    )
-    failed = {f.address: _describe(r) for f, r in zip(pool.frontends, replies) if isinstance(r, BaseException)}
+    replies = await gateway.pool.each("ResetPrefixCache", pb.ResetPrefixCacheRequest(), _CALL_TIMEOUT_S,
+                                      gateway.auth.metadata(ADMIN))
+    failed = [r for r in replies if isinstance(r, BaseException)]
     if failed:
-        raise ApiError(503, f"ResetPrefixCache failed on frontend(s): {failed}", type="service_unavailable",
-                       code="frontend_unavailable", headers={"Retry-After": str(gateway.retry_after_s)})
+        error = api_error_from_rpc(failed[0], gateway.retry_after_s)
+        if error.status >= 500:
+            error = unavailable(FRONTEND_UNAVAILABLE, gateway.retry_after_s)
+            error.message = f"ResetPrefixCache failed on {len(failed)} frontend(s). {error.message}"
+        raise error
     return JSONResponse({"reset": True})
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, grpc.aio.AioRpcError):
-        return f"{error.code().name}: {error.details()}"
-    return f"{type(error).__name__}: {error}"

@@ -1,17 +1,23 @@
 """``/v1/sessions``: streaming-input sessions (S15) over a WebSocket, behind ``--api-key``.
 
+A page of another site cannot open one: when the client sends ``Origin`` (browsers do), it must
+be the gateway's own or one of ``--allowed-origins``. The ``open`` message must come within
+``--session-open-timeout`` seconds of connecting. Over ``--max-sessions``, the frontend rejects the
+session as it rejects a request at admission: an error with status 503 and ``retry_after``.
+
 One WebSocket is one session, carried to a frontend as one gRPC ``GenerateSession`` call.
 The client sends JSON messages:
 
 - ``{"type": "open", "prompt": text or token ids, "max_tokens": n, ...}`` first, with any
   sampling parameter of the gRPC ``SamplingParams`` (``temperature``, ``seed``, ...) and
-  optionally ``request_id`` and ``priority``;
+  optionally ``request_id``, ``priority`` and ``model`` (a served name or a LoRA adapter's);
 - ``{"type": "chunk", "prompt": ..., "max_tokens": n, "last": false}`` for each next chunk;
 - ``{"type": "close"}`` to end the session once its chunks are served.
 
 The server sends ``{"type": "output", "request_id", "segment", "text", "token_ids",
 "segment_ended", "finish_reason"}`` as tokens come (``usage`` on the last one), and on an
-error ``{"type": "error", "error": {...}}`` in OpenAI's shape before closing the socket
+error ``{"type": "error", "status": http_status, "error": {...}}`` in OpenAI's shape (and
+``retry_after``, seconds, with a 503) before closing the socket
 (code 1008 for a request that can never succeed, 1013 for a 503, 1011 otherwise). A
 client that disconnects ends the session at once: its slot and KV are freed.
 """
@@ -19,37 +25,73 @@ client that disconnects ends the session at once: its slot and KV are freed.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 from google.protobuf import json_format
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from fastsched.frontend.cli_args import SESSION_OPEN_TIMEOUT_S
+from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.openai_protocol import ApiError, bad_request
 from fastsched.proto_gen import import_stubs
-from fastsched.rpc import INVALID_PARAM_KEY, REJECTION_REASON_KEY
 
 pb, pb_grpc = import_stubs()
 
-_OPEN_FIELDS = frozenset({"type", "prompt", "request_id", "priority"})
+_OPEN_FIELDS = frozenset({"type", "prompt", "request_id", "priority", "model"})
 _CHUNK_FIELDS = frozenset({"type", "prompt", "max_tokens", "last"})
 _CLOSE_POLICY, _CLOSE_TRY_AGAIN, _CLOSE_INTERNAL = 1008, 1013, 1011
 
 
+@dataclass(frozen=True)
+class SessionSettings:
+    """The WebSocket's own bounds (the frontends bound what a session holds in the engine:
+    ``--max-sessions``, ``--session-idle-timeout``)."""
+
+    # Seconds a client has to send its ``open`` message after connecting (--session-open-timeout).
+    open_timeout: float = SESSION_OPEN_TIMEOUT_S
+    # Origins (scheme://host[:port]) whose pages may open a session besides the gateway's own
+    # (--allowed-origins); "*" allows any. A client that sends no Origin (not a browser) is not asked.
+    allowed_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.open_timeout < float("inf"):
+            raise ValueError(f"session_open_timeout must be a positive number of seconds, got {self.open_timeout}")
+
+    def origin_allowed(self, origin: str | None, host: str | None) -> bool:
+        """Same-origin (the Origin's host is the Host the client connected to), listed, or not sent."""
+        if origin is None or "*" in self.allowed_origins or origin.rstrip("/") in self.allowed_origins:
+            return True
+        return host is not None and urlsplit(origin).netloc.lower() == host.lower()
+
+
 async def session_websocket(websocket: WebSocket) -> None:
     gateway = websocket.app.state.gateway
-    if not _authorized(websocket, gateway.api_key):
+    settings: SessionSettings = gateway.sessions
+    if not settings.origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host")):
+        # A page of another site (cross-site WebSocket hijacking): refused before the handshake, 403.
+        await websocket.close(code=_CLOSE_POLICY, reason="Origin not allowed (--allowed-origins)")
+        return
+    if gateway.auth.failure(websocket.headers) is not None:
         await websocket.close(code=_CLOSE_POLICY, reason="Invalid or missing API key: send Authorization: Bearer")
         return
     await websocket.accept()
     pool = gateway.pool
     await pool.start()
-    frontend = pool._order()[0]
+    frontend = pool.pick()
     call = None
     try:
-        opening = open_request(await _receive(websocket))
+        try:
+            async with asyncio.timeout(settings.open_timeout):
+                first = await _receive(websocket)
+        except TimeoutError:
+            raise ApiError(408, f"No open message within {settings.open_timeout:g} s of connecting "
+                                "(--session-open-timeout).", code="session_open_timeout") from None
+        opening = open_request(first, gateway.model_names)
         call = frontend.stub.GenerateSession(metadata=pool.metadata)
         frontend.outstanding += 1
         await call.write(opening)
@@ -67,7 +109,7 @@ async def session_websocket(websocket: WebSocket) -> None:
     except ApiError as e:
         await _fail(websocket, e)
     except grpc.aio.AioRpcError as e:
-        await _fail(websocket, _api_error(e, gateway.retry_after_s))
+        await _fail(websocket, api_error_from_rpc(e, gateway.retry_after_s))
     except WebSocketDisconnect:
         pass  # the client left: cancelling the call aborts the session
     finally:
@@ -76,12 +118,16 @@ async def session_websocket(websocket: WebSocket) -> None:
             frontend.outstanding -= 1
 
 
-def open_request(message: dict[str, Any]) -> Any:
-    """The ``open`` message as a ``SessionRequest``; ``ApiError`` 400 naming a bad field."""
+def open_request(message: dict[str, Any], model_names: Sequence[str] = ()) -> Any:
+    """The ``open`` message as a ``SessionRequest``; ``ApiError`` 400 naming a bad field. A
+    ``model`` that is not one of ``model_names`` names a LoRA adapter (the frontend answers
+    NOT_FOUND, a 404, for one it does not serve)."""
     if message.get("type") != "open":
         raise bad_request("a session's first message must be {\"type\": \"open\", ...}", "type")
+    model = _field(message, "model", str, "")
     request = pb.GenerateRequest(request_id=_field(message, "request_id", str, ""),
-                                 priority=_field(message, "priority", int, 0))
+                                 priority=_field(message, "priority", int, 0),
+                                 model="" if model in model_names else model)
     _set_prompt(request, message.get("prompt"))
     params = {k: v for k, v in message.items() if k not in _OPEN_FIELDS}
     try:
@@ -159,29 +205,13 @@ def _output(response: Any) -> dict[str, Any]:
     return out
 
 
-def _api_error(error: grpc.aio.AioRpcError, retry_after_s: int) -> ApiError:
-    metadata = {k: v for k, v in (error.trailing_metadata() or ()) if isinstance(v, str)}
-    code = error.code()
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return bad_request(error.details() or "invalid session request", metadata.get(INVALID_PARAM_KEY))
-    if code == grpc.StatusCode.UNAVAILABLE:
-        reason = metadata.get(REJECTION_REASON_KEY, "frontend_unavailable")
-        return ApiError(503, f"The server cannot take this session now: {reason}", type="service_unavailable",
-                        code=reason, headers={"Retry-After": str(retry_after_s)})
-    return ApiError(500, f"The session failed: {error.details()}", type="internal_error")
-
-
 async def _fail(websocket: WebSocket, error: ApiError) -> None:
     code = _CLOSE_POLICY if error.status < 500 else _CLOSE_TRY_AGAIN if error.status == 503 else _CLOSE_INTERNAL
     try:
-        await websocket.send_json({"type": "error", **error.body()})
+        message: dict[str, Any] = {"type": "error", "status": error.status, **error.body()}
+        if "Retry-After" in error.headers:  # a WebSocket has no headers left to carry it
+            message["retry_after"] = int(error.headers["Retry-After"])
+        await websocket.send_json(message)
         await websocket.close(code=code, reason=error.message[:120])
     except (WebSocketDisconnect, RuntimeError):
         pass  # already gone or closed
-
-
-def _authorized(websocket: WebSocket, api_key: str | None) -> bool:
-    if api_key is None:
-        return True
-    scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())

@@ -72,7 +72,9 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from fastsched.admin import AdminSettings
 from fastsched.frontend.process import FrontendSpec, block_sigint, run_frontend
+from fastsched.frontend.cli_args import DEFAULT_SESSION_IDLE_TIMEOUT_S, SESSION_OPEN_TIMEOUT_S
 from fastsched.limits import RequestLimits
 
 logger = logging.getLogger("fastsched.serve")
@@ -102,7 +104,11 @@ class ServeConfig:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     ttft_slo: float | None = None  # seconds; the TTFT-SLO valve (frontend.admission)
-    session_idle_timeout: float | None = None  # seconds a streaming session may wait for input (S15)
+    session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S  # seconds a session may wait for input (S15)
+    max_sessions: int | None = None  # sessions open at once; None: a quarter of the engines' max_num_seqs
+    session_open_timeout: float = SESSION_OPEN_TIMEOUT_S  # seconds a session has to send its `open`
+    allowed_origins: tuple[str, ...] = ()  # pages that may open a /v1/sessions WebSocket besides our own
+    admin: AdminSettings = field(default_factory=AdminSettings)  # admin routes, their key, allowed paths
     enable_fault_tolerance: bool = False
     max_engine_restarts: int = 3  # with enable_fault_tolerance, per engine over the server's life
     api_key: str | None = None
@@ -119,7 +125,6 @@ class ServeConfig:
     log_level: str = "INFO"
     uvicorn_log_level: str | None = None  # uvicorn's loggers (None: log_level's); debug logs the probes too
     tool_call_parser: str | None = None  # tool_choice "auto" (gateway.tool_parsers): --enable-auto-tool-choice
-    enable_admin_api: bool = False  # administrative routes (POST /reset_prefix_cache)
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "api_server_count"):
@@ -142,6 +147,11 @@ class ServeConfig:
             raise ValueError(f"max_engine_restarts must be non-negative, got {self.max_engine_restarts}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        self.admin.check_keys(self.api_key)
+        if self.max_sessions is not None and self.max_sessions < 0:
+            raise ValueError(f"max_sessions must be at least 0, got {self.max_sessions}")
+        if not 0 < self.session_open_timeout < float("inf"):
+            raise ValueError(f"session_open_timeout must be a positive number of seconds, got {self.session_open_timeout}")
         if self.tool_call_parser is not None:
             from fastsched.gateway.tool_parsers import get_parser
 
@@ -363,13 +373,15 @@ class Launcher:
         self.tokenizer_dir = self._export_tokenizer()
         admission = {"max_num_queued_reqs": c.max_num_queued_reqs, "max_num_queued_tokens": c.max_num_queued_tokens,
                      "fault_tolerance": c.enable_fault_tolerance, "ttft_slo": c.ttft_slo,
-                     "num_frontends": c.api_server_count, "session_idle_timeout": c.session_idle_timeout}
+                     "num_frontends": c.api_server_count, "session_idle_timeout": c.session_idle_timeout,
+                     "max_sessions": c.max_sessions, "session_open_timeout": c.session_open_timeout}
         engine_pids = [e.proc.pid for e in self.engines]
         for k, (addr, port) in enumerate(zip(frontend_outputs, self.grpc_ports)):
             ours_ready, theirs_ready = _ready_pipe()
             spec = FrontendSpec(k, tuple(engine_inputs), tuple(engine_pids), addr, c.grpc_host, port,
                                 self.shm.name, admission, c.engine_timeout, c.ready_timeout, c.log_level,
-                                c.limits, c.api_key, self.tokenizer_dir, c.enable_log_requests, c.max_log_len)
+                                c.limits, c.api_key, self.tokenizer_dir, c.enable_log_requests, c.max_log_len,
+                                c.admin)
             proc = _spawn(run_frontend, f"fastsched-frontend-{k}", (spec, theirs_ready), {})
             theirs_ready.close()
             self.frontends.append(_Child("frontend", k, proc, ours_ready))
@@ -459,6 +471,7 @@ class Launcher:
     async def _serve_gateway(self) -> None:
         from fastsched.gateway.access_log import quiet_probes
         from fastsched.gateway.app import create_app, gateway_server
+        from fastsched.gateway.sessions import SessionSettings
         from fastsched.model_loader import load_tokenizer
 
         c = self.config
@@ -477,7 +490,8 @@ class Launcher:
             tokenizer.chat_template = c.chat_template
         addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
         app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key, limits=c.limits,
-                         tool_parser=c.tool_call_parser, enable_admin_api=c.enable_admin_api)
+                         tool_parser=c.tool_call_parser, admin=c.admin,
+                         sessions=SessionSettings(c.session_open_timeout, c.allowed_origins))
         server = gateway_server(app, c.host, c.port, log_config=None,
                                 log_level=c.uvicorn_log_level or c.log_level.lower(),
                                 access_log=c.access_log, timeout_graceful_shutdown=c.shutdown_timeout)
