@@ -179,3 +179,26 @@ def test_a_cached_hugging_face_repo_id_resolves_offline(tmp_path: Path, monkeypa
     assert resolve_model_path("acme/tiny") == snapshot
     with pytest.raises(FileNotFoundError, match=str(cache)):
         resolve_model_path("acme/absent")
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--max-num-batched-tokens", "10", "--max-num-seqs", "20"], "--max-num-batched-tokens"),
+    (["--watermark", "2"], "--watermark"),
+    (["--max-num-queued-reqs", "0"], "--max-num-queued-reqs"),
+    (["--ttft-slo", "-1"], "--ttft-slo"),
+    (["--engine-timeout", "0"], "--engine-timeout"),
+    (["--max-n", "0"], "--max-n"),
+])
+def test_serve_refuses_a_bad_setting_before_spawning_anything(flags, flag, monkeypatch, capsys):
+    """Issue 28: a setting that needs no model to be judged is refused before any child process
+    starts, with one line naming its flag, and a non-zero exit."""
+    from fastsched.entrypoints.cli import main
+    from fastsched.launcher import serve as launcher
+
+    spawned = []
+    monkeypatch.setattr(launcher, "_spawn", lambda *a, **k: spawned.append(a) or pytest.fail("a child was spawned"))
+    assert main(["serve", *flags, "--port", "0", "--grpc-port", "0"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fastsched: error: {flag}: "), err
+    assert not spawned

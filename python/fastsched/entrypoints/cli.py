@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastsched.config import add_engine_args, engine_kwargs
+from fastsched.config import EngineConfig, add_engine_args, engine_kwargs
 from fastsched.frontend.cli_args import add_admission_limit_args
 from fastsched.limits import add_request_limit_args, request_limits
 from fastsched.lora.request import TARGET_MODULES
@@ -90,8 +91,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fastsched.launcher.serve import ServeConfig, ServeError, serve
     from fastsched.model_loader.tokenizer import resolve_chat_template
 
+    engine_config = engine_kwargs(args)
+    # Every check that needs no model runs here, before anything is spawned (issue 28).
+    EngineConfig.from_kwargs(**engine_config).check_scheduler_knobs()
     config = ServeConfig(
-        engine_config=engine_kwargs(args),
+        engine_config=engine_config,
         host=args.host,
         port=args.port,
         grpc_host=args.grpc_host,
@@ -345,8 +349,18 @@ def _resolve_model(args: argparse.Namespace) -> None:
     args.model = tag
 
 
+def with_flag(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` led by the flag of the first setting it names (``max_num_seqs (0) must be
+    at least 1`` -> ``--max-num-seqs: ...``), so an error says which flag to change."""
+    flags = {a.dest: a.option_strings[0] for p in (parser, *_subparsers(parser))
+             for a in p._actions if a.option_strings and a.dest != "help"}
+    name = next((w for w in re.findall(r"[a-z_]+", message) if w in flags), None)
+    return message if name is None else f"{flags[name]}: {message}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if not sys.stderr.isatty():
         # A progress bar in a log file is a heap of \r fragments: log lines per phase instead.
         os.environ.setdefault("TQDM_DISABLE", "1")
@@ -355,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _resolve_model(args)
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as e:
-        print(f"fastsched: error: {e}", file=sys.stderr)
+        print(f"fastsched: error: {with_flag(str(e), parser)}", file=sys.stderr)
         return 2
 
 
