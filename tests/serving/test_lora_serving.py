@@ -169,7 +169,7 @@ def test_an_adapter_in_use_is_not_unloaded(stack: Stack) -> None:
         assert wait_for(lambda: lora_info(stack) == {"max_lora": "2", "running_lora_adapters": "one",
                                                      "waiting_lora_adapters": ""}, timeout=10)
     # The stream closed: its request is aborted and the adapter free again.
-    assert wait_for(lambda: all(llm._num_requests_using("one") == 0 for llm in stack.llms), timeout=10)
+    assert wait_for(lambda: all(llm.loras.in_use("one") == 0 for llm in stack.llms), timeout=10)
     assert all(llm.loras is not None and llm.loras.get("one") is not None for llm in stack.llms), \
         "a refused unload leaves the adapter served by every frontend"
     assert post(stack, "/v1/unload_lora_adapter", {"lora_name": "one"}).status_code == 200

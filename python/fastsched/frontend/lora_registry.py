@@ -13,7 +13,9 @@ mistaken for the new adapter's).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Mapping
+from typing import Protocol
 
 from fastsched.lora.request import LoRARequest, read_adapter_config
 
@@ -32,19 +34,23 @@ def lora_id(name: str, path: str) -> int:
     return int.from_bytes(digest[:4], "little") % (2**31 - 1) + 1
 
 
-class LoRARegistry:
-    """Name -> :class:`LoRARequest`. ``in_use(name)`` counts the live requests of an
-    adapter (the frontend's own bookkeeping), consulted before an unload."""
+class _Request(Protocol):
+    lora_name: str | None
 
-    def __init__(self, max_lora_rank: int, in_use: Callable[[str], int]) -> None:
+
+class LoRARegistry:
+    """Name -> :class:`LoRARequest`, and how many requests in flight use each adapter
+    (consulted before an unload), counted from the request table's ``added`` and
+    ``finished`` events (``request_started`` / ``request_finished``)."""
+
+    def __init__(self, max_lora_rank: int) -> None:
         self.max_lora_rank = max_lora_rank
-        self._in_use = in_use
         self._adapters: dict[str, LoRARequest] = {}
+        self._in_use: Counter[str] = Counter()
 
     @classmethod
-    def from_modules(cls, modules: Mapping[str, str], max_lora_rank: int,
-                     in_use: Callable[[str], int]) -> LoRARegistry:
-        registry = cls(max_lora_rank, in_use)
+    def from_modules(cls, modules: Mapping[str, str], max_lora_rank: int) -> LoRARegistry:
+        registry = cls(max_lora_rank)
         for name, path in modules.items():
             registry.load(name, path)
         return registry
@@ -66,11 +72,25 @@ class LoRARegistry:
     def unload(self, name: str) -> None:
         if name not in self._adapters:
             raise LoRANotFoundError(f"The lora adapter '{name}' cannot be found.")
-        live = self._in_use(name)
+        live = self._in_use[name]
         if live:
             raise LoRAInUseError(f"The lora adapter '{name}' is used by {live} request(s) in flight; "
                                  "unload it when they are done.")
         del self._adapters[name]
+
+    def in_use(self, name: str) -> int:
+        """Requests in flight that run with adapter ``name``."""
+        return self._in_use[name]
+
+    def request_started(self, request: _Request) -> None:
+        if request.lora_name is not None:
+            self._in_use[request.lora_name] += 1
+
+    def request_finished(self, request: _Request, error: str | None = None, counted: bool = True) -> None:
+        if request.lora_name is not None:
+            self._in_use[request.lora_name] -= 1
+            if not self._in_use[request.lora_name]:
+                del self._in_use[request.lora_name]
 
     def get(self, name: str) -> LoRARequest | None:
         return self._adapters.get(name)

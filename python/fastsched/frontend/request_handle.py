@@ -14,15 +14,18 @@ class _InFlight(Protocol):
 
 
 S = TypeVar("S", bound=_InFlight)
+S_contra = TypeVar("S_contra", bound=_InFlight, contravariant=True)
 
 
-class _Owner(Protocol[S]):
-    def _drop(self, state: S) -> None: ...
+class RequestOwner(Protocol[S_contra]):
+    """Who ends a request early: the frontend's request table."""
+
+    def drop(self, state: S_contra) -> None: ...
 
 
 class RequestHandle(Generic[S]):
-    def __init__(self, llm: _Owner[Any], state: S) -> None:
-        self._llm = llm
+    def __init__(self, owner: RequestOwner[Any], state: S) -> None:
+        self._owner = owner
         self._state = state
         self._closed = False  # nothing more will be yielded
 
@@ -47,7 +50,7 @@ class RequestHandle(Generic[S]):
     def _close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._llm._drop(self._state)
+            self._owner.drop(self._state)
 
     def __del__(self) -> None:
         # A consumer that stopped iterating without aclose(): still abort.

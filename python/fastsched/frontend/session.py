@@ -19,15 +19,16 @@ whose consumer goes away (``aclose``, leaving ``async with``, dropping it).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastsched.frontend.request_handle import RequestHandle
 from fastsched.inputs import PromptType, TokenizedText
 from fastsched.model_loader import Tokenizer
 from fastsched.outputs import RequestOutput
 
-__all__ = ["Session", "SessionOutput", "SessionState", "chunk_token_ids"]
+__all__ = ["Session", "SessionHost", "SessionOutput", "SessionState", "SessionTimer", "chunk_token_ids"]
 
 
 def chunk_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
@@ -85,8 +86,8 @@ class SessionState:
             self.idle_timer = None
 
 
-class _SessionRequest(Protocol):
-    """The part of AsyncLLM's per-request state a session reads."""
+class SessionRequest(Protocol):
+    """The part of a request's state (``frontend.request_table``) a session reads."""
 
     request_id: str
     engine_index: int
@@ -96,13 +97,41 @@ class _SessionRequest(Protocol):
     session: SessionState | None
 
 
-class _SessionHost(Protocol):
-    """What a session asks of its AsyncLLM."""
+R_contra = TypeVar("R_contra", bound=SessionRequest, contravariant=True)
 
-    def _send_stream_input(self, state: _SessionRequest, prompt: PromptType, max_tokens: int,
-                           last: bool) -> None: ...
-    def _close_session(self, state: _SessionRequest) -> None: ...
-    def _drop(self, state: _SessionRequest) -> None: ...
+
+class SessionHost(Protocol[R_contra]):
+    """What a session asks of its frontend (``AsyncLLM``), about the session's own request."""
+
+    def send_stream_input(self, state: R_contra, prompt: PromptType, max_tokens: int, last: bool) -> None: ...
+    def close_session(self, state: R_contra) -> None: ...
+    def drop(self, state: R_contra) -> None: ...
+
+
+class SessionTimer:
+    """``--session-idle-timeout``: a session that has served every chunk sent and waits for
+    more input is aborted after ``idle_timeout`` seconds (``expire(state)``), which frees its
+    slot and KV. Subscribed to the request table's ``segment_ended`` and ``finished`` events."""
+
+    def __init__(self, idle_timeout: float | None, expire: Callable[[SessionRequest], None]) -> None:
+        if idle_timeout is not None and not idle_timeout > 0:
+            raise ValueError(f"session_idle_timeout must be a positive number of seconds, got {idle_timeout}")
+        self.idle_timeout = idle_timeout
+        self._expire = expire
+
+    def segment_ended(self, state: SessionRequest) -> None:
+        session = state.session
+        assert session is not None
+        if self.idle_timeout is not None and session.waits_for_input():
+            session.idle_timer = asyncio.get_running_loop().call_later(self.idle_timeout, self._fire, state)
+
+    def finished(self, state: SessionRequest, error: str | None, counted: bool) -> None:
+        if state.session is not None:
+            state.session.stop_idle_timer()
+
+    def _fire(self, state: SessionRequest) -> None:
+        if not state.done:
+            self._expire(state)
 
 
 @dataclass(frozen=True)
@@ -121,13 +150,13 @@ class SessionOutput:
         return self.finish_reason is not None
 
 
-class Session(RequestHandle[_SessionRequest]):
+class Session(RequestHandle[SessionRequest]):
     """An open streaming-input session (see the module docstring)."""
 
-    _llm: _SessionHost
+    _owner: SessionHost[Any]
 
-    def __init__(self, llm: _SessionHost, state: _SessionRequest) -> None:
-        super().__init__(llm, state)
+    def __init__(self, host: SessionHost[Any], state: SessionRequest) -> None:
+        super().__init__(host, state)
         self._segment = 0
         self._sent_tokens = 0  # output tokens already yielded
         self._sent_text = 0
@@ -137,7 +166,7 @@ class Session(RequestHandle[_SessionRequest]):
         by the engine if the previous segment is still generating. ``last`` ends the session
         after this segment. ``ValueError`` (naming the value) for an empty chunk, ``max_tokens < 1``,
         input that would reach ``max_model_len``, or a session that has ended or was closed."""
-        self._llm._send_stream_input(self._state, prompt, max_tokens, last)
+        self._owner.send_stream_input(self._state, prompt, max_tokens, last)
 
     @property
     def num_input_tokens(self) -> int:
@@ -152,13 +181,13 @@ class Session(RequestHandle[_SessionRequest]):
     def fail(self, error: BaseException) -> None:
         """Aborts the session in the engine; iterating raises ``error``."""
         if not self._state.done:
-            self._llm._drop(self._state)
+            self._owner.drop(self._state)
             self._state.queue.put_nowait(error)
 
     async def close(self) -> None:
         """Ends the session once the chunks already sent are served; iteration then ends
         with ``finish_reason`` set."""
-        self._llm._close_session(self._state)
+        self._owner.close_session(self._state)
 
     def __aiter__(self) -> Session:
         return self
