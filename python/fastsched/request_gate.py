@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from fastsched.inputs import PromptType, TokenizedText
+from fastsched.inputs import PromptType, TokenizedText, check_length, check_token_ids
 from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits, check_prompt_chars
 from fastsched.lora.request import LoRARequest
 from fastsched.sampling_params import SamplingParams
@@ -90,25 +90,37 @@ class RequestGate:
             check_prompt_chars(len(text), self.max_model_len if room is None else room, self.max_token_chars, where)
 
     def check_token_ids(self, token_ids: Sequence[int], where: str = "prompt") -> None:
-        """Non-empty, and every id in the vocabulary."""
-        if not token_ids:
-            raise ValueError(f"the {where} must contain at least one token")
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{where} token id {bad} is out of range for a vocabulary of {self.vocab_size}")
+        check_token_ids(token_ids, self.vocab_size, where)
 
     def check_length(self, num_tokens: int, max_tokens: int) -> None:
-        if num_tokens + max_tokens > self.max_model_len:
-            raise ValueError(f"the prompt ({num_tokens} tokens) plus max_tokens ({max_tokens}) is longer than "
-                             f"max_model_len ({self.max_model_len})")
+        check_length(num_tokens, max_tokens, self.max_model_len)
 
     # ------------------------------------------------------------ whole requests
 
     def request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                 lora_request: LoRARequest | None = None, streaming: bool = False) -> ValidRequest:
-        """The request, checked, a text prompt tokenized here (see :meth:`prepare` for an
+        """The request, checked, a text prompt tokenized here (:meth:`request_async` is an
         event loop's way); ``ValueError`` naming the field if it can never run."""
         self.limits.check_request_id(request_id)
+        return self._request(request_id, prompt, params, priority, lora_request, streaming)
+
+    async def request_async(self, request_id: str, prompt: PromptType, params: Callable[[], SamplingParams],
+                            constraint: tuple[str, str | Sequence[str]] | None = None, priority: int = 0,
+                            lora_request: LoRARequest | None = None, streaming: bool = False) -> ValidRequest:
+        """:meth:`request` for an event loop: ``params`` builds the sampling parameters (which
+        compiles an output constraint, ``constraint``: its kind and text or choice list, bounded
+        first) and a long prompt is tokenized, both in the worker threads (:meth:`off_loop`)."""
+        self.limits.check_request_id(request_id)
+        if constraint is not None:
+            self.limits.check_structured_outputs(*constraint)
+            built = await self.off_loop("compiling structured_outputs", params)
+        else:
+            built = params()
+        prompt = await self.prepare(prompt)
+        return self._request(request_id, prompt, built, priority, lora_request, streaming)
+
+    def _request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
+                 lora_request: LoRARequest | None, streaming: bool) -> ValidRequest:
         self.check_params(params)
         if streaming:
             if params.n != 1:
@@ -127,39 +139,46 @@ class RequestGate:
         self.check_length(len(token_ids), params.max_tokens)
         return ValidRequest(request_id, text, token_ids, params, priority, lora_request, streaming)
 
-    def chunk(self, prompt: PromptType, max_tokens: int, last: bool, *, room: int, num_chunks: int) -> ValidChunk:
-        """A session's next chunk; ``room``: the tokens the session may still grow by
-        (``max_model_len`` less what it may already hold), ``num_chunks``: the chunks it
-        has had, its opening included. A text continues the session: no BOS is added."""
+    def chunk(self, request_id: str, prompt: PromptType, max_tokens: int, last: bool, *, held: int,
+              num_chunks: int) -> ValidChunk:
+        """Session ``request_id``'s next chunk. ``held``: the tokens the session may hold once
+        what it was sent is served (its input and each segment's max_tokens); ``num_chunks``:
+        the chunks it has had, its opening included. A text continues the session: no BOS."""
         self.limits.check_session_chunks(num_chunks + 1)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        room = self.max_model_len - held
         if isinstance(prompt, TokenizedText):
             token_ids = prompt.token_ids
         elif isinstance(prompt, str):
-            self.check_text(prompt, max(room, 0), "chunk")
+            self.check_text(prompt, max(room, 1), "chunk")
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             token_ids = [int(t) for t in prompt[: max(room, 0) + 1]]  # one more than fits is enough to refuse
         self.check_token_ids(token_ids, "chunk")
-        if len(token_ids) + max_tokens >= room:
-            raise ValueError(f"this chunk ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) would reach "
-                             f"max_model_len ({self.max_model_len}): the session has room for {max(room - 1, 0)} "
-                             "more tokens")
+        total = held + len(token_ids) + max_tokens
+        if total >= self.max_model_len:
+            raise ValueError(
+                f"session {request_id!r}: this chunk ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) could "
+                f"grow the session to {total} tokens, which reaches max_model_len ({self.max_model_len})")
         return ValidChunk(token_ids, max_tokens, last)
 
     # ------------------------------------------------------------ off the event loop
 
-    async def prepare(self, prompt: PromptType, *, room: int | None = None,
-                      add_special_tokens: bool = True) -> PromptType:
-        """``prompt`` ready for :meth:`request` or :meth:`chunk` without work on the event
-        loop: a long text is bounded (O(1)), then tokenized in the gate's worker thread
-        under ``--prepare-timeout``; anything else is returned as it is."""
+    async def prepare(self, prompt: PromptType, *, held: int | None = None) -> PromptType:
+        """``prompt`` ready for :meth:`request` (or, given the session's ``held`` tokens, for
+        :meth:`chunk`) without work on the event loop: a long text is bounded (O(1)), then
+        tokenized in the gate's worker threads under ``--prepare-timeout``; anything else is
+        returned as it is."""
         if not isinstance(prompt, str) or len(prompt) <= INLINE_TOKENIZE_CHARS:
             return prompt
-        self.check_text(prompt, room, "prompt" if add_special_tokens else "chunk")
-        token_ids = await self.off_loop("tokenizing the prompt", self.tokenizer.encode, prompt,
-                                        add_special_tokens=add_special_tokens)
+        if held is None:
+            self.check_text(prompt)
+            token_ids = await self.off_loop("tokenizing the prompt", self.tokenizer.encode, prompt)
+        else:
+            self.check_text(prompt, max(self.max_model_len - held, 1), "chunk")
+            token_ids = await self.off_loop("tokenizing the chunk", self.tokenizer.encode, prompt,
+                                            add_special_tokens=False)
         return TokenizedText(prompt, token_ids)
 
     async def off_loop(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -24,28 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from fastsched.frontend.request_handle import RequestHandle
-from fastsched.inputs import PromptType, TokenizedText
-from fastsched.model_loader import Tokenizer
+from fastsched.inputs import PromptType
 from fastsched.outputs import RequestOutput
 
-__all__ = ["Session", "SessionHost", "SessionOutput", "SessionState", "SessionTimer", "chunk_token_ids"]
-
-
-def chunk_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
-    """A chunk's token ids: a text continues the session, so no special tokens (BOS) are added.
-    ``ValueError`` for an empty chunk or a token id outside the vocabulary."""
-    if isinstance(prompt, TokenizedText):
-        prompt = prompt.text
-    if isinstance(prompt, str):
-        token_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    else:
-        token_ids = [int(t) for t in prompt]
-    if not token_ids:
-        raise ValueError("a session chunk must contain at least one token")
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"chunk token id {bad} is out of range for a vocabulary of {vocab_size}")
-    return token_ids
+__all__ = ["Session", "SessionHost", "SessionOutput", "SessionState", "SessionTimer"]
 
 
 @dataclass
@@ -62,17 +44,9 @@ class SessionState:
     segment_ends: list[tuple[int, int]] = field(default_factory=list)
     idle_timer: asyncio.TimerHandle | None = None  # --session-idle-timeout, while it waits for input
 
-    def charge(self, request_id: str, num_tokens: int, max_tokens: int, max_model_len: int) -> None:
-        """Counts a chunk in, or raises ``ValueError`` naming the values if it could reach
-        ``max_model_len`` (which the engine would refuse, S15 / Difference 7)."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        total = self.max_tokens_reached + num_tokens + max_tokens
-        if total >= max_model_len:
-            raise ValueError(
-                f"session {request_id!r}: this chunk ({num_tokens} tokens) plus max_tokens ({max_tokens}) could "
-                f"grow the session to {total} tokens, which reaches max_model_len ({max_model_len})")
-        self.max_tokens_reached = total
+    def count(self, num_tokens: int, max_tokens: int) -> None:
+        """Counts in a chunk the request gate let through (``RequestGate.chunk``)."""
+        self.max_tokens_reached += num_tokens + max_tokens
         self.num_input_tokens += num_tokens
         self.num_chunks += 1
 
@@ -103,6 +77,7 @@ R_contra = TypeVar("R_contra", bound=SessionRequest, contravariant=True)
 class SessionHost(Protocol[R_contra]):
     """What a session asks of its frontend (``AsyncLLM``), about the session's own request."""
 
+    async def prepare_chunk(self, state: R_contra, prompt: PromptType) -> PromptType: ...
     def send_stream_input(self, state: R_contra, prompt: PromptType, max_tokens: int, last: bool) -> None: ...
     def close_session(self, state: R_contra) -> None: ...
     def drop(self, state: R_contra) -> None: ...
@@ -166,6 +141,7 @@ class Session(RequestHandle[SessionRequest]):
         by the engine if the previous segment is still generating. ``last`` ends the session
         after this segment. ``ValueError`` (naming the value) for an empty chunk, ``max_tokens < 1``,
         input that would reach ``max_model_len``, or a session that has ended or was closed."""
+        prompt = await self._owner.prepare_chunk(self._state, prompt)
         self._owner.send_stream_input(self._state, prompt, max_tokens, last)
 
     @property
