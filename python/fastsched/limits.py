@@ -147,13 +147,14 @@ class RequestLimits:
         if not isinstance(value, str):
             if len(value) > self.max_structured_outputs_choices:
                 raise LimitError(f"{name} has {len(value)} strings, more than this server's limit of "
-                                 f"{self.max_structured_outputs_choices} (--max-structured-outputs-choices)", name)
+                                 f"{self.max_structured_outputs_choices} (--max-structured-outputs-choices)",
+                                 "structured_outputs")
             chars = sum(len(v) for v in value)
         else:
             chars = len(value)
         if chars > self.max_structured_outputs_chars:
             raise LimitError(f"{name} has {chars} characters, more than this server's limit of "
-                             f"{self.max_structured_outputs_chars} (--max-structured-outputs-chars)", name)
+                             f"{self.max_structured_outputs_chars} (--max-structured-outputs-chars)", "structured_outputs")
 
     def check_messages(self, count: int) -> None:
         if count > self.max_messages:

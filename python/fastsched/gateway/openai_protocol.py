@@ -319,6 +319,8 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     text is bounded first, as a completion prompt's (``parse_completion``)."""
     limits = limits or RequestLimits()
     check_fields(body, CHAT_FIELDS)
+    if isinstance(body.get("tools"), list):
+        limits.check_tools(len(body["tools"]))
     try:
         tool_calling = tool_calls.tool_calling_from_body(body, getattr(tokenizer, "chat_template", None))
         options = template_options(body)
@@ -328,6 +330,7 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise bad_request(f"messages must be a non-empty list of message objects, got {_short(messages)}",
                           "messages")
+    limits.check_messages(len(messages))
     messages = [_message_content(m, i) for i, m in enumerate(messages)]
     max_token_chars = getattr(tokenizer, "max_token_chars", None)
     if max_model_len is not None and max_token_chars is not None:
