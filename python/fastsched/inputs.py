@@ -27,6 +27,12 @@ class TokenizedText:
 PromptType = str | Sequence[int] | TokenizedText
 
 
+class ContextLengthError(ValueError):
+    """The prompt (or a session's input) plus ``max_tokens`` cannot fit in ``max_model_len``."""
+
+    code = "context_length_exceeded"  # OpenAI's error code, sent to the gateway as structured metadata
+
+
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, where: str = "prompt") -> None:
     """Raise ``ValueError`` naming the problem unless ``token_ids`` is non-empty and in the vocabulary."""
     if not token_ids:
@@ -38,7 +44,7 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, where: str = "pro
 
 def check_length(num_tokens: int, max_tokens: int, max_model_len: int) -> None:
     if num_tokens + max_tokens > max_model_len:
-        raise ValueError(
+        raise ContextLengthError(
             f"the prompt ({num_tokens} tokens) plus max_tokens ({max_tokens}) is longer than max_model_len "
             f"({max_model_len})"
         )

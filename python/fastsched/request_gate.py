@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from fastsched.inputs import PromptType, TokenizedText, check_length, check_token_ids
+from fastsched.inputs import ContextLengthError, PromptType, TokenizedText, check_length, check_token_ids
 from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits, check_prompt_chars
 from fastsched.lora.request import LoRARequest
 from fastsched.sampling_params import SamplingParams
@@ -158,7 +158,7 @@ class RequestGate:
         self.check_token_ids(token_ids, "chunk")
         total = held + len(token_ids) + max_tokens
         if total >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"session {request_id!r}: this chunk ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) could "
                 f"grow the session to {total} tokens, which reaches max_model_len ({self.max_model_len})")
         return ValidChunk(token_ids, max_tokens, last)

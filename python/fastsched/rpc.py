@@ -3,6 +3,8 @@ the metadata keys that carry an error's details and the API key, and the message
 
 from __future__ import annotations
 
+import hmac
+
 REJECTION_REASON_KEY = "rejection-reason"  # an UNAVAILABLE's admission reason (A5)
 INVALID_PARAM_KEY = "invalid-param"  # the request field an INVALID_ARGUMENT is about
 AUTHORIZATION_KEY = "authorization"  # "Bearer <key>" on every call when the server has an API key
@@ -12,3 +14,21 @@ MESSAGE_SIZE_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+# An error's OpenAI ``code`` (context_length_exceeded, model_not_found, lora_in_use, not_paused, ...),
+# set by the frontend where it raises the error, so that the gateway never reads an error's text.
+ERROR_CODE_KEY = "error-code"
+
+
+def error_metadata(*, param: str | None = None, reason: str | None = None,
+                   code: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata of a failed call: the request field it is about (``invalid-param``),
+    an admission rejection's reason (``rejection-reason``), the error's code (``error-code``)."""
+    pairs = ((INVALID_PARAM_KEY, param), (REJECTION_REASON_KEY, reason), (ERROR_CODE_KEY, code))
+    return tuple((key, value) for key, value in pairs if value)
+
+
+def bearer_matches(authorization: str | None, key: str) -> bool:
+    """Whether an ``Authorization`` header (or gRPC metadata) value is ``Bearer <key>``, compared in
+    constant time: the one key check of the gateway's routes, its WebSocket and the frontends' gRPC."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())

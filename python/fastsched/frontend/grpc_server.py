@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import re
 import time
@@ -52,7 +51,14 @@ from fastsched.limits import RequestLimits
 from fastsched.lora.request import LoRARequest
 from fastsched.outputs import RequestOutput
 from fastsched.proto_gen import import_stubs
-from fastsched.rpc import AUTHORIZATION_KEY, INVALID_PARAM_KEY, MESSAGE_SIZE_OPTIONS, REJECTION_REASON_KEY
+from fastsched.rpc import (
+    AUTHORIZATION_KEY,
+    INVALID_PARAM_KEY,
+    MESSAGE_SIZE_OPTIONS,
+    REJECTION_REASON_KEY,
+    bearer_matches,
+    error_metadata,
+)
 from fastsched.request_gate import ValidRequest
 from fastsched.sampling_params import SamplingParams
 
@@ -277,11 +283,12 @@ class FrontendServicer(pb_grpc.FrontendServicer):
     @staticmethod
     async def _abort_invalid(context: grpc.aio.ServicerContext, error: ValueError) -> None:
         if isinstance(error, _NotFound):
-            code, param = grpc.StatusCode.NOT_FOUND, "model"
+            code, param, error_code = grpc.StatusCode.NOT_FOUND, "model", "model_not_found"
         else:
             code = grpc.StatusCode.INVALID_ARGUMENT
             param = getattr(error, "field", None) or param_named_in(str(error))  # a LimitError knows its field
-        context.set_trailing_metadata(((INVALID_PARAM_KEY, param),))
+            error_code = getattr(error, "code", None)  # e.g. context_length_exceeded
+        context.set_trailing_metadata(error_metadata(param=param, code=error_code))
         await context.abort(code, str(error))
 
     @staticmethod
@@ -341,6 +348,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         except TimeoutError as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except RuntimeError as e:  # not paused with mode all
+            context.set_trailing_metadata(error_metadata(code="not_paused"))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return pb.ReloadWeightsResponse()
 
@@ -372,8 +380,10 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         try:
             self._loras().unload(request.lora_name)
         except LoRANotFoundError as e:
+            context.set_trailing_metadata(error_metadata(param="lora_name", code="lora_not_found"))
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except LoRAInUseError as e:
+            context.set_trailing_metadata(error_metadata(param="lora_name", code="lora_in_use"))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -398,6 +408,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         except TimeoutError as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         if status is None:
+            context.set_trailing_metadata(error_metadata(param="request_id", code="request_not_found"))
             await context.abort(grpc.StatusCode.NOT_FOUND, f"this frontend does not know request {request.request_id!r}")
         return json_format.ParseDict(status, pb.RequestStatusResponse())
 
@@ -447,7 +458,7 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     without); answers every other one UNAUTHENTICATED before its handler runs."""
 
     def __init__(self, api_key: str) -> None:
-        self._key = api_key.encode()
+        self._key = api_key
 
         async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
@@ -476,8 +487,7 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def _authorized(self, metadata: Any) -> bool:
         for key, value in metadata:
             if key == AUTHORIZATION_KEY and isinstance(value, str):
-                scheme, _, token = value.partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+                return bearer_matches(value, self._key)
         return False
 
 

@@ -34,7 +34,7 @@ def lora_id(name: str, path: str) -> int:
     return int.from_bytes(digest[:4], "little") % (2**31 - 1) + 1
 
 
-class _Request(Protocol):
+class _UsesAdapter(Protocol):
     lora_name: str | None
 
 
@@ -82,11 +82,11 @@ class LoRARegistry:
         """Requests in flight that run with adapter ``name``."""
         return self._in_use[name]
 
-    def request_started(self, request: _Request) -> None:
+    def request_started(self, request: _UsesAdapter) -> None:
         if request.lora_name is not None:
             self._in_use[request.lora_name] += 1
 
-    def request_finished(self, request: _Request, error: str | None = None, counted: bool = True) -> None:
+    def request_finished(self, request: _UsesAdapter, error: str | None = None, counted: bool = True) -> None:
         if request.lora_name is not None:
             self._in_use[request.lora_name] -= 1
             if not self._in_use[request.lora_name]:

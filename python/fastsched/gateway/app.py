@@ -11,10 +11,11 @@ only once the frontend has sent its first chunk, so a rejection (which comes bef
 chunk) is still a 503, never an error inside a 200 stream. When the client goes away,
 the gRPC call is cancelled and the frontend aborts the request in the engine.
 
-``--api-key`` guards ``/v1/*`` (the ``/v1/sessions`` WebSocket included, ``gateway.sessions``),
-``/debug/*`` and ``/pause``, ``/resume``, ``/is_paused``, ``/reload_weights`` (``gateway.pause``); ``/health`` and ``/metrics`` stay open for
-probes and scrapers, as in vLLM. The gateway sends the same key to the frontends
-(metadata ``authorization: Bearer <key>``), whose gRPC ports require it too.
+Who may call what is declared per route in ``create_app`` (``gateway.auth``: one key check);
+a frontend's gRPC error becomes an HTTP error in one place (``gateway.errors``), and the
+frontends are reached through ``gateway.pool`` (routing, and ``FrontendPool.each``, the one
+fan-out). The gateway sends its key to the frontends (metadata ``authorization: Bearer <key>``),
+whose gRPC ports require it too.
 
 Limits (``fastsched.limits.RequestLimits``): the body is read within ``body_timeout``
 and up to ``max_body_bytes`` (408 / 413); it must be JSON without NaN or Infinity, at
@@ -58,9 +59,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fastsched.frontend.admission import ENGINE_FAULTED
 from fastsched.gateway import metrics as gateway_metrics
 from fastsched.gateway import pause
+from fastsched.gateway.auth import Auth
+from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.http_protocol import guarded_http_protocol
 from fastsched.gateway.lora_admin import LoRAAdmin
 from fastsched.gateway.openai_protocol import (
@@ -71,217 +73,19 @@ from fastsched.gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
+from fastsched.gateway.pool import FrontendPool, FrontendStream
 from fastsched.gateway.sessions import session_websocket
 from fastsched.gateway.tokenize import detokenize, tokenize
 from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits
-from fastsched.proto_gen import import_stubs
-from fastsched.rpc import AUTHORIZATION_KEY, INVALID_PARAM_KEY, MESSAGE_SIZE_OPTIONS, REJECTION_REASON_KEY
-
-pb, pb_grpc = import_stubs()
 
 logger = logging.getLogger("fastsched.gateway")
 _VERSION = importlib.metadata.version("fastsched")
 
-_PROBE_TIMEOUT_S = 2.0
-_STATUS_TIMEOUT_S = 10.0  # longer than a frontend's wait for its engine (engine_timeout, 5 s by default)
 _PROMPT_CHUNK = 8  # prompts of an OpenAI response id looked up at once
 # An X-Request-Id the gateway accepts: printable ASCII without "/", so it fits a URL path.
 _VALID_REQUEST_ID = re.compile(r"[!-.0-~]{1,128}")
-_CHANNEL_OPTIONS = [
-    ("grpc.enable_http_proxy", 0),  # frontends are local: never route through $http_proxy
-    *MESSAGE_SIZE_OPTIONS,
-]
-MAX_CONCURRENT_STREAMS = "max_concurrent_streams"  # the 503 reason when every frontend is at its limit
 # A raw JSON string escape of a UTF-16 surrogate: only then can a parsed string hold a lone one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _metadata(error: grpc.aio.AioRpcError) -> dict[str, str]:
-    return {key: value for key, value in (error.trailing_metadata() or ()) if isinstance(value, str)}
-
-
-def _unavailable(reason: str, retry_after_s: int) -> ApiError:
-    if reason == ENGINE_FAULTED:
-        message = "The engine is not healthy (engine_faulted); the request was not admitted."
-    elif reason == "frontend_unavailable":
-        message = "No frontend could be reached (frontend_unavailable)."
-    elif reason == MAX_CONCURRENT_STREAMS:
-        message = "Every frontend is serving as many calls as it may (max_concurrent_streams)."
-    else:
-        message = f"The server is overloaded: the request was rejected at admission ({reason})."
-    return ApiError(503, f"{message} Retry after {retry_after_s} s.", type="service_unavailable_error",
-                    code=reason, headers={"Retry-After": str(retry_after_s)})
-
-
-def api_error_from_rpc(error: grpc.aio.AioRpcError, retry_after_s: int) -> ApiError:
-    """docs/design.md §8: the frontend's status codes as HTTP errors."""
-    code, details, metadata = error.code(), error.details() or "", _metadata(error)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        too_long = "max_model_len" in details or "maximum context length" in details
-        return bad_request(details, metadata.get(INVALID_PARAM_KEY) or None,
-                           code="context_length_exceeded" if too_long else None)
-    if code == grpc.StatusCode.NOT_FOUND:
-        return ApiError(404, details, type="invalid_request_error", param="model", code="model_not_found")
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return _unavailable(metadata.get(REJECTION_REASON_KEY, "frontend_unavailable"), retry_after_s)
-    return ApiError(500, f"the frontend failed: {code.name}: {details}", type="internal_error")
-
-
-class Frontend:
-    """One frontend's channel and the number of this gateway's requests in flight on it."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self.stub = pb_grpc.FrontendStub(self.channel)
-        self.outstanding = 0
-
-
-class FrontendStream:
-    """A Generate call whose first response has arrived; iterate for the rest. The
-    message that carries ``usage`` is the call's last (the frontend sends usage when the
-    request ends), so iteration stops there without waiting for the call's status."""
-
-    def __init__(self, frontend: Frontend, call: Any, first: Any) -> None:
-        self.frontend, self.call, self.first = frontend, call, first
-        self._released = False
-        self._finished = False  # the last message arrived: nothing left to cancel
-
-    def _release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.frontend.outstanding -= 1
-
-    def cancel(self) -> None:
-        """Cancels the call (the frontend then aborts the request in the engine) unless
-        its last message arrived."""
-        if not self._finished and not self.call.done():
-            self.call.cancel()
-        self._release()
-
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        try:
-            msg = self.first
-            while msg is not grpc.aio.EOF:
-                self._finished = msg.HasField("usage")
-                yield msg
-                if self._finished:
-                    return
-                msg = await self.call.read()
-        finally:
-            self.cancel()
-
-
-class FrontendPool:
-    """The K frontends. Channels are made in ``start`` (inside the serving event loop)."""
-
-    def __init__(self, addresses: Sequence[str], api_key: str | None = None) -> None:
-        if not addresses:
-            raise ValueError("frontend_addrs must name at least one frontend")
-        self.addresses = list(addresses)
-        # Sent on every call: the frontends' gRPC ports require the key the gateway does.
-        self.metadata = ((AUTHORIZATION_KEY, f"Bearer {api_key}"),) if api_key is not None else ()
-        self.frontends: list[Frontend] = []
-        self._next = 0
-        self._model_info: dict[str, Any] | None = None
-
-    async def start(self) -> None:
-        if not self.frontends:
-            self.frontends = [Frontend(address) for address in self.addresses]
-
-    async def close(self) -> None:
-        frontends, self.frontends = self.frontends, []
-        await asyncio.gather(*(f.channel.close() for f in frontends), return_exceptions=True)
-
-    def _order(self) -> list[Frontend]:
-        """Least outstanding first; equal counts in round-robin order."""
-        k = len(self.frontends)
-        start, self._next = self._next, (self._next + 1) % k
-        rotated = [self.frontends[(start + i) % k] for i in range(k)]
-        return sorted(rotated, key=lambda f: f.outstanding)  # stable: keeps the rotation among ties
-
-    async def open(self, request: Any, retry_after_s: int) -> FrontendStream:
-        """Starts ``request`` on a frontend and waits for its first response (or its error)."""
-        await self.start()
-        last_error: grpc.aio.AioRpcError | None = None
-        reason = "frontend_unavailable"
-        for frontend in self._order():
-            call = frontend.stub.Generate(request, metadata=self.metadata)
-            frontend.outstanding += 1
-            try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as e:
-                frontend.outstanding -= 1
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # at max_concurrent_streams: try another
-                    reason, last_error = MAX_CONCURRENT_STREAMS, e
-                    continue
-                if e.code() == grpc.StatusCode.UNAVAILABLE and REJECTION_REASON_KEY not in _metadata(e):
-                    logger.warning("frontend %s unreachable: %s", frontend.address, e.details())
-                    last_error = e
-                    continue
-                raise api_error_from_rpc(e, retry_after_s) from e
-            except BaseException:  # cancelled (client gone) while waiting for the first token
-                call.cancel()
-                frontend.outstanding -= 1
-                raise
-            return FrontendStream(frontend, call, first)
-        raise _unavailable(reason, retry_after_s) from last_error
-
-    async def stats_by_frontend(self) -> list[Any | BaseException]:
-        """Each frontend's GetStats reply, or the error its call ended with (the launcher's
-        liveness probe: a hung frontend times out, a dead engine shows as ``dead``)."""
-        return await self._each("GetStats", pb.GetStatsRequest())
-
-    async def _each(self, rpc: str, request: Any) -> list[Any | BaseException]:
-        await self.start()
-        calls = [getattr(f.stub, rpc)(request, timeout=_PROBE_TIMEOUT_S, metadata=self.metadata)
-                 for f in self.frontends]
-        return await asyncio.gather(*calls, return_exceptions=True)
-
-    async def model_info(self) -> dict[str, Any] | None:
-        """The served model's limits from the first frontend that answers; cached."""
-        if self._model_info is None:
-            for reply in await self._each("ModelInfo", pb.ModelInfoRequest()):
-                if not isinstance(reply, BaseException):
-                    self._model_info = {"model": reply.model, "max_model_len": reply.max_model_len,
-                                        "vocab_size": reply.vocab_size}
-                    break
-        return self._model_info
-
-    async def health(self) -> dict[str, str]:
-        replies = await self._each("Health", pb.HealthRequest())
-        return {
-            f.address: "unreachable" if isinstance(r, BaseException) else pb.ServingStatus.Name(r.status).lower()
-            for f, r in zip(self.frontends, replies)
-        }
-
-    async def request_status(self, request_id: str, retry_after_s: int) -> dict[str, Any] | None:
-        """Where ``request_id`` is, from the frontend that knows it (the latest arrival if several
-        do: an id reused after a rejection); None when every frontend answers NOT_FOUND."""
-        await self.start()
-        request = pb.RequestStatusRequest(request_id=request_id)
-        replies = await asyncio.gather(
-            *(f.stub.GetRequestStatus(request, timeout=_STATUS_TIMEOUT_S, metadata=self.metadata)
-              for f in self.frontends),
-            return_exceptions=True,
-        )
-        found = [json_format.MessageToDict(r, preserving_proto_field_name=True)
-                 for r in replies if not isinstance(r, BaseException)]
-        if found:
-            return max(found, key=lambda status: status.get("metrics", {}).get("arrival_time", 0.0))
-        for reply in replies:  # a frontend that could not answer might know it: not a 404
-            if not isinstance(reply, grpc.aio.AioRpcError):
-                raise reply
-            if reply.code() != grpc.StatusCode.NOT_FOUND:
-                raise api_error_from_rpc(reply, retry_after_s) from reply
-        return None
-
-    async def stats(self) -> list[Any]:
-        replies = await self._each("GetStats", pb.GetStatsRequest())
-        for f, r in zip(self.frontends, replies):
-            if isinstance(r, BaseException):
-                logger.warning("GetStats from %s failed: %s", f.address, r)
-        return [r for r in replies if not isinstance(r, BaseException)]
 
 
 async def _merge(streams: Sequence[FrontendStream]) -> AsyncIterator[tuple[int, Any]]:
@@ -381,24 +185,16 @@ class Gateway:
 
     def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
                  api_key: str | None, limits: RequestLimits, retry_after_s: int) -> None:
+        self.auth = Auth(api_key)
         self.pool = FrontendPool(frontend_addrs, api_key)
         # Clients may send any of the names; responses carry the first (vLLM's --served-model-name).
         self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
         self.model_name, self.tokenizer, self.api_key = self.model_names[0], tokenizer, api_key
         self.limits, self.retry_after_s = limits, retry_after_s
         self.created = int(time.time())
-        self.loras = LoRAAdmin(self.pool._each)
+        self.loras = LoRAAdmin(self.pool, retry_after_s)
         # Chat templates of long bodies are rendered and tokenized here, off the event loop.
         self._parse_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="fastsched-chat-template")
-
-    def _check_api_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
-                           type="authentication_error", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.limits.max_body_bytes
@@ -418,7 +214,7 @@ class Gateway:
                                 "(--body-timeout).", code="request_timeout", headers={"Connection": "close"}) from None
         return b"".join(chunks)
 
-    async def _read_json(self, request: Request) -> tuple[dict[str, Any], int]:
+    async def read_json(self, request: Request) -> tuple[dict[str, Any], int]:
         """The body as a JSON object, checked (see the module docstring), and its size in bytes."""
         raw = await self._read_body(request)
         try:
@@ -441,16 +237,14 @@ class Gateway:
 
     async def completions(self, request: Request) -> Response:
         request_id = _assign_request_id(request, "cmpl")
-        self._check_api_key(request)
-        body, _ = await self._read_json(request)
+        body, _ = await self.read_json(request)
         info = await self.pool.model_info()
         parsed = parse_completion(body, request_id, self.limits, info and info["max_model_len"], self.tokenizer)
         return await self._generate(request, self._with_adapter(parsed, body))
 
     async def chat_completions(self, request: Request) -> Response:
         request_id = _assign_request_id(request, "chatcmpl")
-        self._check_api_key(request)
-        body, size = await self._read_json(request)
+        body, size = await self.read_json(request)
         info = await self.pool.model_info()
         args = (body, self.tokenizer, info and info["max_model_len"], request_id, self.limits)
         if size <= INLINE_TOKENIZE_CHARS:
@@ -460,7 +254,7 @@ class Gateway:
         return await self._generate(request, self._with_adapter(parsed, body))
 
     def _with_adapter(self, parsed: ParsedRequest, body: dict[str, Any]) -> ParsedRequest:
-        """A ``model`` that is not one of the served names is an adapter (``_read_json`` checked)."""
+        """A ``model`` that is not one of the served names is an adapter (``read_json`` checked)."""
         model = body.get("model")
         if model is not None and model not in self.model_names:
             parsed.lora_name = model
@@ -526,8 +320,7 @@ class Gateway:
         yield events + "data: [DONE]\n\n", True
 
     async def tokenize(self, request: Request) -> Response:
-        self._check_api_key(request)
-        body, size = await self._read_json(request)
+        body, size = await self.read_json(request)
         info = await self.pool.model_info()
         args = (body, self.tokenizer, info and info["max_model_len"], self.limits)
         if size <= INLINE_TOKENIZE_CHARS:
@@ -535,8 +328,7 @@ class Gateway:
         return JSONResponse(await asyncio.get_running_loop().run_in_executor(self._parse_pool, tokenize, *args))
 
     async def detokenize(self, request: Request) -> Response:
-        self._check_api_key(request)
-        body, _ = await self._read_json(request)
+        body, _ = await self.read_json(request)
         info = await self.pool.model_info()
         return JSONResponse(detokenize(body, self.tokenizer, info and info["vocab_size"]))
 
@@ -548,7 +340,6 @@ class Gateway:
         return await self.health(request)
 
     async def models(self, request: Request) -> Response:
-        self._check_api_key(request)
         info = await self.pool.model_info() or {}
         cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "fastsched",
                   "root": info.get("model", self.model_name), "max_model_len": info.get("max_model_len")}
@@ -559,13 +350,11 @@ class Gateway:
         return JSONResponse({"object": "list", "data": cards})
 
     async def load_lora_adapter(self, request: Request) -> Response:
-        self._check_api_key(request)
-        body, _ = await self._read_json(request)
+        body, _ = await self.read_json(request)
         return await self.loras.load(body)
 
     async def unload_lora_adapter(self, request: Request) -> Response:
-        self._check_api_key(request)
-        body, _ = await self._read_json(request)
+        body, _ = await self.read_json(request)
         return await self.loras.unload(body)
 
     async def health(self, request: Request) -> Response:
@@ -580,7 +369,6 @@ class Gateway:
 
     async def request_status(self, request: Request) -> Response:
         """``{"request_id", "state", "prompts": [status of each prompt]}``; see docs/serving.md."""
-        self._check_api_key(request)
         request_id = request.path_params["request_id"]
         prompts = await self._find_prompts(request_id)
         if not prompts:
@@ -740,23 +528,24 @@ def create_app(
             await gateway.pool.close()
             gateway._parse_pool.shutdown(wait=False, cancel_futures=True)
 
+    guard = gateway.auth.guard
     routes = [
-        Route("/v1/completions", gateway.completions, methods=["POST"]),
-        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
-        Route("/v1/models", gateway.models, methods=["GET"]),
-        Route("/v1/load_lora_adapter", gateway.load_lora_adapter, methods=["POST"]),
-        Route("/v1/unload_lora_adapter", gateway.unload_lora_adapter, methods=["POST"]),
+        Route("/v1/completions", guard(gateway.completions), methods=["POST"]),
+        Route("/v1/chat/completions", guard(gateway.chat_completions), methods=["POST"]),
+        Route("/v1/models", guard(gateway.models), methods=["GET"]),
+        Route("/v1/load_lora_adapter", guard(gateway.load_lora_adapter), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", guard(gateway.unload_lora_adapter), methods=["POST"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics, methods=["GET"]),
-        Route("/tokenize", gateway.tokenize, methods=["POST"]),
-        Route("/detokenize", gateway.detokenize, methods=["POST"]),
+        Route("/tokenize", guard(gateway.tokenize), methods=["POST"]),
+        Route("/detokenize", guard(gateway.detokenize), methods=["POST"]),
         Route("/version", gateway.version, methods=["GET"]),
         Route("/ping", gateway.ping, methods=["GET", "POST"]),
-        Route("/debug/requests/{request_id}", gateway.request_status, methods=["GET"]),
-        Route("/pause", pause.pause, methods=["POST"]),
-        Route("/resume", pause.resume, methods=["POST"]),
-        Route("/is_paused", pause.is_paused, methods=["GET"]),
-        Route("/reload_weights", pause.reload_weights, methods=["POST"]),
+        Route("/debug/requests/{request_id}", guard(gateway.request_status), methods=["GET"]),
+        Route("/pause", guard(pause.pause), methods=["POST"]),
+        Route("/resume", guard(pause.resume), methods=["POST"]),
+        Route("/is_paused", guard(pause.is_paused), methods=["GET"]),
+        Route("/reload_weights", guard(pause.reload_weights), methods=["POST"]),
         WebSocketRoute("/v1/sessions", session_websocket),
     ]
     handlers = {ApiError: _api_error, LimitError: _limit_error, HTTPException: _http_error, Exception: _internal_error}

@@ -17,7 +17,6 @@ a 409 unless the server is paused with mode ``all``, a 400 when the weights do n
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import grpc
@@ -25,7 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fastsched.engine.protocol import PAUSE_MODES
-from fastsched.gateway.openai_protocol import ApiError, bad_request
+from fastsched.gateway.errors import FRONTEND_UNAVAILABLE, api_error_from_rpc, unavailable
+from fastsched.gateway.openai_protocol import bad_request
 from fastsched.proto_gen import import_stubs
 
 pb, pb_grpc = import_stubs()
@@ -52,45 +52,34 @@ async def is_paused(request: Request) -> Response:
 async def reload_weights(request: Request) -> Response:
     """``{"path": checkpoint}``: new weights on every engine, only while paused with mode all (else 409)."""
     gateway = request.app.state.gateway
-    gateway._check_api_key(request)
-    body, _ = await gateway._read_json(request)
+    body, _ = await gateway.read_json(request)
     model = body.get("path")
     if not isinstance(model, str) or not model:
         raise bad_request("path must name the checkpoint to load (a path the engines can read)", "path")
-    pool = gateway.pool
-    await pool.start()
-    replies = await asyncio.gather(
-        *(f.stub.ReloadWeights(pb.ReloadWeightsRequest(model=model), timeout=_RELOAD_TIMEOUT_S,
-                               metadata=pool.metadata) for f in pool.frontends),
-        return_exceptions=True,
-    )
-    for reply in replies:
-        if isinstance(reply, grpc.aio.AioRpcError):
-            if reply.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise ApiError(409, f"{reply.details()}; POST /pause?mode=all first", type="conflict_error",
-                               code="not_paused")
-            if reply.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise bad_request(reply.details() or "the weights cannot be loaded", "path")
-        if isinstance(reply, BaseException):
-            raise ApiError(503, f"ReloadWeights failed: {_describe(reply)}", type="service_unavailable",
-                           code="frontend_unavailable", headers={"Retry-After": str(gateway.retry_after_s)})
+    replies = await gateway.pool.each("ReloadWeights", pb.ReloadWeightsRequest(model=model), _RELOAD_TIMEOUT_S)
+    errors = [reply for reply in replies if isinstance(reply, BaseException)]
+    if errors:
+        error = api_error_from_rpc(errors[0], gateway.retry_after_s)
+        if error.param == "model":  # the gRPC field; the HTTP body calls it path
+            error.param = "path"
+        if error.code == "not_paused":
+            error.message += "; POST /pause?mode=all first"
+        raise error
     return JSONResponse({"reloaded": True, "path": model})
 
 
 async def _call_all(request: Request, rpc: str, message: Any) -> Response:
     """``rpc`` on every frontend; 503 naming the frontends that could not do it."""
     gateway = request.app.state.gateway
-    gateway._check_api_key(request)
     pool = gateway.pool
-    await pool.start()
-    replies = await asyncio.gather(
-        *(getattr(f.stub, rpc)(message, timeout=_CALL_TIMEOUT_S, metadata=pool.metadata) for f in pool.frontends),
-        return_exceptions=True,
-    )
+    replies = await pool.each(rpc, message, _CALL_TIMEOUT_S)
     failed = {f.address: _describe(r) for f, r in zip(pool.frontends, replies) if isinstance(r, BaseException)}
     if failed:
-        raise ApiError(503, f"{rpc} failed on frontend(s): {failed}", type="service_unavailable",
-                       code="frontend_unavailable", headers={"Retry-After": str(gateway.retry_after_s)})
+        error = api_error_from_rpc(next(r for r in replies if isinstance(r, BaseException)), gateway.retry_after_s)
+        if error.status >= 500:  # say which frontends could not do it
+            error = unavailable(FRONTEND_UNAVAILABLE, gateway.retry_after_s)
+            error.message = f"{rpc} failed on frontend(s): {failed}. {error.message}"
+        raise error
     engines: dict[str, str] = {}
     for reply in replies:
         engines.update({str(index): state for index, state in reply.engines.items()})

@@ -5,7 +5,7 @@ The client sends JSON messages:
 
 - ``{"type": "open", "prompt": text or token ids, "max_tokens": n, ...}`` first, with any
   sampling parameter of the gRPC ``SamplingParams`` (``temperature``, ``seed``, ...) and
-  optionally ``request_id`` and ``priority``;
+  optionally ``request_id``, ``priority`` and ``model`` (a served name or a LoRA adapter's);
 - ``{"type": "chunk", "prompt": ..., "max_tokens": n, "last": false}`` for each next chunk;
 - ``{"type": "close"}`` to end the session once its chunks are served.
 
@@ -19,37 +19,37 @@ client that disconnects ends the session at once: its slot and KV are freed.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.openai_protocol import ApiError, bad_request
 from fastsched.proto_gen import import_stubs
-from fastsched.rpc import INVALID_PARAM_KEY, REJECTION_REASON_KEY
 
 pb, pb_grpc = import_stubs()
 
-_OPEN_FIELDS = frozenset({"type", "prompt", "request_id", "priority"})
+_OPEN_FIELDS = frozenset({"type", "prompt", "request_id", "priority", "model"})
 _CHUNK_FIELDS = frozenset({"type", "prompt", "max_tokens", "last"})
 _CLOSE_POLICY, _CLOSE_TRY_AGAIN, _CLOSE_INTERNAL = 1008, 1013, 1011
 
 
 async def session_websocket(websocket: WebSocket) -> None:
     gateway = websocket.app.state.gateway
-    if not _authorized(websocket, gateway.api_key):
+    if gateway.auth.failure(websocket.headers) is not None:
         await websocket.close(code=_CLOSE_POLICY, reason="Invalid or missing API key: send Authorization: Bearer")
         return
     await websocket.accept()
     pool = gateway.pool
     await pool.start()
-    frontend = pool._order()[0]
+    frontend = pool.pick()
     call = None
     try:
-        opening = open_request(await _receive(websocket))
+        opening = open_request(await _receive(websocket), gateway.model_names)
         call = frontend.stub.GenerateSession(metadata=pool.metadata)
         frontend.outstanding += 1
         await call.write(opening)
@@ -67,7 +67,7 @@ async def session_websocket(websocket: WebSocket) -> None:
     except ApiError as e:
         await _fail(websocket, e)
     except grpc.aio.AioRpcError as e:
-        await _fail(websocket, _api_error(e, gateway.retry_after_s))
+        await _fail(websocket, api_error_from_rpc(e, gateway.retry_after_s))
     except WebSocketDisconnect:
         pass  # the client left: cancelling the call aborts the session
     finally:
@@ -76,12 +76,16 @@ async def session_websocket(websocket: WebSocket) -> None:
             frontend.outstanding -= 1
 
 
-def open_request(message: dict[str, Any]) -> Any:
-    """The ``open`` message as a ``SessionRequest``; ``ApiError`` 400 naming a bad field."""
+def open_request(message: dict[str, Any], model_names: Sequence[str] = ()) -> Any:
+    """The ``open`` message as a ``SessionRequest``; ``ApiError`` 400 naming a bad field. A
+    ``model`` that is not one of ``model_names`` names a LoRA adapter (the frontend answers
+    NOT_FOUND, a 404, for one it does not serve)."""
     if message.get("type") != "open":
         raise bad_request("a session's first message must be {\"type\": \"open\", ...}", "type")
+    model = _field(message, "model", str, "")
     request = pb.GenerateRequest(request_id=_field(message, "request_id", str, ""),
-                                 priority=_field(message, "priority", int, 0))
+                                 priority=_field(message, "priority", int, 0),
+                                 model="" if model in model_names else model)
     _set_prompt(request, message.get("prompt"))
     params = {k: v for k, v in message.items() if k not in _OPEN_FIELDS}
     try:
@@ -159,18 +163,6 @@ def _output(response: Any) -> dict[str, Any]:
     return out
 
 
-def _api_error(error: grpc.aio.AioRpcError, retry_after_s: int) -> ApiError:
-    metadata = {k: v for k, v in (error.trailing_metadata() or ()) if isinstance(v, str)}
-    code = error.code()
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return bad_request(error.details() or "invalid session request", metadata.get(INVALID_PARAM_KEY))
-    if code == grpc.StatusCode.UNAVAILABLE:
-        reason = metadata.get(REJECTION_REASON_KEY, "frontend_unavailable")
-        return ApiError(503, f"The server cannot take this session now: {reason}", type="service_unavailable",
-                        code=reason, headers={"Retry-After": str(retry_after_s)})
-    return ApiError(500, f"The session failed: {error.details()}", type="internal_error")
-
-
 async def _fail(websocket: WebSocket, error: ApiError) -> None:
     code = _CLOSE_POLICY if error.status < 500 else _CLOSE_TRY_AGAIN if error.status == 503 else _CLOSE_INTERNAL
     try:
@@ -178,10 +170,3 @@ async def _fail(websocket: WebSocket, error: ApiError) -> None:
         await websocket.close(code=code, reason=error.message[:120])
     except (WebSocketDisconnect, RuntimeError):
         pass  # already gone or closed
-
-
-def _authorized(websocket: WebSocket, api_key: str | None) -> bool:
-    if api_key is None:
-        return True
-    scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
