@@ -149,12 +149,8 @@ class AdmissionController:
     def check_and_charge(self, request_id: str, n: int, prompt_len: int, *, engine_healthy: bool = True) -> None:
         """Admit the request (and charge it) or raise an :class:`AdmissionError` leaving
         no trace but the rejection counter (A5). Never awaits: see the module docstring."""
-        if request_id in self._charges:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        if n < 1:
-            raise ValueError(f"n must be at least 1, got {n}")
-        if prompt_len < 0:
-            raise ValueError(f"prompt_len must be non-negative, got {prompt_len}")
+        # The request gate and the request table have judged these (an id in use, n, the prompt).
+        assert request_id not in self._charges and n >= 1 and prompt_len >= 0, (request_id, n, prompt_len)
         self.check_can_ever_fit(n, prompt_len)
         if self.fault_tolerance and not engine_healthy:  # A1
             self._reject(EngineFaultedError(
