@@ -202,3 +202,13 @@ def test_serve_refuses_a_bad_setting_before_spawning_anything(flags, flag, monke
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"fastsched: error: {flag}: "), err
     assert not spawned
+
+
+def test_an_empty_api_key_in_the_environment_is_an_error_not_auth_off(monkeypatch, capsys):
+    """Issue 22: FASTSCHED_API_KEY="" used to mean no key at all."""
+    from fastsched.launcher import serve as launcher
+
+    monkeypatch.setenv("FASTSCHED_API_KEY", "")
+    monkeypatch.setattr(launcher, "_spawn", lambda *a, **k: pytest.fail("a child was spawned"))
+    assert main(["serve", "--port", "0", "--grpc-port", "0"]) != 0
+    assert "FASTSCHED_API_KEY is set but empty" in capsys.readouterr().err

@@ -516,3 +516,21 @@ def test_a_huge_session_chunk_is_refused_before_it_is_tokenized(stack: Stack, st
         list(stub.GenerateSession(long_chunk(), timeout=QUICK_S))
     assert "max_model_len (512)" in info.value.details()
     assert any(n == 5000 and thread is not stack.loop.thread for n, thread in encoded), encoded
+
+
+def test_a_json_body_sent_as_text_plain_is_415(http: httpx.Client) -> None:
+    """Issue 22: any web page may POST text/plain to a local server without asking it first."""
+    body = json.dumps(completion())
+    error = error_of(http.post("/v1/completions", content=body, headers={"content-type": "text/plain"}), 415, None,
+                     "application/json")
+    assert error["code"] == "unsupported_media_type"
+    ok = http.post("/v1/completions", content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_grpc_request_id_with_a_newline_is_refused(stub: Any) -> None:
+    """Issue 22: session and gRPC ids went into the logs as sent, newlines included."""
+    error = grpc_error(stub, pb.GenerateRequest(request_id="r1\nFAKE LOG LINE", text="Hi",
+                                                sampling_params=pb.SamplingParams(max_tokens=1)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(error.trailing_metadata())["invalid-param"] == "request_id"

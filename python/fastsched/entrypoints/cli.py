@@ -119,6 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=not args.disable_access_log,
         enable_log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_level=args.log_level,
     )
     try:
@@ -141,7 +142,10 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
         return key
     if args.api_key is not None:
         return args.api_key
-    return os.environ.get(API_KEY_ENV) or None
+    key = os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"${API_KEY_ENV} is set but empty: unset it to serve without a key, or give the key")
+    return key
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -169,7 +173,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request when a frontend admits it (prompt, parameters) and when it ends")
     n.add_argument("--max-log-len", type=parse_count, default=None,
-                   help="with --enable-log-requests: characters and token ids of a prompt to log (default: all)")
+                   help="with --enable-log-requests: characters (or token ids) logged of each thing a request "
+                        "sent: its prompt, prompt token ids, parameters, error (default: all)")
+    n.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
+                   help="report usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix "
+                        "cache) in responses")
     p = parser.add_argument_group("processes (docs/design.md §1)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine processes (D), each a full copy of the model with its own scheduler and KV pool")

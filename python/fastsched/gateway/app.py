@@ -70,6 +70,7 @@ from fastsched.gateway.openai_protocol import (
     ParsedRequest,
     ResponseFormatter,
     bad_request,
+    check_json_content_type,
     parse_chat,
     parse_completion,
 )
@@ -184,8 +185,10 @@ class Gateway:
     """The routes' state: the frontend pool, the model's name and tokenizer, the limits."""
 
     def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
-                 api_key: str | None, limits: RequestLimits, retry_after_s: int) -> None:
+                 api_key: str | None, limits: RequestLimits, retry_after_s: int,
+                 enable_prompt_tokens_details: bool = False) -> None:
         self.auth = Auth(api_key)
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.pool = FrontendPool(frontend_addrs, api_key)
         # Clients may send any of the names; responses carry the first (vLLM's --served-model-name).
         self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
@@ -216,6 +219,7 @@ class Gateway:
 
     async def read_json(self, request: Request) -> tuple[dict[str, Any], int]:
         """The body as a JSON object, checked (see the module docstring), and its size in bytes."""
+        check_json_content_type(request.headers.get("content-type"))
         raw = await self._read_body(request)
         try:
             body = json.loads(raw, parse_constant=_reject_constant)
@@ -276,7 +280,8 @@ class Gateway:
             raise
 
     async def _generate(self, request: Request, parsed: ParsedRequest) -> Response:
-        formatter = ResponseFormatter(parsed, parsed.lora_name or self.model_name, self.tokenizer)
+        formatter = ResponseFormatter(parsed, parsed.lora_name or self.model_name, self.tokenizer,
+                                      self.enable_prompt_tokens_details)
         if parsed.stream:
             return _EventStream(self, parsed, formatter)
         body = None
@@ -508,6 +513,7 @@ def create_app(
     api_key: str | None = None,
     limits: RequestLimits | None = None,
     retry_after_s: int = 1,
+    enable_prompt_tokens_details: bool = False,
 ) -> Starlette:
     """The gateway's ASGI app over the frontends at ``frontend_addrs`` (``host:port``).
 
@@ -515,9 +521,11 @@ def create_app(
     (another one is a 404);
     ``tokenizer`` (a ``fastsched.model_loader.Tokenizer``) renders chat templates and
     decodes logprob tokens; ``limits``: see ``fastsched.limits`` (default: ``RequestLimits()``);
-    ``retry_after_s`` is the ``Retry-After`` of every 503.
+    ``retry_after_s`` is the ``Retry-After`` of every 503; ``enable_prompt_tokens_details``:
+    ``usage.prompt_tokens_details.cached_tokens`` in responses (vLLM's flag of that name).
     """
-    gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s)
+    gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s,
+                      enable_prompt_tokens_details)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -57,6 +57,19 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def check_json_content_type(content_type: str | None) -> None:
+    """A JSON route's body must be declared JSON (``application/json``, or ``application/*+json``),
+    or not declared at all: any other type is 415. A web page can send ``text/plain``,
+    ``application/x-www-form-urlencoded`` or ``multipart/form-data`` to any address without
+    asking it first (no CORS preflight); refusing them keeps a page from driving a local server."""
+    if not content_type:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise ApiError(415, f"Content-Type must be application/json, got {_short(content_type)}.",
+                       code="unsupported_media_type")
+
+
 def bad_request(message: str, param: str | None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
@@ -401,8 +414,9 @@ class ResponseFormatter:
     the choices of a batched prompt.
     """
 
-    def __init__(self, req: ParsedRequest, model: str, tokenizer: Any) -> None:
+    def __init__(self, req: ParsedRequest, model: str, tokenizer: Any, prompt_tokens_details: bool = False) -> None:
         self.req, self.model, self.tokenizer = req, model, tokenizer
+        self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
         self.object = "text_completion" if req.kind == "completion" else "chat.completion"
         self.choices: dict[int, _Choice] = {}
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
@@ -494,7 +508,7 @@ class ResponseFormatter:
     def usage(self) -> dict:
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                  "total_tokens": self.prompt_tokens + self.completion_tokens}
-        if self.cached_tokens:
+        if self.prompt_tokens_details and self.cached_tokens:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return usage
 

@@ -116,6 +116,7 @@ class ServeConfig:
     access_log: bool = True
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens in responses
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -469,7 +470,8 @@ class Launcher:
         if c.chat_template is not None:
             tokenizer.chat_template = c.chat_template
         addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
-        app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key, limits=c.limits)
+        app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key,
+                         limits=c.limits, enable_prompt_tokens_details=c.enable_prompt_tokens_details)
         server = gateway_server(app, c.host, c.port, log_config=None, log_level=c.log_level.lower(),
                                 access_log=c.access_log, timeout_graceful_shutdown=c.shutdown_timeout)
         # The launcher owns SIGINT/SIGTERM (shutdown order, second signal): uvicorn must not take them.
