@@ -154,7 +154,8 @@ class RequestLimits:
             chars = len(value)
         if chars > self.max_structured_outputs_chars:
             raise LimitError(f"{name} has {chars} characters, more than this server's limit of "
-                             f"{self.max_structured_outputs_chars} (--max-structured-outputs-chars)", "structured_outputs")
+                             f"{self.max_structured_outputs_chars} (--max-structured-outputs-chars)",
+                             "structured_outputs")
 
     def check_messages(self, count: int) -> None:
         if count > self.max_messages:

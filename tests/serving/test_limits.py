@@ -32,6 +32,7 @@ from loop_thread import LoopThread, free_port  # noqa: E402
 
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.frontend.settings import FrontendSettings  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.limits import RequestLimits  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
@@ -65,7 +66,8 @@ def stack(engine_config: dict, tiny_model_dir: Path, tmp_path_factory: pytest.Te
     try:
         admission = [{}, {"max_num_queued_reqs": QUEUED_REQS, "max_num_queued_tokens": QUEUED_TOKENS}, {}]
         llms = [loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[i], frontend_index=i,
-                                         ready_timeout=60, limits=LIMITS, **admission[i])) for i in range(3)]
+                                         settings=FrontendSettings(ready_timeout=60, limits=LIMITS, **admission[i])))
+                for i in range(3)]
         ports = [free_port() for _ in llms]
         servers = [loop.call(serve_frontend(llm, "127.0.0.1", port, limits=LIMITS,
                                             api_key=API_KEY if i == 2 else None))

@@ -30,6 +30,7 @@ from websockets.sync.client import connect as ws_connect  # noqa: E402
 from fastsched.engine.engine_proc import start_engine_process, stop_engine_processes  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.frontend.settings import FrontendSettings  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.limits import RequestLimits  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
@@ -72,10 +73,10 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
     llms: list[AsyncLLM] = []
     servers: list[Any] = []
     try:
-        llms.append(loop.call(AsyncLLM.start(inputs, outputs[0], frontend_index=0, max_num_queued_reqs=MAX_QUEUED,
-                                             ready_timeout=60)))
-        llms.append(loop.call(AsyncLLM.start(inputs, outputs[1], frontend_index=1, ready_timeout=60,
-                                             session_idle_timeout=IDLE_TIMEOUT_S)))
+        llms.append(loop.call(AsyncLLM.start(inputs, outputs[0], frontend_index=0, settings=FrontendSettings(
+            max_num_queued_reqs=MAX_QUEUED, ready_timeout=60))))
+        llms.append(loop.call(AsyncLLM.start(inputs, outputs[1], frontend_index=1, settings=FrontendSettings(
+            ready_timeout=60, session_idle_timeout=IDLE_TIMEOUT_S))))
         grpc_addrs = [f"127.0.0.1:{free_port()}" for _ in llms]
         for k, (llm, addr) in enumerate(zip(llms, grpc_addrs)):
             servers.append(loop.call(serve_frontend(llm, "127.0.0.1", int(addr.rsplit(":", 1)[1]),

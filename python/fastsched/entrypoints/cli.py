@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fastsched.config import EngineConfig, add_engine_args, engine_kwargs
-from fastsched.frontend.cli_args import add_admission_limit_args
-from fastsched.limits import add_request_limit_args, request_limits
+from fastsched.frontend.cli_args import add_admission_limit_args, frontend_settings
+from fastsched.limits import add_request_limit_args
 from fastsched.lora.request import TARGET_MODULES
 from fastsched.units import parse_count
 
@@ -102,23 +102,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         data_parallel_size=args.data_parallel_size,
         api_server_count=args.api_server_count,
-        max_num_queued_reqs=args.max_num_queued_reqs,
-        max_num_queued_tokens=args.max_num_queued_tokens,
-        ttft_slo=args.ttft_slo,
-        session_idle_timeout=args.session_idle_timeout,
-        enable_fault_tolerance=args.enable_fault_tolerance,
+        frontend=frontend_settings(args),
         max_engine_restarts=args.max_engine_restarts,
         api_key=resolve_api_key(args),
-        limits=request_limits(args),
         shutdown_timeout=args.shutdown_timeout,
-        engine_timeout=args.engine_timeout,
-        ready_timeout=args.ready_timeout,
         served_model_name=args.served_model_name,
         chat_template=resolve_chat_template(args.chat_template) if args.chat_template is not None else None,
         torch_num_threads=args.torch_num_threads,
         access_log=not args.disable_access_log,
-        enable_log_requests=args.enable_log_requests,
-        max_log_len=args.max_log_len,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_level=args.log_level,
     )

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from fastsched.frontend.settings import FrontendSettings
 from fastsched.limits import LimitError
 
 ENGINE_FAULTED = "engine_faulted"
@@ -111,29 +112,17 @@ class AdmissionController:
     checked once for all of them (A4).
     """
 
-    def __init__(
-        self,
-        max_num_queued_reqs: int | None = None,
-        max_num_queued_tokens: int | None = None,
-        fault_tolerance: bool = False,
-        shared_stats: SharedInFlightCounter | None = None,
-        ttft_slo: float | None = None,
-        num_frontends: int = 1,
-    ) -> None:
-        limits = {"max_num_queued_reqs": max_num_queued_reqs, "max_num_queued_tokens": max_num_queued_tokens,
-                  "num_frontends": num_frontends}
-        for name, value in limits.items():
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if ttft_slo is not None and not (isinstance(ttft_slo, (int, float)) and 0 < ttft_slo < math.inf):
-            raise ValueError(f"ttft_slo must be a positive number of seconds or None, got {ttft_slo!r}")
-        self.ttft_slo = ttft_slo
-        self.num_frontends = num_frontends
+    def __init__(self, settings: FrontendSettings | None = None,
+                 shared_stats: SharedInFlightCounter | None = None) -> None:
+        """``settings``: the frontend's (validated there); its admission fields are used."""
+        settings = settings or FrontendSettings()
+        self.ttft_slo = settings.ttft_slo
+        self.num_frontends = settings.num_frontends
         self.prefill_tokens_per_s: float | None = None  # the engines' total, as last reported
         self._slo_limit: int | None = None  # this frontend's share; None until the engines report
-        self.max_num_queued_reqs = max_num_queued_reqs
-        self.max_num_queued_tokens = max_num_queued_tokens
-        self.fault_tolerance = fault_tolerance
+        self.max_num_queued_reqs = settings.max_num_queued_reqs
+        self.max_num_queued_tokens = settings.max_num_queued_tokens
+        self.fault_tolerance = settings.fault_tolerance
         self.shared_stats = shared_stats
         if shared_stats is not None:
             # This frontend has nothing in flight yet: a count left in its slot by a

@@ -47,8 +47,8 @@ from fastsched.frontend.request_status import RequestHistory, ended_status, in_f
 from fastsched.frontend.request_stream import CompletionDelta, RequestStream, StreamOutput
 from fastsched.frontend.request_table import RequestState, RequestTable
 from fastsched.frontend.session import Session, SessionState, SessionTimer
+from fastsched.frontend.settings import FrontendSettings
 from fastsched.inputs import PromptType, child_params, child_request_ids, engine_requests
-from fastsched.limits import RequestLimits
 from fastsched.lora.request import LoRARequest
 from fastsched.model_loader import Tokenizer, load_tokenizer
 from fastsched.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -82,23 +82,22 @@ class AsyncLLM:
         output_addr: str,
         *,
         frontend_index: int,
+        settings: FrontendSettings,
         admission: AdmissionController,
         engine_procs: Sequence[ProcessHandle | None] | None,
-        engine_timeout: float,
-        limits: RequestLimits | None = None,
-        session_idle_timeout: float | None = None,
     ) -> None:
-        self._timer = SessionTimer(session_idle_timeout, self._expire_session)
-        self.session_idle_timeout = session_idle_timeout
+        self.settings = settings
+        self._timer = SessionTimer(settings.session_idle_timeout, self._expire_session)
+        self.session_idle_timeout = settings.session_idle_timeout
         self.frontend_index = frontend_index
         self.admission = admission
-        self.engine_timeout = engine_timeout
-        self.request_logger: RequestLogger | None = None  # --enable-log-requests
-        self.limits = limits or RequestLimits()
+        self.engine_timeout = settings.engine_timeout
+        self.request_logger = RequestLogger(settings.max_log_len) if settings.enable_log_requests else None
+        self.limits = settings.limits
         self.tokenizer: Tokenizer | None = None
         self.gate: RequestGate | None = None  # every request's checks, once the engines have said which model
         self._client = EngineClient(engine_input_addrs, output_addr, frontend_index=frontend_index,
-                                    engine_procs=engine_procs, engine_timeout=engine_timeout)
+                                    engine_procs=engine_procs, engine_timeout=settings.engine_timeout)
         self.output_addr = output_addr
         self._engines = self._client.engines
         self._table = RequestTable(len(self._engines), self._client.abort)
@@ -130,40 +129,23 @@ class AsyncLLM:
         output_addr: str,
         *,
         frontend_index: int = 0,
-        max_num_queued_reqs: int | None = None,
-        max_num_queued_tokens: int | None = None,
-        fault_tolerance: bool = False,
+        settings: FrontendSettings | None = None,
         shared_stats: SharedInFlightCounter | None = None,
-        ttft_slo: float | None = None,
-        num_frontends: int = 1,
         engine_procs: Sequence[ProcessHandle | None] | None = None,
-        engine_timeout: float = 5.0,
-        ready_timeout: float = 300.0,
         tokenizer: Tokenizer | None = None,
-        limits: RequestLimits | None = None,
-        request_logger: RequestLogger | None = None,
-        session_idle_timeout: float | None = None,
     ) -> AsyncLLM:
         """Bind ``output_addr`` (this frontend's PULL), connect to every engine's input,
-        and wait until each has answered READY (``TimeoutError`` after ``ready_timeout``
-        seconds; ``RuntimeError`` at once if an engine reports failure or its process,
-        when given, exits). The tokenizer comes from the model the engines report unless
-        given. ``shared_stats``: this frontend's opened ``SharedAdmissionStats`` slot (A6).
-        ``ttft_slo``: seconds; turns on the TTFT-SLO valve (see ``frontend.admission``), whose
-        limit this frontend takes a ``1 / num_frontends`` share of. ``limits``: the bounds on
-        what a request controls (``fastsched.limits``; default: ``RequestLimits()``).
-        ``session_idle_timeout``: seconds a streaming session may wait for input before it is
-        aborted (``session()``; default: no limit)."""
-        admission = AdmissionController(max_num_queued_reqs, max_num_queued_tokens, fault_tolerance, shared_stats,
-                                        ttft_slo=ttft_slo, num_frontends=num_frontends)
-        llm = cls(
-            engine_input_addrs, output_addr, frontend_index=frontend_index, admission=admission,
-            engine_procs=engine_procs, engine_timeout=engine_timeout, limits=limits,
-            session_idle_timeout=session_idle_timeout,
-        )
-        llm.request_logger = request_logger
+        and wait until each has answered READY (``TimeoutError`` after
+        ``settings.ready_timeout`` seconds; ``RuntimeError`` at once if an engine reports
+        failure or its process, when given, exits). The tokenizer comes from the model the
+        engines report unless given. ``settings``: admission, request limits, timeouts and
+        request logging (``frontend.settings``, validated there; default: all off).
+        ``shared_stats``: this frontend's opened ``SharedAdmissionStats`` slot (A6)."""
+        settings = settings or FrontendSettings()
+        llm = cls(engine_input_addrs, output_addr, frontend_index=frontend_index, settings=settings,
+                  admission=AdmissionController(settings, shared_stats), engine_procs=engine_procs)
         try:
-            await llm._start(ready_timeout, tokenizer)
+            await llm._start(settings.ready_timeout, tokenizer)
         except BaseException:
             await llm.shutdown()
             raise

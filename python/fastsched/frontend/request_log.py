@@ -16,8 +16,6 @@ logger = logging.getLogger("fastsched.requests")
 
 class RequestLogger:
     def __init__(self, max_log_len: int | None = None) -> None:
-        if max_log_len is not None and max_log_len < 0:
-            raise ValueError(f"max_log_len must be at least 0, got {max_log_len}")
         self.max_log_len = max_log_len
 
     def _cut(self, items: str | Sequence[int] | None) -> str | list[int] | None:

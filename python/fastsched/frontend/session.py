@@ -89,8 +89,6 @@ class SessionTimer:
     slot and KV. Subscribed to the request table's ``segment_ended`` and ``finished`` events."""
 
     def __init__(self, idle_timeout: float | None, expire: Callable[[SessionRequest], None]) -> None:
-        if idle_timeout is not None and not idle_timeout > 0:
-            raise ValueError(f"session_idle_timeout must be a positive number of seconds, got {idle_timeout}")
         self.idle_timeout = idle_timeout
         self._expire = expire
 
