@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastsched"
 # Lowest first. A module may import its own layer and those below it. The root package
 # (``fastsched/__init__.py``) is above everything: it only loads the offline API lazily.
 LAYERS = [
-    ("_core", "sampling_params", "limits", "outputs", "proto_gen", "rpc", "units", "structured", "process_stats",
+    ("_core", "sampling_params", "limits", "outputs", "proto_gen", "rpc", "admin", "units", "structured", "process_stats",
      "json_flags", "speculative_config", "kv_transfer", "config"),
     ("kernels", "sample"),
     ("attention",),

@@ -18,6 +18,7 @@ websockets = pytest.importorskip("websockets", reason="websockets is not install
 from loop_thread import LoopThread, free_port  # noqa: E402
 from websockets.sync.client import connect as ws_connect  # noqa: E402
 
+from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.frontend.admission import QueueOverflowError  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
@@ -61,7 +62,8 @@ class Stack:
         self.server = self.loop.call(serve_frontend(self.fake, "127.0.0.1", port))
         self.url = self.loop.start_gateway(create_app([self.grpc_addr], MODEL, tokenizer=None))
         # A gateway whose only frontend cannot be reached.
-        self.dead_url = self.loop.start_gateway(create_app([f"127.0.0.1:{free_port()}"], MODEL, tokenizer=None))
+        self.dead_url = self.loop.start_gateway(create_app([f"127.0.0.1:{free_port()}"], MODEL, tokenizer=None,
+                                                           admin=AdminSettings(enable_admin_api=True)))
 
     def stop(self) -> None:
         self.loop.stop_gateways()

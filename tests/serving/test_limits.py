@@ -30,6 +30,7 @@ pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.tx
 from engine_stack import ipc_dir, launch, teardown  # noqa: E402
 from loop_thread import LoopThread, free_port  # noqa: E402
 
+from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.frontend.settings import FrontendSettings  # noqa: E402
@@ -69,8 +70,10 @@ def stack(engine_config: dict, tiny_model_dir: Path, tmp_path_factory: pytest.Te
                                          settings=FrontendSettings(ready_timeout=60, limits=LIMITS, **admission[i])))
                 for i in range(3)]
         ports = [free_port() for _ in llms]
+        # Frontends 0 and 1 serve the admin methods (GetRequestStatus), frontend 2 requires its key.
         servers = [loop.call(serve_frontend(llm, "127.0.0.1", port, limits=LIMITS,
-                                            api_key=API_KEY if i == 2 else None))
+                                            api_key=API_KEY if i == 2 else None,
+                                            admin=AdminSettings(enable_admin_api=i != 2)))
                    for i, (llm, port) in enumerate(zip(llms, ports))]
         addrs = [f"127.0.0.1:{port}" for port in ports]
         tokenizer = load_tokenizer(str(tiny_model_dir))

@@ -20,6 +20,7 @@ from engine_stack import ipc_dir, launch, teardown  # noqa: E402
 from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
 
 from fastsched import LLM, SamplingParams  # noqa: E402
+from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.frontend.settings import FrontendSettings  # noqa: E402
@@ -32,6 +33,8 @@ from fastsched.tools.tiny_lora import make_tiny_lora  # noqa: E402
 MODEL = "tiny"
 API_KEY = "secret"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN_KEY = "admin-secret"
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}  # loads and unloads are admin operations
 PROMPT = "def main():\n    return"
 
 
@@ -60,9 +63,13 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
     llms = [loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[i], frontend_index=i,
                                      settings=FrontendSettings(ready_timeout=60))) for i in range(2)]
     addrs = [f"127.0.0.1:{free_port()}" for _ in llms]
-    servers = [loop.call(serve_frontend(llm, "127.0.0.1", int(a.rsplit(":", 1)[1]), api_key=API_KEY))
+    # Runtime loads on, behind their own key, of adapters under the fixtures' directory only.
+    admin = AdminSettings(enable_runtime_lora_updating=True, admin_api_key=ADMIN_KEY,
+                          allowed_local_paths=(str(tiny_model_dir.parent),))
+    servers = [loop.call(serve_frontend(llm, "127.0.0.1", int(a.rsplit(":", 1)[1]), api_key=API_KEY, admin=admin))
                for llm, a in zip(llms, addrs)]
-    url = loop.start_gateway(create_app(addrs, MODEL, load_tokenizer(str(tiny_model_dir)), api_key=API_KEY))
+    url = loop.start_gateway(create_app(addrs, MODEL, load_tokenizer(str(tiny_model_dir)), api_key=API_KEY,
+                                        admin=admin))
     try:
         yield Stack(loop, llms, url, adapter_dirs)
     finally:
@@ -86,7 +93,7 @@ def complete(stack: Stack, model: str, **extra: Any) -> httpx.Response:
     return httpx.post(f"{stack.url}/v1/completions", json=body, headers=AUTH, timeout=30)
 
 
-def post(stack: Stack, path: str, body: dict[str, Any], headers: dict[str, str] = AUTH) -> httpx.Response:
+def post(stack: Stack, path: str, body: dict[str, Any], headers: dict[str, str] = ADMIN_AUTH) -> httpx.Response:
     return httpx.post(f"{stack.url}{path}", json=body, headers=headers, timeout=30)
 
 
@@ -114,10 +121,11 @@ def test_an_unknown_model_name_is_404(stack: Stack) -> None:
     assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
 
 
-def test_load_and_unload_need_the_api_key(stack: Stack) -> None:
+def test_load_and_unload_need_the_admin_key_not_the_api_key(stack: Stack) -> None:
     body = {"lora_name": "two", "lora_path": str(stack.adapters["two"])}
-    assert post(stack, "/v1/load_lora_adapter", body, headers={}).status_code == 401
-    assert post(stack, "/v1/unload_lora_adapter", {"lora_name": "one"}, headers={}).status_code == 401
+    for headers in ({}, AUTH):
+        assert post(stack, "/v1/load_lora_adapter", body, headers=headers).status_code == 401
+        assert post(stack, "/v1/unload_lora_adapter", {"lora_name": "one"}, headers=headers).status_code == 401
 
 
 def test_an_adapter_loaded_over_http_is_served_by_every_frontend_until_unloaded(
@@ -139,11 +147,13 @@ def test_an_adapter_loaded_over_http_is_served_by_every_frontend_until_unloaded(
 
 
 @pytest.mark.parametrize(("body", "message"), [
-    ({"lora_name": "bad", "lora_path": "/does/not/exist"}, "has no adapter_config.json"),
+    ({"lora_name": "bad", "lora_path": "{allowed}/does-not-exist"}, "has no adapter_config.json"),
     ({"lora_name": "", "lora_path": "/x"}, "lora_name must be a non-empty string"),
     ({"lora_name": "big"}, "lora_path must be a non-empty string"),
 ])
 def test_a_bad_load_is_400_and_changes_nothing(stack: Stack, body: dict[str, Any], message: str) -> None:
+    allowed = str(stack.adapters["one"].parent)
+    body = {k: v.format(allowed=allowed) for k, v in body.items()}
     response = post(stack, "/v1/load_lora_adapter", body)
     assert response.status_code == 400 and message in response.json()["error"]["message"]
     assert all(len(llm.loras.adapters()) == 1 for llm in stack.llms if llm.loras is not None)

@@ -27,6 +27,7 @@ pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.tx
 from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
 from websockets.sync.client import connect as ws_connect  # noqa: E402
 
+from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.engine.engine_proc import start_engine_process, stop_engine_processes  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
@@ -43,6 +44,8 @@ pb, pb_grpc = import_stubs()
 MODEL = "tiny"
 API_KEY = "sk-pause"
 KEY = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN_KEY = "sk-pause-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}  # pause, resume, reload and /debug are admin routes
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 LONG = 1500  # tokens: a request that runs until the test ends it
 # Tokens of the request paused mid-way: enough that it cannot finish before the pause lands,
@@ -50,6 +53,7 @@ LONG = 1500  # tokens: a request that runs until the test ends it
 PAUSED_TOKENS = 1000
 IDLE_TIMEOUT_S = 3.0
 MAX_QUEUED = 4  # frontend 0's max_num_queued_reqs
+MAX_SESSIONS = 4  # frontend 0's; frontend 1 has the default, a quarter of the engines' 2 x 2 slots
 
 
 @dataclass
@@ -74,16 +78,21 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
     servers: list[Any] = []
     try:
         llms.append(loop.call(AsyncLLM.start(inputs, outputs[0], frontend_index=0, settings=FrontendSettings(
-            max_num_queued_reqs=MAX_QUEUED, ready_timeout=60))))
+            max_num_queued_reqs=MAX_QUEUED, ready_timeout=60, max_sessions=MAX_SESSIONS))))
         llms.append(loop.call(AsyncLLM.start(inputs, outputs[1], frontend_index=1, settings=FrontendSettings(
-            ready_timeout=60, session_idle_timeout=IDLE_TIMEOUT_S))))
+            ready_timeout=60, session_idle_timeout=IDLE_TIMEOUT_S))))  # the default --max-sessions
+        # Reloads may name the fixtures' checkpoints and the tests' temporary directories only.
+        allowed = (str(tmp_path_factory.getbasetemp()), str(tiny_model_dir.parent))
+        keyed_admin = AdminSettings(enable_admin_api=True, admin_api_key=ADMIN_KEY, allowed_local_paths=allowed)
+        open_admin = AdminSettings(enable_admin_api=True, allowed_local_paths=allowed)
         grpc_addrs = [f"127.0.0.1:{free_port()}" for _ in llms]
         for k, (llm, addr) in enumerate(zip(llms, grpc_addrs)):
             servers.append(loop.call(serve_frontend(llm, "127.0.0.1", int(addr.rsplit(":", 1)[1]),
-                                                    api_key=API_KEY if k == 0 else None)))
+                                                    api_key=API_KEY if k == 0 else None,
+                                                    admin=keyed_admin if k == 0 else open_admin)))
         tokenizer = load_tokenizer(str(tiny_model_dir))
-        urls = [loop.start_gateway(create_app([grpc_addrs[0]], MODEL, tokenizer, api_key=API_KEY)),
-                loop.start_gateway(create_app([grpc_addrs[1]], MODEL, tokenizer))]
+        urls = [loop.start_gateway(create_app([grpc_addrs[0]], MODEL, tokenizer, api_key=API_KEY, admin=keyed_admin)),
+                loop.start_gateway(create_app([grpc_addrs[1]], MODEL, tokenizer, admin=open_admin))]
         yield Stack(loop, llms, grpc_addrs, urls)
     finally:
         loop.stop_stack(servers, llms)
@@ -96,11 +105,11 @@ def resume_after(stack: Stack) -> Iterator[None]:
     """Each test starts unpaused, even after one that failed while its engines were paused."""
     yield
     with httpx.Client(base_url=stack.urls[0], timeout=60) as http:
-        assert http.post("/resume", headers=KEY).status_code == 200
+        assert http.post("/resume", headers=ADMIN).status_code == 200
 
 
 def debug(http: httpx.Client, request_id: str) -> dict:
-    r = http.get(f"/debug/requests/{request_id}", headers=KEY)
+    r = http.get(f"/debug/requests/{request_id}", headers=ADMIN)
     assert r.status_code == 200, r.text
     return r.json()["prompts"][0]
 
@@ -176,11 +185,12 @@ def test_s13_pause_all_then_new_over_http_with_requests_in_flight(stack: Stack) 
         streams.start("B", PROMPT_B, LONG)  # engine 1 (the least loaded)
         assert wait_for(lambda: len(streams.tokens["A"]) > 0 and len(streams.tokens["B"]) > 0, timeout=30)
 
-        assert http.post("/pause?mode=all").status_code == 401  # behind --api-key
-        r = http.post("/pause?mode=all", headers=KEY)
+        assert http.post("/pause?mode=all").status_code == 401  # behind --admin-api-key
+        assert http.post("/pause?mode=all", headers=KEY).status_code == 401  # which the API key is not
+        r = http.post("/pause?mode=all", headers=ADMIN)
         assert r.status_code == 200, r.text
         assert r.json() == {"is_paused": True, "engines": {"0": "paused_all", "1": "paused_all"}}
-        assert http.get("/is_paused", headers=KEY).json()["is_paused"] is True
+        assert http.get("/is_paused", headers=ADMIN).json()["is_paused"] is True
         assert http.get("/health").status_code == 200
         for engine in ("0", "1"):
             assert metric(http, "engine_paused", engine=engine, mode="all") == 1.0
@@ -200,7 +210,7 @@ def test_s13_pause_all_then_new_over_http_with_requests_in_flight(stack: Stack) 
         assert over.status_code == 503 and "max_num_queued_reqs" in over.text
 
         # new: running requests go on and finish; waiting ones stay queued.
-        r = http.post("/pause?mode=new", headers=KEY)
+        r = http.post("/pause?mode=new", headers=ADMIN)
         assert r.json()["engines"] == {"0": "paused_new", "1": "paused_new"}
         assert metric(http, "engine_paused", engine="0", mode="new") == 1.0
         assert streams.wait("A") == reference  # the pause lost no KV: the same greedy tokens
@@ -208,12 +218,12 @@ def test_s13_pause_all_then_new_over_http_with_requests_in_flight(stack: Stack) 
         assert sequence(http, "C")["state"] == "waiting" and sequence(http, "D")["state"] == "waiting"
 
         streams.cancel("B")
-        r = http.post("/resume", headers=KEY)
+        r = http.post("/resume", headers=ADMIN)
         assert r.json() == {"is_paused": False, "engines": {"0": "unpaused", "1": "unpaused"}}
         assert len(streams.wait("C")) == 4 and len(streams.wait("D")) == 4
         assert metric(http, "engine_paused", engine="0", mode="new") == 0.0
 
-        bad = http.post("/pause?mode=everything", headers=KEY)
+        bad = http.post("/pause?mode=everything", headers=ADMIN)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
 
 
@@ -406,6 +416,27 @@ def test_s15_websocket_session_three_chunks_idle_timeout_and_disconnect(stack: S
 
 
 
+def test_s15_sessions_over_max_sessions_are_refused_with_503_and_retry_after_and_requests_still_run(
+        stack: Stack) -> None:
+    """Issue 22: with every slot held by sessions, an ordinary request never finished."""
+    llm = stack.llms[1]
+    assert llm.max_sessions == 1  # the default: 2 engines x max_num_seqs 2, a quarter of it
+    assert wait_for(lambda: llm.num_sessions == 0, timeout=30)
+    with ws_connect(ws_url(stack, 1)) as held:
+        held.send(json.dumps({"type": "open", "request_id": "ws-held", "prompt": [7, 8, 9], "max_tokens": LONG,
+                              **GREEDY}))
+        assert json.loads(held.recv(timeout=60))["type"] == "output"  # it runs, holding its slot
+        with ws_connect(ws_url(stack, 1)) as ws:
+            ws.send(json.dumps({"type": "open", "request_id": "ws-over", "prompt": [7], "max_tokens": 1}))
+            error = json.loads(ws.recv(timeout=30))
+        assert error["type"] == "error" and error["status"] == 503 and error["retry_after"] == 1, error
+        assert error["error"]["code"] == "max_sessions" and error["error"]["type"] == "service_unavailable_error"
+        r = httpx.post(stack.urls[1] + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": [5, 6], "max_tokens": 2, **GREEDY})
+        assert r.status_code == 200, r.text
+    assert wait_for(lambda: llm.num_sessions == 0, timeout=30), "a closed session is no longer counted"
+
+
 def test_s15_a_websocket_message_over_max_body_bytes_closes_the_socket_with_1009(stack: Stack,
                                                                                  tiny_model_dir: Path) -> None:
     app = create_app([stack.grpc_addrs[1]], MODEL, load_tokenizer(str(tiny_model_dir)),
@@ -440,23 +471,23 @@ def test_s13_reload_weights_only_while_paused_all_and_it_drops_the_prefix_cache(
             return r.json()["choices"][0]["text"]
 
         def reload(model: Path) -> httpx.Response:
-            return http.post("/reload_weights", headers=KEY, json={"path": str(model)})
+            return http.post("/reload_weights", headers=ADMIN, json={"path": str(model)})
 
         original = complete()
         assert complete() == original
         not_paused = reload(other)
         assert not_paused.status_code == 409 and not_paused.json()["error"]["code"] == "not_paused"
-        assert http.post("/pause?mode=all", headers=KEY).status_code == 200
+        assert http.post("/pause?mode=all", headers=ADMIN).status_code == 200
         bad = reload(tmp_path / "missing")
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "path"
         assert reload(other).json() == {"reloaded": True, "path": str(other)}
-        assert http.post("/resume", headers=KEY).status_code == 200
+        assert http.post("/resume", headers=ADMIN).status_code == 200
         hits = prefix_cache_hits(http)
         swapped = complete()
         assert swapped != original, "the new weights serve"
         assert prefix_cache_hits(http) == hits, "no hit on KV the old weights computed"
 
-        http.post("/pause?mode=all", headers=KEY)
+        http.post("/pause?mode=all", headers=ADMIN)
         assert reload(tiny_model_dir).status_code == 200
-        http.post("/resume", headers=KEY)
+        http.post("/resume", headers=ADMIN)
         assert complete() == original

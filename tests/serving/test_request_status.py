@@ -28,6 +28,7 @@ from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
 
 from fastsched.engine.engine_proc import start_engine_process, stop_engine_processes  # noqa: E402
 from fastsched.frontend.admission import QueueOverflowError  # noqa: E402
+from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.frontend.settings import FrontendSettings  # noqa: E402
@@ -40,6 +41,9 @@ pb, pb_grpc = import_stubs()
 
 MODEL = "tiny"
 API_KEY = "sk-status"
+ADMIN_KEY = "sk-status-admin"
+ADMIN = AdminSettings(enable_admin_api=True)  # /debug/requests and GetRequestStatus are admin operations
+KEYED_ADMIN = AdminSettings(enable_admin_api=True, admin_api_key=ADMIN_KEY)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 LONG = 2000  # tokens: a request that runs until the test aborts it
 
@@ -72,10 +76,10 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
                 max_num_queued_reqs=1, ready_timeout=60))))
         grpc_addrs = [f"127.0.0.1:{free_port()}" for _ in llms]
         for llm, addr in zip(llms, grpc_addrs):
-            servers.append(loop.call(serve_frontend(llm, "127.0.0.1", int(addr.rsplit(":", 1)[1]))))
+            servers.append(loop.call(serve_frontend(llm, "127.0.0.1", int(addr.rsplit(":", 1)[1]), admin=ADMIN)))
         tokenizer = load_tokenizer(str(tiny_model_dir))
-        url = loop.start_gateway(create_app(grpc_addrs, MODEL, tokenizer))
-        keyed_url = loop.start_gateway(create_app(grpc_addrs, MODEL, tokenizer, api_key=API_KEY))
+        url = loop.start_gateway(create_app(grpc_addrs, MODEL, tokenizer, admin=ADMIN))
+        keyed_url = loop.start_gateway(create_app(grpc_addrs, MODEL, tokenizer, api_key=API_KEY, admin=KEYED_ADMIN))
         yield Stack(loop, inputs, outputs[2], llms, grpc_addrs, url, keyed_url)
     finally:
         loop.stop_stack(servers, llms)
@@ -340,7 +344,9 @@ def test_gateway_errors_carry_x_request_id(http: httpx.Client) -> None:
 def test_gateway_debug_route_needs_the_api_key_when_one_is_set(stack: Stack) -> None:
     with httpx.Client(base_url=stack.keyed_url, timeout=30) as keyed:
         assert keyed.get("/debug/requests/anything").status_code == 401
-        authorized = keyed.get("/debug/requests/anything", headers={"Authorization": f"Bearer {API_KEY}"})
+        # /debug/* is an admin route: the API key does not open it, the admin key does.
+        assert keyed.get("/debug/requests/anything", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 401
+        authorized = keyed.get("/debug/requests/anything", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         assert authorized.status_code == 404
 
 
@@ -352,7 +358,7 @@ def test_grpc_get_request_status_of_an_unknown_id_is_not_found(stack: Stack) -> 
 
 
 def test_gateway_answers_503_not_404_when_a_frontend_cannot_be_asked(stack: Stack) -> None:
-    app = create_app([f"127.0.0.1:{free_port()}", stack.grpc_addrs[0]], MODEL, tokenizer=None)
+    app = create_app([f"127.0.0.1:{free_port()}", stack.grpc_addrs[0]], MODEL, tokenizer=None, admin=ADMIN)
 
     async def go() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:

@@ -68,7 +68,8 @@ def _server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name
 def queued_reqs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     # The tiny model decodes ~1 ms/token on CPU: "slow" requests need thousands of tokens.
     yield from _server(tiny_model_dir, tmp_path_factory, "serve-queued-reqs",
-                       "--max-num-queued-reqs", str(QUEUED_REQS), api_server_count=2, max_model_len=SLOW_MAX_MODEL_LEN)
+                       "--max-num-queued-reqs", str(QUEUED_REQS), "--enable-admin-api",  # /debug/requests
+                       api_server_count=2, max_model_len=SLOW_MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fastsched.admin import AdminSettings
 from fastsched.config import EngineConfig, add_engine_args, engine_kwargs
 from fastsched.frontend.cli_args import add_admission_limit_args, frontend_settings
+from fastsched.frontend.settings import DEFAULT_SESSION_IDLE_TIMEOUT_S, SESSION_OPEN_TIMEOUT_S
 from fastsched.limits import add_request_limit_args
 from fastsched.lora.request import TARGET_MODULES
 from fastsched.units import parse_count
@@ -103,6 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         data_parallel_size=args.data_parallel_size,
         api_server_count=args.api_server_count,
         frontend=frontend_settings(args),
+        allowed_origins=tuple(args.allowed_origins),
+        admin=admin_settings(args),
         max_engine_restarts=args.max_engine_restarts,
         api_key=resolve_api_key(args),
         shutdown_timeout=args.shutdown_timeout,
@@ -139,6 +143,21 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
+def admin_settings(args: argparse.Namespace) -> AdminSettings:
+    """``--enable-admin-api``, ``--enable-runtime-lora-updating``, the admin key (``--admin-api-key``
+    or the first line of ``--admin-api-key-file``, at most one) and ``--allowed-local-paths``."""
+    if args.admin_api_key is not None and args.admin_api_key_file is not None:
+        raise ValueError("give the admin API key once: --admin-api-key or --admin-api-key-file, not both")
+    key = args.admin_api_key
+    if args.admin_api_key_file is not None:
+        lines = Path(args.admin_api_key_file).read_text().splitlines()
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--admin-api-key-file {args.admin_api_key_file} is empty")
+    return AdminSettings(args.enable_admin_api, args.enable_runtime_lora_updating, key,
+                         tuple(os.path.abspath(p) for p in args.allowed_local_paths))
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """``fastsched serve``'s own flags (the engine's come from add_engine_args)."""
     n = parser.add_argument_group("network")
@@ -148,12 +167,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--grpc-port", type=int, default=50051,
                    help="gRPC port of frontend 0; frontend k listens on this port + k")
     n.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* and /debug/* (/health and /metrics stay open) "
-                        "and metadata `authorization: Bearer KEY` on the gRPC ports (all but Health). Visible to "
+                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (/health and /metrics "
+                        "stay open; admin routes take --admin-api-key) and metadata `authorization: Bearer KEY` on "
+                        "the gRPC ports (all but Health and the admin methods). Visible to "
                         f"other local users in the process list: prefer --api-key-file or ${API_KEY_ENV}")
     n.add_argument("--api-key-file", default=None, metavar="PATH",
                    help=f"read the API key from the first line of PATH (instead of --api-key; ${API_KEY_ENV} is "
                         "used when neither is given)")
+    n.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="origins (scheme://host[:port], or * for any) whose web pages may open a /v1/sessions "
+                        "WebSocket besides the gateway's own; a WebSocket whose Origin header is another is refused "
+                        "(403). Clients that send no Origin (not browsers) are not asked (default: none)")
     n.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) clients may send; responses and /v1/models use the first "
                         "(default: the checkpoint's directory or file name)")
@@ -181,12 +205,40 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "declares an engine dead")
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds allowed for the engines (model load) and frontends to start")
-    p.add_argument("--session-idle-timeout", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--session-idle-timeout", type=float, default=DEFAULT_SESSION_IDLE_TIMEOUT_S, metavar="SECONDS",
                    help="S15: a streaming-input session (/v1/sessions, gRPC GenerateSession) waiting longer than "
-                        "this for its next chunk is aborted, freeing its runner slot and KV (default: no limit)")
+                        "this for its next chunk is aborted, freeing its runner slot and KV; 0: no limit "
+                        f"(default: {DEFAULT_SESSION_IDLE_TIMEOUT_S:g})")
+    p.add_argument("--session-open-timeout", type=float, default=SESSION_OPEN_TIMEOUT_S, metavar="SECONDS",
+                   help="S15: seconds a new session (a /v1/sessions WebSocket, a gRPC GenerateSession call) has to "
+                        f"send its open message before it is closed (default: {SESSION_OPEN_TIMEOUT_S:g})")
+    p.add_argument("--max-sessions", type=int, default=None, metavar="N",
+                   help="S15: streaming-input sessions open at once over the server (each frontend takes its "
+                        "1/--api-server-count share); one more is refused with 503 and Retry-After, as at "
+                        "admission. Sessions hold their runner slot while they wait for input, so the cap keeps "
+                        "them from taking every slot. 0: no sessions (default: a quarter of --max-num-seqs times "
+                        "--data-parallel-size)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, seconds the gateway lets requests in flight finish before the processes "
                         "are stopped (a second signal skips the wait)")
+    m = parser.add_argument_group("admin API (off unless enabled; fastsched.admin)")
+    m.add_argument("--enable-admin-api", action="store_true",
+                   help="serve the admin routes POST /pause, /resume, /reload_weights, GET /is_paused and "
+                        "/debug/requests/{id} (and their gRPC methods); without it they do not exist (404, gRPC "
+                        "UNIMPLEMENTED)")
+    m.add_argument("--enable-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and their gRPC methods), as "
+                        "vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; adapters given by --lora-modules are served either way")
+    m.add_argument("--admin-api-key", default=None,
+                   help="require `Authorization: Bearer KEY` (gRPC metadata `authorization`) on the admin routes; "
+                        "--api-key never grants them, so with --api-key an enabled admin API needs this key. "
+                        "Visible in the process list: prefer --admin-api-key-file")
+    m.add_argument("--admin-api-key-file", default=None, metavar="PATH",
+                   help="read the admin API key from the first line of PATH (instead of --admin-api-key)")
+    m.add_argument("--allowed-local-paths", nargs="+", default=[], metavar="DIR",
+                   help="directories under which /reload_weights and /v1/load_lora_adapter may name a checkpoint "
+                        "or adapter (symlinks resolved first); any other path is refused with 403, whether or not "
+                        "it exists (default: none, so runtime loads are refused)")
     a = parser.add_argument_group("admission control (docs/design.md §6)")
     add_admission_limit_args(a)
     a.add_argument("--enable-fault-tolerance", action="store_true",

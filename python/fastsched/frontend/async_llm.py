@@ -46,7 +46,7 @@ from fastsched.frontend.request_log import RequestLogger
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
 from fastsched.frontend.request_stream import CompletionDelta, RequestStream, StreamOutput
 from fastsched.frontend.request_table import RequestState, RequestTable
-from fastsched.frontend.session import Session, SessionState, SessionTimer
+from fastsched.frontend.session import Session, SessionLimitError, SessionState, SessionTimer, session_cap
 from fastsched.frontend.settings import FrontendSettings
 from fastsched.inputs import PromptType, child_params, child_request_ids, engine_requests
 from fastsched.lora.request import LoRARequest
@@ -73,8 +73,9 @@ logger = logging.getLogger("fastsched.frontend")
 
 
 class AsyncLLM:
-    """The frontend's engine client. Create with ``await AsyncLLM.start(...)``; one per
-    frontend process, used from one event loop."""
+    """A frontend's requests to its engines, over an :class:`EngineClient` and a :class:`RequestTable`
+    (see the module docstring). Create with ``await AsyncLLM.start(...)``; one per frontend
+    process, used from one event loop."""
 
     def __init__(
         self,
@@ -88,6 +89,9 @@ class AsyncLLM:
     ) -> None:
         self.settings = settings
         self._timer = SessionTimer(settings.session_idle_timeout, self._expire_session)
+        self.max_sessions = 0  # this frontend's share, once the engines have said their max_num_seqs
+        self.num_sessions = 0  # sessions open now
+        self.session_open_timeout = settings.session_open_timeout  # gRPC GenerateSession's wait for `open`
         self.session_idle_timeout = settings.session_idle_timeout
         self.frontend_index = frontend_index
         self.admission = admission
@@ -117,6 +121,8 @@ class AsyncLLM:
         """Who hears of a request's first token and of its end (``frontend.request_table``)."""
         table = self._table
         table.on_first_token.append(lambda state: self.admission.mark_first_token(state.request_id))
+        table.on_added.append(lambda state: self._count_session(state, 1))
+        table.on_finished.append(lambda state, error, counted: self._count_session(state, -1))
         table.on_segment_ended.append(self._timer.segment_ended)
         table.on_child_finished.append(self._record_finished)
         table.on_finished.extend([self._timer.finished, self._record_request, self._remember,
@@ -155,6 +161,8 @@ class AsyncLLM:
         first = await self._client.connect(ready_timeout)
         self.tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, first.tokenizer or first.model)
         self.gate = RequestGate(self.tokenizer, first.max_model_len, first.vocab_size, self.limits)
+        max_num_seqs = sum(e.info.max_num_seqs for e in self._engines if e.info is not None)
+        self.max_sessions = session_cap(self.settings.max_sessions, max_num_seqs, self.settings.num_frontends)
         if first.lora_modules is not None:
             self.loras = LoRARegistry.from_modules(first.lora_modules, first.max_lora_rank)
             self._table.on_added.append(self.loras.request_started)
@@ -185,12 +193,20 @@ class AsyncLLM:
         first chunk and ``params.max_tokens`` that chunk's generation. Admitted like a request
         (it counts as one request in flight until it ends), with the same errors as
         :meth:`generate`; ``ValueError`` also for ``n > 1`` or stop strings, which a session
-        does not support. ``lora_request``: the adapter the session runs with, as for :meth:`generate`."""
+        does not support. ``lora_request``: the adapter the session runs with, as for :meth:`generate`.
+        :class:`SessionLimitError` (an :class:`AdmissionError`) when this frontend's share of
+        ``max_sessions`` is open already."""
         return self.open_session(self._gate().request(request_id, prompt, params or SamplingParams(), priority,
                                                       lora_request, streaming=True))
 
     def open_session(self, valid: ValidRequest) -> Session:
         """:meth:`session` for a request the gate has let through (``valid.streaming``)."""
+        if self.num_sessions >= self.max_sessions:
+            error = SessionLimitError(
+                f"{self.num_sessions} sessions are open on this frontend, its share of --max-sessions "
+                f"({self.max_sessions}); retry later", limit=self.max_sessions, current=self.num_sessions)
+            self._history.add(rejected_status(valid.request_id, self.frontend_index, error, time.time(), 0))
+            raise error
         return Session(self, self._admit(valid))
 
     def generate(
@@ -322,6 +338,10 @@ class AsyncLLM:
         session.closing = True
         session.stop_idle_timer()
         self._client.send(state.engine_index, protocol.CloseStream(state.child_ids[0]))
+
+    def _count_session(self, state: RequestState, delta: int) -> None:
+        if state.session is not None:
+            self.num_sessions += delta
 
     def _expire_session(self, state: Any) -> None:
         logger.info("frontend %d: session %s waited %g s for input; aborted (--session-idle-timeout)",

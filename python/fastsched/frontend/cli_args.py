@@ -32,7 +32,8 @@ def frontend_settings(args: argparse.Namespace) -> FrontendSettings:
     return FrontendSettings(
         max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
         ttft_slo=args.ttft_slo, fault_tolerance=args.enable_fault_tolerance, num_frontends=args.api_server_count,
-        session_idle_timeout=args.session_idle_timeout, engine_timeout=args.engine_timeout,
+        session_idle_timeout=args.session_idle_timeout or None, max_sessions=args.max_sessions,
+        session_open_timeout=args.session_open_timeout, engine_timeout=args.engine_timeout,
         ready_timeout=args.ready_timeout, limits=request_limits(args), enable_log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
     )

@@ -20,7 +20,10 @@ become status codes (docs/design.md §8):
   RESOURCE_EXHAUSTED from grpc itself, before any work (the gateway tries another
   frontend, then answers 503).
 - With an API key, every call but ``Health`` (left open for probes, as the gateway's
-  ``/health``) must carry metadata ``authorization: Bearer <key>``; else UNAUTHENTICATED.
+  ``/health``) and the admin methods must carry metadata ``authorization: Bearer <key>``; else
+  UNAUTHENTICATED. Admin methods (pause, resume, reload, LoRA load/unload, request status;
+  ``fastsched.admin``) are UNIMPLEMENTED unless enabled, take the admin key instead, and a path
+  outside ``--allowed-local-paths`` is PERMISSION_DENIED.
 
 Every request passes the request gate once (``fastsched.request_gate``): a long text
 prompt or session chunk is tokenized, and an output constraint compiled, in a worker
@@ -42,6 +45,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from fastsched.admin import ADMIN_RPCS, LORA_RPCS, AdminSettings, PathNotAllowedError
 from fastsched.frontend.admission import ENGINE_FAULTED, AdmissionError
 from fastsched.frontend.async_llm import CompletionDelta, StreamOutput
 from fastsched.frontend.lora_registry import LoRAInUseError, LoRANotFoundError, LoRARegistry
@@ -197,9 +201,11 @@ class _ResponseStream:
 class FrontendServicer(pb_grpc.FrontendServicer):
     """Serves one AsyncLLM (see the module docstring for the error mapping)."""
 
-    def __init__(self, async_llm: Any, limits: RequestLimits | None = None) -> None:
+    def __init__(self, async_llm: Any, limits: RequestLimits | None = None,
+                 admin: AdminSettings | None = None) -> None:
         self.async_llm = async_llm
         self.limits = limits or RequestLimits()
+        self.admin = admin or AdminSettings()
         self.latencies = LatencyHistograms()
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -300,7 +306,13 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         """S15 (see the proto): the first message opens the session, a task feeds it the
         following ones while this call streams its outputs. Refused input ends the call
         INVALID_ARGUMENT; the request stream ending without ``close`` closes the session."""
-        first = await anext(aiter(request_iterator), None)
+        try:
+            async with asyncio.timeout(getattr(self.async_llm, "session_open_timeout", None)):
+                first = await anext(aiter(request_iterator), None)
+        except TimeoutError:
+            context.set_trailing_metadata(error_metadata(param="open", code="session_open_timeout"))
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no `open` message within the session open "
+                                "timeout (--session-open-timeout)")
         if first is None or first.WhichOneof("kind") != "open":
             context.set_trailing_metadata(((INVALID_PARAM_KEY, "open"),))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session's first message must be `open`")
@@ -319,7 +331,26 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         finally:
             feeder.cancel()
 
+    async def _check_admin(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
+        """Admin methods (``fastsched.admin``): UNIMPLEMENTED unless enabled, UNAUTHENTICATED
+        without the admin key when there is one (the API key never grants them)."""
+        if not self.admin.enabled(rpc):
+            flag = "--enable-runtime-lora-updating" if rpc in LORA_RPCS else "--enable-admin-api"
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc} is off: start the server with {flag}")
+        key = self.admin.admin_api_key
+        if key is not None and not any(k == AUTHORIZATION_KEY and isinstance(v, str) and bearer_matches(v, key)
+                                       for k, v in context.invocation_metadata() or ()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED_ADMIN)
+
+    async def _check_path(self, context: grpc.aio.ServicerContext, path: str, field: str) -> None:
+        try:
+            self.admin.check_local_path(path, field)
+        except PathNotAllowedError as e:
+            context.set_trailing_metadata(error_metadata(param=field, code=e.code))
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+
     async def Pause(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "Pause")
         try:
             await self.async_llm.pause(request.mode or "all")
         except ValueError as e:
@@ -330,6 +361,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return self._pause_response()
 
     async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "Resume")
         try:
             await self.async_llm.resume()
         except TimeoutError as e:
@@ -337,9 +369,11 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return self._pause_response()
 
     async def ReloadWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "ReloadWeights")
         if not request.model:
             context.set_trailing_metadata(((INVALID_PARAM_KEY, "model"),))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model (the checkpoint to load) is required")
+        await self._check_path(context, request.model, "model")
         try:
             await self.async_llm.reload_weights(request.model)
         except ValueError as e:
@@ -353,6 +387,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return pb.ReloadWeightsResponse()
 
     async def IsPaused(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "IsPaused")
         return self._pause_response()
 
     def _pause_response(self) -> Any:
@@ -370,6 +405,8 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return pb.ListLoRAAdaptersResponse(adapters=[pb.LoRAAdapter(name=a.name, path=a.path) for a in adapters])
 
     async def LoadLoRAAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "LoadLoRAAdapter")
+        await self._check_path(context, request.lora_path, "lora_path")
         try:
             await asyncio.to_thread(self._loras().load, request.lora_name, request.lora_path)
         except ValueError as e:
@@ -377,6 +414,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return pb.LoadLoRAAdapterResponse()
 
     async def UnloadLoRAAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "UnloadLoRAAdapter")
         try:
             self._loras().unload(request.lora_name)
         except LoRANotFoundError as e:
@@ -399,6 +437,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         return stats_to_proto(self.async_llm.stats(), self.latencies)
 
     async def GetRequestStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._check_admin(context, "GetRequestStatus")
         try:
             self.limits.check_request_id(request.request_id)
         except ValueError as e:
@@ -478,7 +517,10 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 handler_call_details: Any) -> Any:
         method = handler_call_details.method
-        if method.endswith("/Health") or self._authorized(handler_call_details.invocation_metadata or ()):
+        rpc = method.rsplit("/", 1)[-1]
+        # Health is open for probes; admin methods take the admin key instead (FrontendServicer._check_admin).
+        if rpc == "Health" or rpc in ADMIN_RPCS or rpc in LORA_RPCS \
+                or self._authorized(handler_call_details.invocation_metadata or ()):
             return await continuation(handler_call_details)
         if method.endswith("/GenerateSession"):
             return self._deny_bidi
@@ -492,21 +534,26 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 _UNAUTHENTICATED = "Invalid or missing API key: send metadata `authorization: Bearer <key>`."
+_UNAUTHENTICATED_ADMIN = "Invalid or missing admin API key (--admin-api-key): send metadata `authorization: Bearer <key>`."
 
 
 async def serve_frontend(async_llm: Any, host: str = "127.0.0.1", port: int = 50051, *,
-                         api_key: str | None = None, limits: RequestLimits | None = None) -> grpc.aio.Server:
+                         api_key: str | None = None, limits: RequestLimits | None = None,
+                         admin: AdminSettings | None = None) -> grpc.aio.Server:
     """Starts a grpc.aio server for ``async_llm`` on ``host:port`` and returns it (stop it
     with ``await server.stop(grace)``). Fails if the port is taken: SO_REUSEPORT is off so
     two frontends can never silently share one port. ``api_key``: required of every call
-    but Health; ``limits.max_concurrent_streams``: the most calls served at once."""
+    but Health and the admin methods; ``limits.max_concurrent_streams``: the most calls served at
+    once; ``admin``: which admin methods are on and their key (``fastsched.admin``; default: none)."""
     limits = limits or RequestLimits()
+    admin = admin or AdminSettings()
+    admin.check_keys(api_key)
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), *MESSAGE_SIZE_OPTIONS],
         interceptors=[_ApiKeyInterceptor(api_key)] if api_key is not None else None,
         maximum_concurrent_rpcs=limits.max_concurrent_streams,
     )
-    pb_grpc.add_FrontendServicer_to_server(FrontendServicer(async_llm, limits), server)
+    pb_grpc.add_FrontendServicer_to_server(FrontendServicer(async_llm, limits, admin), server)
     try:
         server.add_insecure_port(_address(host, port))
     except RuntimeError as e:

@@ -11,10 +11,11 @@ import os
 import select
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from fastsched.admin import AdminSettings
 from fastsched.frontend.settings import FrontendSettings
 
 logger = logging.getLogger("fastsched.frontend")
@@ -79,6 +80,7 @@ class FrontendSpec:
     log_level: str
     api_key: str | None  # required on the gRPC port too (passed over the spawn pipe, never in argv)
     tokenizer_dir: str | None = None  # the launcher's export of the model's tokenizer (fast to load)
+    admin: AdminSettings = field(default_factory=AdminSettings)  # the gRPC admin methods (fastsched.admin)
 
 
 def run_frontend(spec: FrontendSpec, ready_pipe: Connection) -> None:
@@ -131,7 +133,7 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
                 return 0
             llm = starting.result()
             server = await serve_frontend(llm, spec.grpc_host, spec.grpc_port, api_key=spec.api_key,
-                                          limits=spec.settings.limits)
+                                          limits=spec.settings.limits, admin=spec.admin)
         except Exception as e:
             logger.error("frontend %d failed to start: %s", spec.index, e)
             with contextlib.suppress(OSError):

@@ -23,11 +23,34 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from fastsched.frontend.admission import AdmissionError
 from fastsched.frontend.request_handle import RequestHandle
 from fastsched.inputs import PromptType
 from fastsched.outputs import RequestOutput
 
-__all__ = ["Session", "SessionHost", "SessionOutput", "SessionState", "SessionTimer"]
+__all__ = ["Session", "SessionHost", "SessionLimitError", "SessionOutput", "SessionState", "SessionTimer",
+           "session_cap"]
+
+
+MAX_SESSIONS = "max_sessions"  # the rejection reason (A5) of a session over the cap
+# The default cap: this share of the engines' max_num_seqs, so that sessions, which hold their
+# runner slot while they wait for input, never take every slot from ordinary requests.
+DEFAULT_SESSION_SHARE = 4
+
+
+class SessionLimitError(AdmissionError):
+    """``--max-sessions`` sessions are open already: retry later (503 with Retry-After)."""
+
+    reason = MAX_SESSIONS
+
+
+def session_cap(max_sessions: int | None, max_num_seqs: int, num_frontends: int) -> int:
+    """This frontend's share of ``max_sessions`` (default: ``max_num_seqs`` over all engines
+    divided by ``DEFAULT_SESSION_SHARE``); at least 1 unless ``max_sessions`` is 0 (no sessions)."""
+    total = max_num_seqs // DEFAULT_SESSION_SHARE if max_sessions is None else max_sessions
+    if total < 0:
+        raise ValueError(f"max_sessions must be at least 0, got {max_sessions}")
+    return 0 if total == 0 else max(1, total // num_frontends)
 
 
 @dataclass

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 from fastsched.limits import RequestLimits
 
+DEFAULT_SESSION_IDLE_TIMEOUT_S = 60.0  # fastsched serve's --session-idle-timeout
+SESSION_OPEN_TIMEOUT_S = 10.0  # fastsched serve's --session-open-timeout
+
 
 def _positive_int_or_none(name: str, value: object) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -38,7 +41,10 @@ class FrontendSettings:
     ttft_slo: float | None = None  # seconds; the TTFT-SLO valve (frontend.admission); None: off
     fault_tolerance: bool = False  # A1
     num_frontends: int = 1  # the TTFT-SLO limit is shared among them
-    session_idle_timeout: float | None = None  # seconds a streaming session may wait for input (S15)
+    # Seconds a streaming session may wait for input (S15); None: no limit.
+    session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S
+    max_sessions: int | None = None  # sessions open at once over the server; None: a quarter of max_num_seqs
+    session_open_timeout: float = SESSION_OPEN_TIMEOUT_S  # seconds a gRPC GenerateSession has to send its `open`
     engine_timeout: float = 5.0  # seconds of silence before an engine (or, for the launcher, a frontend) is hung
     ready_timeout: float = 300.0  # seconds for the engines to report READY
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -50,6 +56,9 @@ class FrontendSettings:
             _positive_int_or_none(name, getattr(self, name))
         _seconds("ttft_slo", self.ttft_slo, optional=True)
         _seconds("session_idle_timeout", self.session_idle_timeout, optional=True)
+        _seconds("session_open_timeout", self.session_open_timeout)
+        if self.max_sessions is not None and (isinstance(self.max_sessions, bool) or self.max_sessions < 0):
+            raise ValueError(f"max_sessions must be at least 0, got {self.max_sessions}")
         _seconds("engine_timeout", self.engine_timeout)
         _seconds("ready_timeout", self.ready_timeout)
         if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or self.max_log_len < 0):

@@ -61,7 +61,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastsched.gateway import metrics as gateway_metrics
 from fastsched.gateway import pause
-from fastsched.gateway.auth import Auth
+from fastsched.admin import AdminSettings, PathNotAllowedError
+from fastsched.gateway.auth import ADMIN, Auth
 from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.http_protocol import guarded_http_protocol
 from fastsched.gateway.lora_admin import LoRAAdmin
@@ -75,7 +76,7 @@ from fastsched.gateway.openai_protocol import (
     parse_completion,
 )
 from fastsched.gateway.pool import FrontendPool, FrontendStream
-from fastsched.gateway.sessions import session_websocket
+from fastsched.gateway.sessions import SessionSettings, session_websocket
 from fastsched.gateway.tokenize import detokenize, tokenize
 from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits
 
@@ -186,8 +187,12 @@ class Gateway:
 
     def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
                  api_key: str | None, limits: RequestLimits, retry_after_s: int,
+                 admin: AdminSettings | None = None, sessions: SessionSettings | None = None,
                  enable_prompt_tokens_details: bool = False) -> None:
-        self.auth = Auth(api_key)
+        self.admin = admin or AdminSettings()
+        self.admin.check_keys(api_key)
+        self.sessions = sessions or SessionSettings()
+        self.auth = Auth(api_key, self.admin.admin_api_key)
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.pool = FrontendPool(frontend_addrs, api_key)
         # Clients may send any of the names; responses carry the first (vLLM's --served-model-name).
@@ -195,7 +200,7 @@ class Gateway:
         self.model_name, self.tokenizer, self.api_key = self.model_names[0], tokenizer, api_key
         self.limits, self.retry_after_s = limits, retry_after_s
         self.created = int(time.time())
-        self.loras = LoRAAdmin(self.pool, retry_after_s)
+        self.loras = LoRAAdmin(self.pool, retry_after_s, self.admin, self.auth.metadata(ADMIN))
         # Chat templates of long bodies are rendered and tokenized here, off the event loop.
         self._parse_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="fastsched-chat-template")
 
@@ -388,10 +393,11 @@ class Gateway:
         ``request_id``: ``<id>-0``, ``<id>-1``, ... up to the first one no frontend knows."""
 
         def lookups(start: int) -> list[Awaitable[dict[str, Any] | None]]:
-            return [self.pool.request_status(f"{request_id}-{i}", self.retry_after_s)
+            return [self.pool.request_status(f"{request_id}-{i}", self.retry_after_s, self.auth.metadata(ADMIN))
                     for i in range(start, start + _PROMPT_CHUNK)]
 
-        exact, *chunk = await asyncio.gather(self.pool.request_status(request_id, self.retry_after_s), *lookups(0))
+        exact, *chunk = await asyncio.gather(
+            self.pool.request_status(request_id, self.retry_after_s, self.auth.metadata(ADMIN)), *lookups(0))
         if exact is not None:
             return [exact]
         prompts: list[dict[str, Any]] = []
@@ -495,6 +501,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                         headers=exc.headers)
 
 
+async def _path_not_allowed(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, PathNotAllowedError)
+    error = ApiError(403, str(exc), type="permission_error", param=exc.field, code=exc.code)
+    return JSONResponse(error.body(), status_code=403)
+
+
 async def _limit_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, LimitError)
     return JSONResponse(bad_request(str(exc), exc.field).body(), status_code=exc.status)
@@ -513,6 +525,8 @@ def create_app(
     api_key: str | None = None,
     limits: RequestLimits | None = None,
     retry_after_s: int = 1,
+    admin: AdminSettings | None = None,
+    sessions: SessionSettings | None = None,
     enable_prompt_tokens_details: bool = False,
 ) -> Starlette:
     """The gateway's ASGI app over the frontends at ``frontend_addrs`` (``host:port``).
@@ -521,11 +535,14 @@ def create_app(
     (another one is a 404);
     ``tokenizer`` (a ``fastsched.model_loader.Tokenizer``) renders chat templates and
     decodes logprob tokens; ``limits``: see ``fastsched.limits`` (default: ``RequestLimits()``);
-    ``retry_after_s`` is the ``Retry-After`` of every 503; ``enable_prompt_tokens_details``:
-    ``usage.prompt_tokens_details.cached_tokens`` in responses (vLLM's flag of that name).
+    ``retry_after_s`` is the ``Retry-After`` of every 503; ``admin``: which admin routes exist and
+    their key (``fastsched.admin``; default: none); ``sessions``: the ``/v1/sessions`` WebSocket's
+    settings (``gateway.sessions.SessionSettings``). ``ValueError`` for admin routes guarded by
+    ``api_key`` alone. ``enable_prompt_tokens_details``: ``usage.prompt_tokens_details.cached_tokens``
+    in responses (vLLM's flag of that name).
     """
     gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s,
-                      enable_prompt_tokens_details)
+                      admin, sessions, enable_prompt_tokens_details)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -541,22 +558,32 @@ def create_app(
         Route("/v1/completions", guard(gateway.completions), methods=["POST"]),
         Route("/v1/chat/completions", guard(gateway.chat_completions), methods=["POST"]),
         Route("/v1/models", guard(gateway.models), methods=["GET"]),
-        Route("/v1/load_lora_adapter", guard(gateway.load_lora_adapter), methods=["POST"]),
-        Route("/v1/unload_lora_adapter", guard(gateway.unload_lora_adapter), methods=["POST"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics, methods=["GET"]),
         Route("/tokenize", guard(gateway.tokenize), methods=["POST"]),
         Route("/detokenize", guard(gateway.detokenize), methods=["POST"]),
         Route("/version", gateway.version, methods=["GET"]),
         Route("/ping", gateway.ping, methods=["GET", "POST"]),
-        Route("/debug/requests/{request_id}", guard(gateway.request_status), methods=["GET"]),
-        Route("/pause", guard(pause.pause), methods=["POST"]),
-        Route("/resume", guard(pause.resume), methods=["POST"]),
-        Route("/is_paused", guard(pause.is_paused), methods=["GET"]),
-        Route("/reload_weights", guard(pause.reload_weights), methods=["POST"]),
         WebSocketRoute("/v1/sessions", session_websocket),
     ]
-    handlers = {ApiError: _api_error, LimitError: _limit_error, HTTPException: _http_error, Exception: _internal_error}
+    # Admin routes exist only when enabled (fastsched.admin), behind the admin key.
+    if gateway.admin.enable_runtime_lora_updating:
+        routes += [
+            Route("/v1/load_lora_adapter", guard(gateway.load_lora_adapter, ADMIN), methods=["POST"]),
+            Route("/v1/unload_lora_adapter", guard(gateway.unload_lora_adapter, ADMIN), methods=["POST"]),
+        ]
+    if gateway.admin.enable_admin_api:
+        routes += [
+            Route("/debug/requests/{request_id}", guard(gateway.request_status, ADMIN), methods=["GET"]),
+            Route("/pause", guard(pause.pause, ADMIN), methods=["POST"]),
+            Route("/resume", guard(pause.resume, ADMIN), methods=["POST"]),
+            Route("/is_paused", guard(pause.is_paused, ADMIN), methods=["GET"]),
+            Route("/reload_weights", guard(pause.reload_weights, ADMIN), methods=["POST"]),
+        ]
+    if (gateway.admin.enable_admin_api or gateway.admin.enable_runtime_lora_updating) \
+            and gateway.admin.admin_api_key is None:
+        logger.warning("admin routes are on without --admin-api-key: anyone who reaches the gateway may use them")
+    handlers = {ApiError: _api_error, LimitError: _limit_error, PathNotAllowedError: _path_not_allowed, HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
                     middleware=[Middleware(_RequestIdHeader)])
     app.state.gateway = gateway

@@ -1,5 +1,6 @@
 """``POST /pause?mode=new|all``, ``POST /resume``, ``GET /is_paused`` and ``POST /reload_weights``
-(S13), behind ``--api-key``.
+(S13): admin routes, there only with ``--enable-admin-api``, behind ``--admin-api-key``
+(``fastsched.admin``).
 
 Each asks every frontend (gRPC ``Pause`` / ``Resume`` / ``IsPaused``), and each frontend
 every engine, so one call pauses the whole server, D engines included; a frontend answers
@@ -12,7 +13,8 @@ Requests are still admitted while paused (and count toward ``max_num_queued_reqs
 ``POST /reload_weights`` with ``{"path": checkpoint}`` loads new weights into every engine
 (a checkpoint of the served architecture, a path the engines can read) and drops their prefix
 caches, whose KV the new weights make stale: the RL loop is pause (all), reload, resume. It is
-a 409 unless the server is paused with mode ``all``, a 400 when the weights do not fit.
+a 409 unless the server is paused with mode ``all``, a 400 when the weights do not fit, a 403
+for a path outside ``--allowed-local-paths``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fastsched.engine.protocol import PAUSE_MODES
+from fastsched.gateway.auth import ADMIN
 from fastsched.gateway.errors import FRONTEND_UNAVAILABLE, api_error_from_rpc, unavailable
 from fastsched.gateway.openai_protocol import bad_request
 from fastsched.proto_gen import import_stubs
@@ -56,7 +59,9 @@ async def reload_weights(request: Request) -> Response:
     model = body.get("path")
     if not isinstance(model, str) or not model:
         raise bad_request("path must name the checkpoint to load (a path the engines can read)", "path")
-    replies = await gateway.pool.each("ReloadWeights", pb.ReloadWeightsRequest(model=model), _RELOAD_TIMEOUT_S)
+    gateway.admin.check_local_path(model, "path")
+    replies = await gateway.pool.each("ReloadWeights", pb.ReloadWeightsRequest(model=model), _RELOAD_TIMEOUT_S,
+                                      gateway.auth.metadata(ADMIN))
     errors = [reply for reply in replies if isinstance(reply, BaseException)]
     if errors:
         error = api_error_from_rpc(errors[0], gateway.retry_after_s)
@@ -72,7 +77,7 @@ async def _call_all(request: Request, rpc: str, message: Any) -> Response:
     """``rpc`` on every frontend; 503 naming the frontends that could not do it."""
     gateway = request.app.state.gateway
     pool = gateway.pool
-    replies = await pool.each(rpc, message, _CALL_TIMEOUT_S)
+    replies = await pool.each(rpc, message, _CALL_TIMEOUT_S, gateway.auth.metadata(ADMIN))
     failed = {f.address: _describe(r) for f, r in zip(pool.frontends, replies) if isinstance(r, BaseException)}
     if failed:
         error = api_error_from_rpc(next(r for r in replies if isinstance(r, BaseException)), gateway.retry_after_s)

@@ -1,5 +1,10 @@
 """``/v1/sessions``: streaming-input sessions (S15) over a WebSocket, behind ``--api-key``.
 
+A page of another site cannot open one: when the client sends ``Origin`` (browsers do), it must
+be the gateway's own or one of ``--allowed-origins``. The ``open`` message must come within
+``--session-open-timeout`` seconds of connecting. Over ``--max-sessions``, the frontend rejects the
+session as it rejects a request at admission: an error with status 503 and ``retry_after``.
+
 One WebSocket is one session, carried to a frontend as one gRPC ``GenerateSession`` call.
 The client sends JSON messages:
 
@@ -11,7 +16,8 @@ The client sends JSON messages:
 
 The server sends ``{"type": "output", "request_id", "segment", "text", "token_ids",
 "segment_ended", "finish_reason"}`` as tokens come (``usage`` on the last one), and on an
-error ``{"type": "error", "error": {...}}`` in OpenAI's shape before closing the socket
+error ``{"type": "error", "status": http_status, "error": {...}}`` in OpenAI's shape (and
+``retry_after``, seconds, with a 503) before closing the socket
 (code 1008 for a request that can never succeed, 1013 for a 503, 1011 otherwise). A
 client that disconnects ends the session at once: its slot and KV are freed.
 """
@@ -21,12 +27,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 from google.protobuf import json_format
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from fastsched.frontend.settings import SESSION_OPEN_TIMEOUT_S
 from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.openai_protocol import ApiError, bad_request
 from fastsched.proto_gen import import_stubs
@@ -38,8 +47,35 @@ _CHUNK_FIELDS = frozenset({"type", "prompt", "max_tokens", "last"})
 _CLOSE_POLICY, _CLOSE_TRY_AGAIN, _CLOSE_INTERNAL = 1008, 1013, 1011
 
 
+@dataclass(frozen=True)
+class SessionSettings:
+    """The WebSocket's own bounds (the frontends bound what a session holds in the engine:
+    ``--max-sessions``, ``--session-idle-timeout``)."""
+
+    # Seconds a client has to send its ``open`` message after connecting (--session-open-timeout).
+    open_timeout: float = SESSION_OPEN_TIMEOUT_S
+    # Origins (scheme://host[:port]) whose pages may open a session besides the gateway's own
+    # (--allowed-origins); "*" allows any. A client that sends no Origin (not a browser) is not asked.
+    allowed_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.open_timeout < float("inf"):
+            raise ValueError(f"session_open_timeout must be a positive number of seconds, got {self.open_timeout}")
+
+    def origin_allowed(self, origin: str | None, host: str | None) -> bool:
+        """Same-origin (the Origin's host is the Host the client connected to), listed, or not sent."""
+        if origin is None or "*" in self.allowed_origins or origin.rstrip("/") in self.allowed_origins:
+            return True
+        return host is not None and urlsplit(origin).netloc.lower() == host.lower()
+
+
 async def session_websocket(websocket: WebSocket) -> None:
     gateway = websocket.app.state.gateway
+    settings: SessionSettings = gateway.sessions
+    if not settings.origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host")):
+        # A page of another site (cross-site WebSocket hijacking): refused before the handshake, 403.
+        await websocket.close(code=_CLOSE_POLICY, reason="Origin not allowed (--allowed-origins)")
+        return
     if gateway.auth.failure(websocket.headers) is not None:
         await websocket.close(code=_CLOSE_POLICY, reason="Invalid or missing API key: send Authorization: Bearer")
         return
@@ -49,7 +85,13 @@ async def session_websocket(websocket: WebSocket) -> None:
     frontend = pool.pick()
     call = None
     try:
-        opening = open_request(await _receive(websocket), gateway.model_names)
+        try:
+            async with asyncio.timeout(settings.open_timeout):
+                first = await _receive(websocket)
+        except TimeoutError:
+            raise ApiError(408, f"No open message within {settings.open_timeout:g} s of connecting "
+                                "(--session-open-timeout).", code="session_open_timeout") from None
+        opening = open_request(first, gateway.model_names)
         call = frontend.stub.GenerateSession(metadata=pool.metadata)
         frontend.outstanding += 1
         await call.write(opening)
@@ -166,7 +208,10 @@ def _output(response: Any) -> dict[str, Any]:
 async def _fail(websocket: WebSocket, error: ApiError) -> None:
     code = _CLOSE_POLICY if error.status < 500 else _CLOSE_TRY_AGAIN if error.status == 503 else _CLOSE_INTERNAL
     try:
-        await websocket.send_json({"type": "error", **error.body()})
+        message: dict[str, Any] = {"type": "error", "status": error.status, **error.body()}
+        if "Retry-After" in error.headers:  # a WebSocket has no headers left to carry it
+            message["retry_after"] = int(error.headers["Retry-After"])
+        await websocket.send_json(message)
         await websocket.close(code=code, reason=error.message[:120])
     except (WebSocketDisconnect, RuntimeError):
         pass  # already gone or closed

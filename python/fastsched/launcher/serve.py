@@ -72,6 +72,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from fastsched.admin import AdminSettings
 from fastsched.frontend.process import FrontendSpec, block_sigint, run_frontend
 from fastsched.frontend.settings import FrontendSettings
 
@@ -102,6 +103,8 @@ class ServeConfig:
     # Admission, request limits, timeouts, request logging: the frontends' settings, validated there.
     frontend: FrontendSettings = field(default_factory=FrontendSettings)
     max_engine_restarts: int = 3  # with frontend.fault_tolerance, per engine over the server's life
+    allowed_origins: tuple[str, ...] = ()  # pages that may open a /v1/sessions WebSocket besides our own
+    admin: AdminSettings = field(default_factory=AdminSettings)  # admin routes, their key, allowed paths
     api_key: str | None = None
     shutdown_timeout: float = 5.0  # seconds the gateway lets requests in flight finish at shutdown
     served_model_name: list[str] | None = None  # clients may send any; the first is reported
@@ -126,6 +129,7 @@ class ServeConfig:
             raise ValueError(f"max_engine_restarts must be non-negative, got {self.max_engine_restarts}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        self.admin.check_keys(self.api_key)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.grpc_port != 0 and not 1 <= self.grpc_port <= 65535 - (self.api_server_count - 1):
@@ -345,7 +349,7 @@ class Launcher:
         for k, (addr, port) in enumerate(zip(frontend_outputs, self.grpc_ports)):
             ours_ready, theirs_ready = _ready_pipe()
             spec = FrontendSpec(k, tuple(engine_inputs), tuple(engine_pids), addr, c.grpc_host, port,
-                                self.shm.name, c.frontend, c.log_level, c.api_key, self.tokenizer_dir)
+                                self.shm.name, c.frontend, c.log_level, c.api_key, self.tokenizer_dir, c.admin)
             proc = _spawn(run_frontend, f"fastsched-frontend-{k}", (spec, theirs_ready), {})
             theirs_ready.close()
             self.frontends.append(_Child("frontend", k, proc, ours_ready))
@@ -435,6 +439,7 @@ class Launcher:
 
     async def _serve_gateway(self) -> None:
         from fastsched.gateway.app import create_app, gateway_server
+        from fastsched.gateway.sessions import SessionSettings
         from fastsched.model_loader import load_tokenizer
 
         c = self.config
@@ -452,8 +457,10 @@ class Launcher:
         if c.chat_template is not None:
             tokenizer.chat_template = c.chat_template
         addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
+        sessions = SessionSettings(c.frontend.session_open_timeout, c.allowed_origins)
         app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key,
-                         limits=c.frontend.limits, enable_prompt_tokens_details=c.enable_prompt_tokens_details)
+                         limits=c.frontend.limits, admin=c.admin, sessions=sessions,
+                         enable_prompt_tokens_details=c.enable_prompt_tokens_details)
         server = gateway_server(app, c.host, c.port, log_config=None, log_level=c.log_level.lower(),
                                 access_log=c.access_log, timeout_graceful_shutdown=c.shutdown_timeout)
         # The launcher owns SIGINT/SIGTERM (shutdown order, second signal): uvicorn must not take them.
