@@ -188,14 +188,21 @@ class RequestGate:
         compiling a grammar)."""
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="fastsched-gate")
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
-        try:
-            return await asyncio.wait_for(future, self.limits.prepare_timeout)
-        except TimeoutError:
-            raise LimitError(f"{what} took longer than this server's limit of {self.limits.prepare_timeout:g} s "
-                             "(--prepare-timeout)", None) from None
+        return await run_bounded(self._pool, self.limits.prepare_timeout, what, lambda: fn(*args, **kwargs))
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def run_bounded(pool: concurrent.futures.Executor, timeout: float, what: str, fn: Callable[..., T],
+                      *args: Any) -> T:
+    """``fn(*args)`` in ``pool``, awaited for at most ``timeout`` seconds (``--prepare-timeout``):
+    past that a ``LimitError`` naming ``what``, and the thread's result, when it comes, dropped.
+    The gate's and the gateway's way to do work that grows with what a client sent."""
+    future = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    try:
+        return await asyncio.wait_for(future, timeout)
+    except TimeoutError:
+        raise LimitError(f"{what} took longer than this server's limit of {timeout:g} s (--prepare-timeout)",
+                         None) from None

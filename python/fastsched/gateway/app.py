@@ -79,6 +79,7 @@ from fastsched.gateway.pool import FrontendPool, FrontendStream
 from fastsched.gateway.sessions import SessionSettings, session_websocket
 from fastsched.gateway.tokenize import detokenize, tokenize
 from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits
+from fastsched.request_gate import run_bounded
 
 logger = logging.getLogger("fastsched.gateway")
 _VERSION = importlib.metadata.version("fastsched")
@@ -259,7 +260,8 @@ class Gateway:
         if size <= INLINE_TOKENIZE_CHARS:
             parsed = parse_chat(*args)
         else:
-            parsed = await asyncio.get_running_loop().run_in_executor(self._parse_pool, parse_chat, *args)
+            parsed = await run_bounded(self._parse_pool, self.limits.prepare_timeout, "rendering the chat template",
+                                       parse_chat, *args)
         return await self._generate(request, self._with_adapter(parsed, body))
 
     def _with_adapter(self, parsed: ParsedRequest, body: dict[str, Any]) -> ParsedRequest:
@@ -335,7 +337,8 @@ class Gateway:
         args = (body, self.tokenizer, info and info["max_model_len"], self.limits)
         if size <= INLINE_TOKENIZE_CHARS:
             return JSONResponse(tokenize(*args))
-        return JSONResponse(await asyncio.get_running_loop().run_in_executor(self._parse_pool, tokenize, *args))
+        return JSONResponse(await run_bounded(self._parse_pool, self.limits.prepare_timeout, "tokenizing", tokenize,
+                                              *args))
 
     async def detokenize(self, request: Request) -> Response:
         body, _ = await self.read_json(request)
