@@ -248,11 +248,11 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         engine is unhealthy (it died mid-request), INVALID_ARGUMENT for a ``ValueError``
         (e.g. the engine refused the prompt: docs/design.md §4, ignored), else INTERNAL."""
         if not self.async_llm.is_healthy():
-            logger.warning("request %s failed, the engine is not healthy: %s", request_id, error)
+            logger.warning("request %r failed, the engine is not healthy: %s", request_id, error)  # %r: as sent, escaped
             await self._abort_unavailable(context, ENGINE_FAULTED)
         if isinstance(error, ValueError):
             await self._abort_invalid(context, error)
-        logger.error("request %s failed", request_id, exc_info=error)
+        logger.error("request %r failed", request_id, exc_info=error)
         await context.abort(grpc.StatusCode.INTERNAL, f"request {request_id} failed: {error}")
 
     async def _validate(self, request_id: str, request: Any, streaming: bool) -> ValidRequest:
