@@ -131,3 +131,15 @@ def test_process_packages_do_not_import_torch(package: str):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"importing {package} loads torch: {out.stdout.strip()}"
+
+
+@pytest.mark.parametrize("module", ["fastsched.entrypoints.cli", "fastsched.launcher.serve"])
+def test_what_a_spawned_child_imports_before_blocking_sigint_starts_no_thread(module: str):
+    """A spawned frontend or engine re-imports the CLI (the parent's ``__main__``) and the module of
+    its target before it blocks SIGINT (``frontend.process.block_sigint``); a native thread started
+    then (numpy's BLAS pool, tokenizers') would take Ctrl-C, meant for the launcher alone, and kill
+    the child out of the shutdown order."""
+    code = f"import os, {module}\nprint(len(os.listdir('/proc/self/task')))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1", f"importing {module} starts {int(out.stdout) - 1} thread(s)"

@@ -288,6 +288,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
 
     @staticmethod
     async def _abort_invalid(context: grpc.aio.ServicerContext, error: ValueError) -> None:
+        error_code: str | None
         if isinstance(error, _NotFound):
             code, param, error_code = grpc.StatusCode.NOT_FOUND, "model", "model_not_found"
         else:

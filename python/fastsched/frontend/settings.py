@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 from fastsched.limits import RequestLimits
 
-DEFAULT_SESSION_IDLE_TIMEOUT_S = 60.0  # fastsched serve's --session-idle-timeout
-SESSION_OPEN_TIMEOUT_S = 10.0  # fastsched serve's --session-open-timeout
+# Streaming-input sessions (S15): fastsched serve's defaults. This module imports nothing heavy
+# (the CLI and the launcher read it; a spawned child re-imports the CLI before it blocks SIGINT).
+DEFAULT_SESSION_IDLE_TIMEOUT_S = 60.0  # --session-idle-timeout
+SESSION_OPEN_TIMEOUT_S = 10.0  # --session-open-timeout
 
 
 def _positive_int_or_none(name: str, value: object) -> None:
