@@ -6,8 +6,10 @@ sent into a :class:`ValidRequest` (or a :class:`ValidChunk`) here: the request i
 sampling parameters' sizes, the prompt's characters (before tokenizing), its token ids
 (each in the vocabulary) and its length against ``max_model_len`` are each checked once,
 each limit of ``fastsched.limits`` applied once, the prompt tokenized once. What comes out
-is trusted by everything after it: the frontend's request table, admission and the
-engine do not judge it again (the engine's own asserts are invariants, not checks).
+is trusted by everything after it: the frontend's request table checks only that its id is
+not in use, and admission only whether there is room. (``EngineCore.add_request`` still runs
+``inputs.check_prompt`` on what reaches it, the same implementation; the scheduler's own
+checks are invariants.)
 
 Nothing a client controls runs unbounded on an event loop. Sizes are bounded before any
 work proportional to them; tokenizing a long text and compiling an output constraint run
