@@ -491,3 +491,17 @@ def test_s13_reload_weights_only_while_paused_all_and_it_drops_the_prefix_cache(
         assert reload(tiny_model_dir).status_code == 200
         http.post("/resume", headers=ADMIN)
         assert complete() == original
+
+
+def test_a_14_mb_websocket_chunk_is_refused_before_it_is_tokenized(stack: Stack) -> None:
+    """Issue 22: one ~14 MB chunk was tokenized on the frontend's event loop (no size check
+    before the token budget): the frontend missed its liveness deadline and the server died.
+    It is refused now, by its characters, and the server goes on serving."""
+    with ws_connect(ws_url(stack, 1), max_size=None) as ws:
+        ws.send(json.dumps({"type": "open", "prompt": [7], "max_tokens": 1}))
+        ws_segment(ws)
+        ws.send(json.dumps({"type": "chunk", "prompt": "word " * 2_800_000, "max_tokens": 1}))
+        error = json.loads(ws.recv(timeout=30))
+        assert error["type"] == "error" and "chunk has 14000000 characters" in error["error"]["message"], error
+    with httpx.Client(base_url=stack.urls[1], timeout=30) as http:
+        assert http.get("/health").status_code == 200
