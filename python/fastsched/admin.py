@@ -1,7 +1,7 @@
 """Who may run the server's admin operations, and on which files (docs/serving.md, "Admin API").
 
 Admin operations change what the server does for everyone: pause and resume (S13), reload the
-weights, load and unload LoRA adapters, and look into requests (``/debug/*``). As vLLM does
+weights, reset the prefix caches, load and unload LoRA adapters, and look into requests (``/debug/*``). As vLLM does
 (its dev mode and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), they are off unless enabled:
 ``--enable-admin-api`` turns on pause/resume/reload/debug, ``--enable-runtime-lora-updating``
 the adapter loads. They take their own key, ``--admin-api-key`` (the inference ``--api-key``
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 __all__ = ["ADMIN_RPCS", "LORA_RPCS", "AdminSettings", "PathNotAllowedError"]
 
 # The frontends' gRPC methods each switch turns on.
-ADMIN_RPCS = frozenset({"Pause", "Resume", "IsPaused", "ReloadWeights", "GetRequestStatus"})
+ADMIN_RPCS = frozenset({"Pause", "Resume", "IsPaused", "ReloadWeights", "ResetPrefixCache", "GetRequestStatus"})
 LORA_RPCS = frozenset({"LoadLoRAAdapter", "UnloadLoRAAdapter"})
 
 
@@ -34,7 +34,7 @@ class PathNotAllowedError(ValueError):
 
 @dataclass(frozen=True)
 class AdminSettings:
-    enable_admin_api: bool = False  # pause, resume, is_paused, reload_weights, /debug/*
+    enable_admin_api: bool = False  # pause, resume, is_paused, reload_weights, reset_prefix_cache, /debug/*
     enable_runtime_lora_updating: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     admin_api_key: str | None = None  # required by every admin operation when set
     allowed_local_paths: tuple[str, ...] = ()  # directories the named files must lie under

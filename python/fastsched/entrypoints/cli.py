@@ -14,6 +14,13 @@ from pathlib import Path
 
 from fastsched.admin import AdminSettings
 from fastsched.config import EngineConfig, add_engine_args, engine_kwargs
+from fastsched.entrypoints.vllm_compat import (
+    add_vllm_engine_compat_args,
+    add_vllm_serve_compat_args,
+    check_vllm_compat_args,
+    closest_flag,
+    command_parser,
+)
 from fastsched.frontend.cli_args import add_admission_limit_args, frontend_settings
 from fastsched.frontend.settings import DEFAULT_SESSION_IDLE_TIMEOUT_S, SESSION_OPEN_TIMEOUT_S
 from fastsched.limits import add_request_limit_args
@@ -116,6 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=not args.disable_access_log,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_level=args.log_level,
+        uvicorn_log_level=args.uvicorn_log_level,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     try:
         return serve(config)
@@ -223,9 +232,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "are stopped (a second signal skips the wait)")
     m = parser.add_argument_group("admin API (off unless enabled; fastsched.admin)")
     m.add_argument("--enable-admin-api", action="store_true",
-                   help="serve the admin routes POST /pause, /resume, /reload_weights, GET /is_paused and "
-                        "/debug/requests/{id} (and their gRPC methods); without it they do not exist (404, gRPC "
-                        "UNIMPLEMENTED)")
+                   help="serve the admin routes POST /pause, /resume, /reload_weights, /reset_prefix_cache (every "
+                        "engine forgets its cached prefixes, e.g. between benchmark runs), GET /is_paused and "
+                        "/debug/requests/{id}, and their gRPC methods, behind --admin-api-key; without it they do "
+                        "not exist (404, gRPC UNIMPLEMENTED)")
     m.add_argument("--enable-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and their gRPC methods), as "
                         "vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; adapters given by --lora-modules are served either way")
@@ -303,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_positional(srv)
     add_serve_args(srv)
     add_engine_args(srv)
+    add_vllm_engine_compat_args(srv)
+    add_vllm_serve_compat_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate completions offline for a few prompts",
@@ -320,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--request-seed", type=int, default=None, help="seed for every request's sampling")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(gen)
+    add_vllm_engine_compat_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     export = sub.add_parser(
@@ -411,13 +424,16 @@ def with_flag(message: str, parser: argparse.ArgumentParser) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage and the closest flag, not the top-level usage
+        command_parser(parser, args).error(closest_flag(command_parser(parser, args), unknown))
     if not sys.stderr.isatty():
         # A progress bar in a log file is a heap of \r fragments: log lines per phase instead.
         os.environ.setdefault("TQDM_DISABLE", "1")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _resolve_model(args)
+        check_vllm_compat_args(args)
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"fastsched: error: {with_flag(str(e), parser)}", file=sys.stderr)

@@ -431,6 +431,12 @@ class AsyncLLM:
             detail = "; ".join(f"engine {index}: {message}" for index, (_, message) in sorted(errors.items()))
             raise (RuntimeError if protocol.RELOAD_CONFLICT in kinds else ValueError)(detail)
 
+    async def reset_prefix_cache(self, timeout: float | None = None) -> None:
+        """Every live engine forgets its cached prefixes (vLLM's ``POST /reset_prefix_cache``);
+        returns once each has. ``TimeoutError`` after ``timeout`` s (default: engine_timeout)."""
+        await self._command_all(lambda q: protocol.ResetPrefixCache(q, self.frontend_index),
+                                timeout if timeout is not None else self.engine_timeout)
+
     async def _set_pause_state(self, state: str) -> None:
         await self._command_all(lambda q: protocol.Pause(state, q, self.frontend_index), self.engine_timeout)
 

@@ -311,7 +311,8 @@ class EngineClient:
             self.on_stats()
         elif isinstance(msg, protocol.Ready):
             if engine.info is None:
-                logger.info("frontend %d: engine %d ready: %s", self.frontend_index, index, msg.model_info)
+                logger.debug("frontend %d: engine %d ready (model=%s KV blocks=%d)", self.frontend_index, index,
+                             msg.model_info.model_name, msg.model_info.num_gpu_blocks)
             engine.info = msg.model_info
             if engine.requests is None:
                 engine.requests = EngineRequestMetrics(msg.model_info.max_model_len)
@@ -324,7 +325,7 @@ class EngineClient:
             answer = self._queries.get(msg.query_id)
             if answer is not None and not answer.done():
                 answer.set_result(msg.statuses)
-        elif isinstance(msg, (protocol.Paused, protocol.Reloaded)):
+        elif isinstance(msg, (protocol.Paused, protocol.Reloaded, protocol.PrefixCacheReset)):
             if isinstance(msg, protocol.Paused):
                 engine.stats.pause_state = msg.state
             reply = self._commands.get(msg.query_id)

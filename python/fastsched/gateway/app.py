@@ -59,12 +59,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fastsched.gateway import metrics as gateway_metrics
-from fastsched.gateway import pause
 from fastsched.admin import AdminSettings, PathNotAllowedError
+from fastsched.gateway import cache_admin, pause
+from fastsched.gateway import metrics as gateway_metrics
 from fastsched.gateway.auth import ADMIN, Auth
 from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.http_protocol import guarded_http_protocol
+from fastsched.gateway.json_body import SURROGATE_ESCAPE, check_json, reject_constant
 from fastsched.gateway.lora_admin import LoRAAdmin
 from fastsched.gateway.openai_protocol import (
     ApiError,
@@ -87,8 +88,6 @@ _VERSION = importlib.metadata.version("fastsched")
 _PROMPT_CHUNK = 8  # prompts of an OpenAI response id looked up at once
 # An X-Request-Id the gateway accepts: printable ASCII without "/", so it fits a URL path.
 _VALID_REQUEST_ID = re.compile(r"[!-.0-~]{1,128}")
-# A raw JSON string escape of a UTF-16 surrogate: only then can a parsed string hold a lone one.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def _merge(streams: Sequence[FrontendStream]) -> AsyncIterator[tuple[int, Any]]:
@@ -186,6 +185,8 @@ class _EventStream(Response):
 class Gateway:
     """The routes' state: the frontend pool, the model's name and tokenizer, the limits."""
 
+    tool_parser: str | None = None  # --tool-call-parser, for tool_choice "auto" (gateway.tool_calls)
+
     def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
                  api_key: str | None, limits: RequestLimits, retry_after_s: int,
                  admin: AdminSettings | None = None, sessions: SessionSettings | None = None,
@@ -228,7 +229,7 @@ class Gateway:
         check_json_content_type(request.headers.get("content-type"))
         raw = await self._read_body(request)
         try:
-            body = json.loads(raw, parse_constant=_reject_constant)
+            body = json.loads(raw, parse_constant=reject_constant)
         except RecursionError:
             raise bad_request(f"The request body nests objects and arrays deeper than this server's limit of "
                               f"{self.limits.max_json_depth} (--max-json-depth).", None) from None
@@ -236,7 +237,7 @@ class Gateway:
             raise bad_request(f"The request body is not valid JSON: {e}", None) from e
         if not isinstance(body, dict):
             raise bad_request("The request body must be a JSON object.", None)
-        _check_json(body, self.limits.max_json_depth, check_strings=_SURROGATE_ESCAPE.search(raw) is not None)
+        check_json(body, self.limits.max_json_depth, check_strings=SURROGATE_ESCAPE.search(raw) is not None)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad_request(f"model must be a string, got {model!r}", "model")
@@ -256,7 +257,7 @@ class Gateway:
         request_id = _assign_request_id(request, "chatcmpl")
         body, size = await self.read_json(request)
         info = await self.pool.model_info()
-        args = (body, self.tokenizer, info and info["max_model_len"], request_id, self.limits)
+        args = (body, self.tokenizer, info and info["max_model_len"], request_id, self.limits, self.tool_parser)
         if size <= INLINE_TOKENIZE_CHARS:
             parsed = parse_chat(*args)
         else:
@@ -451,43 +452,6 @@ class _RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _check_json(body: Any, max_depth: int, check_strings: bool) -> None:
-    """400 for a body nested deeper than ``max_depth`` or, when ``check_strings``, with a
-    string (key or value) that holds a lone surrogate: it cannot be encoded as UTF-8, so
-    neither sent to a frontend nor tokenized. Iterative: the depth is what is checked."""
-    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
-    while stack:
-        value, depth, path = stack.pop()
-        if depth > max_depth:
-            raise bad_request(f"The request body nests objects and arrays more than {max_depth} deep (at "
-                              f"{path or 'the top'}): this server's limit (--max-json-depth).", None)
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            if isinstance(item, (dict, list)):
-                stack.append((item, depth + 1, _json_path(path, key)))
-            elif check_strings and isinstance(item, str):
-                _check_unicode(item, _json_path(path, key))
-            if check_strings and isinstance(key, str):
-                _check_unicode(key, _json_path(path, key))
-
-
-def _json_path(path: str, key: str | int) -> str:
-    return f"{path}.{key}".lstrip(".") if isinstance(key, str) else f"{path}[{key}]"
-
-
-def _check_unicode(text: str, where: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        field = where.split(".")[0].split("[")[0] or None
-        raise bad_request(f"{where} holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is "
-                          "not valid Unicode text.", field) from None
-
-
 def _sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
@@ -528,6 +492,7 @@ def create_app(
     api_key: str | None = None,
     limits: RequestLimits | None = None,
     retry_after_s: int = 1,
+    tool_parser: str | None = None,
     admin: AdminSettings | None = None,
     sessions: SessionSettings | None = None,
     enable_prompt_tokens_details: bool = False,
@@ -538,14 +503,16 @@ def create_app(
     (another one is a 404);
     ``tokenizer`` (a ``fastsched.model_loader.Tokenizer``) renders chat templates and
     decodes logprob tokens; ``limits``: see ``fastsched.limits`` (default: ``RequestLimits()``);
-    ``retry_after_s`` is the ``Retry-After`` of every 503; ``admin``: which admin routes exist and
-    their key (``fastsched.admin``; default: none); ``sessions``: the ``/v1/sessions`` WebSocket's
-    settings (``gateway.sessions.SessionSettings``). ``ValueError`` for admin routes guarded by
-    ``api_key`` alone. ``enable_prompt_tokens_details``: ``usage.prompt_tokens_details.cached_tokens``
-    in responses (vLLM's flag of that name).
+    ``retry_after_s`` is the ``Retry-After`` of every 503; ``tool_parser`` (a name of
+    ``gateway.tool_parsers``) finds the calls of ``tool_choice: "auto"``; ``admin``: which admin
+    routes exist and their key (``fastsched.admin``; default: none); ``sessions``: the
+    ``/v1/sessions`` WebSocket's settings (``gateway.sessions.SessionSettings``). ``ValueError``
+    for admin routes guarded by ``api_key`` alone. ``enable_prompt_tokens_details``:
+    ``usage.prompt_tokens_details.cached_tokens`` in responses (vLLM's flag of that name).
     """
     gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s,
                       admin, sessions, enable_prompt_tokens_details)
+    gateway.tool_parser = tool_parser
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -582,11 +549,13 @@ def create_app(
             Route("/resume", guard(pause.resume, ADMIN), methods=["POST"]),
             Route("/is_paused", guard(pause.is_paused, ADMIN), methods=["GET"]),
             Route("/reload_weights", guard(pause.reload_weights, ADMIN), methods=["POST"]),
+            Route("/reset_prefix_cache", guard(cache_admin.reset_prefix_cache, ADMIN), methods=["POST"]),
         ]
     if (gateway.admin.enable_admin_api or gateway.admin.enable_runtime_lora_updating) \
             and gateway.admin.admin_api_key is None:
         logger.warning("admin routes are on without --admin-api-key: anyone who reaches the gateway may use them")
-    handlers = {ApiError: _api_error, LimitError: _limit_error, PathNotAllowedError: _path_not_allowed, HTTPException: _http_error, Exception: _internal_error}
+    handlers = {ApiError: _api_error, LimitError: _limit_error, PathNotAllowedError: _path_not_allowed,
+                HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
                     middleware=[Middleware(_RequestIdHeader)])
     app.state.gateway = gateway

@@ -113,6 +113,8 @@ class ServeConfig:
     access_log: bool = True
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens in responses
     log_level: str = "INFO"
+    uvicorn_log_level: str | None = None  # uvicorn's loggers (None: log_level's); debug logs the probes too
+    tool_call_parser: str | None = None  # tool_choice "auto" (gateway.tool_parsers): --enable-auto-tool-choice
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "api_server_count"):
@@ -130,6 +132,10 @@ class ServeConfig:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         self.admin.check_keys(self.api_key)
+        if self.tool_call_parser is not None:
+            from fastsched.gateway.tool_parsers import get_parser
+
+            get_parser(self.tool_call_parser)  # a ValueError listing the known names
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.grpc_port != 0 and not 1 <= self.grpc_port <= 65535 - (self.api_server_count - 1):
@@ -410,7 +416,7 @@ class Launcher:
                         if isinstance(msg, protocol.Failed):
                             raise ServeError(msg.message)
                         ch.info = msg.model_info
-                        logger.info(
+                        logger.debug(  # the engine logs its own ready line
                             "engine %d ready (pid %d): model=%s max_model_len=%d KV blocks=%d", ch.index,
                             ch.proc.pid, ch.info.model_name, ch.info.max_model_len, ch.info.num_gpu_blocks,
                         )
@@ -438,6 +444,7 @@ class Launcher:
     # ------------------------------------------------------------ serving
 
     async def _serve_gateway(self) -> None:
+        from fastsched.gateway.access_log import quiet_probes
         from fastsched.gateway.app import create_app, gateway_server
         from fastsched.gateway.sessions import SessionSettings
         from fastsched.model_loader import load_tokenizer
@@ -459,10 +466,12 @@ class Launcher:
         addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
         sessions = SessionSettings(c.frontend.session_open_timeout, c.allowed_origins)
         app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key,
-                         limits=c.frontend.limits, admin=c.admin, sessions=sessions,
+                         limits=c.frontend.limits, tool_parser=c.tool_call_parser, admin=c.admin, sessions=sessions,
                          enable_prompt_tokens_details=c.enable_prompt_tokens_details)
-        server = gateway_server(app, c.host, c.port, log_config=None, log_level=c.log_level.lower(),
+        server = gateway_server(app, c.host, c.port, log_config=None,
+                                log_level=c.uvicorn_log_level or c.log_level.lower(),
                                 access_log=c.access_log, timeout_graceful_shutdown=c.shutdown_timeout)
+        quiet_probes()
         # The launcher owns SIGINT/SIGTERM (shutdown order, second signal): uvicorn must not take them.
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         dead: list[_Child] = []
