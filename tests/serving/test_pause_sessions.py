@@ -91,7 +91,9 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
                                                     api_key=API_KEY if k == 0 else None,
                                                     admin=keyed_admin if k == 0 else open_admin)))
         tokenizer = load_tokenizer(str(tiny_model_dir))
-        urls = [loop.start_gateway(create_app([grpc_addrs[0]], MODEL, tokenizer, api_key=API_KEY, admin=keyed_admin)),
+        # Gateway 0 reports usage.prompt_tokens_details.cached_tokens (the prefix-cache test reads it).
+        urls = [loop.start_gateway(create_app([grpc_addrs[0]], MODEL, tokenizer, api_key=API_KEY, admin=keyed_admin,
+                                              enable_prompt_tokens_details=True)),
                 loop.start_gateway(create_app([grpc_addrs[1]], MODEL, tokenizer, admin=open_admin))]
         yield Stack(loop, llms, grpc_addrs, urls)
     finally:
@@ -454,12 +456,12 @@ def test_s15_a_websocket_message_over_max_body_bytes_closes_the_socket_with_1009
 
 def test_reset_prefix_cache_is_an_admin_route_after_which_a_prompt_is_computed_afresh(
         stack: Stack, tiny_model_dir: Path) -> None:
-    admin = stack.loop.start_gateway(create_app([stack.grpc_addrs[0]], MODEL, load_tokenizer(str(tiny_model_dir)),
-                                                api_key=API_KEY, enable_admin_api=True))
+    plain = stack.loop.start_gateway(create_app([stack.grpc_addrs[0]], MODEL, load_tokenizer(str(tiny_model_dir)),
+                                                api_key=API_KEY))
     prompt = list(range(300, 340))  # 2 full blocks and a part; sequential requests go to engine 0 (least loaded)
-    with httpx.Client(base_url=stack.urls[0], timeout=60) as plain:
-        assert plain.post("/reset_prefix_cache", headers=KEY).status_code == 404  # without --enable-admin-api
-    with httpx.Client(base_url=admin, timeout=120) as http:
+    with httpx.Client(base_url=plain, timeout=60) as http:
+        assert http.post("/reset_prefix_cache", headers=ADMIN).status_code == 404  # without --enable-admin-api
+    with httpx.Client(base_url=stack.urls[0], timeout=120) as http:  # gateway 0 serves the admin routes
         def cached_tokens() -> int:
             r = http.post("/v1/completions", headers=KEY, json={"model": MODEL, "prompt": prompt, "max_tokens": 2,
                                                                **GREEDY})
@@ -468,8 +470,9 @@ def test_reset_prefix_cache_is_an_admin_route_after_which_a_prompt_is_computed_a
 
         cached_tokens()
         assert cached_tokens() == 32  # the two full blocks
-        assert http.post("/reset_prefix_cache").status_code == 401  # behind --api-key
-        reset = http.post("/reset_prefix_cache", headers=KEY)
+        assert http.post("/reset_prefix_cache").status_code == 401  # behind --admin-api-key
+        assert http.post("/reset_prefix_cache", headers=KEY).status_code == 401  # which the API key is not
+        reset = http.post("/reset_prefix_cache", headers=ADMIN)
         assert reset.status_code == 200 and reset.json() == {"reset": True}
         assert cached_tokens() == 0
         assert cached_tokens() == 32
