@@ -233,3 +233,36 @@ def test_an_unknown_flag_shows_the_commands_usage_and_the_closest_flag(capsys: p
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--qsp", "2"])
     assert "usage: fastsched bench serve" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--max-num-batched-tokens", "10", "--max-num-seqs", "20"], "--max-num-batched-tokens"),
+    (["--watermark", "2"], "--watermark"),
+    (["--max-num-queued-reqs", "0"], "--max-num-queued-reqs"),
+    (["--ttft-slo", "-1"], "--ttft-slo"),
+    (["--engine-timeout", "0"], "--engine-timeout"),
+    (["--max-n", "0"], "--max-n"),
+])
+def test_serve_refuses_a_bad_setting_before_spawning_anything(flags, flag, monkeypatch, capsys):
+    """Issue 28: a setting that needs no model to be judged is refused before any child process
+    starts, with one line naming its flag, and a non-zero exit."""
+    from fastsched.entrypoints.cli import main
+    from fastsched.launcher import serve as launcher
+
+    spawned = []
+    monkeypatch.setattr(launcher, "_spawn", lambda *a, **k: spawned.append(a) or pytest.fail("a child was spawned"))
+    assert main(["serve", *flags, "--port", "0", "--grpc-port", "0"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fastsched: error: {flag}: "), err
+    assert not spawned
+
+
+def test_an_empty_api_key_in_the_environment_is_an_error_not_auth_off(monkeypatch, capsys):
+    """Issue 22: FASTSCHED_API_KEY="" used to mean no key at all."""
+    from fastsched.launcher import serve as launcher
+
+    monkeypatch.setenv("FASTSCHED_API_KEY", "")
+    monkeypatch.setattr(launcher, "_spawn", lambda *a, **k: pytest.fail("a child was spawned"))
+    assert main(["serve", "--port", "0", "--grpc-port", "0"]) != 0
+    assert "FASTSCHED_API_KEY is set but empty" in capsys.readouterr().err

@@ -24,7 +24,7 @@ LAYERS = [
     ("model_loader",),
     ("spec_decode",),
     ("worker",),
-    ("engine", "inputs"),
+    ("engine", "inputs", "request_gate"),
     ("frontend",),
     ("gateway",),
     ("launcher",),

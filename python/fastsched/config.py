@@ -212,6 +212,14 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 
+    def check_scheduler_knobs(self) -> None:
+        """The scheduler's own checks (the core's), run before any process is spawned, with
+        what needs the model standing in for the loosest value it can take: ``max_model_len``
+        (the model's context length when not given) as its floor of 2 and ``num_gpu_blocks``
+        (measured from memory when not given) as 2. A relation with either is checked for real
+        when it is given, and again by each engine once the model is known."""
+        self.scheduler_config(self.max_model_len or 2, self.num_gpu_blocks or 2)
+
     def resolve_max_model_len(self, model_max: int) -> int:
         if self.max_model_len is None:
             return model_max
@@ -274,6 +282,14 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Iterable[str] = ()
         if "type" not in kwargs:
             kwargs["type"] = _TYPES[f.type.removesuffix(" | None")]
         group.add_argument(flag, *meta["aliases"], **kwargs)
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of engine argument ``name`` (``max_num_seqs`` -> ``--max-num-seqs``)."""
+    for f in cli_fields():
+        if f.name == name:
+            return f.metadata["flag"] or "--" + name.replace("_", "-")
+    raise KeyError(name)
 
 
 def engine_kwargs(args: argparse.Namespace, exclude: Iterable[str] = ()) -> dict[str, Any]:

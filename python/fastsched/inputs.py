@@ -1,9 +1,8 @@
-"""From a user's prompt to engine requests, the same way everywhere: tokenized, checked
-against the model's limits, and fanned out into one engine request per completion.
+"""Prompts and the engine requests they fan out into (one per completion).
 
-``fastsched.LLM`` (offline) and ``AsyncLLM`` (a server's frontend) both use
-:class:`InputProcessor`; the engine calls :func:`check_prompt` again on what reaches it,
-so a request is refused with the same message wherever it enters.
+The prompt checks here (:func:`check_token_ids`, :func:`check_length`) have one
+implementation, used by the request gate (``fastsched.request_gate``), through which
+every request passes once, whichever way it enters.
 """
 
 from __future__ import annotations
@@ -11,10 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from fastsched.engine.protocol import EngineCoreRequest
-from fastsched.limits import check_prompt_chars
 from fastsched.sampling_params import SamplingParams
 
 
@@ -30,28 +27,33 @@ class TokenizedText:
 PromptType = str | Sequence[int] | TokenizedText
 
 
-class _Encoder(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-
 class ContextLengthError(ValueError):
     """The prompt (or a session's input) plus ``max_tokens`` cannot fit in ``max_model_len``."""
 
     code = "context_length_exceeded"  # OpenAI's error code, sent to the gateway as structured metadata
 
 
-def check_prompt(token_ids: Sequence[int], max_tokens: int, max_model_len: int, vocab_size: int) -> None:
-    """Raise ``ValueError`` naming the problem if a prompt can never be served."""
-    n = len(token_ids)
-    if n == 0:
-        raise ValueError("the prompt must contain at least one token")
-    if n + max_tokens > max_model_len:
-        raise ContextLengthError(
-            f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) is longer than max_model_len ({max_model_len})"
-        )
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, where: str = "prompt") -> None:
+    """Raise ``ValueError`` naming the problem unless ``token_ids`` is non-empty and in the vocabulary."""
+    if not token_ids:
+        raise ValueError(f"the {where} must contain at least one token")
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"prompt token id {bad} is out of range for a vocabulary of {vocab_size}")
+        raise ValueError(f"{where} token id {bad} is out of range for a vocabulary of {vocab_size}")
+
+
+def check_length(num_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    if num_tokens + max_tokens > max_model_len:
+        raise ContextLengthError(
+            f"the prompt ({num_tokens} tokens) plus max_tokens ({max_tokens}) is longer than max_model_len "
+            f"({max_model_len})"
+        )
+
+
+def check_prompt(token_ids: Sequence[int], max_tokens: int, max_model_len: int, vocab_size: int) -> None:
+    """Raise ``ValueError`` naming the problem if a prompt can never be served."""
+    check_token_ids(token_ids, vocab_size)
+    check_length(len(token_ids), max_tokens, max_model_len)
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -68,46 +70,16 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
 
 
-class InputProcessor:
-    """Tokenizes and checks prompts for one model; builds the engine requests of one."""
-
-    def __init__(self, tokenizer: _Encoder, max_model_len: int, vocab_size: int) -> None:
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        # The most characters a token stands for (fastsched.limits); None: unknown, no bound.
-        self.max_token_chars: int | None = getattr(tokenizer, "max_token_chars", None)
-
-    def check_text_length(self, text: str) -> None:
-        """``LimitError`` when ``text`` has too many characters to fit in max_model_len
-        tokens: refused in O(1), before a tokenizer spends seconds and gigabytes on it."""
-        if self.max_token_chars is not None:
-            check_prompt_chars(len(text), self.max_model_len, self.max_token_chars)
-
-    def tokenize(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """(the prompt's text or None, its token ids), checked: ``ValueError`` if it can never run."""
-        if isinstance(prompt, TokenizedText):
-            text, token_ids = prompt.text, prompt.token_ids
-        elif isinstance(prompt, str):
-            self.check_text_length(prompt)
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            check_prompt(prompt, params.max_tokens, self.max_model_len, self.vocab_size)  # before copying it
-            text, token_ids = None, [int(t) for t in prompt]
-        check_prompt(token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
-        return text, token_ids
-
-    @staticmethod
-    def engine_requests(
-        child_ids: Sequence[str],
-        token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-    ) -> list[EngineCoreRequest]:
-        """One engine request per completion, under ``child_ids`` (see child_request_ids)."""
-        arrival = time.time() if arrival_time is None else arrival_time
-        return [
-            EngineCoreRequest(child_id, token_ids, child_params(params, i), arrival, priority)
-            for i, child_id in enumerate(child_ids)
-        ]
+def engine_requests(
+    child_ids: Sequence[str],
+    token_ids: list[int],
+    params: SamplingParams,
+    arrival_time: float | None = None,
+    priority: int = 0,
+) -> list[EngineCoreRequest]:
+    """One engine request per completion, under ``child_ids`` (see child_request_ids)."""
+    arrival = time.time() if arrival_time is None else arrival_time
+    return [
+        EngineCoreRequest(child_id, token_ids, child_params(params, i), arrival, priority)
+        for i, child_id in enumerate(child_ids)
+    ]

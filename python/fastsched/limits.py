@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -30,6 +31,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 # Prompts up to this many characters are tokenized inline; longer ones in a worker
 # thread, so that the event loop goes on serving other requests meanwhile.
 INLINE_TOKENIZE_CHARS = 4096
+# What a request id may hold: printable ASCII, no space (it goes into logs and headers).
+_PRINTABLE_ID = re.compile(r"[!-~]*")
 
 
 class LimitError(ValueError):
@@ -58,6 +61,23 @@ class RequestLimits:
         "most stop strings per request: every generated token is checked against each of them"))
     max_stop_sequence_length: int = field(default=256, metadata=_limit(
         "longest stop string, in characters (the per-token cost grows with it)"))
+    max_stop_token_ids: int = field(default=128, metadata=_limit(
+        "most stop_token_ids per request: the scheduler checks every generated token against each of them"))
+    max_structured_outputs_chars: int = field(default=128 * 1024, metadata=_limit(
+        "longest output constraint, in characters: a JSON schema's text, a regex, a grammar, or a choice list's "
+        "strings together (checked before it is compiled)", "CHARS"))
+    max_structured_outputs_choices: int = field(default=1024, metadata=_limit(
+        "most strings in a structured-outputs choice list (guided_choice)"))
+    max_messages: int = field(default=1024, metadata=_limit(
+        "most messages in one /v1/chat/completions request (or /tokenize of messages)"))
+    max_tools: int = field(default=128, metadata=_limit(
+        "most tools in one chat request (OpenAI's bound)"))
+    max_session_chunks: int = field(default=4096, metadata=_limit(
+        "most chunks one streaming-input session (/v1/sessions, gRPC GenerateSession) may send, its opening "
+        "prompt included"))
+    prepare_timeout: float = field(default=30.0, metadata=_limit(
+        "seconds a frontend gives one request's tokenizing and grammar compilation (done in a worker thread, "
+        "never on the event loop) before refusing it", "SECONDS"))
     max_request_id_length: int = field(default=256, metadata=_limit(
         "longest request id accepted over gRPC, in characters (ids are remembered for /debug/requests); "
         "the gateway's X-Request-Id is at most 128"))
@@ -107,9 +127,51 @@ class RequestLimits:
                              f"{self.max_stop_sequence_length} (--max-stop-sequence-length)", "stop")
 
     def check_request_id(self, request_id: str) -> None:
+        """Bounded, and printable ASCII only: ids are logged and echoed in headers, where a
+        newline or an escape sequence would forge log lines (issue 22)."""
         if len(request_id) > self.max_request_id_length:
             raise LimitError(f"request_id has {len(request_id)} characters, more than this server's limit of "
                              f"{self.max_request_id_length} (--max-request-id-length)", "request_id")
+        if not _PRINTABLE_ID.fullmatch(request_id):
+            raise LimitError(f"request_id {request_id[:64]!r} must be printable ASCII without spaces", "request_id")
+
+    def check_stop_token_ids(self, count: int) -> None:
+        if count > self.max_stop_token_ids:
+            raise LimitError(f"stop_token_ids has {count} ids, more than this server's limit of "
+                             f"{self.max_stop_token_ids} (--max-stop-token-ids)", "stop_token_ids")
+
+    def check_structured_outputs(self, kind: str, value: str | Sequence[str]) -> None:
+        """A constraint's size, before anything compiles it: ``value`` is the text of a
+        schema, regex or grammar, or a choice list."""
+        name = f"structured_outputs.{kind}"
+        if not isinstance(value, str):
+            if len(value) > self.max_structured_outputs_choices:
+                raise LimitError(f"{name} has {len(value)} strings, more than this server's limit of "
+                                 f"{self.max_structured_outputs_choices} (--max-structured-outputs-choices)",
+                                 "structured_outputs")
+            chars = sum(len(v) for v in value)
+        else:
+            chars = len(value)
+        if chars > self.max_structured_outputs_chars:
+            raise LimitError(f"{name} has {chars} characters, more than this server's limit of "
+                             f"{self.max_structured_outputs_chars} (--max-structured-outputs-chars)",
+                             "structured_outputs")
+
+    def check_messages(self, count: int) -> None:
+        if count > self.max_messages:
+            raise LimitError(f"messages has {count} messages, more than this server's limit of {self.max_messages} "
+                             "(--max-messages)", "messages")
+
+    def check_tools(self, count: int) -> None:
+        if count > self.max_tools:
+            raise LimitError(f"tools has {count} tools, more than this server's limit of {self.max_tools} "
+                             "(--max-tools)", "tools")
+
+    def check_session_chunks(self, count: int) -> None:
+        """``count``: the session's chunks with the new one, the opening prompt included."""
+        if count > self.max_session_chunks:
+            raise LimitError(f"the session would have {count} chunks, more than this server's limit of "
+                             f"{self.max_session_chunks} (--max-session-chunks)", "chunk")
 
 
 def check_prompt_chars(num_chars: int, max_model_len: int, max_token_chars: int, where: str = "prompt") -> None:

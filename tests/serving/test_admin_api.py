@@ -29,6 +29,7 @@ from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.gateway.sessions import SessionSettings  # noqa: E402
 from fastsched.launcher.serve import ServeConfig  # noqa: E402
 from fastsched.proto_gen import import_stubs  # noqa: E402
+from fastsched.request_gate import RequestGate  # noqa: E402
 
 pb, pb_grpc = import_stubs()
 
@@ -38,11 +39,17 @@ API = {"Authorization": f"Bearer {API_KEY}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
+class _WordTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1] * len(text.split())
+
+
 class FakeLLM:
     """Just enough of AsyncLLM for the admin calls; it records what reached it."""
 
     loras = None
     session_open_timeout = 0.5
+    gate = RequestGate(_WordTokenizer(), 64, 1000)  # AsyncLLM's checks, over a word-per-token tokenizer
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -68,7 +75,7 @@ class FakeLLM:
     def pause_states(self) -> dict[int, str]:
         return {0: "unpaused"}
 
-    def session(self, *args: Any, **kwargs: Any) -> Any:
+    def open_session(self, valid: Any) -> Any:
         raise ValueError("this fake opens no session")
 
 
@@ -264,7 +271,7 @@ def test_serve_has_a_session_idle_timeout_and_admin_off_by_default() -> None:
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     args = parser.parse_args([])
-    assert args.session_idle_timeout == ServeConfig().session_idle_timeout == 60.0
-    assert ServeConfig().max_sessions is None  # a quarter of the engines' slots (frontend.session.session_cap)
+    assert args.session_idle_timeout == ServeConfig().frontend.session_idle_timeout == 60.0
+    assert ServeConfig().frontend.max_sessions is None  # a quarter of the engines' slots (frontend.session.session_cap)
     assert admin_settings(args) == AdminSettings() == ServeConfig().admin
     assert not AdminSettings().enable_admin_api and not AdminSettings().enable_runtime_lora_updating

@@ -34,6 +34,7 @@ from fastsched.frontend.admission import (  # noqa: E402
     QueueOverflowError,
 )
 from fastsched.frontend.async_llm import AsyncLLM, EngineDeadError, StreamOutput  # noqa: E402
+from fastsched.frontend.settings import FrontendSettings  # noqa: E402
 from fastsched.limits import LimitError  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
 
@@ -94,8 +95,9 @@ def run(coro: Any) -> Any:
 
 @asynccontextmanager
 async def connect(engines: Engines, frontend: int = 0, **kwargs: Any) -> AsyncIterator[AsyncLLM]:
+    others = {k: kwargs.pop(k) for k in ("shared_stats", "engine_procs") if k in kwargs}
     llm = await AsyncLLM.start(engines.input_addrs, engines.output_addrs[frontend], frontend_index=frontend,
-                               ready_timeout=60, **kwargs)
+                               settings=FrontendSettings(ready_timeout=60, **kwargs), **others)
     try:
         yield llm
     finally:
@@ -126,8 +128,8 @@ def texts(outputs: list) -> list[list[str]]:
 
 
 def test_a1_unhealthy_engine_rejected_only_with_fault_tolerance() -> None:
-    AdmissionController(fault_tolerance=False).check_and_charge("r", 1, 5, engine_healthy=False)
-    ac = AdmissionController(fault_tolerance=True)
+    AdmissionController(FrontendSettings(fault_tolerance=False)).check_and_charge("r", 1, 5, engine_healthy=False)
+    ac = AdmissionController(FrontendSettings(fault_tolerance=True))
     with pytest.raises(EngineFaultedError) as e:
         ac.check_and_charge("r", 1, 5, engine_healthy=False)
     assert e.value.reason == "engine_faulted" and isinstance(e.value, AdmissionError)
@@ -136,7 +138,7 @@ def test_a1_unhealthy_engine_rejected_only_with_fault_tolerance() -> None:
 
 
 def test_a2_rejects_when_in_flight_plus_n_exceeds_max_num_queued_reqs() -> None:
-    ac = AdmissionController(max_num_queued_reqs=2)
+    ac = AdmissionController(FrontendSettings(max_num_queued_reqs=2))
     ac.check_and_charge("a", 1, 10)
     ac.check_and_charge("b", 1, 10)
     with pytest.raises(QueueOverflowError) as e:
@@ -150,7 +152,7 @@ def test_a2_rejects_when_in_flight_plus_n_exceeds_max_num_queued_reqs() -> None:
 
 
 def test_a3_rejects_when_prefill_backlog_reaches_max_num_queued_tokens() -> None:
-    ac = AdmissionController(max_num_queued_tokens=50)
+    ac = AdmissionController(FrontendSettings(max_num_queued_tokens=50))
     ac.check_and_charge("a", 1, 30)
     ac.check_and_charge("b", 1, 30)  # 30 < 50: admitted, backlog now 60
     with pytest.raises(MaxQueuedTokensError) as e:
@@ -167,7 +169,7 @@ def test_a3_rejects_when_prefill_backlog_reaches_max_num_queued_tokens() -> None
 
 
 def test_a3_release_before_first_token_removes_its_prompt() -> None:
-    ac = AdmissionController(max_num_queued_tokens=10)
+    ac = AdmissionController(FrontendSettings(max_num_queued_tokens=10))
     ac.check_and_charge("a", 1, 10)
     ac.release("a")
     assert ac.num_queued_tokens == 0
@@ -175,7 +177,7 @@ def test_a3_release_before_first_token_removes_its_prompt() -> None:
 
 
 def test_a4_parent_of_n_is_checked_once_for_n_slots() -> None:
-    ac = AdmissionController(max_num_queued_reqs=3)
+    ac = AdmissionController(FrontendSettings(max_num_queued_reqs=3))
     with pytest.raises(LimitError, match=r"n is 4, more than max_num_queued_reqs \(3\)"):  # can never fit: a 400
         ac.check_and_charge("too-big", 4, 5)
     ac.check_and_charge("p", 3, 5)
@@ -191,7 +193,7 @@ def test_a4_parent_of_n_is_checked_once_for_n_slots() -> None:
 
 
 def test_a5_rejection_leaves_no_trace_but_the_counter() -> None:
-    ac = AdmissionController(max_num_queued_reqs=1, max_num_queued_tokens=1000)
+    ac = AdmissionController(FrontendSettings(max_num_queued_reqs=1, max_num_queued_tokens=1000))
     ac.check_and_charge("a", 1, 7)
     before = (ac.num_in_flight, ac.num_queued_tokens, ac.num_requests)
     for i in range(3):
@@ -207,8 +209,10 @@ def test_a5_rejection_leaves_no_trace_but_the_counter() -> None:
 
 def test_a6_two_frontends_sharing_counters_respect_one_global_limit() -> None:
     FakeSharedAdmissionStats.create("a6-test", 2)
-    fe0 = AdmissionController(max_num_queued_reqs=3, shared_stats=FakeSharedAdmissionStats.open("a6-test", 0))
-    fe1 = AdmissionController(max_num_queued_reqs=3, shared_stats=FakeSharedAdmissionStats.open("a6-test", 1))
+    fe0 = AdmissionController(FrontendSettings(max_num_queued_reqs=3),
+                              shared_stats=FakeSharedAdmissionStats.open("a6-test", 0))
+    fe1 = AdmissionController(FrontendSettings(max_num_queued_reqs=3),
+                              shared_stats=FakeSharedAdmissionStats.open("a6-test", 1))
     fe0.check_and_charge("a", 2, 5)
     fe1.check_and_charge("b", 1, 5)
     with pytest.raises(QueueOverflowError):
@@ -225,8 +229,9 @@ def test_a6_racing_frontends_never_overshoot_the_global_limit() -> None:
     """Frontend 1 admits in the instant between frontend 0's increment and its read."""
     FakeSharedAdmissionStats.create("a6-race", 2)
     slot0 = FakeSharedAdmissionStats.open("a6-race", 0)
-    fe0 = AdmissionController(max_num_queued_reqs=1, shared_stats=slot0)
-    fe1 = AdmissionController(max_num_queued_reqs=1, shared_stats=FakeSharedAdmissionStats.open("a6-race", 1))
+    fe0 = AdmissionController(FrontendSettings(max_num_queued_reqs=1), shared_stats=slot0)
+    fe1 = AdmissionController(FrontendSettings(max_num_queued_reqs=1),
+                              shared_stats=FakeSharedAdmissionStats.open("a6-race", 1))
     outcome = {}
 
     def fe1_races() -> None:
@@ -245,7 +250,8 @@ def test_a6_racing_frontends_never_overshoot_the_global_limit() -> None:
 def test_a6_a_new_frontend_resets_its_stale_slot() -> None:
     FakeSharedAdmissionStats.create("a6-stale", 2)
     FakeSharedAdmissionStats.open("a6-stale", 1).set(7)  # left by a crashed predecessor
-    ac = AdmissionController(max_num_queued_reqs=1, shared_stats=FakeSharedAdmissionStats.open("a6-stale", 1))
+    ac = AdmissionController(FrontendSettings(max_num_queued_reqs=1),
+                             shared_stats=FakeSharedAdmissionStats.open("a6-stale", 1))
     ac.check_and_charge("a", 1, 5)
 
 
@@ -257,8 +263,10 @@ def test_a6_real_shared_admission_stats_across_two_controllers() -> None:
     name = f"fastsched-test-{os.getpid()}"
     segment = _core.SharedAdmissionStats.create(name, 2)
     try:
-        fe0 = AdmissionController(max_num_queued_reqs=2, shared_stats=_core.SharedAdmissionStats.open(name, 0))
-        fe1 = AdmissionController(max_num_queued_reqs=2, shared_stats=_core.SharedAdmissionStats.open(name, 1))
+        fe0 = AdmissionController(FrontendSettings(max_num_queued_reqs=2),
+                                  shared_stats=_core.SharedAdmissionStats.open(name, 0))
+        fe1 = AdmissionController(FrontendSettings(max_num_queued_reqs=2),
+                                  shared_stats=_core.SharedAdmissionStats.open(name, 1))
         fe0.check_and_charge("a", 1, 5)
         fe1.check_and_charge("b", 1, 5)
         with pytest.raises(QueueOverflowError):
@@ -704,7 +712,7 @@ def test_engine_that_fails_to_start_is_reported_at_once(launch_engines) -> None:
 
     async def body() -> None:
         with pytest.raises(RuntimeError, match="engine 0 failed to start.*does not exist"):
-            await AsyncLLM.start(bad.input_addrs, bad.output_addrs[0], ready_timeout=60)
+            await AsyncLLM.start(bad.input_addrs, bad.output_addrs[0], settings=FrontendSettings(ready_timeout=60))
 
     run(body())
     bad.procs[0].join(10)
@@ -754,6 +762,6 @@ def test_start_fails_clearly_when_an_engine_never_answers(tmp_path) -> None:
 
     async def body() -> None:
         with pytest.raises(TimeoutError, match=r"engine\(s\) \[0\] did not report ready"):
-            await AsyncLLM.start([addr], f"ipc://{tmp_path}/fe.out", ready_timeout=0.5)
+            await AsyncLLM.start([addr], f"ipc://{tmp_path}/fe.out", settings=FrontendSettings(ready_timeout=0.5))
 
     run(body())

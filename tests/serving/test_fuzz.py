@@ -35,6 +35,7 @@ from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
 
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.frontend.settings import FrontendSettings  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.limits import RequestLimits  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
@@ -66,8 +67,8 @@ def stack(engine_config: dict, tiny_model_dir: Path, tmp_path_factory: pytest.Te
     engines = launch({**engine_config, "max_model_len": 128}, ipc_dir(tmp_path_factory, "ipc"), 1, 1)
     loop = LoopThread()
     try:
-        llm = loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[0], ready_timeout=60, limits=LIMITS,
-                                       max_num_queued_reqs=32))
+        llm = loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[0], settings=FrontendSettings(
+            ready_timeout=60, limits=LIMITS, max_num_queued_reqs=32)))
         port = free_port()
         server = loop.call(serve_frontend(llm, "127.0.0.1", port, limits=LIMITS))
         tokenizer = load_tokenizer(str(tiny_model_dir))

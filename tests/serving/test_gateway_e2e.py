@@ -21,6 +21,7 @@ from promtool import lint_problems  # noqa: E402
 
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.frontend.settings import FrontendSettings  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
@@ -45,7 +46,7 @@ class Stack:
 def stack(engines: Engines, tiny_model_dir: Any) -> Iterator[Stack]:
     loop = LoopThread()
     llms = [loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[i], frontend_index=i,
-                                     ready_timeout=60))
+                                     settings=FrontendSettings(ready_timeout=60)))
             for i in range(2)]
     addrs = [f"127.0.0.1:{free_port()}" for _ in llms]
     servers = [loop.call(serve_frontend(llm, "127.0.0.1", int(a.rsplit(":", 1)[1]))) for llm, a in zip(llms, addrs)]

@@ -36,10 +36,10 @@ from fastsched.frontend.admission import (  # noqa: E402
 from fastsched.frontend.async_llm import CompletionDelta, StreamOutput  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
-from fastsched.inputs import ContextLengthError  # noqa: E402
 from fastsched.limits import RequestLimits  # noqa: E402
 from fastsched.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from fastsched.proto_gen import import_stubs  # noqa: E402
+from fastsched.request_gate import RequestGate, ValidRequest  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
 
 pb, pb_grpc = import_stubs()
@@ -112,6 +112,13 @@ def _delta(now: CompletionOutput, before: CompletionOutput | None) -> Completion
                            now.finish_reason, now.stop_reason)
 
 
+class _WordTokenizer:
+    """One token per word (ids from 100), as the fake generates them."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [100 + i for i, _ in enumerate(text.split())]
+
+
 class FakeAsyncLLM:
     """AsyncLLM's contract with a deterministic generator: completion i emits
     WORDS[(step + i) % len(WORDS)] as token 100 + that word's index. Honors n,
@@ -131,25 +138,19 @@ class FakeAsyncLLM:
         self.rejections: Counter[str] = Counter()
         self.finished = 0
         self.loras = None  # serves no LoRA adapters
+        self.gate = RequestGate(_WordTokenizer(), MAX_MODEL_LEN, VOCAB_SIZE)
 
     def reset(self) -> None:
         self.reject, self.fail, self.healthy, self.token_delay = None, None, True, 0.0
 
-    async def prepare_prompt(self, prompt: str | list[int]) -> str | list[int]:
-        return prompt
+    def submit(self, valid: ValidRequest) -> FakeStream:
+        """A request the gate (``self.gate``, AsyncLLM's own, over the fake's one-token-per-word
+        tokenizer) let through."""
+        prompt = valid.prompt if valid.prompt is not None else valid.prompt_token_ids
+        self._admit(valid.request_id, prompt, valid.params, valid.priority)
+        return FakeStream(self._stream(valid.request_id, prompt, valid.prompt_token_ids, valid.params))
 
-    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 priority: int = 0, lora_request: None = None) -> FakeStream:
-        prompt_ids = self._admit(request_id, prompt, params, priority)
-        return FakeStream(self._stream(request_id, prompt, prompt_ids, params))
-
-    def _admit(self, request_id: str, prompt: Any, params: SamplingParams, priority: int) -> list[int]:
-        prompt_ids = [100 + i for i, _ in enumerate(prompt.split())] if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise ValueError("the prompt must contain at least one token")
-        if len(prompt_ids) + params.max_tokens > MAX_MODEL_LEN:
-            raise ContextLengthError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is longer "
-                             f"than max_model_len ({MAX_MODEL_LEN})")
+    def _admit(self, request_id: str, prompt: Any, params: SamplingParams, priority: int) -> None:
         if self.reject is not None:
             self.rejections[self.reject.reason] += 1
             raise self.reject
@@ -157,7 +158,6 @@ class FakeAsyncLLM:
             raise self.fail
         self.requests.append((request_id, prompt, params, priority))
         self.journal.append((request_id, prompt, params, priority))
-        return prompt_ids
 
     async def _stream(self, request_id: str, prompt: Any, prompt_ids: list[int],
                       params: SamplingParams) -> AsyncIterator[RequestOutput]:

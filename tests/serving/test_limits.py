@@ -33,6 +33,7 @@ from loop_thread import LoopThread, free_port  # noqa: E402
 from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.frontend.settings import FrontendSettings  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.limits import RequestLimits  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
@@ -66,7 +67,8 @@ def stack(engine_config: dict, tiny_model_dir: Path, tmp_path_factory: pytest.Te
     try:
         admission = [{}, {"max_num_queued_reqs": QUEUED_REQS, "max_num_queued_tokens": QUEUED_TOKENS}, {}]
         llms = [loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[i], frontend_index=i,
-                                         ready_timeout=60, limits=LIMITS, **admission[i])) for i in range(3)]
+                                         settings=FrontendSettings(ready_timeout=60, limits=LIMITS, **admission[i])))
+                for i in range(3)]
         ports = [free_port() for _ in llms]
         # Frontends 0 and 1 serve the admin methods (GetRequestStatus), frontend 2 requires its key.
         servers = [loop.call(serve_frontend(llm, "127.0.0.1", port, limits=LIMITS,
@@ -418,3 +420,122 @@ def test_kept_alive_connection_serves_a_second_request_and_its_head_is_bounded(s
         sock.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (LIMITS.max_header_bytes + 1) + b"\r\n\r\n")
         answer = _read_all(sock, 5)
     assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+
+
+# ------------------------------------------------------------------ issue 22: sizes a client sets
+
+
+def test_a_huge_choice_list_is_400_before_it_is_compiled(http: httpx.Client, stub: Any) -> None:
+    """Issue 22: one request with a very large `choice` list was compiled on the frontend's
+    event loop, which then missed the launcher's liveness deadline: the server died."""
+    choices = [f"option {i}" for i in range(100_000)]
+    error_of(http.post("/v1/completions", json=completion(structured_outputs={"choice": choices})), 400,
+             "structured_outputs", "100000 strings", "--max-structured-outputs-choices")
+    error = grpc_error(stub, pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(
+        max_tokens=1, structured_outputs=pb.StructuredOutputs(choice=pb.Choices(values=choices)))))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-structured-outputs-choices" in error.details()
+    assert dict(error.trailing_metadata())["invalid-param"] == "structured_outputs"
+
+
+def test_a_huge_regex_is_400_before_it_is_compiled(http: httpx.Client) -> None:
+    regex = "(" + "|".join(f"w{i}" for i in range(50_000)) + ")"
+    error_of(http.post("/v1/completions", json=completion(guided_regex=regex)), 400, "structured_outputs",
+             f"{len(regex)} characters", "--max-structured-outputs-chars")
+
+
+def test_an_output_constraint_is_compiled_off_the_event_loop(stack: Stack, http: httpx.Client,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 22: within the bounds, a constraint still compiles in the request gate's worker
+    threads, never on the loop that serves every other request."""
+    import threading
+
+    import fastsched.sampling_params as sampling_params
+
+    threads = []
+    compiles = sampling_params.check_compiles
+
+    def recording(params: Any) -> None:
+        threads.append(threading.current_thread())
+        compiles(params)
+
+    monkeypatch.setattr(sampling_params, "check_compiles", recording)
+    response = http.post("/v1/completions", json=completion(structured_outputs={"choice": ["yes", "no", "maybe"]}))
+    assert response.status_code == 200, response.text
+    assert threads and stack.loop.thread not in threads
+
+
+def test_too_many_stop_token_ids_are_400(http: httpx.Client, stub: Any) -> None:
+    """Issue 22: a very long stop_token_ids list was copied per completion on the event loop
+    and scanned for every generated token in the scheduler."""
+    error_of(http.post("/v1/completions", json=completion(stop_token_ids=list(range(100)) * 100)), 400,
+             "stop_token_ids", "10000 ids", "--max-stop-token-ids")
+    error = grpc_error(stub, pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(
+        max_tokens=1, stop_token_ids=[1] * 1000)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-stop-token-ids" in error.details()
+
+
+def test_too_many_messages_or_tools_are_400(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Hi"}] * 2000
+    error_of(http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}), 400, "messages",
+             "2000 messages", "--max-messages")
+    error_of(http.post("/tokenize", json={"model": MODEL, "messages": messages}), 400, "messages", "--max-messages")
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+             for i in range(200)]
+    error_of(http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages[:1], "tools": tools}),
+             400, "tools", "200 tools", "--max-tools")
+
+
+def test_a_huge_session_chunk_is_refused_before_it_is_tokenized(stack: Stack, stub: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 22: one ~14 MB session chunk was tokenized on the frontend's event loop before any
+    size check (WebSocket sessions reach the frontend as this gRPC GenerateSession)."""
+    import threading
+
+    tokenizer = stack.llms[0].tokenizer
+    encoded = []
+    encode = tokenizer.encode
+
+    def recording(text: str, *args: Any, **kwargs: Any) -> list[int]:
+        encoded.append((len(text), threading.current_thread()))
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording)
+
+    def messages() -> Iterator[Any]:
+        yield pb.SessionRequest(open=pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(max_tokens=1)))
+        yield pb.SessionRequest(chunk=pb.SessionChunk(text="word " * 2_800_000, max_tokens=1))
+
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.GenerateSession(messages(), timeout=QUICK_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert "chunk has 14000000 characters" in info.value.details()
+    assert all(n < 1000 for n, _ in encoded), [n for n, _ in encoded]
+
+    # A long chunk within the bound is tokenized, off the event loop.
+    def long_chunk() -> Iterator[Any]:
+        yield pb.SessionRequest(open=pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(max_tokens=1)))
+        yield pb.SessionRequest(chunk=pb.SessionChunk(text="a" * 5000, max_tokens=1))
+
+    encoded.clear()
+    with pytest.raises(grpc.RpcError) as info:  # 1250 tokens: more than the session has room for
+        list(stub.GenerateSession(long_chunk(), timeout=QUICK_S))
+    assert "max_model_len (512)" in info.value.details()
+    assert any(n == 5000 and thread is not stack.loop.thread for n, thread in encoded), encoded
+
+
+def test_a_json_body_sent_as_text_plain_is_415(http: httpx.Client) -> None:
+    """Issue 22: any web page may POST text/plain to a local server without asking it first."""
+    body = json.dumps(completion())
+    error = error_of(http.post("/v1/completions", content=body, headers={"content-type": "text/plain"}), 415, None,
+                     "application/json")
+    assert error["code"] == "unsupported_media_type"
+    ok = http.post("/v1/completions", content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_grpc_request_id_with_a_newline_is_refused(stub: Any) -> None:
+    """Issue 22: session and gRPC ids went into the logs as sent, newlines included."""
+    error = grpc_error(stub, pb.GenerateRequest(request_id="r1\nFAKE LOG LINE", text="Hi",
+                                                sampling_params=pb.SamplingParams(max_tokens=1)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(error.trailing_metadata())["invalid-param"] == "request_id"

@@ -23,6 +23,7 @@ from fastsched import LLM, SamplingParams  # noqa: E402
 from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.frontend.settings import FrontendSettings  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.lora import LoRARequest  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
@@ -60,7 +61,7 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
     engines = launch(config, ipc_dir(tmp_path_factory, "ipc"), num_engines=1, num_frontends=2)
     loop = LoopThread()
     llms = [loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[i], frontend_index=i,
-                                     ready_timeout=60)) for i in range(2)]
+                                     settings=FrontendSettings(ready_timeout=60))) for i in range(2)]
     addrs = [f"127.0.0.1:{free_port()}" for _ in llms]
     # Runtime loads on, behind their own key, of adapters under the fixtures' directory only.
     admin = AdminSettings(enable_runtime_lora_updating=True, admin_api_key=ADMIN_KEY,

@@ -30,6 +30,7 @@ from loop_thread import LoopThread, free_port  # noqa: E402
 
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.frontend.settings import FrontendSettings  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
 
@@ -71,7 +72,8 @@ class Stack:
 def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
     engines = launch(engine_config, ipc_dir(tmp_path_factory, "ipc"), num_engines=1, num_frontends=1)
     loop = LoopThread()
-    llm = loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[0], frontend_index=0, ready_timeout=60))
+    llm = loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[0], frontend_index=0,
+                                   settings=FrontendSettings(ready_timeout=60)))
     port = free_port()
     server = loop.call(serve_frontend(llm, "127.0.0.1", port))
     hermes = load_tokenizer(str(tiny_model_dir))

@@ -31,6 +31,7 @@ from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.engine.engine_proc import start_engine_process, stop_engine_processes  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.frontend.settings import FrontendSettings  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.limits import RequestLimits  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
@@ -76,10 +77,10 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
     llms: list[AsyncLLM] = []
     servers: list[Any] = []
     try:
-        llms.append(loop.call(AsyncLLM.start(inputs, outputs[0], frontend_index=0, max_num_queued_reqs=MAX_QUEUED,
-                                             ready_timeout=60, max_sessions=MAX_SESSIONS)))
-        llms.append(loop.call(AsyncLLM.start(inputs, outputs[1], frontend_index=1, ready_timeout=60,
-                                             session_idle_timeout=IDLE_TIMEOUT_S)))  # the default --max-sessions
+        llms.append(loop.call(AsyncLLM.start(inputs, outputs[0], frontend_index=0, settings=FrontendSettings(
+            max_num_queued_reqs=MAX_QUEUED, ready_timeout=60, max_sessions=MAX_SESSIONS))))
+        llms.append(loop.call(AsyncLLM.start(inputs, outputs[1], frontend_index=1, settings=FrontendSettings(
+            ready_timeout=60, session_idle_timeout=IDLE_TIMEOUT_S))))  # the default --max-sessions
         # Reloads may name the fixtures' checkpoints and the tests' temporary directories only.
         allowed = (str(tmp_path_factory.getbasetemp()), str(tiny_model_dir.parent))
         keyed_admin = AdminSettings(enable_admin_api=True, admin_api_key=ADMIN_KEY, allowed_local_paths=allowed)
@@ -90,7 +91,9 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
                                                     api_key=API_KEY if k == 0 else None,
                                                     admin=keyed_admin if k == 0 else open_admin)))
         tokenizer = load_tokenizer(str(tiny_model_dir))
-        urls = [loop.start_gateway(create_app([grpc_addrs[0]], MODEL, tokenizer, api_key=API_KEY, admin=keyed_admin)),
+        # Gateway 0 reports usage.prompt_tokens_details.cached_tokens (the prefix-cache test reads it).
+        urls = [loop.start_gateway(create_app([grpc_addrs[0]], MODEL, tokenizer, api_key=API_KEY, admin=keyed_admin,
+                                              enable_prompt_tokens_details=True)),
                 loop.start_gateway(create_app([grpc_addrs[1]], MODEL, tokenizer, admin=open_admin))]
         yield Stack(loop, llms, grpc_addrs, urls)
     finally:
@@ -517,3 +520,17 @@ def test_s13_reload_weights_only_while_paused_all_and_it_drops_the_prefix_cache(
         assert reload(tiny_model_dir).status_code == 200
         http.post("/resume", headers=ADMIN)
         assert complete() == original
+
+
+def test_a_14_mb_websocket_chunk_is_refused_before_it_is_tokenized(stack: Stack) -> None:
+    """Issue 22: one ~14 MB chunk was tokenized on the frontend's event loop (no size check
+    before the token budget): the frontend missed its liveness deadline and the server died.
+    It is refused now, by its characters, and the server goes on serving."""
+    with ws_connect(ws_url(stack, 1), max_size=None) as ws:
+        ws.send(json.dumps({"type": "open", "prompt": [7], "max_tokens": 1}))
+        ws_segment(ws)
+        ws.send(json.dumps({"type": "chunk", "prompt": "word " * 2_800_000, "max_tokens": 1}))
+        error = json.loads(ws.recv(timeout=30))
+        assert error["type"] == "error" and "chunk has 14000000 characters" in error["error"]["message"], error
+    with httpx.Client(base_url=stack.urls[1], timeout=30) as http:
+        assert http.get("/health").status_code == 200

@@ -31,6 +31,7 @@ from fastsched.frontend.admission import QueueOverflowError  # noqa: E402
 from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
+from fastsched.frontend.settings import FrontendSettings  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.model_loader import load_tokenizer  # noqa: E402
 from fastsched.proto_gen import import_stubs  # noqa: E402
@@ -71,8 +72,8 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
     servers: list[Any] = []
     try:
         for i in range(2):
-            llms.append(loop.call(AsyncLLM.start(inputs, outputs[i], frontend_index=i, max_num_queued_reqs=1,
-                                                 ready_timeout=60)))
+            llms.append(loop.call(AsyncLLM.start(inputs, outputs[i], frontend_index=i, settings=FrontendSettings(
+                max_num_queued_reqs=1, ready_timeout=60))))
         grpc_addrs = [f"127.0.0.1:{free_port()}" for _ in llms]
         for llm, addr in zip(llms, grpc_addrs):
             servers.append(loop.call(serve_frontend(llm, "127.0.0.1", int(addr.rsplit(":", 1)[1]), admin=ADMIN)))
@@ -91,8 +92,8 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
 
 @asynccontextmanager
 async def connect(stack: Stack, **kwargs: Any) -> AsyncIterator[AsyncLLM]:
-    llm = await AsyncLLM.start(stack.input_addrs, stack.direct_output_addr, frontend_index=2, ready_timeout=60,
-                               **kwargs)
+    llm = await AsyncLLM.start(stack.input_addrs, stack.direct_output_addr, frontend_index=2,
+                               settings=FrontendSettings(ready_timeout=60, **kwargs))
     try:
         yield llm
     finally:

@@ -394,11 +394,12 @@ def test_serve_launcher_killed_children_exit_and_stale_files_are_removed(tiny_mo
 
 
 def test_serve_child_failing_at_start_up_fails_the_launcher(tiny_model_dir: Path, tmp_path: Path) -> None:
-    server = launch(tiny_model_dir, tmp_path / "serve.log", "--max-num-seqs", "4", "--max-num-active-seqs", "8")
+    # Only an engine, with the model loaded, can tell (what needs no model is refused before any spawn).
+    server = launch(tiny_model_dir, tmp_path / "serve.log", "--max-model-len", "1000000")
     try:
         code = server.wait(timeout=90)
         assert code == 1, server.tail()
-        assert "max_num_active_seqs (8) cannot be greater than max_num_seqs (4)" in server.log()
+        assert "max_model_len (1000000) is greater than the model's max_position_embeddings" in server.log()
         assert "fastsched serve: error:" in server.log()
         assert server.child_pids  # it got as far as starting them
         assert_gone(server, server.child_pids)

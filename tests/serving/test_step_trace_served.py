@@ -15,6 +15,7 @@ pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.tx
 
 from fastsched.engine.engine_proc import stop_engine_processes  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
+from fastsched.frontend.settings import FrontendSettings  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -23,7 +24,8 @@ def test_a_served_engine_writes_one_line_per_step(launch_engines: Callable, tmp_
     engines = launch_engines(num_frontends=1, step_trace=str(path))
 
     async def body() -> None:
-        llm = await AsyncLLM.start(engines.input_addrs, engines.output_addrs[0], ready_timeout=60)
+        llm = await AsyncLLM.start(engines.input_addrs, engines.output_addrs[0],
+                                   settings=FrontendSettings(ready_timeout=60))
         try:
             params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
             async for _ in llm.generate("r", [5] * 10, params):

@@ -16,6 +16,7 @@ from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_token
 from fastsched.frontend.admission import AdmissionController, TtftSloError  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM, StreamOutput  # noqa: E402
 from fastsched.frontend.stats import LatencyHistograms, stats_to_proto  # noqa: E402
+from fastsched.frontend.settings import FrontendSettings  # noqa: E402
 from fastsched.gateway.metrics import render  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
 
@@ -91,7 +92,7 @@ def test_valve_is_off_without_ttft_slo() -> None:
 
 
 def test_valve_uses_the_floor_until_throughput_is_measured() -> None:
-    ac = AdmissionController(ttft_slo=1.0)
+    ac = AdmissionController(FrontendSettings(ttft_slo=1.0))
     ac.update_prefill_throughput(None, floor_tokens=64)
     assert ac.queued_tokens_limit == 64
     for i in range(3):
@@ -104,7 +105,7 @@ def test_valve_uses_the_floor_until_throughput_is_measured() -> None:
 
 
 def test_valve_limit_is_slo_times_measured_throughput_shared_by_frontends() -> None:
-    ac = AdmissionController(ttft_slo=0.5, num_frontends=2)
+    ac = AdmissionController(FrontendSettings(ttft_slo=0.5, num_frontends=2))
     ac.update_prefill_throughput(1001.0, floor_tokens=64)
     assert ac.queued_tokens_limit == math.ceil(0.5 * 1001.0 / 2)  # 251
     ac.update_prefill_throughput(10.0, floor_tokens=64)
@@ -112,7 +113,7 @@ def test_valve_limit_is_slo_times_measured_throughput_shared_by_frontends() -> N
 
 
 def test_valve_admits_a_request_alone_in_the_backlog_however_long() -> None:
-    ac = AdmissionController(ttft_slo=1.0)
+    ac = AdmissionController(FrontendSettings(ttft_slo=1.0))
     ac.update_prefill_throughput(10.0, floor_tokens=8)
     ac.check_and_charge("long", 1, 5000)
     with pytest.raises(TtftSloError):
@@ -122,7 +123,7 @@ def test_valve_admits_a_request_alone_in_the_backlog_however_long() -> None:
 
 
 def test_valve_counts_all_n_prompts_of_a_parent() -> None:
-    ac = AdmissionController(ttft_slo=1.0)
+    ac = AdmissionController(FrontendSettings(ttft_slo=1.0))
     ac.update_prefill_throughput(100.0, floor_tokens=1)
     ac.check_and_charge("a", 1, 40)
     with pytest.raises(TtftSloError):
@@ -133,14 +134,14 @@ def test_valve_counts_all_n_prompts_of_a_parent() -> None:
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "1"])
 def test_valve_rejects_a_bad_ttft_slo_naming_it(bad: Any) -> None:
     with pytest.raises(ValueError, match="ttft_slo"):
-        AdmissionController(ttft_slo=bad)
+        AdmissionController(FrontendSettings(ttft_slo=bad))
 
 
 def test_serve_config_rejects_a_bad_ttft_slo() -> None:
     from fastsched.launcher.serve import ServeConfig
 
     with pytest.raises(ValueError, match="ttft_slo"):
-        ServeConfig(ttft_slo=0.0)
+        ServeConfig(frontend=FrontendSettings(ttft_slo=0.0))
 
 
 def test_ttft_slo_flag_reaches_the_serve_config() -> None:
@@ -193,7 +194,8 @@ def test_valve_through_engines_floor_first_then_the_measured_limit(launch_engine
     prompt = list(range(10, 30))  # 20 tokens
 
     async def body() -> None:
-        llm = await AsyncLLM.start(engines.input_addrs, engines.output_addrs[0], ready_timeout=60, ttft_slo=0.5)
+        llm = await AsyncLLM.start(engines.input_addrs, engines.output_addrs[0],
+                                   settings=FrontendSettings(ready_timeout=60, ttft_slo=0.5))
         try:
             assert llm.stats()["admission_queued_tokens_limit"] == 128  # the floor: two steps of one engine
             params = SamplingParams(max_tokens=3, **GREEDY)

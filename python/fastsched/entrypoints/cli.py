@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from fastsched.admin import AdminSettings
-from fastsched.config import add_engine_args, engine_kwargs
+from fastsched.config import EngineConfig, add_engine_args, engine_kwargs
 from fastsched.entrypoints.vllm_compat import (
     add_vllm_engine_compat_args,
     add_vllm_serve_compat_args,
@@ -20,12 +21,9 @@ from fastsched.entrypoints.vllm_compat import (
     closest_flag,
     command_parser,
 )
-from fastsched.frontend.cli_args import (
-    DEFAULT_SESSION_IDLE_TIMEOUT_S,
-    SESSION_OPEN_TIMEOUT_S,
-    add_admission_limit_args,
-)
-from fastsched.limits import add_request_limit_args, request_limits
+from fastsched.frontend.cli_args import add_admission_limit_args, frontend_settings
+from fastsched.frontend.settings import DEFAULT_SESSION_IDLE_TIMEOUT_S, SESSION_OPEN_TIMEOUT_S
+from fastsched.limits import add_request_limit_args
 from fastsched.lora.request import TARGET_MODULES
 from fastsched.units import parse_count
 
@@ -102,35 +100,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fastsched.launcher.serve import ServeConfig, ServeError, serve
     from fastsched.model_loader.tokenizer import resolve_chat_template
 
+    engine_config = engine_kwargs(args)
+    # Every check that needs no model runs here, before anything is spawned (issue 28).
+    EngineConfig.from_kwargs(**engine_config).check_scheduler_knobs()
     config = ServeConfig(
-        engine_config=engine_kwargs(args),
+        engine_config=engine_config,
         host=args.host,
         port=args.port,
         grpc_host=args.grpc_host,
         grpc_port=args.grpc_port,
         data_parallel_size=args.data_parallel_size,
         api_server_count=args.api_server_count,
-        max_num_queued_reqs=args.max_num_queued_reqs,
-        max_num_queued_tokens=args.max_num_queued_tokens,
-        ttft_slo=args.ttft_slo,
-        session_idle_timeout=args.session_idle_timeout or None,
-        max_sessions=args.max_sessions,
-        session_open_timeout=args.session_open_timeout,
+        frontend=frontend_settings(args),
         allowed_origins=tuple(args.allowed_origins),
         admin=admin_settings(args),
-        enable_fault_tolerance=args.enable_fault_tolerance,
         max_engine_restarts=args.max_engine_restarts,
         api_key=resolve_api_key(args),
-        limits=request_limits(args),
         shutdown_timeout=args.shutdown_timeout,
-        engine_timeout=args.engine_timeout,
-        ready_timeout=args.ready_timeout,
         served_model_name=args.served_model_name,
         chat_template=resolve_chat_template(args.chat_template) if args.chat_template is not None else None,
         torch_num_threads=args.torch_num_threads,
         access_log=not args.disable_access_log,
-        enable_log_requests=args.enable_log_requests,
-        max_log_len=args.max_log_len,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
@@ -155,7 +146,10 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
         return key
     if args.api_key is not None:
         return args.api_key
-    return os.environ.get(API_KEY_ENV) or None
+    key = os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"${API_KEY_ENV} is set but empty: unset it to serve without a key, or give the key")
+    return key
 
 
 def admin_settings(args: argparse.Namespace) -> AdminSettings:
@@ -203,7 +197,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request when a frontend admits it (prompt, parameters) and when it ends")
     n.add_argument("--max-log-len", type=parse_count, default=None,
-                   help="with --enable-log-requests: characters and token ids of a prompt to log (default: all)")
+                   help="with --enable-log-requests: characters (or token ids) logged of each thing a request "
+                        "sent: its prompt, prompt token ids, parameters, error (default: all)")
+    n.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
+                   help="report usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix "
+                        "cache) in responses")
     p = parser.add_argument_group("processes (docs/design.md §1)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine processes (D), each a full copy of the model with its own scheduler and KV pool")
@@ -415,6 +413,15 @@ def _resolve_model(args: argparse.Namespace) -> None:
     args.model = tag
 
 
+def with_flag(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` led by the flag of the first setting it names (``max_num_seqs (0) must be
+    at least 1`` -> ``--max-num-seqs: ...``), so an error says which flag to change."""
+    flags = {a.dest: a.option_strings[0] for p in (parser, *_subparsers(parser))
+             for a in p._actions if a.option_strings and a.dest != "help"}
+    name = next((w for w in re.findall(r"[a-z_]+", message) if w in flags), None)
+    return message if name is None else f"{flags[name]}: {message}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -429,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_vllm_compat_args(args)
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as e:
-        print(f"fastsched: error: {e}", file=sys.stderr)
+        print(f"fastsched: error: {with_flag(str(e), parser)}", file=sys.stderr)
         return 2
 
 

@@ -12,9 +12,10 @@ from fastsched.config import EngineConfig
 from fastsched.engine.core import EngineCore
 from fastsched.entrypoints.vllm_compat import pop_vllm_engine_kwargs
 from fastsched.frontend.output_processor import OutputProcessor
-from fastsched.inputs import InputProcessor, PromptType, child_request_ids
+from fastsched.inputs import PromptType, child_request_ids, engine_requests
 from fastsched.lora.request import LoRARequest
 from fastsched.model_loader import load_tokenizer
+from fastsched.request_gate import RequestGate
 from fastsched.outputs import CompletionOutput, RequestOutput
 from fastsched.sampling_params import SamplingParams
 
@@ -33,7 +34,9 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **pop_vllm_engine_kwargs(engine_args))
         self.tokenizer = load_tokenizer(self.config.tokenizer or model)
         self.engine = EngineCore(self.config)
-        self.inputs = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
+        # Offline requests pass the same gate as a server's (fastsched.request_gate); the limits
+        # on what a remote client controls are the server's defaults here too.
+        self.gate = RequestGate(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
         self._ids = itertools.count()
 
     def generate(
@@ -125,13 +128,14 @@ class LLM:
         self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None, processor: OutputProcessor,
         added: list[str],
     ) -> RequestOutput:
-        text, token_ids = self.inputs.tokenize(prompt, params)
         request_id = str(next(self._ids))
+        valid = self.gate.request(request_id, prompt, params)
+        text, token_ids = valid.prompt, valid.prompt_token_ids
         parent = RequestOutput(
             request_id, text, token_ids, [CompletionOutput(index=i) for i in range(params.n)]
         )
         child_ids = child_request_ids(request_id, params.n)
-        for i, request in enumerate(InputProcessor.engine_requests(child_ids, token_ids, params)):
+        for i, request in enumerate(engine_requests(child_ids, token_ids, params)):
             # Text is only looked at by stop strings before the end, and logprobs come per
             # token: anything else is reported once, when it finishes (no per-step cost).
             request.final_only = not request.params.stop and request.params.logprobs is None

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from fastsched.frontend.settings import FrontendSettings
 from fastsched.limits import LimitError
 
 ENGINE_FAULTED = "engine_faulted"
@@ -111,29 +112,17 @@ class AdmissionController:
     checked once for all of them (A4).
     """
 
-    def __init__(
-        self,
-        max_num_queued_reqs: int | None = None,
-        max_num_queued_tokens: int | None = None,
-        fault_tolerance: bool = False,
-        shared_stats: SharedInFlightCounter | None = None,
-        ttft_slo: float | None = None,
-        num_frontends: int = 1,
-    ) -> None:
-        limits = {"max_num_queued_reqs": max_num_queued_reqs, "max_num_queued_tokens": max_num_queued_tokens,
-                  "num_frontends": num_frontends}
-        for name, value in limits.items():
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if ttft_slo is not None and not (isinstance(ttft_slo, (int, float)) and 0 < ttft_slo < math.inf):
-            raise ValueError(f"ttft_slo must be a positive number of seconds or None, got {ttft_slo!r}")
-        self.ttft_slo = ttft_slo
-        self.num_frontends = num_frontends
+    def __init__(self, settings: FrontendSettings | None = None,
+                 shared_stats: SharedInFlightCounter | None = None) -> None:
+        """``settings``: the frontend's (validated there); its admission fields are used."""
+        settings = settings or FrontendSettings()
+        self.ttft_slo = settings.ttft_slo
+        self.num_frontends = settings.num_frontends
         self.prefill_tokens_per_s: float | None = None  # the engines' total, as last reported
         self._slo_limit: int | None = None  # this frontend's share; None until the engines report
-        self.max_num_queued_reqs = max_num_queued_reqs
-        self.max_num_queued_tokens = max_num_queued_tokens
-        self.fault_tolerance = fault_tolerance
+        self.max_num_queued_reqs = settings.max_num_queued_reqs
+        self.max_num_queued_tokens = settings.max_num_queued_tokens
+        self.fault_tolerance = settings.fault_tolerance
         self.shared_stats = shared_stats
         if shared_stats is not None:
             # This frontend has nothing in flight yet: a count left in its slot by a
@@ -149,12 +138,8 @@ class AdmissionController:
     def check_and_charge(self, request_id: str, n: int, prompt_len: int, *, engine_healthy: bool = True) -> None:
         """Admit the request (and charge it) or raise an :class:`AdmissionError` leaving
         no trace but the rejection counter (A5). Never awaits: see the module docstring."""
-        if request_id in self._charges:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        if n < 1:
-            raise ValueError(f"n must be at least 1, got {n}")
-        if prompt_len < 0:
-            raise ValueError(f"prompt_len must be non-negative, got {prompt_len}")
+        # The request gate and the request table have judged these (an id in use, n, the prompt).
+        assert request_id not in self._charges and n >= 1 and prompt_len >= 0, (request_id, n, prompt_len)
         self.check_can_ever_fit(n, prompt_len)
         if self.fault_tolerance and not engine_healthy:  # A1
             self._reject(EngineFaultedError(

@@ -20,7 +20,6 @@ request is: it asks the engine (a QUERY) or remembers (``frontend.request_status
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
 import logging
 import secrets
@@ -49,19 +48,13 @@ from fastsched.frontend.request_log import RequestLogger
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
 from fastsched.frontend.request_stream import CompletionDelta, RequestStream, StreamOutput
 from fastsched.frontend.request_table import RequestState, RequestTable
-from fastsched.frontend.session import (
-    Session,
-    SessionLimitError,
-    SessionState,
-    SessionTimer,
-    chunk_token_ids,
-    session_cap,
-)
-from fastsched.inputs import InputProcessor, PromptType, TokenizedText, child_params, child_request_ids
-from fastsched.limits import INLINE_TOKENIZE_CHARS, RequestLimits
+from fastsched.frontend.session import Session, SessionLimitError, SessionState, SessionTimer, session_cap
+from fastsched.frontend.settings import FrontendSettings
+from fastsched.inputs import PromptType, child_params, child_request_ids, engine_requests
 from fastsched.lora.request import LoRARequest
 from fastsched.model_loader import Tokenizer, load_tokenizer
 from fastsched.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from fastsched.request_gate import RequestGate, ValidRequest
 from fastsched.sampling_params import SamplingParams
 
 __all__ = [
@@ -92,36 +85,25 @@ class AsyncLLM:
         output_addr: str,
         *,
         frontend_index: int,
+        settings: FrontendSettings,
         admission: AdmissionController,
         engine_procs: Sequence[ProcessHandle | None] | None,
-        engine_timeout: float,
-        limits: RequestLimits | None = None,
-        session_idle_timeout: float | None = None,
-        max_sessions: int | None = None,
-        num_frontends: int = 1,
-        session_open_timeout: float | None = None,
     ) -> None:
-        if max_sessions is not None and max_sessions < 0:
-            raise ValueError(f"max_sessions must be at least 0, got {max_sessions}")
-        if session_open_timeout is not None and not 0 < session_open_timeout < float("inf"):
-            raise ValueError(f"session_open_timeout must be a positive number of seconds, got {session_open_timeout}")
-        self._timer = SessionTimer(session_idle_timeout, self._expire_session)
-        self._max_sessions_flag, self._num_frontends = max_sessions, num_frontends
+        self.settings = settings
+        self._timer = SessionTimer(settings.session_idle_timeout, self._expire_session)
         self.max_sessions = 0  # this frontend's share, once the engines have said their max_num_seqs
         self.num_sessions = 0  # sessions open now
-        self.session_open_timeout = session_open_timeout  # gRPC GenerateSession's wait for `open`
-        self.session_idle_timeout = session_idle_timeout
+        self.session_open_timeout = settings.session_open_timeout  # gRPC GenerateSession's wait for `open`
+        self.session_idle_timeout = settings.session_idle_timeout
         self.frontend_index = frontend_index
         self.admission = admission
-        self.engine_timeout = engine_timeout
-        self.request_logger: RequestLogger | None = None  # --enable-log-requests
-        self.limits = limits or RequestLimits()
+        self.engine_timeout = settings.engine_timeout
+        self.request_logger = RequestLogger(settings.max_log_len) if settings.enable_log_requests else None
+        self.limits = settings.limits
         self.tokenizer: Tokenizer | None = None
-        # Long prompts are tokenized here, one at a time, never on the event loop (prepare_prompt).
-        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastsched-tokenize")
-        self._inputs: InputProcessor | None = None  # once the engines have said which model
+        self.gate: RequestGate | None = None  # every request's checks, once the engines have said which model
         self._client = EngineClient(engine_input_addrs, output_addr, frontend_index=frontend_index,
-                                    engine_procs=engine_procs, engine_timeout=engine_timeout)
+                                    engine_procs=engine_procs, engine_timeout=settings.engine_timeout)
         self.output_addr = output_addr
         self._engines = self._client.engines
         self._table = RequestTable(len(self._engines), self._client.abort)
@@ -155,46 +137,23 @@ class AsyncLLM:
         output_addr: str,
         *,
         frontend_index: int = 0,
-        max_num_queued_reqs: int | None = None,
-        max_num_queued_tokens: int | None = None,
-        fault_tolerance: bool = False,
+        settings: FrontendSettings | None = None,
         shared_stats: SharedInFlightCounter | None = None,
-        ttft_slo: float | None = None,
-        num_frontends: int = 1,
         engine_procs: Sequence[ProcessHandle | None] | None = None,
-        engine_timeout: float = 5.0,
-        ready_timeout: float = 300.0,
         tokenizer: Tokenizer | None = None,
-        limits: RequestLimits | None = None,
-        request_logger: RequestLogger | None = None,
-        session_idle_timeout: float | None = None,
-        max_sessions: int | None = None,
-        session_open_timeout: float | None = None,
     ) -> AsyncLLM:
         """Bind ``output_addr`` (this frontend's PULL), connect to every engine's input,
-        and wait until each has answered READY (``TimeoutError`` after ``ready_timeout``
-        seconds; ``RuntimeError`` at once if an engine reports failure or its process,
-        when given, exits). The tokenizer comes from the model the engines report unless
-        given. ``shared_stats``: this frontend's opened ``SharedAdmissionStats`` slot (A6).
-        ``ttft_slo``: seconds; turns on the TTFT-SLO valve (see ``frontend.admission``), whose
-        limit this frontend takes a ``1 / num_frontends`` share of. ``limits``: the bounds on
-        what a request controls (``fastsched.limits``; default: ``RequestLimits()``).
-        ``session_idle_timeout``: seconds a streaming session may wait for input before it is
-        aborted (``session()``; default: no limit). ``max_sessions``: sessions open at once over
-        the server, of which this frontend takes a ``1 / num_frontends`` share (default: a quarter
-        of the engines' ``max_num_seqs``; ``frontend.session.session_cap``).
-        ``session_open_timeout``: seconds the gRPC server waits for a session's ``open``."""
-        admission = AdmissionController(max_num_queued_reqs, max_num_queued_tokens, fault_tolerance, shared_stats,
-                                        ttft_slo=ttft_slo, num_frontends=num_frontends)
-        llm = cls(
-            engine_input_addrs, output_addr, frontend_index=frontend_index, admission=admission,
-            engine_procs=engine_procs, engine_timeout=engine_timeout, limits=limits,
-            session_idle_timeout=session_idle_timeout, max_sessions=max_sessions, num_frontends=num_frontends,
-            session_open_timeout=session_open_timeout,
-        )
-        llm.request_logger = request_logger
+        and wait until each has answered READY (``TimeoutError`` after
+        ``settings.ready_timeout`` seconds; ``RuntimeError`` at once if an engine reports
+        failure or its process, when given, exits). The tokenizer comes from the model the
+        engines report unless given. ``settings``: admission, request limits, timeouts and
+        request logging (``frontend.settings``, validated there; default: all off).
+        ``shared_stats``: this frontend's opened ``SharedAdmissionStats`` slot (A6)."""
+        settings = settings or FrontendSettings()
+        llm = cls(engine_input_addrs, output_addr, frontend_index=frontend_index, settings=settings,
+                  admission=AdmissionController(settings, shared_stats), engine_procs=engine_procs)
         try:
-            await llm._start(ready_timeout, tokenizer)
+            await llm._start(settings.ready_timeout, tokenizer)
         except BaseException:
             await llm.shutdown()
             raise
@@ -203,9 +162,9 @@ class AsyncLLM:
     async def _start(self, ready_timeout: float, tokenizer: Tokenizer | None) -> None:
         first = await self._client.connect(ready_timeout)
         self.tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, first.tokenizer or first.model)
-        self._inputs = InputProcessor(self.tokenizer, first.max_model_len, first.vocab_size)
+        self.gate = RequestGate(self.tokenizer, first.max_model_len, first.vocab_size, self.limits)
         max_num_seqs = sum(e.info.max_num_seqs for e in self._engines if e.info is not None)
-        self.max_sessions = session_cap(self._max_sessions_flag, max_num_seqs, self._num_frontends)
+        self.max_sessions = session_cap(self.settings.max_sessions, max_num_seqs, self.settings.num_frontends)
         if first.lora_modules is not None:
             self.loras = LoRARegistry.from_modules(first.lora_modules, first.max_lora_rank)
             self._table.on_added.append(self.loras.request_started)
@@ -221,14 +180,8 @@ class AsyncLLM:
     async def prepare_prompt(self, prompt: PromptType) -> PromptType:
         """``prompt``, with a long text tokenized in a worker thread (``TokenizedText``):
         pass the result to :meth:`generate`. A text too long to ever fit raises
-        ``LimitError`` at once, without tokenizing (``fastsched.limits``)."""
-        self._check_started()
-        if not isinstance(prompt, str) or len(prompt) <= INLINE_TOKENIZE_CHARS:
-            return prompt
-        assert self._inputs is not None and self.tokenizer is not None
-        self._inputs.check_text_length(prompt)
-        loop = asyncio.get_running_loop()
-        return TokenizedText(prompt, await loop.run_in_executor(self._tokenize_pool, self.tokenizer.encode, prompt))
+        ``LimitError`` at once, without tokenizing (``fastsched.request_gate``)."""
+        return await self._gate().prepare(prompt)
 
     def session(
         self,
@@ -245,19 +198,18 @@ class AsyncLLM:
         does not support. ``lora_request``: the adapter the session runs with, as for :meth:`generate`.
         :class:`SessionLimitError` (an :class:`AdmissionError`) when this frontend's share of
         ``max_sessions`` is open already."""
-        params = params or SamplingParams()
-        if params.n != 1:
-            raise ValueError(f"a session generates one completion: n must be 1, got {params.n}")
-        if params.stop:
-            raise ValueError("stop strings are not supported in a session: stop must be empty")
+        return self.open_session(self._gate().request(request_id, prompt, params or SamplingParams(), priority,
+                                                      lora_request, streaming=True))
+
+    def open_session(self, valid: ValidRequest) -> Session:
+        """:meth:`session` for a request the gate has let through (``valid.streaming``)."""
         if self.num_sessions >= self.max_sessions:
             error = SessionLimitError(
                 f"{self.num_sessions} sessions are open on this frontend, its share of --max-sessions "
                 f"({self.max_sessions}); retry later", limit=self.max_sessions, current=self.num_sessions)
-            self._history.add(rejected_status(request_id, self.frontend_index, error, time.time(), 0))
+            self._history.add(rejected_status(valid.request_id, self.frontend_index, error, time.time(), 0))
             raise error
-        return Session(self, self._admit(request_id, prompt, params, priority, streaming=True,
-                                         lora_request=lora_request))
+        return Session(self, self._admit(valid))
 
     def generate(
         self,
@@ -278,19 +230,24 @@ class AsyncLLM:
         ignored, e.g. longer than the whole KV pool). ``lora_request``: the adapter every
         child runs with (see :attr:`loras`), None for the base model.
         """
-        return RequestStream(self._table, self._admit(request_id, prompt, params or SamplingParams(), priority,
-                                               lora_request=lora_request))
+        return self.submit(self._gate().request(request_id, prompt, params or SamplingParams(), priority,
+                                                lora_request))
 
-    def _admit(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
-               streaming: bool = False, lora_request: LoRARequest | None = None) -> RequestState:
+    def submit(self, valid: ValidRequest) -> RequestStream:
+        """:meth:`generate` for a request the gate (:attr:`gate`) has let through: nothing in
+        it is checked again, but that its id is not in use and admission (A1–A5)."""
+        return RequestStream(self._table, self._admit(valid))
+
+    def _gate(self) -> RequestGate:
         self._check_started()
-        self.limits.check_request_id(request_id)
-        self.limits.check_n(params.n)
-        self.limits.check_stop(params.stop or ())
+        assert self.gate is not None
+        return self.gate
+
+    def _admit(self, valid: ValidRequest) -> RequestState:
+        self._check_started()
+        request_id, text, token_ids, params = valid.request_id, valid.prompt, valid.prompt_token_ids, valid.params
         if request_id in self._table:
             raise ValueError(f"request id {request_id!r} is already in use")
-        assert self._inputs is not None
-        text, token_ids = self._inputs.tokenize(prompt, params)
         healthy = self._client.healthy()
         if not healthy and not self.admission.fault_tolerance:
             raise EngineDeadError(f"no engine is alive ({self._client.dead_reasons()})")
@@ -303,18 +260,17 @@ class AsyncLLM:
         in_flight = self._table.in_flight
         engine = min(healthy, key=lambda e: (in_flight[e.index], e.index))  # least loaded; ties: lowest index
         state = self._new_state(request_id, text, token_ids, params, engine)
-        state.lora_name = None if lora_request is None else lora_request.name
+        state.lora_name = None if valid.lora_request is None else valid.lora_request.name
         if self.request_logger is not None:
-            self.request_logger.received(request_id, text, token_ids, params, priority)
-        requests = InputProcessor.engine_requests(
-            state.child_ids, token_ids, params, state.metrics.arrival_time, priority)
-        if streaming:
+            self.request_logger.received(request_id, text, token_ids, params, valid.priority)
+        requests = engine_requests(state.child_ids, token_ids, params, state.metrics.arrival_time, valid.priority)
+        if valid.streaming:
             requests[0].streaming = True
             state.session = SessionState(len(token_ids) + params.max_tokens, len(token_ids))
         self._table.add(state)
         try:
             for request in requests:
-                request.lora_request = lora_request
+                request.lora_request = valid.lora_request
                 self._client.send(engine.index, protocol.AddRequest(request, self.frontend_index))
         except BaseException:
             self._table.drop(state)
@@ -355,17 +311,25 @@ class AsyncLLM:
 
     # ------------------------------------------------------------ sessions (S15)
 
+    async def prepare_chunk(self, state: RequestState, prompt: PromptType) -> PromptType:
+        """A session's chunk ready for :meth:`send_stream_input` (a long text bounded, then
+        tokenized off the event loop: ``RequestGate.prepare``)."""
+        assert state.session is not None
+        return await self._gate().prepare(prompt, held=state.session.max_tokens_reached)
+
     def send_stream_input(self, state: RequestState, prompt: PromptType, max_tokens: int, last: bool) -> None:
-        """A session's next chunk (``Session.send``), checked here so that the engine never refuses it."""
+        """A session's next chunk (``Session.send``), checked by the gate so that the engine never refuses it."""
         session = state.session
-        assert session is not None and self.tokenizer is not None and self._inputs is not None
+        assert session is not None
         if state.done or session.closing:
             raise ValueError(f"session {state.request_id!r} has ended or is closing: it takes no more input")
-        token_ids = chunk_token_ids(prompt, self.tokenizer, self._inputs.vocab_size)
-        session.charge(state.request_id, len(token_ids), max_tokens, self._inputs.max_model_len)
+        chunk = self._gate().chunk(state.request_id, prompt, max_tokens, last, held=session.max_tokens_reached,
+                                   num_chunks=session.num_chunks)
+        session.count(len(chunk.token_ids), chunk.max_tokens)
         session.closing = last
         session.stop_idle_timer()
-        self._client.send(state.engine_index, protocol.StreamInput(state.child_ids[0], token_ids, max_tokens, last))
+        self._client.send(state.engine_index,
+                          protocol.StreamInput(state.child_ids[0], chunk.token_ids, chunk.max_tokens, last))
 
     def close_session(self, state: RequestState) -> None:
         """``Session.close``: the engine ends the session once its input is served."""
@@ -553,7 +517,8 @@ class AsyncLLM:
             state.queue.put_nowait(EngineDeadError("the frontend is shutting down"))
         self._closed = True
         await self._client.close()  # the aborts above still reach live engines
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if self.gate is not None:
+            self.gate.shutdown()
 
     async def __aenter__(self) -> AsyncLLM:
         return self

@@ -1,16 +1,14 @@
 """The frontend's admission flags (docs/design.md §6), shared by ``fastsched serve`` and
-``fastsched simulate`` (which applies them as one frontend)."""
+``fastsched simulate`` (which applies them as one frontend), and the one place that turns
+``fastsched serve``'s flags into :class:`FrontendSettings`."""
 
 from __future__ import annotations
 
 import argparse
 
+from fastsched.frontend.settings import FrontendSettings
+from fastsched.limits import request_limits
 from fastsched.units import parse_count
-
-# Streaming-input sessions (S15): fastsched serve's defaults, here so that the CLI and the launcher
-# read them without importing the frontend (a spawned child re-imports the CLI before it blocks SIGINT).
-DEFAULT_SESSION_IDLE_TIMEOUT_S = 60.0  # --session-idle-timeout
-SESSION_OPEN_TIMEOUT_S = 10.0  # --session-open-timeout
 
 
 def add_admission_limit_args(group: argparse._ArgumentGroup) -> None:
@@ -26,3 +24,16 @@ def add_admission_limit_args(group: argparse._ArgumentGroup) -> None:
                             "prefill, its own included, exceed SECONDS x the prefill throughput the engines measure "
                             "while requests wait (until measured: two scheduler steps' worth per engine). "
                             "The limit is the metric fastsched:admission_queued_tokens_limit (default: off)")
+
+
+def frontend_settings(args: argparse.Namespace) -> FrontendSettings:
+    """The frontends' settings from ``fastsched serve``'s flags, validated (``ValueError``
+    naming the setting) before anything is spawned."""
+    return FrontendSettings(
+        max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
+        ttft_slo=args.ttft_slo, fault_tolerance=args.enable_fault_tolerance, num_frontends=args.api_server_count,
+        session_idle_timeout=args.session_idle_timeout or None, max_sessions=args.max_sessions,
+        session_open_timeout=args.session_open_timeout, engine_timeout=args.engine_timeout,
+        ready_timeout=args.ready_timeout, limits=request_limits(args), enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+    )

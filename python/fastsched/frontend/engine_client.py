@@ -86,8 +86,6 @@ class EngineClient:
             raise ValueError(
                 f"got {len(engine_procs)} engine process handles for {len(engine_input_addrs)} engines"
             )
-        if engine_timeout <= 0:
-            raise ValueError(f"engine_timeout must be positive, got {engine_timeout}")
         self.frontend_index = frontend_index
         self.output_addr = output_addr
         self.engine_timeout = engine_timeout

@@ -25,8 +25,9 @@ become status codes (docs/design.md §8):
   ``fastsched.admin``) are UNIMPLEMENTED unless enabled, take the admin key instead, and a path
   outside ``--allowed-local-paths`` is PERMISSION_DENIED.
 
-A long text prompt is tokenized in a worker thread (``AsyncLLM.prepare_prompt``), after
-an O(1) check that it could fit at all, so a huge prompt never holds the event loop.
+Every request passes the request gate once (``fastsched.request_gate``): a long text
+prompt or session chunk is tokenized, and an output constraint compiled, in a worker
+thread after an O(1) check of its size, so no request holds the event loop.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from fastsched.rpc import (
     bearer_matches,
     error_metadata,
 )
+from fastsched.request_gate import ValidRequest
 from fastsched.sampling_params import SamplingParams
 
 pb, pb_grpc = import_stubs()
@@ -209,10 +211,9 @@ class FrontendServicer(pb_grpc.FrontendServicer):
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         async with self._admission(context, request_id):
-            prompt, params, lora = self._parse(request)
-            prompt = await self.async_llm.prepare_prompt(prompt)
-            stream = self.async_llm.generate(request_id, prompt, params, request.priority, lora)
-        responses = _ResponseStream(request_id, params.logprobs, self.latencies,
+            valid = await self._validate(request_id, request, streaming=False)
+            stream = self.async_llm.submit(valid)
+        responses = _ResponseStream(request_id, valid.params.logprobs, self.latencies,
                                     getattr(stream, "engine_index", None))
         try:
             # Leaving this block before the request finished (the client cancelled, the
@@ -247,14 +248,29 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         engine is unhealthy (it died mid-request), INVALID_ARGUMENT for a ``ValueError``
         (e.g. the engine refused the prompt: docs/design.md §4, ignored), else INTERNAL."""
         if not self.async_llm.is_healthy():
-            logger.warning("request %s failed, the engine is not healthy: %s", request_id, error)
+            logger.warning("request %r failed, the engine is not healthy: %s", request_id, error)  # %r: as sent, escaped
             await self._abort_unavailable(context, ENGINE_FAULTED)
         if isinstance(error, ValueError):
             await self._abort_invalid(context, error)
-        logger.error("request %s failed", request_id, exc_info=error)
+        logger.error("request %r failed", request_id, exc_info=error)
         await context.abort(grpc.StatusCode.INTERNAL, f"request {request_id} failed: {error}")
 
-    def _parse(self, request: Any) -> tuple[str | list[int], SamplingParams, LoRARequest | None]:
+    async def _validate(self, request_id: str, request: Any, streaming: bool) -> ValidRequest:
+        """A ``GenerateRequest`` (or a session's ``open``) through the request gate
+        (``fastsched.request_gate``): checked once, compiled and tokenized off the event loop."""
+        prompt, build_params, lora = self._parse(request)
+        constraint = None
+        if request.sampling_params.HasField("structured_outputs"):
+            so = request.sampling_params.structured_outputs
+            kind = so.WhichOneof("kind")
+            if kind is not None and kind != "json_object":
+                constraint = (kind, list(so.choice.values) if kind == "choice" else getattr(so, kind))
+        return await self.async_llm.gate.request_async(request_id, prompt, build_params, constraint,
+                                                       request.priority, lora, streaming)
+
+    def _parse(self, request: Any) -> tuple[str | list[int], Callable[[], SamplingParams], LoRARequest | None]:
+        """The prompt, a builder of the sampling parameters (it may compile a grammar: the gate
+        runs it off the event loop) and the adapter a request names."""
         lora = None
         if request.model:
             served = model_info_dict(self.async_llm.model_info())["model"]
@@ -264,11 +280,11 @@ class FrontendServicer(pb_grpc.FrontendServicer):
                 raise _NotFound(f"The model `{request.model}` does not exist; this frontend serves `{served}`.")
         info = self.async_llm.model_info()
         defaults = info.get("sampling_defaults") if isinstance(info, Mapping) else info.sampling_defaults
-        params = sampling_params_from_proto(request.sampling_params, defaults)
         kind = request.WhichOneof("input")
         if kind is None:
             raise ValueError("prompt is required: set `text` or `token_ids`")
-        return (request.text if kind == "text" else list(request.token_ids.ids)), params, lora
+        return ((request.text if kind == "text" else list(request.token_ids.ids)),
+                lambda: sampling_params_from_proto(request.sampling_params, defaults), lora)
 
     @staticmethod
     async def _abort_invalid(context: grpc.aio.ServicerContext, error: ValueError) -> None:
@@ -303,8 +319,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session's first message must be `open`")
         request_id = first.open.request_id or f"session-{uuid.uuid4().hex}"
         async with self._admission(context, request_id):
-            prompt, params, lora = self._parse(first.open)
-            session = self.async_llm.session(request_id, prompt, params, first.open.priority, lora_request=lora)
+            session = self.async_llm.open_session(await self._validate(request_id, first.open, streaming=True))
         feeder = asyncio.create_task(feed_session(session, request_iterator))
         try:
             async with session:

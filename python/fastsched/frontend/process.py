@@ -14,11 +14,9 @@ import sys
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 from fastsched.admin import AdminSettings
-from fastsched.frontend.request_log import RequestLogger
-from fastsched.limits import RequestLimits
+from fastsched.frontend.settings import FrontendSettings
 
 logger = logging.getLogger("fastsched.frontend")
 
@@ -78,15 +76,10 @@ class FrontendSpec:
     grpc_host: str
     grpc_port: int
     shm_name: str
-    admission: dict[str, Any]
-    engine_timeout: float
-    ready_timeout: float
+    settings: FrontendSettings  # the server's, validated before anything was spawned
     log_level: str
-    limits: RequestLimits
     api_key: str | None  # required on the gRPC port too (passed over the spawn pipe, never in argv)
     tokenizer_dir: str | None = None  # the launcher's export of the model's tokenizer (fast to load)
-    enable_log_requests: bool = False
-    max_log_len: int | None = None
     admin: AdminSettings = field(default_factory=AdminSettings)  # the gRPC admin methods (fastsched.admin)
 
 
@@ -129,10 +122,8 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
 
                 tokenizer = await asyncio.to_thread(load_tokenizer, spec.tokenizer_dir)
             starting = asyncio.create_task(AsyncLLM.start(
-                spec.engine_input_addrs, spec.output_addr, frontend_index=spec.index, shared_stats=shared,
-                engine_procs=engines, engine_timeout=spec.engine_timeout, ready_timeout=spec.ready_timeout,
-                tokenizer=tokenizer, limits=spec.limits, **spec.admission,
-                request_logger=RequestLogger(spec.max_log_len) if spec.enable_log_requests else None,
+                spec.engine_input_addrs, spec.output_addr, frontend_index=spec.index, settings=spec.settings,
+                shared_stats=shared, engine_procs=engines, tokenizer=tokenizer,
             ))
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -143,7 +134,7 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
                 return 0
             llm = starting.result()
             server = await serve_frontend(llm, spec.grpc_host, spec.grpc_port, api_key=spec.api_key,
-                                          limits=spec.limits, admin=spec.admin)
+                                          limits=spec.settings.limits, admin=spec.admin)
         except Exception as e:
             logger.error("frontend %d failed to start: %s", spec.index, e)
             with contextlib.suppress(OSError):

@@ -25,29 +25,11 @@ from typing import Any, Protocol, TypeVar
 
 from fastsched.frontend.admission import AdmissionError
 from fastsched.frontend.request_handle import RequestHandle
-from fastsched.inputs import ContextLengthError, PromptType, TokenizedText
-from fastsched.model_loader import Tokenizer
+from fastsched.inputs import PromptType
 from fastsched.outputs import RequestOutput
 
 __all__ = ["Session", "SessionHost", "SessionLimitError", "SessionOutput", "SessionState", "SessionTimer",
-           "chunk_token_ids", "session_cap"]
-
-
-def chunk_token_ids(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
-    """A chunk's token ids: a text continues the session, so no special tokens (BOS) are added.
-    ``ValueError`` for an empty chunk or a token id outside the vocabulary."""
-    if isinstance(prompt, TokenizedText):
-        prompt = prompt.text
-    if isinstance(prompt, str):
-        token_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    else:
-        token_ids = [int(t) for t in prompt]
-    if not token_ids:
-        raise ValueError("a session chunk must contain at least one token")
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"chunk token id {bad} is out of range for a vocabulary of {vocab_size}")
-    return token_ids
+           "session_cap"]
 
 
 MAX_SESSIONS = "max_sessions"  # the rejection reason (A5) of a session over the cap
@@ -85,17 +67,9 @@ class SessionState:
     segment_ends: list[tuple[int, int]] = field(default_factory=list)
     idle_timer: asyncio.TimerHandle | None = None  # --session-idle-timeout, while it waits for input
 
-    def charge(self, request_id: str, num_tokens: int, max_tokens: int, max_model_len: int) -> None:
-        """Counts a chunk in, or raises ``ValueError`` naming the values if it could reach
-        ``max_model_len`` (which the engine would refuse, S15 / Difference 7)."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        total = self.max_tokens_reached + num_tokens + max_tokens
-        if total >= max_model_len:
-            raise ContextLengthError(
-                f"session {request_id!r}: this chunk ({num_tokens} tokens) plus max_tokens ({max_tokens}) could "
-                f"grow the session to {total} tokens, which reaches max_model_len ({max_model_len})")
-        self.max_tokens_reached = total
+    def count(self, num_tokens: int, max_tokens: int) -> None:
+        """Counts in a chunk the request gate let through (``RequestGate.chunk``)."""
+        self.max_tokens_reached += num_tokens + max_tokens
         self.num_input_tokens += num_tokens
         self.num_chunks += 1
 
@@ -126,6 +100,7 @@ R_contra = TypeVar("R_contra", bound=SessionRequest, contravariant=True)
 class SessionHost(Protocol[R_contra]):
     """What a session asks of its frontend (``AsyncLLM``), about the session's own request."""
 
+    async def prepare_chunk(self, state: R_contra, prompt: PromptType) -> PromptType: ...
     def send_stream_input(self, state: R_contra, prompt: PromptType, max_tokens: int, last: bool) -> None: ...
     def close_session(self, state: R_contra) -> None: ...
     def drop(self, state: R_contra) -> None: ...
@@ -137,8 +112,6 @@ class SessionTimer:
     slot and KV. Subscribed to the request table's ``segment_ended`` and ``finished`` events."""
 
     def __init__(self, idle_timeout: float | None, expire: Callable[[SessionRequest], None]) -> None:
-        if idle_timeout is not None and not idle_timeout > 0:
-            raise ValueError(f"session_idle_timeout must be a positive number of seconds, got {idle_timeout}")
         self.idle_timeout = idle_timeout
         self._expire = expire
 
@@ -189,6 +162,7 @@ class Session(RequestHandle[SessionRequest]):
         by the engine if the previous segment is still generating. ``last`` ends the session
         after this segment. ``ValueError`` (naming the value) for an empty chunk, ``max_tokens < 1``,
         input that would reach ``max_model_len``, or a session that has ended or was closed."""
+        prompt = await self._owner.prepare_chunk(self._state, prompt)
         self._owner.send_stream_input(self._state, prompt, max_tokens, last)
 
     @property

@@ -70,6 +70,7 @@ from fastsched.gateway.openai_protocol import (
     ParsedRequest,
     ResponseFormatter,
     bad_request,
+    check_json_content_type,
     parse_chat,
     parse_completion,
 )
@@ -77,6 +78,7 @@ from fastsched.gateway.pool import FrontendPool, FrontendStream
 from fastsched.gateway.sessions import SessionSettings, session_websocket
 from fastsched.gateway.tokenize import detokenize, tokenize
 from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits
+from fastsched.request_gate import run_bounded
 
 logger = logging.getLogger("fastsched.gateway")
 _VERSION = importlib.metadata.version("fastsched")
@@ -185,11 +187,13 @@ class Gateway:
 
     def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
                  api_key: str | None, limits: RequestLimits, retry_after_s: int,
-                 admin: AdminSettings | None = None, sessions: SessionSettings | None = None) -> None:
+                 admin: AdminSettings | None = None, sessions: SessionSettings | None = None,
+                 enable_prompt_tokens_details: bool = False) -> None:
         self.admin = admin or AdminSettings()
         self.admin.check_keys(api_key)
         self.sessions = sessions or SessionSettings()
         self.auth = Auth(api_key, self.admin.admin_api_key)
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.pool = FrontendPool(frontend_addrs, api_key)
         # Clients may send any of the names; responses carry the first (vLLM's --served-model-name).
         self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
@@ -220,6 +224,7 @@ class Gateway:
 
     async def read_json(self, request: Request) -> tuple[dict[str, Any], int]:
         """The body as a JSON object, checked (see the module docstring), and its size in bytes."""
+        check_json_content_type(request.headers.get("content-type"))
         raw = await self._read_body(request)
         try:
             body = json.loads(raw, parse_constant=reject_constant)
@@ -254,7 +259,8 @@ class Gateway:
         if size <= INLINE_TOKENIZE_CHARS:
             parsed = parse_chat(*args)
         else:
-            parsed = await asyncio.get_running_loop().run_in_executor(self._parse_pool, parse_chat, *args)
+            parsed = await run_bounded(self._parse_pool, self.limits.prepare_timeout, "rendering the chat template",
+                                       parse_chat, *args)
         return await self._generate(request, self._with_adapter(parsed, body))
 
     def _with_adapter(self, parsed: ParsedRequest, body: dict[str, Any]) -> ParsedRequest:
@@ -280,7 +286,8 @@ class Gateway:
             raise
 
     async def _generate(self, request: Request, parsed: ParsedRequest) -> Response:
-        formatter = ResponseFormatter(parsed, parsed.lora_name or self.model_name, self.tokenizer)
+        formatter = ResponseFormatter(parsed, parsed.lora_name or self.model_name, self.tokenizer,
+                                      self.enable_prompt_tokens_details)
         if parsed.stream:
             return _EventStream(self, parsed, formatter)
         body = None
@@ -329,7 +336,8 @@ class Gateway:
         args = (body, self.tokenizer, info and info["max_model_len"], self.limits)
         if size <= INLINE_TOKENIZE_CHARS:
             return JSONResponse(tokenize(*args))
-        return JSONResponse(await asyncio.get_running_loop().run_in_executor(self._parse_pool, tokenize, *args))
+        return JSONResponse(await run_bounded(self._parse_pool, self.limits.prepare_timeout, "tokenizing", tokenize,
+                                              *args))
 
     async def detokenize(self, request: Request) -> Response:
         body, _ = await self.read_json(request)
@@ -485,6 +493,7 @@ def create_app(
     tool_parser: str | None = None,
     admin: AdminSettings | None = None,
     sessions: SessionSettings | None = None,
+    enable_prompt_tokens_details: bool = False,
 ) -> Starlette:
     """The gateway's ASGI app over the frontends at ``frontend_addrs`` (``host:port``).
 
@@ -496,10 +505,11 @@ def create_app(
     ``gateway.tool_parsers``) finds the calls of ``tool_choice: "auto"``; ``admin``: which admin
     routes exist and their key (``fastsched.admin``; default: none); ``sessions``: the
     ``/v1/sessions`` WebSocket's settings (``gateway.sessions.SessionSettings``). ``ValueError``
-    for admin routes guarded by ``api_key`` alone.
+    for admin routes guarded by ``api_key`` alone. ``enable_prompt_tokens_details``:
+    ``usage.prompt_tokens_details.cached_tokens`` in responses (vLLM's flag of that name).
     """
     gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s,
-                      admin, sessions)
+                      admin, sessions, enable_prompt_tokens_details)
     gateway.tool_parser = tool_parser
 
     @contextlib.asynccontextmanager

@@ -57,6 +57,19 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def check_json_content_type(content_type: str | None) -> None:
+    """A JSON route's body must be declared JSON (``application/json``, or ``application/*+json``),
+    or not declared at all: any other type is 415. A web page can send ``text/plain``,
+    ``application/x-www-form-urlencoded`` or ``multipart/form-data`` to any address without
+    asking it first (no CORS preflight); refusing them keeps a page from driving a local server."""
+    if not content_type:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise ApiError(415, f"Content-Type must be application/json, got {_short(content_type)}.",
+                       code="unsupported_media_type")
+
+
 def bad_request(message: str, param: str | None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
@@ -320,6 +333,8 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     the server's ``--tool-call-parser`` for ``tool_choice: "auto"``."""
     limits = limits or RequestLimits()
     check_fields(body, CHAT_FIELDS)
+    if isinstance(body.get("tools"), list):
+        limits.check_tools(len(body["tools"]))
     try:
         tool_calling = tool_calls.tool_calling_from_body(body, getattr(tokenizer, "chat_template", None), tool_parser)
         options = template_options(body)
@@ -329,6 +344,7 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise bad_request(f"messages must be a non-empty list of message objects, got {_short(messages)}",
                           "messages")
+    limits.check_messages(len(messages))
     messages = [_message_content(m, i) for i, m in enumerate(messages)]
     max_token_chars = getattr(tokenizer, "max_token_chars", None)
     if max_model_len is not None and max_token_chars is not None:
@@ -399,8 +415,9 @@ class ResponseFormatter:
     the choices of a batched prompt.
     """
 
-    def __init__(self, req: ParsedRequest, model: str, tokenizer: Any) -> None:
+    def __init__(self, req: ParsedRequest, model: str, tokenizer: Any, prompt_tokens_details: bool = False) -> None:
         self.req, self.model, self.tokenizer = req, model, tokenizer
+        self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
         self.object = "text_completion" if req.kind == "completion" else "chat.completion"
         self.choices: dict[int, _Choice] = {}
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
@@ -495,7 +512,7 @@ class ResponseFormatter:
     def usage(self) -> dict:
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                  "total_tokens": self.prompt_tokens + self.completion_tokens}
-        if self.cached_tokens:
+        if self.prompt_tokens_details and self.cached_tokens:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return usage
 

@@ -35,7 +35,7 @@ import grpc
 from google.protobuf import json_format
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from fastsched.frontend.cli_args import SESSION_OPEN_TIMEOUT_S
+from fastsched.frontend.settings import SESSION_OPEN_TIMEOUT_S
 from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.openai_protocol import ApiError, bad_request
 from fastsched.proto_gen import import_stubs

@@ -45,6 +45,7 @@ def tokenize(body: dict[str, Any], tokenizer: Any, max_model_len: int | None, li
         messages = body["messages"]
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise bad_request("messages must be a non-empty list of message objects", "messages")
+        limits.check_messages(len(messages))
         try:
             options = template_options(body)
         except FieldError as e:

@@ -74,8 +74,7 @@ from typing import Any
 
 from fastsched.admin import AdminSettings
 from fastsched.frontend.process import FrontendSpec, block_sigint, run_frontend
-from fastsched.frontend.cli_args import DEFAULT_SESSION_IDLE_TIMEOUT_S, SESSION_OPEN_TIMEOUT_S
-from fastsched.limits import RequestLimits
+from fastsched.frontend.settings import FrontendSettings
 
 logger = logging.getLogger("fastsched.serve")
 
@@ -101,27 +100,18 @@ class ServeConfig:
     grpc_port: int = 50051  # frontend k listens on grpc_port + k; 0: free ports, picked at start
     data_parallel_size: int = 1
     api_server_count: int = 1
-    max_num_queued_reqs: int | None = None
-    max_num_queued_tokens: int | None = None
-    ttft_slo: float | None = None  # seconds; the TTFT-SLO valve (frontend.admission)
-    session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S  # seconds a session may wait for input (S15)
-    max_sessions: int | None = None  # sessions open at once; None: a quarter of the engines' max_num_seqs
-    session_open_timeout: float = SESSION_OPEN_TIMEOUT_S  # seconds a session has to send its `open`
+    # Admission, request limits, timeouts, request logging: the frontends' settings, validated there.
+    frontend: FrontendSettings = field(default_factory=FrontendSettings)
+    max_engine_restarts: int = 3  # with frontend.fault_tolerance, per engine over the server's life
     allowed_origins: tuple[str, ...] = ()  # pages that may open a /v1/sessions WebSocket besides our own
     admin: AdminSettings = field(default_factory=AdminSettings)  # admin routes, their key, allowed paths
-    enable_fault_tolerance: bool = False
-    max_engine_restarts: int = 3  # with enable_fault_tolerance, per engine over the server's life
     api_key: str | None = None
-    limits: RequestLimits = field(default_factory=RequestLimits)
     shutdown_timeout: float = 5.0  # seconds the gateway lets requests in flight finish at shutdown
-    engine_timeout: float = 5.0
-    ready_timeout: float = 300.0
     served_model_name: list[str] | None = None  # clients may send any; the first is reported
     chat_template: str | None = None  # --chat-template's text; None: the checkpoint's
     torch_num_threads: int | None = None
     access_log: bool = True
-    enable_log_requests: bool = False
-    max_log_len: int | None = None
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens in responses
     log_level: str = "INFO"
     uvicorn_log_level: str | None = None  # uvicorn's loggers (None: log_level's); debug logs the probes too
     tool_call_parser: str | None = None  # tool_choice "auto" (gateway.tool_parsers): --enable-auto-tool-choice
@@ -130,17 +120,11 @@ class ServeConfig:
         for name in ("data_parallel_size", "api_server_count"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_num_queued_reqs", "max_num_queued_tokens", "torch_num_threads"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value}")
-        for name in ("ttft_slo", "session_idle_timeout"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
-        for name in ("engine_timeout", "ready_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.torch_num_threads is not None and self.torch_num_threads < 1:
+            raise ValueError(f"torch_num_threads must be a positive integer, got {self.torch_num_threads}")
+        if self.frontend.num_frontends != self.api_server_count:
+            raise ValueError(f"frontend.num_frontends ({self.frontend.num_frontends}) must equal api_server_count "
+                             f"({self.api_server_count})")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
         if self.max_engine_restarts < 0:
@@ -148,10 +132,6 @@ class ServeConfig:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         self.admin.check_keys(self.api_key)
-        if self.max_sessions is not None and self.max_sessions < 0:
-            raise ValueError(f"max_sessions must be at least 0, got {self.max_sessions}")
-        if not 0 < self.session_open_timeout < float("inf"):
-            raise ValueError(f"session_open_timeout must be a positive number of seconds, got {self.session_open_timeout}")
         if self.tool_call_parser is not None:
             from fastsched.gateway.tool_parsers import get_parser
 
@@ -371,22 +351,16 @@ class Launcher:
         for i in range(c.data_parallel_size):
             self.engines.append(self._start_engine(i))
         self.tokenizer_dir = self._export_tokenizer()
-        admission = {"max_num_queued_reqs": c.max_num_queued_reqs, "max_num_queued_tokens": c.max_num_queued_tokens,
-                     "fault_tolerance": c.enable_fault_tolerance, "ttft_slo": c.ttft_slo,
-                     "num_frontends": c.api_server_count, "session_idle_timeout": c.session_idle_timeout,
-                     "max_sessions": c.max_sessions, "session_open_timeout": c.session_open_timeout}
         engine_pids = [e.proc.pid for e in self.engines]
         for k, (addr, port) in enumerate(zip(frontend_outputs, self.grpc_ports)):
             ours_ready, theirs_ready = _ready_pipe()
             spec = FrontendSpec(k, tuple(engine_inputs), tuple(engine_pids), addr, c.grpc_host, port,
-                                self.shm.name, admission, c.engine_timeout, c.ready_timeout, c.log_level,
-                                c.limits, c.api_key, self.tokenizer_dir, c.enable_log_requests, c.max_log_len,
-                                c.admin)
+                                self.shm.name, c.frontend, c.log_level, c.api_key, self.tokenizer_dir, c.admin)
             proc = _spawn(run_frontend, f"fastsched-frontend-{k}", (spec, theirs_ready), {})
             theirs_ready.close()
             self.frontends.append(_Child("frontend", k, proc, ours_ready))
             logger.info("frontend %d starting (pid %d)", k, proc.pid)
-        self._wait_ready(self.engines + self.frontends, time.monotonic() + c.ready_timeout + 10)
+        self._wait_ready(self.engines + self.frontends, time.monotonic() + c.frontend.ready_timeout + 10)
 
     def _start_engine(self, i: int) -> _Child:
         c = self.config
@@ -425,7 +399,7 @@ class Launcher:
                 return
             if time.monotonic() > deadline:
                 names = ", ".join(ch.name for ch in waiting)
-                raise ServeError(f"{names} did not report ready within {self.config.ready_timeout:g} s")
+                raise ServeError(f"{names} did not report ready within {self.config.frontend.ready_timeout:g} s")
             handles: list[Any] = [ch.ready_pipe for ch in waiting] + [ch.proc.sentinel for ch in waiting]
             wait_connections(handles, timeout=0.2)
             for ch in waiting:
@@ -489,9 +463,10 @@ class Launcher:
         if c.chat_template is not None:
             tokenizer.chat_template = c.chat_template
         addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
-        app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key, limits=c.limits,
-                         tool_parser=c.tool_call_parser, admin=c.admin,
-                         sessions=SessionSettings(c.session_open_timeout, c.allowed_origins))
+        sessions = SessionSettings(c.frontend.session_open_timeout, c.allowed_origins)
+        app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key,
+                         limits=c.frontend.limits, tool_parser=c.tool_call_parser, admin=c.admin, sessions=sessions,
+                         enable_prompt_tokens_details=c.enable_prompt_tokens_details)
         server = gateway_server(app, c.host, c.port, log_config=None,
                                 log_level=c.uvicorn_log_level or c.log_level.lower(),
                                 access_log=c.access_log, timeout_graceful_shutdown=c.shutdown_timeout)
@@ -555,7 +530,7 @@ class Launcher:
     def _on_child_failed(self, ch: _Child, reason: str, loop: asyncio.AbstractEventLoop, dead: list[_Child],
                          stop: asyncio.Event) -> None:
         """A child died or hangs: restart it (an engine, with fault tolerance) or end the server."""
-        if ch.kind == "engine" and self.config.enable_fault_tolerance:
+        if ch.kind == "engine" and self.config.frontend.fault_tolerance:
             if not ch.restarting:
                 ch.restarting = True
                 task = asyncio.create_task(self._restart_engine(ch, reason, loop, dead, stop))
@@ -573,7 +548,7 @@ class Launcher:
                          stop: asyncio.Event) -> None:
         """The liveness half of supervision (the module docstring): frontends that stop
         answering, engines the frontends report dead."""
-        timeout = self.config.engine_timeout
+        timeout = self.config.frontend.engine_timeout
         last_answer = [time.monotonic()] * len(self.frontends)
         while True:
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
@@ -594,7 +569,7 @@ class Launcher:
             return
         ch = self.engines[report.engine_index]
         # Just restarted: frontends may not have read its READY yet when they answered.
-        if ch.restarting or now - ch.ready_at < self.config.engine_timeout:
+        if ch.restarting or now - ch.ready_at < self.config.frontend.engine_timeout:
             return
         logger.error("%s (pid %d) is reported dead by a frontend: %s", ch.name, ch.proc.pid, report.dead_reason)
         loop.remove_reader(ch.proc.sentinel)
@@ -624,7 +599,7 @@ class Launcher:
             new.restarts, new.restarting = old.restarts + 1, True
             self.engines[old.index] = new
             try:
-                await asyncio.to_thread(self._wait_ready, [new], time.monotonic() + c.ready_timeout)
+                await asyncio.to_thread(self._wait_ready, [new], time.monotonic() + c.frontend.ready_timeout)
             except ServeError as e:
                 reason, old = str(e), new
                 continue

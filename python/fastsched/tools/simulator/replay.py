@@ -38,6 +38,7 @@ from fastsched import _core
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.frontend.admission import TTFT_SLO_FLOOR_STEPS, AdmissionController, AdmissionError
+from fastsched.frontend.settings import FrontendSettings
 from fastsched.limits import LimitError
 from fastsched.tools.bench_report import RequestResult
 from fastsched.tools.simulator.cost import StepCost
@@ -95,9 +96,9 @@ class Simulator:
         self.scheduler = _core.Scheduler(scheduler_config)
         self.max_model_len = scheduler_config.max_model_len
         self.cost = cost
-        self.admission = AdmissionController(
+        self.admission = AdmissionController(FrontendSettings(
             max_num_queued_reqs=max_num_queued_reqs, max_num_queued_tokens=max_num_queued_tokens, ttft_slo=ttft_slo
-        )
+        ))
         self.prefill_meter = PrefillThroughputMeter()  # the engine's, as EngineCore keeps it
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.update_ttft_slo_limit()  # the floor until measured, as AsyncLLM sets it when the engine is ready
