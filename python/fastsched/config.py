@@ -113,6 +113,10 @@ class EngineConfig:
     block_size: int = field(default=_core_default("block_size"), metadata=_flag(KV_CACHE, "tokens per KV block"))
     enable_prefix_caching: bool = field(default=_core_default("enable_prefix_caching"), metadata=_flag(
         KV_CACHE, "reuse KV blocks of identical prompt prefixes", "--no-prefix-caching"))
+    prefix_caching_hash_algo: str = field(default=_core_default("prefix_caching_hash_algo"), metadata=_flag(
+        KV_CACHE, "how prefix-cache block hashes are computed: builtin (fast, 64-bit) or sha256 (its first "
+                  "8 bytes: hashes a client cannot steer into a collision; advised with --kv-transfer-config, "
+                  "whose store is shared)", choices=("builtin", "sha256")))
     num_gpu_blocks: int | None = field(default=None, metadata=_flag(
         KV_CACHE, "KV blocks in the pool, the null block included (default: from memory)", "--num-gpu-blocks",
         flag="--num-gpu-blocks-override"))
@@ -226,6 +230,7 @@ class EngineConfig:
         scheduler_knobs = {f.name: getattr(self, f.name) for f in cli_fields() if f.metadata["group"] == SCHEDULER}
         scheduler_knobs.update(max_model_len=max_model_len, num_gpu_blocks=num_gpu_blocks,
                                block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                               prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                                max_loras=self.max_loras if self.enable_lora else 0)
         if self.speculative_config is not None:
             scheduler_knobs["num_speculative_tokens"] = self.speculative_config.num_speculative_tokens
