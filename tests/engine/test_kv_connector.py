@@ -132,9 +132,9 @@ def test_s7_a_slow_load_is_skipped_as_remote_kv_while_other_requests_run(
     release = threading.Event()
     read_block = SharedStorageConnector._read_block
 
-    def slow_read(self, path, block_hash):  # the injected delay: the store answers when released
+    def slow_read(self, *args):  # the injected delay: the store answers when released
         release.wait(timeout=60)
-        return read_block(self, path, block_hash)
+        return read_block(self, *args)
 
     monkeypatch.setattr(SharedStorageConnector, "_read_block", slow_read)
     core = make_core(tiny_model_dir, tmp_path)
@@ -161,7 +161,7 @@ def test_s7_a_request_aborted_while_loading_leaves_its_load_unused(tiny_model_di
     release = threading.Event()
     read_block = SharedStorageConnector._read_block
     monkeypatch.setattr(SharedStorageConnector, "_read_block",
-                        lambda self, path, h: release.wait(timeout=60) and read_block(self, path, h))
+                        lambda self, *args: release.wait(timeout=60) and read_block(self, *args))
     core = make_core(tiny_model_dir, tmp_path)
     core.add_request(EngineCoreRequest("stored", prompts[0], greedy()))
     core.step()

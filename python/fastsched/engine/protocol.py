@@ -6,11 +6,11 @@ data. Every message is a msgpack array whose first element is its tag:
 
 frontend -> engine (the engine's PULL socket at its input address)
     ["hello",   frontend_index]                       ask for READY (a late or restarted frontend)
-    ["add",     request_id, prompt_token_ids, params, arrival_time, priority, frontend_index, lora]
+    ["add",     request_id, prompt_token_ids, params, arrival_time, priority, frontend_index, lora, cache_salt]
     ["abort",   [request_id, ...]]
     ["query",   query_id, [request_id, ...], frontend_index]   where are these requests? (a STATUS answers)
     ["pause",   state, query_id, frontend_index]       set the pause state (S13; a PAUSED answers)
-    ["session", request_id, prompt_token_ids, params, arrival_time, priority, frontend_index, lora]
+    ["session", request_id, prompt_token_ids, params, arrival_time, priority, frontend_index, lora, cache_salt]
                                                        an ADD that opens a streaming-input session (S15)
     ["stream_input", request_id, token_ids, max_tokens, is_last]   a session's next segment
     ["close_stream", request_id]                       end a session once its input is served
@@ -26,7 +26,8 @@ engine -> frontend (a PUSH socket per frontend, connected to its output address)
     ["reloaded",  engine_index, query_id, error]       the answer to a RELOAD_WEIGHTS: nil, or [kind, message]
 
 ``params`` is a map of :class:`SamplingParams` fields, ``lora`` ``nil`` or the request's
-adapter as ``[name, id, path]`` (:class:`LoRARequest`); ``model_info`` and ``stats``
+adapter as ``[name, id, path]`` (:class:`LoRARequest`), ``cache_salt`` ``nil`` or a string;
+``model_info`` and ``stats``
 are maps (:class:`ModelInfo`, :class:`EngineStats`). A step's outputs travel as
 ``columns`` (:class:`OutputBatch`), one row per request that progressed or ended:
 ``[request_ids, token_offsets, token_ids, finish_reasons, num_cached_tokens, extras, segment_ends]``,
@@ -83,6 +84,8 @@ class EngineCoreRequest:
     # Not on the wire: a frontend always gets deltas.
     final_only: bool = False
     lora_request: LoRARequest | None = None  # the adapter to apply, None: the base model
+    # vLLM's cache_salt: requests with different salts never share prefix-cache blocks.
+    cache_salt: str | None = None
     # A streaming-input session (S15): after each segment it waits for STREAM_INPUT or CLOSE_STREAM
     # instead of finishing. Sent as a SESSION message rather than an ADD.
     streaming: bool = False
@@ -464,7 +467,8 @@ def _to_wire(msg: Message) -> list[Any]:
     if isinstance(msg, AddRequest):
         r = msg.request
         return [SESSION if r.streaming else ADD, r.request_id, list(r.prompt_token_ids), dataclasses.asdict(r.params),
-                float(r.arrival_time), int(r.priority), msg.frontend_index, _lora_to_wire(r.lora_request)]
+                float(r.arrival_time), int(r.priority), msg.frontend_index, _lora_to_wire(r.lora_request),
+                r.cache_salt]
     if isinstance(msg, Abort):
         return [ABORT, list(msg.request_ids)]
     if isinstance(msg, Ready):
@@ -603,7 +607,7 @@ def _decode_lora(value: Any) -> LoRARequest | None:
 
 
 def _decode_add(request_id: Any, prompt: Any, params: Any, arrival: Any, priority: Any, frontend: Any,
-                lora: Any) -> AddRequest:
+                lora: Any, cache_salt: Any) -> AddRequest:
     params = _map(params, "params")
     unknown = set(params) - _PARAM_FIELDS
     _check(not unknown, f"unknown sampling parameters: {', '.join(sorted(map(str, unknown)))}")
@@ -614,13 +618,14 @@ def _decode_add(request_id: Any, prompt: Any, params: Any, arrival: Any, priorit
         _float(arrival, "arrival_time"),
         _int(priority, "priority"),
         lora_request=_decode_lora(lora),
+        cache_salt=None if cache_salt is None else _str(cache_salt, "cache_salt"),
     )
     return AddRequest(request, _index(frontend, "frontend_index"))
 
 
 def _decode_session(request_id: Any, prompt: Any, params: Any, arrival: Any, priority: Any,
-                    frontend: Any, lora: Any) -> AddRequest:
-    msg = _decode_add(request_id, prompt, params, arrival, priority, frontend, lora)
+                    frontend: Any, lora: Any, cache_salt: Any) -> AddRequest:
+    msg = _decode_add(request_id, prompt, params, arrival, priority, frontend, lora, cache_salt)
     msg.request.streaming = True
     return msg
 
@@ -858,5 +863,5 @@ _DECODERS = {
     RELOAD_WEIGHTS: _decode_reload_weights,
     RELOADED: _decode_reloaded,
 }
-_ARITY = {HELLO: 1, ADD: 7, ABORT: 1, READY: 2, HEARTBEAT: 2, OUTPUTS: 4, FAILED: 2, QUERY: 3, STATUS: 3,
-          PAUSE: 3, PAUSED: 3, SESSION: 7, STREAM_INPUT: 4, CLOSE_STREAM: 1, RELOAD_WEIGHTS: 3, RELOADED: 3}
+_ARITY = {HELLO: 1, ADD: 8, ABORT: 1, READY: 2, HEARTBEAT: 2, OUTPUTS: 4, FAILED: 2, QUERY: 3, STATUS: 3,
+          PAUSE: 3, PAUSED: 3, SESSION: 8, STREAM_INPUT: 4, CLOSE_STREAM: 1, RELOAD_WEIGHTS: 3, RELOADED: 3}

@@ -54,7 +54,7 @@ from fastsched.frontend.request_metrics import EngineRequestMetrics
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
 from fastsched.frontend.session import Session, SessionState, chunk_token_ids
 from fastsched.inputs import InputProcessor, PromptType, TokenizedText, child_params, child_request_ids
-from fastsched.limits import INLINE_TOKENIZE_CHARS, RequestLimits
+from fastsched.limits import INLINE_TOKENIZE_CHARS, RequestLimits, check_cache_salt
 from fastsched.lora.request import LoRARequest
 from fastsched.model_loader import Tokenizer, load_tokenizer
 from fastsched.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -389,6 +389,7 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> Session:
         """Opens a streaming-input session (S15; ``fastsched.frontend.session``): ``prompt`` is its
         first chunk and ``params.max_tokens`` that chunk's generation. Admitted like a request
@@ -401,7 +402,7 @@ class AsyncLLM:
         if params.stop:
             raise ValueError("stop strings are not supported in a session: stop must be empty")
         return Session(self, self._admit(request_id, prompt, params, priority, streaming=True,
-                                         lora_request=lora_request))
+                                         lora_request=lora_request, cache_salt=cache_salt))
 
     def generate(
         self,
@@ -410,6 +411,7 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Admit and send one request; returns its stream (see the module docstring).
 
@@ -420,15 +422,18 @@ class AsyncLLM:
         alive, fault tolerance off). Iterating raises :class:`EngineDeadError` if its
         engine dies and ``ValueError`` if the engine refuses the prompt (docs/design.md §4:
         ignored, e.g. longer than the whole KV pool). ``lora_request``: the adapter every
-        child runs with (see :attr:`loras`), None for the base model.
+        child runs with (see :attr:`loras`), None for the base model. ``cache_salt``
+        (vLLM's): requests with different salts never share prefix-cache blocks.
         """
         return RequestStream(self, self._admit(request_id, prompt, params or SamplingParams(), priority,
-                                               lora_request=lora_request))
+                                               lora_request=lora_request, cache_salt=cache_salt))
 
     def _admit(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
-               streaming: bool = False, lora_request: LoRARequest | None = None) -> _RequestState:
+               streaming: bool = False, lora_request: LoRARequest | None = None,
+               cache_salt: str | None = None) -> _RequestState:
         self._check_started()
         self.limits.check_request_id(request_id)
+        check_cache_salt(cache_salt)
         self.limits.check_n(params.n)
         self.limits.check_stop(params.stop or ())
         if request_id in self._requests:
@@ -458,6 +463,7 @@ class AsyncLLM:
         try:
             for request in requests:
                 request.lora_request = lora_request
+                request.cache_salt = cache_salt
                 self._send(engine, protocol.encode(protocol.AddRequest(request, self.frontend_index)))
         except BaseException:
             self._drop(state)

@@ -47,7 +47,7 @@ from fastsched.frontend.async_llm import CompletionDelta, StreamOutput
 from fastsched.frontend.lora_registry import LoRAInUseError, LoRANotFoundError, LoRARegistry
 from fastsched.frontend.session import Session, SessionOutput
 from fastsched.frontend.stats import LatencyHistograms, stats_to_proto
-from fastsched.limits import RequestLimits
+from fastsched.limits import RequestLimits, check_cache_salt
 from fastsched.lora.request import LoRARequest
 from fastsched.outputs import RequestOutput
 from fastsched.proto_gen import import_stubs
@@ -198,8 +198,10 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         async with self._admission(context, request_id):
             prompt, params, lora = self._parse(request)
+            cache_salt = check_cache_salt(request.cache_salt) if request.HasField("cache_salt") else None
             prompt = await self.async_llm.prepare_prompt(prompt)
-            stream = self.async_llm.generate(request_id, prompt, params, request.priority, lora)
+            stream = self.async_llm.generate(request_id, prompt, params, request.priority, lora,
+                                             cache_salt=cache_salt)
         responses = _ResponseStream(request_id, params.logprobs, self.latencies,
                                     getattr(stream, "engine_index", None))
         try:
@@ -284,7 +286,9 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         request_id = first.open.request_id or f"session-{uuid.uuid4().hex}"
         async with self._admission(context, request_id):
             prompt, params, lora = self._parse(first.open)
-            session = self.async_llm.session(request_id, prompt, params, first.open.priority, lora_request=lora)
+            salt = check_cache_salt(first.open.cache_salt) if first.open.HasField("cache_salt") else None
+            session = self.async_llm.session(request_id, prompt, params, first.open.priority, lora_request=lora,
+                                             cache_salt=salt)
         feeder = asyncio.create_task(feed_session(session, request_iterator))
         try:
             async with session:
