@@ -278,6 +278,7 @@ def test_protocol_round_trips_every_message() -> None:
     messages = [
         protocol.Hello(1),
         protocol.AddRequest(EngineCoreRequest("r", [1, 2], params, 12.5, -1), 1),
+        protocol.AddRequest(EngineCoreRequest("s", [3], params, 1.0, cache_salt="tenant"), 0),
         protocol.Abort(["r", "s"]),
         protocol.Ready(0, protocol.ModelInfo("/m", "m", 64, 1000, 16, 9, 4)),
         protocol.Heartbeat(1, protocol.EngineStats(1, 2, 0.25, 3, 4, 5, 6, 7)),
@@ -293,8 +294,9 @@ def test_protocol_round_trips_every_message() -> None:
     b"\xc1",  # not msgpack
     msgpack.packb(["nope", 1]),
     msgpack.packb(["abort", "r"]),  # ids must be an array
-    msgpack.packb(["add", "r", [1], {"n": 0}, 0.0, 0, 0]),  # invalid sampling value
-    msgpack.packb(["add", "r", [1], {"evil": 1}, 0.0, 0, 0]),  # unknown field
+    msgpack.packb(["add", "r", [1], {"n": 0}, 0.0, 0, 0, None, None]),  # invalid sampling value
+    msgpack.packb(["add", "r", [1], {"evil": 1}, 0.0, 0, 0, None, None]),  # unknown field
+    msgpack.packb(["add", "r", [1], {}, 0.0, 0, 0, None, 7]),  # cache_salt must be a string
     msgpack.packb(["outputs", 0, [["r", [1], "weird", None, None, None, None]], {}, []]),
     msgpack.packb(["heartbeat", -1, {}]),
 ])
