@@ -235,41 +235,53 @@ def test_a_symlink_planted_in_the_store_is_not_followed(tiny_model_dir, prompts,
     assert warm.kv_transfer.stats["blocks_loaded"] == 2, "the first prompt's 4 blocks start with the symlink"
 
 
-def test_a_block_file_is_created_exclusively_and_never_through_a_symlink(tiny_model_dir, tmp_path,
-                                                                        monkeypatch) -> None:
-    """The temporary name is unpredictable, and even a symlink planted at it is not written
-    through (``O_EXCL|O_NOFOLLOW``): the save fails and the target is left alone."""
-    from fastsched.engine.kv_connector import shared_storage
+class _Inline:
+    """An executor that runs what it is given at once, in the calling thread."""
 
-    core = make_core(tiny_model_dir, tmp_path / "store")
-    connector = core.kv_transfer.connector
-    core.shutdown()
+    def submit(self, fn: Callable[..., object], *args: object) -> None:
+        fn(*args)
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
+def test_a_block_file_is_created_exclusively_and_never_through_a_symlink(tiny_model_dir, random_prompt, tmp_path,
+                                                                        monkeypatch) -> None:
+    """Symlinks planted at the temporary names a writer could use (the process and thread
+    ids, or a guessed random part) are never written through (``O_EXCL|O_NOFOLLOW``): the
+    save fails and their targets are left alone."""
+    import secrets
+
     target = tmp_path / "target"
     target.write_bytes(b"precious")
-    path = connector.path_of(0xABCDEF)
-    path.parent.mkdir(mode=0o700)
-    monkeypatch.setattr(shared_storage.secrets, "token_hex", lambda n: "guessed")
-    path.with_name(f".{path.name}.guessed.tmp").symlink_to(target)
-    with pytest.raises(FileExistsError):
-        shared_storage._write_file(path, b"attacker-controlled? no: ours")
+    core = make_core(tiny_model_dir, tmp_path / "store")
+    connector = core.kv_transfer.connector
+    connector._saves = _Inline()  # saves run in this thread, whose id is then known
+    monkeypatch.setattr(secrets, "token_hex", lambda nbytes=None: "guessed")
+    prompt = random_prompt(40, seed=15)
+    for block_hash in _block_hashes(prompt):
+        path = connector.path_of(block_hash)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        for name in (f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp", f".{path.name}.guessed.tmp"):
+            (path.parent / name).symlink_to(target)
+    generate(core, [prompt])
     assert target.read_bytes() == b"precious"
-    assert not path.exists()
+    assert core.kv_transfer.stats["blocks_saved"] == 0
 
 
 def test_the_store_keeps_under_max_size_by_evicting_the_least_recently_used(tiny_model_dir, prompts,
                                                                            greedy_reference, tmp_path) -> None:
-    store = tmp_path / "store"
-    first = make_core(tiny_model_dir, store, extra={"max_size": 1})  # sized below, once the block size is known
-    file_bytes = first.kv_transfer.connector.file_bytes
-    first.shutdown()
+    generate(make_core(tiny_model_dir, tmp_path / "sizing"), prompts[:1])
+    file_bytes = block_files(tmp_path / "sizing")[0].stat().st_size
     max_size = 4 * file_bytes
+    store = tmp_path / "store"
     core = make_core(tiny_model_dir, store, extra={"max_size": max_size})
     expected = greedy_reference(prompts, [MAX_TOKENS] * len(prompts))
     assert generate(core, prompts) == expected
+    assert sum(p.stat().st_size for p in block_files(store)) <= max_size
     stats = core.kv_transfer.stats
     assert stats["blocks_saved"] == 7
     assert stats["blocks_evicted"] >= 3
-    assert sum(p.stat().st_size for p in block_files(store)) <= max_size
 
 
 def test_max_size_takes_a_size_with_a_unit_and_refuses_nonsense(tmp_path) -> None:
@@ -349,7 +361,7 @@ def test_a_load_that_takes_too_long_is_given_up_and_computed(tiny_model_dir, pro
     read_block = SharedStorageConnector._read_block
 
     def hung_read(self, *args):  # a network filesystem that stopped answering
-        release.wait(timeout=60)
+        release.wait(timeout=20)
         return read_block(self, *args)
 
     monkeypatch.setattr(SharedStorageConnector, "_read_block", hung_read)
@@ -371,7 +383,7 @@ def test_a_lookup_that_takes_too_long_is_a_miss(tiny_model_dir, prompts, greedy_
     count_present = SharedStorageConnector._count_present
 
     def hung_lookup(self, hashes):
-        release.wait(timeout=60)
+        release.wait(timeout=20)
         return count_present(self, hashes)
 
     monkeypatch.setattr(SharedStorageConnector, "_count_present", hung_lookup)
