@@ -127,7 +127,9 @@ class EngineConfig:
         "--kv-cache-memory", flag="--kv-cache-memory-bytes", type=parse_bytes))
     kv_transfer_config: KVTransferConfig | None = field(default=None, metadata=_flag(
         KV_CACHE, 'KV connector as JSON, e.g. \'{"kv_connector":"SharedStorageConnector","kv_role":"kv_both",'
-                  '"kv_connector_extra_config":{"shared_storage_path":"/mnt/kv"}}\' (docs/scheduler.md, S7)',
+                  '"kv_connector_extra_config":{"shared_storage_path":"/mnt/kv"}}\'; extra config keys max_size '
+                  '(default 64GiB), load_timeout_s (30), lookup_timeout_s (1) (README, "Sharing prompt KV through a '
+                  'store")',
         type=parse_kv_transfer_config, metavar="JSON"))
 
     enable_lora: bool = field(default=False, metadata=_flag(
