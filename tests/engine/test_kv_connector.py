@@ -396,6 +396,18 @@ def test_a_lookup_that_takes_too_long_is_a_miss(tiny_model_dir, prompts, greedy_
     assert core.kv_transfer.stats["hits"] == 0
 
 
+def test_saves_a_slow_store_cannot_take_are_dropped_not_queued(tiny_model_dir, prompts, greedy_reference,
+                                                               tmp_path, monkeypatch) -> None:
+    """Each waiting save holds its blocks' KV in memory: past MAX_PENDING_SAVES they are dropped."""
+    from fastsched.engine.kv_connector import shared_storage
+
+    monkeypatch.setattr(shared_storage, "MAX_PENDING_SAVES", 0)
+    core = make_core(tiny_model_dir, tmp_path / "store")
+    assert generate(core, prompts) == greedy_reference(prompts, [MAX_TOKENS] * len(prompts))
+    assert core.kv_transfer.stats["blocks_saved"] == 0 and core.kv_transfer.stats["saves_dropped"] >= 1
+    assert block_files(tmp_path / "store") == []
+
+
 def test_s8_cache_salt_separates_tenants_in_the_prefix_cache_and_the_store(tiny_model_dir, random_prompt,
                                                                          greedy_reference, tmp_path) -> None:
     prompt = random_prompt(40, seed=14)

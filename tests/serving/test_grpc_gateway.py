@@ -138,7 +138,7 @@ class FakeAsyncLLM:
         return prompt
 
     def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 priority: int = 0, lora_request: None = None) -> FakeStream:
+                 priority: int = 0, lora_request: None = None, cache_salt: str | None = None) -> FakeStream:
         prompt_ids = self._admit(request_id, prompt, params, priority)
         return FakeStream(self._stream(request_id, prompt, prompt_ids, params))
 

@@ -75,6 +75,8 @@ KV_CONNECTOR_COUNTERS = {
     "load_timeouts": ("kv_connector_load_timeouts", "KV block loads given up after load_timeout_s."),
     "lookup_timeouts": ("kv_connector_lookup_timeouts", "KV store lookups given up after lookup_timeout_s."),
     "blocks_evicted": ("kv_connector_blocks_evicted", "KV block files deleted to keep the store under max_size."),
+    "saves_dropped": ("kv_connector_saves_dropped",
+                      "Batches of KV blocks not saved because too many saves were waiting for the store."),
     "load_seconds": ("kv_connector_load_seconds", "Seconds spent reading and checking loaded KV blocks."),
     "save_seconds": ("kv_connector_save_seconds", "Seconds spent writing saved KV blocks."),
 }

@@ -84,6 +84,7 @@ class KVConnectorStats:
     load_timeouts: int = 0  # loads given up after load_timeout_s (their blocks computed instead)
     lookup_timeouts: int = 0  # lookups that took longer than lookup_timeout_s (taken as misses)
     blocks_evicted: int = 0  # block files deleted to keep the store under max_size
+    saves_dropped: int = 0  # batches of blocks not saved: too many saves waiting for a slow store
     load_seconds: float = 0.0  # reading and checking loaded blocks (store side, background thread)
     save_seconds: float = 0.0  # writing saved blocks (background thread)
 

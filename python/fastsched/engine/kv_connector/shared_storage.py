@@ -20,8 +20,9 @@ What the store trusts, and why:
 - It is bounded: past ``max_size`` bytes the least recently used block files (by
   modification time, which a load refreshes) are deleted down to 90% of it; a load is
   given up after ``load_timeout_s`` and a lookup after ``lookup_timeout_s`` (a hung
-  network filesystem costs computation, never a stuck engine); a file is read only when
-  its size is exactly a block file's.
+  network filesystem costs computation, never a stuck engine); at most
+  :data:`MAX_PENDING_SAVES` saves wait in memory; a file is read only when its size is
+  exactly a block file's.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import struct
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,6 +60,9 @@ FILE_MODE = 0o600
 EVICT_TO = 0.9
 # A temporary file this old is left over from a writer that died; eviction deletes it.
 STALE_TMP_S = 600.0
+# Saves waiting for the save thread (each holds its blocks' KV in memory); past this, a slow
+# store loses saves instead of growing the engine's memory.
+MAX_PENDING_SAVES = 64
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
@@ -102,6 +106,9 @@ class SharedStorageConnector(KVConnector):
         self._done: queue.Queue[BlockLoad] = queue.Queue()
         self._lock = threading.Lock()  # the counters and the loads in progress, shared with the threads
         self._pending: dict[int, _Pending] = {}
+        self._lookup: Future[int] | None = None  # the last lookup, which may still hang
+        self._num_saves = 0  # saves submitted and not yet done
+        self._dirs: set[Path] = set()  # subdirectories known to be private
         self._size = self._scan()[0]  # bytes of block files, as of the last scan plus what was saved since
 
     def path_of(self, block_hash: int) -> Path:
@@ -111,15 +118,21 @@ class SharedStorageConnector(KVConnector):
     # ------------------------------------------------------------ lookup and load
 
     def lookup(self, block_hashes: np.ndarray) -> int:
-        future = self._lookups.submit(self._count_present, block_hashes.tolist())
-        try:
-            n = future.result(timeout=self.lookup_timeout_s)
-        except FutureTimeout:
-            logger.warning("KV store lookup took more than %.3gs (lookup_timeout_s); computing the prompt",
-                           self.lookup_timeout_s)
+        """Waits at most ``lookup_timeout_s``, and not at all while an earlier lookup still
+        hangs (the engine's loop must not stall once per request on a dead store)."""
+        n = 0
+        if self._lookup is not None and not self._lookup.done():
             with self._lock:
                 self.stats.lookup_timeouts += 1
-            n = 0
+        else:
+            self._lookup = self._lookups.submit(self._count_present, block_hashes.tolist())
+            try:
+                n = self._lookup.result(timeout=self.lookup_timeout_s)
+            except FutureTimeout:
+                logger.warning("KV store lookup took more than %.3gs (lookup_timeout_s); computing the prompt",
+                               self.lookup_timeout_s)
+                with self._lock:
+                    self.stats.lookup_timeouts += 1
         with self._lock:
             self.stats.queries += 1
             self.stats.hits += n > 0
@@ -230,9 +243,21 @@ class SharedStorageConnector(KVConnector):
     # ------------------------------------------------------------ save
 
     def save(self, contents: BlockRequest, blocks: torch.Tensor) -> None:
+        with self._lock:
+            if self._num_saves >= MAX_PENDING_SAVES:
+                self.stats.saves_dropped += 1
+                return
+            self._num_saves += 1
         self._saves.submit(self._save, contents, blocks)
 
     def _save(self, contents: BlockRequest, blocks: torch.Tensor) -> None:
+        try:
+            self._save_blocks(contents, blocks)
+        finally:
+            with self._lock:
+                self._num_saves -= 1
+
+    def _save_blocks(self, contents: BlockRequest, blocks: torch.Tensor) -> None:
         start = time.perf_counter()
         saved = 0
         for i, (h, block) in enumerate(zip(contents.hashes, blocks)):
@@ -259,7 +284,9 @@ class SharedStorageConnector(KVConnector):
         payload = block.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         crc = zlib.crc32(payload, zlib.crc32(token_bytes))
         header = _HEADER.pack(MAGIC, self._key, block_hash, parent, len(tokens), len(payload), crc)
-        _private_dir(path.parent)
+        if path.parent not in self._dirs:
+            _private_dir(path.parent)
+            self._dirs.add(path.parent)
         _write_file(path, header + token_bytes + payload)
 
     # ------------------------------------------------------------ size
