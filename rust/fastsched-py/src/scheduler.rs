@@ -421,7 +421,10 @@ impl PyScheduler {
             parents.push(parent);
             tokens.extend_from_slice(held);
         }
-        Ok((PyArray1::from_vec(py, parents), PyArray1::from_vec(py, tokens)))
+        Ok((
+            PyArray1::from_vec(py, parents),
+            PyArray1::from_vec(py, tokens),
+        ))
     }
 
     fn take_cached_blocks<'py>(
