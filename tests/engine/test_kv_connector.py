@@ -333,6 +333,21 @@ def test_a_block_whose_tokens_are_not_the_requests_is_a_counted_miss(tiny_model_
     assert warm.kv_transfer.stats["token_mismatches"] == 1
 
 
+def test_a_load_past_a_local_prefix_hit_checks_each_blocks_parent(tiny_model_dir, prompts, greedy_reference,
+                                                                 tmp_path) -> None:
+    """Blocks loaded after a local hit are checked against the hash of the block before
+    them too (the first block of a prompt has no parent to compare)."""
+    generate(make_core(tiny_model_dir, tmp_path), prompts[:1])
+    core = make_core(tiny_model_dir, tmp_path)
+    head = prompts[0][: 2 * BLOCK_SIZE + 1]
+    assert generate_one(core, head) == greedy_reference([head], [MAX_TOKENS])[0]
+    assert generate_one(core, prompts[0]) == greedy_reference(prompts[:1], [MAX_TOKENS])[0]
+    core.shutdown()
+    stats = core.kv_transfer.stats
+    assert stats["blocks_loaded"] == 4 and stats["token_mismatches"] == 0 and stats["load_failures"] == 0
+    assert core.scheduler.stats()["prefix_cache_hits"] > 0, "the second request's first blocks were local"
+
+
 def test_weights_replaced_in_place_do_not_read_the_old_weights_blocks(random_prompt, tmp_path) -> None:
     """The store's identity covers a fingerprint of the weights, not only their path."""
     model = make_tiny_model(tmp_path / "model", seed=0)
