@@ -28,6 +28,9 @@ fn slice<'a>(name: &str, a: &'a PyReadonlyArray1<'_, u32>) -> PyResult<&'a [u32]
         .map_err(|_| PyValueError::new_err(format!("{name} must be a contiguous uint32 array")))
 }
 
+/// `cached_block_contents`' answer: each block's parent hash, and their token ids (flat).
+type BlockContents<'py> = (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u32>>);
+
 impl PyScheduler {
     fn live(&self, handle: Handle) -> PyResult<&fastsched_core::Request> {
         self.inner
@@ -409,7 +412,7 @@ impl PyScheduler {
         &self,
         py: Python<'py>,
         block_ids: PyReadonlyArray1<'_, u32>,
-    ) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u32>>)> {
+    ) -> PyResult<BlockContents<'py>> {
         let ids = slice("block_ids", &block_ids)?;
         let pool = &self.inner.kv().pool;
         let mut parents = Vec::with_capacity(ids.len());
