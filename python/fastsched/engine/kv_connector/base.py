@@ -5,7 +5,7 @@ from the start, so a hash names a whole prefix; its root covers the LoRA adapter
 request's ``cache_salt``), within a :class:`StoreIdentity` that says whose KV it is:
 blocks of other weights, block size, dtype, layout or hash algorithm are never looked
 at. A hash is only a name: a block is used only when the token ids stored with it are
-the request's (:class:`BlockRequest`), as the in-memory prefix cache confirms its hits.
+the request's (:class:`BlockContents`), as the in-memory prefix cache confirms its hits.
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ class StoreIdentity:
 
 
 @dataclass
-class BlockRequest:
-    """The blocks one load asks for, and what each must hold to be used: the hash of the
-    block before it (0: unknown, the request's first block) and its token ids."""
+class BlockContents:
+    """Full blocks by hash, with what each holds: the hash of the block before it (0:
+    unknown, the request's first block) and its token ids. A load's are what the blocks
+    must hold to be used; a save's are stored beside their KV."""
 
     hashes: list[int]
     parents: list[int]
@@ -105,7 +106,7 @@ class KVConnector(ABC):
         """How many of the leading blocks ``block_hashes`` the store holds."""
 
     @abstractmethod
-    def start_load(self, load_id: int, handle: int, block_ids: np.ndarray, blocks: BlockRequest) -> None:
+    def start_load(self, load_id: int, handle: int, block_ids: np.ndarray, blocks: BlockContents) -> None:
         """Starts reading these blocks; the result comes out of :meth:`finished_loads`."""
 
     @abstractmethod
@@ -114,7 +115,7 @@ class KVConnector(ABC):
         none has finished yet."""
 
     @abstractmethod
-    def save(self, contents: BlockRequest, blocks: torch.Tensor) -> None:
+    def save(self, contents: BlockContents, blocks: torch.Tensor) -> None:
         """Stores these blocks' KV ([n, *block_shape] on the CPU) with what they hold, in
         the background; blocks already stored are left as they are."""
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastsched.engine.kv_connector.base import BlockLoad, BlockRequest, KVConnector, StoreIdentity
+from fastsched.engine.kv_connector.base import BlockContents, BlockLoad, KVConnector, StoreIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class SharedStorageConnector(KVConnector):
             n += 1
         return n
 
-    def start_load(self, load_id: int, handle: int, block_ids: np.ndarray, blocks: BlockRequest) -> None:
+    def start_load(self, load_id: int, handle: int, block_ids: np.ndarray, blocks: BlockContents) -> None:
         deadline = time.monotonic() + self.load_timeout_s
         with self._lock:
             self._pending[load_id] = _Pending(handle, block_ids, deadline)
@@ -180,18 +180,18 @@ class SharedStorageConnector(KVConnector):
         empty = torch.empty((0, *self.identity.block_shape), dtype=self.identity.torch_dtype)
         return [BlockLoad(load_id, p.handle, p.block_ids, empty, self.load_timeout_s) for load_id, p in expired]
 
-    def _load(self, load_id: int, handle: int, block_ids: np.ndarray, request: BlockRequest,
+    def _load(self, load_id: int, handle: int, block_ids: np.ndarray, expected: BlockContents,
               deadline: float) -> None:
         start = time.perf_counter()
         blocks: list[torch.Tensor] = []
         mismatched = 0
         try:
-            for i, h in enumerate(request.hashes):
+            for i, h in enumerate(expected.hashes):
                 if time.monotonic() >= deadline:
                     break
                 path = self.path_of(h)
                 try:
-                    blocks.append(self._read_block(path, h, request.parents[i], request.tokens[i]))
+                    blocks.append(self._read_block(path, h, expected.parents[i], expected.tokens[i]))
                 except MismatchedBlockError as e:
                     logger.warning("KV block %s is not this request's, computing it instead: %s", path, e)
                     mismatched = 1
@@ -214,7 +214,7 @@ class SharedStorageConnector(KVConnector):
                 self.stats.load_seconds += seconds
                 if live:  # else given up already (_expire) and counted as a timeout
                     self.stats.blocks_loaded += len(blocks)
-                    self.stats.load_failures += len(request.hashes) - len(blocks)
+                    self.stats.load_failures += len(expected.hashes) - len(blocks)
                     self.stats.token_mismatches += mismatched
             if live:
                 self._done.put(BlockLoad(load_id, handle, block_ids, data, seconds))
@@ -242,7 +242,7 @@ class SharedStorageConnector(KVConnector):
 
     # ------------------------------------------------------------ save
 
-    def save(self, contents: BlockRequest, blocks: torch.Tensor) -> None:
+    def save(self, contents: BlockContents, blocks: torch.Tensor) -> None:
         with self._lock:
             if self._num_saves >= MAX_PENDING_SAVES:
                 self.stats.saves_dropped += 1
@@ -250,14 +250,14 @@ class SharedStorageConnector(KVConnector):
             self._num_saves += 1
         self._saves.submit(self._save, contents, blocks)
 
-    def _save(self, contents: BlockRequest, blocks: torch.Tensor) -> None:
+    def _save(self, contents: BlockContents, blocks: torch.Tensor) -> None:
         try:
             self._save_blocks(contents, blocks)
         finally:
             with self._lock:
                 self._num_saves -= 1
 
-    def _save_blocks(self, contents: BlockRequest, blocks: torch.Tensor) -> None:
+    def _save_blocks(self, contents: BlockContents, blocks: torch.Tensor) -> None:
         start = time.perf_counter()
         saved = 0
         for i, (h, block) in enumerate(zip(contents.hashes, blocks)):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fastsched import _core
-from fastsched.engine.kv_connector.base import BlockRequest, KVConnector, StoreIdentity
+from fastsched.engine.kv_connector.base import BlockContents, KVConnector, StoreIdentity
 from fastsched.engine.kv_connector.shared_storage import SharedStorageConnector
 from fastsched.kv_transfer import KVTransferConfig
 
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 # (instead of spinning on empty steps).
 IDLE_WAIT_S = 0.05
 
-Saves = tuple[np.ndarray, BlockRequest]  # block ids, what they hold
+Saves = tuple[np.ndarray, BlockContents]  # block ids, what they hold
 Ordered = Callable[[Callable[[], Any]], "Future[Any] | None"]
 
 
@@ -101,10 +101,10 @@ class KVTransfer:
         if not len(block_ids) or not self.config.is_producer:
             return None
         parents, tokens = self._scheduler.cached_block_contents(block_ids)
-        return block_ids, BlockRequest(block_hashes.tolist(), parents.tolist(),
+        return block_ids, BlockContents(block_hashes.tolist(), parents.tolist(),
                                        tokens.reshape(len(block_ids), self._block_size))
 
-    def _expected(self, handle: int, load_hashes: np.ndarray) -> BlockRequest:
+    def _expected(self, handle: int, load_hashes: np.ndarray) -> BlockContents:
         """What the blocks of a load must hold: the request's tokens of those blocks, and the
         hash of the block before each (unknown, 0, before the first block of the prompt)."""
         hashes = self._scheduler.block_hashes(handle)
@@ -112,7 +112,7 @@ class KVTransfer:
         n, bs = len(load_hashes), self._block_size
         tokens = self._scheduler.token_ids(handle)[first * bs : (first + n) * bs].reshape(n, bs)
         parents = [int(hashes[first - 1]) if first else 0, *load_hashes[:-1].tolist()]
-        return BlockRequest(load_hashes.tolist(), parents, tokens)
+        return BlockContents(load_hashes.tolist(), parents, tokens)
 
     def save(self, saves: Saves) -> None:
         """Reads the blocks out of the KV cache (after the forward pass that wrote them) and
