@@ -70,6 +70,18 @@ def test_the_frontends_check_refuses_tensors_of_another_rank(adapters: dict[str,
         read_adapter_config(path, max_lora_rank=8)
 
 
+@pytest.mark.parametrize(("config", "message"), [
+    (b"[1, 2]", "adapter_config.json is not a JSON object"),
+    (b"\xff\xfe{", "adapter_config.json is not JSON"),
+])
+def test_a_bad_config_file_is_a_value_error(adapters: dict[str, LoRARequest], tmp_path: Path, config: bytes,
+                                            message: str) -> None:
+    path = copy_adapter(adapters["full"], tmp_path / "a")
+    (path / "adapter_config.json").write_bytes(config)
+    with pytest.raises(ValueError, match=message):
+        read_adapter_config(path, max_lora_rank=8)
+
+
 def make_llm(base_dir: Path, **kwargs: object) -> LLM:
     return LLM(str(base_dir), enable_lora=True, max_loras=1, max_lora_rank=8, num_gpu_blocks=64, max_model_len=256,
                log_stats_interval=0.0, **kwargs)

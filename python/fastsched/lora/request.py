@@ -70,8 +70,12 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict[str, Any]:
         raise ValueError(f"LoRA adapter {str(directory)!r} has no {WEIGHTS_FILE}")
     try:
         config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
+    except OSError as e:
+        raise ValueError(f"LoRA adapter {str(directory)!r}: {CONFIG_FILE} cannot be read ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"LoRA adapter {str(directory)!r}: {CONFIG_FILE} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {str(directory)!r}: {CONFIG_FILE} is not a JSON object")
 
     def bad(field: str, why: str) -> ValueError:
         return ValueError(f"LoRA adapter {str(directory)!r}: {field} {why}")
