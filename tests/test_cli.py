@@ -26,6 +26,9 @@ VLLM_SHARED_SERVE_FLAGS = (
     "--scheduling-policy", "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching",
     "--num-gpu-blocks-override", "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--tensor-parallel-size",
     "--attention-backend", "--device", "--log-level", "--chat-template",
+    # What a vLLM user types out of habit (issue 28): each works, or warns once when it means nothing here.
+    "--disable-log-requests", "--enable-log-requests", "--uvicorn-log-level", "--disable-uvicorn-access-log",
+    "--enforce-eager", "--kv-cache-dtype", "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser",
 )
 OLD_SPELLINGS = ("--policy", "--num-gpu-blocks", "--kv-cache-memory", "--no-prefix-caching", "--no-chunked-prefill")
 
@@ -177,5 +180,56 @@ def test_a_cached_hugging_face_repo_id_resolves_offline(tmp_path: Path, monkeypa
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
     assert resolve_model_path("acme/tiny") == snapshot
-    with pytest.raises(FileNotFoundError, match=str(cache)):
+    with pytest.raises(FileNotFoundError, match=str(cache)) as missing:
         resolve_model_path("acme/absent")
+    # The next step, exactly: the command that fetches it into the cache this process reads.
+    assert f"`hf download acme/absent --cache-dir {cache}`" in str(missing.value)
+
+
+def test_vllm_flags_without_meaning_here_warn_once(caplog: pytest.LogCaptureFixture):
+    from fastsched.entrypoints.vllm_compat import check_vllm_compat_args
+
+    args = parse("serve", "--enforce-eager", "--trust-remote-code", "--disable-log-requests",
+                 "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
+    assert (args.enable_log_requests, args.disable_access_log, args.uvicorn_log_level) == (False, True, "warning")
+    with caplog.at_level("WARNING", logger="fastsched.cli"):
+        check_vllm_compat_args(args)
+    assert [r.message.split(":")[0] for r in caplog.records] == ["--enforce-eager", "--trust-remote-code"]
+    assert parse("generate", "--enforce-eager").enforce_eager  # the offline command takes them too
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (("--kv-cache-dtype", "fp8"), "fp8 is not supported"),
+    (("--kv-cache-dtype", "float16"), "give --dtype float16"),
+    (("--enable-auto-tool-choice",), "needs --tool-call-parser"),
+    (("--tool-call-parser", "hermes"), "add --enable-auto-tool-choice"),
+])
+def test_vllm_flags_that_cannot_work_here_are_early_errors(argv: tuple[str, ...], error: str,
+                                                           capsys: pytest.CaptureFixture[str]):
+    assert main(["serve", *argv]) == 2
+    assert error in capsys.readouterr().err
+
+
+def test_vllm_flags_that_work_reach_the_server_config(monkeypatch: pytest.MonkeyPatch):
+    from fastsched.entrypoints.vllm_compat import check_vllm_compat_args
+
+    args = parse("serve", "--kv-cache-dtype", "bfloat16", "--dtype", "bfloat16", "--enable-auto-tool-choice",
+                 "--tool-call-parser", "llama3_json")
+    check_vllm_compat_args(args)
+    seen = {}
+    monkeypatch.setattr("fastsched.launcher.serve.serve", lambda config: seen.setdefault("config", config) and 0)
+    from fastsched.entrypoints.cli import cmd_serve
+
+    cmd_serve(args)
+    assert seen["config"].tool_call_parser == "llama3_json"
+    assert seen["config"].uvicorn_log_level is None
+
+
+def test_an_unknown_flag_shows_the_commands_usage_and_the_closest_flag(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-num-sequences", "8"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fastsched serve") and "did you mean --max-num-seqs?" in err
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--qsp", "2"])
+    assert "usage: fastsched bench serve" in capsys.readouterr().err

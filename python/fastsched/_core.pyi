@@ -117,6 +117,8 @@ class _RequestInfo(TypedDict):
     """Outputs of the current generation segment."""
     num_computed_tokens: int
     """Tokens whose KV is computed (or scheduled to be, this step)."""
+    is_prefill_chunk: bool
+    """Its last schedule left prompt to compute (S12 holds such a request)."""
     num_cached_tokens: int | None
     """Prefix-cache (and remote) hit of the first admission; None before it."""
     num_preemptions: int

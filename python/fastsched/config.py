@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
-# CPU KV pool when neither --num-gpu-blocks nor --kv-cache-memory is given.
+# CPU KV pool when neither --num-gpu-blocks-override nor --kv-cache-memory-bytes is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1024**3
 
 _CORE = SchedulerConfig()  # the Rust core's defaults
@@ -93,8 +93,8 @@ class EngineConfig:
     policy: str = field(default=_core_default("policy"), metadata=_flag(
         SCHEDULER, "waiting-queue order", "--policy", flag="--scheduling-policy", choices=("fcfs", "priority")))
     priority_preemption: bool = field(default=_core_default("priority_preemption"), metadata=_flag(
-        SCHEDULER, "with --policy priority: when the active set is full, a more urgent waiting request preempts "
-                   "the least urgent running one (recompute, capped per request)"))
+        SCHEDULER, "with --scheduling-policy priority: when the active set is full, a more urgent waiting request "
+                   "preempts the least urgent running one (recompute, capped per request)"))
     watermark: float = field(default=_core_default("watermark"), metadata=_flag(
         SCHEDULER, "fraction of the KV pool kept free when admitting requests"))
     scheduler_reserve_full_isl: bool = field(default=_core_default("scheduler_reserve_full_isl"), metadata=_flag(

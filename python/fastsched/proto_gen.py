@@ -1,28 +1,36 @@
-"""Generates the gRPC stubs of ``proto/fastsched/v1/generate.proto`` into ``fastsched/_proto/v1/``.
+"""The gRPC stubs of ``proto/fastsched/v1/generate.proto``, committed in ``fastsched/_proto/v1/``.
 
-Generated code is not committed (it is tied to the grpcio-tools version that made it),
-so the grpc modules call :func:`import_stubs`, which (re)generates the stubs when they
-are missing or older than the ``.proto`` file, then imports them. ``python -m
-fastsched.proto_gen`` does the same ahead of time, e.g. in an image build.
+The stubs are generated ahead of time and committed, so the wheel carries them and an
+installed package never writes into site-packages (a read-only image works, and
+uninstalling leaves nothing behind). After editing the ``.proto``, regenerate them with
+the one command::
+
+    python -m fastsched.proto_gen            # rewrites python/fastsched/_proto/v1/
+    python -m fastsched.proto_gen --check    # exit 1 if the committed stubs are stale
+
+``tests/test_proto_stubs.py`` runs the check, and in a checkout :func:`import_stubs`
+refuses stubs whose recorded ``.proto`` digest differs from the ``.proto`` beside them,
+so a stale stub fails loudly instead of missing a field. The generated code names the
+grpcio-tools version that made it; that version is pinned in the ``test`` extra's lock
+(requirements-test.txt) so regeneration is reproducible byte for byte.
 
 The ``.proto`` is staged under ``fastsched/_proto/v1/`` before ``protoc`` runs, so the
 generated ``generate_pb2_grpc.py`` imports ``from fastsched._proto.v1 import
-generate_pb2`` — an absolute import that resolves inside this package — instead of
-``from fastsched.v1 import ...``, which would not. The protobuf package stays
-``fastsched.v1``, so the wire names (``/fastsched.v1.Frontend/Generate``) are those
-of the ``.proto``.
+generate_pb2`` (which resolves inside this package). The protobuf package stays
+``fastsched.v1``, so the wire names (``/fastsched.v1.Frontend/Generate``) are those of
+the ``.proto``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import argparse
+import filecmp
 import hashlib
 import importlib
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -31,63 +39,54 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 OUTPUT_DIR = PACKAGE_DIR / "_proto" / "v1"
 STUB_MODULE = "fastsched._proto.v1.generate_pb2"
 STUB_GRPC_MODULE = "fastsched._proto.v1.generate_pb2_grpc"
-_STAMP = OUTPUT_DIR / ".source-sha256"
 _GENERATED = ("generate_pb2.py", "generate_pb2.pyi", "generate_pb2_grpc.py")
+_INIT = "__init__.py"
+REGENERATE = "python -m fastsched.proto_gen"
 
 
 def find_proto() -> Path | None:
     """The ``.proto`` source: ``$FASTSCHED_PROTO_DIR``, else the checkout's ``proto/`` (the
-    dev venv's package lives in ``<repo>/python/fastsched``), else one shipped beside an
-    installed package (``site-packages/proto/``)."""
+    package lives in ``<repo>/python/fastsched``). An installed wheel has neither."""
     roots = []
     if env := os.environ.get("FASTSCHED_PROTO_DIR"):
         roots.append(Path(env))
-    roots += [PACKAGE_DIR.parents[1] / "proto", PACKAGE_DIR.parent / "proto"]
+    roots.append(PACKAGE_DIR.parents[1] / "proto")
     for root in roots:
         if (root / PROTO_RELPATH).is_file():
             return root / PROTO_RELPATH
     return None
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def digest(proto: Path) -> str:
+    """The sha256 of ``proto``'s bytes, recorded in the generated package's ``__init__``."""
+    return hashlib.sha256(proto.read_bytes()).hexdigest()
 
 
-def is_up_to_date(proto: Path) -> bool:
+def recorded_digest(output_dir: Path = OUTPUT_DIR) -> str | None:
+    """The ``.proto`` digest the stubs in ``output_dir`` were generated from (``None``: none there)."""
     try:
-        stamp = _STAMP.read_text().strip()
+        text = (output_dir / _INIT).read_text()
     except OSError:
-        return False
-    return stamp == _sha256(proto) and all((OUTPUT_DIR / name).is_file() for name in _GENERATED)
+        return None
+    for line in text.splitlines():
+        if line.startswith("SOURCE_SHA256 = "):
+            return line.split("=", 1)[1].strip().strip('"')
+    return None
 
 
-@contextlib.contextmanager
-def _generation_lock() -> Iterator[None]:
-    """Serialises generation between processes started together (K frontends and a gateway)."""
-    OUTPUT_DIR.mkdir(parents=True, exist_ok=True)
+def is_up_to_date(proto: Path, output_dir: Path = OUTPUT_DIR) -> bool:
+    """Whether the stubs in ``output_dir`` exist and were generated from ``proto`` as it is now."""
+    return recorded_digest(output_dir) == digest(proto) and all((output_dir / n).is_file() for n in _GENERATED)
+
+
+def generate(proto: Path, output_dir: Path) -> None:
+    """Runs protoc (from grpcio-tools) on ``proto`` and writes the stubs into ``output_dir``."""
     try:
-        import fcntl
-    except ImportError:  # not POSIX: no cross-process lock, the atomic renames still hold
-        yield
-        return
-    with open(OUTPUT_DIR.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def generate(proto: Path) -> None:
-    """Runs protoc (from grpcio-tools) on ``proto`` and installs the stubs atomically."""
-    try:
+        import grpc_tools
         from grpc_tools import protoc
     except ImportError as e:
-        raise ImportError(
-            f"the gRPC stubs in {OUTPUT_DIR} are missing or older than {proto}, and grpcio-tools, "
-            "which generates them, is not installed (pip install -r requirements-serve.txt)"
-        ) from e
-    import grpc_tools
+        raise SystemExit(f"generating the gRPC stubs needs grpcio-tools (the `test` extra: "
+                         f"pip install -r requirements-test.txt): {e}") from e
 
     with tempfile.TemporaryDirectory(prefix="fastsched-proto-") as tmp:
         stage, out = Path(tmp, "stage"), Path(tmp, "out")
@@ -106,60 +105,55 @@ def generate(proto: Path) -> None:
             str(staged.relative_to(stage)),
         ])
         if rc != 0:
-            raise RuntimeError(f"protoc failed (exit {rc}) on {proto}; see its message above")
+            raise SystemExit(f"protoc failed (exit {rc}) on {proto}; see its message above")
         produced = out / "fastsched" / "_proto" / "v1"
-        OUTPUT_DIR.mkdir(parents=True, exist_ok=True)
-        for package in (OUTPUT_DIR.parent, OUTPUT_DIR):
-            init = package / "__init__.py"
-            if not init.exists():
-                init.write_text('"""Generated by fastsched.proto_gen; not in git."""\n')
+        output_dir.mkdir(parents=True, exist_ok=True)
+        parent_init = output_dir.parent / _INIT
+        if not parent_init.exists():
+            parent_init.write_text(f'"""The gRPC stubs, generated by `{REGENERATE}`."""\n')
         for name in _GENERATED:
-            # Copy next to the target, then rename: a concurrent importer sees the old
-            # file or the new one, never half of one.
-            tmp_target = OUTPUT_DIR / f".{name}.tmp{os.getpid()}"
-            shutil.copyfile(produced / name, tmp_target)
-            os.replace(tmp_target, OUTPUT_DIR / name)
-    _STAMP.write_text(_sha256(proto) + "\n")
+            shutil.copyfile(produced / name, output_dir / name)
+    (output_dir / _INIT).write_text(
+        f'"""Generated from proto/{PROTO_RELPATH} by `{REGENERATE}`; do not edit."""\n\n'
+        f'SOURCE_SHA256 = "{digest(proto)}"\n')
 
 
-def ensure_generated() -> None:
-    """Generates the stubs if they are missing or stale. Without a ``.proto`` (an
-    installed package that does not ship it) existing stubs are used as they are."""
-    proto = find_proto()
-    if proto is None:
-        if not all((OUTPUT_DIR / name).is_file() for name in _GENERATED):
-            raise ImportError(
-                f"the gRPC stubs are not generated in {OUTPUT_DIR} and {PROTO_RELPATH} was not found; "
-                "set FASTSCHED_PROTO_DIR to the directory holding it"
-            )
-        return
-    if is_up_to_date(proto):
-        return
-    try:
-        with _generation_lock():
-            if not is_up_to_date(proto):  # another process may have generated them meanwhile
-                generate(proto)
-    except PermissionError as e:
-        raise ImportError(
-            f"the gRPC stubs in {OUTPUT_DIR} are missing or older than {proto} and this user cannot write "
-            "them; run `python -m fastsched.proto_gen` once as a user who can"
-        ) from e
-    importlib.invalidate_caches()
+def stale_files(proto: Path, output_dir: Path = OUTPUT_DIR) -> list[str]:
+    """The stub files in ``output_dir`` that differ from a fresh generation of ``proto``."""
+    with tempfile.TemporaryDirectory(prefix="fastsched-proto-check-") as tmp:
+        fresh = Path(tmp, "_proto", "v1")
+        generate(proto, fresh)
+        names = (_INIT, *_GENERATED)
+        return [n for n in names
+                if not (output_dir / n).is_file() or not filecmp.cmp(fresh / n, output_dir / n, shallow=False)]
 
 
 def import_stubs() -> tuple[ModuleType, ModuleType]:
-    """``(generate_pb2, generate_pb2_grpc)``, generated first if needed."""
+    """``(generate_pb2, generate_pb2_grpc)``. In a checkout whose ``.proto`` no longer matches
+    the committed stubs this raises (naming the command that fixes it); it never writes."""
     if STUB_GRPC_MODULE not in sys.modules:
-        ensure_generated()
+        proto = find_proto()
+        if proto is not None and recorded_digest() != digest(proto):
+            raise ImportError(f"the gRPC stubs in {OUTPUT_DIR} were not generated from {proto} as it is now; "
+                              f"run `{REGENERATE}` and commit the result")
     return importlib.import_module(STUB_MODULE), importlib.import_module(STUB_GRPC_MODULE)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fastsched.proto_gen", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="do not write: exit 1 if the committed stubs differ from a fresh generation")
+    args = parser.parse_args(argv)
     proto = find_proto()
     if proto is None:
-        sys.exit(f"{PROTO_RELPATH} not found; set FASTSCHED_PROTO_DIR")
-    with _generation_lock():
-        generate(proto)
+        sys.exit(f"{PROTO_RELPATH} not found (run this in a checkout, or set FASTSCHED_PROTO_DIR)")
+    if args.check:
+        stale = stale_files(proto)
+        if stale:
+            sys.exit(f"stale gRPC stubs in {OUTPUT_DIR}: {', '.join(stale)}; run `{REGENERATE}`")
+        print(f"the gRPC stubs in {OUTPUT_DIR} match {proto}")
+        return
+    generate(proto, OUTPUT_DIR)
     print(f"generated {', '.join(_GENERATED)} in {OUTPUT_DIR} from {proto}")
 
 

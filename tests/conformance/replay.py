@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,8 +117,11 @@ def header(trace: dict, raw: bytes, version: int) -> dict:
     return {"header": h}
 
 
-def replay(trace_path: Path) -> list[str]:
-    """Returns the decision lines (header first) for one trace file."""
+def replay(trace_path: Path, probe: Callable[[int, Scheduler], None] | None = None) -> list[str]:
+    """Returns the decision lines (header first) for one trace file.
+
+    ``probe(step, scheduler)``, if given, is called right before each
+    ``schedule()``, so that a test can read the state the step starts from."""
     raw = trace_path.read_bytes()
     trace = json.loads(raw)
     version = FORMATS.get(trace.get("format"))
@@ -174,6 +178,8 @@ def replay(trace_path: Path) -> list[str]:
         lora_skipped: list[str] = []
         if sched.has_requests():
             line["idle"] = False
+            if probe is not None:
+                probe(step, sched)
             out = sched.schedule()
             ids = sched.request_ids(out.req_handles)
             line["preempted"] = sorted(sched.request_ids(out.preempted))

@@ -2,6 +2,13 @@
 (``vllm/v2/README.md``: the ``spec``, ``lora``, ``pause`` and ``mixed2`` kinds, and
 the generator's guarantees), for property checks of the replay on many seeds.
 
+One more kind, ``interval_preempt``, is ours: the priority policy, a prefill
+interval of 3 and a small KV pool, with long low-urgency prompts admitted ahead of
+urgent requests that then decode. Their prefill chunks sit ahead of growing decodes
+in ``running``, so they are the priority victims of preemptions on steps that hold
+prefill (victims the scan passed over) and on release steps (victims whose row is
+taken back): the S3 scan-position and S12 interval rules of docs/scheduler.md.
+
 There is no vLLM here to record reference decisions for them: the tests check
 what the README promises of every trace (see ``test_v2_properties.py``).
 """
@@ -12,11 +19,14 @@ import random
 from typing import Any
 
 KINDS = ("spec", "lora", "pause", "mixed2")
+INTERVAL_PREEMPT = "interval_preempt"
 VOCAB_SIZE, EOS = 1000, 2
 
 
 def generate(kind: str, seed: int, num_steps: int = 120) -> dict[str, Any]:
-    """One trace of ``kind`` from ``seed``."""
+    """One trace of ``kind`` (one of ``KINDS`` or ``INTERVAL_PREEMPT``) from ``seed``."""
+    if kind == INTERVAL_PREEMPT:
+        return generate_interval_preempt(seed, num_steps)
     rng = random.Random(f"{kind}:{seed}")
     bs = 16
     k = 0
@@ -132,6 +142,79 @@ def generate(kind: str, seed: int, num_steps: int = 120) -> dict[str, Any]:
             "async_scheduling": False,
             "num_speculative_tokens": k,
             "max_loras": max_loras,
+        },
+        "model": {"vocab_size": VOCAB_SIZE, "token_fn": "fnv1a64-v1", "draft_fn": "fnv1a64-draft-v1"},
+        "events": events,
+    }
+
+
+def generate_interval_preempt(seed: int, num_steps: int = 160) -> dict[str, Any]:
+    """The ``interval_preempt`` kind: priority, ``prefill_schedule_interval`` 3,
+    4-token blocks, a pool of 10 to 16 blocks, a small budget and a per-request
+    cap. Each burst starts on an empty engine: one long prompt of priority 3
+    (the least urgent) admitted alone, then two or three urgent prompts
+    (priority 0 or 1) that join it on its second chunk and decode while it
+    prefills behind the interval, and a short prompt or two arriving later.
+    The long one's chunks and the decodes grow into the last free blocks, so
+    a decode's growth preempts it on held steps (ahead of the scan, no row)
+    and on release steps (its chunk's row taken back)."""
+    rng = random.Random(f"{INTERVAL_PREEMPT}:{seed}")
+    bs, max_model_len = 4, 256
+    usable = rng.randint(10, 16)
+    room = usable * bs
+    budget = rng.randint(16, 24)
+    threshold = rng.randint(5, 8)
+    adds: dict[int, list[dict[str, Any]]] = {}
+
+    def arrive(step: int, length: int, priority: int, max_tokens: int) -> None:
+        tokens = [rng.randrange(VOCAB_SIZE) for _ in range(min(length, room - 2))]
+        at = adds.setdefault(step, [])
+        at.append({
+            "request_id": "",
+            "prompt_token_ids": tokens,
+            "max_tokens": max(1, min(max_tokens, room - len(tokens))),
+            "priority": priority,
+            "arrival_time": 1000 + step + (len(at) + 1) / 64,
+            "eos_token_id": EOS,
+            "stop_at": None,
+            "lora_id": None,
+        })  # fmt: skip
+
+    step = 0
+    while step < num_steps - 45:
+        arrive(step, rng.randint(24, 40), 3, rng.randint(2, 6))
+        for _ in range(rng.randint(2, 3)):
+            arrive(step + 1, rng.randint(3, 8), rng.randint(0, 1), rng.randint(12, 30))
+        for _ in range(rng.randint(1, 2)):
+            arrive(step + rng.randint(2, 9), rng.randint(3, 8), 2, rng.randint(2, 6))
+        step += 45  # long enough for the burst to drain
+    events = [{"step": k, "add": adds[k], "abort": []} for k in sorted(adds)]
+    for i, r in enumerate(r for e in events for r in e["add"]):
+        r["request_id"] = f"r{i:04d}"  # numbered in file order
+    return {
+        "format": "vllm-diff-trace/2",
+        "kind": INTERVAL_PREEMPT,
+        "seed": seed,
+        "description": "fastsched tracegen.py (no vLLM reference): priority, prefill interval 3, preemptions",
+        "num_steps": num_steps,
+        "config": {
+            "max_num_seqs": 8,
+            "max_num_active_seqs": None,
+            "max_num_batched_tokens": budget,
+            "long_prefill_token_threshold": threshold,
+            "long_prefill_token_threshold_adaptive": False,
+            "enable_chunked_prefill": True,
+            "policy": "priority",
+            "block_size": bs,
+            "num_blocks": usable + 1,
+            "enable_prefix_caching": True,
+            "max_model_len": max_model_len,
+            "prefill_schedule_interval": 3,
+            "scheduler_reserve_full_isl": True,
+            "watermark": 0.0,
+            "async_scheduling": False,
+            "num_speculative_tokens": 0,
+            "max_loras": 0,
         },
         "model": {"vocab_size": VOCAB_SIZE, "token_fn": "fnv1a64-v1", "draft_fn": "fnv1a64-draft-v1"},
         "events": events,

@@ -72,6 +72,8 @@ def test_malformed_columns_are_a_protocol_error(bad: list[object]) -> None:
     protocol.ReloadWeights("/ckpt", 3, 0),
     protocol.Reloaded(1, 3, None),
     protocol.Reloaded(1, 3, (protocol.RELOAD_CONFLICT, "the engine is unpaused")),
+    protocol.ResetPrefixCache(4, 1),
+    protocol.PrefixCacheReset(0, 4),
     protocol.AddRequest(protocol.EngineCoreRequest("s", [4, 5], SamplingParams(max_tokens=3),
                                                    arrival_time=1.0, streaming=True), 0),
 ])
@@ -87,6 +89,8 @@ def test_s13_s15_pause_reload_and_session_messages_round_trip(msg: protocol.Mess
     ["close_stream", 5],
     ["reloaded", 0, 1, ["broken", "why"]],
     ["reload_weights", None, 1, 0],
+    ["reset_prefix_cache", -1, 0],
+    ["prefix_cache_reset", 0],
 ])
 def test_s13_s15_malformed_pause_reload_and_session_messages_are_protocol_errors(wire: list[object]) -> None:
     with pytest.raises(protocol.ProtocolError):

@@ -55,7 +55,8 @@ class FakeServer:
         self.fake.token_delay = 0.002
         port = free_port()
         self.grpc = self.loop.call(serve_frontend(self.fake, "127.0.0.1", port))
-        self.url = self.loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, FakeTokenizer()))
+        self.grpc_addr = f"127.0.0.1:{port}"
+        self.url = self.loop.start_gateway(create_app([self.grpc_addr], MODEL, FakeTokenizer()))
 
     def close(self) -> None:
         self.loop.stop_gateways()
@@ -90,13 +91,21 @@ def bench(server: FakeServer, tmp_path: Path, *args: str) -> dict[str, Any]:
 def test_bench_serve_reports_latencies_and_throughput_per_rate(server: FakeServer, fake: FakeAsyncLLM,
                                                                 tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     plot = tmp_path / "latency.png"
+    sent_before = len(fake.journal)
     report = bench(server, tmp_path, "--qps", "50", "inf", "--plot", str(plot))
     assert report["model"] == MODEL and report["config"]["num_requests"] == 6
-    want_tokens = sum(r.max_tokens for r in make_requests(6, 8, 8, 1, (10, 250)))
     assert [r["qps"] for r in report["results"]] == [50.0, "inf"]
-    for r in report["results"]:
+    # Each rate draws its own prompts (seed + its position): the same ones again would be
+    # prefix-cache hits that flatter every rate after the first.
+    prompts = [list(p) for _, p, _, _ in fake.journal[sent_before:]]
+    first, second = [[list(r.prompt_token_ids) for r in make_requests(6, 8, 8, seed, (10, 250))] for seed in (1, 2)]
+    assert sorted(prompts[:6]) == sorted(first) and sorted(prompts[6:]) == sorted(second)
+    assert not set(map(tuple, first)) & set(map(tuple, second))
+    for i, r in enumerate(report["results"]):
+        want_tokens = sum(q.max_tokens for q in make_requests(6, 8, 8, 1 + i, (10, 250)))
         assert r["num_requests"] == 6 and r["completed"] == 6 and r["num_rejected"] == 0 and r["failed"] == 0
         assert r["total_output_tokens"] == want_tokens and r["total_input_tokens"] > 0
+        assert "prefix_cache_hit_rate" in r  # the fake's counters do not move: None
         assert r["request_throughput"] > 0 and r["output_throughput"] > r["request_throughput"]
         assert r["total_token_throughput"] > r["output_throughput"] and r["request_goodput"] is None
         for metric in METRICS:
@@ -120,6 +129,49 @@ def test_bench_serve_counts_503s_by_reason(server: FakeServer, fake: FakeAsyncLL
     assert r["completed"] == 0 and r["failed"] == 6 and r["num_errors"] == 0
     assert r["rejected"] == {"max_num_queued_reqs": 6} and r["num_rejected"] == 6
     assert r["rejection_latency_ms"]["p50"] > 0 and r["median_ttft_ms"] is None
+
+
+def test_reset_prefix_cache_empties_the_servers_cache_before_each_rate(server: FakeServer, fake: FakeAsyncLLM,
+                                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    out = str(tmp_path / "r.json")
+    argv = ["bench", "serve", "--num-requests", "2", "--prompt-len", "4", "--output-len", "2", "--no-progress",
+            "--qps", "inf", "inf", "--reset-prefix-cache", "--out", out]
+    assert main([*argv, "--url", server.url]) == 1  # this gateway has no admin routes
+    assert "start it with --enable-admin-api" in capsys.readouterr().err
+    resets = []
+
+    async def reset_prefix_cache() -> None:
+        resets.append(len(fake.journal))
+
+    monkeypatch.setattr(fake, "reset_prefix_cache", reset_prefix_cache, raising=False)
+    admin = server.loop.start_gateway(create_app([server.grpc_addr], MODEL, FakeTokenizer(), enable_admin_api=True))
+    start = len(fake.journal)
+    assert main([*argv, "--url", admin]) == 0
+    assert resets == [start, start + 2]  # before each rate's requests
+    assert json.loads(Path(out).read_text())["config"]["reset_prefix_cache"] is True
+
+
+def test_the_prefix_cache_hit_rate_is_read_from_two_scrapes_of_the_servers_counters() -> None:
+    from fastsched.tools.bench_serve import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, prefix_cache_counters, \
+        prefix_cache_hit_rate
+
+    class Client:
+        def __init__(self, queries: float, hits: float) -> None:
+            self.text = (f'{PREFIX_CACHE_QUERIES}{{engine="0"}} {queries}\n{PREFIX_CACHE_QUERIES}{{engine="1"}} 10\n'
+                         f'{PREFIX_CACHE_HITS}{{engine="0"}} {hits}\n{PREFIX_CACHE_HITS}{{engine="1"}} 0\n')
+
+        async def get(self, path: str) -> tuple[int, bytes]:
+            assert path == "/metrics"
+            return 200, self.text.encode()
+
+    import asyncio
+
+    before = asyncio.run(prefix_cache_counters(Client(100, 20)))
+    after = asyncio.run(prefix_cache_counters(Client(300, 170)))
+    assert before == (110, 20) and after == (310, 170)
+    assert prefix_cache_hit_rate(before, after) == pytest.approx(150 / 200)
+    assert prefix_cache_hit_rate(before, before) is None and prefix_cache_hit_rate(None, after) is None
 
 
 def test_bench_serve_arrivals_are_seeded_poisson() -> None:

@@ -1,7 +1,8 @@
 """deploy/haproxy/haproxy.cfg, as checked in, in front of two real ``fastsched serve``
 replicas on loopback (docs/deploy.md): health checks on /health, leastconn, a 503 (a
 replica's admission is full) retried on the other replica, a SIGKILLed replica taken out
-of the rotation without a failed request, and SSE streams passing through.
+of the rotation without a failed request, SSE streams passing through, and the admin
+routes and /metrics refused from outside (403) while the public API passes.
 
 Each replica admits at most ``QUEUED_REQS`` requests (--max-num-queued-reqs), so a burst
 of ``BURST`` concurrent requests is above one replica's limit and below two's: the
@@ -151,6 +152,31 @@ def test_haproxy_streams_pass_through(balancer: Balancer) -> None:
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert len(chunks) > 1 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+ADMIN_PATHS = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/reload_weights"),
+               ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("GET", "/debug/requests/x"),
+               ("GET", "/metrics"), ("POST", "/%70ause"), ("POST", "//pause"), ("POST", "/v1/../pause"),
+               ("GET", "/DEBUG/requests/x")]
+
+
+@pytest.mark.parametrize(("method", "path"), ADMIN_PATHS)
+def test_haproxy_denies_admin_routes_from_outside(balancer: Balancer, method: str, path: str) -> None:
+    """Issue 22: the admin API is for the replicas' own network; through the balancer, 403."""
+    response = httpx.request(method, balancer.url + path, json={}, timeout=10, trust_env=False)
+    assert response.status_code == 403, (path, response.status_code, response.text)
+    assert "fastsched" not in response.headers.get("server", "")
+
+
+def test_haproxy_passes_the_public_api(balancer: Balancer) -> None:
+    models = httpx.get(balancer.url + "/v1/models", timeout=10, trust_env=False)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
+    for path in ("/health", "/ping", "/version"):
+        assert httpx.get(balancer.url + path, timeout=10, trust_env=False).status_code == 200, path
+    tokens = httpx.post(balancer.url + "/tokenize", json={"model": MODEL, "prompt": "a b"}, timeout=10, trust_env=False)
+    assert tokens.status_code == 200, tokens.text
+    # The replica itself still answers /metrics: the 403 above came from HAProxy.
+    assert httpx.get(balancer.replicas[1].url + "/metrics", timeout=10, trust_env=False).status_code == 200
 
 
 def test_haproxy_sigkilled_replica_leaves_the_rotation_without_failed_requests(balancer: Balancer) -> None:

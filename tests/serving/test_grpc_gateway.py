@@ -38,7 +38,7 @@ from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.limits import RequestLimits  # noqa: E402
 from fastsched.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from fastsched.proto_gen import find_proto, import_stubs, is_up_to_date  # noqa: E402
+from fastsched.proto_gen import import_stubs  # noqa: E402
 from fastsched.sampling_params import SamplingParams  # noqa: E402
 
 pb, pb_grpc = import_stubs()
@@ -781,31 +781,6 @@ def test_health_and_model_info_rpcs(stub: Any, fakes: list[FakeAsyncLLM]) -> Non
     assert stub(0).Health(pb.HealthRequest()).status == pb.NOT_SERVING
     info = stub(0).ModelInfo(pb.ModelInfoRequest())
     assert (info.model, info.max_model_len, info.vocab_size) == (MODEL, MAX_MODEL_LEN, VOCAB_SIZE)
-
-
-def test_generated_stubs_are_current_and_import_inside_the_package() -> None:
-    proto = find_proto()
-    assert proto is not None and is_up_to_date(proto)
-    assert pb_grpc.__name__ == "fastsched._proto.v1.generate_pb2_grpc"
-    assert pb.DESCRIPTOR.package == "fastsched.v1"
-    assert pb.DESCRIPTOR.services_by_name["Frontend"].full_name == "fastsched.v1.Frontend"
-
-
-def test_stubs_are_regenerated_when_the_proto_changes(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fastsched import proto_gen
-
-    out = tmp_path / "fastsched" / "_proto" / "v1"
-    monkeypatch.setattr(proto_gen, "OUTPUT_DIR", out)
-    monkeypatch.setattr(proto_gen, "_STAMP", out / ".source-sha256")
-    proto = tmp_path / "generate.proto"
-    proto.write_text(find_proto().read_text())
-    assert not proto_gen.is_up_to_date(proto)
-    proto_gen.generate(proto)
-    assert proto_gen.is_up_to_date(proto)
-    # The staged path makes the service module import its messages from inside this package.
-    assert "from fastsched._proto.v1 import generate_pb2" in (out / "generate_pb2_grpc.py").read_text()
-    proto.write_text(proto.read_text() + "\n// changed\n")
-    assert not proto_gen.is_up_to_date(proto)
 
 
 def test_stream_with_n_sends_one_choice_per_chunk(servers: Servers) -> None:

@@ -64,6 +64,7 @@ HERMES_TEMPLATE = (
 class Stack:
     url: str  # the gateway with the tiny model's own chat template (no tools)
     hermes_url: str  # one whose template renders tools and <tool_call> blocks
+    parser_url: str  # the tiny model's template, with --tool-call-parser llama3_json
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,9 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
     hermes.chat_template = HERMES_TEMPLATE
     try:
         yield Stack(loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, load_tokenizer(str(tiny_model_dir)))),
-                    loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, hermes)))
+                    loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, hermes)),
+                    loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, load_tokenizer(str(tiny_model_dir)),
+                                                  tool_parser="llama3_json")))
     finally:
         loop.stop_stack([server], [llm])
         teardown(engines)
@@ -226,6 +229,18 @@ def test_tool_choice_auto_with_a_hermes_template_answers_content_when_no_call_is
     choice = response.choices[0]
     assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "length"
     assert response.usage.prompt_tokens > 30  # the tools were rendered into the prompt
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_tool_choice_auto_is_served_with_a_tool_call_parser(stack: Stack, stream: bool) -> None:
+    """``--enable-auto-tool-choice --tool-call-parser NAME`` (here the gateway's tool_parser):
+    auto is served whatever the template; the random model's text is no call, so it is content."""
+    client = openai.OpenAI(base_url=stack.parser_url + "/v1", api_key="unused", max_retries=0)
+    results = tool_call_results(client, stream, tool_choice="auto", max_tokens=6, temperature=0.0)
+    assert results == [([], "length")]
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=6,
+                                              temperature=0.0)
+    assert response.choices[0].message.content and response.choices[0].message.tool_calls is None
 
 
 # --- chat template controls ------------------------------------------------------------------

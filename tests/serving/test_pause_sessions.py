@@ -417,6 +417,32 @@ def test_s15_a_websocket_message_over_max_body_bytes_closes_the_socket_with_1009
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
 
 
+# ------------------------------------------------------------------ reset the prefix cache (vLLM's admin route)
+
+
+def test_reset_prefix_cache_is_an_admin_route_after_which_a_prompt_is_computed_afresh(
+        stack: Stack, tiny_model_dir: Path) -> None:
+    admin = stack.loop.start_gateway(create_app([stack.grpc_addrs[0]], MODEL, load_tokenizer(str(tiny_model_dir)),
+                                                api_key=API_KEY, enable_admin_api=True))
+    prompt = list(range(300, 340))  # 2 full blocks and a part; sequential requests go to engine 0 (least loaded)
+    with httpx.Client(base_url=stack.urls[0], timeout=60) as plain:
+        assert plain.post("/reset_prefix_cache", headers=KEY).status_code == 404  # without --enable-admin-api
+    with httpx.Client(base_url=admin, timeout=120) as http:
+        def cached_tokens() -> int:
+            r = http.post("/v1/completions", headers=KEY, json={"model": MODEL, "prompt": prompt, "max_tokens": 2,
+                                                               **GREEDY})
+            assert r.status_code == 200, r.text
+            return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+        cached_tokens()
+        assert cached_tokens() == 32  # the two full blocks
+        assert http.post("/reset_prefix_cache").status_code == 401  # behind --api-key
+        reset = http.post("/reset_prefix_cache", headers=KEY)
+        assert reset.status_code == 200 and reset.json() == {"reset": True}
+        assert cached_tokens() == 0
+        assert cached_tokens() == 32
+
+
 # ------------------------------------------------------------------ reload weights (last: it swaps the model)
 
 

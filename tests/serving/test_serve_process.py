@@ -135,6 +135,17 @@ def test_serve_logs_every_process_and_serves_the_openai_api(queued_reqs: ServePr
     assert oct(queued_reqs.shm_path.stat().st_mode & 0o777) == "0o600"  # A6
     models = client(queued_reqs).models.list()
     assert [m.id for m in models.data] == [MODEL]
+    # Quiet logs (issue 28): one ready line per engine, model info in short lines, the same
+    # block count everywhere, probes left out of the access log, current flag names only.
+    for _ in range(3):
+        assert httpx.get(queued_reqs.url + "/health", timeout=30).status_code == 200
+    assert wait_for(lambda: '"GET /v1/models HTTP/1.1" 200' in queued_reqs.log(), timeout=10)
+    log = queued_reqs.log()
+    assert log.count("engine 0 ready") == 1 and "ModelInfo(" not in log
+    assert "GET /health" not in log
+    [blocks] = set(re.findall(r"KV cache: (\d+) blocks", log))
+    assert f"KV blocks={blocks}" in log
+    assert "--kv-cache-memory " not in log and "--num-gpu-blocks " not in log
 
 
 def test_serve_metrics_export_every_process_and_pass_promtool(queued_reqs: ServeProcess) -> None:

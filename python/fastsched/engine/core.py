@@ -401,6 +401,12 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()
         logger.info("reloaded weights from %s; prefix cache dropped", model)
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (vLLM's ``reset_prefix_cache``): later prompts are
+        computed afresh, e.g. between benchmark runs. Requests in flight keep their blocks."""
+        self.scheduler.reset_prefix_cache()
+        logger.info("prefix cache reset")
+
     def set_pause_state(self, state: str) -> None:
         """The scheduler's pause state (``unpaused``, ``paused_new``, ``paused_all``)."""
         self.scheduler.set_pause_state(state)

@@ -90,11 +90,11 @@ def run_engine(
             ready_pipe.send_bytes(ready)
         for frontend in range(len(pushes)):
             loop.send(frontend, ready)
-        logger.info(
-            "engine %d ready: model=%s max_model_len=%d vocab_size=%d KV blocks=%d input=%s frontends=%s",
-            engine_index, info.model_name, info.max_model_len, info.vocab_size, info.num_gpu_blocks,
-            input_addr, list(output_addrs),
-        )
+        # The process's one ready line (the launcher and frontends log it at DEBUG only).
+        logger.info("engine %d ready (pid %d): model=%s max_model_len=%d vocab_size=%d KV blocks=%d",
+                    engine_index, os.getpid(), info.model_name, info.max_model_len, info.vocab_size,
+                    info.num_gpu_blocks)
+        logger.debug("engine %d: input %s, frontends %s", engine_index, input_addr, list(output_addrs))
         heartbeat = _Heartbeat(ctx, loop, output_addrs, heartbeat_interval)
         heartbeat.start()
         try:
@@ -264,6 +264,11 @@ class _EngineLoop:
                 self._close_stream(msg)
             elif isinstance(msg, protocol.ReloadWeights):
                 self._reload_weights(msg)
+            elif isinstance(msg, protocol.ResetPrefixCache):
+                self.core.reset_prefix_cache()
+                if msg.frontend_index < len(self.pushes):
+                    self.send(msg.frontend_index,
+                              protocol.encode(protocol.PrefixCacheReset(self.engine_index, msg.query_id)))
             else:
                 logger.warning("engine %d: unexpected %s message", self.engine_index, type(msg).__name__)
 

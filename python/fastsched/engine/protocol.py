@@ -15,6 +15,7 @@ frontend -> engine (the engine's PULL socket at its input address)
     ["stream_input", request_id, token_ids, max_tokens, is_last]   a session's next segment
     ["close_stream", request_id]                       end a session once its input is served
     ["reload_weights", model, query_id, frontend_index]   load new weights (paused_all only; a RELOADED answers)
+    ["reset_prefix_cache", query_id, frontend_index]   drop the prefix cache (a PREFIX_CACHE_RESET answers)
 
 engine -> frontend (a PUSH socket per frontend, connected to its output address)
     ["ready",     engine_index, model_info]
@@ -24,6 +25,7 @@ engine -> frontend (a PUSH socket per frontend, connected to its output address)
     ["status",    engine_index, query_id, [status, ...]]   the answer to a QUERY, one status per id
     ["paused",    engine_index, query_id, state]       the answer to a PAUSE: the state now in force
     ["reloaded",  engine_index, query_id, error]       the answer to a RELOAD_WEIGHTS: nil, or [kind, message]
+    ["prefix_cache_reset", engine_index, query_id]     the answer to a RESET_PREFIX_CACHE, once done
 
 ``params`` is a map of :class:`SamplingParams` fields, ``lora`` ``nil`` or the request's
 adapter as ``[name, id, path]`` (:class:`LoRARequest`), ``cache_salt`` ``nil`` or a string;
@@ -228,6 +230,8 @@ RELOAD_WEIGHTS = "reload_weights"
 RELOADED = "reloaded"
 RELOAD_CONFLICT = "conflict"  # a RELOADED error kind: the engine is not paused with mode all
 RELOAD_INVALID = "invalid"  # a RELOADED error kind: the weights cannot be loaded into the served model
+RESET_PREFIX_CACHE = "reset_prefix_cache"
+PREFIX_CACHE_RESET = "prefix_cache_reset"
 
 PAUSE_STATES = ("unpaused", "paused_new", "paused_all")  # the scheduler's states (S13)
 PAUSE_MODES = ("new", "all")  # what a user asks for: paused_new / paused_all
@@ -450,8 +454,20 @@ class Reloaded:
     error: tuple[str, str] | None = None  # (RELOAD_CONFLICT or RELOAD_INVALID, message)
 
 
+@dataclass
+class ResetPrefixCache:
+    query_id: int
+    frontend_index: int
+
+
+@dataclass
+class PrefixCacheReset:
+    engine_index: int
+    query_id: int
+
+
 Message = Union[Hello, AddRequest, Abort, Ready, Heartbeat, Outputs, Failed, Query, Status, Pause, Paused,
-                StreamInput, CloseStream, ReloadWeights, Reloaded]
+                StreamInput, CloseStream, ReloadWeights, Reloaded, ResetPrefixCache, PrefixCacheReset]
 
 
 # ------------------------------------------------------------------ encode
@@ -497,6 +513,10 @@ def _to_wire(msg: Message) -> list[Any]:
         return [RELOAD_WEIGHTS, msg.model, msg.query_id, msg.frontend_index]
     if isinstance(msg, Reloaded):
         return [RELOADED, msg.engine_index, msg.query_id, None if msg.error is None else list(msg.error)]
+    if isinstance(msg, ResetPrefixCache):
+        return [RESET_PREFIX_CACHE, msg.query_id, msg.frontend_index]
+    if isinstance(msg, PrefixCacheReset):
+        return [PREFIX_CACHE_RESET, msg.engine_index, msg.query_id]
     raise TypeError(f"not a protocol message: {type(msg).__name__}")
 
 
@@ -660,6 +680,14 @@ def _decode_reloaded(engine_index: Any, query_id: Any, error: Any) -> Reloaded:
                "a reload error must be [conflict|invalid, message]")
         error = (error[0], _str(error[1], "reload error message"))
     return Reloaded(_index(engine_index, "engine_index"), _index(query_id, "query_id"), error)
+
+
+def _decode_reset_prefix_cache(query_id: Any, frontend: Any) -> ResetPrefixCache:
+    return ResetPrefixCache(_index(query_id, "query_id"), _index(frontend, "frontend_index"))
+
+
+def _decode_prefix_cache_reset(engine_index: Any, query_id: Any) -> PrefixCacheReset:
+    return PrefixCacheReset(_index(engine_index, "engine_index"), _index(query_id, "query_id"))
 
 
 def _decode_abort(request_ids: Any) -> Abort:
@@ -862,6 +890,9 @@ _DECODERS = {
     CLOSE_STREAM: _decode_close_stream,
     RELOAD_WEIGHTS: _decode_reload_weights,
     RELOADED: _decode_reloaded,
+    RESET_PREFIX_CACHE: _decode_reset_prefix_cache,
+    PREFIX_CACHE_RESET: _decode_prefix_cache_reset,
 }
 _ARITY = {HELLO: 1, ADD: 8, ABORT: 1, READY: 2, HEARTBEAT: 2, OUTPUTS: 4, FAILED: 2, QUERY: 3, STATUS: 3,
-          PAUSE: 3, PAUSED: 3, SESSION: 8, STREAM_INPUT: 4, CLOSE_STREAM: 1, RELOAD_WEIGHTS: 3, RELOADED: 3}
+          PAUSE: 3, PAUSED: 3, SESSION: 8, STREAM_INPUT: 4, CLOSE_STREAM: 1, RELOAD_WEIGHTS: 3, RELOADED: 3,
+          RESET_PREFIX_CACHE: 2, PREFIX_CACHE_RESET: 2}

@@ -12,6 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fastsched.config import add_engine_args, engine_kwargs
+from fastsched.entrypoints.vllm_compat import (
+    add_vllm_engine_compat_args,
+    add_vllm_serve_compat_args,
+    check_vllm_compat_args,
+    closest_flag,
+    command_parser,
+)
 from fastsched.frontend.cli_args import add_admission_limit_args
 from fastsched.limits import add_request_limit_args, request_limits
 from fastsched.lora.request import TARGET_MODULES
@@ -116,6 +123,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
         log_level=args.log_level,
+        uvicorn_log_level=args.uvicorn_log_level,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        enable_admin_api=args.enable_admin_api,
     )
     try:
         return serve(config)
@@ -248,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_positional(srv)
     add_serve_args(srv)
     add_engine_args(srv)
+    add_vllm_engine_compat_args(srv)
+    add_vllm_serve_compat_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate completions offline for a few prompts",
@@ -265,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--request-seed", type=int, default=None, help="seed for every request's sampling")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(gen)
+    add_vllm_engine_compat_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     export = sub.add_parser(
@@ -346,13 +359,17 @@ def _resolve_model(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage and the closest flag, not the top-level usage
+        command_parser(parser, args).error(closest_flag(command_parser(parser, args), unknown))
     if not sys.stderr.isatty():
         # A progress bar in a log file is a heap of \r fragments: log lines per phase instead.
         os.environ.setdefault("TQDM_DISABLE", "1")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _resolve_model(args)
+        check_vllm_compat_args(args)
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"fastsched: error: {e}", file=sys.stderr)

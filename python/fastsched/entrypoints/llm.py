@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from fastsched.config import EngineConfig
 from fastsched.engine.core import EngineCore
+from fastsched.entrypoints.vllm_compat import pop_vllm_engine_kwargs
 from fastsched.frontend.output_processor import OutputProcessor
 from fastsched.inputs import InputProcessor, PromptType, child_request_ids
 from fastsched.lora.request import LoRARequest
@@ -28,7 +29,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
-        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        # vLLM's enforce_eager, trust_remote_code and kv_cache_dtype: accepted as vLLM's flags are.
+        self.config = EngineConfig.from_kwargs(model=model, **pop_vllm_engine_kwargs(engine_args))
         self.tokenizer = load_tokenizer(self.config.tokenizer or model)
         self.engine = EngineCore(self.config)
         self.inputs = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
@@ -140,17 +142,23 @@ class LLM:
         return parent
 
     def _run(self, processor: OutputProcessor, num_requests: int, use_tqdm: bool) -> None:
-        bar = tqdm(total=num_requests, desc="Generating", unit="req", disable=not use_tqdm)
+        # Without use_tqdm the bar is off; with it, TQDM_DISABLE still may turn it off (the
+        # CLI sets it when stderr is no terminal: a redirected log gets no \r fragments).
+        bar = tqdm(total=num_requests, desc="Processed prompts", unit="req", **({} if use_tqdm else {"disable": True}))
+        speed = _TokenSpeed()
         done: set[int] = set()
         with bar:
             while processor.num_unfinished():
                 changed, to_abort = processor.process(self.engine.step())
                 if to_abort:
                     self.engine.abort_requests(to_abort)
-                for parent in changed:
-                    if parent.finished and id(parent) not in done:
-                        done.add(id(parent))
-                        bar.update(1)
+                finished = [p for p in changed if p.finished and id(p) not in done]
+                for parent in finished:
+                    done.add(id(parent))
+                    speed.add(parent)
+                if finished:
+                    bar.set_postfix_str(speed.describe(bar.format_dict["elapsed"]), refresh=False)
+                    bar.update(len(finished))
         self._drain()
 
     def _drain(self) -> None:
@@ -162,6 +170,22 @@ class LLM:
         """
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+
+class _TokenSpeed:
+    """Input and output tokens of the finished requests, as vLLM's progress bar shows them."""
+
+    def __init__(self) -> None:
+        self.input_tokens = self.output_tokens = 0
+
+    def add(self, output: RequestOutput) -> None:
+        self.input_tokens += len(output.prompt_token_ids)
+        self.output_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def describe(self, elapsed: float) -> str:
+        elapsed = max(elapsed, 1e-9)
+        return (f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+                f"output: {self.output_tokens / elapsed:.2f} toks/s")
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -629,7 +629,8 @@ class AsyncLLM:
             self._update_ttft_slo_limit()
         elif isinstance(msg, protocol.Ready):
             if engine.info is None:
-                logger.info("frontend %d: engine %d ready: %s", self.frontend_index, index, msg.model_info)
+                logger.debug("frontend %d: engine %d ready (model=%s KV blocks=%d)", self.frontend_index, index,
+                             msg.model_info.model_name, msg.model_info.num_gpu_blocks)
             engine.info = msg.model_info
             if engine.requests is None:
                 engine.requests = EngineRequestMetrics(msg.model_info.max_model_len)
@@ -642,7 +643,7 @@ class AsyncLLM:
             answer = self._queries.get(msg.query_id)
             if answer is not None and not answer.done():
                 answer.set_result(msg.statuses)
-        elif isinstance(msg, (protocol.Paused, protocol.Reloaded)):
+        elif isinstance(msg, (protocol.Paused, protocol.Reloaded, protocol.PrefixCacheReset)):
             if isinstance(msg, protocol.Paused):
                 engine.stats.pause_state = msg.state
             answer = self._commands.get(msg.query_id)
@@ -801,6 +802,12 @@ class AsyncLLM:
             kinds = {kind for kind, _ in errors.values()}
             detail = "; ".join(f"engine {index}: {message}" for index, (_, message) in sorted(errors.items()))
             raise (RuntimeError if protocol.RELOAD_CONFLICT in kinds else ValueError)(detail)
+
+    async def reset_prefix_cache(self, timeout: float | None = None) -> None:
+        """Every live engine forgets its cached prefixes (vLLM's ``POST /reset_prefix_cache``);
+        returns once each has. ``TimeoutError`` after ``timeout`` s (default: engine_timeout)."""
+        await self._command_all(lambda q: protocol.ResetPrefixCache(q, self.frontend_index),
+                                timeout if timeout is not None else self.engine_timeout)
 
     async def _set_pause_state(self, state: str) -> None:
         await self._command_all(lambda q: protocol.Pause(state, q, self.frontend_index), self.engine_timeout)

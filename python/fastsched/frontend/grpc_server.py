@@ -333,6 +333,13 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return pb.ReloadWeightsResponse()
 
+    async def ResetPrefixCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            await self.async_llm.reset_prefix_cache()
+        except TimeoutError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        return pb.ResetPrefixCacheResponse()
+
     async def IsPaused(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return self._pause_response()
 

@@ -59,6 +59,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastsched.frontend.admission import ENGINE_FAULTED
+from fastsched.gateway import cache_admin
 from fastsched.gateway import metrics as gateway_metrics
 from fastsched.gateway import pause
 from fastsched.gateway.http_protocol import guarded_http_protocol
@@ -379,6 +380,8 @@ class _EventStream(Response):
 class Gateway:
     """The routes' state: the frontend pool, the model's name and tokenizer, the limits."""
 
+    tool_parser: str | None = None  # --tool-call-parser, for tool_choice "auto" (gateway.tool_calls)
+
     def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
                  api_key: str | None, limits: RequestLimits, retry_after_s: int) -> None:
         self.pool = FrontendPool(frontend_addrs, api_key)
@@ -452,7 +455,7 @@ class Gateway:
         self._check_api_key(request)
         body, size = await self._read_json(request)
         info = await self.pool.model_info()
-        args = (body, self.tokenizer, info and info["max_model_len"], request_id, self.limits)
+        args = (body, self.tokenizer, info and info["max_model_len"], request_id, self.limits, self.tool_parser)
         if size <= INLINE_TOKENIZE_CHARS:
             parsed = parse_chat(*args)
         else:
@@ -720,6 +723,8 @@ def create_app(
     api_key: str | None = None,
     limits: RequestLimits | None = None,
     retry_after_s: int = 1,
+    tool_parser: str | None = None,
+    enable_admin_api: bool = False,
 ) -> Starlette:
     """The gateway's ASGI app over the frontends at ``frontend_addrs`` (``host:port``).
 
@@ -727,9 +732,12 @@ def create_app(
     (another one is a 404);
     ``tokenizer`` (a ``fastsched.model_loader.Tokenizer``) renders chat templates and
     decodes logprob tokens; ``limits``: see ``fastsched.limits`` (default: ``RequestLimits()``);
-    ``retry_after_s`` is the ``Retry-After`` of every 503.
+    ``retry_after_s`` is the ``Retry-After`` of every 503; ``tool_parser`` (a name of
+    ``gateway.tool_parsers``) finds the calls of ``tool_choice: "auto"``; ``enable_admin_api``
+    adds the administrative routes (``POST /reset_prefix_cache``).
     """
     gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s)
+    gateway.tool_parser = tool_parser
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -759,6 +767,8 @@ def create_app(
         Route("/reload_weights", pause.reload_weights, methods=["POST"]),
         WebSocketRoute("/v1/sessions", session_websocket),
     ]
+    if enable_admin_api:
+        routes.append(Route("/reset_prefix_cache", cache_admin.reset_prefix_cache, methods=["POST"]))
     handlers = {ApiError: _api_error, LimitError: _limit_error, HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
                     middleware=[Middleware(_RequestIdHeader)])

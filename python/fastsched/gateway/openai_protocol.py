@@ -325,13 +325,14 @@ def _message_content(message: dict, i: int) -> dict:
 
 
 def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id: str,
-               limits: RequestLimits | None = None) -> ParsedRequest:
+               limits: RequestLimits | None = None, tool_parser: str | None = None) -> ParsedRequest:
     """Renders and tokenizes the messages: run it off the event loop for a long body. Their
-    text is bounded first, as a completion prompt's (``parse_completion``)."""
+    text is bounded first, as a completion prompt's (``parse_completion``). ``tool_parser``:
+    the server's ``--tool-call-parser`` for ``tool_choice: "auto"``."""
     limits = limits or RequestLimits()
     check_fields(body, CHAT_FIELDS)
     try:
-        tool_calling = tool_calls.tool_calling_from_body(body, getattr(tokenizer, "chat_template", None))
+        tool_calling = tool_calls.tool_calling_from_body(body, getattr(tokenizer, "chat_template", None), tool_parser)
         options = template_options(body)
     except FieldError as e:
         raise bad_request(str(e), e.param) from None
@@ -372,7 +373,7 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
                               "with another output constraint", "tool_choice")
         sampling.structured_outputs.CopyFrom(forced)
     if tool_calling is not None and tool_calling.mode == "auto" and not sampling.HasField("skip_special_tokens"):
-        sampling.skip_special_tokens = False  # <tool_call> is a special token in Qwen's and Hermes' vocabularies
+        sampling.skip_special_tokens = False  # <tool_call>, [TOOL_CALLS]...: special tokens of their vocabularies
     stream, include_usage = _stream_flags(body)
     echo = bool(_get_bool(body, "echo", False))
     if echo and tool_calling is not None:
@@ -458,15 +459,18 @@ class ResponseFormatter:
         return entries
 
     def _tool_call_delta(self, choice: _Choice, message: dict, finished: bool) -> None:
-        """Holds back text that is (or may be) a tool call; the calls come with the last delta."""
+        """Holds back text that is (or may be) a tool call; sends calls as deltas (id and name, then
+        pieces of the arguments), as vLLM does."""
         if choice.tool_stream is None:
             choice.tool_stream = tool_calls.ToolCallStream(self.req.tool_calling)
-        message["content"] = choice.tool_stream.feed(message["content"])
+        message["content"], deltas = choice.tool_stream.feed(message["content"])
         if finished:
-            rest, choice.tool_calls, choice.finish_reason = choice.tool_stream.finish(choice.finish_reason)
+            rest, more, choice.finish_reason = choice.tool_stream.finish(choice.finish_reason)
             message["content"] += rest
-            if choice.tool_calls:
-                message["tool_calls"] = choice.tool_calls
+            deltas += more
+            choice.tool_calls = choice.tool_stream.calls
+        if deltas:
+            message["tool_calls"] = deltas
 
     def _logprobs(self, choice: _Choice, delta: Any) -> dict:
         if self.req.kind == "chat":
@@ -531,11 +535,8 @@ class ResponseFormatter:
             if self.req.kind == "completion":
                 choice = {"index": index, "text": text, "logprobs": logprobs}
             elif c.tool_calls:
-                auto = self.req.tool_calling.mode == "auto"
-                content = text[: text.find(tool_calls.TOOL_CALL_START)].strip() if auto else ""
-                calls = [{k: v for k, v in call.items() if k != "index"} for call in c.tool_calls]
-                choice = {"index": index, "message": {"role": "assistant", "content": content or None,
-                                                      "tool_calls": calls}, "logprobs": logprobs}
+                choice = {"index": index, "message": {"role": "assistant", "content": c.tool_stream.content,
+                                                      "tool_calls": c.tool_calls}, "logprobs": logprobs}
             else:
                 choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
             choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)

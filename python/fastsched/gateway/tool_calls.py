@@ -6,31 +6,31 @@
 - ``"required"``: the output is constrained to a non-empty JSON array of
   ``{"name": ..., "parameters": ...}``, each validating against its function's schema (the
   shape vLLM forces too); each element becomes one call.
-- ``"auto"`` (the default with tools): the model decides. Only the model's own format can
-  say it called a tool, so this needs a chat template that renders ``tools`` and writes
-  calls as Hermes/Qwen ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks;
-  any other template is a 400, as is any other ``tool_choice``.
+- ``"auto"`` (the default with tools): the model decides, and a parser of its format finds
+  the calls in its text: the one ``--enable-auto-tool-choice --tool-call-parser NAME``
+  chose (gateway/tool_parsers: hermes, llama3_json, mistral, pythonic), or without those
+  flags Hermes when the chat template writes ``<tool_call>`` blocks; otherwise a 400.
 - ``"none"``: tools are neither rendered nor called.
 
-A forced answer ends with finish reason ``tool_calls``; one cut by ``max_tokens`` keeps its
-text as content and ``length``. Streaming: forced calls arrive whole with the last chunk
-(their text is not a call until it is complete); with ``auto``, text before the first
-``<tool_call>`` streams as content.
+A call ends the answer with finish reason ``tool_calls``; a forced answer cut by
+``max_tokens`` keeps its text as content and ``length``. Streaming works as vLLM's: text
+that is not a call streams as content; a call's first delta carries its id and name, the
+next ones the pieces of its ``arguments`` as the model writes them.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastsched.gateway.request_fields import FieldError, shorten
 from fastsched.gateway.structured import to_proto
+from fastsched.gateway.tool_parsers import PARSERS, Extraction, NotACall, PartialCall, ToolParser, get_parser
+from fastsched.gateway.tool_parsers.base import require_complete, scan_call_objects
+from fastsched.gateway.tool_parsers.hermes import START as TOOL_CALL_START
 
-TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-_HERMES_CALL = re.compile(re.escape(TOOL_CALL_START) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_END), re.DOTALL)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -39,11 +39,50 @@ def supports_hermes_tools(chat_template: str | None) -> bool:
     return chat_template is not None and "tools" in chat_template and TOOL_CALL_START in chat_template
 
 
+class _NamedParser:
+    """``tool_choice`` naming a function: the whole output is that call's arguments."""
+
+    name = "named"
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+
+    def extract(self, text: str, final: bool) -> Extraction:
+        if not final:
+            body = text.strip()
+            return Extraction("", [PartialCall(self.function, body, complete=False)] if body else [])
+        try:
+            arguments = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise NotACall("the arguments are not JSON") from e
+        if not isinstance(arguments, dict):
+            raise NotACall("the arguments are not an object")
+        return Extraction("", [PartialCall(self.function, text.strip())])
+
+
+class _RequiredParser:
+    """``tool_choice: "required"``: the output is a JSON array of ``{"name", "parameters"}``."""
+
+    name = "required"
+
+    def extract(self, text: str, final: bool) -> Extraction:
+        body = text.lstrip()
+        if not body.startswith("["):
+            if final:
+                raise NotACall("not a JSON array")
+            return Extraction("")
+        calls, stop = scan_call_objects(body, 1, ",")
+        if final and body[stop:].strip() != "]":
+            raise NotACall("the call array is not closed")
+        return Extraction("", require_complete(calls, final))
+
+
 @dataclass(frozen=True)
 class ToolCalling:
     mode: Literal["named", "required", "auto"]
     tools: list[dict[str, Any]]  # the request's tools, as given (for the chat template)
     name: str | None = None  # mode "named": the function called
+    parser: ToolParser | None = None  # mode "auto": the model's format (default: hermes)
 
     def parameters(self, name: str) -> dict[str, Any]:
         function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
@@ -61,80 +100,93 @@ class ToolCalling:
             return to_proto("json", {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "tools")
         return None
 
+    def text_parser(self) -> ToolParser:
+        """What reads this mode's calls out of the output text."""
+        if self.mode == "named":
+            return _NamedParser(self.name)
+        if self.mode == "required":
+            return _RequiredParser()
+        return self.parser or get_parser("hermes")
+
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of a finished output; no calls when it is not one (cut short)."""
         try:
-            if self.mode == "named":
-                json.loads(text)
-                return None, [_call(self.name, text)]
-            if self.mode == "required":
-                return None, [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                              for c in json.loads(text)]
-        except (json.JSONDecodeError, TypeError, KeyError):
+            found = self.text_parser().extract(text, final=True)
+        except NotACall:
             return text, []
-        return _parse_hermes(text)
+        return found.content.strip() or None, [_call(c.name, c.arguments) for c in found.calls]
 
 
-def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+def _call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+    return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
-
-
-def _parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    calls = []
-    for block in _HERMES_CALL.findall(text):
-        try:
-            call = json.loads(block)
-            calls.append(_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
-        except (json.JSONDecodeError, TypeError, KeyError):
-            return text, []  # not a call after all: all of it is content
-    if not calls:
-        return text, []
-    content = text[: text.index(TOOL_CALL_START)].strip()
-    return content or None, calls
 
 
 @dataclass
 class ToolCallStream:
-    """One streamed choice: what of its text may go out as content now, and its calls at the end."""
+    """One choice's output as it arrives: the content and tool-call deltas to send for each
+    text delta, and at the end the answer's content and calls (for a response not streamed)."""
 
     calling: ToolCalling
     text: list[str] = field(default_factory=list)
-    sent: int = 0  # characters already sent as content (auto)
+    content_sent: int = 0  # characters of content already sent
+    sent: list[tuple[str, str]] = field(default_factory=list)  # per call: (id, arguments sent)
+    content: str | None = None  # once finished
+    calls: list[dict[str, Any]] = field(default_factory=list)  # once finished, without "index"
 
-    def feed(self, delta: str) -> str:
-        """The content to send for ``delta`` (held back while it may be, or is, a call)."""
+    def __post_init__(self) -> None:
+        self.parser = self.calling.text_parser()
+
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        """(content, tool-call deltas) to send for ``delta``; what may still be a call is held back."""
         self.text.append(delta)
-        if self.calling.mode != "auto":
-            return ""
         text = "".join(self.text)
-        start = text.find(TOOL_CALL_START)
-        end = start if start >= 0 else _safe_end(text)
-        if end <= self.sent:
-            return ""
-        out, self.sent = text[self.sent : end], end
-        return out
+        try:
+            found = self.parser.extract(text, final=False)
+        except NotACall:  # not a call after all: content, unless a call went out already
+            found = Extraction("" if self.sent else text)
+        return self._content(found.content), self._deltas(found.calls)
 
     def finish(self, finish_reason: str) -> tuple[str, list[dict[str, Any]], str]:
-        """(content still to send, tool calls, finish reason) once the choice has finished."""
+        """(content still to send, tool-call deltas still to send, finish reason) at the end."""
         text = "".join(self.text)
-        calls = self.calling.parse(text)[1] if finish_reason == "stop" else []
-        if not calls:
-            return text[self.sent :], [], finish_reason
-        head = text[: text.find(TOOL_CALL_START)] if self.calling.mode == "auto" else ""
-        return head[self.sent :], [{"index": i, **c} for i, c in enumerate(calls)], "tool_calls"
+        found = None
+        if finish_reason == "stop":
+            try:
+                found = self.parser.extract(text, final=True)
+            except NotACall:
+                pass
+        if found is None:  # no calls: the text is the answer
+            self.content = text
+            return ("" if self.sent else self._content(text)), [], finish_reason
+        deltas = self._deltas(found.calls)
+        self.content = found.content.strip() or None
+        self.calls = [_call(c.name, c.arguments, call_id) for c, (call_id, _) in zip(found.calls, self.sent)]
+        return self._content(found.content), deltas, "tool_calls"
+
+    def _content(self, content: str) -> str:
+        out = content[self.content_sent :]
+        self.content_sent = max(self.content_sent, len(content))
+        return out
+
+    def _deltas(self, calls: list[PartialCall]) -> list[dict[str, Any]]:
+        deltas = []
+        for i, call in enumerate(calls):
+            if i == len(self.sent):
+                call_id = f"call_{uuid.uuid4().hex[:24]}"
+                self.sent.append((call_id, call.arguments))
+                deltas.append({"index": i, **_call(call.name, call.arguments, call_id)})
+                continue
+            call_id, sent = self.sent[i]
+            if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+                deltas.append({"index": i, "function": {"arguments": call.arguments[len(sent) :]}})
+                self.sent[i] = (call_id, call.arguments)
+        return deltas
 
 
-def _safe_end(text: str) -> int:
-    """Where content may safely end: before any tail of ``text`` that could begin ``<tool_call>``."""
-    for k in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1):
-        if TOOL_CALL_START.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
-
-
-def tool_calling_from_body(body: dict, chat_template: str | None) -> ToolCalling | None:
-    """The request's tool calling, None without tools (or with ``tool_choice`` "none")."""
+def tool_calling_from_body(body: dict, chat_template: str | None, tool_parser: str | None = None) -> ToolCalling | None:
+    """The request's tool calling, None without tools (or with ``tool_choice`` "none").
+    ``tool_parser``: the server's ``--tool-call-parser`` (given with ``--enable-auto-tool-choice``)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice not in (None, "none"):
@@ -144,10 +196,13 @@ def tool_calling_from_body(body: dict, chat_template: str | None) -> ToolCalling
     if choice == "none":
         return None
     if choice is None or choice == "auto":
+        if tool_parser is not None:
+            return ToolCalling("auto", tools, parser=get_parser(tool_parser))
         if not supports_hermes_tools(chat_template):
-            raise FieldError('tool_choice "auto" needs a chat template that renders tools and writes '
-                             f'{TOOL_CALL_START} blocks, which this model\'s does not; use tool_choice "required" or '
-                             'a named function, whose calls the grammar forces', "tool_choice")
+            raise FieldError('tool_choice "auto" (the default with tools) needs a parser of the model\'s tool calls: '
+                             "start the server with --enable-auto-tool-choice --tool-call-parser "
+                             f"{{{','.join(PARSERS)}}}, or send tool_choice \"required\" or a named function, whose "
+                             "calls the grammar forces", "tool_choice")
         return ToolCalling("auto", tools)
     if choice == "required":
         return ToolCalling("required", tools)

@@ -117,6 +117,9 @@ class ServeConfig:
     enable_log_requests: bool = False
     max_log_len: int | None = None
     log_level: str = "INFO"
+    uvicorn_log_level: str | None = None  # uvicorn's loggers (None: log_level's); debug logs the probes too
+    tool_call_parser: str | None = None  # tool_choice "auto" (gateway.tool_parsers): --enable-auto-tool-choice
+    enable_admin_api: bool = False  # administrative routes (POST /reset_prefix_cache)
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "api_server_count"):
@@ -139,6 +142,10 @@ class ServeConfig:
             raise ValueError(f"max_engine_restarts must be non-negative, got {self.max_engine_restarts}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if self.tool_call_parser is not None:
+            from fastsched.gateway.tool_parsers import get_parser
+
+            get_parser(self.tool_call_parser)  # a ValueError listing the known names
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.grpc_port != 0 and not 1 <= self.grpc_port <= 65535 - (self.api_server_count - 1):
@@ -423,7 +430,7 @@ class Launcher:
                         if isinstance(msg, protocol.Failed):
                             raise ServeError(msg.message)
                         ch.info = msg.model_info
-                        logger.info(
+                        logger.debug(  # the engine logs its own ready line
                             "engine %d ready (pid %d): model=%s max_model_len=%d KV blocks=%d", ch.index,
                             ch.proc.pid, ch.info.model_name, ch.info.max_model_len, ch.info.num_gpu_blocks,
                         )
@@ -451,6 +458,7 @@ class Launcher:
     # ------------------------------------------------------------ serving
 
     async def _serve_gateway(self) -> None:
+        from fastsched.gateway.access_log import quiet_probes
         from fastsched.gateway.app import create_app, gateway_server
         from fastsched.model_loader import load_tokenizer
 
@@ -469,9 +477,12 @@ class Launcher:
         if c.chat_template is not None:
             tokenizer.chat_template = c.chat_template
         addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
-        app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key, limits=c.limits)
-        server = gateway_server(app, c.host, c.port, log_config=None, log_level=c.log_level.lower(),
+        app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key, limits=c.limits,
+                         tool_parser=c.tool_call_parser, enable_admin_api=c.enable_admin_api)
+        server = gateway_server(app, c.host, c.port, log_config=None,
+                                log_level=c.uvicorn_log_level or c.log_level.lower(),
                                 access_log=c.access_log, timeout_graceful_shutdown=c.shutdown_timeout)
+        quiet_probes()
         # The launcher owns SIGINT/SIGTERM (shutdown order, second signal): uvicorn must not take them.
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         dead: list[_Child] = []

@@ -56,8 +56,20 @@ def _cached_snapshot(repo_id: str) -> Path:
     except LocalEntryNotFoundError:
         raise FileNotFoundError(
             f"model {repo_id!r} is neither a local path nor in the Hugging Face cache at {constants.HF_HUB_CACHE} "
-            "(fastsched never downloads: copy the checkpoint there or pass its directory)"
+            f"(fastsched never downloads). Fetch it into that cache with `{download_command(repo_id)}`, or pass "
+            "the checkpoint's directory"
         ) from None
+
+
+def download_command(repo_id: str) -> str:
+    """The command that puts ``repo_id`` into the cache this process reads (``HF_HUB_CACHE``
+    follows ``HF_HOME``; the command names it when it is not the default)."""
+    from huggingface_hub import constants
+
+    command = f"hf download {repo_id}"
+    if constants.HF_HUB_CACHE != constants.default_cache_path:
+        command += f" --cache-dir {constants.HF_HUB_CACHE}"
+    return command
 
 
 def is_gguf(path: Path) -> bool:

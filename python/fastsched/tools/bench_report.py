@@ -167,7 +167,8 @@ def format_table(summaries: Sequence[dict[str, Any]], percentiles: Sequence[floa
     shown = [(m, label) for m, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2el", "E2E")) if m in percentile_metrics]
     goodput = any(s.get("request_goodput") is not None for s in summaries)
     header = ["QPS", "sent", "ok", "503 (reason: n)", "req/s", *(["goodput req/s"] * goodput), "out tok/s",
-              *(f"{label} {'/'.join(names)} ms" for _, label in shown), "503 latency p50/p99 ms"]
+              *(f"{label} {'/'.join(names)} ms" for _, label in shown), "503 latency p50/p99 ms",
+              "prefix cache hits"]
     rows = []
     for s in summaries:
         reasons = ", ".join(f"{k}: {v}" for k, v in s["rejected"].items()) or "0"
@@ -180,6 +181,7 @@ def format_table(summaries: Sequence[dict[str, Any]], percentiles: Sequence[floa
             f"{s['output_throughput']:.1f}",
             *("/".join(_ms(s.get(f"{n}_{m}_ms")) for n in names) for m, _ in shown),
             "-" if rej["p50"] is None else f"{_ms(rej['p50'])}/{_ms(rej['p99'])}",
+            "-" if s.get("prefix_cache_hit_rate") is None else f"{s['prefix_cache_hit_rate']:.1%}",
         ])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",

@@ -4,9 +4,14 @@ For each ``--qps`` (``--request-rate``) rate, ``--num-requests`` (``--num-prompt
 streaming requests are sent at Poisson arrivals (exponential gaps, seeded) whether or
 not earlier ones have finished — an open loop, as real clients behave, so an
 overloaded server shows up as growing latency or as rejections, never as a politely
-slowed-down client. Every rate sends the same requests (same seed): only the rate
-differs. ``--max-concurrency N`` caps the requests in flight (a request waits for a
-free slot; its latencies count from when it is sent).
+slowed-down client. Each rate draws its own requests from the workload (seed
+``--seed`` + its position): sending the same prompts again would find them in the
+server's prefix cache and report a flattering TTFT for every rate after the first. The
+prefix-cache hit rate the server saw during each rate (from ``/metrics``) is recorded as
+``prefix_cache_hit_rate``; ``--reset-prefix-cache`` also empties the server's cache before
+each rate (vLLM's ``POST /reset_prefix_cache``, served with ``--enable-admin-api``).
+``--max-concurrency N`` caps the requests in flight (a request waits for a free slot; its
+latencies count from when it is sent).
 
 Workloads (``--dataset-name``):
 
@@ -173,7 +178,8 @@ class HttpClient:
             while data := await reader.read(65536):
                 yield data
 
-    async def get_json(self, path: str) -> tuple[int, Any]:
+    async def get(self, path: str) -> tuple[int, bytes]:
+        """(status, body) of ``GET path``."""
         status, headers, reader, writer = await self.open("GET", path)
         complete = False
         try:
@@ -181,6 +187,21 @@ class HttpClient:
             complete = True
         finally:
             self.release(headers, reader, writer, complete)
+        return status, body
+
+    async def post_json(self, path: str, payload: Any) -> tuple[int, bytes]:
+        """(status, body) of ``POST path`` with ``payload`` as JSON."""
+        status, headers, reader, writer = await self.open("POST", path, payload)
+        complete = False
+        try:
+            body = b"".join([chunk async for chunk in self.chunks(reader, headers)])
+            complete = True
+        finally:
+            self.release(headers, reader, writer, complete)
+        return status, body
+
+    async def get_json(self, path: str) -> tuple[int, Any]:
+        status, body = await self.get(path)
         return status, json.loads(body) if body else None
 
 
@@ -274,7 +295,9 @@ async def run_rate(client: Any, model: str, requests: Sequence[BenchRequest], qp
     arrival to the last answer."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(requests), desc=f"qps {qps:g}", unit="req", disable=not progress, file=sys.stderr)
+    # disable=None: no bar when stderr is not a terminal (no \r fragments in a redirected log).
+    bar = tqdm(total=len(requests), desc=f"qps {qps:g}", unit="req", disable=None if progress else True,
+               file=sys.stderr)
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     start = time.perf_counter()
 
@@ -306,6 +329,47 @@ async def run_rate(client: Any, model: str, requests: Sequence[BenchRequest], qp
     return results, duration
 
 
+PREFIX_CACHE_QUERIES = "fastsched:prefix_cache_queries_total"  # tokens looked up (vLLM's counter names)
+PREFIX_CACHE_HITS = "fastsched:prefix_cache_hits_total"  # tokens found
+
+
+async def prefix_cache_counters(client: Any) -> tuple[float, float] | None:
+    """(queried, hit) prompt tokens of the server's prefix cache so far, summed over its
+    engines; None when ``/metrics`` does not say (another server, or no such counters)."""
+    from fastsched.tools.metrics_snapshot import parse_metrics
+
+    try:
+        status, body = await client.get("/metrics")
+        snapshot = parse_metrics(body.decode(), time.monotonic()) if status == 200 else None
+    except (OSError, ValueError, asyncio.IncompleteReadError):
+        return None
+    if snapshot is None:
+        return None
+    queries, hits = snapshot.value(PREFIX_CACHE_QUERIES), snapshot.value(PREFIX_CACHE_HITS)
+    return None if queries is None or hits is None else (queries, hits)
+
+
+def prefix_cache_hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Hit tokens / queried tokens between two readings (None without both, or no query)."""
+    if before is None or after is None:
+        return None
+    from fastsched.tools.metrics_snapshot import counter_increase
+
+    queries = counter_increase(after[0], before[0])
+    return counter_increase(after[1], before[1]) / queries if queries > 0 else None
+
+
+async def reset_prefix_cache(client: Any) -> None:
+    """Empties the server's prefix cache (``POST /reset_prefix_cache``); a ConnectionError
+    saying how to offer it when the server does not."""
+    status, body = await client.post_json("/reset_prefix_cache", {})
+    if status == 404:
+        raise ConnectionError("the server does not offer POST /reset_prefix_cache (--reset-prefix-cache): start it "
+                              "with --enable-admin-api, or leave the flag out (each rate sends its own prompts)")
+    if status != 200:
+        raise ConnectionError(f"POST /reset_prefix_cache answered {status}: {body[:200]!r}")
+
+
 async def server_model(client: HttpClient) -> tuple[str, int | None]:
     """The served model's name and max_model_len, from /v1/models."""
     status, body = await client.get_json("/v1/models")
@@ -331,9 +395,11 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
                     dataset_path: str | None = None, tokenizer: Any = None,
                     sharegpt_output_len: int | None = None, goodput: dict[str, float] | None = None,
                     percentiles: Sequence[float] = PERCENTILES,
-                    percentile_metrics: Sequence[str] = PERCENTILE_METRICS) -> dict[str, Any]:
+                    percentile_metrics: Sequence[str] = PERCENTILE_METRICS,
+                    reset_cache: bool = False) -> dict[str, Any]:
     """Runs every rate in turn against the gateway at ``url``; returns the JSON report.
-    ``tokenizer`` (a ``Tokenizer``) is needed for ShareGPT and for chat prompts."""
+    ``tokenizer`` (a ``Tokenizer``) is needed for ShareGPT and for chat prompts; ``reset_cache``
+    empties the server's prefix cache before each rate."""
     if endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
         raise ValueError(f"--endpoint must be {COMPLETIONS} or {CHAT_COMPLETIONS}, got {endpoint!r}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -341,14 +407,21 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
     try:
         served, max_model_len = await asyncio.wait_for(server_model(client), 30)
         model = model or served
-        requests = build_workload(dataset_name, dataset_path, num_requests, prompt_len, output_len, seed,
-                                  token_id_range, range_ratio, max_model_len, tokenizer, sharegpt_output_len, endpoint)
         summaries = []
         for i, qps in enumerate(qps_values):
+            # Each rate its own prompts: the same ones again would be prefix-cache hits.
+            requests = build_workload(dataset_name, dataset_path, num_requests, prompt_len, output_len, seed + i,
+                                      token_id_range, range_ratio, max_model_len, tokenizer, sharegpt_output_len,
+                                      endpoint)
+            if reset_cache:
+                await reset_prefix_cache(client)
+            before = await prefix_cache_counters(client)
             results, duration = await run_rate(client, model, requests, qps, seed + 1 + i, timeout, progress,
                                                endpoint, max_concurrency)
-            summaries.append(summarize(qps, results, duration, percentiles=percentiles,
-                                       percentile_metrics=percentile_metrics, goodput=goodput))
+            summary = summarize(qps, results, duration, percentiles=percentiles,
+                                percentile_metrics=percentile_metrics, goodput=goodput)
+            summary["prefix_cache_hit_rate"] = prefix_cache_hit_rate(before, await prefix_cache_counters(client))
+            summaries.append(summary)
     finally:
         client.close()
     return {
@@ -360,7 +433,8 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
                    "random_range_ratio": range_ratio, "seed": seed, "token_id_range": list(token_id_range),
                    "qps": [str(q) for q in qps_values], "max_concurrency": max_concurrency,
                    "dataset_name": dataset_name, "dataset_path": dataset_path, "goodput": goodput or None,
-                   "percentiles": list(percentiles), "percentile_metrics": list(percentile_metrics)},
+                   "percentiles": list(percentiles), "percentile_metrics": list(percentile_metrics),
+                   "reset_prefix_cache": reset_cache},
         "results": summaries,
     }
 
@@ -381,6 +455,9 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--model", default=None, help="model name to send (default: the one /v1/models lists)")
     server.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     server.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for one request")
+    server.add_argument("--reset-prefix-cache", action="store_true",
+                        help="empty the server's prefix cache before each rate (POST /reset_prefix_cache, which a "
+                             "fastsched server offers with --enable-admin-api)")
     load = parser.add_argument_group("load")
     add_workload_args(load)
     load.add_argument("--max-concurrency", type=int, default=None,
@@ -475,10 +552,10 @@ def run_from_args(args: argparse.Namespace) -> int:
             range_ratio=check_range_ratio(args.range_ratio), max_concurrency=args.max_concurrency,
             dataset_name=args.dataset_name, dataset_path=args.dataset_path, tokenizer=tokenizer,
             sharegpt_output_len=args.sharegpt_output_len, goodput=goodput, percentiles=percentiles,
-            percentile_metrics=metrics,
+            percentile_metrics=metrics, reset_cache=args.reset_prefix_cache,
         ))
     except (OSError, asyncio.IncompleteReadError, TimeoutError) as e:
-        print(f"fastsched bench serve: error: cannot query {url}/v1/models: {e}", file=sys.stderr)
+        print(f"fastsched bench serve: error: {url}: {e}", file=sys.stderr)
         return 1
     workload = (f"sharegpt {args.dataset_path}" if args.dataset_name == "sharegpt"
                 else f"prompt_len~{args.prompt_len} output_len~{args.output_len}")

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from fastsched.attention import AttentionBackend, AttentionMetadata
-from fastsched.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from fastsched.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, cli_fields
 from fastsched.models.config import ModelConfig
 from fastsched.worker.model_runner import kv_cache_bytes_per_block
 
@@ -79,15 +79,18 @@ def determine_num_blocks(
 ) -> int:
     """Blocks in the pool, the null block included.
 
-    ``--num-gpu-blocks`` wins.  On CUDA the pool takes ``gpu_memory_utilization`` of
+    ``--num-gpu-blocks-override`` wins.  On CUDA the pool takes ``gpu_memory_utilization`` of
     the device minus the peak measured while profiling a max-size batch
-    (``profile_peak_bytes``); on CPU it takes ``kv_cache_memory`` bytes.  A pool that
-    cannot hold one request of ``max_model_len`` tokens is a start-up error.
+    (``profile_peak_bytes``); on CPU it takes ``kv_cache_memory`` bytes (a
+    ``gpu_memory_utilization`` set there is warned about: CPU memory is shared with every
+    other process, so a fraction of it is no size).  A pool that cannot hold one request of
+    ``max_model_len`` tokens is a start-up error.  Logs count blocks as ``num_gpu_blocks``
+    does everywhere (the null block included).
     """
     per_block = kv_cache_bytes_per_block(model_config, config.block_size, dtype)
     if config.num_gpu_blocks is not None:
         num_blocks = config.num_gpu_blocks
-        source = "--num-gpu-blocks"
+        source = "--num-gpu-blocks-override"
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         budget = int(total * config.gpu_memory_utilization) - profile_peak_bytes
@@ -99,7 +102,10 @@ def determine_num_blocks(
     else:
         budget = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = budget // per_block + 1
-        source = f"--kv-cache-memory {budget / 2**30:.2f} GiB"
+        source = f"--kv-cache-memory-bytes {budget / 2**30:.2f} GiB"
+        if config.kv_cache_memory is None:
+            source += " (the CPU default)"
+        _warn_gpu_memory_utilization_on_cpu(config, budget)
     usable_tokens = (num_blocks - 1) * config.block_size
     if usable_tokens < max_model_len:
         raise ValueError(
@@ -108,8 +114,8 @@ def determine_num_blocks(
             "give it more memory or lower --max-model-len"
         )
     logger.info(
-        "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, from %s)",
-        num_blocks - 1,
+        "KV cache: %d blocks (the null block included) of %d tokens = %d usable tokens (%.2f GiB, from %s)",
+        num_blocks,
         config.block_size,
         usable_tokens,
         (num_blocks - 1) * per_block / 2**30,
@@ -121,3 +127,13 @@ def determine_num_blocks(
         usable_tokens / max_model_len,
     )
     return num_blocks
+
+
+def _warn_gpu_memory_utilization_on_cpu(config: EngineConfig, budget: int) -> None:
+    """``--gpu-memory-utilization`` set on CPU: one warning saying which flag sizes the pool."""
+    default = next(f.default for f in cli_fields() if f.name == "gpu_memory_utilization")
+    if config.gpu_memory_utilization != default:
+        logger.warning(
+            "--gpu-memory-utilization %g has no effect on CPU: the KV cache takes --kv-cache-memory-bytes "
+            "(%.2f GiB now), as vLLM's CPU backend takes VLLM_CPU_KVCACHE_SPACE", config.gpu_memory_utilization,
+            budget / 2**30)

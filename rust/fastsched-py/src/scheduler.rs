@@ -271,6 +271,7 @@ impl PyScheduler {
         d.set_item("num_output_tokens", r.num_output_tokens)?;
         let progress = self.inner.progress(handle).copied().unwrap_or_default();
         d.set_item("num_computed_tokens", progress.num_computed_tokens)?;
+        d.set_item("is_prefill_chunk", progress.is_prefill_chunk)?;
         d.set_item("num_cached_tokens", r.num_cached_tokens)?;
         d.set_item("num_preemptions", r.num_preemptions)?;
         d.set_item("priority", r.priority)?;

@@ -4,7 +4,7 @@
 (``EngineConfig.resolve_max_model_len``, ``determine_num_blocks``) on the model's
 config, so ``fastsched simulate`` and ``fastsched serve`` given the same flags schedule
 with the same pool. On CUDA the engine sizes its pool after profiling a forward pass,
-which needs the model on the GPU: there ``--num-gpu-blocks`` must be given (the engine
+which needs the model on the GPU: there ``--num-gpu-blocks-override`` must be given (the engine
 logs ``KV blocks=N`` when it is ready).
 """
 
@@ -32,7 +32,7 @@ def simulated_engine(config: EngineConfig) -> SimulatedEngine:
     device = config.torch_device
     if config.num_gpu_blocks is None and device.type == "cuda":
         raise ValueError(
-            "on CUDA the engine sizes its KV pool by profiling the model on the GPU; give --num-gpu-blocks "
+            "on CUDA the engine sizes its KV pool by profiling the model on the GPU; give --num-gpu-blocks-override "
             "(the number an engine logs as `KV blocks=N` when ready) or simulate a CPU engine (--device cpu)"
         )
     num_blocks = determine_num_blocks(config, model_config, config.torch_dtype, device, max_model_len)

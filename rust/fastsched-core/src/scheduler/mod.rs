@@ -143,6 +143,10 @@ struct StepBudget {
     threshold: usize,
     /// S12: prefill work is held this step.
     defer: bool,
+    /// S12: the running phase scheduled a prefill chunk this step (vLLM's
+    /// `prefill_scheduled`). Never cleared: a chunk whose row a preemption
+    /// takes back still counts.
+    running_prefill: bool,
 }
 
 impl StepBudget {

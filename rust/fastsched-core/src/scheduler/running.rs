@@ -9,11 +9,10 @@ use crate::output::{ScheduledKind, SchedulerOutput};
 use crate::queue::QueueEntry;
 use crate::request::{Handle, RequestStatus};
 
-/// Rows of this step that `grow_or_preempt` took back (priority victims
-/// already scheduled), and the tokens they return to the budgets.
+/// What the rows `grow_or_preempt` took back (priority victims already
+/// scheduled) return to the budgets.
 #[derive(Debug, Default)]
 struct TakenBack {
-    rows: usize,
     tokens: usize,
     input_tokens: usize,
 }
@@ -39,6 +38,7 @@ impl Scheduler {
         // Locals rather than the budget's fields: the loop keeps them in
         // registers (the out-of-line slow path reports what it changed).
         let (mut tokens_left, mut inputs_left) = (budget.tokens, budget.inputs);
+        let mut running_prefill = budget.running_prefill;
         let mut i = 0;
         'running: while i < self.running.len() && tokens_left > 0 {
             if let Some(ahead) = warm_range(i, self.running.len()) {
@@ -86,10 +86,9 @@ impl Scheduler {
             let blocks_before = if self.kv.fits_in_held_blocks(h, &alloc, p.num_tokens) {
                 out.block_ids.len()
             } else {
-                let (grown, back) = self.grow_or_preempt(h, alloc, out, scheduled);
+                let (grown, back) = self.grow_or_preempt(h, alloc, out, scheduled, &mut i);
                 tokens_left += back.tokens;
                 inputs_left += back.input_tokens;
-                i -= back.rows;
                 match grown {
                     Some(blocks_before) => blocks_before,
                     None => match self.cfg.policy {
@@ -118,6 +117,7 @@ impl Scheduler {
                 carries_prefill: p.is_prefill_chunk,
                 samples: false,
             };
+            running_prefill |= p.is_prefill_chunk;
             let p = &mut self.requests[h as usize].progress;
             scheduled.push(advance(p, row, async_scheduling));
             tokens_left -= n;
@@ -125,15 +125,19 @@ impl Scheduler {
             i += 1;
         }
         (budget.tokens, budget.inputs) = (tokens_left, inputs_left);
+        budget.running_prefill = running_prefill;
     }
 
-    /// S3: allocates what running request `h` needs beyond the blocks it
-    /// holds, preempting victims until it fits. Returns where its new block
-    /// ids start in `out.block_ids`, or `None` when `h` itself was
-    /// preempted, and the rows it took back: a priority victim already
-    /// scheduled gives its row's tokens back to the budgets, and the running
-    /// loop's position steps back past it. Out of line: few requests per
-    /// step need it, and the running loop stays small without it.
+    /// S3: allocates what running request `h` (at `running[*i]`) needs
+    /// beyond the blocks it holds, preempting victims until it fits. Returns
+    /// where its new block ids start in `out.block_ids`, or `None` when `h`
+    /// itself was preempted, and what the rows it took back return: a
+    /// priority victim already scheduled gives its row's tokens back to the
+    /// budgets. Every priority victim ahead of `h` in `running`, scheduled
+    /// or passed over (a prefill chunk S12 holds), moves the scan position
+    /// `*i` back one, as vLLM 0.33's `if victim_index < req_index`. Out of
+    /// line: few requests per step need it, and the running loop stays small
+    /// without it.
     #[inline(never)]
     fn grow_or_preempt(
         &mut self,
@@ -141,6 +145,7 @@ impl Scheduler {
         alloc: AllocRequest,
         out: &mut SchedulerOutput,
         scheduled: &mut Vec<Scheduled>,
+        i: &mut usize,
     ) -> (Option<usize>, TakenBack) {
         let mut back = TakenBack::default();
         loop {
@@ -162,11 +167,13 @@ impl Scheduler {
                 Policy::Priority => {
                     let pos = self.priority_victim_position();
                     let victim = self.running.remove(pos);
+                    if pos < *i {
+                        *i -= 1;
+                    }
                     if let Some(j) = scheduled.iter().position(|s| s.handle == victim) {
                         let s = self.unschedule(scheduled, j, &mut out.block_ids);
                         back.tokens += s.num_tokens as usize;
                         back.input_tokens += (s.num_tokens - s.num_spec) as usize;
-                        back.rows += 1;
                     }
                     victim
                 }

@@ -74,6 +74,7 @@ impl Scheduler {
             inputs: self.cfg.max_num_batched_tokens,
             threshold: self.effective_long_prefill_threshold(),
             defer: self.prefill_deferred(),
+            running_prefill: false,
         };
         let mut rows = self
             .bufs
@@ -107,13 +108,20 @@ impl Scheduler {
         }
 
         self.bufs.last_num_block_ids = out.block_ids.len();
-        self.finish_step(&mut out, rows);
+        self.finish_step(&mut out, rows, budget.running_prefill);
         out
     }
 
     /// Fills the output arrays from the step's rows, does the S12
     /// bookkeeping, and records the step (its rows) for `update_from_output`.
-    fn finish_step(&mut self, out: &mut SchedulerOutput, scheduled: Vec<Scheduled>) {
+    /// `running_prefill`: the running phase scheduled a prefill chunk, even
+    /// one whose row was taken back since.
+    fn finish_step(
+        &mut self,
+        out: &mut SchedulerOutput,
+        scheduled: Vec<Scheduled>,
+        running_prefill: bool,
+    ) {
         // One tight pass per column: cheaper than pushing to seven vectors
         // per row.
         out.req_handles = scheduled.iter().map(|s| s.handle).collect();
@@ -139,10 +147,13 @@ impl Scheduler {
 
         if out.total_num_scheduled_tokens > 0 {
             self.interval.executed += 1;
-            // A refunded victim's chunk no longer counts as carried prefill.
-            if scheduled.iter().any(|s| s.carries_prefill) {
-                self.interval.last_prefill = self.interval.executed;
-            }
+        }
+        // vLLM 0.33: a step restarts the interval if its running phase
+        // scheduled a prefill chunk (a victim's chunk taken back included,
+        // Difference 10) or it admitted prefill work; stamped after the
+        // count, so even a step left with no tokens restarts it.
+        if running_prefill || scheduled.iter().any(|s| s.carries_prefill) {
+            self.interval.last_prefill = self.interval.executed;
         }
         self.in_flight.push_back(InFlightStep {
             step_id: out.step_id,

@@ -69,8 +69,10 @@ impl Scheduler {
                 }
             }
         }
-        // A stop inside accepted drafts leaves KV computed past the kept
-        // tokens; the session goes on from its last token, as without drafts.
+        // The session goes on from its last token. A stop inside accepted
+        // drafts has already trimmed the computed count (`apply_outputs`);
+        // under async scheduling a step scheduled ahead may still count a
+        // token past the segment's end, which is dropped when it lands.
         let p = &mut self.requests[h as usize].progress;
         p.num_computed_tokens = p.num_computed_tokens.min(p.num_tokens - 1);
         let req = self.req_mut(h);

@@ -292,6 +292,59 @@ fn s3_priority_victim_already_scheduled_gives_back_its_budget() {
     assert_eq!(out.total_num_scheduled_tokens, 1, "x's token was refunded");
 }
 
+/// Priority, prefill interval 3, 4-token blocks, `usable` blocks, a 6 + ...
+/// budget: `p` (least urgent, 30 tokens) is admitted alone and runs ahead of
+/// `d` and `e` in `running`; they join it in step 2, when `p` gets its second
+/// chunk (T caps each request at `threshold`). From then on `p` is a prefill
+/// chunk that S12 holds on two steps of three, while `d` and `e` decode.
+fn chunk_ahead_of_decodes(
+    usable: usize,
+    budget: usize,
+    threshold: usize,
+    d_len: usize,
+) -> Scheduler {
+    let mut s = sched_with(usable, |c| {
+        c.policy = Policy::Priority;
+        c.prefill_schedule_interval = 3;
+        c.max_num_batched_tokens = budget;
+        c.long_prefill_token_threshold = threshold;
+    });
+    add_with(&mut s, "p", 30, 50, |r| r.priority = 9);
+    step(&mut s);
+    add_with(&mut s, "d", d_len, 50, |r| r.arrival_time = 1.0);
+    add_with(&mut s, "e", 4, 50, |r| r.arrival_time = 2.0);
+    let (out, _) = step(&mut s);
+    assert_eq!(
+        scheduled(&s, &out),
+        sv(&[("p", threshold as u32), ("d", d_len as u32), ("e", 4)])
+    );
+    s
+}
+
+#[test]
+fn s3_priority_victim_ahead_of_the_scan_moves_it_back_even_without_a_row() {
+    // vLLM 0.33 moves `req_index` back for every victim ahead of it in
+    // `running` (`if victim_index < req_index`), scheduled or not. Here the
+    // victim is `p`, a prefill chunk the held step passed over: `d` needs a
+    // block, the pool is empty, and `e`, behind `d`, still runs.
+    let mut s = chunk_ahead_of_decodes(11, 16, 6, 5);
+    for _held in [3, 4] {
+        let (out, _) = step(&mut s);
+        assert_eq!(scheduled(&s, &out), sv(&[("d", 1), ("e", 1)]));
+    }
+    let (out, _) = step(&mut s); // release step 5: p's next chunk
+    assert_eq!(scheduled(&s, &out), sv(&[("p", 6), ("d", 1), ("e", 1)]));
+    assert_eq!(s.num_free_blocks(), 0);
+    // Held step 6: d's 9th token needs a third block.
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.preempted), vec!["p"]);
+    assert_eq!(
+        scheduled(&s, &out),
+        sv(&[("d", 1), ("e", 1)]),
+        "e is not passed over"
+    );
+}
+
 // ------------------------------------------------------------------ S6, S7
 
 #[test]
@@ -704,6 +757,34 @@ fn s12_in_flight_chunks_are_held_too() {
         }
     }
     assert_eq!(chunk_steps, vec![3, 6], "one chunk per interval");
+}
+
+#[test]
+fn s12_a_prefill_chunk_taken_back_by_a_preemption_still_restarts_the_interval() {
+    // vLLM 0.33's `prefill_scheduled` is set when the running loop schedules
+    // a prefill chunk and stays set when that request is preempted later in
+    // the step, its row taken back: the step still restarts the interval.
+    let mut s = chunk_ahead_of_decodes(12, 18, 7, 6);
+    for _held in [3, 4] {
+        let (out, _) = step(&mut s);
+        assert_eq!(scheduled(&s, &out), sv(&[("d", 1), ("e", 1)]));
+    }
+    // Release step 5: p's last chunk is scheduled, then d needs a third
+    // block and takes it back.
+    let (out, _) = step(&mut s);
+    assert_eq!(names(&s, &out.preempted), vec!["p"]);
+    assert_eq!(scheduled(&s, &out), sv(&[("d", 1), ("e", 1)]));
+    assert_eq!(s.interval.last_prefill, s.interval.executed);
+    // So w, a prompt that would fit, waits out the interval: held on
+    // steps 6 and 7, admitted on step 8.
+    let w = add(&mut s, "w", 4, 5);
+    for held in [6, 7] {
+        let (out, _) = step(&mut s);
+        assert!(!out.req_handles.contains(&w), "w held at step {held}");
+        assert_eq!(scheduled(&s, &out), sv(&[("d", 1), ("e", 1)]));
+    }
+    let (out, _) = step(&mut s);
+    assert!(out.req_handles.contains(&w), "released at step 8");
 }
 
 // ------------------------------------------------------------------ S13
@@ -1640,6 +1721,51 @@ fn s8_with_drafts_a_request_finishing_on_accepted_tokens_caches_them_first() {
     s.add_request(NewRequest::new("b", tokens, 5)).unwrap();
     let (out, _) = step(&mut s);
     assert_eq!(out.num_cached_tokens, vec![8]);
+}
+
+#[test]
+fn s8_a_stop_inside_accepted_drafts_trims_the_computed_count_so_a_whole_last_block_stays_unhashed()
+{
+    // vLLM 0.33: the tokens dropped after the stop leave `num_computed_tokens`
+    // too (`-= len(new_token_ids) - num_new`), so the cache point after the
+    // drafts hashes only up to `num_tokens - 1`. Here the kept sequence is 8
+    // tokens, two whole 4-token blocks: the second stays unhashed, and
+    // freeing sends it to the front of the free queue with the third.
+    let mut s = sched_with(64, |c| c.num_speculative_tokens = 3);
+    let a = add(&mut s, "a", 5, 3);
+    step(&mut s);
+    give_drafts(&mut s, a, &[40, 41, 42]);
+    let out = s.schedule();
+    assert_eq!(scheduled(&s, &out), sv(&[("a", 4)]));
+    let a_blocks = s.blocks_of(a).to_vec();
+    assert_eq!(a_blocks.len(), 3, "9 tokens computed");
+    // All three drafts accepted; max_tokens stops it at 41, two tokens early.
+    let mro = ModelRunnerOutput {
+        sampled_offsets: vec![0, 4],
+        sampled_token_ids: vec![40, 41, 42, 43],
+        ..Default::default()
+    };
+    let res = s.update_from_output(&mro).unwrap();
+    s.check_invariants().unwrap();
+    assert_eq!(res.token_ids, vec![40, 41]);
+    assert_eq!(res.finish_reasons, vec![FinishReason::Length as u8]);
+    // The next allocation takes the unhashed blocks from the front, last
+    // first: a's third block, then its second (not a never-used one).
+    let b = add(&mut s, "b", 8, 5);
+    step(&mut s);
+    assert_eq!(s.blocks_of(b), &[a_blocks[2], a_blocks[1]]);
+    // Only a's first block is still cached: a prompt extending a's 8 tokens
+    // hits 4 of them, not 8.
+    let mut tokens = prompt("a", 5);
+    tokens.extend([7, 40, 41, 9]);
+    s.add_request(NewRequest::new("c", tokens, 5)).unwrap();
+    let (out, _) = step(&mut s);
+    let c = out
+        .req_handles
+        .iter()
+        .position(|&h| id(&s, h) == "c")
+        .unwrap();
+    assert_eq!(out.num_cached_tokens[c], 4);
 }
 
 #[test]

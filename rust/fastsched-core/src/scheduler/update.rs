@@ -119,12 +119,18 @@ impl Scheduler {
                 p.num_computed_tokens -= num_spec.saturating_sub(accepted);
             }
             let mut stop = None;
-            for &t in sampled {
+            for (kept, &t) in sampled.iter().enumerate() {
                 req.append_output_token(t, &hasher);
                 p.num_tokens += 1;
                 outs.token_ids.push(t);
                 stop = req.check_stop_after(t, max_model_len);
                 if stop.is_some() {
+                    // S8/S17, vLLM 0.33: the tokens dropped after a stop inside
+                    // accepted drafts leave the computed count too, which keeps
+                    // it at `num_tokens - 1`, as after any step (a request
+                    // preempted meanwhile stays at 0).
+                    let dropped = sampled.len() - (kept + 1);
+                    p.num_computed_tokens = p.num_computed_tokens.saturating_sub(dropped);
                     break;
                 }
             }
@@ -133,6 +139,9 @@ impl Scheduler {
                 // accepted tokens are cached now (one step before the next
                 // schedule would), even when the request has just stopped, so
                 // that freeing it sends them to the back of the free queue.
+                // Only within the computed tokens: a stop that leaves the
+                // sequence a whole number of blocks long leaves its last block
+                // unhashed, and freeing sends that one to the front.
                 let upto = p.num_computed_tokens.min(req.num_tokens());
                 self.kv.cache_blocks(req, upto);
             }

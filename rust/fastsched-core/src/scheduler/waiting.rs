@@ -314,7 +314,10 @@ impl Scheduler {
         size.n = size.n.min(cap);
         let k = self.cfg.num_speculative_tokens;
         let one_left = num_computed + 1 == num_tokens;
-        if one_left && k > 0 && self.pads_to_uniform_decode(rows, num_computed) {
+        if one_left
+            && k > 0
+            && self.pads_to_uniform_decode(rows, budget.running_prefill, num_computed)
+        {
             // S2 spec decode: one token left, padded with `k` drafts of -1 so
             // the batch stays a uniform decode; rather no admission than an
             // unpadded one (vLLM 0.33).
@@ -545,19 +548,20 @@ impl Scheduler {
     }
 
     /// S2 spec decode, vLLM 0.33: an admission with one token left to
-    /// compute is padded to a uniform decode (`1 + k` tokens) when no running
-    /// row of this step is a prefill chunk (by its flag from its previous
-    /// schedule), when there is a decode batch to join (a running row) or the
-    /// admission hit cached KV, and when the padded positions stay below
-    /// `max_model_len`.
-    fn pads_to_uniform_decode(&self, scheduled: &[Scheduled], num_computed: usize) -> bool {
-        let mut running_rows = scheduled
-            .iter()
-            .filter(|s| s.kind == ScheduledKind::Cached)
-            .peekable();
-        let joins_a_batch = running_rows.peek().is_some() || num_computed > 0;
-        joins_a_batch
-            && !running_rows.any(|s| s.carries_prefill)
+    /// compute is padded to a uniform decode (`1 + k` tokens) when the
+    /// running phase scheduled no prefill chunk (`running_prefill`, by each
+    /// request's flag from its previous schedule), when there is a decode
+    /// batch to join (a running row) or the admission hit cached KV, and when
+    /// the padded positions stay below `max_model_len`.
+    fn pads_to_uniform_decode(
+        &self,
+        scheduled: &[Scheduled],
+        running_prefill: bool,
+        num_computed: usize,
+    ) -> bool {
+        let has_running_row = scheduled.iter().any(|s| s.kind == ScheduledKind::Cached);
+        (has_running_row || num_computed > 0)
+            && !running_prefill
             // vLLM: `computed + 1 + k + 1 <= max_model_len`.
             && num_computed + 1 + self.cfg.num_speculative_tokens < self.cfg.max_model_len
     }
