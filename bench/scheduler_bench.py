@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--prefix-caching-hash-algo", choices=("builtin", "sha256"), default="builtin",
+                   help="how block hashes are computed (the engine's flag of the same name)")
     args = p.parse_args(argv)
 
     for name in ("running", "steps", "prompt_len", "output_len", "block_size"):
@@ -216,6 +218,7 @@ def run(args: argparse.Namespace) -> dict:
         block_size=w.block_size,
         num_gpu_blocks=w.num_blocks,
         enable_prefix_caching=w.prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
     )
     sched = _core.Scheduler(cfg)
     rng = np.random.default_rng(args.seed)
@@ -295,6 +298,7 @@ def report(r: dict) -> dict:
         ("block_size", w.block_size),
         ("policy", w.policy),
         ("prefix caching", "on" if w.prefix_caching else "off"),
+        ("hash algo", args.prefix_caching_hash_algo),
         ("seed", args.seed),
     ]
     cells = [f"{name:<24}{value!s:>9}" for name, value in config]

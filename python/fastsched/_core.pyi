@@ -154,6 +154,7 @@ class SchedulerConfig:
         block_size: int | None = None,
         num_gpu_blocks: int | None = None,
         enable_prefix_caching: bool | None = None,
+        prefix_caching_hash_algo: Literal["builtin", "sha256"] | None = None,
         scheduler_reserve_full_isl: bool | None = None,
         watermark: float | None = None,
         priority_preemption: bool | None = None,
@@ -183,6 +184,8 @@ class SchedulerConfig:
         - ``block_size``: tokens per KV block (also the prefix-cache hash granularity).
         - ``num_gpu_blocks``: KV blocks in the pool *including* the reserved null block 0.
         - ``enable_prefix_caching``: reuse cached whole blocks at admission (S8).
+        - ``prefix_caching_hash_algo``: ``"builtin"`` (a fast 64-bit hash) or ``"sha256"`` (the
+          first 8 bytes of SHA-256, hard to forge: for blocks shared through a KV store).
         - ``scheduler_reserve_full_isl``: admit only if the whole current sequence fits in free KV (S10).
         - ``watermark``: fraction of the pool, in [0, 1), kept free when admitting (S10).
         - ``priority_preemption``: when the active set is full, a strictly more urgent waiting request
@@ -242,6 +245,9 @@ class SchedulerConfig:
     @property
     def enable_prefix_caching(self) -> bool:
         """Whether admission reuses cached prefix blocks."""
+    @property
+    def prefix_caching_hash_algo(self) -> Literal["builtin", "sha256"]:
+        """How block hashes are computed."""
     @property
     def priority_preemption(self) -> bool:
         """Whether a more urgent waiting request preempts the worst running one."""
@@ -375,6 +381,7 @@ class Scheduler:
         arrival_time: float = 0.0,
         lora_id: int | None = None,
         streaming: bool = False,
+        cache_salt: str | None = None,
     ) -> int:
         """Queues a request and returns its handle.
 
@@ -389,6 +396,8 @@ class Scheduler:
         ``lora_id``: the request's LoRA adapter (``>= 1``; None = the base model), which
         counts against ``max_loras`` (S7) and keys its prefix-cache blocks (S8).
         ``streaming``: a session that waits for more input after each segment (S15).
+        ``cache_salt``: mixed into the root of the request's block hashes, so that requests
+        with different salts (tenants) never share prefix-cache blocks (S8).
         """
     def abort_request(self, request_id: str) -> _LiveStatus | None:
         """Aborts a live request and frees its blocks at once (S18); returns its status
@@ -515,6 +524,12 @@ class Scheduler:
     def take_kv_loads(self) -> list[tuple[int, int, npt.NDArray[np.uint32], npt.NDArray[np.uint64]]]:
         """Loads started since the last call, as ``(load_id, handle, block_ids,
         block_hashes)``: fill those blocks with the KV stored under those hashes."""
+    def cached_block_contents(
+        self, block_ids: npt.NDArray[np.uint32]
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint32]]:
+        """What the cached blocks ``block_ids`` hold, for a KV connector to store beside
+        their KV: each one's parent hash, and their token ids (``block_size`` per block,
+        flat). ``ValueError`` for a block that is not cached."""
     def take_cached_blocks(self) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64]]:
         """Blocks that became full and cached since the last call, and their hashes.
         Their KV is computed by the step scheduled last (or an earlier one)."""

@@ -113,6 +113,10 @@ class EngineConfig:
     block_size: int = field(default=_core_default("block_size"), metadata=_flag(KV_CACHE, "tokens per KV block"))
     enable_prefix_caching: bool = field(default=_core_default("enable_prefix_caching"), metadata=_flag(
         KV_CACHE, "reuse KV blocks of identical prompt prefixes", "--no-prefix-caching"))
+    prefix_caching_hash_algo: str = field(default=_core_default("prefix_caching_hash_algo"), metadata=_flag(
+        KV_CACHE, "how prefix-cache block hashes are computed: builtin (fast, 64-bit) or sha256 (its first "
+                  "8 bytes: hashes a client cannot steer into a collision; advised with --kv-transfer-config, "
+                  "whose store is shared)", choices=("builtin", "sha256")))
     num_gpu_blocks: int | None = field(default=None, metadata=_flag(
         KV_CACHE, "KV blocks in the pool, the null block included (default: from memory)", "--num-gpu-blocks",
         flag="--num-gpu-blocks-override"))
@@ -123,7 +127,9 @@ class EngineConfig:
         "--kv-cache-memory", flag="--kv-cache-memory-bytes", type=parse_bytes))
     kv_transfer_config: KVTransferConfig | None = field(default=None, metadata=_flag(
         KV_CACHE, 'KV connector as JSON, e.g. \'{"kv_connector":"SharedStorageConnector","kv_role":"kv_both",'
-                  '"kv_connector_extra_config":{"shared_storage_path":"/mnt/kv"}}\' (docs/scheduler.md, S7)',
+                  '"kv_connector_extra_config":{"shared_storage_path":"/mnt/kv"}}\'; extra config keys max_size '
+                  '(default 64GiB), load_timeout_s (30), lookup_timeout_s (1) (README, "Sharing prompt KV through a '
+                  'store")',
         type=parse_kv_transfer_config, metavar="JSON"))
 
     enable_lora: bool = field(default=False, metadata=_flag(
@@ -234,6 +240,7 @@ class EngineConfig:
         scheduler_knobs = {f.name: getattr(self, f.name) for f in cli_fields() if f.metadata["group"] == SCHEDULER}
         scheduler_knobs.update(max_model_len=max_model_len, num_gpu_blocks=num_gpu_blocks,
                                block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                               prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                                max_loras=self.max_loras if self.enable_lora else 0)
         if self.speculative_config is not None:
             scheduler_knobs["num_speculative_tokens"] = self.speculative_config.num_speculative_tokens

@@ -184,6 +184,22 @@ def check_prompt_chars(num_chars: int, max_model_len: int, max_token_chars: int,
             f"most {max_token_chars} characters each, so more than {bound} characters can never be served", where)
 
 
+# vLLM's cache_salt: a tenant's secret-ish name, never a payload.
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(value: Any) -> str | None:
+    """``cache_salt``: None (no salt) or a non-empty string of at most
+    :data:`MAX_CACHE_SALT_CHARS` characters; :class:`LimitError` naming it otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise LimitError(f"cache_salt must be a non-empty string, got {value!r:.80}", "cache_salt")
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        raise LimitError(f"cache_salt has {len(value)} characters, more than {MAX_CACHE_SALT_CHARS}", "cache_salt")
+    return value
+
+
 def check_finite(name: str, value: float) -> None:
     """Sampling floats must be finite and within float32's range (the sampler's dtype)."""
     if not math.isfinite(value) or abs(value) > FLOAT32_MAX:

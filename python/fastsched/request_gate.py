@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from fastsched.inputs import ContextLengthError, PromptType, TokenizedText, check_length, check_token_ids
-from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits, check_prompt_chars
+from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits, check_cache_salt, check_prompt_chars
 from fastsched.lora.request import LoRARequest
 from fastsched.sampling_params import SamplingParams
 
@@ -52,6 +52,7 @@ class ValidRequest:
     priority: int = 0
     lora_request: LoRARequest | None = None
     streaming: bool = False  # the opening of a streaming-input session (S15)
+    cache_salt: str | None = None  # vLLM's: requests with different salts never share prefix-cache blocks
 
 
 @dataclass(frozen=True)
@@ -100,15 +101,17 @@ class RequestGate:
     # ------------------------------------------------------------ whole requests
 
     def request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                lora_request: LoRARequest | None = None, streaming: bool = False) -> ValidRequest:
+                lora_request: LoRARequest | None = None, streaming: bool = False,
+                cache_salt: str | None = None) -> ValidRequest:
         """The request, checked, a text prompt tokenized here (:meth:`request_async` is an
         event loop's way); ``ValueError`` naming the field if it can never run."""
         self.limits.check_request_id(request_id)
-        return self._request(request_id, prompt, params, priority, lora_request, streaming)
+        return self._request(request_id, prompt, params, priority, lora_request, streaming, cache_salt)
 
     async def request_async(self, request_id: str, prompt: PromptType, params: Callable[[], SamplingParams],
                             constraint: tuple[str, str | Sequence[str]] | None = None, priority: int = 0,
-                            lora_request: LoRARequest | None = None, streaming: bool = False) -> ValidRequest:
+                            lora_request: LoRARequest | None = None, streaming: bool = False,
+                            cache_salt: str | None = None) -> ValidRequest:
         """:meth:`request` for an event loop: ``params`` builds the sampling parameters (which
         compiles an output constraint, ``constraint``: its kind and text or choice list, bounded
         first) and a long prompt is tokenized, both in the worker threads (:meth:`off_loop`)."""
@@ -119,10 +122,11 @@ class RequestGate:
         else:
             built = params()
         prompt = await self.prepare(prompt)
-        return self._request(request_id, prompt, built, priority, lora_request, streaming)
+        return self._request(request_id, prompt, built, priority, lora_request, streaming, cache_salt)
 
     def _request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
-                 lora_request: LoRARequest | None, streaming: bool) -> ValidRequest:
+                 lora_request: LoRARequest | None, streaming: bool, cache_salt: str | None) -> ValidRequest:
+        check_cache_salt(cache_salt)
         self.check_params(params)
         if streaming:
             if params.n != 1:
@@ -139,7 +143,7 @@ class RequestGate:
             text, token_ids = None, [int(t) for t in prompt]
         self.check_token_ids(token_ids)
         self.check_length(len(token_ids), params.max_tokens)
-        return ValidRequest(request_id, text, token_ids, params, priority, lora_request, streaming)
+        return ValidRequest(request_id, text, token_ids, params, priority, lora_request, streaming, cache_salt)
 
     def chunk(self, request_id: str, prompt: PromptType, max_tokens: int, last: bool, *, held: int,
               num_chunks: int) -> ValidChunk:

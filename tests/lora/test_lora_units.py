@@ -100,9 +100,15 @@ def test_slots_are_reused_least_recently_used_first_and_never_for_an_adapter_of_
     base_dir: Path, tmp_path: Path
 ) -> None:
     manager = make_manager(base_dir, max_loras=2, max_cpu_loras=2)
-    for i in (1, 2, 3):
-        manager.register(LoRARequest(f"a{i}", i, str(make_tiny_lora(base_dir, tmp_path / f"a{i}", rank=2, seed=i))))
-    assert manager.cpu_cached == [2, 3], "at most max_cpu_loras copies, the oldest evicted"
+    requests = [LoRARequest(f"a{i}", i, str(make_tiny_lora(base_dir, tmp_path / f"a{i}", rank=2, seed=i)))
+                for i in (1, 2, 3)]
+    for request in requests:
+        manager.register(request)
+    assert manager.cpu_cached == [2, 3], "at most max_cpu_loras idle copies, the oldest evicted"
+    for request in requests:  # requests using them arrive, as EngineCore.add_request does it
+        manager.register(request)
+        manager.acquire(request.id)
+    assert manager.cpu_cached == [1, 2, 3], "adapters of live requests keep their copies"
     one = np.ones(1, dtype=np.int64)
     first = manager.plan(np.array([1, 0, 2]), np.array([1, 1, 1]))
     assert first is not None and first.masks is not None

@@ -286,6 +286,7 @@ def test_protocol_round_trips_every_message() -> None:
     messages = [
         protocol.Hello(1),
         protocol.AddRequest(EngineCoreRequest("r", [1, 2], params, 12.5, -1), 1),
+        protocol.AddRequest(EngineCoreRequest("s", [3], params, 1.0, cache_salt="tenant"), 0),
         protocol.Abort(["r", "s"]),
         protocol.Ready(0, protocol.ModelInfo("/m", "m", 64, 1000, 16, 9, 4)),
         protocol.Heartbeat(1, protocol.EngineStats(1, 2, 0.25, 3, 4, 5, 6, 7)),
@@ -307,6 +308,7 @@ def test_protocol_round_trips_every_message() -> None:
     msgpack.packb(["add", ["r", [1], {}, 0.0, 0, False, None, False], 0, 7]),  # a field too many
     msgpack.packb(["add", ["r", ["x"], {}, 0.0, 0, False, None, False], 0]),  # a token that is no int
     msgpack.packb(["pause", "paused_some", 1, 0]),  # not a pause state
+    msgpack.packb(["add", ["r", [1], {}, 0.0, 0, False, None, 7, False], 0]),  # cache_salt must be a string
     msgpack.packb(["outputs", 0, [["r", [1], "weird", None, None, None, None]], {}, []]),
     msgpack.packb(["heartbeat", -1, {}]),
 ])

@@ -40,7 +40,8 @@ import torch
 from fastsched import _core
 from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
-from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector, store_identity
+from fastsched.engine.kv_connector.identity import store_identity
+from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
 from fastsched.engine.protocol import (
     EngineCoreOutput,
@@ -178,7 +179,8 @@ class EngineCore:
         kv_config = self.config.kv_transfer_config
         if kv_config is None:
             return None
-        identity = store_identity(self.config.model, self.model_config, self.config.block_size, dtype)
+        identity = store_identity(self.config.model, self.model_config, self.config.block_size, dtype,
+                                  self.config.prefix_caching_hash_algo)
         logger.info("KV connector %s (%s) at %s, store key %s", kv_config.kv_connector, kv_config.kv_role,
                     kv_config.shared_storage_path, identity.key)
         # Copies into and out of the KV cache run in forward-pass order: on the forward thread when there is one.
@@ -221,6 +223,7 @@ class EngineCore:
             arrival_time=request.arrival_time,
             lora_id=lora_id,
             streaming=request.streaming,
+            cache_salt=request.cache_salt,
         )
         c = self._columns
         c.ensure(handle)
@@ -233,6 +236,8 @@ class EngineCore:
         c.cached_reported[handle] = False
         c.first_scheduled_time[handle] = c.first_token_time[handle] = math.nan
         c.lora_id[handle] = lora_id or 0
+        if lora_id is not None and self.lora is not None:
+            self.lora.acquire(lora_id)  # its CPU copy stays until the request ends (_prepare)
         generator = make_generator(params.seed, self.runner.device) if params.seed is not None else None
         eos_ids = () if ignore_eos else self.eos_token_ids
         self._row_states[handle] = RowState(params, n, eos_ids, generator)
@@ -447,6 +452,8 @@ class EngineCore:
             # Reported finished (or aborted): the handle may be reused after this step.
             if self._row_states.pop(h, None) is not None:
                 self._outputs.num_final_only -= bool(c.final_only[h])
+                if c.lora_id[h] and self.lora is not None:
+                    self.lora.release(int(c.lora_id[h]))
         # Read now: a request aborted before this step is collected leaves the scheduler then.
         prompt_lens = self.scheduler.num_prompt_tokens(so.req_handles)
         if np.count_nonzero(so.kinds):

@@ -228,6 +228,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=T
     # A frontend always asks for deltas.
     final_only: bool = False
     lora_request: LoRARequest | None = None  # the adapter to apply, None: the base model
+    cache_salt: str | None = None  # vLLM's: requests with different salts never share prefix-cache blocks
     # A streaming-input session (S15): after each segment it waits for STREAM_INPUT or CLOSE_STREAM
     # instead of finishing.
     streaming: bool = False

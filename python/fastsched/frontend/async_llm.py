@@ -190,6 +190,7 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> Session:
         """Opens a streaming-input session (S15; ``fastsched.frontend.session``): ``prompt`` is its
         first chunk and ``params.max_tokens`` that chunk's generation. Admitted like a request
@@ -199,7 +200,7 @@ class AsyncLLM:
         :class:`SessionLimitError` (an :class:`AdmissionError`) when this frontend's share of
         ``max_sessions`` is open already."""
         return self.open_session(self._gate().request(request_id, prompt, params or SamplingParams(), priority,
-                                                      lora_request, streaming=True))
+                                                      lora_request, streaming=True, cache_salt=cache_salt))
 
     def open_session(self, valid: ValidRequest) -> Session:
         """:meth:`session` for a request the gate has let through (``valid.streaming``)."""
@@ -218,6 +219,7 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Admit and send one request; returns its stream (see the module docstring).
 
@@ -228,10 +230,11 @@ class AsyncLLM:
         alive, fault tolerance off). Iterating raises :class:`EngineDeadError` if its
         engine dies and ``ValueError`` if the engine refuses the prompt (docs/design.md §4:
         ignored, e.g. longer than the whole KV pool). ``lora_request``: the adapter every
-        child runs with (see :attr:`loras`), None for the base model.
+        child runs with (see :attr:`loras`), None for the base model. ``cache_salt``
+        (vLLM's): requests with different salts never share prefix-cache blocks.
         """
         return self.submit(self._gate().request(request_id, prompt, params or SamplingParams(), priority,
-                                                lora_request))
+                                                lora_request, cache_salt=cache_salt))
 
     def submit(self, valid: ValidRequest) -> RequestStream:
         """:meth:`generate` for a request the gate (:attr:`gate`) has let through: nothing in
@@ -271,6 +274,7 @@ class AsyncLLM:
         try:
             for request in requests:
                 request.lora_request = valid.lora_request
+                request.cache_salt = valid.cache_salt
                 self._client.send(engine.index, protocol.AddRequest(request, self.frontend_index))
         except BaseException:
             self._table.drop(state)

@@ -265,8 +265,9 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             kind = so.WhichOneof("kind")
             if kind is not None and kind != "json_object":
                 constraint = (kind, list(so.choice.values) if kind == "choice" else getattr(so, kind))
+        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
         return await self.async_llm.gate.request_async(request_id, prompt, build_params, constraint,
-                                                       request.priority, lora, streaming)
+                                                       request.priority, lora, streaming, cache_salt)
 
     def _parse(self, request: Any) -> tuple[str | list[int], Callable[[], SamplingParams], LoRARequest | None]:
         """The prompt, a builder of the sampling parameters (it may compile a grammar: the gate

@@ -68,7 +68,15 @@ KV_CONNECTOR_COUNTERS = {
     "blocks_loaded": ("kv_connector_blocks_loaded", "KV blocks loaded from the connector's store."),
     "blocks_saved": ("kv_connector_blocks_saved", "KV blocks saved to the connector's store."),
     "load_failures": ("kv_connector_load_failures",
-                      "KV blocks found in the store but missing or corrupt when loaded (computed instead)."),
+                      "KV blocks found in the store but missing, corrupt or not the request's when loaded "
+                      "(computed instead)."),
+    "token_mismatches": ("kv_connector_token_mismatches",
+                         "KV blocks in the store whose token ids were not the request's (a miss)."),
+    "load_timeouts": ("kv_connector_load_timeouts", "KV block loads given up after load_timeout_s."),
+    "lookup_timeouts": ("kv_connector_lookup_timeouts", "KV store lookups given up after lookup_timeout_s."),
+    "blocks_evicted": ("kv_connector_blocks_evicted", "KV block files deleted to keep the store under max_size."),
+    "saves_dropped": ("kv_connector_saves_dropped",
+                      "Batches of KV blocks not saved because too many saves were waiting for the store."),
     "load_seconds": ("kv_connector_load_seconds", "Seconds spent reading and checking loaded KV blocks."),
     "save_seconds": ("kv_connector_save_seconds", "Seconds spent writing saved KV blocks."),
 }

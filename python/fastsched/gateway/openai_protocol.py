@@ -24,7 +24,7 @@ from typing import Any, Literal
 from fastsched.gateway import structured, tool_calls
 from fastsched.gateway.chat_template import template_options
 from fastsched.gateway.request_fields import FieldError
-from fastsched.limits import RequestLimits, check_finite, check_prompt_chars
+from fastsched.limits import LimitError, RequestLimits, check_cache_salt, check_finite, check_prompt_chars
 from fastsched.proto_gen import import_stubs
 
 pb, _ = import_stubs()
@@ -159,6 +159,7 @@ class ParsedRequest:
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     lora_name: str = ""  # the LoRA adapter the client named as `model`; empty: the base model
+    cache_salt: str | None = None  # vLLM's: separates tenants' prefix-cache blocks
 
     @property
     def n(self) -> int:
@@ -169,6 +170,8 @@ class ParsedRequest:
         for i, prompt in enumerate(self.prompts):
             req = pb.GenerateRequest(request_id=f"{self.request_id}-{i}", sampling_params=self.sampling,
                                      priority=self.priority, model=self.lora_name)
+            if self.cache_salt is not None:
+                req.cache_salt = self.cache_salt
             if isinstance(prompt, str):
                 req.text = prompt
             else:
@@ -205,6 +208,13 @@ def _sampling_params(body: dict, max_tokens: int | None, limits: RequestLimits) 
     return msg
 
 
+def _cache_salt(body: dict) -> str | None:
+    try:
+        return check_cache_salt(body.get("cache_salt"))
+    except LimitError as e:
+        raise bad_request(str(e), "cache_salt") from None
+
+
 def _stream_flags(body: dict) -> tuple[bool, bool]:
     stream = bool(_get_bool(body, "stream", False))
     options = body.get("stream_options")
@@ -222,6 +232,7 @@ _SAMPLING_FIELDS = frozenset({
     "model", "stream", "stream_options", "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "include_stop_str_in_output", "skip_special_tokens", "priority", "logprobs",
+    "cache_salt",
     "logit_bias",  # refused when used
     *structured.FIELDS,
 })
@@ -305,7 +316,7 @@ def parse_completion(body: dict, request_id: str, limits: RequestLimits | None =
         sampling.logprobs = logprobs
     stream, include_usage = _stream_flags(body)
     return ParsedRequest("completion", prompts, sampling, _get_int(body, "priority", 0), stream, include_usage,
-                         echo=echo, top_logprobs=logprobs, request_id=request_id)
+                         echo=echo, top_logprobs=logprobs, request_id=request_id, cache_salt=_cache_salt(body))
 
 
 def _message_content(message: dict, i: int) -> dict:
@@ -386,7 +397,7 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     return ParsedRequest("chat", [prompt_ids], sampling, _get_int(body, "priority", 0), stream, include_usage,
                          echo=echo, chat_echo=_chat_echo(messages, options["add_generation_prompt"]) if echo else "",
                          top_logprobs=(top_logprobs or 0) if logprobs else None,
-                         request_id=request_id, tool_calling=tool_calling)
+                         request_id=request_id, tool_calling=tool_calling, cache_salt=_cache_salt(body))
 
 
 def _chat_echo(messages: list[dict], add_generation_prompt: bool) -> str:

@@ -9,18 +9,14 @@ the forward pass does two matmuls and nothing else.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from fastsched.lora.request import WEIGHTS_FILE, read_adapter_config
+from fastsched.lora.request import TENSOR_NAME, WEIGHTS_FILE, read_adapter_config, read_safetensors_header
 from fastsched.models.config import ModelConfig
-
-# e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
-_TENSOR_NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
 @dataclass
@@ -53,26 +49,38 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def load_adapter(path: str | Path, adapter_id: int, config: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
     """Reads and checks the adapter in directory ``path``: every tensor must belong to a
-    layer and a projection of the model, with the shapes ``r`` and the model imply, and
-    every targeted projection needs both A and B."""
+    layer and a projection of the model, with the shapes ``r`` and the model imply, hold
+    finite numbers, and every targeted projection needs both A and B. Whatever is wrong
+    with the files is a ``ValueError`` naming them (the request that names the adapter
+    fails, never the engine); shapes are checked from the file's header before any
+    tensor is read."""
     adapter_config = read_adapter_config(path, max_lora_rank)
     rank = adapter_config["r"]
     alpha = adapter_config.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if adapter_config.get("use_rslora") else alpha / rank
     shapes = projection_shapes(config)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for name, tensor in load_file(str(Path(path) / WEIGHTS_FILE)).items():
-        match = _TENSOR_NAME.search(name)
+    weights_file = Path(path) / WEIGHTS_FILE
+    for name, info in read_safetensors_header(weights_file).items():
+        match = TENSOR_NAME.search(name)
         if match is None or match[2] not in shapes or int(match[1]) >= config.num_layers:
             raise ValueError(f"LoRA adapter {str(path)!r}: tensor {name} has no place in {config.architecture}")
-        layer, module, half = int(match[1]), match[2], match[3]
-        in_features, out_features = shapes[module]
-        expected = (rank, in_features) if half == "A" else (out_features, rank)
-        if tuple(tensor.shape) != expected:
+        in_features, out_features = shapes[match[2]]
+        expected = (rank, in_features) if match[3] == "A" else (out_features, rank)
+        if tuple(info["shape"]) != expected:
             raise ValueError(
-                f"LoRA adapter {str(path)!r}: tensor {name} has shape {tuple(tensor.shape)}, expected {expected}"
+                f"LoRA adapter {str(path)!r}: tensor {name} has shape {tuple(info['shape'])}, expected {expected}"
             )
-        halves.setdefault((layer, module), {})[half] = tensor.float()
+    try:
+        tensors = load_file(str(weights_file))
+    except Exception as e:  # safetensors raises its own error types (and OSError)
+        raise ValueError(f"LoRA adapter weights {str(weights_file)!r} cannot be read: {e}") from None
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = TENSOR_NAME.search(name)
+        assert match is not None  # checked in the header above
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"LoRA adapter {str(path)!r}: tensor {name} holds NaN or infinite values")
+        halves.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor.float()
     weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(config.num_layers)]
     for (layer, module), pair in sorted(halves.items()):
         if len(pair) != 2:

@@ -7,12 +7,21 @@ an adapter and refuse a bad one (400) before anything reaches the engine.
 from __future__ import annotations
 
 import json
+import math
+import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+# e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
+TENSOR_NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+# safetensors: an 8-byte little-endian header length, a JSON header, then the tensors' bytes.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+# A LoRA adapter's header lists a few hundred tensors; a larger header is not an adapter.
+MAX_HEADER_BYTES = 16 * 2**20
 # The projections of a Llama-family layer an adapter may target (PEFT's module names).
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # adapter_config.json fields that would change what the adapter computes, and the values
@@ -61,8 +70,12 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict[str, Any]:
         raise ValueError(f"LoRA adapter {str(directory)!r} has no {WEIGHTS_FILE}")
     try:
         config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
+    except OSError as e:
+        raise ValueError(f"LoRA adapter {str(directory)!r}: {CONFIG_FILE} cannot be read ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"LoRA adapter {str(directory)!r}: {CONFIG_FILE} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {str(directory)!r}: {CONFIG_FILE} is not a JSON object")
 
     def bad(field: str, why: str) -> ValueError:
         return ValueError(f"LoRA adapter {str(directory)!r}: {field} {why}")
@@ -83,4 +96,74 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict[str, Any]:
     for field, allowed in _PLAIN_LORA.items():
         if config.get(field) not in allowed:
             raise bad(field, f"is {config[field]!r}, which fastsched does not support")
+    check_adapter_weights(directory / WEIGHTS_FILE, rank)
     return config
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """The tensors a safetensors file lists (name -> dtype, shape, data_offsets), checked
+    against the file: a sound header whose tensors, of a float dtype, exactly tile the bytes
+    after it. ``ValueError`` naming the file for anything else (empty, truncated, not
+    safetensors), so that a bad file is refused before anything reads its tensors."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"LoRA adapter weights {str(path)!r} {why}")
+
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            if size < 8:
+                raise bad(f"are not a safetensors file: {size} bytes")
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise bad(f"are not a safetensors file: a header of {header_len} bytes in a file of {size}")
+            header = json.loads(f.read(header_len))
+    except OSError as e:
+        raise bad(f"cannot be read: {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"are not a safetensors file: its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("are not a safetensors file: its header is not an object")
+    header.pop("__metadata__", None)
+    spans = []
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise bad(f"hold tensor {name} with a malformed entry {info!r:.120}")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _DTYPE_BYTES:
+            raise bad(f"hold tensor {name} of dtype {dtype!r}; LoRA weights are one of {sorted(_DTYPE_BYTES)}")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise bad(f"hold tensor {name} with a malformed entry {info!r:.120}")
+        if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype] or offsets[0] < 0:
+            raise bad(f"hold tensor {name} whose bytes {offsets} do not match its shape {shape} and dtype {dtype}")
+        spans.append((offsets[0], offsets[1]))
+    spans.sort()
+    end = 0
+    for start, stop in spans:
+        if start != end:
+            raise bad("are not a safetensors file: its tensors' bytes overlap or leave gaps")
+        end = stop
+    if 8 + header_len + end != size:
+        raise bad(f"are truncated or padded: {size} bytes, the header says {8 + header_len + end}")
+    return header
+
+
+def check_adapter_weights(path: Path, rank: int) -> None:
+    """The adapter's weights file, checked without loading its tensors: a sound safetensors
+    file (:func:`read_safetensors_header`) of PEFT LoRA tensors (``lora_A`` ``[r, in]``,
+    ``lora_B`` ``[out, r]``), at least one. The engine checks the in and out sizes against
+    the model when it loads the adapter."""
+    header = read_safetensors_header(path)
+    if not header:
+        raise ValueError(f"LoRA adapter weights {str(path)!r} hold no tensors")
+    for name, info in header.items():
+        match = TENSOR_NAME.search(name)
+        if match is None or match[2] not in TARGET_MODULES:
+            raise ValueError(f"LoRA adapter weights {str(path)!r}: tensor {name} is not a LoRA tensor of "
+                             f"{list(TARGET_MODULES)}")
+        shape = info["shape"]
+        if len(shape) != 2 or shape[0 if match[3] == "A" else 1] != rank:
+            raise ValueError(f"LoRA adapter weights {str(path)!r}: tensor {name} has shape {shape}, not that of a "
+                             f"lora_{match[3]} of rank r={rank}")

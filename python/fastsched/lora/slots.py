@@ -6,9 +6,14 @@ once per layer and fused projection (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
 ``down_proj``), every adapter padded to ``max_lora_rank``: loading an adapter is a copy,
 never an allocation, and the model's shapes never change.
 
+Adapters are read from disk only when a request is added (:meth:`LoRAManager.register`),
+where a bad file fails that request and nothing else: an adapter that live requests use
+keeps its CPU copy (``max_cpu_loras`` bounds the idle ones), so planning a step never
+reads a file and never fails for an adapter's sake.
+
 Work is split across the engine's two threads: :meth:`LoRAManager.plan` runs on the
-host while the step is prepared (which adapter goes in which slot, the CPU cache,
-reading adapters from disk); :meth:`LoRAManager.activate` runs just before the forward
+host while the step is prepared (which adapter goes in which slot, from the CPU
+copies); :meth:`LoRAManager.activate` runs just before the forward
 pass, on the thread that runs them in order, and is the only code that writes the slots.
 A step planned while the previous one still runs may thus reuse a slot the previous one
 reads: the write happens after that forward pass, never during it.
@@ -16,7 +21,7 @@ reads: the write happens after that forward pass, never during it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,8 +101,8 @@ class LayerLoRA:
 
 
 class LoRAManager:
-    """Registered adapters (id -> :class:`LoRARequest`), their CPU copies (LRU, at most
-    ``max_cpu_loras``) and the ``max_loras`` device slots (LRU among the adapters the
+    """Registered adapters (id -> :class:`LoRARequest`), their CPU copies (those of live
+    requests, and at most ``max_cpu_loras`` idle ones, LRU) and the ``max_loras`` device slots (LRU among the adapters the
     step at hand does not use). ``kernel`` computes the decode-size steps: ``torch``
     (:func:`~fastsched.lora.punica.bgmv_dense`) or ``triton``
     (:func:`~fastsched.lora.triton_bgmv.bgmv_triton`, the engine's choice on CUDA)."""
@@ -134,6 +139,7 @@ class LoRAManager:
         self._requests: dict[int, LoRARequest] = {}
         self._targets: dict[int, frozenset[str]] = {}  # id -> fused projections it changes
         self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._live: Counter[int] = Counter()  # id -> live requests using it (acquire / release)
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
         self._free_slots = list(range(max_loras - 1, -1, -1))
 
@@ -151,19 +157,33 @@ class LoRAManager:
         return self._requests[lora_id].name
 
     def register(self, request: LoRARequest) -> None:
-        """Makes ``request.id`` known, reading and checking its adapter the first time (a
-        bad adapter fails the request that names it, never a step). One id, one path."""
+        """Makes ``request.id`` known with a CPU copy of its adapter, reading and checking it
+        the first time or when the copy was dropped (a bad adapter is a ``ValueError`` that
+        fails the request that names it, never a step). One id, one path."""
         known = self._requests.get(request.id)
         if known is not None:
             if known.path != request.path:
                 raise ValueError(f"LoRA id {request.id} is adapter {known.name!r} ({known.path}); "
                                  f"adapter {request.name!r} names {request.path}")
-            return
+            if request.id in self._cpu:
+                self._cpu.move_to_end(request.id)
+                return
         adapter = load_adapter(request.path, request.id, self.config, self.max_lora_rank)
         self._requests[request.id] = request
         self._targets[request.id] = frozenset(
             fused for fused, modules in FUSED_PROJECTIONS.items() if adapter.target_modules & set(modules))
         self._remember(adapter)
+
+    def acquire(self, lora_id: int) -> None:
+        """A live request uses the (registered) adapter: its CPU copy stays until :meth:`release`."""
+        self._live[lora_id] += 1
+
+    def release(self, lora_id: int) -> None:
+        """A request that used the adapter has ended."""
+        self._live[lora_id] -= 1
+        if self._live[lora_id] <= 0:
+            del self._live[lora_id]
+            self._trim()
 
     def plan(self, lora_ids: np.ndarray, num_scheduled: np.ndarray) -> LoRAMapping | None:
         """The slots of a step whose requests use adapters ``lora_ids`` (0: none), with
@@ -230,16 +250,20 @@ class LoRAManager:
     def _cpu_copy(self, lora_id: int) -> LoRAAdapter:
         adapter = self._cpu.get(lora_id)
         if adapter is None:
-            request = self._requests[lora_id]
-            adapter = load_adapter(request.path, lora_id, self.config, self.max_lora_rank)
-            self._remember(adapter)
+            raise RuntimeError(f"LoRA adapter {lora_id} is scheduled without a CPU copy; every request holds "
+                               "its adapter's copy from add_request (acquire) to its end (release)")
         self._cpu.move_to_end(lora_id)
         return adapter
 
     def _remember(self, adapter: LoRAAdapter) -> None:
         self._cpu[adapter.id] = adapter
-        while len(self._cpu) > self.max_cpu_loras:
-            self._cpu.popitem(last=False)
+        self._trim(keep=adapter.id)  # read for a request about to acquire it
+
+    def _trim(self, keep: int | None = None) -> None:
+        """Drops the least recently used idle copies (but ``keep``) past ``max_cpu_loras``."""
+        idle = [i for i in self._cpu if i not in self._live and i != keep]
+        for lora_id in idle[: max(len(self._cpu) - self.max_cpu_loras, 0)]:
+            del self._cpu[lora_id]
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         """Packs the adapter into the fused stacks. A fused projection of ``n`` shards gives

@@ -21,6 +21,41 @@ impl std::str::FromStr for Policy {
     }
 }
 
+/// How prefix-cache block hashes are computed (vLLM's
+/// `--prefix-caching-hash-algo`). Hashes are 64 bits either way, and a cache
+/// hit is confirmed against the block's tokens and parent in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HashAlgo {
+    /// A fast non-cryptographic hash: enough for one engine's own cache.
+    #[default]
+    Builtin,
+    /// The first 8 bytes of SHA-256: hashes that a client cannot steer into
+    /// a collision, for blocks shared across engines through a KV store.
+    Sha256,
+}
+
+impl HashAlgo {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HashAlgo::Builtin => "builtin",
+            HashAlgo::Sha256 => "sha256",
+        }
+    }
+}
+
+impl std::str::FromStr for HashAlgo {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "builtin" => Ok(HashAlgo::Builtin),
+            "sha256" => Ok(HashAlgo::Sha256),
+            other => Err(Error::InvalidConfig(format!(
+                "prefix_caching_hash_algo ({other:?}) must be \"builtin\" or \"sha256\""
+            ))),
+        }
+    }
+}
+
 /// Every knob of the per-step decision. `None` fields take their documented
 /// default in [`SchedulerConfig::resolved`].
 #[derive(Debug, Clone, PartialEq)]
@@ -49,6 +84,7 @@ pub struct SchedulerConfig {
     /// Blocks in the pool *including* the reserved null block 0.
     pub num_gpu_blocks: usize,
     pub enable_prefix_caching: bool,
+    pub prefix_caching_hash_algo: HashAlgo,
     pub scheduler_reserve_full_isl: bool,
     pub watermark: f64,
     /// Priority preemption (opt-in): a strictly more urgent waiting request
@@ -78,6 +114,7 @@ impl Default for SchedulerConfig {
             block_size: 16,
             num_gpu_blocks: 4096,
             enable_prefix_caching: true,
+            prefix_caching_hash_algo: HashAlgo::Builtin,
             scheduler_reserve_full_isl: true,
             watermark: 0.0,
             priority_preemption: false,

@@ -23,7 +23,7 @@ pub mod scheduler;
 pub mod telemetry;
 
 pub use admission::SharedAdmissionStats;
-pub use config::{Policy, SchedulerConfig};
+pub use config::{HashAlgo, Policy, SchedulerConfig};
 pub use error::{Error, Result};
 pub use output::{EngineCoreOutputs, ModelRunnerOutput, ScheduledKind, SchedulerOutput};
 pub use request::{

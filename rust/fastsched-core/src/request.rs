@@ -87,6 +87,9 @@ pub struct NewRequest {
     pub priority: i64,
     pub arrival_time: f64,
     pub lora_id: Option<u32>,
+    /// vLLM's `cache_salt`: mixed into the root of the request's block
+    /// hashes, so that requests with different salts never share cached KV.
+    pub cache_salt: Option<String>,
     /// A streaming-input session (S15): more input may arrive after each
     /// generation segment; it ends when the client closes it.
     pub streaming: bool,
@@ -109,6 +112,7 @@ impl NewRequest {
             priority: 0,
             arrival_time: 0.0,
             lora_id: None,
+            cache_salt: None,
             streaming: false,
         }
     }
@@ -291,7 +295,7 @@ impl Request {
             ignore_eos: new.ignore_eos,
             lora_id: new.lora_id,
             block_hashes: buffers.block_hashes,
-            hash_root: BlockHasher::root(new.lora_id),
+            hash_root: hasher.root(new.lora_id, new.cache_salt.as_deref()),
             num_preemptions: 0,
             num_cached_tokens: None,
             streaming: new.streaming,

@@ -1,7 +1,7 @@
 //! `SchedulerConfig` for Python: keyword arguments, each optional with the
 //! core's default, validated at construction.
 
-use fastsched_core::config::{Policy, SchedulerConfig};
+use fastsched_core::config::{HashAlgo, Policy, SchedulerConfig};
 use pyo3::prelude::*;
 
 use crate::errors::{non_negative, to_id, to_py};
@@ -38,6 +38,7 @@ impl PySchedulerConfig {
         block_size = None,
         num_gpu_blocks = None,
         enable_prefix_caching = None,
+        prefix_caching_hash_algo = None,
         scheduler_reserve_full_isl = None,
         watermark = None,
         priority_preemption = None,
@@ -61,6 +62,7 @@ impl PySchedulerConfig {
         block_size: Option<i64>,
         num_gpu_blocks: Option<i64>,
         enable_prefix_caching: Option<bool>,
+        prefix_caching_hash_algo: Option<&str>,
         scheduler_reserve_full_isl: Option<bool>,
         watermark: Option<f64>,
         priority_preemption: Option<bool>,
@@ -122,6 +124,10 @@ impl PySchedulerConfig {
             block_size: size("block_size", block_size, d.block_size)?,
             num_gpu_blocks: size("num_gpu_blocks", num_gpu_blocks, d.num_gpu_blocks)?,
             enable_prefix_caching: enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
+            prefix_caching_hash_algo: match prefix_caching_hash_algo {
+                Some(a) => a.parse::<HashAlgo>().map_err(to_py)?,
+                None => d.prefix_caching_hash_algo,
+            },
             scheduler_reserve_full_isl: scheduler_reserve_full_isl
                 .unwrap_or(d.scheduler_reserve_full_isl),
             watermark: watermark.unwrap_or(d.watermark),
@@ -202,6 +208,10 @@ impl PySchedulerConfig {
     #[getter]
     fn enable_prefix_caching(&self) -> bool {
         self.inner.enable_prefix_caching
+    }
+    #[getter]
+    fn prefix_caching_hash_algo(&self) -> &'static str {
+        self.inner.prefix_caching_hash_algo.as_str()
     }
     #[getter]
     fn priority_preemption(&self) -> bool {

@@ -28,6 +28,9 @@ fn slice<'a>(name: &str, a: &'a PyReadonlyArray1<'_, u32>) -> PyResult<&'a [u32]
         .map_err(|_| PyValueError::new_err(format!("{name} must be a contiguous uint32 array")))
 }
 
+/// `cached_block_contents`' answer: each block's parent hash, and their token ids (flat).
+type BlockContents<'py> = (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u32>>);
+
 impl PyScheduler {
     fn live(&self, handle: Handle) -> PyResult<&fastsched_core::Request> {
         self.inner
@@ -55,7 +58,7 @@ impl PyScheduler {
     #[pyo3(signature = (
         request_id, prompt_token_ids, max_tokens, *, min_tokens = 0, eos_token_id = None,
         stop_token_ids = None, ignore_eos = false, priority = 0, arrival_time = 0.0,
-        lora_id = None, streaming = false,
+        lora_id = None, streaming = false, cache_salt = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -71,6 +74,7 @@ impl PyScheduler {
         arrival_time: f64,
         lora_id: Option<i64>,
         streaming: bool,
+        cache_salt: Option<String>,
     ) -> PyResult<Handle> {
         let new = NewRequest {
             request_id,
@@ -85,6 +89,7 @@ impl PyScheduler {
             priority,
             arrival_time,
             lora_id: lora_id.map(|l| to_id("lora_id", l)).transpose()?,
+            cache_salt,
             streaming,
         };
         self.inner.add_request(new).map_err(to_py)
@@ -446,6 +451,31 @@ impl PyScheduler {
     }
 
     /// Blocks that became full and cached since the last call: (block_ids, block_hashes).
+    /// What the cached blocks `block_ids` hold, for a KV connector to store
+    /// beside their KV: each one's parent hash, and their token ids
+    /// (`block_size` per block, flat). ValueError for a block not cached.
+    fn cached_block_contents<'py>(
+        &self,
+        py: Python<'py>,
+        block_ids: PyReadonlyArray1<'_, u32>,
+    ) -> PyResult<BlockContents<'py>> {
+        let ids = slice("block_ids", &block_ids)?;
+        let pool = &self.inner.kv().pool;
+        let mut parents = Vec::with_capacity(ids.len());
+        let mut tokens = Vec::with_capacity(ids.len() * self.inner.config().block_size);
+        for &b in ids {
+            let Some((parent, held)) = pool.cached_content(b) else {
+                return Err(PyValueError::new_err(format!("block {b} is not cached")));
+            };
+            parents.push(parent);
+            tokens.extend_from_slice(held);
+        }
+        Ok((
+            PyArray1::from_vec(py, parents),
+            PyArray1::from_vec(py, tokens),
+        ))
+    }
+
     fn take_cached_blocks<'py>(
         &mut self,
         py: Python<'py>,

@@ -17,7 +17,6 @@ under async scheduling), so a copy never races a step that reuses the same block
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
@@ -26,14 +25,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fastsched import _core
-from fastsched.engine.kv_connector.base import KVConnector, StoreIdentity
+from fastsched.engine.kv_connector.base import BlockContents, KVConnector, StoreIdentity
 from fastsched.engine.kv_connector.shared_storage import SharedStorageConnector
 from fastsched.kv_transfer import KVTransferConfig
 
 if TYPE_CHECKING:
-    import torch
-
-    from fastsched.models.config import ModelConfig
     from fastsched.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -42,21 +38,15 @@ logger = logging.getLogger(__name__)
 # (instead of spinning on empty steps).
 IDLE_WAIT_S = 0.05
 
-Saves = tuple[np.ndarray, np.ndarray]  # block ids, their hashes
+Saves = tuple[np.ndarray, BlockContents]  # block ids, what they hold
 Ordered = Callable[[Callable[[], Any]], "Future[Any] | None"]
-
-
-def store_identity(model: str | None, model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> StoreIdentity:
-    """A local checkpoint directory is named by its absolute path, a hub model by its id."""
-    name = os.path.abspath(model) if model and os.path.isdir(model) else (model or "embedded-default")
-    return StoreIdentity(model=name, block_size=block_size, dtype=str(dtype).removeprefix("torch."),
-                         num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                         head_dim=model_config.head_dim)
 
 
 def make_connector(config: KVTransferConfig, identity: StoreIdentity) -> KVConnector:
     if config.kv_connector == "SharedStorageConnector":
-        return SharedStorageConnector(identity, config.shared_storage_path)
+        return SharedStorageConnector(identity, config.shared_storage_path, max_size=config.max_size,
+                                      load_timeout_s=config.load_timeout_s,
+                                      lookup_timeout_s=config.lookup_timeout_s)
     raise ValueError(f"kv_transfer_config.kv_connector {config.kv_connector!r} is not implemented")
 
 
@@ -106,18 +96,30 @@ class KVTransfer:
         """Starts the loads the schedule began; returns the step's blocks to save, if any."""
         for load_id, handle, block_ids, block_hashes in self._scheduler.take_kv_loads():
             self._num_loading += 1
-            self.connector.start_load(load_id, handle, block_ids, block_hashes)
+            self.connector.start_load(load_id, handle, block_ids, self._expected(handle, block_hashes))
         block_ids, block_hashes = self._scheduler.take_cached_blocks()
         if not len(block_ids) or not self.config.is_producer:
             return None
-        return block_ids, block_hashes
+        parents, tokens = self._scheduler.cached_block_contents(block_ids)
+        return block_ids, BlockContents(block_hashes.tolist(), parents.tolist(),
+                                       tokens.reshape(len(block_ids), self._block_size))
+
+    def _expected(self, handle: int, load_hashes: np.ndarray) -> BlockContents:
+        """What the blocks of a load must hold: the request's tokens of those blocks, and the
+        hash of the block before each (unknown, 0, before the first block of the prompt)."""
+        hashes = self._scheduler.block_hashes(handle)
+        first = int(np.flatnonzero(hashes == load_hashes[0])[0])
+        n, bs = len(load_hashes), self._block_size
+        tokens = self._scheduler.token_ids(handle)[first * bs : (first + n) * bs].reshape(n, bs)
+        parents = [int(hashes[first - 1]) if first else 0, *load_hashes[:-1].tolist()]
+        return BlockContents(load_hashes.tolist(), parents, tokens)
 
     def save(self, saves: Saves) -> None:
         """Reads the blocks out of the KV cache (after the forward pass that wrote them) and
         hands them to the store. Best effort: a failure loses a store entry, not a request."""
-        block_ids, block_hashes = saves
+        block_ids, contents = saves
         try:
-            self.connector.save(block_hashes, self._runner.read_blocks(block_ids))
+            self.connector.save(contents, self._runner.read_blocks(block_ids))
         except Exception:
             logger.exception("saving %d KV blocks failed", len(block_ids))
 

@@ -182,6 +182,15 @@ impl BlockPool {
         self.cache.insert(&self.blocks, block, hash, tokens);
     }
 
+    /// What a cached block holds: its parent's hash and its token ids (a KV
+    /// connector stores them with the block's KV); None when not cached.
+    pub fn cached_content(&self, block: u32) -> Option<(u64, &[u32])> {
+        let record = self.blocks.get(block as usize)?;
+        record
+            .cached
+            .then(|| (record.parent, self.cache.block_tokens(block)))
+    }
+
     /// A cached block whose content is `parent` + `tokens`, if any.
     pub fn get_cached_block(&self, hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
         self.cache.get(&self.blocks, hash, parent, tokens)

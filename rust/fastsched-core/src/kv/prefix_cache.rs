@@ -5,8 +5,11 @@
 //! same content (an exact duplicate prompt recomputes its capped last block);
 //! lookups return the earliest-inserted one still cached.
 
+use sha2::{Digest, Sha256};
+
 use super::block::Block;
 use super::table::{Plain, Table};
+use crate::config::HashAlgo;
 
 /// Hashes one full block of token ids, chained to its parent block's hash.
 #[derive(Debug, Clone)]
@@ -14,6 +17,7 @@ pub struct BlockHasher {
     block_size: usize,
     /// `block_size - 1` when the block size is a power of two (see `ends_block`).
     mask: Option<usize>,
+    algo: HashAlgo,
 }
 
 const ROOT_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -30,9 +34,14 @@ fn mix(mut x: u64) -> u64 {
 
 impl BlockHasher {
     pub fn new(block_size: usize) -> Self {
+        BlockHasher::with_algo(block_size, HashAlgo::Builtin)
+    }
+
+    pub fn with_algo(block_size: usize, algo: HashAlgo) -> Self {
         BlockHasher {
             block_size,
             mask: block_size.is_power_of_two().then(|| block_size - 1),
+            algo,
         }
     }
 
@@ -52,15 +61,47 @@ impl BlockHasher {
     }
 
     /// The parent value of a request's first block: distinct per LoRA
-    /// adapter, so adapters never share cached KV.
-    pub fn root(lora_id: Option<u32>) -> u64 {
-        mix(ROOT_SEED ^ lora_id.map_or(0, |id| u64::from(id) + 1))
+    /// adapter and per cache salt (vLLM's `cache_salt`), so that neither
+    /// adapters nor tenants with different salts ever share cached KV.
+    /// Without a salt, `builtin` gives the root it always gave.
+    pub fn root(&self, lora_id: Option<u32>, cache_salt: Option<&str>) -> u64 {
+        let lora = lora_id.map_or(0, |id| u64::from(id) + 1);
+        match self.algo {
+            HashAlgo::Builtin => {
+                let root = mix(ROOT_SEED ^ lora);
+                match cache_salt {
+                    None => root,
+                    Some(salt) => mix(root ^ hash_bytes(salt.as_bytes())),
+                }
+            }
+            HashAlgo::Sha256 => {
+                let mut d = Sha256::new();
+                d.update(b"fastsched-root");
+                d.update(lora.to_le_bytes());
+                if let Some(salt) = cache_salt {
+                    d.update((salt.len() as u64).to_le_bytes());
+                    d.update(salt.as_bytes());
+                }
+                first_word(d)
+            }
+        }
     }
 
-    /// Four tokens per multiply (a folded 64x64->128 multiply, as in the wy
-    /// family of hashes): blocks are hashed on every admission and every
-    /// block a decode fills, so this is on the hot path.
+    /// `builtin`: four tokens per multiply (a folded 64x64->128 multiply, as
+    /// in the wy family of hashes): blocks are hashed on every admission and
+    /// every block a decode fills, so this is on the hot path. `sha256`: the
+    /// first 8 bytes of SHA-256 over the parent and the tokens (little-endian),
+    /// for when hashes must be hard to forge (blocks shared through a store).
     pub fn hash_block(&self, parent: u64, tokens: &[u32]) -> u64 {
+        if self.algo == HashAlgo::Sha256 {
+            let mut d = Sha256::new();
+            d.update(parent.to_le_bytes());
+            d.update((tokens.len() as u64).to_le_bytes());
+            for &t in tokens {
+                d.update(t.to_le_bytes());
+            }
+            return first_word(d);
+        }
         let mut h = mix(parent ^ (tokens.len() as u64).wrapping_mul(MUL));
         let mut quads = tokens.chunks_exact(4);
         for q in &mut quads {
@@ -73,6 +114,25 @@ impl BlockHasher {
         }
         mix(h)
     }
+}
+
+/// The first 8 bytes of a SHA-256 digest, little-endian.
+fn first_word(d: Sha256) -> u64 {
+    let digest = d.finalize();
+    let mut word = [0u8; 8];
+    word.copy_from_slice(&digest[..8]);
+    u64::from_le_bytes(word)
+}
+
+/// A salt's bytes folded eight at a time (`builtin` roots; not on a hot path).
+fn hash_bytes(bytes: &[u8]) -> u64 {
+    let mut h = mix(ROOT_SEED ^ (bytes.len() as u64).wrapping_mul(MUL));
+    for chunk in bytes.chunks(8) {
+        let mut word = [0u8; 8];
+        word[..chunk.len()].copy_from_slice(chunk);
+        h = fold(h ^ K1, u64::from_le_bytes(word) ^ K2);
+    }
+    mix(h)
 }
 
 const K1: u64 = 0xa076_1d64_78bd_642f;
@@ -162,6 +222,11 @@ impl PrefixCache {
             tokens,
             tokens_start,
         }
+    }
+
+    /// The token ids a block holds (meaningful while it is cached).
+    pub fn block_tokens(&self, block: u32) -> &[u32] {
+        &self.tokens[self.tokens_of(block)]
     }
 
     #[inline]
@@ -324,12 +389,50 @@ mod tests {
 
     #[test]
     fn s8_hash_is_chained_on_parent() {
+        for algo in [HashAlgo::Builtin, HashAlgo::Sha256] {
+            let h = BlockHasher::with_algo(2, algo);
+            let root = h.root(None, None);
+            let a = h.hash_block(root, &[1, 2]);
+            assert_eq!(a, h.hash_block(root, &[1, 2]));
+            assert_ne!(h.hash_block(a, &[3, 4]), h.hash_block(root, &[3, 4]));
+            assert_ne!(h.root(Some(1), None), root);
+        }
+    }
+
+    #[test]
+    fn s8_cache_salt_separates_roots() {
+        for algo in [HashAlgo::Builtin, HashAlgo::Sha256] {
+            let h = BlockHasher::with_algo(2, algo);
+            let plain = h.root(None, None);
+            let a = h.root(None, Some("tenant-a"));
+            assert_ne!(a, plain);
+            assert_ne!(a, h.root(None, Some("tenant-b")));
+            assert_eq!(a, h.root(None, Some("tenant-a")));
+            assert_ne!(a, h.root(Some(1), Some("tenant-a")));
+            // An empty salt is a salt: it is not the unsalted root.
+            assert_ne!(h.root(None, Some("")), plain);
+        }
+    }
+
+    #[test]
+    fn builtin_root_without_salt_is_unchanged() {
+        // Decision digests and replays hash with the default algorithm.
         let h = BlockHasher::new(2);
-        let root = BlockHasher::root(None);
-        let a = h.hash_block(root, &[1, 2]);
-        assert_eq!(a, h.hash_block(root, &[1, 2]));
-        assert_ne!(h.hash_block(a, &[3, 4]), h.hash_block(root, &[3, 4]));
-        assert_ne!(BlockHasher::root(Some(1)), root);
+        assert_eq!(h.root(None, None), mix(ROOT_SEED));
+        assert_eq!(h.root(Some(4), None), mix(ROOT_SEED ^ 5));
+    }
+
+    #[test]
+    fn sha256_hashes_differ_from_builtin_and_are_sha256() {
+        let b = BlockHasher::new(2);
+        let s = BlockHasher::with_algo(2, HashAlgo::Sha256);
+        assert_ne!(b.hash_block(7, &[1, 2]), s.hash_block(7, &[1, 2]));
+        let mut d = Sha256::new();
+        d.update(7u64.to_le_bytes());
+        d.update(2u64.to_le_bytes());
+        d.update(1u32.to_le_bytes());
+        d.update(2u32.to_le_bytes());
+        assert_eq!(s.hash_block(7, &[1, 2]), first_word(d));
     }
 
     /// The index with the pool's per-block records, driven as the pool does.

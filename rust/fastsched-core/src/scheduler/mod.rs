@@ -246,7 +246,7 @@ impl Scheduler {
             capacity_bound: false,
         };
         Ok(Scheduler {
-            hasher: BlockHasher::new(cfg.block_size),
+            hasher: BlockHasher::with_algo(cfg.block_size, cfg.prefix_caching_hash_algo),
             kv: KvCacheManager::new(
                 cfg.num_gpu_blocks,
                 cfg.block_size,
