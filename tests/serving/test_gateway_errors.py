@@ -23,15 +23,24 @@ from fastsched.frontend.admission import QueueOverflowError  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.inputs import ContextLengthError  # noqa: E402
+from fastsched.request_gate import RequestGate  # noqa: E402
 
 MODEL = "fake-model"
 
 
+class _WordTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1] * len(text.split())
+
+
 class FakeLLM:
-    """AsyncLLM's contract where the gateway's error paths need it: ``refuse`` is what
-    ``generate()`` and ``session()`` raise when called (an admission rejection, a ValueError)."""
+    """AsyncLLM's contract where the gateway's error paths need it: the request gate's checks
+    (over a word-per-token tokenizer), then ``refuse`` is what ``submit()`` and
+    ``open_session()`` raise (an admission rejection, a ValueError)."""
 
     loras = None
+    session_open_timeout = 0.5
+    gate = RequestGate(_WordTokenizer(), 64, 1000)
 
     def __init__(self) -> None:
         self.refuse: Exception | None = None
@@ -42,15 +51,12 @@ class FakeLLM:
     def is_healthy(self) -> bool:
         return True
 
-    async def prepare_prompt(self, prompt: Any) -> Any:
-        return prompt
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
+    def submit(self, valid: Any) -> Any:
         assert self.refuse is not None, "these tests only exercise refusals"
         raise self.refuse
 
-    def session(self, *args: Any, **kwargs: Any) -> Any:
-        return self.generate()
+    def open_session(self, valid: Any) -> Any:
+        return self.submit(valid)
 
 
 class Stack:
