@@ -60,7 +60,17 @@ class EngineConfig:
     tokenizer: str | None = field(default=None, metadata=_flag(
         MODEL, "HF directory, .gguf file or cached repo id to take the tokenizer from (default: the model's)"))
     dtype: str = field(default="auto", metadata=_flag(
-        MODEL, "weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)", choices=("auto", *DTYPES)))
+        MODEL, "activations and KV cache dtype (auto: bfloat16 on CUDA; on CPU bfloat16 when the CPU computes in "
+               "bf16 natively (AVX512-BF16/AMX) and the weights are 4-bit or bf16/fp16, else float32)",
+        choices=("auto", *DTYPES)))
+    quantization: str | None = field(default=None, metadata=_flag(
+        MODEL, "weight quantization: gguf (a .gguf file's Q4_0/Q4_1 tensors stay 4-bit; the default for a .gguf), "
+               "int4 (a dense checkpoint's linear layers quantized to 4 bits at load, groups of 32), none "
+               "(everything dense, in --dtype; default for a checkpoint directory)", "-q",
+        choices=("gguf", "int4", "none")))
+    num_threads: int | None = field(default=None, metadata=_flag(
+        MODEL, "CPU intra-op threads (default: OMP_NUM_THREADS if set, else the cores this process may use, "
+               "affinity and cgroup quota considered)"))
     device: str = field(default="auto", metadata=_flag(MODEL, "cpu, cuda or cuda:N (auto: cuda when available)"))
     attention_backend: str | None = field(default=None, metadata=_flag(
         MODEL, "attention implementation (default: flashinfer, else triton on CUDA; torch on CPU)",
@@ -148,6 +158,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.quantization not in (None, "gguf", "int4", "none"):
+            raise ValueError(f"quantization must be one of gguf, int4, none; got {self.quantization!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -209,8 +223,27 @@ class EngineConfig:
         import torch
 
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            if self.torch_device.type == "cuda":
+                return torch.bfloat16
+            from fastsched.worker.cpu_env import cpu_has_bf16
+
+            low_precision = self.resolved_quantization != "none" or self._checkpoint_dtype() in ("bfloat16", "float16")
+            return torch.bfloat16 if low_precision and cpu_has_bf16() else torch.float32
         return getattr(torch, self.dtype)
+
+    @property
+    def resolved_quantization(self) -> str:
+        """``quantization`` with its default filled in: gguf for a .gguf file, none otherwise."""
+        if self.quantization is not None:
+            return self.quantization
+        from fastsched.model_loader import is_gguf, resolve_model_path
+
+        return "gguf" if is_gguf(resolve_model_path(self.model)) else "none"
+
+    def _checkpoint_dtype(self) -> str:
+        from fastsched.model_loader import load_model_config
+
+        return load_model_config(self.model).dtype
 
     def resolve_max_model_len(self, model_max: int) -> int:
         if self.max_model_len is None:

@@ -155,6 +155,7 @@ def _cache_config(config: EngineConfig, sc: Any) -> dict[str, str]:
         "num_gpu_blocks_override": str(config.num_gpu_blocks),
         "enable_prefix_caching": str(bool(sc.enable_prefix_caching)),
         "cache_dtype": str(config.torch_dtype).removeprefix("torch."),
+        "quantization": config.resolved_quantization,
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "kv_cache_memory_bytes": str(config.kv_cache_memory),
     }

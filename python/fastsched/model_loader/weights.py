@@ -13,9 +13,16 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight
 from fastsched.model_loader import hf, is_gguf, open_gguf, resolve_model_path
+from fastsched.model_loader.gguf_quants import Int4Blocks
 from fastsched.models.llama import LlamaForCausalLM
+from fastsched.models.quant_linear import QuantLinear
 from fastsched.models.registry import get_model_class
+
+# --quantization values (vLLM's spelling): gguf keeps a GGUF file's 4-bit tensors 4-bit;
+# int4 quantizes a dense checkpoint's linear layers at load; none dequantizes everything.
+QUANTIZATIONS = ("gguf", "int4", "none")
 
 logger = logging.getLogger(__name__)
 
@@ -33,24 +40,62 @@ def iter_hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 progress.update(1)
 
 
+def _from_gguf(name: str, w: object) -> tuple[str, torch.Tensor | Int4Weight]:
+    if isinstance(w, Int4Blocks):
+        return name, Int4Weight(*(torch.from_numpy(part) for part in w))
+    return name, torch.from_numpy(w)  # type: ignore[arg-type]
+
+
+def _quantize_linears(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+    """``--quantization int4``: every projection and lm_head weight whose rows split into
+    whole groups, quantized round-to-nearest (:meth:`Int4Weight.quantize`)."""
+    for name, tensor in weights:
+        linear = name.endswith("proj.weight") or name == "lm_head.weight"
+        if linear and tensor.dim() == 2 and tensor.shape[1] % GROUP_SIZE == 0:
+            yield name, Int4Weight.quantize(tensor)
+        else:
+            yield name, tensor
+
+
+def check_quantization(quantization: str | None, path: Path) -> str:
+    """The quantization to load ``path`` with: None picks gguf for a GGUF file, none otherwise."""
+    if quantization is None:
+        return "gguf" if is_gguf(path) else "none"
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if quantization == "gguf" and not is_gguf(path):
+        raise ValueError(f"quantization 'gguf' needs a .gguf file; {path} is not one (use int4 or none)")
+    if quantization == "int4" and is_gguf(path):
+        raise ValueError("quantization 'int4' quantizes a dense checkpoint; a .gguf file is served with 'gguf' "
+                         "(its own 4-bit tensors) or 'none'")
+    return quantization
+
+
 def load_model(
     model: str | os.PathLike[str] | None,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """Build the model for ``model`` in eval mode with weights cast to ``dtype`` on ``device``;
-    its ``config`` attribute is the ``ModelConfig`` (EOS ids, ``max_position_embeddings``...)."""
+    its ``config`` attribute is the ``ModelConfig`` (EOS ids, ``max_position_embeddings``...).
+    ``quantization`` (:data:`QUANTIZATIONS`, checked by :func:`check_quantization`) says which
+    linear layers keep 4-bit weights."""
     start = time.monotonic()
     path = resolve_model_path(model)
+    quantization = check_quantization(quantization, path)
     if is_gguf(path):
         gguf_file = open_gguf(path)
         config = gguf_file.config()
-        weights = ((name, torch.from_numpy(w)) for name, w in gguf_file.iter_weights(config))
+        logger.info("%s holds tensors %s; quantization %s", path.name, gguf_file.quantization_types(), quantization)
+        weights = (_from_gguf(name, w) for name, w in gguf_file.iter_weights(config, quantization == "gguf"))
     else:
         config = hf.read_config(path)
         hf.weight_files(path)  # a missing file fails before the model is allocated
         weights = iter_hf_weights(path)
+        if quantization == "int4":
+            weights = _quantize_linears(weights)
     model_cls = get_model_class(config.architecture)  # an unsupported one fails before any weight is read
     # Built on the meta device so no memory is spent on a random init that the weights overwrite.
     with torch.device("meta"):
@@ -58,6 +103,13 @@ def load_model(
     model = model.to(dtype).to_empty(device=torch.device(device))
     with torch.no_grad():
         model.load_weights(weights)
-    num_params = sum(p.numel() for p in model.parameters())
-    logger.info("loaded %s (%.0fM parameters) in %.1f s", path.name, num_params / 1e6, time.monotonic() - start)
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    num_params = sum(p.numel() for p in model.parameters()) + sum(m.in_features * m.out_features for m in quantized)
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed_bytes = sum(m.weight_packed.nbytes() for m in quantized)
+    kernels = sorted({m.weight_packed.kind for m in quantized})
+    logger.info("loaded %s (%.0fM parameters, %d linear layers 4-bit with kernel %s) in %.1f s: weights %.0f MiB "
+                "(%.0f MiB packed 4-bit, %.0f MiB in %s)", path.name, num_params / 1e6, len(quantized),
+                ",".join(kernels) or "-", time.monotonic() - start, (dense_bytes + packed_bytes) / 2**20,
+                packed_bytes / 2**20, dense_bytes / 2**20, str(dtype).removeprefix("torch."))
     return model.eval()
