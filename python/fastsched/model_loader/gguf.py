@@ -19,7 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tqdm import tqdm
 
 from fastsched.model_loader.gguf_container import GGUFContainer
-from fastsched.model_loader.gguf_quants import Int4Blocks, dequantize, int4_blocks
+from fastsched.model_loader.gguf_quants import Int4Blocks, dequantize, int4_blocks, int4_type
 from fastsched.model_loader.tokenizer import Tokenizer
 from fastsched.models.config import ModelConfig
 
@@ -137,6 +137,10 @@ class GGUFFile:
         for tensor in self.container.tensors:
             counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
         return counts
+
+    def int4_tensor_names(self) -> set[str]:
+        """Hugging Face names of the tensors ``iter_weights(keep_quantized=True)`` gives 4-bit."""
+        return {_hf_name(t.name) for t in self.container.tensors if int4_type(t)}
 
     def iter_weights(
         self, config: ModelConfig, keep_quantized: bool = False

@@ -61,9 +61,14 @@ class Int4Blocks(NamedTuple):
     zero: np.ndarray
 
 
+def int4_type(tensor: GGUFTensor) -> bool:
+    """Whether ``tensor`` is a Q4_0 or Q4_1 matrix (what :func:`int4_blocks` keeps 4-bit)."""
+    return tensor.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1) and len(tensor.shape) == 2
+
+
 def int4_blocks(tensor: GGUFTensor) -> Int4Blocks | None:
     """``tensor``'s codes and block parameters if it is Q4_0 or Q4_1 (else None)."""
-    if tensor.tensor_type not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1) or len(tensor.shape) != 2:
+    if not int4_type(tensor):
         return None
     block_bytes, _ = _FAST[tensor.tensor_type]
     rows, cols = tensor.shape

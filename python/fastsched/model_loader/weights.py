@@ -3,6 +3,7 @@ needs torch, unlike the rest of ``fastsched.model_loader``)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from tqdm import tqdm
 from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight
 from fastsched.model_loader import hf, is_gguf, open_gguf, resolve_model_path
 from fastsched.model_loader.gguf_quants import Int4Blocks
-from fastsched.models.llama import LlamaForCausalLM
+from fastsched.models.llama import LlamaForCausalLM, target_parameter
 from fastsched.models.quant_linear import QuantLinear
 from fastsched.models.registry import get_model_class
 
@@ -57,6 +58,39 @@ def _quantize_linears(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[t
             yield name, tensor
 
 
+def _all_shards_int4(int4_names: set[str], gguf_names: Iterator[str]) -> set[str]:
+    """The linear weights whose every checkpoint tensor is 4-bit (so the layer becomes a
+    ``QuantLinear`` and its dense weight is never needed)."""
+    from fastsched.model_loader.gguf import _hf_name
+
+    shards: dict[str, list[bool]] = {}
+    for name in map(_hf_name, gguf_names):
+        shards.setdefault(target_parameter(name), []).append(name in int4_names)
+    return {t for t, flags in shards.items() if all(flags) and (t.endswith("proj.weight") or t == "lm_head.weight")}
+
+
+def _materialize(model: torch.nn.Module, device: torch.device, skip: set[str]) -> None:
+    """``to_empty`` but for the parameters in ``skip``, left on the meta device (they are
+    replaced by packed 4-bit layers as the weights load)."""
+    for module_name, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            full = f"{module_name}.{name}" if module_name else name
+            if param is not None and full not in skip:
+                module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device=device),
+                                                              requires_grad=param.requires_grad)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+
+
+def _release_freed_memory() -> None:
+    """Hands the heap freed by load-time temporaries back to the OS (glibc keeps it otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def check_quantization(quantization: str | None, path: Path) -> str:
     """The quantization to load ``path`` with: None picks gguf for a GGUF file, none otherwise."""
     if quantization is None:
@@ -85,11 +119,14 @@ def load_model(
     start = time.monotonic()
     path = resolve_model_path(model)
     quantization = check_quantization(quantization, path)
+    packed: set[str] = set()  # parameters that will be 4-bit: never allocated dense
     if is_gguf(path):
         gguf_file = open_gguf(path)
         config = gguf_file.config()
         logger.info("%s holds tensors %s; quantization %s", path.name, gguf_file.quantization_types(), quantization)
         weights = (_from_gguf(name, w) for name, w in gguf_file.iter_weights(config, quantization == "gguf"))
+        if quantization == "gguf":
+            packed = _all_shards_int4(gguf_file.int4_tensor_names(), (t.name for t in gguf_file.container.tensors))
     else:
         config = hf.read_config(path)
         hf.weight_files(path)  # a missing file fails before the model is allocated
@@ -100,9 +137,10 @@ def load_model(
     # Built on the meta device so no memory is spent on a random init that the weights overwrite.
     with torch.device("meta"):
         model = model_cls(config)
-    model = model.to(dtype).to_empty(device=torch.device(device))
+    _materialize(model.to(dtype), torch.device(device), skip=packed)
     with torch.no_grad():
         model.load_weights(weights)
+    _release_freed_memory()
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     num_params = sum(p.numel() for p in model.parameters()) + sum(m.in_features * m.out_features for m in quantized)
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -269,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
             num_shards = sum(f == fused for f, _ in _FUSED.values()) or 1
             if len(shards) == num_shards:
                 weight = Int4Weight.cat([shards[i] for i in range(num_shards)])
-                replace_linear(self, target.removesuffix(".weight"), weight)
+                replace_linear(self, target.removesuffix(".weight"), weight, self.embed_tokens.weight.device)
                 continue
             # Mixed formats in one fused layer (some shards not 4-bit): the 4-bit ones go in dense.
             for shard, weight in shards.items():
@@ -282,6 +282,14 @@ class LlamaForCausalLM(nn.Module):
             return shard * c.intermediate_size, c.intermediate_size
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         return (0, q_size) if shard == 0 else (q_size + (shard - 1) * kv_size, kv_size)
+
+
+def target_parameter(hf_name: str) -> str:
+    """The parameter a checkpoint tensor goes into (q/k/v and gate/up: their fused one)."""
+    parts = hf_name.removeprefix("model.").rsplit(".", 2)
+    if len(parts) == 3 and parts[1] in _FUSED:
+        return f"{parts[0]}.{_FUSED[parts[1]][0]}.{parts[2]}"
+    return ".".join(parts)
 
 
 def _checkpoint_names(params: dict[str, nn.Parameter]) -> list[str]:

@@ -26,15 +26,15 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.weight_packed.kind}"
 
 
-def replace_linear(model: nn.Module, name: str, weight: Int4Weight) -> QuantLinear:
-    """Puts a :class:`QuantLinear` holding ``weight`` where the ``nn.Linear`` ``name`` was,
-    keeping its bias; the dense weight it had is freed."""
+def replace_linear(model: nn.Module, name: str, weight: Int4Weight, device: torch.device) -> QuantLinear:
+    """Puts a :class:`QuantLinear` holding ``weight`` on ``device`` where the ``nn.Linear``
+    ``name`` was, keeping its bias; the dense weight it had (if it was ever allocated) is freed."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, child)
     if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != weight.shape:
         raise ValueError(f"{name} is not a linear layer of shape {weight.shape}")
-    new = QuantLinear(weight, old.bias, old.weight.device)
+    new = QuantLinear(weight, old.bias, device)
     setattr(parent, child, new)
     return new
 
