@@ -199,6 +199,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement (all reported)")
     parser.add_argument("--fastsched-args", default="{}", help="JSON of extra LLM(...) arguments")
     parser.add_argument("--skip-llamacpp", action="store_true")
+    parser.add_argument("--skip-fastsched", action="store_true", help="llama.cpp alone")
     parser.add_argument("--llamacpp-venv", type=Path, default=OUT / "llamacpp-venv",
                         help="virtual environment holding llama-cpp-python (installed there if missing)")
     parser.add_argument("--json", type=Path, help="write the results there too")
@@ -213,8 +214,9 @@ def main() -> None:
         result = run_fastsched(args) if args.worker == "fastsched" else run_llamacpp(args)
         print("RESULT " + json.dumps(result), flush=True)
         return
-    passthrough = [a for a in sys.argv[1:] if a != "--skip-llamacpp"] + ["--model", args.model]
-    engines = [("fastsched", Path(sys.executable))]
+    passthrough = [a for a in sys.argv[1:] if a not in ("--skip-llamacpp", "--skip-fastsched")]
+    passthrough += ["--model", args.model]
+    engines = [] if args.skip_fastsched else [("fastsched", Path(sys.executable))]
     install_s = None
     if not args.skip_llamacpp:
         python, install_s = llamacpp_python(args.llamacpp_venv)
