@@ -60,8 +60,8 @@ class EngineConfig:
     tokenizer: str | None = field(default=None, metadata=_flag(
         MODEL, "HF directory, .gguf file or cached repo id to take the tokenizer from (default: the model's)"))
     dtype: str = field(default="auto", metadata=_flag(
-        MODEL, "activations and KV cache dtype (auto: bfloat16 on CUDA; on CPU bfloat16 when the CPU computes in "
-               "bf16 natively (AVX512-BF16/AMX) and the weights are 4-bit or bf16/fp16, else float32)",
+        MODEL, "activations and KV cache dtype (auto: bfloat16 on CUDA; on CPU bfloat16 when the weights are 4-bit "
+               "(--quantization gguf/int4) and the CPU computes in bf16 natively (AVX512-BF16/AMX), else float32)",
         choices=("auto", *DTYPES)))
     quantization: str | None = field(default=None, metadata=_flag(
         MODEL, "weight quantization: gguf (a .gguf file's Q4_0/Q4_1 tensors stay 4-bit; the default for a .gguf), "
@@ -225,25 +225,18 @@ class EngineConfig:
         if self.dtype == "auto":
             if self.torch_device.type == "cuda":
                 return torch.bfloat16
-            from fastsched.worker.cpu_env import cpu_has_bf16
+            from fastsched.cpu_env import cpu_has_bf16
 
-            low_precision = self.resolved_quantization != "none" or self._checkpoint_dtype() in ("bfloat16", "float16")
-            return torch.bfloat16 if low_precision and cpu_has_bf16() else torch.float32
+            return torch.bfloat16 if self.resolved_quantization != "none" and cpu_has_bf16() else torch.float32
         return getattr(torch, self.dtype)
 
     @property
     def resolved_quantization(self) -> str:
-        """``quantization`` with its default filled in: gguf for a .gguf file, none otherwise."""
+        """``quantization`` with its default filled in: gguf for a .gguf file (the embedded
+        model is one), none otherwise."""
         if self.quantization is not None:
             return self.quantization
-        from fastsched.model_loader import is_gguf, resolve_model_path
-
-        return "gguf" if is_gguf(resolve_model_path(self.model)) else "none"
-
-    def _checkpoint_dtype(self) -> str:
-        from fastsched.model_loader import load_model_config
-
-        return load_model_config(self.model).dtype
+        return "gguf" if self.model is None or str(self.model).endswith(".gguf") else "none"
 
     def resolve_max_model_len(self, model_max: int) -> int:
         if self.max_model_len is None:

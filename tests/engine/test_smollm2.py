@@ -66,7 +66,7 @@ def test_default_model_greedy_tokens_match_transformers_on_the_same_gguf(
 
 def test_default_model_keeps_its_4_bit_weights_and_computes_in_bf16_where_the_cpu_has_it(llm) -> None:
     from fastsched.models.quant_linear import QuantLinear
-    from fastsched.worker.cpu_env import cpu_has_bf16
+    from fastsched.cpu_env import cpu_has_bf16
 
     model = llm.engine.runner.model
     assert llm.config.resolved_quantization == "gguf"

@@ -50,7 +50,7 @@ from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.generation_defaults import load_generation_defaults
 from fastsched.model_loader.weights import load_model
 from fastsched.models.quant_linear import copy_weights
-from fastsched.worker.cpu_env import configure_threads
+from fastsched.cpu_env import configure_threads
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, make_generator
 from fastsched.spec_decode import SpecDecodingCounters, build_proposer, draft_rows
