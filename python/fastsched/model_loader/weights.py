@@ -120,6 +120,7 @@ def load_model(
     path = resolve_model_path(model)
     quantization = check_quantization(quantization, path)
     packed: set[str] = set()  # parameters that will be 4-bit: never allocated dense
+    weights: Iterator[tuple[str, torch.Tensor | Int4Weight]]
     if is_gguf(path):
         gguf_file = open_gguf(path)
         config = gguf_file.config()
@@ -130,9 +131,8 @@ def load_model(
     else:
         config = hf.read_config(path)
         hf.weight_files(path)  # a missing file fails before the model is allocated
-        weights = iter_hf_weights(path)
-        if quantization == "int4":
-            weights = _quantize_linears(weights)
+        dense = iter_hf_weights(path)
+        weights = _quantize_linears(dense) if quantization == "int4" else dense
     model_cls = get_model_class(config.architecture)  # an unsupported one fails before any weight is read
     # Built on the meta device so no memory is spent on a random init that the weights overwrite.
     with torch.device("meta"):
