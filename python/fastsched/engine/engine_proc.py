@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import zmq
 
 from fastsched.config import EngineConfig, parse_lora_modules
@@ -123,8 +122,9 @@ def run_engine(
 
 
 def _build_engine(engine_config: dict[str, Any], torch_num_threads: int | None) -> tuple[EngineCore, ModelInfo]:
-    if torch_num_threads is not None:
-        torch.set_num_threads(torch_num_threads)
+    if torch_num_threads is not None and engine_config.get("num_threads") is None:
+        # --torch-num-threads (serve's older spelling) is the engine's --num-threads.
+        engine_config = {**engine_config, "num_threads": torch_num_threads}
     config = EngineConfig.from_kwargs(**engine_config)
     core = EngineCore(config)
     sc = core.scheduler.config
