@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastsched"
 # (``fastsched/__init__.py``) is above everything: it only loads the offline API lazily.
 LAYERS = [
     ("_core", "sampling_params", "limits", "outputs", "proto_gen", "rpc", "admin", "units", "structured", "process_stats",
-     "json_flags", "speculative_config", "kv_transfer", "config"),
+     "json_flags", "speculative_config", "kv_transfer", "config", "cpu_env"),
     ("kernels", "sample"),
     ("attention",),
     ("models", "lora"),

@@ -60,7 +60,17 @@ class EngineConfig:
     tokenizer: str | None = field(default=None, metadata=_flag(
         MODEL, "HF directory, .gguf file or cached repo id to take the tokenizer from (default: the model's)"))
     dtype: str = field(default="auto", metadata=_flag(
-        MODEL, "weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)", choices=("auto", *DTYPES)))
+        MODEL, "activations and KV cache dtype (auto: bfloat16 on CUDA; on CPU bfloat16 when the weights are 4-bit "
+               "(--quantization gguf/int4) and the CPU computes in bf16 natively (AVX512-BF16/AMX), else float32)",
+        choices=("auto", *DTYPES)))
+    quantization: str | None = field(default=None, metadata=_flag(
+        MODEL, "weight quantization: gguf (a .gguf file's Q4_0/Q4_1 tensors stay 4-bit; the default for a .gguf), "
+               "int4 (a dense checkpoint's linear layers quantized to 4 bits at load, groups of 32), none "
+               "(everything dense, in --dtype; default for a checkpoint directory)", "-q",
+        choices=("gguf", "int4", "none")))
+    num_threads: int | None = field(default=None, metadata=_flag(
+        MODEL, "CPU intra-op threads (default: OMP_NUM_THREADS if set, else the cores this process may use, "
+               "affinity and cgroup quota considered)"))
     device: str = field(default="auto", metadata=_flag(MODEL, "cpu, cuda or cuda:N (auto: cuda when available)"))
     attention_backend: str | None = field(default=None, metadata=_flag(
         MODEL, "attention implementation (default: flashinfer, else triton on CUDA; torch on CPU)",
@@ -154,6 +164,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.quantization not in (None, "gguf", "int4", "none"):
+            raise ValueError(f"quantization must be one of gguf, int4, none; got {self.quantization!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -215,7 +229,11 @@ class EngineConfig:
         import torch
 
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            if self.torch_device.type == "cuda":
+                return torch.bfloat16
+            from fastsched.cpu_env import cpu_has_bf16
+
+            return torch.bfloat16 if self.resolved_quantization != "none" and cpu_has_bf16() else torch.float32
         return getattr(torch, self.dtype)
 
     def check_scheduler_knobs(self) -> None:
@@ -225,6 +243,14 @@ class EngineConfig:
         (measured from memory when not given) as 2. A relation with either is checked for real
         when it is given, and again by each engine once the model is known."""
         self.scheduler_config(self.max_model_len or 2, self.num_gpu_blocks or 2)
+
+    @property
+    def resolved_quantization(self) -> str:
+        """``quantization`` with its default filled in: gguf for a .gguf file (the embedded
+        model is one), none otherwise."""
+        if self.quantization is not None:
+            return self.quantization
+        return "gguf" if self.model is None or str(self.model).endswith(".gguf") else "none"
 
     def resolve_max_model_len(self, model_max: int) -> int:
         if self.max_model_len is None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastsched.config import EngineConfig
 from fastsched.engine.core import EngineCore
@@ -198,4 +199,35 @@ def test_s13_weights_reload_only_while_paused_all_and_only_weights_that_fit(
     with pytest.raises((ValueError, OSError)):
         core.reload_weights(str(tmp_path))  # no checkpoint there
     core.reload_weights(str(tiny_model_dir))
+    core.shutdown()
+
+
+def test_s13_a_4_bit_engine_reloads_its_packed_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Packed 4-bit layers are not in a state dict: a reload replaces them layer by layer,
+    so the next step computes with the new weights (here a checkpoint with one layer zeroed)."""
+    from safetensors.torch import load_file, save_file
+
+    from fastsched.models.quant_linear import QuantLinear
+
+    core = make_core(tiny_model_dir, False, quantization="int4")
+    layer = core.runner.model.layers[0].mlp.down_proj
+    assert isinstance(layer, QuantLinear)
+    before = layer.weight_packed
+    changed = tmp_path / "model"
+    changed.mkdir()
+    for file in tiny_model_dir.iterdir():
+        if file.suffix != ".safetensors":
+            (changed / file.name).write_bytes(file.read_bytes())
+    for file in tiny_model_dir.glob("*.safetensors"):
+        tensors = load_file(file)
+        name = "model.layers.0.mlp.down_proj.weight"
+        if name in tensors:
+            tensors[name] = torch.zeros_like(tensors[name])
+        save_file(tensors, changed / file.name)
+    core.pause("all")
+    core.reload_weights(str(changed))
+    after = core.runner.model.layers[0].mlp.down_proj
+    assert after is layer and after.weight_packed is not before
+    x = torch.randn(2, after.in_features)
+    torch.testing.assert_close(after(x), torch.zeros(2, after.out_features))
     core.shutdown()

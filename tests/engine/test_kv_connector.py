@@ -82,6 +82,18 @@ def test_s7_cold_and_warm_store_give_the_greedy_tokens_of_transformers(
     assert warm.kv_transfer.stats["hits"] == 3
 
 
+def test_s7_a_4_bit_bf16_engine_saves_and_loads_its_bf16_blocks(tiny_model_dir, prompts, tmp_path) -> None:
+    """4-bit weights, bf16 activations and KV: the warm engine loads the blocks the cold one
+    saved (bf16 block files) and, from them, generates the cold engine's tokens."""
+    weights = dict(quantization="int4", dtype="bfloat16")
+    cold = make_core(tiny_model_dir, tmp_path, **weights)
+    expected = generate(cold, prompts)
+    assert cold.kv_transfer.stats["blocks_saved"] == len(block_files(tmp_path)) == 7
+    warm = make_core(tiny_model_dir, tmp_path, **weights)
+    assert generate(warm, prompts) == expected
+    assert warm.kv_transfer.stats["blocks_loaded"] == 4 + 2
+
+
 def test_s7_warm_restart_prefills_only_what_the_store_lacks(tiny_model_dir, prompts, tmp_path) -> None:
     cold = make_core(tiny_model_dir, tmp_path)
     generate(cold, prompts)

@@ -1,6 +1,7 @@
 """The embedded default model, SmolLM2-135M-Instruct (GGUF, Q4_1), served by ``LLM()``
-with no model named: its greedy tokens equal transformers' on the same GGUF file, and
-its chat template makes it answer a question.
+with no model named: dequantized to fp32 its greedy tokens equal transformers' on the same
+GGUF file; served as configured by default (4-bit weights kept 4-bit, bf16 where the CPU
+has it) its chat template makes it answer a question and structured outputs hold.
 
 tests/models checks the model alone, one request at a time; here the prompts go
 through the whole engine together, as one continuously batched run.
@@ -25,12 +26,19 @@ ENGINE_ARGS = dict(kv_cache_memory=256 * 2**20, max_model_len=2048, log_stats_in
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
+    """The default configuration: quantization gguf, dtype auto."""
     return LLM(**ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")
-def prompt_token_ids(llm: LLM) -> list[list[int]]:
-    return [llm.tokenizer.encode(p) for p in PROMPTS]
+def fp32_llm() -> LLM:
+    """The same file dequantized to fp32, transformers' arithmetic."""
+    return LLM(dtype="float32", quantization="none", **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def prompt_token_ids(fp32_llm: LLM) -> list[list[int]]:
+    return [fp32_llm.tokenizer.encode(p) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +58,21 @@ def reference_tokens(prompt_token_ids: list[list[int]]) -> list[list[int]]:
 
 
 def test_default_model_greedy_tokens_match_transformers_on_the_same_gguf(
-    llm, prompt_token_ids, reference_tokens
+    fp32_llm, prompt_token_ids, reference_tokens
 ) -> None:
-    outputs = llm.generate(prompt_token_ids, SamplingParams(temperature=0, max_tokens=NUM_TOKENS), use_tqdm=False)
+    outputs = fp32_llm.generate(prompt_token_ids, SamplingParams(temperature=0, max_tokens=NUM_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference_tokens
+
+
+def test_default_model_keeps_its_4_bit_weights_and_computes_in_bf16_where_the_cpu_has_it(llm) -> None:
+    from fastsched.models.quant_linear import QuantLinear
+    from fastsched.cpu_env import cpu_has_bf16
+
+    model = llm.engine.runner.model
+    assert llm.config.resolved_quantization == "gguf"
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 4 * model.config.num_layers
+    expected = torch.bfloat16 if cpu_has_bf16() else torch.float32
+    assert model.embed_tokens.weight.dtype == expected and llm.engine.runner.kv_caches[0].dtype == expected
 
 
 def test_default_model_answers_a_chat_question(llm) -> None:

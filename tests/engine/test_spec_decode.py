@@ -209,16 +209,22 @@ def test_constrained_requests_beside_speculated_ones_keep_their_grammar(tiny_mod
     assert llm.engine.spec_counters.num_accepted_tokens > 0
 
 
+# The model's weights as served: dense fp32, 4-bit (the int4 kernel, bf16 inside), 4-bit with bf16 activations and KV.
+WEIGHTS = {"fp32": {}, "int4": {"quantization": "int4"}, "int4-bf16": {"quantization": "int4", "dtype": "bfloat16"}}
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
 def test_lora_requests_with_drafts_give_their_adapters_tokens_without(tiny_model_dir, repetitive_prompts,
-                                                                      tmp_path) -> None:
+                                                                      tmp_path, weights: str) -> None:
     """The drafter knows nothing of adapters; verification runs the target with each row's
-    adapter, so a request's greedy tokens are its adapter's, drafts or not."""
+    adapter, so a request's greedy tokens are its adapter's, drafts or not; on dense and on
+    4-bit weights (LoRA's delta is added to the quantized layer's output)."""
     adapter = make_tiny_lora(tiny_model_dir, tmp_path / "a", rank=8, seed=1)
     lora = [LoRARequest("a", 1, str(adapter)), None, LoRARequest("a", 1, str(adapter))]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tokens = []
     for spec in (None, ngram(), draft_model(tiny_model_dir)):
-        llm = make_llm(tiny_model_dir, spec, enable_lora=True, max_loras=2, max_lora_rank=8)
+        llm = make_llm(tiny_model_dir, spec, enable_lora=True, max_loras=2, max_lora_rank=8, **WEIGHTS[weights])
         prompts = [repetitive_prompts[2], repetitive_prompts[2], repetitive_prompts[3]]
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         tokens.append([o.outputs[0].token_ids for o in outs])

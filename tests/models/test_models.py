@@ -28,6 +28,7 @@ from fastsched.model_loader.gguf import _unpermute_rope_rows
 from fastsched.model_loader.weights import load_model
 from fastsched.models.config import ModelConfig
 from fastsched.models.llama import LlamaForCausalLM
+from fastsched.models.quant_linear import QuantLinear
 from fastsched.models.registry import get_model_class
 from fastsched.tools.tiny_model import make_tiny_model
 
@@ -370,3 +371,46 @@ def test_unsupported_rope_type_is_named() -> None:
         ModelConfig.from_hf_config(
             {"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}, **_COMMON}
         )
+
+
+# --- 4-bit weights kept 4-bit ----------------------------------------------------------------
+
+PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+
+
+def _perplexity(model: LlamaForCausalLM, ids: list[int]) -> float:
+    logits = SingleRequestRunner(model, len(ids) + BLOCK_SIZE).step(ids)[:-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_q4_1_kept_quantized_is_within_1_percent_perplexity_of_the_same_weights_in_fp32(smollm2, dtype) -> None:
+    """The embedded Q4_1 file served 4-bit (int4 kernel, bf16 inside it) against the same
+    weights dequantized to fp32, on a paragraph the project ships (tests/models/data)."""
+    dense, tokenizer, _, _ = smollm2
+    ids = tokenizer.encode(PERPLEXITY_TEXT.read_text())
+    assert len(ids) > 100
+    quantized = load_model(None, dtype=dtype, quantization="gguf")
+    num_4bit = sum(isinstance(m, QuantLinear) for m in quantized.modules())
+    assert num_4bit == 4 * quantized.config.num_layers  # qkv, o, gate_up, down of every layer
+    reference = _perplexity(dense, ids)
+    assert abs(_perplexity(quantized, ids) / reference - 1) <= 0.01, reference
+
+
+def test_int4_quantization_at_load_serves_a_dense_checkpoint_close_to_its_fp32_logits(tiny_model_dir) -> None:
+    dense = load_model(tiny_model_dir)
+    quantized = load_model(tiny_model_dir, quantization="int4")
+    assert isinstance(quantized.layers[0].mlp.down_proj, QuantLinear)
+    ids = list(range(5, 40))
+    ours = SingleRequestRunner(quantized, 64).step(ids)
+    reference = SingleRequestRunner(dense, 64).step(ids)
+    # Random tiny weights, 4 bits each: logits move, but stay correlated with the reference.
+    assert torch.corrcoef(torch.stack([ours.flatten(), reference.flatten()]))[0, 1] > 0.95
+
+
+def test_quantization_names_what_it_cannot_do(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="'gguf' needs a .gguf file"):
+        load_model(tiny_model_dir, quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        load_model(tiny_model_dir, quantization="awq")

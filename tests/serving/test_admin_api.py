@@ -27,7 +27,7 @@ from fastsched.entrypoints.cli import add_serve_args, admin_settings  # noqa: E4
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.gateway.app import create_app  # noqa: E402
 from fastsched.gateway.sessions import SessionSettings  # noqa: E402
-from fastsched.launcher.serve import ServeConfig  # noqa: E402
+from fastsched.launcher.serve_config import ServeConfig  # noqa: E402
 from fastsched.proto_gen import import_stubs  # noqa: E402
 from fastsched.request_gate import RequestGate  # noqa: E402
 

@@ -138,7 +138,7 @@ def test_valve_rejects_a_bad_ttft_slo_naming_it(bad: Any) -> None:
 
 
 def test_serve_config_rejects_a_bad_ttft_slo() -> None:
-    from fastsched.launcher.serve import ServeConfig
+    from fastsched.launcher.serve_config import ServeConfig
 
     with pytest.raises(ValueError, match="ttft_slo"):
         ServeConfig(frontend=FrontendSettings(ttft_slo=0.0))

@@ -59,6 +59,8 @@ from fastsched.lora.slots import LoRAManager
 from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.generation_defaults import load_generation_defaults
 from fastsched.model_loader.weights import load_model
+from fastsched.models.quant_linear import copy_weights
+from fastsched.cpu_env import configure_threads
 from fastsched.models.config import ModelConfig
 from fastsched.sample import make_generator
 from fastsched.spec_decode import SpecDecodingCounters, build_proposer, draft_rows
@@ -94,6 +96,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device, dtype = config.torch_device, config.torch_dtype
+        if device.type == "cpu":
+            configure_threads(config.num_threads)
         self.model_config: ModelConfig = load_model_config(config.model)
         self.max_model_len = config.resolve_max_model_len(self.model_config.max_position_embeddings)
         if self.model_config.sliding_window and self.max_model_len > self.model_config.sliding_window:
@@ -101,8 +105,9 @@ class EngineCore:
                 f"max_model_len ({self.max_model_len}) exceeds the model's sliding_window "
                 f"({self.model_config.sliding_window}), which no attention backend implements"
             )
-        logger.info("loading model %s (%s, %s)", config.model or "SmolLM2-135M-Instruct (embedded)", dtype, device)
-        model = load_model(config.model, dtype=dtype, device=device)
+        logger.info("loading model %s (%s, %s, quantization %s)", config.model or "SmolLM2-135M-Instruct (embedded)",
+                    dtype, device, config.resolved_quantization)
+        model = load_model(config.model, dtype=dtype, device=device, quantization=config.resolved_quantization)
         backend = select_backend(device, config.attention_backend)
         spec = config.speculative_config
         # Before KV sizing, so that a draft model's weights are not counted as free memory.
@@ -355,9 +360,10 @@ class EngineCore:
         if self.pause_state != "paused_all":
             raise NotPausedError(f"weights can be reloaded only while paused with mode all; the engine is "
                                f"{self.pause_state}")
-        new = load_model(model, dtype=self.config.torch_dtype, device=self.config.torch_device)
+        new = load_model(model, dtype=self.config.torch_dtype, device=self.config.torch_device,
+                         quantization=self.config.resolved_quantization)
         try:
-            self.runner.model.load_state_dict(new.state_dict())
+            copy_weights(self.runner.model, new)
         except RuntimeError as e:  # missing, unexpected or differently shaped tensors
             raise ValueError(f"the weights of {model} do not fit the served model: {e}") from None
         self.scheduler.reset_prefix_cache()

@@ -32,7 +32,6 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import torch
 import zmq
 
 from fastsched.config import EngineConfig, parse_lora_modules
@@ -125,8 +124,9 @@ def run_engine(
 
 
 def _build_engine(engine_config: dict[str, Any], torch_num_threads: int | None) -> tuple[EngineCore, ModelInfo]:
-    if torch_num_threads is not None:
-        torch.set_num_threads(torch_num_threads)
+    if torch_num_threads is not None and engine_config.get("num_threads") is None:
+        # --torch-num-threads (serve's older spelling) is the engine's --num-threads.
+        engine_config = {**engine_config, "num_threads": torch_num_threads}
     config = EngineConfig.from_kwargs(**engine_config)
     core = EngineCore(config)
     sc = core.scheduler.config
@@ -157,6 +157,7 @@ def _cache_config(config: EngineConfig, sc: Any) -> dict[str, str]:
         "num_gpu_blocks_override": str(config.num_gpu_blocks),
         "enable_prefix_caching": str(bool(sc.enable_prefix_caching)),
         "cache_dtype": str(config.torch_dtype).removeprefix("torch."),
+        "quantization": config.resolved_quantization,
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "kv_cache_memory_bytes": str(config.kv_cache_memory),
     }

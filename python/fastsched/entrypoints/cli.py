@@ -97,7 +97,8 @@ def cmd_make_tiny_lora(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from fastsched.launcher.serve import ServeConfig, ServeError, serve
+    from fastsched.launcher.serve import serve
+    from fastsched.launcher.serve_config import ServeConfig, ServeError
     from fastsched.model_loader.tokenizer import resolve_chat_template
 
     engine_config = engine_kwargs(args)

@@ -19,7 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tqdm import tqdm
 
 from fastsched.model_loader.gguf_container import GGUFContainer
-from fastsched.model_loader.gguf_quants import dequantize
+from fastsched.model_loader.gguf_quants import Int4Blocks, dequantize, int4_blocks, int4_type
 from fastsched.model_loader.tokenizer import Tokenizer
 from fastsched.models.config import ModelConfig
 
@@ -131,17 +131,35 @@ class GGUFFile:
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         )
 
-    def iter_weights(self, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-        """Every tensor as (Hugging Face name, float32 array), dequantized, with a progress bar."""
+    def quantization_types(self) -> dict[str, int]:
+        """How many tensors the file holds of each GGML type (``{"Q4_1": 210, ...}``), for the log."""
+        counts: dict[str, int] = {}
+        for tensor in self.container.tensors:
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+        return counts
+
+    def int4_tensor_names(self) -> set[str]:
+        """Hugging Face names of the tensors ``iter_weights(keep_quantized=True)`` gives 4-bit."""
+        return {_hf_name(t.name) for t in self.container.tensors if int4_type(t)}
+
+    def iter_weights(
+        self, config: ModelConfig, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, np.ndarray | Int4Blocks]]:
+        """Every tensor as (Hugging Face name, float32 array), with a progress bar; with
+        ``keep_quantized``, the Q4_0/Q4_1 matrices come as :class:`Int4Blocks` instead."""
         unpermute = self.metadata["general.architecture"] == "llama"
         for tensor in tqdm(self.container.tensors, desc=f"Loading {self.path.name}", unit="tensor"):
             name = _hf_name(tensor.name)
-            weights = dequantize(tensor)
+            quantized = int4_blocks(tensor) if keep_quantized else None
+            parts = list(quantized) if quantized is not None else [dequantize(tensor)]
+            heads = None
             if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):
-                weights = _unpermute_rope_rows(weights, config.num_heads)
+                heads = config.num_heads
             elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
-                weights = _unpermute_rope_rows(weights, config.num_kv_heads)
-            yield name, weights
+                heads = config.num_kv_heads
+            if heads is not None:  # rows move whole: codes, scales and zeros alike
+                parts = [_unpermute_rope_rows(p, heads) for p in parts]
+            yield name, Int4Blocks(*parts) if quantized is not None else parts[0]
 
 
 def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:

@@ -13,6 +13,8 @@ hold weights 0–15 and the high nibbles weights 16–31.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
@@ -46,6 +48,39 @@ _FAST = {
     GGMLQuantizationType.Q4_1: (20, _q4_1),
     GGMLQuantizationType.Q8_0: (34, _q8_0),
 }
+
+
+class Int4Blocks(NamedTuple):
+    """A Q4_0/Q4_1 tensor kept quantized, as ``w = scale·(q − 8) + zero`` per block of 32
+    (``fastsched.kernels.quant_matmul``'s form): codes ``[N, K]`` uint8 0..15, scale and
+    zero ``[N, K/32]`` float32. Converting the fp16 ``d``/``m`` to float32 is exact; for
+    Q4_1, ``zero = m + 8d`` rounds once in float32."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray
+
+
+def int4_type(tensor: GGUFTensor) -> bool:
+    """Whether ``tensor`` is a Q4_0 or Q4_1 matrix (what :func:`int4_blocks` keeps 4-bit)."""
+    return tensor.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1) and len(tensor.shape) == 2
+
+
+def int4_blocks(tensor: GGUFTensor) -> Int4Blocks | None:
+    """``tensor``'s codes and block parameters if it is Q4_0 or Q4_1 (else None)."""
+    if not int4_type(tensor):
+        return None
+    block_bytes, _ = _FAST[tensor.tensor_type]
+    rows, cols = tensor.shape
+    blocks = np.ascontiguousarray(tensor.data).reshape(-1, block_bytes)
+    scale = _scale(blocks, 0)
+    if tensor.tensor_type == GGMLQuantizationType.Q4_0:
+        codes, zero = blocks[:, 2:], np.zeros_like(scale)
+    else:
+        codes, zero = blocks[:, 4:], _scale(blocks, 2) + 8 * scale
+    nibbles = np.concatenate([codes & 0x0F, codes >> 4], axis=1)
+    groups = cols // 32
+    return Int4Blocks(nibbles.reshape(rows, cols), scale.reshape(rows, groups), zero.reshape(rows, groups))
 
 
 def dequantize(tensor: GGUFTensor) -> np.ndarray:

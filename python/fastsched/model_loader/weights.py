@@ -3,6 +3,7 @@ needs torch, unlike the rest of ``fastsched.model_loader``)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -13,9 +14,16 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight
 from fastsched.model_loader import hf, is_gguf, open_gguf, resolve_model_path
-from fastsched.models.llama import LlamaForCausalLM
+from fastsched.model_loader.gguf_quants import Int4Blocks
+from fastsched.models.llama import LlamaForCausalLM, target_parameter
+from fastsched.models.quant_linear import QuantLinear
 from fastsched.models.registry import get_model_class
+
+# --quantization values (vLLM's spelling): gguf keeps a GGUF file's 4-bit tensors 4-bit;
+# int4 quantizes a dense checkpoint's linear layers at load; none dequantizes everything.
+QUANTIZATIONS = ("gguf", "int4", "none")
 
 logger = logging.getLogger(__name__)
 
@@ -33,31 +41,113 @@ def iter_hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 progress.update(1)
 
 
+def _from_gguf(name: str, w: object) -> tuple[str, torch.Tensor | Int4Weight]:
+    if isinstance(w, Int4Blocks):
+        return name, Int4Weight(*(torch.from_numpy(part) for part in w))
+    return name, torch.from_numpy(w)  # type: ignore[arg-type]
+
+
+def _quantize_linears(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+    """``--quantization int4``: every projection and lm_head weight whose rows split into
+    whole groups, quantized round-to-nearest (:meth:`Int4Weight.quantize`)."""
+    for name, tensor in weights:
+        linear = name.endswith("proj.weight") or name == "lm_head.weight"
+        if linear and tensor.dim() == 2 and tensor.shape[1] % GROUP_SIZE == 0:
+            yield name, Int4Weight.quantize(tensor)
+        else:
+            yield name, tensor
+
+
+def _all_shards_int4(int4_names: set[str], gguf_names: Iterator[str]) -> set[str]:
+    """The linear weights whose every checkpoint tensor is 4-bit (so the layer becomes a
+    ``QuantLinear`` and its dense weight is never needed)."""
+    from fastsched.model_loader.gguf import _hf_name
+
+    shards: dict[str, list[bool]] = {}
+    for name in map(_hf_name, gguf_names):
+        shards.setdefault(target_parameter(name), []).append(name in int4_names)
+    return {t for t, flags in shards.items() if all(flags) and (t.endswith("proj.weight") or t == "lm_head.weight")}
+
+
+def _materialize(model: torch.nn.Module, device: torch.device, skip: set[str]) -> None:
+    """``to_empty`` but for the parameters in ``skip``, left on the meta device (they are
+    replaced by packed 4-bit layers as the weights load)."""
+    for module_name, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            full = f"{module_name}.{name}" if module_name else name
+            if param is not None and full not in skip:
+                module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device=device),
+                                                              requires_grad=param.requires_grad)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+
+
+def _release_freed_memory() -> None:
+    """Hands the heap freed by load-time temporaries back to the OS (glibc keeps it otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def check_quantization(quantization: str | None, path: Path) -> str:
+    """The quantization to load ``path`` with: None picks gguf for a GGUF file, none otherwise."""
+    if quantization is None:
+        return "gguf" if is_gguf(path) else "none"
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if quantization == "gguf" and not is_gguf(path):
+        raise ValueError(f"quantization 'gguf' needs a .gguf file; {path} is not one (use int4 or none)")
+    if quantization == "int4" and is_gguf(path):
+        raise ValueError("quantization 'int4' quantizes a dense checkpoint; a .gguf file is served with 'gguf' "
+                         "(its own 4-bit tensors) or 'none'")
+    return quantization
+
+
 def load_model(
     model: str | os.PathLike[str] | None,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """Build the model for ``model`` in eval mode with weights cast to ``dtype`` on ``device``;
-    its ``config`` attribute is the ``ModelConfig`` (EOS ids, ``max_position_embeddings``...)."""
+    its ``config`` attribute is the ``ModelConfig`` (EOS ids, ``max_position_embeddings``...).
+    ``quantization`` (:data:`QUANTIZATIONS`, checked by :func:`check_quantization`) says which
+    linear layers keep 4-bit weights."""
     start = time.monotonic()
     path = resolve_model_path(model)
+    quantization = check_quantization(quantization, path)
+    packed: set[str] = set()  # parameters that will be 4-bit: never allocated dense
+    weights: Iterator[tuple[str, torch.Tensor | Int4Weight]]
     if is_gguf(path):
         gguf_file = open_gguf(path)
         config = gguf_file.config()
-        weights = ((name, torch.from_numpy(w)) for name, w in gguf_file.iter_weights(config))
+        logger.info("%s holds tensors %s; quantization %s", path.name, gguf_file.quantization_types(), quantization)
+        weights = (_from_gguf(name, w) for name, w in gguf_file.iter_weights(config, quantization == "gguf"))
+        if quantization == "gguf":
+            packed = _all_shards_int4(gguf_file.int4_tensor_names(), (t.name for t in gguf_file.container.tensors))
     else:
         config = hf.read_config(path)
         hf.weight_files(path)  # a missing file fails before the model is allocated
-        weights = iter_hf_weights(path)
+        dense = iter_hf_weights(path)
+        weights = _quantize_linears(dense) if quantization == "int4" else dense
     model_cls = get_model_class(config.architecture)  # an unsupported one fails before any weight is read
     # Built on the meta device so no memory is spent on a random init that the weights overwrite.
     with torch.device("meta"):
         model = model_cls(config)
-    model = model.to(dtype).to_empty(device=torch.device(device))
+    _materialize(model.to(dtype), torch.device(device), skip=packed)
     with torch.no_grad():
         model.load_weights(weights)
-    num_params = sum(p.numel() for p in model.parameters())
-    logger.info("loaded %s (%.0fM parameters) in %.1f s", path.name, num_params / 1e6, time.monotonic() - start)
+    _release_freed_memory()
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    num_params = sum(p.numel() for p in model.parameters()) + sum(m.in_features * m.out_features for m in quantized)
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed_bytes = sum(m.weight_packed.nbytes() for m in quantized)
+    kernels = sorted({m.weight_packed.kind for m in quantized})
+    logger.info("loaded %s (%.0fM parameters, %d linear layers 4-bit with kernel %s) in %.1f s: weights %.0f MiB "
+                "(%.0f MiB packed 4-bit, %.0f MiB in %s)", path.name, num_params / 1e6, len(quantized),
+                ",".join(kernels) or "-", time.monotonic() - start, (dense_bytes + packed_bytes) / 2**20,
+                packed_bytes / 2**20, dense_bytes / 2**20, str(dtype).removeprefix("torch."))
     return model.eval()

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastsched.attention.base import AttentionBackend, AttentionMetadata
+from fastsched.kernels.quant_matmul import Int4Weight
 from fastsched.models.config import ModelConfig
+from fastsched.models.quant_linear import QuantLinear, replace_linear
 
 if TYPE_CHECKING:
     from fastsched.lora.slots import LayerLoRA, LoRAStep
@@ -212,14 +214,21 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]``; the runner passes only the rows it samples from."""
+        if isinstance(self.lm_head, QuantLinear):
+            return self.lm_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, weight.to(hidden.dtype) if weight.dtype != hidden.dtype else weight)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Weight]]) -> None:
         """Copy Hugging Face-named tensors in, packing q/k/v and gate/up into the fused
-        parameters; fails naming any tensor without a place and any tensor never given."""
+        parameters; fails naming any tensor without a place and any tensor never given.
+
+        An :class:`Int4Weight` for a linear layer's weight (a GGUF kept quantized) replaces
+        that layer by a :class:`QuantLinear` once every shard of it is in; anywhere else
+        (an embedding) it is dequantized into the dense parameter."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        int4_shards: dict[str, dict[int, Int4Weight]] = {}
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
@@ -233,6 +242,16 @@ class LlamaForCausalLM(nn.Module):
                 target, start, size = name, 0, None
             if target not in params:
                 raise ValueError(f"checkpoint tensor {hf_name} has no place in {self.config.architecture}")
+            if isinstance(tensor, Int4Weight):
+                if target.endswith("proj.weight") or target == "lm_head.weight":
+                    expected = params[target].shape if size is None else (size, params[target].shape[1])
+                    if tuple(expected) != tensor.shape:
+                        raise ValueError(f"checkpoint tensor {hf_name} has shape {tensor.shape}, "
+                                         f"expected {tuple(expected)}")
+                    int4_shards.setdefault(target, {})[0 if size is None else _FUSED[parts[1]][1]] = tensor
+                    loaded.add(name)
+                    continue
+                tensor = tensor.dequantize()
             dest = params[target].data
             dest = dest if size is None else dest[start : start + size]
             if dest.shape != tensor.shape:
@@ -245,6 +264,17 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise ValueError(f"checkpoint is missing tensors for {self.config.architecture}: {missing[:8]}{more}")
+        for target, shards in int4_shards.items():
+            fused = target.rsplit(".", 2)[1]
+            num_shards = sum(f == fused for f, _ in _FUSED.values()) or 1
+            if len(shards) == num_shards:
+                weight = Int4Weight.cat([shards[i] for i in range(num_shards)])
+                replace_linear(self, target.removesuffix(".weight"), weight, self.embed_tokens.weight.device)
+                continue
+            # Mixed formats in one fused layer (some shards not 4-bit): the 4-bit ones go in dense.
+            for shard, weight in shards.items():
+                start, size = self._shard_range(fused, shard)
+                params[target].data[start : start + size].copy_(weight.dequantize())
 
     def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
         c = self.config
@@ -252,6 +282,14 @@ class LlamaForCausalLM(nn.Module):
             return shard * c.intermediate_size, c.intermediate_size
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         return (0, q_size) if shard == 0 else (q_size + (shard - 1) * kv_size, kv_size)
+
+
+def target_parameter(hf_name: str) -> str:
+    """The parameter a checkpoint tensor goes into (q/k/v and gate/up: their fused one)."""
+    parts = hf_name.removeprefix("model.").rsplit(".", 2)
+    if len(parts) == 3 and parts[1] in _FUSED:
+        return f"{parts[0]}.{_FUSED[parts[1]][0]}.{parts[2]}"
+    return ".".join(parts)
 
 
 def _checkpoint_names(params: dict[str, nn.Parameter]) -> list[str]:

@@ -1,0 +1,137 @@
+"""Weight-only 4-bit matmul: ``x @ W.T`` with ``W`` kept as 4-bit codes and per-group
+scales, read from memory at ~0.56 bytes a weight instead of 4 (fp32) or 2 (bf16).
+
+Decoding a small model is a GEMV per layer, bound by how many weight bytes it reads, so
+keeping the GGUF's 4-bit weights quantized is what brings a token's cost down.
+
+One form for every 4-bit source: ``w = scale · (q − 8) + zero`` per group of
+``GROUP_SIZE`` consecutive input columns, ``q`` in 0..15. GGUF Q4_0 is ``d·(q − 8)``
+(``scale = d``, ``zero = 0``); Q4_1 is ``d·q + m`` = ``d·(q − 8) + (m + 8d)``
+(``scale = d``, ``zero = m + 8d``). This is the form torch's CPU int4 kernel
+(``aten._weight_int4pack_mm_for_cpu``) computes, so the GGUF codes go into it as they are.
+
+- CPU: ``_weight_int4pack_mm_for_cpu`` with bf16 activations. Its scales and zeros
+  must have the activations' dtype, and its fp32 path has no vectorised kernel (measured
+  ~15× slower than the dense fp32 GEMV here), so the activations are cast to bf16 around
+  the call. The cost of that: scale and zero rounded to bf16 (relative error ≤ 2⁻⁹ each;
+  the GGUF's own fp16 scales keep 2⁻¹¹) and the activations rounded to bf16.
+- CUDA: :func:`int4_matmul_triton`, a dequantize-in-registers matmul over codes packed two
+  a byte (``[N, K/2]`` uint8, even column in the low nibble), tested in the Triton
+  interpreter (tests/kernels), not run on a GPU by this project's CI.
+
+:func:`dequantize_int4` is the reference both are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP_SIZE = 32
+# Where a CPU int4 kernel exists (torch >= 2.6); older torch falls back to a dense matmul.
+_CPU_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+@dataclass
+class Int4Weight:
+    """A ``[N, K]`` weight as codes and per-group affine parameters (module docstring's form)."""
+
+    codes: torch.Tensor  # [N, K] uint8, 0..15
+    scale: torch.Tensor  # [N, K / GROUP_SIZE] float32
+    zero: torch.Tensor  # [N, K / GROUP_SIZE] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.codes.shape[1])
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        if k % GROUP_SIZE or self.scale.shape != (n, k // GROUP_SIZE) or self.zero.shape != self.scale.shape:
+            raise ValueError(f"int4 weight of shape {(n, k)} needs [N, K/{GROUP_SIZE}] scales and zeros; got "
+                             f"{tuple(self.scale.shape)} and {tuple(self.zero.shape)}")
+
+    @classmethod
+    def cat(cls, parts: list[Int4Weight]) -> Int4Weight:
+        """Row-wise concatenation: the fused q/k/v or gate/up projection from its shards."""
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int4Weight:
+        """Round-to-nearest asymmetric quantization of a dense ``[N, K]`` weight, per group of
+        ``GROUP_SIZE`` (``--quantization int4`` on a checkpoint that is not quantized)."""
+        n, k = weight.shape
+        groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        return cls(codes.reshape(n, k), scale, low + 8 * scale)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int4(self.codes, self.scale, self.zero).to(dtype)
+
+    def nbytes_packed(self) -> int:
+        """Bytes of the packed form a matmul reads: half a byte a code plus a scale and a zero a group."""
+        return self.codes.numel() // 2 + 2 * self.scale.numel() * 2
+
+
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The reference: ``scale · (q − 8) + zero`` in float32, ``[N, K]``."""
+    n, k = codes.shape
+    q = codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float() - 8
+    return (q * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+
+
+class PackedInt4:
+    """An :class:`Int4Weight` in the layout of the device's kernel, and its matmul."""
+
+    def __init__(self, weight: Int4Weight, device: torch.device) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.device = device
+        # bf16 on both: the CPU kernel needs scales in the activations' dtype, and bf16
+        # activations (module docstring); the Triton kernel upcasts to fp32 to accumulate.
+        self.compute_dtype = torch.bfloat16
+        if device.type == "cpu" and _CPU_INT4:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+            # [K / group, N, 2]: (scale, zero) of group g, output n.
+            self.scale_zeros = torch.stack([weight.scale, weight.zero], -1).transpose(0, 1).contiguous().to(
+                self.compute_dtype)
+            self.kind = "cpu_int4pack"
+        elif device.type == "cuda":
+            codes = weight.codes.to(device)
+            self.packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+            self.scale = weight.scale.to(device, self.compute_dtype).contiguous()
+            self.zero = weight.zero.to(device, self.compute_dtype).contiguous()
+            self.kind = "triton"
+        else:  # no kernel: the weight dequantized once (correct, not compact)
+            self.dense = weight.dequantize(self.compute_dtype).to(device)
+            self.kind = "dense"
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K] @ W.T -> [M, N]`` in ``x``'s dtype."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        xc = x2 if x2.dtype == self.compute_dtype else x2.to(self.compute_dtype)
+        if self.kind == "cpu_int4pack":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, self.packed, GROUP_SIZE, self.scale_zeros)
+        elif self.kind == "triton":
+            out = int4_matmul_triton(xc, self.packed, self.scale, self.zero)
+        else:
+            out = xc @ self.dense.t()
+        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def nbytes(self) -> int:
+        tensors = {"cpu_int4pack": ("packed", "scale_zeros"), "triton": ("packed", "scale", "zero"),
+                   "dense": ("dense",)}[self.kind]
+        return sum(getattr(self, t).numel() * getattr(self, t).element_size() for t in tensors)
+
+
+def int4_matmul_triton(
+    x: torch.Tensor,  # [M, K]
+    packed: torch.Tensor,  # [N, K / 2] uint8, column 2j in the low nibble of byte j, 2j + 1 in the high
+    scale: torch.Tensor,  # [N, K / GROUP_SIZE]
+    zero: torch.Tensor,  # [N, K / GROUP_SIZE]
+) -> torch.Tensor:  # [M, N] in x's dtype, fp32 accumulation
+    from fastsched.kernels import quant_matmul_triton
+
+    return quant_matmul_triton.int4_matmul(x, packed, scale, zero, GROUP_SIZE)
