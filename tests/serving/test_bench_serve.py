@@ -156,6 +156,22 @@ def test_reset_prefix_cache_empties_the_servers_cache_before_each_rate(server: F
     assert json.loads(Path(out).read_text())["config"]["reset_prefix_cache"] is True
 
 
+def test_reset_prefix_cache_sends_the_admin_key_which_the_api_key_never_replaces(
+        server: FakeServer, fake: FakeAsyncLLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    async def reset_prefix_cache() -> None:
+        pass
+
+    monkeypatch.setattr(fake, "reset_prefix_cache", reset_prefix_cache, raising=False)
+    admin = server.loop.start_gateway(create_app([server.grpc_addr], MODEL, FakeTokenizer(),
+                                                  admin=AdminSettings(enable_admin_api=True, admin_api_key="sk-admin")))
+    argv = ["bench", "serve", "--url", admin, "--num-requests", "1", "--prompt-len", "4", "--output-len", "2",
+            "--no-progress", "--qps", "inf", "--reset-prefix-cache", "--out", str(tmp_path / "r.json")]
+    assert main(argv) == 1
+    assert "POST /reset_prefix_cache answered 401" in capsys.readouterr().err
+    assert main([*argv, "--admin-api-key", "sk-admin"]) == 0
+
+
 def test_the_prefix_cache_hit_rate_is_read_from_two_scrapes_of_the_servers_counters() -> None:
     from fastsched.tools.bench_serve import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, prefix_cache_counters, \
         prefix_cache_hit_rate

@@ -1,6 +1,7 @@
-"""Fuzzing and a soak (issue 11): the HTTP API and the gRPC messages with random shapes,
-types and sizes must get 2xx or a 4xx JSON error — never a 5xx, never INTERNAL — and
-leave the server healthy and idle; a bounded soak of mixed traffic must end with nothing
+"""Fuzzing and a soak (issue 11): the HTTP API, the gRPC messages, the ``/v1/sessions``
+WebSocket's messages and the admin routes (issue 22) with random shapes, types and sizes
+must get 2xx or a 4xx JSON error — never a 5xx, never INTERNAL, never a WebSocket closed
+as an internal error — and leave the server healthy and idle; a bounded soak of mixed traffic must end with nothing
 running or waiting, an empty KV cache and flat memory.
 
 One engine process (tiny model, max_model_len 128) and, on one event loop in a thread,
@@ -26,6 +27,7 @@ import pytest
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (requirements-serve.txt)")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirements-serve.txt)")
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed (requirements.txt)")
+websockets = pytest.importorskip("websockets", reason="websockets is not installed (requirements-serve.txt)")
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
 from engine_stack import ipc_dir, launch, teardown  # noqa: E402
@@ -33,6 +35,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
 
+from websockets.sync.client import connect as ws_connect  # noqa: E402
+
+from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.frontend.settings import FrontendSettings  # noqa: E402
@@ -53,6 +58,9 @@ GRPC_OK = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode
 SEEN: Counter[str] = Counter()  # statuses seen, reported at the end
 
 
+ADMIN_KEY = "sk-fuzz-admin"
+
+
 @dataclass
 class Stack:
     loop: LoopThread
@@ -60,6 +68,7 @@ class Stack:
     grpc_addr: str
     llm: AsyncLLM
     engine_pid: int
+    admin_url: str  # a second gateway and frontend over the same AsyncLLM, with every admin route on
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +82,18 @@ def stack(engine_config: dict, tiny_model_dir: Path, tmp_path_factory: pytest.Te
         server = loop.call(serve_frontend(llm, "127.0.0.1", port, limits=LIMITS))
         tokenizer = load_tokenizer(str(tiny_model_dir))
         url = loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, tokenizer, limits=LIMITS))
+        admin = AdminSettings(enable_admin_api=True, enable_runtime_lora_updating=True, admin_api_key=ADMIN_KEY,
+                              allowed_local_paths=(str(tmp_path_factory.mktemp("allowed")),))
+        admin_port = free_port()
+        admin_server = loop.call(serve_frontend(llm, "127.0.0.1", admin_port, limits=LIMITS, admin=admin))
+        admin_url = loop.start_gateway(create_app([f"127.0.0.1:{admin_port}"], MODEL, tokenizer, limits=LIMITS,
+                                                  admin=admin))
         try:
-            yield Stack(loop, url, f"127.0.0.1:{port}", llm, engines.procs[0].pid)
+            yield Stack(loop, url, f"127.0.0.1:{port}", llm, engines.procs[0].pid, admin_url)
         finally:
             loop.stop_gateways()
             loop.call(server.stop(0))
+            loop.call(admin_server.stop(0))
             loop.call(llm.shutdown())
     finally:
         loop.close()
@@ -180,6 +196,74 @@ def test_fuzz_grpc_generate_never_fails_internally(stack: Stack, sampling: dict,
             code = e.code()
     SEEN[f"grpc {code.name}"] += 1
     assert code in GRPC_OK, code
+
+
+SESSION_FIELDS = ["type", "prompt", "max_tokens", "last", "request_id", "priority", "model", "temperature", "seed",
+                  "stop", "n", "logprobs", "structured_outputs"]
+SESSION_MESSAGE = st.one_of(
+    JSON,
+    st.dictionaries(st.sampled_from(SESSION_FIELDS), JSON, max_size=3).flatmap(
+        lambda junk: st.fixed_dictionaries({"type": st.sampled_from(["open", "chunk", "close", "nope"])}, optional={
+            "prompt": PLAUSIBLE["prompt"], "max_tokens": st.integers(-2, 40), "last": st.booleans(),
+            "model": st.just(MODEL)}).map(lambda good: {**junk, **good})),
+)
+
+
+@settings(max_examples=FUZZ_EXAMPLES // 2, deadline=None, suppress_health_check=list(HealthCheck))
+@given(messages=st.lists(st.one_of(SESSION_MESSAGE.map(json.dumps), st.binary(max_size=40).map(repr)),
+                         min_size=1, max_size=4))
+def test_fuzz_session_messages_get_outputs_or_a_4xx_error_never_an_internal_close(stack: Stack,
+                                                                                  messages: list[str]) -> None:
+    """Issue 22: any sequence of WebSocket messages ends in outputs, a 4xx error message (or a
+    503 with retry_after) and a policy close, never a 5xx nor close code 1011."""
+    url = stack.url.replace("http://", "ws://") + "/v1/sessions"
+    with ws_connect(url, open_timeout=10, close_timeout=5) as ws:
+        try:
+            for message in messages:
+                ws.send(message)
+            ws.send(json.dumps({"type": "close"}))
+            while True:
+                reply = json.loads(ws.recv(timeout=30))
+                if reply["type"] == "error":
+                    SEEN[f"ws {reply['status']}"] += 1
+                    assert reply["status"] < 500 or reply["status"] == 503, reply
+                    assert reply["error"]["message"] and reply["error"]["type"], reply
+                elif reply.get("finish_reason") is not None and reply.get("usage") is not None:
+                    break
+        except websockets.exceptions.ConnectionClosed as closed:
+            code = closed.rcvd.code if closed.rcvd is not None else None
+            SEEN[f"ws close {code}"] += 1
+            assert code != 1011, closed
+
+
+ADMIN_ROUTES = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/reload_weights"),
+                ("POST", "/reset_prefix_cache"), ("POST", "/v1/load_lora_adapter"),
+                ("POST", "/v1/unload_lora_adapter"), ("GET", "/debug/requests/x")]
+ADMIN_BODY = st.one_of(JSON, st.fixed_dictionaries({}, optional={
+    "model": st.one_of(TEXT, st.sampled_from(["/etc/passwd", "/nope", "../../etc", "/tmp"])),
+    "lora_name": TEXT, "lora_path": st.one_of(TEXT, st.sampled_from(["/etc", "/nonexistent/adapter"]))}))
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(ADMIN_ROUTES), body=ADMIN_BODY, key=st.sampled_from([None, "wrong", ADMIN_KEY]),
+       mode=st.one_of(st.none(), st.sampled_from(["all", "new", "keep", ""]), TEXT))
+def test_fuzz_admin_routes_get_2xx_or_a_4xx_json_error(stack: Stack, route: tuple[str, str], body: Any,
+                                                       key: str | None, mode: str | None) -> None:
+    """Issue 22: the admin routes, with no key, a wrong key or the admin key, with any body
+    and query; the server is resumed after each example so that the next one can run."""
+    method, path = route
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    params = {} if mode is None else {"mode": mode}
+    try:
+        with httpx.Client(base_url=stack.admin_url, timeout=30, trust_env=False) as http:
+            response = http.request(method, path, headers=headers, params=params,
+                                    content=json.dumps(body) if method == "POST" else None)
+            _check_http(response)
+            if key is None or key == "wrong":
+                assert response.status_code in (401, 403), (path, response.status_code, response.text)
+    finally:
+        httpx.post(stack.admin_url + "/resume", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30,
+                   trust_env=False)
 
 
 def test_fuzz_leaves_the_server_healthy_and_idle(stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:

@@ -396,14 +396,16 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
                     sharegpt_output_len: int | None = None, goodput: dict[str, float] | None = None,
                     percentiles: Sequence[float] = PERCENTILES,
                     percentile_metrics: Sequence[str] = PERCENTILE_METRICS,
-                    reset_cache: bool = False) -> dict[str, Any]:
+                    reset_cache: bool = False, admin_api_key: str | None = None) -> dict[str, Any]:
     """Runs every rate in turn against the gateway at ``url``; returns the JSON report.
     ``tokenizer`` (a ``Tokenizer``) is needed for ShareGPT and for chat prompts; ``reset_cache``
-    empties the server's prefix cache before each rate."""
+    empties the server's prefix cache before each rate, sending ``admin_api_key`` (an admin
+    route: the API key never grants it) or, without one, ``api_key``."""
     if endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
         raise ValueError(f"--endpoint must be {COMPLETIONS} or {CHAT_COMPLETIONS}, got {endpoint!r}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     client = HttpClient(url, headers)
+    admin = HttpClient(url, {"Authorization": f"Bearer {admin_api_key}"}) if admin_api_key else client
     try:
         served, max_model_len = await asyncio.wait_for(server_model(client), 30)
         model = model or served
@@ -414,7 +416,7 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
                                       token_id_range, range_ratio, max_model_len, tokenizer, sharegpt_output_len,
                                       endpoint)
             if reset_cache:
-                await reset_prefix_cache(client)
+                await reset_prefix_cache(admin)
             before = await prefix_cache_counters(client)
             results, duration = await run_rate(client, model, requests, qps, seed + 1 + i, timeout, progress,
                                                endpoint, max_concurrency)
@@ -424,6 +426,8 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
             summaries.append(summary)
     finally:
         client.close()
+        if admin is not client:
+            admin.close()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "url": url,
@@ -458,6 +462,8 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--reset-prefix-cache", action="store_true",
                         help="empty the server's prefix cache before each rate (POST /reset_prefix_cache, which a "
                              "fastsched server offers with --enable-admin-api)")
+    server.add_argument("--admin-api-key", default=None,
+                        help="the server's --admin-api-key, sent with --reset-prefix-cache (default: --api-key)")
     load = parser.add_argument_group("load")
     add_workload_args(load)
     load.add_argument("--max-concurrency", type=int, default=None,
@@ -552,7 +558,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             range_ratio=check_range_ratio(args.range_ratio), max_concurrency=args.max_concurrency,
             dataset_name=args.dataset_name, dataset_path=args.dataset_path, tokenizer=tokenizer,
             sharegpt_output_len=args.sharegpt_output_len, goodput=goodput, percentiles=percentiles,
-            percentile_metrics=metrics, reset_cache=args.reset_prefix_cache,
+            percentile_metrics=metrics, reset_cache=args.reset_prefix_cache, admin_api_key=args.admin_api_key,
         ))
     except (OSError, asyncio.IncompleteReadError, TimeoutError) as e:
         print(f"fastsched bench serve: error: {url}: {e}", file=sys.stderr)
