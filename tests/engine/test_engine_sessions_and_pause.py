@@ -96,6 +96,17 @@ def test_s15_close_stream_ends_a_waiting_session_and_frees_its_slot(
     core.shutdown()
 
 
+def test_s15_stream_input_outside_the_vocabulary_or_empty_is_refused_naming_it(tiny_model_dir: Path) -> None:
+    core = make_core(tiny_model_dir, False)
+    core.add_request(EngineCoreRequest("s", [5, 6, 7], greedy(2), streaming=True))
+    run_segment(core, "s")
+    with pytest.raises(ValueError, match="token id 999999"):
+        core.add_stream_input("s", [999999], 2)
+    with pytest.raises(ValueError, match="at least one token"):
+        core.add_stream_input("s", [], 2)
+    core.shutdown()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_s13_pause_all_stops_every_request_and_resume_goes_on_with_their_kv(
         tiny_model_dir: Path, greedy_reference: GreedyReference, random_prompt: Callable[[int, int], list[int]],

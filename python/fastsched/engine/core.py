@@ -54,6 +54,7 @@ from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_outputs import StepOutputs
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.engine.structured_outputs import StructuredOutputs
+from fastsched.inputs import check_prompt
 from fastsched.lora.slots import LoRAManager
 from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.generation_defaults import load_generation_defaults
@@ -198,11 +199,15 @@ class EngineCore:
         """Queues a request; a prompt that can never run is answered as ignored. ``client``
         tags its outputs (``OutputBatch.clients``): the engine process's frontend index.
 
-        The request comes from the request gate (``fastsched.request_gate``), which checked
-        every field once: the engine does not check them again. The core keeps its own
-        invariants (a duplicate id, an empty prompt are errors there)."""
+        The request gate (``fastsched.request_gate``) has judged the request; what stays here is
+        the engine process's own guard at its socket, with the gate's check functions: a token id
+        outside the vocabulary would fail the embedding inside a step and end the engine, so a
+        message carrying one is refused alone (``ValueError``), never run."""
         params = request.params
         n = len(request.prompt_token_ids)
+        check_prompt(request.prompt_token_ids, params.max_tokens, self.max_model_len, self.vocab_size)
+        if self.scheduler.handle_of(request.request_id) is not None:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         grammar = None
         if params.structured_outputs is not None:
             if request.streaming:
@@ -281,9 +286,14 @@ class EngineCore:
     def add_stream_input(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
                          is_last: bool = False) -> None:
         """S15: a streaming session's next segment: ``token_ids`` then up to ``max_tokens``
-        generated tokens, as the request gate checked them (``RequestGate.chunk``).
-        ``ValueError`` for input the scheduler refuses (not an open session, growth past
+        generated tokens. ``ValueError`` naming the value for a token id outside the vocabulary,
+        an empty input, or input the scheduler refuses (not an open session, growth past
         ``max_model_len``); ``KeyError`` for an id the engine does not hold."""
+        if not token_ids:
+            raise ValueError(f"session {request_id!r}: stream input must hold at least one token")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"session {request_id!r}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         handle = self.scheduler.handle_of(request_id)
         if handle is None:
             raise KeyError(f"no live request {request_id!r}")
