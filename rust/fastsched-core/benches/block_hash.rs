@@ -42,6 +42,9 @@ fn main() {
         }
     }
     for (algo, ns) in algos.iter().zip(best) {
-        println!("{:8} {ns:7.1} ns per {BLOCK_SIZE}-token block", algo.as_str());
+        println!(
+            "{:8} {ns:7.1} ns per {BLOCK_SIZE}-token block",
+            algo.as_str()
+        );
     }
 }
