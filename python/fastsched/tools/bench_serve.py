@@ -180,18 +180,14 @@ class HttpClient:
 
     async def get(self, path: str) -> tuple[int, bytes]:
         """(status, body) of ``GET path``."""
-        status, headers, reader, writer = await self.open("GET", path)
-        complete = False
-        try:
-            body = b"".join([chunk async for chunk in self.chunks(reader, headers)])
-            complete = True
-        finally:
-            self.release(headers, reader, writer, complete)
-        return status, body
+        return await self._whole("GET", path)
 
     async def post_json(self, path: str, payload: Any) -> tuple[int, bytes]:
         """(status, body) of ``POST path`` with ``payload`` as JSON."""
-        status, headers, reader, writer = await self.open("POST", path, payload)
+        return await self._whole("POST", path, payload)
+
+    async def _whole(self, method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+        status, headers, reader, writer = await self.open(method, path, payload)
         complete = False
         try:
             body = b"".join([chunk async for chunk in self.chunks(reader, headers)])
