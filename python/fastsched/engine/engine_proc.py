@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -119,8 +120,23 @@ def run_engine(
         if ready_pipe is not None:
             ready_pipe.close()
         logger.info("engine %d exiting", engine_index)
-        if failed:
-            sys.exit(1)
+        _exit_process(1 if failed else 0)
+
+
+def _exit_process(code: int) -> None:
+    """Ends the engine process without the interpreter's finalization. Everything that must
+    outlive it is done by now (the core shut down, KV connector files written, sockets closed,
+    a FAILED message delivered); finalizing a loaded model (collecting the whole unfrozen heap:
+    torch, the tokenizer, the GGUF reader's many small arrays) took 4–5 s on the embedded
+    SmolLM2, so that a Ctrl-C often ran into the launcher's SIGKILL. An exception on its way
+    out is printed first, as the interpreter would have."""
+    if sys.exc_info()[1] is not None:
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def _build_engine(engine_config: dict[str, Any], torch_num_threads: int | None) -> tuple[EngineCore, ModelInfo]:
