@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -18,6 +18,9 @@ from fastsched.model_loader import load_tokenizer
 from fastsched.request_gate import RequestGate
 from fastsched.outputs import CompletionOutput, RequestOutput
 from fastsched.sampling_params import SamplingParams
+
+PromptDict = Mapping[str, Any]  # vLLM's TextPrompt / TokensPrompt
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class LLM:
@@ -41,13 +44,17 @@ class LLM:
 
     def generate(
         self,
-        prompts: PromptType | Sequence[PromptType],
+        prompts: PromptType | PromptDict | Sequence[PromptType | PromptDict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt (text, or a list of token ids); outputs in input order.
+
+        A prompt may also be given as vLLM's dicts: ``{"prompt": text}`` or
+        ``{"prompt_token_ids": ids}``, either with an optional ``"cache_salt"`` (requests with
+        different salts never share prefix-cache blocks). Any other key is a ``ValueError``.
 
         ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); needs ``LLM(..., enable_lora=True)``. ``RuntimeError`` while paused: nothing new would ever be scheduled."""
@@ -125,11 +132,12 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add(
-        self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None, processor: OutputProcessor,
+        self, prompt: PromptType | PromptDict, params: SamplingParams, lora: LoRARequest | None, processor: OutputProcessor,
         added: list[str],
     ) -> RequestOutput:
         request_id = str(next(self._ids))
-        valid = self.gate.request(request_id, prompt, params)
+        prompt, cache_salt = _split_prompt(prompt)
+        valid = self.gate.request(request_id, prompt, params, cache_salt=cache_salt)
         text, token_ids = valid.prompt, valid.prompt_token_ids
         parent = RequestOutput(
             request_id, text, token_ids, [CompletionOutput(index=i) for i in range(params.n)]
@@ -140,6 +148,7 @@ class LLM:
             # token: anything else is reported once, when it finishes (no per-step cost).
             request.final_only = not request.params.stop and request.params.logprobs is None
             request.lora_request = lora
+            request.cache_salt = valid.cache_salt
             self.engine.add_request(request)
             added.append(request.request_id)
             processor.add_request(request.request_id, parent, i, request.params)
@@ -192,9 +201,30 @@ class _TokenSpeed:
                 f"output: {self.output_tokens / elapsed:.2f} toks/s")
 
 
-def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
+def _as_prompt_list(
+        prompts: PromptType | PromptDict | Sequence[PromptType | PromptDict]) -> list[PromptType | PromptDict]:
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return list(prompts)
+
+
+
+def _split_prompt(prompt: PromptType | PromptDict) -> tuple[PromptType, str | None]:
+    """A prompt and its ``cache_salt`` from vLLM's dict form (a plain prompt has none)."""
+    if not isinstance(prompt, Mapping):
+        return prompt, None
+    unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt"})
+    if unknown:
+        raise ValueError(f"prompt key {unknown[0]!r} is not supported; a prompt dict has 'prompt' or "
+                         "'prompt_token_ids', and optionally 'cache_salt'")
+    given = [key for key in _PROMPT_KEYS if key in prompt]
+    if len(given) != 1:
+        raise ValueError(f"a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids', got {given or 'neither'}")
+    value = prompt[given[0]]
+    if given[0] == "prompt" and not isinstance(value, str):
+        raise ValueError(f"prompt must be a string, got {type(value).__name__}")
+    if given[0] == "prompt_token_ids" and (isinstance(value, str) or not isinstance(value, Sequence)):
+        raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(value).__name__}")
+    return value, prompt.get("cache_salt")
