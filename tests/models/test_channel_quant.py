@@ -52,8 +52,8 @@ def test_the_layer_computes_with_its_dequantized_weight(kind: str, dtype: torch.
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_dense_checkpoint_quantized_at_load_stays_close_to_its_fp32_logits(tiny_model_dir, kind: str) -> None:
-    """Bound checked: the logits of a 35-token prompt keep a correlation above 0.999 (int8)
-    / 0.99 (fp8) with the fp32 model's, and the greedy (argmax) token agrees at ≥ 90 % of the
+    """Bound checked: the logits of a 35-token prompt keep a correlation above 0.9995 (int8)
+    / 0.998 (fp8) with the fp32 model's, and the greedy (argmax) token agrees at ≥ 90 % of the
     positions (random tiny weights have near-ties, so not at all of them)."""
     dense = load_model(tiny_model_dir)
     quantized = load_model(tiny_model_dir, quantization=kind)
@@ -63,7 +63,7 @@ def test_a_dense_checkpoint_quantized_at_load_stays_close_to_its_fp32_logits(tin
     ids = list(range(5, 40))
     ours, reference = SingleRequestRunner(quantized, 64).step(ids), SingleRequestRunner(dense, 64).step(ids)
     correlation = torch.corrcoef(torch.stack([ours.flatten(), reference.flatten()]))[0, 1]
-    assert correlation > {"int8": 0.999, "fp8": 0.99}[kind]
+    assert correlation > {"int8": 0.9995, "fp8": 0.998}[kind]
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
 
 
