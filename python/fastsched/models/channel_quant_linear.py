@@ -65,7 +65,8 @@ class ChannelQuantLinear(nn.Module):
         self.bias = linear.bias
         self.kind = kind
         if kind == "int8":
-            self.kernel = "int8pack" if device.type == "cpu" and _CPU_INT8 else "upcast"
+            bf16_cpu = device.type == "cpu" and linear.weight.dtype == torch.bfloat16  # the model's dtype
+            self.kernel = "int8pack" if bf16_cpu and _CPU_INT8 else "upcast"
         else:  # _scaled_mm's fp8 operands need dimensions that are multiples of 16
             aligned = self.in_features % 16 == 0 and self.out_features % 16 == 0
             self.kernel = "scaled_mm" if aligned and _fp8_tensor_cores(device) else "upcast"
