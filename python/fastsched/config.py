@@ -62,8 +62,8 @@ class EngineConfig:
     tokenizer: str | None = field(default=None, metadata=_flag(
         MODEL, "HF directory, .gguf file or cached repo id to take the tokenizer from (default: the model's)"))
     dtype: str = field(default="auto", metadata=_flag(
-        MODEL, "activations and KV cache dtype (auto: bfloat16 on CUDA; on CPU bfloat16 when the weights are 4-bit "
-               "(--quantization gguf/int4) and the CPU computes in bf16 natively (AVX512-BF16/AMX), else float32)",
+        MODEL, "activations and KV cache dtype (auto: bfloat16 on CUDA; on CPU bfloat16 when the weights are quantized "
+               "(--quantization other than none) and the CPU computes in bf16 natively (AVX512-BF16/AMX), else float32)",
         choices=("auto", *DTYPES)))
     quantization: str | None = field(default=None, metadata=_flag(
         MODEL, "weight quantization: gguf (a .gguf file's Q4_0/Q4_1/Q4_K tensors stay 4-bit; the default for a "
