@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+# --quantization values; the ones after gguf quantize a dense checkpoint at load.
+QUANTIZATIONS = ("gguf", "int4", "int8", "fp8", "none")
 # CPU KV pool when neither --num-gpu-blocks-override nor --kv-cache-memory-bytes is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1024**3
 
@@ -60,14 +62,17 @@ class EngineConfig:
     tokenizer: str | None = field(default=None, metadata=_flag(
         MODEL, "HF directory, .gguf file or cached repo id to take the tokenizer from (default: the model's)"))
     dtype: str = field(default="auto", metadata=_flag(
-        MODEL, "activations and KV cache dtype (auto: bfloat16 on CUDA; on CPU bfloat16 when the weights are 4-bit "
-               "(--quantization gguf/int4) and the CPU computes in bf16 natively (AVX512-BF16/AMX), else float32)",
+        MODEL, "activations and KV cache dtype (auto: bfloat16 on CUDA; on CPU bfloat16 when the weights are quantized "
+               "(--quantization other than none) and the CPU computes in bf16 natively (AVX512-BF16/AMX), else float32)",
         choices=("auto", *DTYPES)))
     quantization: str | None = field(default=None, metadata=_flag(
-        MODEL, "weight quantization: gguf (a .gguf file's Q4_0/Q4_1 tensors stay 4-bit; the default for a .gguf), "
-               "int4 (a dense checkpoint's linear layers quantized to 4 bits at load, groups of 32), none "
-               "(everything dense, in --dtype; default for a checkpoint directory)", "-q",
-        choices=("gguf", "int4", "none")))
+        MODEL, "weight quantization: gguf (a .gguf file's Q4_0/Q4_1/Q4_K tensors stay 4-bit; the default for a "
+               ".gguf), int4 (a dense checkpoint's linear layers quantized to 4 bits at load, groups of 32), int8 "
+               "(its projections to int8 at load, one scale a channel; on CPU torch's int8 kernel, which is slower "
+               "than dense bf16: a memory saving, see bench/RESULTS.md), fp8 (the same in float8_e4m3fn; on CPU the "
+               "matmul upcasts, a memory saving only; fp8 tensor cores on CUDA sm89+), none (everything dense, in "
+               "--dtype; default for a checkpoint directory)", "-q",
+        choices=QUANTIZATIONS))
     num_threads: int | None = field(default=None, metadata=_flag(
         MODEL, "CPU intra-op threads (default: OMP_NUM_THREADS if set, else the cores this process may use, "
                "affinity and cgroup quota considered)"))
@@ -164,8 +169,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
-        if self.quantization not in (None, "gguf", "int4", "none"):
-            raise ValueError(f"quantization must be one of gguf, int4, none; got {self.quantization!r}")
+        self._check_quantization()
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -191,6 +195,16 @@ class EngineConfig:
                                  "prefix-cache block hash); drop --no-enable-prefix-caching")
         if self.extra:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(self.extra))}")
+
+    def _check_quantization(self) -> None:
+        """What can be told from the flags alone (the file itself is checked at load)."""
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        gguf = self.model is None or str(self.model).endswith(".gguf")
+        if self.quantization in ("int4", "int8", "fp8") and gguf:
+            raise ValueError(f"--quantization {self.quantization} quantizes a dense checkpoint at load; the model "
+                             f"{self.model or '(embedded SmolLM2 GGUF)'} is a .gguf file: serve it with --quantization "
+                             "gguf (its own quantized tensors) or none")
 
     def _check_lora(self) -> None:
         if self.max_loras < 1:

@@ -190,10 +190,11 @@ def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(tiny_model_d
         make_llm(tiny_model_dir, draft_model(other))
 
 
-def test_constrained_requests_beside_speculated_ones_keep_their_grammar(tiny_model_dir) -> None:
+@pytest.mark.parametrize("weights", ["fp32", "int8", "fp8"])
+def test_constrained_requests_beside_speculated_ones_keep_their_grammar(tiny_model_dir, weights: str) -> None:
     """Structured outputs: a constrained request gets no drafts (its mask applies at its one
     emitted position), so its output is the engine's without drafts, next to requests that
-    speculate."""
+    speculate; on dense and on 8-bit weights."""
     schema = {"type": "object", "properties": {"size": {"enum": ["small", "large"]}}, "required": ["size"],
               "additionalProperties": False}
     params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema}),
@@ -202,15 +203,17 @@ def test_constrained_requests_beside_speculated_ones_keep_their_grammar(tiny_mod
     prompts = ["Describe a box:", "letters", "def main():"]
     texts = []
     for spec in (None, draft_model(tiny_model_dir)):
-        llm = make_llm(tiny_model_dir, spec)
+        llm = make_llm(tiny_model_dir, spec, **WEIGHTS[weights])
         texts.append([(o.outputs[0].text, o.outputs[0].token_ids) for o in llm.generate(prompts, params,
                                                                                           use_tqdm=False)])
     assert texts[1] == texts[0]
     assert llm.engine.spec_counters.num_accepted_tokens > 0
 
 
-# The model's weights as served: dense fp32, 4-bit (the int4 kernel, bf16 inside), 4-bit with bf16 activations and KV.
-WEIGHTS = {"fp32": {}, "int4": {"quantization": "int4"}, "int4-bf16": {"quantization": "int4", "dtype": "bfloat16"}}
+# The model's weights as served: dense fp32, 4-bit (the int4 kernel, bf16 inside), 4-bit with bf16 activations and KV,
+# 8-bit projections (int8 kernel; fp8 upcast on CPU).
+WEIGHTS = {"fp32": {}, "int4": {"quantization": "int4"}, "int4-bf16": {"quantization": "int4", "dtype": "bfloat16"},
+           "int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"}}
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)

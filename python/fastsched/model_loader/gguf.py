@@ -146,7 +146,7 @@ class GGUFFile:
         self, config: ModelConfig, keep_quantized: bool = False
     ) -> Iterator[tuple[str, np.ndarray | Int4Blocks]]:
         """Every tensor as (Hugging Face name, float32 array), with a progress bar; with
-        ``keep_quantized``, the Q4_0/Q4_1 matrices come as :class:`Int4Blocks` instead."""
+        ``keep_quantized``, the Q4_0/Q4_1/Q4_K matrices come as :class:`Int4Blocks` instead."""
         unpermute = self.metadata["general.architecture"] == "llama"
         for tensor in tqdm(self.container.tensors, desc=f"Loading {self.path.name}", unit="tensor"):
             name = _hf_name(tensor.name)

@@ -1,5 +1,6 @@
 """Dequantizing GGUF tensors to float32, whole tensors at once for the block formats small
-chat models ship in (Q4_0, Q4_1, Q8_0), ``gguf.quants`` for the rest.
+chat models ship in (Q4_0, Q4_1, Q8_0), ``gguf.quants`` for the rest; and reading the
+4-bit formats (Q4_0, Q4_1, Q4_K) as codes and per-block parameters, kept quantized.
 
 ``gguf.quants`` splits every tensor into many row groups and dequantizes them one by one;
 on the embedded SmolLM2 that is ~3.5 s of a ~10 s start-up. The same arithmetic over the
@@ -19,6 +20,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
+from fastsched.model_loader import gguf_kquants
 from fastsched.model_loader.gguf_container import GGUFTensor
 
 
@@ -51,36 +53,87 @@ _FAST = {
 
 
 class Int4Blocks(NamedTuple):
-    """A Q4_0/Q4_1 tensor kept quantized, as ``w = scale·(q − 8) + zero`` per block of 32
+    """A 4-bit tensor kept quantized, as ``w = scale·(q − 8) + zero`` per block of 32
     (``fastsched.kernels.quant_matmul``'s form): codes ``[N, K]`` uint8 0..15, scale and
     zero ``[N, K/32]`` float32. Converting the fp16 ``d``/``m`` to float32 is exact; for
-    Q4_1, ``zero = m + 8d`` rounds once in float32."""
+    Q4_1, ``zero = m + 8d`` rounds once in float32 (Q4_K: ``gguf_kquants``)."""
 
     codes: np.ndarray
     scale: np.ndarray
     zero: np.ndarray
 
 
+class Int8Blocks(NamedTuple):
+    """A 5-, 6- or 8-bit tensor as ``w = scale·c + zero`` per block of 32 (``gguf_kquants``):
+    codes ``[N, K]`` int8, scale ``[N, K/32]`` float32, zero the same or None where the
+    format has no offset (Q5_0, Q6_K, Q8_0: then exactly ``Int8Weight``'s ``w = scale·c``)."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray | None
+
+
+def _q4_0_int4(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    scale = _scale(blocks, 0)
+    return np.concatenate([blocks[:, 2:] & 0x0F, blocks[:, 2:] >> 4], axis=1), scale, np.zeros_like(scale)
+
+
+def _q4_1_int4(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    scale = _scale(blocks, 0)
+    return np.concatenate([blocks[:, 4:] & 0x0F, blocks[:, 4:] >> 4], axis=1), scale, _scale(blocks, 2) + 8 * scale
+
+
+def _q8_0_int8(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    return blocks[:, 2:].view(np.int8), _scale(blocks, 0), None
+
+
+# format -> (bytes per block, blocks -> (codes, scale, zero)); a converter may answer None
+# (Q6_K whose 16-weight halves differ in scale): then the tensor is dequantized.
+_INT4 = {
+    GGMLQuantizationType.Q4_0: (18, _q4_0_int4),
+    GGMLQuantizationType.Q4_1: (20, _q4_1_int4),
+    GGMLQuantizationType.Q4_K: (144, gguf_kquants.q4_k_int4),
+}
+_INT8 = {
+    GGMLQuantizationType.Q5_0: (22, gguf_kquants.q5_0_int8),
+    GGMLQuantizationType.Q5_1: (24, gguf_kquants.q5_1_int8),
+    GGMLQuantizationType.Q5_K: (176, gguf_kquants.q5_k_int8),
+    GGMLQuantizationType.Q6_K: (210, gguf_kquants.q6_k_int8),
+    GGMLQuantizationType.Q8_0: (34, _q8_0_int8),
+}
+
+
 def int4_type(tensor: GGUFTensor) -> bool:
-    """Whether ``tensor`` is a Q4_0 or Q4_1 matrix (what :func:`int4_blocks` keeps 4-bit)."""
-    return tensor.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1) and len(tensor.shape) == 2
+    """Whether ``tensor`` is a Q4_0, Q4_1 or Q4_K matrix (what :func:`int4_blocks` keeps 4-bit)."""
+    return tensor.tensor_type in _INT4 and len(tensor.shape) == 2
+
+
+def _convert(tensor: GGUFTensor, table: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    if tensor.tensor_type not in table or len(tensor.shape) != 2:
+        return None
+    block_bytes, convert = table[tensor.tensor_type]
+    rows, cols = tensor.shape
+    converted = convert(np.ascontiguousarray(tensor.data).reshape(-1, block_bytes))
+    if converted is None:
+        return None
+    codes, scale, zero = converted
+    groups = cols // 32
+    return (codes.reshape(rows, cols), scale.reshape(rows, groups),
+            None if zero is None else zero.reshape(rows, groups))
 
 
 def int4_blocks(tensor: GGUFTensor) -> Int4Blocks | None:
-    """``tensor``'s codes and block parameters if it is Q4_0 or Q4_1 (else None)."""
-    if not int4_type(tensor):
-        return None
-    block_bytes, _ = _FAST[tensor.tensor_type]
-    rows, cols = tensor.shape
-    blocks = np.ascontiguousarray(tensor.data).reshape(-1, block_bytes)
-    scale = _scale(blocks, 0)
-    if tensor.tensor_type == GGMLQuantizationType.Q4_0:
-        codes, zero = blocks[:, 2:], np.zeros_like(scale)
-    else:
-        codes, zero = blocks[:, 4:], _scale(blocks, 2) + 8 * scale
-    nibbles = np.concatenate([codes & 0x0F, codes >> 4], axis=1)
-    groups = cols // 32
-    return Int4Blocks(nibbles.reshape(rows, cols), scale.reshape(rows, groups), zero.reshape(rows, groups))
+    """``tensor``'s codes and block parameters if it is Q4_0, Q4_1 or Q4_K (else None)."""
+    converted = _convert(tensor, _INT4)
+    return None if converted is None else Int4Blocks(*converted)  # type: ignore[arg-type]
+
+
+def int8_blocks(tensor: GGUFTensor) -> Int8Blocks | None:
+    """``tensor`` as 8-bit codes and block parameters if it is Q5_0, Q5_1, Q5_K, Q8_0, or a
+    Q6_K whose scales pair up (else None). Not served this way yet: the loader dequantizes
+    these until an int8 matmul for groups of 32 is wired in."""
+    converted = _convert(tensor, _INT8)
+    return None if converted is None else Int8Blocks(*converted)
 
 
 def dequantize(tensor: GGUFTensor) -> np.ndarray:

@@ -17,13 +17,17 @@ from tqdm import tqdm
 from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight
 from fastsched.model_loader import hf, is_gguf, open_gguf, resolve_model_path
 from fastsched.model_loader.gguf_quants import Int4Blocks
+from fastsched.models.channel_quant_linear import ChannelQuantLinear, quantize_projections
 from fastsched.models.llama import LlamaForCausalLM, target_parameter
 from fastsched.models.quant_linear import QuantLinear
 from fastsched.models.registry import get_model_class
 
 # --quantization values (vLLM's spelling): gguf keeps a GGUF file's 4-bit tensors 4-bit;
-# int4 quantizes a dense checkpoint's linear layers at load; none dequantizes everything.
-QUANTIZATIONS = ("gguf", "int4", "none")
+# int4 quantizes a dense checkpoint's linear layers at load (groups of 32), int8 and fp8 its
+# projections (one scale a channel); none dequantizes everything.
+QUANTIZATIONS = ("gguf", "int4", "int8", "fp8", "none")
+# The modes that quantize a dense checkpoint at load (a .gguf file is already quantized).
+AT_LOAD = ("int4", "int8", "fp8")
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +103,9 @@ def check_quantization(quantization: str | None, path: Path) -> str:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
     if quantization == "gguf" and not is_gguf(path):
         raise ValueError(f"quantization 'gguf' needs a .gguf file; {path} is not one (use int4 or none)")
-    if quantization == "int4" and is_gguf(path):
-        raise ValueError("quantization 'int4' quantizes a dense checkpoint; a .gguf file is served with 'gguf' "
-                         "(its own 4-bit tensors) or 'none'")
+    if quantization in AT_LOAD and is_gguf(path):
+        raise ValueError(f"quantization {quantization!r} quantizes a dense checkpoint; a .gguf file is served "
+                         "with 'gguf' (its own 4-bit tensors) or 'none'")
     return quantization
 
 
@@ -140,14 +144,24 @@ def load_model(
     _materialize(model.to(dtype), torch.device(device), skip=packed)
     with torch.no_grad():
         model.load_weights(weights)
+        if quantization in ("int8", "fp8"):
+            quantize_projections(model, quantization)
     _release_freed_memory()
-    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    num_params = sum(p.numel() for p in model.parameters()) + sum(m.in_features * m.out_features for m in quantized)
-    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    packed_bytes = sum(m.weight_packed.nbytes() for m in quantized)
-    kernels = sorted({m.weight_packed.kind for m in quantized})
-    logger.info("loaded %s (%.0fM parameters, %d linear layers 4-bit with kernel %s) in %.1f s: weights %.0f MiB "
-                "(%.0f MiB packed 4-bit, %.0f MiB in %s)", path.name, num_params / 1e6, len(quantized),
-                ",".join(kernels) or "-", time.monotonic() - start, (dense_bytes + packed_bytes) / 2**20,
-                packed_bytes / 2**20, dense_bytes / 2**20, str(dtype).removeprefix("torch."))
+    _log_loaded(model, path, dtype, time.monotonic() - start)
     return model.eval()
+
+
+def _log_loaded(model: torch.nn.Module, path: Path, dtype: torch.dtype, seconds: float) -> None:
+    """The start-up line: parameters, which layers are quantized with which kernel, and bytes."""
+    int4 = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    int8 = [m for m in model.modules() if isinstance(m, ChannelQuantLinear)]
+    num_params = (sum(p.numel() for p in model.parameters())
+                  + sum(m.in_features * m.out_features for m in (*int4, *int8)))
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed_bytes = sum(m.weight_packed.nbytes() for m in int4)
+    packed_bytes += sum(b.numel() * b.element_size() for m in int8 for b in m.buffers())
+    kernels = sorted({m.weight_packed.kind for m in int4} | {f"{m.kind}:{m.kernel}" for m in int8})
+    logger.info("loaded %s (%.0fM parameters, %d linear layers 4-bit, %d 8-bit, kernels %s) in %.1f s: weights "
+                "%.0f MiB (%.0f MiB quantized, %.0f MiB in %s)", path.name, num_params / 1e6, len(int4), len(int8),
+                ",".join(kernels) or "-", seconds, (dense_bytes + packed_bytes) / 2**20,
+                packed_bytes / 2**20, dense_bytes / 2**20, str(dtype).removeprefix("torch."))

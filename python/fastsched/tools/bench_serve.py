@@ -29,7 +29,9 @@ Workloads (``--dataset-name``):
   2048, or over the server's max_model_len) pairs are skipped; the rest are shuffled
   with ``--seed``.
 
-Outputs are forced to their length with ``ignore_eos``.
+Outputs are forced to their length with ``ignore_eos`` and ``min_tokens`` (a server without
+``ignore_eos``, llama-cpp-python's, honours ``min_tokens``). A stream without a usage chunk
+(llama-cpp-python sends none) counts one output token per chunk that carries text.
 
 Measured per request, on the client: TTFT (send → first streamed chunk with a token),
 the gaps between later chunks (inter-token latency; a chunk may carry several tokens
@@ -203,7 +205,8 @@ class HttpClient:
 
 def request_body(model: str, req: BenchRequest, endpoint: str) -> dict[str, Any]:
     """The streaming request for ``endpoint``: greedy, EOS ignored, usage in the last chunk."""
-    body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "temperature": 0.0, "ignore_eos": True,
+    body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "min_tokens": req.max_tokens,
+                            "temperature": 0.0, "ignore_eos": True,
                             "stream": True, "stream_options": {"include_usage": True}}
     if endpoint == CHAT_COMPLETIONS:
         body["messages"] = [{"role": "user", "content": req.text}]
@@ -238,6 +241,7 @@ async def send_request(client: HttpClient, model: str, req: BenchRequest,
             complete = True
             return result
         pending = b""
+        token_chunks = 0
         async for data in client.chunks(reader, headers):
             now = time.perf_counter()
             *lines, pending = (pending + data).split(b"\n")
@@ -256,6 +260,7 @@ async def send_request(client: HttpClient, model: str, req: BenchRequest,
                     result.output_tokens = chunk["usage"].get("completion_tokens", 0)
                     result.prompt_len = chunk["usage"].get("prompt_tokens") or result.prompt_len
                 if _has_token(chunk, chat):
+                    token_chunks += 1
                     if result.ttft is None:
                         result.ttft = now - start
                     else:
@@ -263,7 +268,9 @@ async def send_request(client: HttpClient, model: str, req: BenchRequest,
                     last = now
         complete = True
         if result.error is None and result.output_tokens == 0:
-            result.error = "the stream ended without a usage chunk"
+            result.output_tokens = token_chunks  # no usage chunk: one token a chunk
+        if result.error is None and result.output_tokens == 0:
+            result.error = "the stream ended without a token"
     except (OSError, asyncio.IncompleteReadError, ValueError, TimeoutError) as e:
         result.error = f"{type(e).__name__}: {e}"
         result.reason = result.reason or "client_error"
