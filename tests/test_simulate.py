@@ -190,7 +190,8 @@ def test_a7_the_simulator_runs_the_goodput_valve_and_it_raises_goodput_at_overlo
     assert {r.reason for r in on.results if r.status == 503} >= {"slo"}
     assert on_sim.admission.step_time is not None  # fitted on the modelled steps
     assert _goodput(on.results, ttft, tpot) > _goodput(off.results, ttft, tpot)
-    assert on_sim.admission.prediction_errors["ttft"].count == sum(r.status == 200 for r in on.results)
+    # Measured for every request admitted once the step time was fitted (not the first few).
+    assert 0 < on_sim.admission.prediction_errors["ttft"].count < sum(r.status == 200 for r in on.results)
 
 
 def test_a_small_kv_pool_preempts_and_every_request_still_gets_all_its_tokens() -> None:

@@ -120,24 +120,26 @@ def test_a7_admits_while_the_predicted_tpot_is_within_target_then_refuses() -> N
     admitted = 0
     with pytest.raises(SloError) as info:
         for i in range(100):
-            ac.check_and_charge(f"r{i}", 1, 100, max_tokens=16)  # horizon 16 x 0.05 = 0.8 s
+            ac.check_and_charge(f"r{i}", 1, 100, max_tokens=20)  # horizon 20 x 0.05 = 1 s
             ac.mark_first_token(f"r{i}")
             admitted += 1
-    # r_k's prediction: (10 ms + (k + 1) ms) / (1 - (k + 1) x 100 tokens / 0.8 s x 1 ms) <= 50 ms holds up to k = 2.
-    assert admitted == 3
+    # With k decoding, r_k predicts (10 ms + (k + 1) ms) / (1 - (k + 1) x 100 tokens/s x 1 ms):
+    # 40 ms for k = 5, 56.7 ms for k = 6.
+    assert admitted == 6
     error = info.value
     assert error.reason == "slo" and "tpot_slo" in str(error) and error.prediction.tpot_s > 0.05
-    assert ac.rejections["slo"] == 1 and ac.num_in_flight == 3  # A5: no trace
+    assert ac.rejections["slo"] == 1 and ac.num_in_flight == 6  # A5: no trace
     clock.now += 10.0  # the rate window has passed: room again
-    ac.check_and_charge("later", 1, 100, max_tokens=16)
+    ac.check_and_charge("later", 1, 100, max_tokens=20)
 
 
 def test_a7_refuses_on_the_predicted_ttft_when_ttft_slo_is_set() -> None:
     ac, _ = controller(tpot_slo=10.0, ttft_slo=0.2)
-    ac.check_and_charge("first", 1, 90)  # alone: admitted whatever the prediction
+    ac.check_and_charge("first", 1, 95)  # alone: admitted whatever the prediction
     with pytest.raises(SloError, match="TTFT") as info:
-        ac.check_and_charge("second", 1, 90)  # 180 queued over 100 a step: 2 steps, 0.2 s... plus the base
-    assert info.value.prediction.ttft_s == pytest.approx(2 * 0.010 + 0.180)
+        ac.check_and_charge("second", 1, 95)  # 190 queued over 100 a step: 2 steps carrying 190 tokens
+    assert info.value.prediction.ttft_s == pytest.approx(2 * 0.010 + 0.190)
+    assert ac.rejections == {**ac.rejections, "slo": 1, "ttft_slo": 0}
 
 
 def test_a7_admits_a_request_alone_whatever_it_predicts() -> None:
@@ -168,7 +170,7 @@ def test_a7_rejects_a_bad_tpot_slo_naming_it(bad: Any) -> None:
 
 
 def test_tpot_slo_flag_reaches_the_frontend_settings() -> None:
-    from fastsched.cli import build_parser
+    from fastsched.entrypoints.cli import build_parser
     from fastsched.frontend.cli_args import frontend_settings
 
     args = build_parser().parse_args(["serve", "--tpot-slo", "0.2", "--ttft-slo", "2"])
