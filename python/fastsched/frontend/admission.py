@@ -56,9 +56,9 @@ SLO = "slo"  # the goodput valve (A7)
 # one step's worth, so prompt tokens are left over after a step and the engines measure.
 TTFT_SLO_FLOOR_STEPS = 2
 REASONS = (ENGINE_FAULTED, MAX_NUM_QUEUED_REQS, MAX_NUM_QUEUED_TOKENS, TTFT_SLO, SLO)
-# fastsched:slo_prediction_error_seconds: predicted − measured, seconds (negative: too optimistic).
-SLO_PREDICTION_ERROR_BUCKETS = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.2, -0.1, -0.05, -0.02, -0.01,
-                                0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+# fastsched:slo_prediction_error_seconds: |predicted − measured|, seconds. Absolute, because
+# Prometheus histograms with negative buckets carry no _sum or _count.
+SLO_PREDICTION_ERROR_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 class AdmissionError(Exception):
@@ -280,7 +280,7 @@ class AdmissionController:
                 charge.first_token_at = self.clock()
                 if charge.prediction is not None:
                     ttft = charge.first_token_at - charge.admitted_at
-                    self.prediction_errors["ttft"].observe(charge.prediction.ttft_s - ttft)
+                    self.prediction_errors["ttft"].observe(abs(charge.prediction.ttft_s - ttft))
 
     def prediction(self, request_id: str) -> SloPrediction | None:
         """What A7 predicted for a request in flight (None: not judged by it, or unknown)."""
@@ -297,7 +297,7 @@ class AdmissionController:
         if charge.prediction is not None and charge.first_token_at is not None and num_output_tokens > 1:
             tpot = (self.clock() - charge.first_token_at) / (num_output_tokens - 1)
             if math.isfinite(charge.prediction.tpot_s):
-                self.prediction_errors["tpot"].observe(charge.prediction.tpot_s - tpot)
+                self.prediction_errors["tpot"].observe(abs(charge.prediction.tpot_s - tpot))
         self._num_in_flight -= charge.n
         self._num_prefilling -= charge.num_prefilling
         self._num_queued_tokens -= charge.num_prefilling * charge.prompt_len

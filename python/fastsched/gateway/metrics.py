@@ -201,7 +201,8 @@ def _admission_families(stats: Sequence[Any], m: str) -> list[Metric]:
     if errors:
         families.append(_histogram_family(
             "slo_prediction_error_seconds",
-            "The goodput valve's (--tpot-slo) predicted minus measured TTFT or TPOT of admitted requests, by target.",
+            "How far the goodput valve's (--tpot-slo) predicted TTFT or TPOT of admitted requests was from the "
+            "measured one (absolute), by target.",
             ["model_name", "target"], errors))
     return families
 

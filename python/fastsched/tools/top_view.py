@@ -83,7 +83,7 @@ class TopView:
     scan_stops_per_s: dict[str, float]  # by gate
     engines: dict[str, EngineView]  # by engine index, in order
     queued_tokens_limit: float | None
-    # The goodput valve's mean prediction error (predicted − measured, seconds) over the window,
+    # The goodput valve's mean absolute prediction error (seconds) over the window,
     # by target (ttft, tpot); empty without --tpot-slo or with nothing measured in the window.
     slo_prediction_error_s: dict[str, float] = field(default_factory=dict)
 
