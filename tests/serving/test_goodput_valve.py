@@ -212,3 +212,61 @@ def test_a7_through_engines_refuses_with_slo_once_the_step_time_is_fitted(launch
             await llm.shutdown()
 
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+# ------------------------------------------------------------------ metric and top
+
+
+def _stats_with_errors(ttft_errors: list[float]) -> Any:
+    from fastsched.frontend.admission import SLO_PREDICTION_ERROR_BUCKETS
+    from fastsched.frontend.request_metrics import Histogram
+    from fastsched.frontend.stats import LatencyHistograms, stats_to_proto
+
+    h = Histogram(SLO_PREDICTION_ERROR_BUCKETS)
+    for e in ttft_errors:
+        h.observe(e)
+    return stats_to_proto({"engines": [{"index": 0}], "slo_prediction_error_seconds": {"ttft": h}},
+                          LatencyHistograms())
+
+
+def test_a7_prediction_error_is_exported_with_its_sum_and_count() -> None:
+    from fastsched.gateway.metrics import render
+
+    text = render([_stats_with_errors([0.3, 0.1])], "m").decode()
+    assert 'fastsched:slo_prediction_error_seconds_count{model_name="m",target="ttft"} 2.0' in text
+    assert 'fastsched:slo_prediction_error_seconds_sum{model_name="m",target="ttft"} 0.4' in text
+    off = render([stats_to_proto_without_valve()], "m").decode()
+    assert "slo_prediction_error_seconds" not in off
+
+
+def stats_to_proto_without_valve() -> Any:
+    from fastsched.frontend.stats import LatencyHistograms, stats_to_proto
+
+    return stats_to_proto({"engines": [{"index": 0}]}, LatencyHistograms())
+
+
+def test_a7_top_shows_the_mean_prediction_error_over_the_window() -> None:
+    from fastsched.gateway.metrics import render
+    from fastsched.tools.metrics_snapshot import parse_metrics
+    from fastsched.tools.top_view import top_view
+
+    before = parse_metrics(render([_stats_with_errors([0.3])], "m", own_process=False).decode(), taken_at=0.0)
+    after = parse_metrics(render([_stats_with_errors([0.3, 0.1, 0.2])], "m", own_process=False).decode(),
+                          taken_at=2.0)
+    assert top_view(after, before).slo_prediction_error_s == {"ttft": pytest.approx(0.15)}
+    assert top_view(after, None).slo_prediction_error_s == {}
+
+
+def test_a7_prediction_of_a_rejected_request_reaches_the_request_status_message() -> None:
+    from google.protobuf import json_format
+
+    from fastsched.frontend.request_status import rejected_status
+    from fastsched.frontend.slo_predictor import SloPrediction
+    from fastsched.proto_gen import import_stubs
+
+    pb, _ = import_stubs()
+    error = SloError("SLO at risk", SloPrediction(ttft_s=1.5, tpot_s=math.inf))
+    status = rejected_status("r", 0, error, 0.0, 10)
+    assert status["reason"] == "slo" and status["slo_prediction"] == {"ttft_s": 1.5}  # unbounded: left out
+    message = json_format.ParseDict(status, pb.RequestStatusResponse())
+    assert message.slo_prediction.ttft_s == 1.5 and not message.slo_prediction.HasField("tpot_s")
