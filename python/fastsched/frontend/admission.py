@@ -278,7 +278,7 @@ class AdmissionController:
             self._num_queued_tokens -= charge.prompt_len
             if charge.first_token_at is None:
                 charge.first_token_at = self.clock()
-                if charge.prediction is not None:
+                if charge.prediction is not None and math.isfinite(charge.prediction.ttft_s):
                     ttft = charge.first_token_at - charge.admitted_at
                     self.prediction_errors["ttft"].observe(abs(charge.prediction.ttft_s - ttft))
 
@@ -294,10 +294,11 @@ class AdmissionController:
         charge = self._charges.pop(request_id, None)
         if charge is None:
             return
-        if charge.prediction is not None and charge.first_token_at is not None and num_output_tokens > 1:
+        prediction = charge.prediction
+        if (prediction is not None and math.isfinite(prediction.tpot_s) and charge.first_token_at is not None
+                and num_output_tokens > 1):  # an unbounded prediction (a request let in alone) has no error
             tpot = (self.clock() - charge.first_token_at) / (num_output_tokens - 1)
-            if math.isfinite(charge.prediction.tpot_s):
-                self.prediction_errors["tpot"].observe(abs(charge.prediction.tpot_s - tpot))
+            self.prediction_errors["tpot"].observe(abs(prediction.tpot_s - tpot))
         self._num_in_flight -= charge.n
         self._num_prefilling -= charge.num_prefilling
         self._num_queued_tokens -= charge.num_prefilling * charge.prompt_len
