@@ -36,7 +36,8 @@ SCHEDULER: dict[str, Any] = dict(
 
 def simulator(cost: StepCost = COST, **overrides: Any) -> Simulator:
     """A simulator over :data:`SCHEDULER`; admission and latency keywords go to the Simulator."""
-    sim_keys = {"max_num_queued_reqs", "max_num_queued_tokens", "ttft_slo", "frontend_latency", "step_tracer"}
+    sim_keys = {"max_num_queued_reqs", "max_num_queued_tokens", "ttft_slo", "tpot_slo", "frontend_latency",
+                "step_tracer"}
     sim_kwargs = {k: v for k, v in overrides.items() if k in sim_keys}
     sched_kwargs = {k: v for k, v in overrides.items() if k not in sim_keys}
     return Simulator(SchedulerConfig(**{**SCHEDULER, **sched_kwargs}), cost, **sim_kwargs)
@@ -171,6 +172,26 @@ def test_after_measurement_the_ttft_slo_limit_is_slo_times_the_measured_prefill_
     burst = sim.run([req(0.0, prompt_len=50, start=1000 + 60 * k) for k in range(13)], label="burst")
     assert [r.status for r in burst.results] == [200] * 11 + [503] * 2
     assert {r.reason for r in burst.results if r.status == 503} == {"ttft_slo"}
+
+
+def _goodput(results: list[Any], ttft: float, tpot: float) -> int:
+    """Requests answered within both targets (bench serve's TPOT: mean gap after the first token)."""
+    return sum(1 for r in results if r.status == 200 and r.ttft <= ttft
+               and (r.output_tokens < 2 or (r.e2e - r.ttft) / (r.output_tokens - 1) <= tpot))
+
+
+def test_a7_the_simulator_runs_the_goodput_valve_and_it_raises_goodput_at_overload() -> None:
+    # 60 prompts of 60 tokens in 3 s against a 64-token budget: prompt alone takes ~1.3x the engine.
+    trace = [req(k * 0.05, prompt_len=60, output_len=20, start=1 + 70 * k) for k in range(60)]
+    ttft, tpot = 1.0, 0.05
+    off = simulator(ttft_slo=ttft).run(trace)
+    on_sim = simulator(ttft_slo=ttft, tpot_slo=tpot)
+    on = on_sim.run(trace)
+    assert {r.reason for r in on.results if r.status == 503} >= {"slo"}
+    assert on_sim.admission.step_time is not None  # fitted on the modelled steps
+    assert _goodput(on.results, ttft, tpot) > _goodput(off.results, ttft, tpot)
+    # Measured for every request admitted once the step time was fitted (not the first few).
+    assert 0 < on_sim.admission.prediction_errors["ttft"].count < sum(r.status == 200 for r in on.results)
 
 
 def test_a_small_kv_pool_preempts_and_every_request_still_gets_all_its_tokens() -> None:

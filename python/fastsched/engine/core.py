@@ -43,6 +43,7 @@ from fastsched.config import EngineConfig
 from fastsched.engine.kv_connector.identity import store_identity
 from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
+from fastsched.engine.step_time_meter import StepTimeMeter
 from fastsched.engine.protocol import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -171,6 +172,7 @@ class EngineCore:
         self.stats = StatsLogger(config.log_stats_interval, spec=self.spec_counters)
         self.step_tracer = StepTracer(config.step_trace) if config.step_trace else None  # --step-trace
         self.prefill_meter = PrefillThroughputMeter()  # read by the TTFT-SLO valve (--ttft-slo)
+        self.step_time_meter = StepTimeMeter()  # read by the goodput valve (--tpot-slo)
         sc = self.scheduler.config
         logger.info(
             "attention backend: %s; scheduler: policy=%s max_num_seqs=%d max_num_active_seqs=%d "
@@ -509,8 +511,9 @@ class EngineCore:
         # A step lasts from its launch, or from the end of the step before it when that
         # came later (async: it was launched while that one ran), to its collection.
         end, end_wall = time.perf_counter(), time.time()
-        self.prefill_meter.observe(prefill, end - max(step.launched, self._last_step_end),
-                                   step.backlogged or partial)
+        duration = end - max(step.launched, self._last_step_end)
+        self.prefill_meter.observe(prefill, duration, step.backlogged or partial)
+        self.step_time_meter.observe(so.total_num_scheduled_tokens, duration)
         if self.step_tracer is not None:
             start = max(step.launched_wall, self._last_step_end_wall)
             self.step_tracer.on_step(StepShape.of(so, prompt_lens), start, end_wall)

@@ -378,6 +378,7 @@ class _EngineLoop:
     def _stats(self) -> EngineStats:
         s = self.core.scheduler.stats()
         counters = self.core.stats
+        step_fit = self.core.step_time_meter.fit
         return EngineStats(
             num_running=s["num_running"],
             num_waiting=s["num_waiting"],
@@ -391,6 +392,8 @@ class _EngineLoop:
             skips_total=dict(s["skips_total"]),
             last_scan_stop=s["last_scan_stop"],
             prefill_tokens_per_s=self.core.prefill_meter.tokens_per_s,
+            step_time_base_s=None if step_fit is None else step_fit.base_s,
+            step_time_per_token_s=None if step_fit is None else step_fit.per_token_s,
             iteration_tokens=list(counters.iteration_tokens),
             iteration_tokens_sum=counters.iteration_tokens_sum,
             **self._lora_stats(),

@@ -124,6 +124,10 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     # Prompt tokens prefilled per second while requests wait (engine.prefill_meter); None
     # until measured. The TTFT-SLO valve (--ttft-slo) sizes the prefill backlog with it.
     prefill_tokens_per_s: float | None = None
+    # Step time = base + per_token x scheduled tokens (engine.step_time_meter), seconds; None
+    # until fitted. The goodput valve (--tpot-slo) predicts TTFT and TPOT with it.
+    step_time_base_s: float | None = None
+    step_time_per_token_s: float | None = None
     # Tokens scheduled per engine step, since start: counts per bucket of ITERATION_TOKENS_BUCKETS
     # (not cumulative; the last one past the largest bound), and their sum. Empty: not counted.
     iteration_tokens: list[Count] = msgspec.field(default_factory=list)

@@ -1,4 +1,4 @@
-"""Frontend admission (docs/design.md §6, A1–A5): the gates a request meets before it is sent
+"""Frontend admission (docs/design.md §6, A1–A5, A7): the gates a request meets before it is sent
 to an engine, as a small synchronous class that needs no network.
 
 Check and charge are one synchronous call. The frontend runs on one asyncio event
@@ -25,25 +25,40 @@ take, so the engines are left backlogged, which is when they measure. Unlike A3 
 prompt, because that prompt's last token is what the target is about; a request alone
 in the backlog is always admitted, else a prompt longer than the limit could never be
 served.
+
+The goodput valve (``tpot_slo``, A7) admits a request only if, by the model of
+``frontend.slo_predictor`` fed with this frontend's own counts and the engines' measured
+step time, the newcomer's TTFT stays within ``ttft_slo`` (when set) and the decoding
+requests' TPOT within ``tpot_slo``; else 503 ``slo``. What it predicted is kept with the
+request (``prediction``) and its error measured when the first token and the end come.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from fastsched.engine.step_time_meter import StepTimeFit
+from fastsched.frontend.request_metrics import Histogram
 from fastsched.frontend.settings import FrontendSettings
+from fastsched.frontend.slo_predictor import PromptFlow, SloPrediction, SloState, horizon, predict
 from fastsched.limits import LimitError
 
 ENGINE_FAULTED = "engine_faulted"
 MAX_NUM_QUEUED_REQS = "max_num_queued_reqs"
 MAX_NUM_QUEUED_TOKENS = "max_num_queued_tokens"
 TTFT_SLO = "ttft_slo"
+SLO = "slo"  # the goodput valve (A7)
 # The TTFT-SLO limit until measured, in scheduler steps of prompt per engine: more than
 # one step's worth, so prompt tokens are left over after a step and the engines measure.
 TTFT_SLO_FLOOR_STEPS = 2
-REASONS = (ENGINE_FAULTED, MAX_NUM_QUEUED_REQS, MAX_NUM_QUEUED_TOKENS, TTFT_SLO)
+REASONS = (ENGINE_FAULTED, MAX_NUM_QUEUED_REQS, MAX_NUM_QUEUED_TOKENS, TTFT_SLO, SLO)
+# fastsched:slo_prediction_error_seconds: |predicted − measured|, seconds. Absolute, because
+# Prometheus histograms with negative buckets carry no _sum or _count.
+SLO_PREDICTION_ERROR_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 class AdmissionError(Exception):
@@ -84,6 +99,16 @@ class TtftSloError(AdmissionError):
     reason = TTFT_SLO
 
 
+class SloError(AdmissionError):
+    """A7, the goodput valve: the predicted TTFT or TPOT would exceed its target."""
+
+    reason = SLO
+
+    def __init__(self, message: str, prediction: SloPrediction) -> None:
+        super().__init__(message)
+        self.prediction = prediction
+
+
 class SharedInFlightCounter(Protocol):
     """What admission uses of ``fastsched._core.SharedAdmissionStats`` (A6): the handle
     ``SharedAdmissionStats.open(name, frontend_index)`` returns (not the creator's, which
@@ -100,6 +125,9 @@ class _Charge:
     n: int  # sequences this request holds (A4: a parent of n holds n)
     prompt_len: int
     num_prefilling: int  # of its n sequences, those without a first token yet (A3)
+    admitted_at: float = 0.0  # the controller's clock
+    prediction: SloPrediction | None = None  # A7's, when it judged the request
+    first_token_at: float | None = None
 
 
 class AdmissionController:
@@ -113,10 +141,20 @@ class AdmissionController:
     """
 
     def __init__(self, settings: FrontendSettings | None = None,
-                 shared_stats: SharedInFlightCounter | None = None) -> None:
-        """``settings``: the frontend's (validated there); its admission fields are used."""
+                 shared_stats: SharedInFlightCounter | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``settings``: the frontend's (validated there); its admission fields are used.
+        ``clock``: seconds, for A7's prompt rate and prediction errors (the simulator's is virtual)."""
         settings = settings or FrontendSettings()
         self.ttft_slo = settings.ttft_slo
+        self.tpot_slo = settings.tpot_slo
+        self.clock = clock
+        self.step_time: StepTimeFit | None = None  # A7: the engines' mean fit; None until every one has fitted
+        self.token_budget = 0  # A7: one engine's max_num_batched_tokens
+        self.num_engines = 1
+        self._flow = PromptFlow()
+        self._num_prefilling = 0  # sequences of this frontend without a first token
+        self.prediction_errors = {target: Histogram(SLO_PREDICTION_ERROR_BUCKETS) for target in ("ttft", "tpot")}
         self.num_frontends = settings.num_frontends
         self.prefill_tokens_per_s: float | None = None  # the engines' total, as last reported
         self._slo_limit: int | None = None  # this frontend's share; None until the engines report
@@ -135,7 +173,8 @@ class AdmissionController:
 
     # ------------------------------------------------------------ the gates
 
-    def check_and_charge(self, request_id: str, n: int, prompt_len: int, *, engine_healthy: bool = True) -> None:
+    def check_and_charge(self, request_id: str, n: int, prompt_len: int, *, engine_healthy: bool = True,
+                         max_tokens: int = 1) -> None:
         """Admit the request (and charge it) or raise an :class:`AdmissionError` leaving
         no trace but the rejection counter (A5). Never awaits: see the module docstring."""
         # The request gate and the request table have judged these (an id in use, n, the prompt).
@@ -173,13 +212,50 @@ class AdmissionController:
                         f"{self._slo_limit} ({self._slo_limit_origin()})",
                         limit=self._slo_limit, current=queued,
                     ))
+            prediction = self._check_slo(n, prompt_len, max_tokens)
         except AdmissionError:
             if shared is not None:
                 shared.add(-n)  # A5: no trace
             raise
-        self._charges[request_id] = _Charge(n, prompt_len, n)
+        now = self.clock()
+        self._charges[request_id] = _Charge(n, prompt_len, n, now, prediction)
         self._num_in_flight += n
+        self._num_prefilling += n
         self._num_queued_tokens += n * prompt_len
+        if self.tpot_slo is not None:
+            self._flow.add(now, n * prompt_len)
+
+    def predict(self, n: int, prompt_len: int, max_tokens: int) -> SloPrediction | None:
+        """A7's prediction for a newcomer now (None: the valve is off or the engines have
+        not fitted their step time yet). This frontend's counts stand for 1/K of the
+        server's, spread over the D engines."""
+        if self.tpot_slo is None or self.step_time is None:
+            return None
+        scale = self.num_frontends / self.num_engines
+        window = horizon(max_tokens, self.tpot_slo)
+        state = SloState(
+            num_decoding=round((self._num_in_flight - self._num_prefilling) * scale),
+            num_queued_tokens=round(self._num_queued_tokens * scale),
+            prompt_tokens_per_s=self._flow.rate(self.clock(), window) * scale,
+            token_budget=self.token_budget, step=self.step_time,
+        )
+        return predict(state, n, prompt_len, window)
+
+    def _check_slo(self, n: int, prompt_len: int, max_tokens: int) -> SloPrediction | None:
+        """A7. A request with nothing else in flight is always admitted: the valve is
+        about the load others add, and a request that is alone cannot wait for it to drop."""
+        prediction = self.predict(n, prompt_len, max_tokens)
+        if prediction is None or self._num_in_flight == 0:
+            return prediction
+        over = []
+        if self.ttft_slo is not None and prediction.ttft_s > self.ttft_slo:
+            over.append(f"TTFT {prediction.ttft_s:.3g} s > ttft_slo {self.ttft_slo:g} s")
+        assert self.tpot_slo is not None
+        if prediction.tpot_s > self.tpot_slo:
+            over.append(f"TPOT {prediction.tpot_s:.3g} s > tpot_slo {self.tpot_slo:g} s")
+        if over:
+            self._reject(SloError(f"SLO at risk: predicted {' and '.join(over)}", prediction))
+        return prediction
 
     def check_can_ever_fit(self, n: int, prompt_len: int) -> None:
         """A4: a request no amount of waiting can admit is a client error (``LimitError``,
@@ -198,15 +274,33 @@ class AdmissionController:
         charge = self._charges.get(request_id)
         if charge is not None and charge.num_prefilling > 0:
             charge.num_prefilling -= 1
+            self._num_prefilling -= 1
             self._num_queued_tokens -= charge.prompt_len
+            if charge.first_token_at is None:
+                charge.first_token_at = self.clock()
+                if charge.prediction is not None and math.isfinite(charge.prediction.ttft_s):
+                    ttft = charge.first_token_at - charge.admitted_at
+                    self.prediction_errors["ttft"].observe(abs(charge.prediction.ttft_s - ttft))
 
-    def release(self, request_id: str) -> None:
+    def prediction(self, request_id: str) -> SloPrediction | None:
+        """What A7 predicted for a request in flight (None: not judged by it, or unknown)."""
+        charge = self._charges.get(request_id)
+        return None if charge is None else charge.prediction
+
+    def release(self, request_id: str, num_output_tokens: int = 0) -> None:
         """The request finished, failed or was aborted: give back everything it holds.
-        Unknown (already released or never admitted) ids are a no-op."""
+        Unknown (already released or never admitted) ids are a no-op. ``num_output_tokens``
+        (of its first sequence) measures A7's TPOT error when there were two or more."""
         charge = self._charges.pop(request_id, None)
         if charge is None:
             return
+        prediction = charge.prediction
+        if (prediction is not None and math.isfinite(prediction.tpot_s) and charge.first_token_at is not None
+                and num_output_tokens > 1):  # an unbounded prediction (a request let in alone) has no error
+            tpot = (self.clock() - charge.first_token_at) / (num_output_tokens - 1)
+            self.prediction_errors["tpot"].observe(abs(prediction.tpot_s - tpot))
         self._num_in_flight -= charge.n
+        self._num_prefilling -= charge.num_prefilling
         self._num_queued_tokens -= charge.num_prefilling * charge.prompt_len
         if self.shared_stats is not None:
             self.shared_stats.add(-charge.n)
@@ -221,6 +315,11 @@ class AdmissionController:
         self.prefill_tokens_per_s = tokens_per_s
         total = float(floor_tokens) if tokens_per_s is None else self.ttft_slo * tokens_per_s
         self._slo_limit = max(1, math.ceil(total / self.num_frontends))
+
+    def update_step_time(self, fit: StepTimeFit | None, token_budget: int, num_engines: int) -> None:
+        """A7's inputs from the engines: their mean step-time fit (None: not every engine has
+        fitted yet, and the valve admits), one engine's token budget, and how many there are."""
+        self.step_time, self.token_budget, self.num_engines = fit, token_budget, max(1, num_engines)
 
     def _slo_limit_origin(self) -> str:
         share = f" / {self.num_frontends} frontends" if self.num_frontends > 1 else ""

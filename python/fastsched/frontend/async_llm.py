@@ -31,6 +31,7 @@ import msgspec
 
 from fastsched.engine import protocol
 from fastsched.engine.protocol import EngineRequestStatus, EngineStats, ModelInfo
+from fastsched.engine.step_time_meter import StepTimeFit
 from fastsched.frontend.admission import (
     TTFT_SLO_FLOOR_STEPS,
     AdmissionController,
@@ -109,7 +110,7 @@ class AsyncLLM:
         self._table = RequestTable(len(self._engines), self._client.abort)
         self._client.on_outputs = self._table.apply_outputs
         self._client.on_engine_dead = self._fail_engine_requests
-        self._client.on_stats = self._update_ttft_slo_limit
+        self._client.on_stats = self._on_engine_stats
         # Engine request ids must be unique in the engine across frontends and restarts.
         self._id_prefix = f"{frontend_index}.{secrets.token_hex(3)}."
         self._ids = itertools.count()
@@ -256,7 +257,8 @@ class AsyncLLM:
             raise EngineDeadError(f"no engine is alive ({self._client.dead_reasons()})")
         # Check and charge, then register and send: no await anywhere in between.
         try:
-            self.admission.check_and_charge(request_id, params.n, len(token_ids), engine_healthy=self.is_healthy())
+            self.admission.check_and_charge(request_id, params.n, len(token_ids), engine_healthy=self.is_healthy(),
+                                            max_tokens=params.max_tokens)
         except AdmissionError as e:
             self._history.add(rejected_status(request_id, self.frontend_index, e, time.time(), len(token_ids)))
             raise
@@ -381,11 +383,29 @@ class AsyncLLM:
             self.request_logger.finished(state.request_id, state.parent.outputs, state.metrics, error)
 
     def _release(self, state: RequestState, error: str | None, counted: bool) -> None:
-        self.admission.release(state.request_id)
+        self.admission.release(state.request_id, len(state.parent.outputs[0].token_ids) if counted else 0)
 
     def _fail_engine_requests(self, engine_index: int, reason: str) -> None:
         for state in self._table.on_engine(engine_index):
             self._table.fail(state, EngineDeadError(f"engine {engine_index} died: {reason}"))
+
+    def _on_engine_stats(self) -> None:
+        self._update_ttft_slo_limit()
+        self._update_step_time()
+
+    def _update_step_time(self) -> None:
+        """Feed the goodput valve (A7) the live engines' mean step-time fit, None until every
+        one of them has fitted, and one engine's token budget."""
+        if self.admission.tpot_slo is None:
+            return
+        engines = [e for e in self._engines if e.healthy and e.info is not None]
+        fits = [(e.stats.step_time_base_s, e.stats.step_time_per_token_s) for e in engines]
+        fit = None
+        if fits and all(b is not None and t is not None for b, t in fits):
+            fit = StepTimeFit(sum(b for b, _ in fits if b is not None) / len(fits),
+                              sum(t for _, t in fits if t is not None) / len(fits))
+        budget = min((e.info.max_num_batched_tokens for e in engines if e.info is not None), default=0)
+        self.admission.update_step_time(fit, budget, len(engines))
 
     def _update_ttft_slo_limit(self) -> None:
         """Feed the valve the live engines' total prefill throughput, unmeasured until
@@ -478,8 +498,12 @@ class AsyncLLM:
                     ) from None
         if state.done:  # it ended (or failed) while the engine answered
             return self._history.get(request_id)
-        return in_flight_status(request_id, self.frontend_index, state.engine_index, state.parent.outputs,
-                                state.child_ids, {r.request_id: r for r in replies}, state.metrics)
+        status = in_flight_status(request_id, self.frontend_index, state.engine_index, state.parent.outputs,
+                                  state.child_ids, {r.request_id: r for r in replies}, state.metrics)
+        prediction = self.admission.prediction(request_id)  # the goodput valve's (A7)
+        if prediction is not None:
+            status["slo_prediction"] = prediction.as_dict()
+        return status
 
     def stats(self) -> dict[str, Any]:
         """Engine stats summed over engines (``kv_cache_usage``: the mean), as last reported,
@@ -506,6 +530,8 @@ class AsyncLLM:
         total["num_sequences_in_flight_total"] = self.admission.num_in_flight_total
         total["num_queued_tokens"] = self.admission.num_queued_tokens
         total["admission_queued_tokens_limit"] = self.admission.queued_tokens_limit
+        if self.admission.tpot_slo is not None:
+            total["slo_prediction_error_seconds"] = self.admission.prediction_errors
         total["healthy"] = self.is_healthy()
         return total
 

@@ -12,7 +12,7 @@ from fastsched.units import parse_count
 
 
 def add_admission_limit_args(group: argparse._ArgumentGroup) -> None:
-    """Add ``--max-num-queued-reqs``, ``--max-num-queued-tokens`` and ``--ttft-slo`` to ``group``."""
+    """Add ``--max-num-queued-reqs``, ``--max-num-queued-tokens``, ``--ttft-slo`` and ``--tpot-slo`` to ``group``."""
     group.add_argument("--max-num-queued-reqs", type=parse_count, default=None,
                        help="A2: reject (503) a request when the requests in flight over all frontends would "
                             "exceed this (default: no limit)")
@@ -24,6 +24,11 @@ def add_admission_limit_args(group: argparse._ArgumentGroup) -> None:
                             "prefill, its own included, exceed SECONDS x the prefill throughput the engines measure "
                             "while requests wait (until measured: two scheduler steps' worth per engine). "
                             "The limit is the metric fastsched:admission_queued_tokens_limit (default: off)")
+    group.add_argument("--tpot-slo", type=float, default=None, metavar="SECONDS",
+                       help="TPOT target, the goodput valve (A7): reject (503, reason slo) a request when, from "
+                            "the engines' measured step time and the requests decoding and queued, its predicted "
+                            "TTFT would exceed --ttft-slo (if set) or the predicted time per output token of the "
+                            "running requests would exceed SECONDS (default: off)")
 
 
 def frontend_settings(args: argparse.Namespace) -> FrontendSettings:
@@ -31,7 +36,7 @@ def frontend_settings(args: argparse.Namespace) -> FrontendSettings:
     naming the setting) before anything is spawned."""
     return FrontendSettings(
         max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
-        ttft_slo=args.ttft_slo, fault_tolerance=args.enable_fault_tolerance, num_frontends=args.api_server_count,
+        ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, fault_tolerance=args.enable_fault_tolerance, num_frontends=args.api_server_count,
         session_idle_timeout=args.session_idle_timeout or None, max_sessions=args.max_sessions,
         session_open_timeout=args.session_open_timeout, engine_timeout=args.engine_timeout,
         ready_timeout=args.ready_timeout, limits=request_limits(args), enable_log_requests=args.enable_log_requests,

@@ -65,10 +65,14 @@ def combined_state(states: Iterable[str]) -> str:
 
 def rejected_status(request_id: str, frontend: int, error: AdmissionError, arrival_time: float,
                     num_prompt_tokens: int) -> dict[str, Any]:
-    return {
+    status = {
         "request_id": request_id, "state": REJECTED, "frontend": frontend, "reason": error.reason,
         "message": str(error), "metrics": {"arrival_time": arrival_time, "num_prompt_tokens": num_prompt_tokens},
     }
+    prediction = getattr(error, "prediction", None)  # the goodput valve's (A7)
+    if prediction is not None:
+        status["slo_prediction"] = prediction.as_dict()
+    return status
 
 
 def in_flight_status(request_id: str, frontend: int, engine: int, outputs: Sequence[CompletionOutput],

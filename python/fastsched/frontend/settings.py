@@ -41,6 +41,7 @@ class FrontendSettings:
     max_num_queued_reqs: int | None = None  # A2 over all frontends; None: off
     max_num_queued_tokens: int | None = None  # A3, per frontend; None: off
     ttft_slo: float | None = None  # seconds; the TTFT-SLO valve (frontend.admission); None: off
+    tpot_slo: float | None = None  # seconds; with ttft_slo, the goodput valve's targets (A7); None: off
     fault_tolerance: bool = False  # A1
     num_frontends: int = 1  # the TTFT-SLO limit is shared among them
     # Seconds a streaming session may wait for input (S15); None: no limit.
@@ -57,6 +58,7 @@ class FrontendSettings:
         for name in ("max_num_queued_reqs", "max_num_queued_tokens", "num_frontends"):
             _positive_int_or_none(name, getattr(self, name))
         _seconds("ttft_slo", self.ttft_slo, optional=True)
+        _seconds("tpot_slo", self.tpot_slo, optional=True)
         _seconds("session_idle_timeout", self.session_idle_timeout, optional=True)
         _seconds("session_open_timeout", self.session_open_timeout)
         if self.max_sessions is not None and (isinstance(self.max_sessions, bool) or self.max_sessions < 0):

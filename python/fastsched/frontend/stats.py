@@ -162,6 +162,8 @@ def stats_to_proto(stats: Mapping[str, Any], latencies: LatencyHistograms) -> An
         msg.admission_rejections_total[reason] = int(count)
     if stats.get("admission_queued_tokens_limit") is not None:
         msg.admission_queued_tokens_limit = int(stats["admission_queued_tokens_limit"])
+    for target, h in (stats.get("slo_prediction_error_seconds") or {}).items():
+        msg.slo_prediction_error_seconds[target].CopyFrom(_histogram_proto(h))
     _requests_by_engine(msg, stats, latencies)
     # The top-level histograms: summed over engines (and over observations of no known engine).
     totals = latencies.histograms

@@ -194,6 +194,16 @@ def _admission_families(stats: Sequence[Any], m: str) -> list[Metric]:
             labels=["model_name"])
         limit.add_metric([m], sum(limits))
         families.append(limit)
+    errors: dict[tuple[str, ...], _Buckets] = {}
+    for s in stats:
+        for target, h in s.slo_prediction_error_seconds.items():
+            errors.setdefault((m, target), _Buckets()).add(h)
+    if errors:
+        families.append(_histogram_family(
+            "slo_prediction_error_seconds",
+            "How far the goodput valve's (--tpot-slo) predicted TTFT or TPOT of admitted requests was from the "
+            "measured one (absolute), by target.",
+            ["model_name", "target"], errors))
     return families
 
 

@@ -100,7 +100,8 @@ class Snapshot:
 
 def parse_metrics(text: str, taken_at: float) -> Snapshot:
     """Parses a Prometheus text exposition; ValueError when it is not one. Histogram
-    buckets with labels other than ``le`` are summed over them."""
+    buckets with labels other than ``le`` are summed over them; their ``_sum`` and
+    ``_count`` samples are also kept as samples, with their labels."""
     samples: dict[str, list[Sample]] = {}
     histograms: dict[str, Histogram] = {}
     for family in text_string_to_metric_families(text):
@@ -114,8 +115,10 @@ def parse_metrics(text: str, taken_at: float) -> Snapshot:
             if s.name == family.name + "_bucket":
                 bound = float(s.labels["le"])
                 buckets[bound] = buckets.get(bound, 0.0) + s.value
-            elif s.name == family.name + "_sum":
-                total += s.value
+            else:  # _sum and _count, kept by label too (the goodput valve's error by target)
+                samples.setdefault(s.name, []).append(Sample(s.labels, s.value))
+                if s.name == family.name + "_sum":
+                    total += s.value
         bounds = tuple(sorted(buckets))
         histograms[family.name] = Histogram(bounds, tuple(buckets[b] for b in bounds), total)
     return Snapshot(taken_at, {name: tuple(s) for name, s in samples.items()}, histograms)

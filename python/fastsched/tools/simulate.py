@@ -92,7 +92,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     sim = Simulator(
         engine.scheduler_config, cost,
         max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
-        ttft_slo=args.ttft_slo, frontend_latency=args.frontend_latency, step_tracer=tracer,
+        ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, frontend_latency=args.frontend_latency, step_tracer=tracer,
     )
     summaries = []
     for label, qps, trace in traces:
@@ -112,7 +112,8 @@ def run_simulate(args: argparse.Namespace) -> int:
           f"max_num_seqs={sc.max_num_seqs} max_num_batched_tokens={sc.max_num_batched_tokens}; "
           f"step cost a={cost.a * 1e3:.4g} ms b={cost.b * 1e6:.4g} us/token c={cost.c * 1e6:.4g} us/request; "
           f"frontend latency {args.frontend_latency * 1e3:.4g} ms"
-          + (f"; ttft_slo {args.ttft_slo:g} s" if args.ttft_slo is not None else ""))
+          + (f"; ttft_slo {args.ttft_slo:g} s" if args.ttft_slo is not None else "")
+          + (f"; tpot_slo {args.tpot_slo:g} s" if args.tpot_slo is not None else ""))
     print(format_table(summaries))
     print(format_engine_table(summaries))
     if args.out:
@@ -141,6 +142,7 @@ def _config_report(args: argparse.Namespace, engine: SimulatedEngine, cost: Step
         "max_num_queued_reqs": args.max_num_queued_reqs,
         "max_num_queued_tokens": args.max_num_queued_tokens,
         "ttft_slo": args.ttft_slo,
+        "tpot_slo": args.tpot_slo,
         "frontend_latency": args.frontend_latency,
         "trace": args.trace,
         "qps": [str(q) for q in args.qps or [1.0]] if generated else None,

@@ -108,6 +108,10 @@ def render_view(url: str, interval: float, view: TopView | None, error: str | No
     table.add_row("e2e latency", _latency(view.e2e_latency))
     table.add_row("rejections/s", _per_second(view.rejections_per_s))
     table.add_row("queued-tokens limit", _number(view.queued_tokens_limit, ",.0f", " tokens"))
+    if view.slo_prediction_error_s:  # the goodput valve (--tpot-slo)
+        table.add_row("SLO prediction error", " · ".join(
+            f"{target} {error:.3f} s" for target, error in sorted(view.slo_prediction_error_s.items())
+        ) + " (mean |predicted − measured|)")
     table.add_row("scan stops/s", _per_second(view.scan_stops_per_s))
     parts += [table, _engines(view)]
     return Group(*parts)

@@ -12,7 +12,7 @@ KV cache usage, a fraction per engine, which is their mean.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastsched.tools.metrics_snapshot import Histogram, Snapshot, counter_increase
 
@@ -32,6 +32,7 @@ LAST_SCAN_STOP = PREFIX + "scheduler_last_scan_stop"
 QUEUED_TOKENS_LIMIT = PREFIX + "admission_queued_tokens_limit"
 PREFILL_THROUGHPUT = PREFIX + "prefill_throughput_tokens_per_second"
 PREFILL_THROUGHPUT_OLD = PREFIX + "prefill_throughput_tokens_per_s"  # its name before the vLLM-compatible names
+SLO_PREDICTION_ERROR = PREFIX + "slo_prediction_error_seconds"  # the goodput valve's (--tpot-slo)
 
 # The one gate that holds nothing back: the scan ended because nothing was left to take.
 IDLE_GATE = "no_waiting"
@@ -82,6 +83,9 @@ class TopView:
     scan_stops_per_s: dict[str, float]  # by gate
     engines: dict[str, EngineView]  # by engine index, in order
     queued_tokens_limit: float | None
+    # The goodput valve's mean absolute prediction error (seconds) over the window,
+    # by target (ttft, tpot); empty without --tpot-slo or with nothing measured in the window.
+    slo_prediction_error_s: dict[str, float] = field(default_factory=dict)
 
 
 def top_view(now: Snapshot, before: Snapshot | None) -> TopView:
@@ -126,7 +130,22 @@ def top_view(now: Snapshot, before: Snapshot | None) -> TopView:
         scan_stops_per_s=rates_by(SCAN_STOPS, "gate"),
         engines=engine_views(now),
         queued_tokens_limit=now.value(QUEUED_TOKENS_LIMIT),
+        slo_prediction_error_s=_mean_by_target(now, before),
     )
+
+
+def _mean_by_target(now: Snapshot, before: Snapshot | None) -> dict[str, float]:
+    """The goodput valve's mean prediction error per target over the window."""
+    if before is None:
+        return {}
+    sums, counts = (now.by_label(SLO_PREDICTION_ERROR + s, "target") for s in ("_sum", "_count"))
+    sums_then, counts_then = (before.by_label(SLO_PREDICTION_ERROR + s, "target") for s in ("_sum", "_count"))
+    means = {}
+    for target, count in counts.items():
+        new = count - counts_then.get(target, 0.0)
+        if new > 0:
+            means[target] = (sums.get(target, 0.0) - sums_then.get(target, 0.0)) / new
+    return means
 
 
 def engine_views(snapshot: Snapshot) -> dict[str, EngineView]:

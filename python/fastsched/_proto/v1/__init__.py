@@ -1,3 +1,3 @@
 """Generated from proto/fastsched/v1/generate.proto by `python -m fastsched.proto_gen`; do not edit."""
 
-SOURCE_SHA256 = "2af54d98d6fa6e0965c65fd604e70f279bea4ac7e6e62120d572fc6439404807"
+SOURCE_SHA256 = "bf38fe5565b9d6dd8c7f6eb0261b1567bc59a56723e044a206ce87bb888e1246"

@@ -20,7 +20,9 @@ request's TTFT and end-to-end latency (and to a rejection's latency), as measure
 The TTFT-SLO valve (``ttft_slo``) is fed as the server feeds it: the engine's
 ``PrefillThroughputMeter`` observes every step as ``EngineCore.step`` does, its duration
 being the modelled step cost, and after each step the admission controller gets the
-meter's estimate and the floor, as ``AsyncLLM`` does on each engine message.
+meter's estimate and the floor, as ``AsyncLLM`` does on each engine message. The goodput
+valve (``tpot_slo``, A7) likewise: the engine's ``StepTimeMeter`` observes every modelled
+step, and admission predicts from its fit on the virtual clock, as the server does.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from tqdm import tqdm
 
 from fastsched import _core
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
+from fastsched.engine.step_time_meter import StepTimeMeter
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.frontend.admission import TTFT_SLO_FLOOR_STEPS, AdmissionController, AdmissionError
 from fastsched.frontend.settings import FrontendSettings
@@ -86,25 +89,29 @@ class Simulator:
         max_num_queued_reqs: int | None = None,
         max_num_queued_tokens: int | None = None,
         ttft_slo: float | None = None,
+        tpot_slo: float | None = None,
         frontend_latency: float = 0.0,
         step_tracer: StepTracer | None = None,
     ) -> None:
         """``step_tracer``: records every simulated step, as an engine's ``--step-trace`` does.
-        ``ttft_slo``: seconds; the server's ``--ttft-slo`` valve (see ``frontend.admission``)."""
+        ``ttft_slo``: seconds; the server's ``--ttft-slo`` valve (see ``frontend.admission``).
+        ``tpot_slo``: seconds; the server's ``--tpot-slo`` goodput valve (A7)."""
         if frontend_latency < 0:
             raise ValueError(f"frontend_latency must be >= 0 seconds, got {frontend_latency}")
         self.scheduler = _core.Scheduler(scheduler_config)
         self.max_model_len = scheduler_config.max_model_len
         self.cost = cost
+        self.clock = 0.0
         self.admission = AdmissionController(FrontendSettings(
-            max_num_queued_reqs=max_num_queued_reqs, max_num_queued_tokens=max_num_queued_tokens, ttft_slo=ttft_slo
-        ))
+            max_num_queued_reqs=max_num_queued_reqs, max_num_queued_tokens=max_num_queued_tokens, ttft_slo=ttft_slo,
+            tpot_slo=tpot_slo,
+        ), clock=lambda: self.clock)
         self.prefill_meter = PrefillThroughputMeter()  # the engine's, as EngineCore keeps it
+        self.step_time_meter = StepTimeMeter()
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.update_ttft_slo_limit()  # the floor until measured, as AsyncLLM sets it when the engine is ready
         self.frontend_latency = frontend_latency
         self.step_tracer = step_tracer
-        self.clock = 0.0
         self.num_steps = 0
 
     def run(self, trace: Sequence[TraceRequest], label: str = "trace", progress: bool = False) -> ReplayResult:
@@ -132,6 +139,7 @@ class Simulator:
         """What ``AsyncLLM._update_ttft_slo_limit`` does with this one engine's report."""
         floor = TTFT_SLO_FLOOR_STEPS * self.max_num_batched_tokens
         self.admission.update_prefill_throughput(self.prefill_meter.tokens_per_s, max(1, floor))
+        self.admission.update_step_time(self.step_time_meter.fit, self.max_num_batched_tokens, 1)
 
 
 class _Replay:
@@ -199,6 +207,7 @@ class _Replay:
         prompt_lens = [self.trace[self.live[h].index].prompt_len for h in so.req_handles.tolist()]
         prefill, partial = prefill_tokens(so.num_scheduled_tokens, so.num_computed_tokens, prompt_lens)
         self.sim.prefill_meter.observe(prefill, duration, backlogged or partial)
+        self.sim.step_time_meter.observe(so.total_num_scheduled_tokens, duration)
         self.sim.update_ttft_slo_limit()
 
     def trace_step(self, tracer: StepTracer, so: _core.SchedulerOutput, end: float) -> None:
@@ -221,7 +230,7 @@ class _Replay:
                                   f"longer than max_model_len ({sim.max_model_len})")
                 continue
             try:
-                sim.admission.check_and_charge(self.request_id(i), 1, req.prompt_len)
+                sim.admission.check_and_charge(self.request_id(i), 1, req.prompt_len, max_tokens=req.output_len)
             except LimitError as e:  # A4: a prompt longer than max_num_queued_tokens
                 self.answer_error(i, 400, "invalid_request", str(e))
                 continue
@@ -261,7 +270,7 @@ class _Replay:
 
     def finish(self, live: _Live, reason: int, handle: int) -> None:
         sim = self.sim
-        sim.admission.release(live.request_id)
+        sim.admission.release(live.request_id, len(live.token_times))
         self.preemptions[live.index] = live.num_preemptions
         if _core.FINISH_REASONS.get(reason) == "ignored":
             why = sim.scheduler.ignore_reason(handle) or "the prompt can never run"
