@@ -25,6 +25,7 @@ the runner just before N+1's forward pass), then collects N. docs/scheduler.md,
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import logging
 import math
@@ -67,6 +68,7 @@ from fastsched.spec_decode import SpecDecodingCounters, build_proposer, draft_ro
 from fastsched.worker.input_batch import RowState
 from fastsched.worker.kv_sizing import determine_num_blocks, profile_peak_bytes
 from fastsched.worker.model_runner import ExecutedStep, ModelRunner, PreparedStep, StepResult
+from fastsched.worker.tp_group import TensorParallelGroup, start_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +109,11 @@ class EngineCore:
             )
         logger.info("loading model %s (%s, %s, quantization %s)", config.model or "SmolLM2-135M-Instruct (embedded)",
                     dtype, device, config.resolved_quantization)
-        model = load_model(config.model, dtype=dtype, device=device, quantization=config.resolved_quantization)
+        # --tensor-parallel-size: the other ranks start loading their shards while this one loads its own.
+        self.tp_group: TensorParallelGroup | None = (
+            None if config.tensor_parallel_size == 1 else start_tensor_parallel(config, device, dtype))
+        tp = None if self.tp_group is None else self.tp_group.tp
+        model = load_model(config.model, dtype=dtype, device=device, quantization=config.resolved_quantization, tp=tp)
         backend = select_backend(device, config.attention_backend)
         spec = config.speculative_config
         # Before KV sizing, so that a draft model's weights are not counted as free memory.
@@ -116,8 +122,15 @@ class EngineCore:
             device=device, dtype=dtype)
         peak = 0
         if device.type == "cuda" and config.num_gpu_blocks is None:
-            peak = profile_peak_bytes(model, backend, config, dtype, device, self.max_model_len)
-        num_blocks = determine_num_blocks(config, self.model_config, dtype, device, self.max_model_len, peak)
+            # A profiling pass would need every rank; with tensor parallelism the weights stand for the peak.
+            peak = profile_peak_bytes(model, backend, config, dtype, device, self.max_model_len) if tp is None \
+                else torch.cuda.memory_allocated(device)
+        # The KV cache is sized per rank (its share of the KV heads); the scheduler sees one pool.
+        rank_config = dataclasses.replace(self.model_config, num_kv_heads=model.num_local_kv_heads)
+        num_blocks = determine_num_blocks(config, rank_config, dtype, device, self.max_model_len, peak)
+        if self.tp_group is not None:
+            self.tp_group.share_num_blocks(num_blocks)
+            logger.info("parallel layout: %s", self.tp_group.layout())
         self.lora = None
         if config.enable_lora:
             self.lora = LoRAManager(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
@@ -142,6 +155,7 @@ class EngineCore:
             dtype=dtype,
             seed=config.seed,
             lora=self.lora,
+            step_channel=None if self.tp_group is None else self.tp_group.channel,
         )
         self.scheduler.set_async_scheduling(async_scheduling)
         # One worker thread runs the forward passes in order (async scheduling); the
@@ -362,6 +376,8 @@ class EngineCore:
         if self.config.kv_transfer_config is not None:
             raise ValueError("weights cannot be reloaded with --kv-transfer-config: the KV store's blocks, keyed "
                              "by the served model, were computed with the old weights")
+        if self.tp_group is not None:
+            raise ValueError("weights cannot be reloaded with tensor_parallel_size > 1 yet (each rank holds a shard)")
         if self.pause_state != "paused_all":
             raise NotPausedError(f"weights can be reloaded only while paused with mode all; the engine is "
                                f"{self.pause_state}")
@@ -407,11 +423,20 @@ class EngineCore:
         return len(self._in_flight)
 
     def shutdown(self) -> None:
-        """Stops the forward-pass thread (async scheduling); the engine is not used after this."""
+        """Stops the forward-pass thread (async scheduling) and the tensor-parallel workers;
+        the engine is not used after this."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         if self.kv_transfer is not None:
             self.kv_transfer.close()
+        if self.tp_group is not None:
+            self.tp_group.stop()
+            self.tp_group = None
+
+    def check_workers(self) -> None:
+        """Raises ``RuntimeError`` once a tensor-parallel worker has died: the engine ends with it."""
+        if self.tp_group is not None:
+            self.tp_group.check()
 
     # ------------------------------------------------------------ the step
 
