@@ -129,17 +129,16 @@ def test_tensor_parallel_with_lora_is_refused_naming_both() -> None:
 # ------------------------------------------------------------------ two gloo ranks
 
 
-@pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_tp2_greedy_tokens_equal_tp1_with_chunking_prefix_hits_and_preemption(
-    tiny_model_dir: Path, prompts: list[list[int]], quantization: str
-) -> None:
+def _tp2_against_tp1(model: Path, prompts: list[list[int]], quantization: str) -> tuple[list[list[int]], list[list[int]]]:
+    """(TP=1 tokens, TP=2 tokens) under chunked prefill, prefix hits and preemption, each
+    checked to have happened; the workers are gone afterwards."""
     max_tokens = [*MAX_TOKENS, 20, 16, 24]
-    args = dict(model=str(tiny_model_dir), dtype="float32", quantization=quantization, log_stats_interval=0,
+    args = dict(model=str(model), dtype="float32", quantization=quantization, log_stats_interval=0,
                 num_threads=1, **SMALL_POOL)
     reference = _greedy(LLM(**args), prompts, max_tokens)
     llm = LLM(**args, tensor_parallel_size=2)
     try:
-        assert _greedy(llm, prompts, max_tokens) == reference
+        sharded = _greedy(llm, prompts, max_tokens)
         stats = llm.engine.scheduler.stats()
         assert stats["num_preemptions_total"] > 0
         assert stats["prefix_cache_hits"] + stats["prefix_cache_preempted_hits"] > 0
@@ -148,6 +147,29 @@ def test_tp2_greedy_tokens_equal_tp1_with_chunking_prefix_hits_and_preemption(
         pids = [] if group is None else group.pids
         llm.shutdown()
     assert pids and not [p for p in pids if _pid_alive(p)]
+    return reference, sharded
+
+
+def test_tp2_greedy_tokens_equal_tp1_with_chunking_prefix_hits_and_preemption(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    reference, sharded = _tp2_against_tp1(tiny_model_dir, prompts, "none")
+    assert sharded == reference
+
+
+def test_tp2_int4_greedy_tokens_agree_with_tp1_but_for_bf16_rounding_of_partial_sums(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    """4-bit on CPU computes in bf16 (kernels/quant_matmul.py): each rank's partial product
+    of a row-parallel layer is rounded to bf16 before the all-reduce adds them, where TP=1
+    rounds the whole sum once (measured on the tiny model's MLP: 2^-7 apart at outputs of
+    ~2.7, against 0.5 between 4-bit and dense), and the random tiny model's near-ties then
+    flip some later tokens. The prefill's token must agree for every request, and most
+    tokens overall (149 of 178 when written)."""
+    reference, sharded = _tp2_against_tp1(tiny_model_dir, prompts, "int4")
+    assert [r[0] for r in reference] == [s[0] for s in sharded]
+    same = sum(a == b for r, s in zip(reference, sharded) for a, b in zip(r, s))
+    assert same >= 0.8 * sum(map(len, reference)), (same, reference, sharded)
 
 
 def test_a_killed_worker_fails_the_engine_and_shutdown_leaves_no_worker(tiny_model_dir: Path) -> None:
