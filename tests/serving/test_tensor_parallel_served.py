@@ -40,7 +40,7 @@ def test_tp2_serve_gives_the_unsharded_greedy_tokens_and_a_killed_worker_ends_it
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
     server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
-                         "--max-num-batched-tokens", "16")
+                         "--max-num-batched-tokens", "16", "--max-num-seqs", "8")
     try:
         workers = _worker_pids(server.log())
         assert len(workers) == 1, server.tail()
