@@ -45,9 +45,11 @@ class StepChannel:
     def __init__(self, tp: TensorParallel) -> None:
         self.tp = tp
         self._header = torch.zeros(_HEADER, dtype=torch.int64)
-        self.bytes_sent = 0  # payload bytes broadcast so far (what /metrics and the bench report)
+        self.bytes_sent = 0  # bytes broadcast so far (what the bench reports)
+        self._pending: tuple[list[dist.Work], tuple[torch.Tensor, ...]] = ([], ())
 
     def send(self, step: StepInputs) -> None:
+        self._wait_sent()  # the header buffer is reused
         t, b = len(step.positions), len(step.seq_lens)
         max_blocks = step.block_tables.shape[1] if step.block_tables.ndim == 2 else 0
         n_logits = -1 if step.logits_indices is None else len(step.logits_indices)
@@ -58,12 +60,25 @@ class StepChannel:
             arrays.append(step.logits_indices)
         payload = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in arrays]))
         cpu = self.tp.cpu_group
-        dist.broadcast(self._header, src=0, group=cpu)
-        dist.broadcast(payload, src=0, group=cpu)
-        dist.broadcast(step.input_ids, src=0, group=self.tp.group)
+        # Issued, not awaited: rank 0 starts its forward pass meanwhile, and its first
+        # all-reduce meets the other ranks once they have the step. The tensors stay
+        # referenced until the next send waits for these.
+        self._pending = (
+            [dist.broadcast(self._header, src=0, group=cpu, async_op=True),
+             dist.broadcast(payload, src=0, group=cpu, async_op=True),
+             dist.broadcast(step.input_ids, src=0, group=self.tp.group, async_op=True)],
+            (payload, step.input_ids),
+        )
         self.bytes_sent += self._header.nbytes + payload.nbytes + step.input_ids.nbytes
 
+    def _wait_sent(self) -> None:
+        works, _ = self._pending
+        for work in works:
+            work.wait()
+        self._pending = ([], ())
+
     def send_stop(self) -> None:
+        self._wait_sent()
         self._header.zero_()
         dist.broadcast(self._header, src=0, group=self.tp.cpu_group)
 
