@@ -29,8 +29,8 @@ def local_ray_cluster() -> Iterator[None]:
 def test_tp2_on_ray_actors_gives_the_tokens_of_tp1(
     local_ray_cluster: None, tiny_model_dir: Path, random_prompt: Callable[[int, int], list[int]]
 ) -> None:
-    prompts = [random_prompt(n, seed=i) for i, n in enumerate((5, 40, 70))]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [random_prompt(n, seed=i) for i, n in enumerate((3, 11, 26, 41, 63, 80))]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     args = dict(model=str(tiny_model_dir), dtype="float32", log_stats_interval=0, num_threads=1,
                 num_gpu_blocks=9, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=8)
     reference = [o.outputs[0].token_ids for o in LLM(**args).generate(prompts, params, use_tqdm=False)]
