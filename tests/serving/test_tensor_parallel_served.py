@@ -60,3 +60,37 @@ def test_tp2_serve_gives_the_unsharded_greedy_tokens_and_a_killed_worker_ends_it
         assert wait_for(lambda: not any(pid_alive(p) for p in [*children, *workers]), timeout=10)
     finally:
         server.close()
+
+
+def test_with_fault_tolerance_a_killed_worker_restarts_the_engine_with_new_workers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
+                         "--max-num-seqs", "8", "--enable-fault-tolerance", "--max-engine-restarts", "1")
+    try:
+        (first,) = _worker_pids(server.log())
+        os.kill(first, signal.SIGKILL)
+        assert wait_for(lambda: len(_all_worker_pids(server.log())) == 2 and _healthy(server.url), timeout=90), \
+            server.tail()
+        second = _all_worker_pids(server.log())[1]
+        assert second != first and pid_alive(second)
+        response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
+            "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+        children = server.child_pids
+        assert server.terminate() == 0, server.tail()
+        assert wait_for(lambda: not any(pid_alive(p) for p in [*children, second]), timeout=10)
+    finally:
+        server.close()
+
+
+def _all_worker_pids(log: str) -> list[int]:
+    return [int(p) for p in re.findall(r"parallel layout: tensor_parallel_size=2 \(mp; gloo; ranks 1.. pids \[(\d+)\]\)",
+                                       log)]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
