@@ -84,6 +84,7 @@ class TensorParallelGroup:
     def share_num_blocks(self, num_blocks: int) -> None:
         """Tells the ranks the pool size rank 0 chose (every rank holds the same blocks)."""
         dist.broadcast(torch.tensor([num_blocks], dtype=torch.int64), src=0, group=self.tp.cpu_group)
+        logger.info("parallel layout: %s", self.layout())
 
     def check(self) -> None:
         """Raises once a rank has died (the engine loop calls this every turn)."""
@@ -133,7 +134,9 @@ class TensorParallelGroup:
             logger.error("%s", self.failure)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Tells the ranks to stop, waits for them, kills what is left; leaves the group."""
+        """Tells the ranks to stop, waits for them, kills what is left; leaves the group. Once."""
+        if self._stopping:
+            return
         self._stopping = True
         if self.failure is not None:
             timeout = 0.0  # the others wait for a step that will never come
