@@ -25,7 +25,7 @@ VLLM_SHARED_SERVE_FLAGS = (
     "--max-model-len", "--long-prefill-token-threshold", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
     "--scheduling-policy", "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching",
     "--num-gpu-blocks-override", "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--tensor-parallel-size",
-    "--attention-backend", "--device", "--log-level", "--chat-template",
+    "--distributed-executor-backend", "--attention-backend", "--device", "--log-level", "--chat-template",
     # What a vLLM user types out of habit (issue 28): each works, or warns once when it means nothing here.
     "--disable-log-requests", "--enable-log-requests", "--uvicorn-log-level", "--disable-uvicorn-access-log",
     "--enforce-eager", "--kv-cache-dtype", "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser",
@@ -118,9 +118,11 @@ def test_positional_model_and_the_flag_name_the_same_model():
         _resolve_model(parse("serve", "/models/a", "--model", "/models/b"))
 
 
-def test_tensor_parallel_above_one_is_a_clear_error():
-    with pytest.raises(ValueError, match="tensor_parallel_size 2 is not supported"):
-        EngineConfig(tensor_parallel_size=2)
+def test_tensor_parallel_size_below_one_and_an_unknown_executor_are_clear_errors():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1, got 0"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="distributed_executor_backend must be mp or ray; got 'mpi'"):
+        EngineConfig(distributed_executor_backend="mpi")
 
 
 def test_version_flag_subcommand_and_python_m(capsys: pytest.CaptureFixture[str]):

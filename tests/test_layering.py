@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastsched"
 LAYERS = [
     ("_core", "sampling_params", "limits", "outputs", "proto_gen", "rpc", "admin", "units", "structured", "process_stats",
      "json_flags", "speculative_config", "kv_transfer", "config", "cpu_env"),
-    ("kernels", "sample"),
+    ("kernels", "sample", "distributed"),
     ("attention",),
     ("models", "lora"),
     ("model_loader",),

@@ -86,7 +86,11 @@ class EngineConfig:
                "or GGUF general.sampling.* keys), vllm (fastsched's own), or a directory holding a "
                "generation_config.json"))
     tensor_parallel_size: int = field(default=1, metadata=_flag(
-        MODEL, "GPUs to shard the model over; only 1 is supported (scale out with --data-parallel-size)", "-tp"))
+        MODEL, "devices to shard the model over, one worker process each in a torch.distributed group (NCCL on "
+               "CUDA, gloo on CPU); the scheduler and sampling stay on the engine (docs/deploy.md)", "-tp"))
+    distributed_executor_backend: str = field(default="mp", metadata=_flag(
+        MODEL, "how tensor-parallel workers start: mp (local processes) or ray (actors of a running Ray cluster, "
+               "placed by a placement group; needs the ray extra)", choices=("mp", "ray")))
 
     max_num_seqs: int = field(default=_core_default("max_num_seqs"), metadata=_flag(
         SCHEDULER, "model-runner request slots"))
@@ -180,9 +184,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be at least 2, got {self.num_gpu_blocks}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported: fastsched runs a "
-                             "model on one device (use data_parallel_size for more replicas)")
+        self._check_tensor_parallel()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.speculative_config is not None:
@@ -205,6 +207,20 @@ class EngineConfig:
             raise ValueError(f"--quantization {self.quantization} quantizes a dense checkpoint at load; the model "
                              f"{self.model or '(embedded SmolLM2 GGUF)'} is a .gguf file: serve it with --quantization "
                              "gguf (its own quantized tensors) or none")
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism (docs/deploy.md) does not combine with yet is refused here,
+        naming the other flag, rather than served wrong."""
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray; got {self.distributed_executor_backend!r}")
+        if self.tensor_parallel_size == 1:
+            return
+        for name, value in (("enable_lora", self.enable_lora), ("kv_transfer_config", self.kv_transfer_config)):
+            if value:
+                raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not combine with {name} yet "
+                                 "(its adapters / KV blocks live on one rank)")
 
     def _check_lora(self) -> None:
         if self.max_loras < 1:

@@ -25,7 +25,7 @@ TRANSITIVE = {"triton": "torch"}
 # Declared but loaded by name rather than imported: uvicorn picks its HTTP parser and its
 # WebSocket implementation by module name (--http httptools, --ws websockets).
 LOADED_BY_NAME = {"httptools", "websockets"}
-USER_EXTRAS = ("serve", "bench")
+USER_EXTRAS = ("serve", "bench", "ray")
 # Developer commands whose imports come from the `test` extra (python -m fastsched.proto_gen: grpcio-tools).
 DEV_MODULES = {"proto_gen.py"}
 

@@ -66,8 +66,9 @@ from fastsched.models.config import ModelConfig
 from fastsched.sample import make_generator
 from fastsched.spec_decode import SpecDecodingCounters, build_proposer, draft_rows
 from fastsched.worker.input_batch import RowState
-from fastsched.worker.kv_sizing import determine_num_blocks, profile_peak_bytes
+from fastsched.worker.kv_sizing import kv_pool_blocks
 from fastsched.worker.model_runner import ExecutedStep, ModelRunner, PreparedStep, StepResult
+from fastsched.worker.tp_group import start_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -108,17 +109,19 @@ class EngineCore:
             )
         logger.info("loading model %s (%s, %s, quantization %s)", config.model or "SmolLM2-135M-Instruct (embedded)",
                     dtype, device, config.resolved_quantization)
-        model = load_model(config.model, dtype=dtype, device=device, quantization=config.resolved_quantization)
+        # --tensor-parallel-size: the other ranks load their shards while this one loads its own.
+        self.tp_group = None if config.tensor_parallel_size == 1 else start_tensor_parallel(config, device, dtype)
+        model = load_model(config.model, dtype=dtype, device=device, quantization=config.resolved_quantization,
+                           tp=None if self.tp_group is None else self.tp_group.tp)
         backend = select_backend(device, config.attention_backend)
         spec = config.speculative_config
         # Before KV sizing, so that a draft model's weights are not counted as free memory.
         self.proposer = None if spec is None else build_proposer(
             spec, self.model_config, backend, block_size=config.block_size, max_model_len=self.max_model_len,
             device=device, dtype=dtype)
-        peak = 0
-        if device.type == "cuda" and config.num_gpu_blocks is None:
-            peak = profile_peak_bytes(model, backend, config, dtype, device, self.max_model_len)
-        num_blocks = determine_num_blocks(config, self.model_config, dtype, device, self.max_model_len, peak)
+        num_blocks = kv_pool_blocks(model, backend, config, self.model_config, dtype, device, self.max_model_len)
+        if self.tp_group is not None:
+            self.tp_group.share_num_blocks(num_blocks)
         self.lora = None
         if config.enable_lora:
             self.lora = LoRAManager(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
@@ -143,6 +146,7 @@ class EngineCore:
             dtype=dtype,
             seed=config.seed,
             lora=self.lora,
+            step_channel=None if self.tp_group is None else self.tp_group.channel,
         )
         self.scheduler.set_async_scheduling(async_scheduling)
         # One worker thread runs the forward passes in order (async scheduling); the
@@ -364,6 +368,8 @@ class EngineCore:
         if self.config.kv_transfer_config is not None:
             raise ValueError("weights cannot be reloaded with --kv-transfer-config: the KV store's blocks, keyed "
                              "by the served model, were computed with the old weights")
+        if self.tp_group is not None:  # each rank would have to load its shard
+            raise ValueError("weights cannot be reloaded with tensor_parallel_size > 1 yet")
         if self.pause_state != "paused_all":
             raise NotPausedError(f"weights can be reloaded only while paused with mode all; the engine is "
                                f"{self.pause_state}")
@@ -409,11 +415,18 @@ class EngineCore:
         return len(self._in_flight)
 
     def shutdown(self) -> None:
-        """Stops the forward-pass thread (async scheduling); the engine is not used after this."""
+        """Stops the forward-pass thread (async scheduling) and tensor-parallel workers; not used after."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         if self.kv_transfer is not None:
             self.kv_transfer.close()
+        if self.tp_group is not None:
+            self.tp_group.stop()
+
+    def check_workers(self) -> None:
+        """Raises ``RuntimeError`` once a tensor-parallel worker has died: the engine ends with it."""
+        if self.tp_group is not None:
+            self.tp_group.check()
 
     # ------------------------------------------------------------ the step
 

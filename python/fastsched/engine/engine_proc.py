@@ -176,6 +176,9 @@ def _cache_config(config: EngineConfig, sc: Any) -> dict[str, str]:
         "quantization": config.resolved_quantization,
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "kv_cache_memory_bytes": str(config.kv_cache_memory),
+        # The parallel layout: each rank's KV cache holds its share of the KV heads.
+        "tensor_parallel_size": str(config.tensor_parallel_size),
+        "distributed_executor_backend": config.distributed_executor_backend,
     }
 
 
@@ -235,6 +238,7 @@ class _EngineLoop:
         if tracer is not None:
             tracer.use_cycle_timing()
         while not stop.is_set():
+            core.check_workers()  # a dead tensor-parallel worker ends the engine
             timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
             if timeout and tracer is not None:
                 tracer.on_idle()

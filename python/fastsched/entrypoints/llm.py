@@ -96,6 +96,11 @@ class LLM:
             raise
         return results
 
+    def shutdown(self) -> None:
+        """Stops the engine's threads and its tensor-parallel workers (they would otherwise
+        live until this process exits); the LLM is not used after this."""
+        self.engine.shutdown()
+
     def pause(self, mode: str = "all") -> None:
         """S13, between ``generate`` calls, e.g. to load new weights (RL): nothing is scheduled
         until :meth:`resume`. ``mode``: ``"all"`` or ``"new"`` (the same here: offline, every

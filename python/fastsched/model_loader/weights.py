@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from fastsched.distributed.parallel import TensorParallel
 from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight
 from fastsched.model_loader import hf, is_gguf, open_gguf, resolve_model_path
 from fastsched.model_loader.gguf_quants import Int4Blocks
@@ -115,11 +116,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quantization: str = "none",
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """Build the model for ``model`` in eval mode with weights cast to ``dtype`` on ``device``;
     its ``config`` attribute is the ``ModelConfig`` (EOS ids, ``max_position_embeddings``...).
     ``quantization`` (:data:`QUANTIZATIONS`, checked by :func:`check_quantization`) says which
-    linear layers keep 4-bit weights."""
+    linear layers keep 4-bit weights. With ``tp`` the model is this rank's shard: each tensor
+    is read and only the rank's slice of it is kept (:mod:`fastsched.models.tp_shard`)."""
     start = time.monotonic()
     path = resolve_model_path(model)
     quantization = check_quantization(quantization, path)
@@ -140,7 +143,7 @@ def load_model(
     model_cls = get_model_class(config.architecture)  # an unsupported one fails before any weight is read
     # Built on the meta device so no memory is spent on a random init that the weights overwrite.
     with torch.device("meta"):
-        model = model_cls(config)
+        model = model_cls(config) if tp is None else model_cls(config, tp)
     _materialize(model.to(dtype), torch.device(device), skip=packed)
     with torch.no_grad():
         model.load_weights(weights)

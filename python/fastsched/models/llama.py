@@ -9,6 +9,11 @@ mixed); attention is the backend's job, everything else is position-wise. q/k/v 
 gate/up are fused into one matmul each; ``load_weights`` packs the checkpoint's
 separate tensors into them. With LoRA (``fastsched.lora``) each fused projection's
 output gets its per-token adapter delta added, by the fused parameter's name.
+
+Built with a :class:`TensorParallel` (``tp``), each rank holds its shard of every layer
+(:mod:`fastsched.models.tp_shard`) and the layers add the collectives: an all-reduce after
+o_proj, after down_proj and after the vocab-parallel embedding, a gather of the logits to
+rank 0. Without one (``tp=None``) nothing of that runs.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from fastsched.attention.base import AttentionBackend, AttentionMetadata
 from fastsched.kernels.quant_matmul import Int4Weight
 from fastsched.models.config import ModelConfig
 from fastsched.models.quant_linear import QuantLinear, replace_linear
+from fastsched.models.tp_shard import local_heads, shard_weight
 
 if TYPE_CHECKING:
+    from fastsched.distributed.parallel import TensorParallel
     from fastsched.lora.slots import LayerLoRA, LoRAStep
 
 
@@ -89,13 +96,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = (
+            (config.num_heads, config.num_kv_heads) if tp is None else local_heads(config, tp))
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
@@ -129,15 +137,16 @@ class Attention(nn.Module):
         projected = self.o_proj(out)
         if lora is not None:
             lora.add("o_proj", out, projected)
-        return projected
+        return projected if self.tp is None else self.tp.all_reduce(projected)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.tp = tp
+        self.intermediate_size = config.intermediate_size // (1 if tp is None else tp.size)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -148,16 +157,16 @@ class MLP(nn.Module):
         out = self.down_proj(activated)
         if lora is not None:
             lora.add("down_proj", activated, out)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self,
@@ -186,15 +195,17 @@ _FUSED = {
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow the Hugging Face checkpoint minus its ``model.`` prefix."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.tp = tp
+        vocab_rows = config.vocab_size if tp is None else tp.vocab_range(config.vocab_size)[2]
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
+        # What this rank's KV cache holds per layer (all the model's KV heads without tp).
+        self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.rotary = RotaryEmbedding(config)
 
     def forward(
@@ -206,18 +217,34 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         lora: LoRAStep | None = None,  # the step's adapters, None: the base model for every token
     ) -> torch.Tensor:  # [T, hidden_size], final-normed
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids) if self.tp is None else self._embed_vocab_parallel(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, cos, sin, kv_cache, metadata, backend, None if lora is None else lora.layer(i))
         return self.norm(hidden)
 
+    def _embed_vocab_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Each rank looks up the ids in its vocabulary range, zeros for the rest; the
+        all-reduce adds one exact row per token."""
+        assert self.tp is not None
+        start, end, _ = self.tp.vocab_range(self.config.vocab_size)
+        outside = (input_ids < start) | (input_ids >= end)
+        hidden = self.embed_tokens(torch.where(outside, 0, input_ids - start))
+        return self.tp.all_reduce(hidden.masked_fill_(outside[:, None], 0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab]``; the runner passes only the rows it samples from."""
+        """``[N, hidden] -> [N, vocab]``; the runner passes only the rows it samples from.
+        With tensor parallelism every rank calls it and rank 0 alone gets the logits
+        (the other ranks get an empty tensor)."""
         if isinstance(self.lm_head, QuantLinear):
-            return self.lm_head(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight.to(hidden.dtype) if weight.dtype != hidden.dtype else weight)
+            logits = self.lm_head(hidden)
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight.to(hidden.dtype) if weight.dtype != hidden.dtype else weight)
+        if self.tp is None:
+            return logits
+        gathered = self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits[:, :0] if gathered is None else gathered
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Weight]]) -> None:
         """Copy Hugging Face-named tensors in, packing q/k/v and gate/up into the fused
@@ -233,6 +260,8 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
                 continue  # recomputed / shared with embed_tokens
+            if self.tp is not None:
+                tensor = shard_weight(name, tensor, self.config, self.tp)
             parts = name.rsplit(".", 2)  # e.g. ["layers.0.self_attn", "q_proj", "weight"]
             if len(parts) == 3 and parts[1] in _FUSED:
                 fused, shard = _FUSED[parts[1]]
@@ -277,10 +306,12 @@ class LlamaForCausalLM(nn.Module):
                 params[target].data[start : start + size].copy_(weight.dequantize())
 
     def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
-        c = self.config
+        """Rows of checkpoint shard ``shard`` in fused parameter ``fused`` (this rank's sizes)."""
         if fused == "gate_up_proj":
-            return shard * c.intermediate_size, c.intermediate_size
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            size = self.layers[0].mlp.intermediate_size
+            return shard * size, size
+        attn = self.layers[0].self_attn
+        q_size, kv_size = attn.q_size, attn.kv_size
         return (0, q_size) if shard == 0 else (q_size + (shard - 1) * kv_size, kv_size)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -67,6 +68,21 @@ def profile_peak_bytes(
     del kv, hidden
     torch.cuda.empty_cache()
     return peak - kv_bytes
+
+
+def kv_pool_blocks(model: torch.nn.Module, backend: AttentionBackend, config: EngineConfig, model_config: ModelConfig,
+                   dtype: torch.dtype, device: torch.device, max_model_len: int) -> int:
+    """The blocks of one rank's KV cache (all of it without tensor parallelism): each rank holds
+    every block with its share of the KV heads, so the scheduler sees one pool. On CUDA a
+    max-size batch is profiled first; a sharded model cannot run one alone (its collectives
+    need every rank), so there the memory its weights take stands for the peak."""
+    peak = 0
+    if device.type == "cuda" and config.num_gpu_blocks is None:
+        peak = profile_peak_bytes(model, backend, config, dtype, device, max_model_len) \
+            if getattr(model, "tp", None) is None else torch.cuda.memory_allocated(device)
+    rank_config = dataclasses.replace(model_config, num_kv_heads=getattr(model, "num_local_kv_heads",
+                                                                         model_config.num_kv_heads))
+    return determine_num_blocks(config, rank_config, dtype, device, max_model_len, peak)
 
 
 def determine_num_blocks(

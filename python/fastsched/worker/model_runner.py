@@ -20,6 +20,7 @@ import torch
 
 from fastsched._core import SchedulerOutput
 from fastsched.attention import AttentionBackend, AttentionMetadata
+from fastsched.distributed.step_channel import StepChannel, StepInputs
 from fastsched.lora.slots import LoRAManager, LoRAMapping
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, TokenHistories, to_device
@@ -123,8 +124,11 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int,
         lora: LoRAManager | None = None,
+        step_channel: StepChannel | None = None,
     ) -> None:
         self.model = model
+        # Tensor parallelism: each step's inputs go to the other ranks before its forward pass.
+        self.step_channel = step_channel
         self.lora = lora
         self.config: ModelConfig = model.config
         self.backend = backend
@@ -133,7 +137,8 @@ class ModelRunner:
         cfg = self.config
         # Uninitialised on purpose: attention only reads slots it has written.
         self.kv_caches = [
-            torch.empty(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+            torch.empty(2, num_blocks, block_size, getattr(model, "num_local_kv_heads", cfg.num_kv_heads), cfg.head_dim,
+                        dtype=dtype, device=device)
             for _ in range(cfg.num_layers)
         ]
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, cfg.vocab_size)
@@ -315,6 +320,10 @@ class ModelRunner:
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
         )
+        if self.step_channel is not None:
+            self.step_channel.send(StepInputs(input_ids, step.positions, step.slot_mapping, step.query_start_loc,
+                                              step.seq_lens, step.block_tables, step.max_query_len, step.max_seq_len,
+                                              step.logits_indices, step.sampling is not None))
         self.backend.prepare(metadata)
         lora = None if step.lora is None or self.lora is None else self.lora.activate(step.lora)
         hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend, lora)

@@ -1,0 +1,78 @@
+"""A rank's place in the tensor-parallel group and the collectives the sharded model uses.
+
+The model code asks only this object (``tp.rank``, ``tp.size``, ``tp.all_reduce``...), so
+a model built without one (``tp=None``, tensor_parallel_size 1) runs exactly as before.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# A collective that waits longer than this for a peer ends the engine (a hung worker).
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def split_range(total: int, rank: int, size: int) -> tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s even share of ``total``, which ``size`` must divide."""
+    if total % size:
+        raise ValueError(f"{total} does not split over tensor_parallel_size {size}")
+    share = total // size
+    return rank * share, (rank + 1) * share
+
+
+@dataclass
+class TensorParallel:
+    """One rank of the group. ``group`` carries the model's collectives (NCCL on CUDA);
+    ``cpu_group`` (gloo) carries the step's host arrays."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup
+    cpu_group: dist.ProcessGroup
+    device: torch.device
+
+    @classmethod
+    def join(cls, init_method: str, rank: int, size: int, device: torch.device) -> TensorParallel:
+        """Joins (rank 0: forms) the group at ``init_method`` (``tcp://host:port``)."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=COLLECTIVE_TIMEOUT)
+        group = dist.group.WORLD
+        cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+        assert group is not None
+        logger.info("tensor parallel rank %d of %d joined (%s on %s, %s)", rank, size, backend, device, init_method)
+        return cls(rank, size, group, cpu_group, device)
+
+    def leave(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums a row-parallel layer's partial outputs in place."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """``[n, vocab/size]`` per rank -> ``[n, vocab]`` on rank 0 (where sampling is); None elsewhere."""
+        logits = logits.contiguous()
+        parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(logits, parts, dst=0, group=self.group)
+        if parts is None:
+            return None
+        return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+    def vocab_range(self, vocab_size: int) -> tuple[int, int, int]:
+        """This rank's ``[start, end)`` of the vocabulary and the rows each rank holds
+        (``vocab_size`` rounded up to a multiple of ``size``; the last rank's tail is padding)."""
+        per_rank = -(-vocab_size // self.size)
+        start = self.rank * per_rank
+        return start, min(start + per_rank, vocab_size), per_rank

@@ -1,0 +1,111 @@
+"""How one step's model inputs reach the other tensor-parallel ranks, once per step.
+
+The scheduler and the host preparation run on rank 0 only. What the other ranks need to
+run the same forward pass is the step's index arrays, sent as three broadcasts: a fixed
+header (command and sizes) and one int64 payload of every host array over the CPU (gloo)
+group, then the input ids over the device group, after rank 0 has filled in the tokens its
+previous step sampled (async scheduling; they exist only on rank 0's device). A broadcast
+was chosen over a shared-memory ring (vLLM's MessageQueue) because it is the one transport
+that also crosses machines; bench/RESULTS.md has its cost per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fastsched.distributed.parallel import TensorParallel
+
+STOP, STEP = 0, 1
+_HEADER = 8  # command, T, B, max_blocks, max_query_len, max_seq_len, logits rows (-1: all), compute logits
+
+
+@dataclass
+class StepInputs:
+    """What a forward pass reads besides the weights and the KV cache (``ModelRunner.execute``)."""
+
+    input_ids: torch.Tensor  # [T] int64, on the device
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+    logits_indices: np.ndarray | None  # rows whose logits are computed; None: every row
+    compute_logits: bool  # False: no request samples, the step ends after the forward pass
+
+
+class StepChannel:
+    """Rank 0 :meth:`send`\\ s each step (and :meth:`send_stop` once); the others :meth:`receive`."""
+
+    def __init__(self, tp: TensorParallel) -> None:
+        self.tp = tp
+        self._header = torch.zeros(_HEADER, dtype=torch.int64)
+        self.bytes_sent = 0  # bytes broadcast so far (what the bench reports)
+        self._pending: tuple[list[dist.Work], tuple[torch.Tensor, ...]] = ([], ())
+
+    def send(self, step: StepInputs) -> None:
+        self._wait_sent()  # the header buffer is reused
+        t, b = len(step.positions), len(step.seq_lens)
+        max_blocks = step.block_tables.shape[1] if step.block_tables.ndim == 2 else 0
+        n_logits = -1 if step.logits_indices is None else len(step.logits_indices)
+        self._header.copy_(torch.tensor([STEP, t, b, max_blocks, step.max_query_len, step.max_seq_len, n_logits,
+                                         int(step.compute_logits)]))
+        arrays = [step.positions, step.slot_mapping, step.query_start_loc, step.seq_lens, step.block_tables.ravel()]
+        if step.logits_indices is not None:
+            arrays.append(step.logits_indices)
+        payload = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in arrays]))
+        cpu = self.tp.cpu_group
+        # Issued, not awaited: rank 0 starts its forward pass meanwhile, and its first
+        # all-reduce meets the other ranks once they have the step. The tensors stay
+        # referenced until the next send waits for these.
+        self._pending = (
+            [dist.broadcast(self._header, src=0, group=cpu, async_op=True),
+             dist.broadcast(payload, src=0, group=cpu, async_op=True),
+             dist.broadcast(step.input_ids, src=0, group=self.tp.group, async_op=True)],
+            (payload, step.input_ids),
+        )
+        self.bytes_sent += self._header.nbytes + payload.nbytes + step.input_ids.nbytes
+
+    def _wait_sent(self) -> None:
+        works, _ = self._pending
+        for work in works:
+            work.wait()
+        self._pending = ([], ())
+
+    def send_stop(self) -> None:
+        self._wait_sent()
+        self._header.zero_()
+        dist.broadcast(self._header, src=0, group=self.tp.cpu_group)
+
+    def receive(self) -> StepInputs | None:
+        """The next step's inputs, or None when rank 0 stops the group."""
+        header = self._header
+        dist.broadcast(header, src=0, group=self.tp.cpu_group)
+        command, t, b, max_blocks, max_query_len, max_seq_len, n_logits, logits = header.tolist()
+        if command == STOP:
+            return None
+        size = 2 * t + 2 * b + 1 + b * max_blocks + max(n_logits, 0)
+        payload = torch.empty(size, dtype=torch.int64)
+        dist.broadcast(payload, src=0, group=self.tp.cpu_group)
+        input_ids = torch.empty(t, dtype=torch.int64, device=self.tp.device)
+        dist.broadcast(input_ids, src=0, group=self.tp.group)
+        bounds = np.cumsum([0, t, t, b + 1, b, b * max_blocks, max(n_logits, 0)])
+        a = payload.numpy()
+        parts = [a[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+        return StepInputs(
+            input_ids=input_ids,
+            positions=parts[0],
+            slot_mapping=parts[1],
+            query_start_loc=parts[2].astype(np.int32),
+            seq_lens=parts[3].astype(np.int32),
+            block_tables=parts[4].astype(np.int32).reshape(b, max_blocks),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            logits_indices=None if n_logits < 0 else parts[5],
+            compute_logits=bool(logits),
+        )

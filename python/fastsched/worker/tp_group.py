@@ -1,0 +1,195 @@
+"""Rank 0's side of tensor parallelism: starting the other ranks, watching them, stopping them.
+
+``--distributed-executor-backend mp`` starts each rank as a local process
+(``python -m fastsched.worker.tp_worker``), which dies with the engine (parent-death
+signal); ``ray`` starts each as a Ray actor on a running cluster, placed by a placement
+group (one device bundle per rank), and forms the group over the nodes' addresses.
+
+A rank that exits (or whose actor dies) while the engine runs is a failure of the engine:
+:attr:`TensorParallelGroup.failure` says which, the engine loop raises it, and the engine
+ends as any failed engine does. A rank that hangs makes rank 0's next collective time out
+(``COLLECTIVE_TIMEOUT``), which ends it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from fastsched.config import EngineConfig
+from fastsched.distributed.parallel import TensorParallel
+from fastsched.distributed.step_channel import StepChannel
+from fastsched.worker.tp_worker import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _node_ip() -> str:
+    """This machine's address as the other nodes reach it (Ray's, when Ray runs)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class TensorParallelGroup:
+    """Ranks 1..N-1 of an engine, and rank 0's :class:`TensorParallel` and :class:`StepChannel`."""
+
+    def __init__(self, spec: Callable[[int, str], WorkerSpec], size: int, device: torch.device, backend: str) -> None:
+        self.size = size
+        self.backend = backend
+        self.failure: str | None = None
+        self._stopping = False
+        host = _node_ip() if backend == "ray" else "127.0.0.1"
+        init_method = f"tcp://{host}:{_free_port(host)}"
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._actors: list[object] = []
+        if backend == "ray":
+            self._start_ray(spec, init_method)
+        else:
+            for rank in range(1, size):
+                worker = spec(rank, init_method)
+                self._procs.append(subprocess.Popen([sys.executable, "-m", "fastsched.worker.tp_worker",
+                                                     worker.to_json()]))
+            for rank, proc in enumerate(self._procs, start=1):
+                threading.Thread(target=self._watch_process, args=(rank, proc), daemon=True,
+                                 name=f"fastsched-tp-watch-{rank}").start()
+        self.tp = TensorParallel.join(init_method, 0, size, device)
+        self.channel = StepChannel(self.tp)
+
+    @property
+    def pids(self) -> list[int]:
+        """The local worker processes (mp backend)."""
+        return [p.pid for p in self._procs]
+
+    def layout(self) -> str:
+        """The parallel layout, for the start-up log."""
+        where = f"pids {self.pids}" if self._procs else f"{len(self._actors)} Ray actors"
+        return f"tensor_parallel_size={self.size} ({self.backend}; {dist.get_backend(self.tp.group)}; ranks 1.. {where})"
+
+    def share_num_blocks(self, num_blocks: int) -> None:
+        """Tells the ranks the pool size rank 0 chose (every rank holds the same blocks)."""
+        dist.broadcast(torch.tensor([num_blocks], dtype=torch.int64), src=0, group=self.tp.cpu_group)
+        logger.info("parallel layout: %s", self.layout())
+
+    def check(self) -> None:
+        """Raises once a rank has died (the engine loop calls this every turn)."""
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+
+    def _watch_process(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        if not self._stopping:
+            self.failure = f"tensor parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
+            logger.error("%s", self.failure)
+
+    def _start_ray(self, spec: Callable[[int, str], WorkerSpec], init_method: str) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+        use_gpu = spec(1, init_method).device.startswith("cuda")
+        bundle = {"GPU": 1} if use_gpu else {"CPU": 1}
+        group = placement_group([bundle] * (self.size - 1), strategy="PACK")
+        ray.get(group.ready(), timeout=120)
+        remote = ray.remote(num_gpus=1 if use_gpu else 0, num_cpus=0 if use_gpu else 1)(_RayRank)
+        for rank in range(1, self.size):
+            worker = spec(rank, init_method)
+            if use_gpu:
+                worker.device = "cuda:0"  # the actor sees only its own GPU
+            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank - 1)
+            actor = remote.options(scheduling_strategy=strategy).remote()
+            self._actors.append(actor)
+            ref = actor.serve.remote(worker)
+            threading.Thread(target=self._watch_actor, args=(rank, ref), daemon=True,
+                             name=f"fastsched-tp-watch-{rank}").start()
+        self._placement_group = group
+
+    def _watch_actor(self, rank: int, ref: object) -> None:
+        import ray
+
+        try:
+            ray.get(ref)
+            error = "returned"
+        except Exception as e:  # the actor died or its rank raised
+            error = f"failed: {type(e).__name__}: {e}"
+        if not self._stopping:
+            self.failure = f"tensor parallel worker rank {rank} (Ray actor) {error}"
+            logger.error("%s", self.failure)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Tells the ranks to stop, waits for them, kills what is left; leaves the group. Once."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.failure is not None:
+            timeout = 0.0  # the others wait for a step that will never come
+        else:
+            try:
+                self.channel.send_stop()
+            except RuntimeError:
+                logger.warning("tensor parallel: a rank did not take the stop message")
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("tensor parallel worker %d did not stop; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+        if self._actors:
+            import ray
+            from ray.util.placement_group import remove_placement_group
+
+            for actor in self._actors:
+                ray.kill(actor)
+            remove_placement_group(self._placement_group)
+        self.tp.leave()
+
+
+def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> TensorParallelGroup:
+    """Starts ranks 1..N-1 of ``config.tensor_parallel_size`` and joins the group as rank 0.
+    On CUDA rank ``r`` takes the device ``r`` places after the engine's."""
+    base = device.index or 0
+
+    def spec(rank: int, init_method: str) -> WorkerSpec:
+        return WorkerSpec(
+            model=None if config.model is None else str(config.model),
+            dtype=str(dtype).removeprefix("torch."),
+            device=f"cuda:{base + rank}" if device.type == "cuda" else "cpu",
+            quantization=config.resolved_quantization,
+            attention_backend=config.attention_backend,
+            num_threads=config.num_threads,
+            rank=rank,
+            size=config.tensor_parallel_size,
+            init_method=init_method,
+            block_size=config.block_size,
+            parent_pid=os.getpid() if config.distributed_executor_backend == "mp" else 0,
+        )
+
+    return TensorParallelGroup(spec, config.tensor_parallel_size, device, config.distributed_executor_backend)
+
+
+class _RayRank:
+    """A Ray actor holding one rank (``--distributed-executor-backend ray``)."""
+
+    def serve(self, spec: WorkerSpec) -> None:
+        from fastsched.worker.tp_worker import serve_rank
+
+        serve_rank(spec)

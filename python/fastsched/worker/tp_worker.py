@@ -1,0 +1,117 @@
+"""What a tensor-parallel rank other than 0 runs: its shard of the model and of the KV
+cache, and the same forward pass as rank 0 for every step rank 0 broadcasts.
+
+Started by ``fastsched.worker.tp_group`` as ``python -m fastsched.worker.tp_worker SPEC``
+(a local process) or as a Ray actor's method (:func:`serve_rank`). It never schedules and
+never samples: rank 0 does both, and the logits reach it through the model's gather.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fastsched.attention import AttentionMetadata, select_backend
+from fastsched.cpu_env import configure_threads
+from fastsched.distributed.parallel import TensorParallel
+from fastsched.distributed.step_channel import StepChannel
+from fastsched.model_loader.weights import load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """What a rank needs to build its shard (JSON on the worker's command line)."""
+
+    model: str | None
+    dtype: str  # "float32", "bfloat16"...
+    device: str  # "cpu", "cuda:1"...
+    quantization: str
+    attention_backend: str | None
+    num_threads: int | None
+    rank: int
+    size: int
+    init_method: str  # tcp://host:port of rank 0's store
+    block_size: int
+    parent_pid: int  # a local worker dies with the engine (0: no such watch, a Ray actor)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def serve_rank(spec: WorkerSpec) -> None:
+    """Joins the group, loads this rank's shard, sizes its KV cache as rank 0 says, then runs
+    every step rank 0 broadcasts until it broadcasts STOP."""
+    device = torch.device(spec.device)
+    if device.type == "cpu":
+        configure_threads(spec.num_threads)
+    tp = TensorParallel.join(spec.init_method, spec.rank, spec.size, device)
+    dtype = getattr(torch, spec.dtype)
+    model = load_model(spec.model, dtype=dtype, device=device, quantization=spec.quantization, tp=tp)
+    backend = select_backend(device, spec.attention_backend)
+    num_blocks = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(num_blocks, src=0, group=tp.cpu_group)  # rank 0 sizes the one pool the scheduler sees
+    cfg = model.config
+    kv_caches = [torch.empty(2, int(num_blocks.item()), spec.block_size, model.num_local_kv_heads, cfg.head_dim,
+                             dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+    channel = StepChannel(tp)
+    on_device = (lambda a: torch.from_numpy(a).to(device, non_blocking=True)) if device.type == "cuda" \
+        else torch.from_numpy
+    logger.info("tensor parallel rank %d ready: %d KV blocks of %d KV heads", spec.rank, num_blocks.item(),
+                model.num_local_kv_heads)
+    with torch.inference_mode():
+        while (step := channel.receive()) is not None:
+            metadata = AttentionMetadata(
+                slot_mapping=on_device(step.slot_mapping),
+                query_start_loc=on_device(step.query_start_loc),
+                seq_lens=on_device(step.seq_lens),
+                block_tables=on_device(step.block_tables),
+                max_query_len=step.max_query_len,
+                max_seq_len=step.max_seq_len,
+            )
+            backend.prepare(metadata)
+            hidden = model(step.input_ids, on_device(step.positions), kv_caches, metadata, backend)
+            if step.compute_logits:  # the same rows as rank 0's ModelRunner.execute, for its gather
+                if step.logits_indices is not None:
+                    hidden = hidden[on_device(step.logits_indices.astype(np.int64))]
+                model.compute_logits(hidden)
+    logger.info("tensor parallel rank %d stopping", spec.rank)
+    tp.leave()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL when the engine process dies (Linux), so that no worker outlives it."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # it died before the watch was set
+        os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    spec = WorkerSpec(**json.loads(argv[1]))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {spec.rank}] %(message)s")
+    if spec.parent_pid:
+        _die_with_parent(spec.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C goes to the engine, which stops us
+    try:
+        serve_rank(spec)
+    except Exception:
+        logger.exception("tensor parallel rank %d failed", spec.rank)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,96 @@
+"""``fastsched serve --tensor-parallel-size 2`` (issue 24; docs/deploy.md "Tensor
+parallelism"): the served greedy tokens are those of the unsharded model offline; the
+layout is in the start-up log and in ``cache_config_info``; a killed worker ends the
+server non-zero with every process gone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirements-serve.txt)")
+pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
+pytest.importorskip("grpc", reason="grpcio is not installed (requirements-serve.txt)")
+
+from loop_thread import wait_for  # noqa: E402
+from serve_process import metric_samples, pid_alive, start_serve  # noqa: E402
+
+from fastsched import LLM, SamplingParams  # noqa: E402
+
+PROMPTS = [[5, 77, 300, 12, 9, 41], list(range(40, 90))]
+MAX_TOKENS = 12
+EXIT_WITHIN_S = 30.0
+
+
+def _worker_pids(log: str) -> list[int]:
+    found = re.findall(r"parallel layout: tensor_parallel_size=2 \(mp; gloo; ranks 1.. pids \[([\d, ]+)\]\)", log)
+    return [int(p) for p in found[0].split(",")] if found else []
+
+
+def test_tp2_serve_gives_the_unsharded_greedy_tokens_and_a_killed_worker_ends_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    offline = LLM(model=str(tiny_model_dir), dtype="float32", log_stats_interval=0, num_threads=1,
+                  max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
+    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
+                         "--max-num-batched-tokens", "16", "--max-num-seqs", "8")
+    try:
+        workers = _worker_pids(server.log())
+        assert len(workers) == 1, server.tail()
+        for prompt, text in zip(PROMPTS, expected, strict=True):
+            response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
+                "model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == text
+        info = [k for k in metric_samples(server.url) if k.startswith("fastsched:cache_config_info")]
+        assert info and 'tensor_parallel_size="2"' in info[0]
+        children = server.child_pids
+        os.kill(workers[0], signal.SIGKILL)
+        code = server.wait(EXIT_WITHIN_S)
+        assert code not in (None, 0), server.tail()
+        assert "tensor parallel worker rank 1" in server.log()
+        assert wait_for(lambda: not any(pid_alive(p) for p in [*children, *workers]), timeout=10)
+    finally:
+        server.close()
+
+
+def test_with_fault_tolerance_a_killed_worker_restarts_the_engine_with_new_workers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
+                         "--max-num-seqs", "8", "--enable-fault-tolerance", "--max-engine-restarts", "1")
+    try:
+        (first,) = _worker_pids(server.log())
+        os.kill(first, signal.SIGKILL)
+        assert wait_for(lambda: len(_all_worker_pids(server.log())) == 2 and _healthy(server.url), timeout=90), \
+            server.tail()
+        second = _all_worker_pids(server.log())[1]
+        assert second != first and pid_alive(second)
+        response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
+            "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+        children = server.child_pids
+        assert server.terminate() == 0, server.tail()
+        assert wait_for(lambda: not any(pid_alive(p) for p in [*children, second]), timeout=10)
+    finally:
+        server.close()
+
+
+def _all_worker_pids(log: str) -> list[int]:
+    return [int(p) for p in re.findall(r"parallel layout: tensor_parallel_size=2 \(mp; gloo; ranks 1.. pids \[(\d+)\]\)",
+                                       log)]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
