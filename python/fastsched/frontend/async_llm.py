@@ -48,6 +48,7 @@ from fastsched.frontend.request_log import RequestLogger
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
 from fastsched.frontend.request_stream import CompletionDelta, RequestStream, StreamOutput
 from fastsched.frontend.request_table import RequestState, RequestTable
+from fastsched.frontend.routing import Router, router_for
 from fastsched.frontend.session import Session, SessionLimitError, SessionState, SessionTimer, session_cap
 from fastsched.frontend.settings import FrontendSettings
 from fastsched.inputs import PromptType, child_params, child_request_ids, engine_requests
@@ -110,6 +111,8 @@ class AsyncLLM:
         self._client.on_outputs = self._table.apply_outputs
         self._client.on_engine_dead = self._fail_engine_requests
         self._client.on_stats = self._update_ttft_slo_limit
+        self._client.on_kv_events = self._on_kv_events
+        self.router: Router | None = None  # once the engines have said their block size (frontend.routing)
         # Engine request ids must be unique in the engine across frontends and restarts.
         self._id_prefix = f"{frontend_index}.{secrets.token_hex(3)}."
         self._ids = itertools.count()
@@ -163,6 +166,7 @@ class AsyncLLM:
         first = await self._client.connect(ready_timeout)
         self.tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, first.tokenizer or first.model)
         self.gate = RequestGate(self.tokenizer, first.max_model_len, first.vocab_size, self.limits)
+        self.router = router_for(self.settings, first, len(self._engines))
         max_num_seqs = sum(e.info.max_num_seqs for e in self._engines if e.info is not None)
         self.max_sessions = session_cap(self.settings.max_sessions, max_num_seqs, self.settings.num_frontends)
         if first.lora_modules is not None:
@@ -260,9 +264,13 @@ class AsyncLLM:
         except AdmissionError as e:
             self._history.add(rejected_status(request_id, self.frontend_index, e, time.time(), len(token_ids)))
             raise
-        in_flight = self._table.in_flight
-        engine = min(healthy, key=lambda e: (in_flight[e.index], e.index))  # least loaded; ties: lowest index
+        assert self.router is not None
+        lora_id = None if valid.lora_request is None else valid.lora_request.id
+        decision = self.router.choose(token_ids, [e.index for e in healthy], self._table.in_flight,
+                                      lora_id=lora_id, cache_salt=valid.cache_salt)
+        engine = self._engines[decision.engine]
         state = self._new_state(request_id, text, token_ids, params, engine)
+        state.routing = decision
         state.lora_name = None if valid.lora_request is None else valid.lora_request.name
         if self.request_logger is not None:
             self.request_logger.received(request_id, text, token_ids, params, valid.priority)
@@ -383,7 +391,14 @@ class AsyncLLM:
     def _release(self, state: RequestState, error: str | None, counted: bool) -> None:
         self.admission.release(state.request_id)
 
+    def _on_kv_events(self, msg: protocol.KvEvents) -> None:
+        if self.router is not None:
+            stored, removed = msg.hashes()
+            self.router.on_kv_events(msg.engine_index, stored.tolist(), removed.tolist())
+
     def _fail_engine_requests(self, engine_index: int, reason: str) -> None:
+        if self.router is not None:
+            self.router.forget_engine(engine_index)
         for state in self._table.on_engine(engine_index):
             self._table.fail(state, EngineDeadError(f"engine {engine_index} died: {reason}"))
 
