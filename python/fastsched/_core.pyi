@@ -43,6 +43,7 @@ __all__ = [
     "SchedulerOutput",
     "EngineCoreOutputs",
     "SharedAdmissionStats",
+    "BlockHasher",
     "KIND_CACHED",
     "KIND_NEW",
     "KIND_RESUMED",
@@ -609,11 +610,12 @@ class SharedAdmissionStats:
     def path(self) -> str:
         """The segment's file path."""
 
+@final
 class BlockHasher:
     """The scheduler's prefix-cache block hash (S8): a frontend that routes by prefix
     computes with it exactly the hashes an engine caches."""
 
-    def __init__(self, block_size: int, hash_algo: str = "builtin") -> None: ...
+    def __new__(cls, block_size: int, hash_algo: str = "builtin") -> BlockHasher: ...
     @property
     def block_size(self) -> int: ...
     def prompt_hashes(
