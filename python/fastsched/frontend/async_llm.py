@@ -381,8 +381,8 @@ class AsyncLLM:
             requests.observe_request(state.n, state.max_tokens)
 
     def _remember(self, state: RequestState, error: str | None, counted: bool) -> None:
-        self._history.add(ended_status(state.request_id, self.frontend_index, state.engine_index,
-                                       state.parent.outputs, state.metrics, error))
+        self._history.add(_with_routing(ended_status(state.request_id, self.frontend_index, state.engine_index,
+                                                     state.parent.outputs, state.metrics, error), state))
 
     def _log_finished(self, state: RequestState, error: str | None, counted: bool) -> None:
         if self.request_logger is not None:
@@ -493,8 +493,9 @@ class AsyncLLM:
                     ) from None
         if state.done:  # it ended (or failed) while the engine answered
             return self._history.get(request_id)
-        return in_flight_status(request_id, self.frontend_index, state.engine_index, state.parent.outputs,
-                                state.child_ids, {r.request_id: r for r in replies}, state.metrics)
+        return _with_routing(in_flight_status(request_id, self.frontend_index, state.engine_index,
+                                              state.parent.outputs, state.child_ids,
+                                              {r.request_id: r for r in replies}, state.metrics), state)
 
     def stats(self) -> dict[str, Any]:
         """Engine stats summed over engines (``kv_cache_usage``: the mean), as last reported,
@@ -516,6 +517,7 @@ class AsyncLLM:
         total["requests_by_engine"] = {e.index: e.requests for e in engines if e.requests is not None}
         total["frontend_index"] = self.frontend_index
         total["admission_rejections_total"] = self.admission.rejections
+        total["routing_decisions_total"] = dict(self.router.decisions_total) if self.router is not None else {}
         total["num_requests_in_flight"] = self.admission.num_requests
         total["num_sequences_in_flight"] = self.admission.num_in_flight
         total["num_sequences_in_flight_total"] = self.admission.num_in_flight_total
@@ -550,3 +552,10 @@ class AsyncLLM:
             raise EngineDeadError("this AsyncLLM is shut down")
         if not self._started:
             raise RuntimeError("AsyncLLM is not started; create it with `await AsyncLLM.start(...)`")
+
+
+def _with_routing(status: dict[str, Any], state: RequestState) -> dict[str, Any]:
+    """A request's status with why its engine was chosen (``/debug/requests/{id}``)."""
+    if state.routing is not None:
+        status["routing"] = state.routing.describe()
+    return status

@@ -175,8 +175,8 @@ def metric_families(stats: Sequence[Any], model_name: str = "", own_process: boo
 
 
 def _admission_families(stats: Sequence[Any], m: str) -> list[Metric]:
-    """Admission is the frontends': rejections by reason summed over them, and the TTFT-SLO
-    valve's queued-token limit (the frontends' shares summed; absent when the valve is off)."""
+    """Admission is the frontends': rejections by reason summed over them, their engine
+    choices by cause (``frontend.routing``), and the TTFT-SLO valve's queued-token limit (the frontends' shares summed; absent when the valve is off)."""
     rejections = CounterMetricFamily(PREFIX + "admission_rejections_total",
                                      "Requests rejected at admission (A5), by reason.", labels=["model_name", "reason"])
     by_reason = dict.fromkeys(ADMISSION_REASONS, 0)
@@ -185,7 +185,16 @@ def _admission_families(stats: Sequence[Any], m: str) -> list[Metric]:
             by_reason[reason] = by_reason.get(reason, 0) + count
     for reason, count in by_reason.items():
         rejections.add_metric([m, reason], count)
-    families: list[Metric] = [rejections]
+    routing = CounterMetricFamily(PREFIX + "routing_decisions_total",
+                                  "Engine choices with data parallelism (--routing), by cause.",
+                                  labels=["model_name", "cause"])
+    by_cause: dict[str, int] = {}
+    for s in stats:
+        for cause, count in s.routing_decisions_total.items():
+            by_cause[cause] = by_cause.get(cause, 0) + count
+    for cause, count in sorted(by_cause.items()):
+        routing.add_metric([m, cause], count)
+    families: list[Metric] = [rejections, routing]
     limits = [s.admission_queued_tokens_limit for s in stats if s.HasField("admission_queued_tokens_limit")]
     if limits:
         limit = GaugeMetricFamily(
