@@ -42,8 +42,8 @@ class RoutingDecision:
     best_blocks: int  # the longest cached prefix on any candidate engine, in blocks
 
     def describe(self) -> str:
-        """One line for people: ``prefix (12/12 blocks cached)``."""
-        return f"{self.cause} ({self.cached_blocks} cached blocks; best engine {self.best_blocks})"
+        """One line for people: ``overloaded (1 prompt blocks cached there; 4 on the best engine)``."""
+        return f"{self.cause} ({self.cached_blocks} prompt blocks cached there; {self.best_blocks} on the best engine)"
 
 
 class PrefixSummary:

@@ -12,7 +12,7 @@ KV cache usage, a fraction per engine, which is their mean.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastsched.tools.metrics_snapshot import Histogram, Snapshot, counter_increase
 
@@ -32,6 +32,9 @@ LAST_SCAN_STOP = PREFIX + "scheduler_last_scan_stop"
 QUEUED_TOKENS_LIMIT = PREFIX + "admission_queued_tokens_limit"
 PREFILL_THROUGHPUT = PREFIX + "prefill_throughput_tokens_per_second"
 PREFILL_THROUGHPUT_OLD = PREFIX + "prefill_throughput_tokens_per_s"  # its name before the vLLM-compatible names
+ROUTING = PREFIX + "routing_decisions_total"
+PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"
+PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits_total"
 
 # The one gate that holds nothing back: the scan ended because nothing was left to take.
 IDLE_GATE = "no_waiting"
@@ -60,6 +63,7 @@ class Latency:
 class EngineView:
     last_scan_stop: str | None  # the gate; None before its first step or when not exported
     prefill_tokens_per_s: float | None  # measured by the TTFT-SLO valve; None until measured
+    prefix_cache_hit_rate: float | None = None  # hits / queries since start (tokens); None before a query
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class TopView:
     scan_stops_per_s: dict[str, float]  # by gate
     engines: dict[str, EngineView]  # by engine index, in order
     queued_tokens_limit: float | None
+    routing_per_s: dict[str, float] = field(default_factory=dict)  # engine choices by cause (--routing)
 
 
 def top_view(now: Snapshot, before: Snapshot | None) -> TopView:
@@ -126,12 +131,13 @@ def top_view(now: Snapshot, before: Snapshot | None) -> TopView:
         scan_stops_per_s=rates_by(SCAN_STOPS, "gate"),
         engines=engine_views(now),
         queued_tokens_limit=now.value(QUEUED_TOKENS_LIMIT),
+        routing_per_s=rates_by(ROUTING, "cause"),
     )
 
 
 def engine_views(snapshot: Snapshot) -> dict[str, EngineView]:
-    """Each engine's last stop (the gate whose 0/1 gauge is 1, None while all are 0) and
-    prefill throughput, for every engine either metric names."""
+    """Each engine's last stop (the gate whose 0/1 gauge is 1, None while all are 0), prefill
+    throughput and prefix-cache hit rate, for every engine these metrics name."""
     stops: dict[str, str | None] = {}
     for s in snapshot.samples.get(LAST_SCAN_STOP, ()):
         engine = s.labels.get("engine", "")
@@ -139,5 +145,9 @@ def engine_views(snapshot: Snapshot) -> dict[str, EngineView]:
         if s.value == 1:
             stops[engine] = s.labels.get("gate")
     throughput = snapshot.by_label(PREFILL_THROUGHPUT, "engine") or snapshot.by_label(PREFILL_THROUGHPUT_OLD, "engine")
+    queries = snapshot.by_label(PREFIX_CACHE_QUERIES, "engine")
+    hits = snapshot.by_label(PREFIX_CACHE_HITS, "engine")
+    hit_rates = {engine: hits.get(engine, 0.0) / q for engine, q in queries.items() if q}
     engines = sorted(stops.keys() | throughput.keys(), key=lambda engine: (len(engine), engine))
-    return {engine: EngineView(stops.get(engine), throughput.get(engine)) for engine in engines}
+    return {engine: EngineView(stops.get(engine), throughput.get(engine), hit_rates.get(engine))
+            for engine in engines}
