@@ -62,8 +62,9 @@ def run_engine(
     """The process main. ``engine_config`` holds :class:`EngineConfig` keyword arguments;
     frontend ``i`` listens at ``output_addrs[i]``. ``ready_pipe`` (optional, for a launcher)
     receives one READY or FAILED message (``protocol``) as bytes. ``kv_events``: send every
-    frontend the hashes entering and leaving the prefix cache (KV_EVENTS, ``--routing prefix``). Exits 0 on SIGTERM/SIGINT or
-    when the parent process dies, 1 when the engine fails (after telling the frontends)."""
+    frontend the hashes entering and leaving the prefix cache (KV_EVENTS, ``--routing prefix``).
+    Exits 0 on SIGTERM/SIGINT or when the parent process dies, 1 when the engine fails (after
+    telling the frontends)."""
     _setup_logging(engine_index, log_level)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -35,7 +35,7 @@ def add_routing_args(group: argparse._ArgumentGroup) -> None:
                             "least-loaded one (default: prefix)")
     group.add_argument("--routing-summary-blocks", type=parse_count, default=1 << 20, metavar="N",
                        help="--routing prefix: block hashes each frontend remembers of what the engines cache, the "
-                            "least recently used forgotten first (default: 1Mi, about 100 MB)")
+                            "least recently used forgotten first (default: 1Mi, on the order of 100 MB)")
     group.add_argument("--routing-load-bound", type=int, default=8, metavar="N",
                        help="--routing prefix: sequences in flight beyond the least-loaded engine's at which the "
                             "engine with the longest cached prefix gives way to the least-loaded one (default: 8)")

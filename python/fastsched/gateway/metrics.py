@@ -158,6 +158,7 @@ def metric_families(stats: Sequence[Any], model_name: str = "", own_process: boo
     add this (the gateway's) process to the ``process_*`` families."""
     m = model_name
     families: list[Metric] = [*_admission_families(stats, m)]
+    families.append(_routing_family(stats, m))
     rows = engine_rows(stats)
     engines = [e for e in rows if _is_engine(e)]
     families.extend(_engine_families(rows, m))
@@ -174,17 +175,8 @@ def metric_families(stats: Sequence[Any], model_name: str = "", own_process: boo
     return families
 
 
-def _admission_families(stats: Sequence[Any], m: str) -> list[Metric]:
-    """Admission is the frontends': rejections by reason summed over them, their engine
-    choices by cause (``frontend.routing``), and the TTFT-SLO valve's queued-token limit (the frontends' shares summed; absent when the valve is off)."""
-    rejections = CounterMetricFamily(PREFIX + "admission_rejections_total",
-                                     "Requests rejected at admission (A5), by reason.", labels=["model_name", "reason"])
-    by_reason = dict.fromkeys(ADMISSION_REASONS, 0)
-    for s in stats:
-        for reason, count in s.admission_rejections_total.items():
-            by_reason[reason] = by_reason.get(reason, 0) + count
-    for reason, count in by_reason.items():
-        rejections.add_metric([m, reason], count)
+def _routing_family(stats: Sequence[Any], m: str) -> Metric:
+    """The frontends' engine choices (``frontend.routing``), by cause, summed over them."""
     routing = CounterMetricFamily(PREFIX + "routing_decisions_total",
                                   "Engine choices with data parallelism (--routing), by cause.",
                                   labels=["model_name", "cause"])
@@ -194,7 +186,21 @@ def _admission_families(stats: Sequence[Any], m: str) -> list[Metric]:
             by_cause[cause] = by_cause.get(cause, 0) + count
     for cause, count in sorted(by_cause.items()):
         routing.add_metric([m, cause], count)
-    families: list[Metric] = [rejections, routing]
+    return routing
+
+
+def _admission_families(stats: Sequence[Any], m: str) -> list[Metric]:
+    """Admission is the frontends': rejections by reason summed over them, and the TTFT-SLO
+    valve's queued-token limit (the frontends' shares summed; absent when the valve is off)."""
+    rejections = CounterMetricFamily(PREFIX + "admission_rejections_total",
+                                     "Requests rejected at admission (A5), by reason.", labels=["model_name", "reason"])
+    by_reason = dict.fromkeys(ADMISSION_REASONS, 0)
+    for s in stats:
+        for reason, count in s.admission_rejections_total.items():
+            by_reason[reason] = by_reason.get(reason, 0) + count
+    for reason, count in by_reason.items():
+        rejections.add_metric([m, reason], count)
+    families: list[Metric] = [rejections]
     limits = [s.admission_queued_tokens_limit for s in stats if s.HasField("admission_queued_tokens_limit")]
     if limits:
         limit = GaugeMetricFamily(
