@@ -42,7 +42,7 @@ def event_engines(engine_config: dict, tmp_path_factory: pytest.TempPathFactory)
     try:
         yield engines
     finally:
-        teardown(engines)
+        teardown(engines, expect_clean_exit=True)
 
 
 @asynccontextmanager
