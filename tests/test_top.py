@@ -447,3 +447,27 @@ def test_help_explains_every_flag() -> None:
     for flag in ("--url", "--interval", "--once", "--iterations"):
         action = next(a for a in top._actions if flag in a.option_strings)
         assert action.help and flag in help_text
+
+
+def test_routing_decisions_per_second_by_cause_and_each_engines_prefix_hit_rate() -> None:
+    """Issue 26: which engine and why (``--routing``), and what it bought per engine."""
+    def page(prefix: float, load: float) -> str:
+        return ("# TYPE fastsched:routing_decisions_total counter\n"
+                f'fastsched:routing_decisions_total{{cause="prefix",model_name="m"}} {prefix}\n'
+                f'fastsched:routing_decisions_total{{cause="load",model_name="m"}} {load}\n'
+                "# TYPE fastsched:prefix_cache_queries_total counter\n"
+                'fastsched:prefix_cache_queries_total{engine="0",model_name="m"} 400\n'
+                'fastsched:prefix_cache_queries_total{engine="1",model_name="m"} 0\n'
+                "# TYPE fastsched:prefix_cache_hits_total counter\n"
+                'fastsched:prefix_cache_hits_total{engine="0",model_name="m"} 300\n'
+                'fastsched:prefix_cache_hits_total{engine="1",model_name="m"} 0\n'
+                "# TYPE fastsched:scheduler_last_scan_stop gauge\n"
+                'fastsched:scheduler_last_scan_stop{engine="0",gate="no_waiting",model_name="m"} 1\n'
+                'fastsched:scheduler_last_scan_stop{engine="1",gate="no_waiting",model_name="m"} 1\n')
+
+    view = windowed(page(10, 4), page(30, 8))
+    assert view.routing_per_s == {"prefix": 10, "load": 2}
+    assert view.engines["0"].prefix_cache_hit_rate == 0.75
+    assert view.engines["1"].prefix_cache_hit_rate is None  # no query yet
+    frame = text_of(render_view("http://x", 2.0, view))
+    assert "prefix 10.0" in frame and "75.0 %" in frame

@@ -43,6 +43,7 @@ __all__ = [
     "SchedulerOutput",
     "EngineCoreOutputs",
     "SharedAdmissionStats",
+    "BlockHasher",
     "KIND_CACHED",
     "KIND_NEW",
     "KIND_RESUMED",
@@ -495,6 +496,12 @@ class Scheduler:
     def reset_prefix_cache(self) -> None:
         """S8: no block computed so far is a prefix-cache hit again (new weights make their KV
         stale). Requests keep their blocks and go on; their blocks are never shared."""
+    def record_kv_events(self, on: bool) -> None:
+        """Start (or stop) recording the block hashes that enter and leave the prefix cache
+        (S8), for a frontend that routes by prefix (``--routing prefix``)."""
+    def take_kv_events(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+        """The hashes cached and evicted since the last call: ``(stored, removed)``; a hash
+        held by several blocks is reported once per block. Empty when not recording."""
     def add_stream_input(
         self, request_id: str, token_ids: _TokenIds, max_tokens: int, is_last: bool = False
     ) -> None:
@@ -602,3 +609,17 @@ class SharedAdmissionStats:
     @property
     def path(self) -> str:
         """The segment's file path."""
+
+@final
+class BlockHasher:
+    """The scheduler's prefix-cache block hash (S8): a frontend that routes by prefix
+    computes with it exactly the hashes an engine caches."""
+
+    def __new__(cls, block_size: int, hash_algo: str = "builtin") -> BlockHasher: ...
+    @property
+    def block_size(self) -> int: ...
+    def prompt_hashes(
+        self, token_ids: list[int], lora_id: int | None = None, cache_salt: str | None = None
+    ) -> npt.NDArray[np.uint64]:
+        """The chained hashes of the full blocks of ``token_ids`` (a partial last block has
+        none), from the root of adapter ``lora_id`` and ``cache_salt``."""

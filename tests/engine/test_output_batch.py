@@ -96,3 +96,15 @@ def test_s13_s15_pause_reload_and_session_messages_round_trip(msg: protocol.Mess
 def test_s13_s15_malformed_pause_reload_and_session_messages_are_protocol_errors(wire: list[object]) -> None:
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(msgpack.packb(wire, use_bin_type=True))
+
+
+def test_s8_kv_events_round_trip_as_uint64_columns() -> None:
+    """KV_EVENTS (``--routing prefix``): hashes cached and evicted, as little-endian uint64 bytes."""
+    stored, removed = np.array([1, 2**64 - 1], dtype=np.uint64), np.array([7], dtype=np.uint64)
+    msg = protocol.decode(protocol.encode(protocol.KvEvents(1, stored.astype("<u8").tobytes(),
+                                                             removed.astype("<u8").tobytes())))
+    assert isinstance(msg, protocol.KvEvents) and msg.engine_index == 1
+    got = msg.hashes()
+    assert got[0].tolist() == [1, 2**64 - 1] and got[1].tolist() == [7]
+    with pytest.raises(ValueError, match="stored must be a whole number of 8-byte values"):
+        protocol.KvEvents(0, b"\x01\x02", b"").hashes()

@@ -63,11 +63,11 @@ def engine_value(url: str, name: str, engine: str) -> float:
 
 def test_s7_the_engines_of_one_server_share_a_prefix_through_the_store(tiny_model_dir, tmp_path) -> None:
     """Engine 0 computes the prompt alone. Then two requests with its prefix arrive together:
-    the router sends one to each engine (least loaded), and engine 1 loads the prefix from the store."""
+    the router sends one to each engine (``--routing load``: least loaded), and engine 1 loads the prefix from the store."""
     kv = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
           "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "store")}}
     server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--kv-transfer-config", json.dumps(kv),
-                         "--data-parallel-size", "2", max_model_len=2048)
+                         "--data-parallel-size", "2", "--routing", "load", max_model_len=2048)
     try:
         complete(server.url)  # both engines idle: engine 0
         assert wait_for(lambda: engine_value(server.url, SAVED, "0") > 0, timeout=30)

@@ -58,11 +58,14 @@ def run_engine(
     heartbeat_interval: float = 1.0,
     torch_num_threads: int | None = None,
     log_level: str | int = "INFO",
+    kv_events: bool = False,
 ) -> None:
     """The process main. ``engine_config`` holds :class:`EngineConfig` keyword arguments;
     frontend ``i`` listens at ``output_addrs[i]``. ``ready_pipe`` (optional, for a launcher)
-    receives one READY or FAILED message (``protocol``) as bytes. Exits 0 on SIGTERM/SIGINT or
-    when the parent process dies, 1 when the engine fails (after telling the frontends)."""
+    receives one READY or FAILED message (``protocol``) as bytes. ``kv_events``: send every
+    frontend the hashes entering and leaving the prefix cache (KV_EVENTS, ``--routing prefix``).
+    Exits 0 on SIGTERM/SIGINT or when the parent process dies, 1 when the engine fails (after
+    telling the frontends)."""
     _setup_logging(engine_index, log_level)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -86,7 +89,7 @@ def run_engine(
             logger.exception("engine %d failed to start", engine_index)
             _report_failure(engine_index, f"engine {engine_index} failed to start: {e}", pushes, ready_pipe)
             return
-        loop = _EngineLoop(core, engine_index, pull, pushes, info)
+        loop = _EngineLoop(core, engine_index, pull, pushes, info, kv_events)
         ready = protocol.encode(protocol.Ready(engine_index, info))
         if ready_pipe is not None:
             ready_pipe.send_bytes(ready)
@@ -172,6 +175,7 @@ def _cache_config(config: EngineConfig, sc: Any) -> dict[str, str]:
         "num_gpu_blocks": str(sc.num_gpu_blocks),
         "num_gpu_blocks_override": str(config.num_gpu_blocks),
         "enable_prefix_caching": str(bool(sc.enable_prefix_caching)),
+        "prefix_caching_hash_algo": sc.prefix_caching_hash_algo,
         "cache_dtype": str(config.torch_dtype).removeprefix("torch."),
         "quantization": config.resolved_quantization,
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
@@ -221,8 +225,11 @@ class _EngineLoop:
         pull: zmq.Socket,
         pushes: list[zmq.Socket],
         info: ModelInfo,
+        kv_events: bool = False,
     ) -> None:
         self.core = core
+        self.kv_events = kv_events
+        core.scheduler.record_kv_events(kv_events)
         self.engine_index = engine_index
         self.pull = pull
         self.pushes = pushes
@@ -249,6 +256,8 @@ class _EngineLoop:
                 outputs = core.step()
                 self.latest_stats = self._stats()
                 self._send_outputs(outputs)
+            if self.kv_events:
+                self._send_kv_events()
             if os.getppid() != parent_pid:
                 logger.warning("engine %d: parent process %d is gone; exiting", self.engine_index, parent_pid)
                 return
@@ -365,6 +374,17 @@ class _EngineLoop:
             share = batch if len(frontends) == 1 else batch.select(np.flatnonzero(batch.clients == frontend))
             share_timings = [t for i, t in timings.items() if batch.clients[i] == frontend]
             self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, share, stats, share_timings)))
+
+    def _send_kv_events(self) -> None:
+        """The prefix cache's changes since the last call, to every frontend (their routing
+        summaries); after the step's outputs, so a frontend learns of a request's blocks no
+        earlier than of its first token."""
+        stored, removed = self.core.scheduler.take_kv_events()
+        if len(stored) or len(removed):
+            data = protocol.encode(protocol.KvEvents(self.engine_index, stored.astype("<u8").tobytes(),
+                                                     removed.astype("<u8").tobytes()))
+            for frontend in range(len(self.pushes)):
+                self.send(frontend, data)
 
     def _timings(self, batch: OutputBatch, rows: np.ndarray) -> dict[int, RequestTiming]:
         """The timings of ``rows`` (a first token or the end), by row: seconds since arrival."""

@@ -405,6 +405,20 @@ class Heartbeat(_Message, tag="heartbeat"):
     stats: EngineStats
 
 
+class KvEvents(_Message, tag="kv_events"):
+    """Block hashes that entered (``stored``) and left (``removed``) an engine's prefix cache
+    since its last KV_EVENTS, each a little-endian uint64 column; sent to every frontend when
+    they route by prefix (``--routing prefix``), whose summaries follow them."""
+
+    engine_index: Count
+    stored: bytes
+    removed: bytes
+
+    def hashes(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(stored, removed)`` as uint64 arrays; ``ValueError`` for a column of odd length."""
+        return _column(self.stored, "<u8", None, "stored"), _column(self.removed, "<u8", None, "removed")
+
+
 # What Outputs.outputs is for its users (the annotation type checkers read), and on the wire.
 if TYPE_CHECKING:
     _OutputsField = Union[list[EngineCoreOutput], OutputBatch]
@@ -469,7 +483,7 @@ class FrontendReady(_Message, tag="frontend_ready"):
 
 
 Message = Union[Hello, AddRequest, Abort, Query, Pause, StreamInput, CloseStream, ReloadWeights, ResetPrefixCache,
-                Ready, Heartbeat, Outputs, Failed, Status, Paused, Reloaded, PrefixCacheReset, FrontendReady]
+                Ready, Heartbeat, KvEvents, Outputs, Failed, Status, Paused, Reloaded, PrefixCacheReset, FrontendReady]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -21,7 +21,7 @@ from fastsched.entrypoints.vllm_compat import (
     closest_flag,
     command_parser,
 )
-from fastsched.frontend.cli_args import add_admission_limit_args, frontend_settings
+from fastsched.frontend.cli_args import add_admission_limit_args, add_routing_args, frontend_settings
 from fastsched.frontend.settings import DEFAULT_SESSION_IDLE_TIMEOUT_S, SESSION_OPEN_TIMEOUT_S
 from fastsched.limits import add_request_limit_args
 from fastsched.lora.request import TARGET_MODULES
@@ -208,6 +208,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="engine processes (D), each a full copy of the model with its own scheduler and KV pool")
     p.add_argument("--api-server-count", type=int, default=1,
                    help="gRPC frontend processes (K), sharing the admission limits through shared memory (A6)")
+    add_routing_args(p)
     p.add_argument("--torch-num-threads", type=int, default=None,
                    help="CPU threads of each engine's torch (default: torch's choice)")
     p.add_argument("--engine-timeout", type=float, default=5.0,

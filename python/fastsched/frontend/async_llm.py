@@ -49,6 +49,7 @@ from fastsched.frontend.request_log import RequestLogger
 from fastsched.frontend.request_status import RequestHistory, ended_status, in_flight_status, rejected_status
 from fastsched.frontend.request_stream import CompletionDelta, RequestStream, StreamOutput
 from fastsched.frontend.request_table import RequestState, RequestTable
+from fastsched.frontend.routing import Router, router_for
 from fastsched.frontend.session import Session, SessionLimitError, SessionState, SessionTimer, session_cap
 from fastsched.frontend.settings import FrontendSettings
 from fastsched.inputs import PromptType, child_params, child_request_ids, engine_requests
@@ -111,6 +112,8 @@ class AsyncLLM:
         self._client.on_outputs = self._table.apply_outputs
         self._client.on_engine_dead = self._fail_engine_requests
         self._client.on_stats = self._on_engine_stats
+        self._client.on_kv_events = self._on_kv_events
+        self.router: Router | None = None  # once the engines have said their block size (frontend.routing)
         # Engine request ids must be unique in the engine across frontends and restarts.
         self._id_prefix = f"{frontend_index}.{secrets.token_hex(3)}."
         self._ids = itertools.count()
@@ -164,6 +167,7 @@ class AsyncLLM:
         first = await self._client.connect(ready_timeout)
         self.tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, first.tokenizer or first.model)
         self.gate = RequestGate(self.tokenizer, first.max_model_len, first.vocab_size, self.limits)
+        self.router = router_for(self.settings, first, len(self._engines))
         max_num_seqs = sum(e.info.max_num_seqs for e in self._engines if e.info is not None)
         self.max_sessions = session_cap(self.settings.max_sessions, max_num_seqs, self.settings.num_frontends)
         if first.lora_modules is not None:
@@ -262,9 +266,13 @@ class AsyncLLM:
         except AdmissionError as e:
             self._history.add(rejected_status(request_id, self.frontend_index, e, time.time(), len(token_ids)))
             raise
-        in_flight = self._table.in_flight
-        engine = min(healthy, key=lambda e: (in_flight[e.index], e.index))  # least loaded; ties: lowest index
+        assert self.router is not None
+        lora_id = None if valid.lora_request is None else valid.lora_request.id
+        decision = self.router.choose(token_ids, [e.index for e in healthy], self._table.in_flight,
+                                      lora_id=lora_id, cache_salt=valid.cache_salt)
+        engine = self._engines[decision.engine]
         state = self._new_state(request_id, text, token_ids, params, engine)
+        state.routing = decision
         state.lora_name = None if valid.lora_request is None else valid.lora_request.name
         if self.request_logger is not None:
             self.request_logger.received(request_id, text, token_ids, params, valid.priority)
@@ -375,8 +383,8 @@ class AsyncLLM:
             requests.observe_request(state.n, state.max_tokens)
 
     def _remember(self, state: RequestState, error: str | None, counted: bool) -> None:
-        self._history.add(ended_status(state.request_id, self.frontend_index, state.engine_index,
-                                       state.parent.outputs, state.metrics, error))
+        self._history.add(_with_routing(ended_status(state.request_id, self.frontend_index, state.engine_index,
+                                                     state.parent.outputs, state.metrics, error), state))
 
     def _log_finished(self, state: RequestState, error: str | None, counted: bool) -> None:
         if self.request_logger is not None:
@@ -385,7 +393,14 @@ class AsyncLLM:
     def _release(self, state: RequestState, error: str | None, counted: bool) -> None:
         self.admission.release(state.request_id, len(state.parent.outputs[0].token_ids) if counted else 0)
 
+    def _on_kv_events(self, msg: protocol.KvEvents) -> None:
+        if self.router is not None:
+            stored, removed = msg.hashes()
+            self.router.on_kv_events(msg.engine_index, stored.tolist(), removed.tolist())
+
     def _fail_engine_requests(self, engine_index: int, reason: str) -> None:
+        if self.router is not None:
+            self.router.forget_engine(engine_index)
         for state in self._table.on_engine(engine_index):
             self._table.fail(state, EngineDeadError(f"engine {engine_index} died: {reason}"))
 
@@ -498,8 +513,9 @@ class AsyncLLM:
                     ) from None
         if state.done:  # it ended (or failed) while the engine answered
             return self._history.get(request_id)
-        status = in_flight_status(request_id, self.frontend_index, state.engine_index, state.parent.outputs,
-                                  state.child_ids, {r.request_id: r for r in replies}, state.metrics)
+        status = _with_routing(in_flight_status(request_id, self.frontend_index, state.engine_index,
+                                                state.parent.outputs, state.child_ids,
+                                                {r.request_id: r for r in replies}, state.metrics), state)
         prediction = self.admission.prediction(request_id)  # the goodput valve's (A7)
         if prediction is not None:
             status["slo_prediction"] = prediction.as_dict()
@@ -525,6 +541,7 @@ class AsyncLLM:
         total["requests_by_engine"] = {e.index: e.requests for e in engines if e.requests is not None}
         total["frontend_index"] = self.frontend_index
         total["admission_rejections_total"] = self.admission.rejections
+        total["routing_decisions_total"] = dict(self.router.decisions_total) if self.router is not None else {}
         total["num_requests_in_flight"] = self.admission.num_requests
         total["num_sequences_in_flight"] = self.admission.num_in_flight
         total["num_sequences_in_flight_total"] = self.admission.num_in_flight_total
@@ -561,3 +578,10 @@ class AsyncLLM:
             raise EngineDeadError("this AsyncLLM is shut down")
         if not self._started:
             raise RuntimeError("AsyncLLM is not started; create it with `await AsyncLLM.start(...)`")
+
+
+def _with_routing(status: dict[str, Any], state: RequestState) -> dict[str, Any]:
+    """A request's status with why its engine was chosen (``/debug/requests/{id}``)."""
+    if state.routing is not None:
+        status["routing"] = state.routing.describe()
+    return status

@@ -31,6 +31,21 @@ def add_admission_limit_args(group: argparse._ArgumentGroup) -> None:
                             "running requests would exceed SECONDS (default: off)")
 
 
+def add_routing_args(group: argparse._ArgumentGroup) -> None:
+    """Add ``--routing``, ``--routing-summary-blocks`` and ``--routing-load-bound`` (``frontend.routing``)."""
+    group.add_argument("--routing", choices=("prefix", "load"), default="prefix",
+                       help="with --data-parallel-size > 1, the engine a request goes to: 'prefix', the one holding "
+                            "the longest prefix of its prompt in its prefix cache (unless it has more than "
+                            "--routing-load-bound sequences in flight above the least-loaded one); 'load', the "
+                            "least-loaded one (default: prefix)")
+    group.add_argument("--routing-summary-blocks", type=parse_count, default=1 << 20, metavar="N",
+                       help="--routing prefix: block hashes each frontend remembers of what the engines cache, the "
+                            "least recently used forgotten first (default: 1Mi, on the order of 100 MB)")
+    group.add_argument("--routing-load-bound", type=int, default=8, metavar="N",
+                       help="--routing prefix: sequences in flight beyond the least-loaded engine's at which the "
+                            "engine with the longest cached prefix gives way to the least-loaded one (default: 8)")
+
+
 def frontend_settings(args: argparse.Namespace) -> FrontendSettings:
     """The frontends' settings from ``fastsched serve``'s flags, validated (``ValueError``
     naming the setting) before anything is spawned."""
@@ -40,5 +55,6 @@ def frontend_settings(args: argparse.Namespace) -> FrontendSettings:
         session_idle_timeout=args.session_idle_timeout or None, max_sessions=args.max_sessions,
         session_open_timeout=args.session_open_timeout, engine_timeout=args.engine_timeout,
         ready_timeout=args.ready_timeout, limits=request_limits(args), enable_log_requests=args.enable_log_requests,
-        max_log_len=args.max_log_len,
+        max_log_len=args.max_log_len, routing=args.routing, routing_summary_blocks=args.routing_summary_blocks,
+        routing_load_bound=args.routing_load_bound,
     )

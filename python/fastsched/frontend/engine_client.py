@@ -69,7 +69,8 @@ class EngineClient:
 
     ``on_outputs(engine_index, msg)`` receives every ``Outputs``; ``on_engine_dead(index, reason)``
     is called once when an engine is marked dead; ``on_stats()`` whenever an engine's stats or
-    health change (the TTFT-SLO valve's throughput)."""
+    health change (the TTFT-SLO valve's throughput); ``on_kv_events(msg)`` every KV_EVENTS
+    (``--routing prefix``)."""
 
     def __init__(
         self,
@@ -92,6 +93,7 @@ class EngineClient:
         self.on_outputs: Callable[[int, protocol.Outputs], None] = lambda index, msg: None
         self.on_engine_dead: Callable[[int, str], None] = lambda index, reason: None
         self.on_stats: Callable[[], None] = lambda: None
+        self.on_kv_events: Callable[[protocol.KvEvents], None] = lambda msg: None
         self._ctx = zmq.asyncio.Context()
         self._send_ctx = zmq.Context()  # plain sockets: a send never awaits (abort from __del__ / finally)
         self._pull = self._ctx.socket(zmq.PULL)
@@ -304,6 +306,8 @@ class EngineClient:
             engine.stats = msg.stats
             self.on_stats()
             self.on_outputs(index, msg)
+        elif isinstance(msg, protocol.KvEvents):
+            self.on_kv_events(msg)
         elif isinstance(msg, protocol.Heartbeat):
             engine.stats = msg.stats
             if msg.stats.process is not None:

@@ -26,6 +26,7 @@ from typing import Any
 from fastsched.engine import protocol
 from fastsched.engine.protocol import EngineCoreOutput
 from fastsched.frontend.output_processor import OutputProcessor
+from fastsched.frontend.routing import RoutingDecision
 from fastsched.frontend.session import SessionState
 from fastsched.outputs import RequestMetrics, RequestOutput
 
@@ -49,6 +50,7 @@ class RequestState:
     timings: dict[str, tuple[float | None, float | None, float | None]] = field(default_factory=dict)
     lora_name: str | None = None  # its adapter, counted against an unload (LoRARegistry)
     session: SessionState | None = None  # a streaming-input session's own state (S15)
+    routing: RoutingDecision | None = None  # why its engine (frontend.routing)
 
 
 Listener = Callable[..., Any]

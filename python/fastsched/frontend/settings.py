@@ -53,6 +53,10 @@ class FrontendSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)
     enable_log_requests: bool = False
     max_log_len: int | None = None  # characters (or token ids) logged of each thing a request sent
+    # Data parallelism (frontend.routing): which engine a request goes to.
+    routing: str = "prefix"  # "prefix" (longest cached prefix, within routing_load_bound) or "load"
+    routing_summary_blocks: int = 1 << 20  # block hashes the prefix summary keeps (LRU)
+    routing_load_bound: int = 8  # sequences in flight above the least-loaded engine before prefix yields
 
     def __post_init__(self) -> None:
         for name in ("max_num_queued_reqs", "max_num_queued_tokens", "num_frontends"):
@@ -67,3 +71,11 @@ class FrontendSettings:
         _seconds("ready_timeout", self.ready_timeout)
         if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or self.max_log_len < 0):
             raise ValueError(f"max_log_len must be at least 0, got {self.max_log_len}")
+        if self.routing not in ("prefix", "load"):
+            raise ValueError(f"routing must be 'prefix' or 'load', got {self.routing!r}")
+        if isinstance(self.routing_summary_blocks, bool) or not isinstance(self.routing_summary_blocks, int) \
+                or self.routing_summary_blocks < 1:
+            raise ValueError(f"routing_summary_blocks must be a positive integer, got {self.routing_summary_blocks!r}")
+        if isinstance(self.routing_load_bound, bool) or not isinstance(self.routing_load_bound, int) \
+                or self.routing_load_bound < 0:
+            raise ValueError(f"routing_load_bound must be an integer at least 0, got {self.routing_load_bound!r}")

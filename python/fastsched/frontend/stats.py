@@ -160,6 +160,8 @@ def stats_to_proto(stats: Mapping[str, Any], latencies: LatencyHistograms) -> An
         _set_session_fields(entry, engine)
     for reason, count in (stats.get("admission_rejections_total") or {}).items():
         msg.admission_rejections_total[reason] = int(count)
+    for cause, count in (stats.get("routing_decisions_total") or {}).items():
+        msg.routing_decisions_total[cause] = int(count)
     if stats.get("admission_queued_tokens_limit") is not None:
         msg.admission_queued_tokens_limit = int(stats["admission_queued_tokens_limit"])
     for target, h in (stats.get("slo_prediction_error_seconds") or {}).items():

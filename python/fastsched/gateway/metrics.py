@@ -158,6 +158,7 @@ def metric_families(stats: Sequence[Any], model_name: str = "", own_process: boo
     add this (the gateway's) process to the ``process_*`` families."""
     m = model_name
     families: list[Metric] = [*_admission_families(stats, m)]
+    families.append(_routing_family(stats, m))
     rows = engine_rows(stats)
     engines = [e for e in rows if _is_engine(e)]
     families.extend(_engine_families(rows, m))
@@ -172,6 +173,20 @@ def metric_families(stats: Sequence[Any], model_name: str = "", own_process: boo
     families.extend(_session_families(engines, m))
     families.extend(_process_families(stats, engines, own_process))
     return families
+
+
+def _routing_family(stats: Sequence[Any], m: str) -> Metric:
+    """The frontends' engine choices (``frontend.routing``), by cause, summed over them."""
+    routing = CounterMetricFamily(PREFIX + "routing_decisions_total",
+                                  "Engine choices with data parallelism (--routing), by cause.",
+                                  labels=["model_name", "cause"])
+    by_cause: dict[str, int] = {}
+    for s in stats:
+        for cause, count in s.routing_decisions_total.items():
+            by_cause[cause] = by_cause.get(cause, 0) + count
+    for cause, count in sorted(by_cause.items()):
+        routing.add_metric([m, cause], count)
+    return routing
 
 
 def _admission_families(stats: Sequence[Any], m: str) -> list[Metric]:

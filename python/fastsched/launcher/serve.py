@@ -298,7 +298,8 @@ class Launcher:
     def _start_engine(self, i: int) -> _Child:
         c = self.config
         ours_ready, theirs_ready = _ready_pipe()
-        engine_kwargs = {"ready_pipe": theirs_ready, "log_level": c.log_level, "torch_num_threads": c.torch_num_threads}
+        engine_kwargs = {"ready_pipe": theirs_ready, "log_level": c.log_level, "torch_num_threads": c.torch_num_threads,
+                         "kv_events": c.data_parallel_size > 1 and c.frontend.routing == "prefix"}
         proc = _spawn(_engine_main, f"fastsched-engine-{i}",
                       (dict(c.engine_config), i, self.engine_inputs[i], self.frontend_outputs), engine_kwargs)
         theirs_ready.close()

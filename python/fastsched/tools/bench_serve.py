@@ -78,6 +78,7 @@ from fastsched.tools.workload import (
     COMPLETIONS,
     DEFAULT_RANGE_RATIO,
     BenchRequest,
+    PrefixRepetition,
     add_workload_args,
     arrival_times,
     build_workload,
@@ -399,7 +400,8 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
                     sharegpt_output_len: int | None = None, goodput: dict[str, float] | None = None,
                     percentiles: Sequence[float] = PERCENTILES,
                     percentile_metrics: Sequence[str] = PERCENTILE_METRICS,
-                    reset_cache: bool = False, admin_api_key: str | None = None) -> dict[str, Any]:
+                    reset_cache: bool = False, admin_api_key: str | None = None,
+                    prefix_repetition: PrefixRepetition | None = None) -> dict[str, Any]:
     """Runs every rate in turn against the gateway at ``url``; returns the JSON report.
     ``tokenizer`` (a ``Tokenizer``) is needed for ShareGPT and for chat prompts; ``reset_cache``
     empties the server's prefix cache before each rate, sending ``admin_api_key`` (an admin
@@ -417,7 +419,7 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
             # Each rate its own prompts: the same ones again would be prefix-cache hits.
             requests = build_workload(dataset_name, dataset_path, num_requests, prompt_len, output_len, seed + i,
                                       token_id_range, range_ratio, max_model_len, tokenizer, sharegpt_output_len,
-                                      endpoint)
+                                      endpoint, prefix_repetition)
             if reset_cache:
                 await reset_prefix_cache(admin)
             before = await prefix_cache_counters(client)
@@ -441,7 +443,8 @@ async def run_bench(url: str, qps_values: Sequence[float], num_requests: int, pr
                    "qps": [str(q) for q in qps_values], "max_concurrency": max_concurrency,
                    "dataset_name": dataset_name, "dataset_path": dataset_path, "goodput": goodput or None,
                    "percentiles": list(percentiles), "percentile_metrics": list(percentile_metrics),
-                   "reset_prefix_cache": reset_cache},
+                   "reset_prefix_cache": reset_cache,
+                   "prefix_repetition": None if prefix_repetition is None else vars(prefix_repetition)},
         "results": summaries,
     }
 
@@ -473,9 +476,17 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
                       help="at most N requests in flight; a request due while N are waits for one to end "
                            "(its latencies count from when it is sent). Default: no limit (open loop)")
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=("random", "sharegpt"),
+    data.add_argument("--dataset-name", default="random", choices=("random", "sharegpt", "prefix_repetition"),
                       help="random: generated token-id prompts (the load flags above); sharegpt: the first two "
-                           "turns of each conversation of --dataset-path, as vLLM reads them")
+                           "turns of each conversation of --dataset-path, as vLLM reads them; prefix_repetition "
+                           "(vLLM's): each prompt one of a few shared prefixes plus a suffix of its own, the "
+                           "--prefix-repetition-* flags (tenants' system prompts and short user turns)")
+    data.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                      help="prefix_repetition: tokens of each shared prefix (default: 256)")
+    data.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                      help="prefix_repetition: tokens each request adds after its prefix (default: 256)")
+    data.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                      help="prefix_repetition: distinct prefixes; each request takes one at random (default: 10)")
     data.add_argument("--dataset-path", default=None, help="the ShareGPT JSON file (--dataset-name sharegpt)")
     data.add_argument("--sharegpt-output-len", type=int, default=None,
                       help="output length of every ShareGPT request (default: its reply's length in tokens)")
@@ -562,11 +573,16 @@ def run_from_args(args: argparse.Namespace) -> int:
             dataset_name=args.dataset_name, dataset_path=args.dataset_path, tokenizer=tokenizer,
             sharegpt_output_len=args.sharegpt_output_len, goodput=goodput, percentiles=percentiles,
             percentile_metrics=metrics, reset_cache=args.reset_prefix_cache, admin_api_key=args.admin_api_key,
+            prefix_repetition=PrefixRepetition(args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+                                               args.prefix_repetition_num_prefixes),
         ))
     except (OSError, asyncio.IncompleteReadError, TimeoutError) as e:
         print(f"fastsched bench serve: error: {url}: {e}", file=sys.stderr)
         return 1
     workload = (f"sharegpt {args.dataset_path}" if args.dataset_name == "sharegpt"
+                else f"prefix_repetition {args.prefix_repetition_num_prefixes} x {args.prefix_repetition_prefix_len} "
+                     f"+ {args.prefix_repetition_suffix_len} output_len~{args.output_len}"
+                if args.dataset_name == "prefix_repetition"
                 else f"prompt_len~{args.prompt_len} output_len~{args.output_len}")
     print(f"\nfastsched bench serve: {report['url']}{endpoint} model={report['model']} {workload} "
           f"requests/rate={args.num_requests}"

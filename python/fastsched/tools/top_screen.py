@@ -70,16 +70,19 @@ def _engines(view: TopView) -> Table:
     table.add_column("last scan stop")
     table.add_column("")
     table.add_column("prefill tok/s", justify="right")
+    table.add_column("prefix hits", justify="right")
     for engine, e in view.engines.items():
         prefill = _number(e.prefill_tokens_per_s, ",.0f")
+        hits = _number(None if e.prefix_cache_hit_rate is None else e.prefix_cache_hit_rate * 100, ".1f", " %")
         if e.last_scan_stop is None:
-            table.add_row(engine, MISSING, "no step yet", prefill)
+            table.add_row(engine, MISSING, "no step yet", prefill, hits)
         elif is_limiting(e.last_scan_stop):
-            table.add_row(engine, Text(e.last_scan_stop, style="bold red"), Text("limiting", style="red"), prefill)
+            table.add_row(engine, Text(e.last_scan_stop, style="bold red"), Text("limiting", style="red"), prefill,
+                          hits)
         else:
-            table.add_row(engine, Text(e.last_scan_stop, style="green"), "idle", prefill)
+            table.add_row(engine, Text(e.last_scan_stop, style="green"), "idle", prefill, hits)
     if not view.engines:
-        table.add_row(MISSING, MISSING, "", MISSING)
+        table.add_row(MISSING, MISSING, "", MISSING, MISSING)
     return table
 
 
@@ -113,6 +116,7 @@ def render_view(url: str, interval: float, view: TopView | None, error: str | No
             f"{target} {error:.3f} s" for target, error in sorted(view.slo_prediction_error_s.items())
         ) + " (mean |predicted − measured|)")
     table.add_row("scan stops/s", _per_second(view.scan_stops_per_s))
+    table.add_row("routing/s", _per_second(view.routing_per_s))
     parts += [table, _engines(view)]
     return Group(*parts)
 

@@ -33,6 +33,9 @@ QUEUED_TOKENS_LIMIT = PREFIX + "admission_queued_tokens_limit"
 PREFILL_THROUGHPUT = PREFIX + "prefill_throughput_tokens_per_second"
 PREFILL_THROUGHPUT_OLD = PREFIX + "prefill_throughput_tokens_per_s"  # its name before the vLLM-compatible names
 SLO_PREDICTION_ERROR = PREFIX + "slo_prediction_error_seconds"  # the goodput valve's (--tpot-slo)
+ROUTING = PREFIX + "routing_decisions_total"
+PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"
+PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits_total"
 
 # The one gate that holds nothing back: the scan ended because nothing was left to take.
 IDLE_GATE = "no_waiting"
@@ -61,6 +64,7 @@ class Latency:
 class EngineView:
     last_scan_stop: str | None  # the gate; None before its first step or when not exported
     prefill_tokens_per_s: float | None  # measured by the TTFT-SLO valve; None until measured
+    prefix_cache_hit_rate: float | None = None  # hits / queries since start (tokens); None before a query
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class TopView:
     # The goodput valve's mean absolute prediction error (seconds) over the window,
     # by target (ttft, tpot); empty without --tpot-slo or with nothing measured in the window.
     slo_prediction_error_s: dict[str, float] = field(default_factory=dict)
+    routing_per_s: dict[str, float] = field(default_factory=dict)  # engine choices by cause (--routing)
 
 
 def top_view(now: Snapshot, before: Snapshot | None) -> TopView:
@@ -131,6 +136,7 @@ def top_view(now: Snapshot, before: Snapshot | None) -> TopView:
         engines=engine_views(now),
         queued_tokens_limit=now.value(QUEUED_TOKENS_LIMIT),
         slo_prediction_error_s=_mean_by_target(now, before),
+        routing_per_s=rates_by(ROUTING, "cause"),
     )
 
 
@@ -149,8 +155,8 @@ def _mean_by_target(now: Snapshot, before: Snapshot | None) -> dict[str, float]:
 
 
 def engine_views(snapshot: Snapshot) -> dict[str, EngineView]:
-    """Each engine's last stop (the gate whose 0/1 gauge is 1, None while all are 0) and
-    prefill throughput, for every engine either metric names."""
+    """Each engine's last stop (the gate whose 0/1 gauge is 1, None while all are 0), prefill
+    throughput and prefix-cache hit rate, for every engine these metrics name."""
     stops: dict[str, str | None] = {}
     for s in snapshot.samples.get(LAST_SCAN_STOP, ()):
         engine = s.labels.get("engine", "")
@@ -158,5 +164,9 @@ def engine_views(snapshot: Snapshot) -> dict[str, EngineView]:
         if s.value == 1:
             stops[engine] = s.labels.get("gate")
     throughput = snapshot.by_label(PREFILL_THROUGHPUT, "engine") or snapshot.by_label(PREFILL_THROUGHPUT_OLD, "engine")
+    queries = snapshot.by_label(PREFIX_CACHE_QUERIES, "engine")
+    hits = snapshot.by_label(PREFIX_CACHE_HITS, "engine")
+    hit_rates = {engine: hits.get(engine, 0.0) / q for engine, q in queries.items() if q}
     engines = sorted(stops.keys() | throughput.keys(), key=lambda engine: (len(engine), engine))
-    return {engine: EngineView(stops.get(engine), throughput.get(engine)) for engine in engines}
+    return {engine: EngineView(stops.get(engine), throughput.get(engine), hit_rates.get(engine))
+            for engine in engines}

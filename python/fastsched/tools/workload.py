@@ -1,6 +1,8 @@
 """The requests a benchmark sends, shared by ``fastsched bench serve`` and ``fastsched simulate``
 so the same flags give the same requests at the same instants in both: random prompts of
-token ids with lengths spread around a mean, Poisson arrival times, or a ShareGPT file."""
+token ids with lengths spread around a mean, Poisson arrival times, a ShareGPT file, or
+vLLM's ``prefix_repetition`` shape (a few shared prefixes, each request one of them plus
+its own suffix: system prompts of several tenants and short user turns)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,33 @@ def make_requests(num_requests: int, prompt_len: int, output_len: int, seed: int
         o = rng.randint(*_spread(output_len, range_ratio))
         out.append(BenchRequest([rng.randrange(lo_id, hi_id) for _ in range(p)], o))
     return out
+
+
+@dataclass(frozen=True)
+class PrefixRepetition:
+    """``--dataset-name prefix_repetition`` (vLLM's flags): ``num_prefixes`` random prefixes of
+    ``prefix_len`` tokens; each request takes one of them at random and adds ``suffix_len``
+    random tokens of its own."""
+
+    prefix_len: int = 256
+    suffix_len: int = 256
+    num_prefixes: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("prefix_len", "suffix_len", "num_prefixes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--prefix-repetition-{name.replace('_', '-')} must be at least 1, "
+                                 f"got {getattr(self, name)}")
+
+    def requests(self, num_requests: int, output_len: int, seed: int, token_id_range: tuple[int, int],
+                 range_ratio: float = DEFAULT_RANGE_RATIO) -> list[BenchRequest]:
+        """Output lengths as :func:`make_requests`'."""
+        rng = random.Random(seed)
+        lo_id, hi_id = token_id_range
+        prefixes = [[rng.randrange(lo_id, hi_id) for _ in range(self.prefix_len)] for _ in range(self.num_prefixes)]
+        return [BenchRequest(rng.choice(prefixes) + [rng.randrange(lo_id, hi_id) for _ in range(self.suffix_len)],
+                             rng.randint(*_spread(output_len, range_ratio)))
+                for _ in range(num_requests)]
 
 
 def _spread(mean: int, range_ratio: float = DEFAULT_RANGE_RATIO) -> tuple[int, int]:
@@ -97,21 +126,31 @@ def load_sharegpt(path: str | Path, num_requests: int, tokenizer: Any, seed: int
 
 def build_workload(dataset_name: str, dataset_path: str | None, num_requests: int, prompt_len: int, output_len: int,
               seed: int, token_id_range: tuple[int, int], range_ratio: float, max_model_len: int | None,
-              tokenizer: Any, sharegpt_output_len: int | None, endpoint: str) -> list[BenchRequest]:
+              tokenizer: Any, sharegpt_output_len: int | None, endpoint: str,
+              prefix_repetition: PrefixRepetition | None = None) -> list[BenchRequest]:
     if dataset_name == "sharegpt":
         if dataset_path is None:
             raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
         return load_sharegpt(dataset_path, num_requests, tokenizer, seed, sharegpt_output_len, max_model_len)
-    if dataset_name != "random":
-        raise ValueError(f"--dataset-name must be random or sharegpt, got {dataset_name!r}")
+    if dataset_name not in ("random", "prefix_repetition"):
+        raise ValueError(f"--dataset-name must be random, sharegpt or prefix_repetition, got {dataset_name!r}")
     if dataset_path is not None:
-        raise ValueError("--dataset-path is for --dataset-name sharegpt; the random workload is generated")
-    longest = _spread(prompt_len, range_ratio)[1] + _spread(output_len, range_ratio)[1]
+        raise ValueError(f"--dataset-path is for --dataset-name sharegpt; the {dataset_name} workload is generated")
+    shape = prefix_repetition if dataset_name == "prefix_repetition" else None
+    if shape is not None:
+        prompt_len, range_ratio_prompt = shape.prefix_len + shape.suffix_len, 0.0
+    else:
+        range_ratio_prompt = range_ratio
+    longest = _spread(prompt_len, range_ratio_prompt)[1] + _spread(output_len, range_ratio)[1]
     if max_model_len is not None and longest > max_model_len:
-        raise ValueError(f"the longest request ({_spread(prompt_len, range_ratio)[1]} prompt + "
+        raise ValueError(f"the longest request ({_spread(prompt_len, range_ratio_prompt)[1]} prompt + "
                          f"{_spread(output_len, range_ratio)[1]} output tokens) would exceed the server's "
                          f"max_model_len ({max_model_len}); lower --prompt-len or --output-len")
-    requests = make_requests(num_requests, prompt_len, output_len, seed, token_id_range, range_ratio)
+    requests: list[BenchRequest]
+    if shape is not None:
+        requests = shape.requests(num_requests, output_len, seed, token_id_range, range_ratio)
+    else:
+        requests = make_requests(num_requests, prompt_len, output_len, seed, token_id_range, range_ratio)
     if endpoint == CHAT_COMPLETIONS:  # a chat message is text: the same ids, decoded
         for r in requests:
             r.text = tokenizer.decode(r.prompt_token_ids)

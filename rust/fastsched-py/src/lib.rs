@@ -4,6 +4,7 @@
 mod admission;
 mod config;
 mod errors;
+mod kv;
 mod output;
 mod scheduler;
 
@@ -57,6 +58,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<output::PySchedulerOutput>()?;
     m.add_class::<output::PyEngineCoreOutputs>()?;
     m.add_class::<admission::PySharedAdmissionStats>()?;
+    m.add_class::<kv::PyBlockHasher>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The codes of `SchedulerOutput.kinds` and `EngineCoreOutputs.finish_reasons`,
     // taken from the core's enums so Python never writes them down again.

@@ -367,6 +367,23 @@ impl PyScheduler {
         self.inner.reset_prefix_cache();
     }
 
+    /// Starts (or stops) recording the hashes that enter and leave the prefix cache.
+    fn record_kv_events(&mut self, on: bool) {
+        self.inner.record_kv_events(on);
+    }
+
+    /// The hashes cached and evicted since the last call: (stored, removed).
+    fn take_kv_events<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u64>>) {
+        let events = self.inner.take_kv_events();
+        (
+            PyArray1::from_vec(py, events.stored),
+            PyArray1::from_vec(py, events.removed),
+        )
+    }
+
     #[pyo3(signature = (request_id, token_ids, max_tokens, is_last = false))]
     fn add_stream_input(
         &mut self,

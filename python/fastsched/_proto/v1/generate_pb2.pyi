@@ -335,7 +335,7 @@ class EngineRequestStats(_message.Message):
     def __init__(self, engine_index: _Optional[int] = ..., request_success_total: _Optional[_Mapping[str, int]] = ..., histograms: _Optional[_Mapping[str, Histogram]] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "admission_rejections_total", "request_queue_time_seconds", "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds", "engines", "admission_queued_tokens_limit", "requests_by_engine", "frontend_index", "process", "slo_prediction_error_seconds")
+    __slots__ = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "admission_rejections_total", "request_queue_time_seconds", "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds", "engines", "admission_queued_tokens_limit", "requests_by_engine", "frontend_index", "process", "slo_prediction_error_seconds", "routing_decisions_total")
     class AdmissionRejectionsTotalEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +350,13 @@ class GetStatsResponse(_message.Message):
         key: str
         value: Histogram
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
+    class RoutingDecisionsTotalEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_PERC_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +376,7 @@ class GetStatsResponse(_message.Message):
     FRONTEND_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FIELD_NUMBER: _ClassVar[int]
     SLO_PREDICTION_ERROR_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_DECISIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     num_requests_running: int
     num_requests_waiting: int
     kv_cache_usage_perc: float
@@ -388,7 +396,8 @@ class GetStatsResponse(_message.Message):
     frontend_index: int
     process: ProcessStats
     slo_prediction_error_seconds: _containers.MessageMap[str, Histogram]
-    def __init__(self, num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_perc: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., admission_rejections_total: _Optional[_Mapping[str, int]] = ..., request_queue_time_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., time_to_first_token_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., inter_token_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., e2e_request_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., admission_queued_tokens_limit: _Optional[int] = ..., requests_by_engine: _Optional[_Iterable[_Union[EngineRequestStats, _Mapping]]] = ..., frontend_index: _Optional[int] = ..., process: _Optional[_Union[ProcessStats, _Mapping]] = ..., slo_prediction_error_seconds: _Optional[_Mapping[str, Histogram]] = ...) -> None: ...
+    routing_decisions_total: _containers.ScalarMap[str, int]
+    def __init__(self, num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_perc: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., admission_rejections_total: _Optional[_Mapping[str, int]] = ..., request_queue_time_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., time_to_first_token_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., inter_token_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., e2e_request_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., admission_queued_tokens_limit: _Optional[int] = ..., requests_by_engine: _Optional[_Iterable[_Union[EngineRequestStats, _Mapping]]] = ..., frontend_index: _Optional[int] = ..., process: _Optional[_Union[ProcessStats, _Mapping]] = ..., slo_prediction_error_seconds: _Optional[_Mapping[str, Histogram]] = ..., routing_decisions_total: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RequestStatusRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -445,7 +454,7 @@ class SequenceStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., state: _Optional[str] = ..., queue_position: _Optional[int] = ..., num_waiting: _Optional[int] = ..., blocked_by: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., priority: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class RequestStatusResponse(_message.Message):
-    __slots__ = ("request_id", "state", "frontend", "engine", "sequences", "reason", "message", "metrics", "slo_prediction")
+    __slots__ = ("request_id", "state", "frontend", "engine", "sequences", "reason", "message", "metrics", "routing", "slo_prediction")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_FIELD_NUMBER: _ClassVar[int]
@@ -454,6 +463,7 @@ class RequestStatusResponse(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
     SLO_PREDICTION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: str
@@ -463,8 +473,9 @@ class RequestStatusResponse(_message.Message):
     reason: str
     message: str
     metrics: RequestStatusMetrics
+    routing: str
     slo_prediction: SloPrediction
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., frontend: _Optional[int] = ..., engine: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metrics: _Optional[_Union[RequestStatusMetrics, _Mapping]] = ..., slo_prediction: _Optional[_Union[SloPrediction, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., frontend: _Optional[int] = ..., engine: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceStatus, _Mapping]]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metrics: _Optional[_Union[RequestStatusMetrics, _Mapping]] = ..., routing: _Optional[str] = ..., slo_prediction: _Optional[_Union[SloPrediction, _Mapping]] = ...) -> None: ...
 
 class SloPrediction(_message.Message):
     __slots__ = ("ttft_s", "tpot_s")

@@ -37,6 +37,23 @@ pub struct BlockPool {
     num_free: usize,
     next_ticket: u64,
     cache: PrefixCache,
+    /// When set, the hashes cached and evicted since the last take: what a
+    /// data-parallel frontend needs to route by prefix (`KvEvents`).
+    events: Option<KvEvents>,
+}
+
+/// Block hashes that entered and left the prefix cache, in order. A hash held
+/// by several blocks (duplicates) is reported once per block.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct KvEvents {
+    pub stored: Vec<u64>,
+    pub removed: Vec<u64>,
+}
+
+impl KvEvents {
+    pub fn is_empty(&self) -> bool {
+        self.stored.is_empty() && self.removed.is_empty()
+    }
 }
 
 impl BlockPool {
@@ -48,6 +65,7 @@ impl BlockPool {
             num_free: 0,
             next_ticket: 1,
             cache: PrefixCache::new(num_blocks, block_size),
+            events: None,
         };
         for b in 1..num_blocks as u32 {
             pool.push_back(b);
@@ -57,6 +75,23 @@ impl BlockPool {
 
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
+    }
+
+    /// Starts (or stops) recording `KvEvents`.
+    pub fn record_events(&mut self, on: bool) {
+        self.events = on.then(KvEvents::default);
+    }
+
+    /// The events since the last call (empty when not recording).
+    pub fn take_events(&mut self) -> KvEvents {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    #[inline]
+    fn note_removed(events: &mut Option<KvEvents>, block: &Block) {
+        if let (Some(events), Some(hash)) = (events.as_mut(), block.cached_hash()) {
+            events.removed.push(hash);
+        }
     }
 
     /// Free blocks, evictable cached ones included, the null block excluded.
@@ -98,6 +133,7 @@ impl BlockPool {
         for _ in 0..n {
             let b = self.pop_front();
             let block = &mut self.blocks[b as usize];
+            Self::note_removed(&mut self.events, block);
             block.evict();
             block.ref_cnt = 1;
             out.push(b);
@@ -109,6 +145,7 @@ impl BlockPool {
     /// KV but are never a prefix hit again.
     pub fn reset_prefix_cache(&mut self) {
         for block in self.blocks.iter_mut() {
+            Self::note_removed(&mut self.events, block);
             block.evict();
         }
     }
@@ -180,6 +217,9 @@ impl BlockPool {
         debug_assert!(!record.cached, "block {block} is already cached");
         record.cache_as(hash, parent);
         self.cache.insert(&self.blocks, block, hash, tokens);
+        if let Some(events) = self.events.as_mut() {
+            events.stored.push(hash);
+        }
     }
 
     /// What a cached block holds: its parent's hash and its token ids (a KV
@@ -279,6 +319,37 @@ impl BlockPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn s8_events_report_cached_blocks_then_their_eviction_on_reuse_and_reset() {
+        let mut pool = BlockPool::new(4, 2);
+        pool.record_events(true);
+        let mut got = Vec::new();
+        pool.get_new_blocks(3, &mut got);
+        pool.cache_block(1, 11, 0, &[1, 2]);
+        pool.cache_block(2, 12, 11, &[3, 4]);
+        let mut scratch = Vec::new();
+        pool.free_blocks(got.iter().rev().copied(), &mut scratch);
+        let events = pool.take_events();
+        assert_eq!((events.stored, events.removed), (vec![11, 12], vec![]));
+        // Free queue: 3 (uncached, front), then 2, 1 (cached, tail first):
+        // two more blocks evict 12 and keep 11.
+        got.clear();
+        pool.get_new_blocks(2, &mut got);
+        assert_eq!(pool.take_events().removed, vec![12]);
+        pool.reset_prefix_cache();
+        assert_eq!(pool.take_events().removed, vec![11]);
+        assert!(pool.take_events().is_empty());
+    }
+
+    #[test]
+    fn s8_no_events_are_kept_unless_recording() {
+        let mut pool = BlockPool::new(3, 2);
+        let mut got = Vec::new();
+        pool.get_new_blocks(1, &mut got);
+        pool.cache_block(1, 11, 0, &[1, 2]);
+        assert!(pool.take_events().is_empty());
+    }
 
     #[test]
     fn s8_pool_starts_with_all_but_the_null_block_free_in_id_order() {

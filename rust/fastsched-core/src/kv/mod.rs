@@ -8,6 +8,6 @@ pub mod prefix_cache;
 mod table;
 
 pub use block::Block;
-pub use block_pool::BlockPool;
+pub use block_pool::{BlockPool, KvEvents};
 pub use manager::{CacheHit, KvCacheManager, PrefixCacheStats};
 pub use prefix_cache::BlockHasher;

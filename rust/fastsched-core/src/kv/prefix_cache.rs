@@ -87,6 +87,25 @@ impl BlockHasher {
         }
     }
 
+    /// The chained hashes of the full blocks of `tokens` (a partial last
+    /// block has none), from the root of this adapter and salt: what a
+    /// request with these tokens gets (`Request::update_block_hashes`).
+    pub fn prompt_hashes(
+        &self,
+        tokens: &[u32],
+        lora_id: Option<u32>,
+        cache_salt: Option<&str>,
+    ) -> Vec<u64> {
+        let mut parent = self.root(lora_id, cache_salt);
+        tokens
+            .chunks_exact(self.block_size)
+            .map(|block| {
+                parent = self.hash_block(parent, block);
+                parent
+            })
+            .collect()
+    }
+
     /// `builtin`: four tokens per multiply (a folded 64x64->128 multiply, as
     /// in the wy family of hashes): blocks are hashed on every admission and
     /// every block a decode fills, so this is on the hot path. `sha256`: the

@@ -22,7 +22,7 @@ use std::collections::{HashMap, VecDeque};
 use crate::config::SchedulerConfig;
 use crate::connector::KvConnector;
 use crate::error::{Error, Result};
-use crate::kv::{BlockHasher, KvCacheManager, PrefixCacheStats};
+use crate::kv::{BlockHasher, KvCacheManager, KvEvents, PrefixCacheStats};
 use crate::output::ScheduledKind;
 use crate::queue::{new_queue, QueueEntry, RequestQueue};
 use crate::request::{FinishReason, Handle, NewRequest, Progress, Request, RequestStatus};
@@ -305,6 +305,28 @@ impl Scheduler {
     /// computed so far is a prefix hit again. Requests keep their blocks.
     pub fn reset_prefix_cache(&mut self) {
         self.kv.pool.reset_prefix_cache();
+    }
+
+    /// Starts (or stops) recording the block hashes that enter and leave the
+    /// prefix cache (S8), for a frontend that routes by prefix.
+    pub fn record_kv_events(&mut self, on: bool) {
+        self.kv.pool.record_events(on);
+    }
+
+    /// The hashes cached and evicted since the last call.
+    pub fn take_kv_events(&mut self) -> KvEvents {
+        self.kv.pool.take_events()
+    }
+
+    /// The prefix-cache hashes of the full blocks of `token_ids`, as this
+    /// scheduler would compute them for a request with this adapter and salt.
+    pub fn prompt_block_hashes(
+        &self,
+        token_ids: &[u32],
+        lora_id: Option<u32>,
+        cache_salt: Option<&str>,
+    ) -> Vec<u64> {
+        self.hasher.prompt_hashes(token_ids, lora_id, cache_salt)
     }
 
     // ----------------------------------------------------------------- requests

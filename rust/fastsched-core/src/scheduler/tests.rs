@@ -2017,3 +2017,40 @@ fn engine_connector_calls_without_one_name_it() {
     let err = s.set_external_tokens(h, 8).unwrap_err();
     assert!(err.to_string().contains("use_engine_connector"), "{err}");
 }
+
+#[test]
+fn s8_prompt_block_hashes_are_the_hashes_a_request_gets() {
+    let mut s = sched(64);
+    let tokens = prompt("p", 10); // two full blocks and a partial one
+    let h = add_with(&mut s, "p", 10, 1, |n| {
+        n.lora_id = Some(3);
+        n.cache_salt = Some("tenant".into());
+    });
+    let want = s.request(h).unwrap().block_hashes.clone();
+    assert_eq!(want.len(), 2);
+    assert_eq!(
+        s.prompt_block_hashes(&tokens, Some(3), Some("tenant")),
+        want
+    );
+    assert_ne!(s.prompt_block_hashes(&tokens, None, Some("tenant")), want);
+}
+
+#[test]
+fn s8_kv_events_follow_a_request_whose_blocks_are_cached_then_evicted() {
+    let mut s = sched(3);
+    s.record_kv_events(true);
+    let a = prompt("a", 8);
+    add(&mut s, "a", 8, 1);
+    step(&mut s);
+    let stored = s.take_kv_events().stored;
+    assert_eq!(stored, s.prompt_block_hashes(&a, None, None));
+    // Another prompt needs all three blocks: both of a's are evicted.
+    add(&mut s, "b", 12, 1);
+    step(&mut s);
+    let events = s.take_kv_events();
+    let mut removed = events.removed.clone();
+    removed.sort_unstable();
+    let mut want = stored.clone();
+    want.sort_unstable();
+    assert_eq!(removed, want);
+}
