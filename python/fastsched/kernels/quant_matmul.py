@@ -75,11 +75,60 @@ class Int4Weight:
         return self.codes.numel() // 2 + 2 * self.scale.numel() * 2
 
 
+@dataclass
+class Int8Weight:
+    """A ``[N, K]`` weight as int8 codes and one scale per group: ``w = scale · q``, exactly
+    GGUF Q8_0 (``scale = d``); kept 8-bit (~1.06 bytes a weight) instead of dequantized."""
+
+    codes: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N, K / GROUP_SIZE] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.codes.shape[1])
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        if self.codes.dtype != torch.int8 or k % GROUP_SIZE or self.scale.shape != (n, k // GROUP_SIZE):
+            raise ValueError(f"int8 weight of shape {(n, k)} and dtype {self.codes.dtype} needs int8 codes and "
+                             f"[N, K/{GROUP_SIZE}] scales; got {tuple(self.scale.shape)}")
+
+    @classmethod
+    def cat(cls, parts: list[Int8Weight]) -> Int8Weight:
+        """Row-wise concatenation: the fused q/k/v or gate/up projection from its shards."""
+        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        """Round-to-nearest symmetric quantization of a dense ``[N, K]`` weight per group of
+        ``GROUP_SIZE`` (the Q8_0 rule: ``scale = max|w| / 127``)."""
+        n, k = weight.shape
+        groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        scale = groups.abs().amax(-1) / 127
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        codes = (groups * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(codes.reshape(n, k), scale)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int8(self.codes, self.scale).to(dtype)
+
+    def nbytes_packed(self) -> int:
+        """Bytes a matmul reads: a byte a code plus a float32 scale a group."""
+        return self.codes.numel() + 4 * self.scale.numel()
+
+
 def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """The reference: ``scale · (q − 8) + zero`` in float32, ``[N, K]``."""
     n, k = codes.shape
     q = codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float() - 8
     return (q * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The reference: ``scale · q`` in float32, ``[N, K]``."""
+    n, k = codes.shape
+    q = codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float()
+    return (q * scale.float()[..., None]).reshape(n, k)
 
 
 class PackedInt4:
