@@ -134,13 +134,16 @@ struct QAct {
     xsum: Vec<f32>, // [M, KB]: Σx (exact, for the int4 zero term)
     /// [M, pairs, 16]: d of a pair's first group in lanes 0..8, the second's in 8..16.
     dlanes: Vec<f32>,
+    /// [M, pairs, 16]: −bias · (the sum of the 4 codes a `vpdpbusd` lane takes), the lane's
+    /// start value, so that the unsigned codes' offset (int4: 8, int8: 128) cancels exactly.
+    negcorr: Vec<i32>,
 }
 
 fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
-fn quantize_act(x: Act, m: usize, k: usize) -> QAct {
+fn quantize_act(x: Act, m: usize, k: usize, bias: i32) -> QAct {
     let kb = k / GROUP;
     let pairs = kb / 2;
     let mut a = QAct {
@@ -150,6 +153,7 @@ fn quantize_act(x: Act, m: usize, k: usize) -> QAct {
         dsum: vec![0.0; m * kb],
         xsum: vec![0.0; m * kb],
         dlanes: vec![0.0; m * pairs * 16],
+        negcorr: vec![0; m * pairs * 16],
     };
     let mut buf = [0f32; GROUP];
     for g in 0..m * kb {
@@ -179,6 +183,10 @@ fn quantize_act(x: Act, m: usize, k: usize) -> QAct {
             let lanes = &mut a.dlanes[(row * pairs + p) * 16..][..16];
             lanes[..8].fill(a.d[row * kb + 2 * p]);
             lanes[8..].fill(a.d[row * kb + 2 * p + 1]);
+            let q = &a.q[row * k + p * 64..][..64];
+            for (lane, c) in a.negcorr[(row * pairs + p) * 16..][..16].iter_mut().enumerate() {
+                *c = -bias * q[lane * 4..lane * 4 + 4].iter().map(|&v| v as i32).sum::<i32>();
+            }
         }
     }
     a
@@ -213,7 +221,10 @@ pub fn matmul(w: &Weight, x: Act, m: usize, out: &mut [f32], pool: &Pool, kernel
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let a = quantize_act(x, m, k);
+    let a = quantize_act(x, m, k, match w {
+        Weight::Int4(_) => 8,
+        Weight::Int8(_) => 128,
+    });
     let outp = OutPtr(out.as_mut_ptr());
     // Tasks: a few per thread (a shared machine deschedules threads unevenly), each with
     // at least MIN_ROWS_PER_TASK rows; small calls run on the caller alone.
@@ -255,9 +266,9 @@ unsafe fn rows(w: &Weight, a: &QAct, m: usize, n: usize, lo: usize, hi: usize, o
     }
 }
 
-/// The per-group terms the integer dot products leave out: int4's `−8 · scale · d · Σq +
-/// zero · Σx`, int8's `−128 · scale · d · Σq` (the SIMD loop's bias; 0 for the scalar one).
-fn correction(w: &Weight, a: &QAct, row: usize, col: usize, bias: f32) -> f32 {
+/// The per-group terms the scalar loop's dot products of raw codes leave out: int4's
+/// `−8 · scale · d · Σq + zero · Σx` (none for int8, whose codes are signed).
+fn correction(w: &Weight, a: &QAct, row: usize, col: usize) -> f32 {
     let kb = a.k / GROUP;
     let (dsum, xsum) = (&a.dsum[row * kb..][..kb], &a.xsum[row * kb..][..kb]);
     match w {
@@ -265,14 +276,7 @@ fn correction(w: &Weight, a: &QAct, row: usize, col: usize, bias: f32) -> f32 {
             let (s, z) = (&w.scale[col * kb..][..kb], &w.zero[col * kb..][..kb]);
             (0..kb).map(|g| z[g] * xsum[g] - 8.0 * s[g] * dsum[g]).sum()
         }
-        Weight::Int8(w) => {
-            let s = &w.scale[col * kb..][..kb];
-            if bias == 0.0 {
-                0.0
-            } else {
-                (0..kb).map(|g| -bias * s[g] * dsum[g]).sum()
-            }
-        }
+        Weight::Int8(_) => 0.0,
     }
 }
 
@@ -284,9 +288,9 @@ fn group_codes(w: &Weight, col: usize, g: usize, codes: &mut [i32; GROUP]) {
             let row = &w.packed[col * w.k / 2..][..w.k / 2];
             if g / 2 < kb / 2 {
                 let pair = &row[(g / 2) * 32..][..32];
-                let hi = g % 2 == 1;
-                for (j, c) in codes.iter_mut().enumerate() {
-                    *c = if hi { (pair[j] >> 4) as i32 } else { (pair[j] & 15) as i32 };
+                let shift = 4 * (g % 2) as u32;
+                for (c, &b) in codes.iter_mut().zip(pair) {
+                    *c = ((b >> shift) & 15) as i32;
                 }
             } else {
                 let last = &row[(g / 2) * 32..][..16];
@@ -322,7 +326,7 @@ fn scalar_dot_rows(w: &Weight, a: &QAct, m0: usize, mt: usize, col: usize, acc: 
         }
     }
     for (r, v) in acc[..mt].iter_mut().enumerate() {
-        *v += correction(w, a, m0 + r, col, 0.0);
+        *v += correction(w, a, m0 + r, col);
     }
 }
 
@@ -332,67 +336,142 @@ mod simd {
     use std::arch::x86_64::*;
 
     pub(super) unsafe fn dot_rows(w: &Weight, a: &QAct, m0: usize, mt: usize, col: usize, acc: &mut [f32; 4]) {
-        match mt {
-            1 => dot_rows_n::<1>(w, a, m0, col, acc),
-            2 => dot_rows_n::<2>(w, a, m0, col, acc),
-            3 => dot_rows_n::<3>(w, a, m0, col, acc),
-            _ => dot_rows_n::<4>(w, a, m0, col, acc),
+        match (w, mt) {
+            (Weight::Int4(w), 1) => int4_rows::<1>(w, a, m0, col, acc),
+            (Weight::Int4(w), 2) => int4_rows::<2>(w, a, m0, col, acc),
+            (Weight::Int4(w), 3) => int4_rows::<3>(w, a, m0, col, acc),
+            (Weight::Int4(w), _) => int4_rows::<4>(w, a, m0, col, acc),
+            (Weight::Int8(w), 1) => int8_rows::<1>(w, a, m0, col, acc),
+            (Weight::Int8(w), 2) => int8_rows::<2>(w, a, m0, col, acc),
+            (Weight::Int8(w), 3) => int8_rows::<3>(w, a, m0, col, acc),
+            (Weight::Int8(w), _) => int8_rows::<4>(w, a, m0, col, acc),
         }
     }
 
-    /// `MT` activation rows against one weight row: per pair of groups, the weight's 64
-    /// codes are loaded (and for int4 unpacked) once as unsigned bytes, meet each row's 64
-    /// int8 codes in `vpdpbusd` (16 int32 lanes, 8 a group), and the lanes are scaled by
-    /// `scale · d` into float accumulators. An odd last group goes through the scalar loop.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn dot_rows_n<const MT: usize>(w: &Weight, a: &QAct, m0: usize, col: usize, out: &mut [f32; 4]) {
-        let k = a.k;
-        let kb = k / GROUP;
-        let pairs = kb / 2;
-        // lanes 0..8 take the pair's first scale, 8..16 its second
+    /// One pair of groups (64 columns) of `MT` activation rows against one weight row whose
+    /// 64 codes `wq` are unsigned bytes (int4: q, int8: q + 128): `vpdpbusd` from the
+    /// lanes' `negcorr` gives the signed codes' integer dot (8 lanes a group), scaled by
+    /// `scale · d` into float accumulators.
+    #[inline(always)]
+    unsafe fn pair<const MT: usize>(a: &QAct, m0: usize, p: usize, wq: __m512i, sv: __m512, acc: &mut [__m512; MT]) {
+        let pairs = a.k / (2 * GROUP);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let row = m0 + r;
+            let xq = _mm512_loadu_si512(a.q.as_ptr().add(row * a.k + p * 64).cast());
+            let at = (row * pairs + p) * 16;
+            let dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(a.negcorr.as_ptr().add(at).cast()), wq, xq);
+            let dl = _mm512_loadu_ps(a.dlanes.as_ptr().add(at));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, dl), *acc);
+        }
+    }
+
+    /// Lanes 0..8 the pair's first scale, 8..16 its second.
+    #[inline(always)]
+    unsafe fn scale_lanes(scale: *const f32) -> __m512 {
         let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        let mut acc = [_mm512_setzero_ps(); MT];
-        let (scale, bias) = match w {
-            Weight::Int4(w) => (w.scale.as_ptr().add(col * kb), 0.0f32),
-            Weight::Int8(w) => (w.scale.as_ptr().add(col * kb), 128.0f32),
+        _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(scale.cast()))))
+    }
+
+    /// Sum over the last, odd group (not in a pair) of `scale · d · Σ (w_code − offset) · qx`.
+    fn odd_group(w: &Weight, a: &QAct, row: usize, col: usize, offset: i32) -> f32 {
+        let kb = a.k / GROUP;
+        if kb % 2 == 0 {
+            return 0.0;
+        }
+        let g = kb - 1;
+        let mut codes = [0i32; GROUP];
+        group_codes(w, col, g, &mut codes);
+        let q = &a.q[row * a.k + g * GROUP..][..GROUP];
+        let dot: i32 = codes.iter().zip(q).map(|(&c, &x)| (c - offset) * x as i32).sum();
+        let scale = match w {
+            Weight::Int4(w) => w.scale[col * kb + g],
+            Weight::Int8(w) => w.scale[col * kb + g],
         };
-        let low = _mm256_set1_epi8(15);
-        let flip = _mm512_set1_epi8(-128);
-        for p in 0..pairs {
-            let wq = match w {
-                Weight::Int4(w) => {
-                    let bytes = _mm256_loadu_si256(w.packed.as_ptr().add(col * k / 2 + p * 32).cast());
-                    let lo = _mm256_and_si256(bytes, low);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low);
-                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+        scale * a.d[row * kb + g] * dot as f32
+    }
+
+    /// 16 floats `s · codes + z` to bf16 (round to nearest even) at `dst`.
+    #[inline(always)]
+    unsafe fn store_bf16(codes: __m512i, s: __m512, z: __m512, dst: *mut u16) {
+        let v = _mm512_castps_si512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), s, z));
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(v), _mm512_set1_epi32(1));
+        let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(v, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))));
+        _mm256_storeu_si256(dst.cast(), _mm512_cvtepi32_epi16(r));
+    }
+
+    /// Row `col` of the weight as bf16 into `dst` (`[K]`); an odd last int4 group is left
+    /// to the caller.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn dequantize_row(w: &Weight, col: usize, dst: &mut [u16]) {
+        match w {
+            Weight::Int4(w) => {
+                let (k, kb) = (w.k, w.k / GROUP);
+                let row = w.packed.as_ptr().add(col * k / 2);
+                for p in 0..kb / 2 {
+                    let mut codes = [0u8; 64];
+                    for j in 0..32 {
+                        let b = *row.add(p * 32 + j);
+                        codes[j] = b & 15;
+                        codes[32 + j] = b >> 4;
+                    }
+                    for q in 0..4 {
+                        let g = col * kb + 2 * p + q / 2;
+                        let (sc, z) = (w.scale[g], w.zero[g] - 8.0 * w.scale[g]);
+                        let c = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes.as_ptr().add(q * 16).cast()));
+                        store_bf16(c, _mm512_set1_ps(sc), _mm512_set1_ps(z), dst.as_mut_ptr().add(p * 64 + q * 16));
+                    }
                 }
-                // signed codes made unsigned (q + 128); the correction takes 128 · Σqx off
-                Weight::Int8(w) => _mm512_xor_si512(_mm512_loadu_si512(w.codes.as_ptr().add(col * k + p * 64).cast()), flip),
-            };
-            let s2 = _mm_castpd_ps(_mm_load_sd(scale.add(2 * p).cast()));
-            let sv = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s2));
-            for r in 0..MT {
-                let row = m0 + r;
-                let xq = _mm512_loadu_si512(a.q.as_ptr().add(row * k + p * 64).cast());
-                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq);
-                let dl = _mm512_loadu_ps(a.dlanes.as_ptr().add((row * pairs + p) * 16));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, dl), acc[r]);
+            }
+            Weight::Int8(w) => {
+                let (k, kb) = (w.k, w.k / GROUP);
+                let row = w.codes.as_ptr().add(col * k);
+                for g in 0..kb {
+                    let sc = _mm512_set1_ps(w.scale[col * kb + g]);
+                    for h in 0..2 {
+                        let c = _mm512_cvtepi8_epi32(_mm_loadu_si128(row.add(g * GROUP + h * 16).cast()));
+                        store_bf16(c, sc, _mm512_setzero_ps(), dst.as_mut_ptr().add(g * GROUP + h * 16));
+                    }
+                }
             }
         }
-        let mut codes = [0i32; GROUP];
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn int4_rows<const MT: usize>(w: &Int4, a: &QAct, m0: usize, col: usize, out: &mut [f32; 4]) {
+        let (k, kb) = (a.k, a.k / GROUP);
+        let mut acc = [_mm512_setzero_ps(); MT];
+        let scale = w.scale.as_ptr().add(col * kb);
+        let low = _mm256_set1_epi8(15);
+        let row = w.packed.as_ptr().add(col * k / 2);
+        for p in 0..kb / 2 {
+            let bytes = _mm256_loadu_si256(row.add(p * 32).cast());
+            let lo = _mm256_and_si256(bytes, low);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low);
+            let wq = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            pair::<MT>(a, m0, p, wq, scale_lanes(scale.add(2 * p)), &mut acc);
+        }
+        let zero = &w.zero[col * kb..][..kb];
         for r in 0..MT {
-            let row = m0 + r;
-            let mut v = _mm512_reduce_add_ps(acc[r]);
-            if kb % 2 == 1 {
-                let g = kb - 1;
-                group_codes(w, col, g, &mut codes);
-                let q = &a.q[row * k + g * GROUP..][..GROUP];
-                let dot: i32 = codes.iter().zip(q).map(|(&c, &x)| c * x as i32).sum();
-                // the scalar group has no bias; add it back so `correction` applies to all
-                let dot = dot as f32 + bias * q.iter().map(|&x| x as i32).sum::<i32>() as f32;
-                v += *scale.add(g) * a.d[row * kb + g] * dot;
-            }
-            out[r] = v + correction(w, a, row, col, bias);
+            let xsum = &a.xsum[(m0 + r) * kb..][..kb];
+            let zero_term: f32 = zero.iter().zip(xsum).map(|(z, x)| z * x).sum();
+            out[r] = _mm512_reduce_add_ps(acc[r]) + zero_term + odd_group(&Weight::Int4(*w), a, m0 + r, col, 8);
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn int8_rows<const MT: usize>(w: &Int8, a: &QAct, m0: usize, col: usize, out: &mut [f32; 4]) {
+        let (k, kb) = (a.k, a.k / GROUP);
+        let mut acc = [_mm512_setzero_ps(); MT];
+        let scale = w.scale.as_ptr().add(col * kb);
+        let flip = _mm512_set1_epi8(-128);
+        let row = w.codes.as_ptr().add(col * k);
+        for p in 0..kb / 2 {
+            // signed codes made unsigned (q + 128); `negcorr` takes 128 · Σqx back off
+            let wq = _mm512_xor_si512(_mm512_loadu_si512(row.add(p * 64).cast()), flip);
+            pair::<MT>(a, m0, p, wq, scale_lanes(scale.add(2 * p)), &mut acc);
+        }
+        for r in 0..MT {
+            out[r] = _mm512_reduce_add_ps(acc[r]) + odd_group(&Weight::Int8(*w), a, m0 + r, col, 0);
         }
     }
 }
@@ -404,7 +483,7 @@ fn f32_to_bf16(v: f32) -> u16 {
 }
 
 /// The whole weight as bfloat16 `[N, K]` (for large M, where a dense GEMM wins).
-pub fn dequantize_bf16(w: &Weight, out: &mut [u16], pool: &Pool) -> Result<(), String> {
+pub fn dequantize_bf16(w: &Weight, out: &mut [u16], pool: &Pool, kernel: Kernel) -> Result<(), String> {
     w.validate()?;
     let (n, k) = w.shape();
     if out.len() != n * k {
@@ -419,7 +498,17 @@ pub fn dequantize_bf16(w: &Weight, out: &mut [u16], pool: &Pool) -> Result<(), S
         for col in t * rows_per..((t + 1) * rows_per).min(n) {
             // SAFETY: each task writes its own rows of `out`.
             let dst = unsafe { std::slice::from_raw_parts_mut((outp.get() as *mut u16).add(col * k), k) };
-            for g in 0..kb {
+            let mut first = 0;
+            #[cfg(target_arch = "x86_64")]
+            if kernel == Kernel::Avx512Vnni {
+                // SAFETY: the CPU has AVX-512 (checked by `best_kernel`).
+                unsafe { simd::dequantize_row(w, col, dst) };
+                first = match w {
+                    Weight::Int4(_) => kb / 2 * 2,
+                    Weight::Int8(_) => kb,
+                };
+            }
+            for g in first..kb {
                 group_codes(w, col, g, &mut codes);
                 let (s, z) = match w {
                     Weight::Int4(w) => (w.scale[col * kb + g], w.zero[col * kb + g] - 8.0 * w.scale[col * kb + g]),

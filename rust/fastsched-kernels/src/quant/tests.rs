@@ -119,18 +119,20 @@ fn bf16_activations_are_read_as_their_float32_values() {
 fn dequantize_bf16_matches_the_reference() {
     let mut rng = Rng(4);
     let pool = Pool::new(2);
-    let (n, k) = (70, 96);
+    let (n, k) = (70, 160);
     let (packed, scale, zero, d4) = int4_case(&mut rng, n, k);
     let (codes, s8, d8) = int8_case(&mut rng, n, k);
     for (w, dense) in [
         (Weight::Int4(Int4 { n, k, packed: &packed, scale: &scale, zero: &zero }), d4),
         (Weight::Int8(Int8 { n, k, codes: &codes, scale: &s8 }), d8),
     ] {
-        let mut out = vec![0u16; n * k];
-        dequantize_bf16(&w, &mut out, &pool).unwrap();
-        for (i, (&b, &e)) in out.iter().zip(&dense.w).enumerate() {
-            let got = bf16_to_f32(b) as f64;
-            assert!((got - e).abs() <= e.abs() / 256.0 + 1e-7, "element {i}: {got} vs {e}");
+        for kernel in kernels() {
+            let mut out = vec![0u16; n * k];
+            dequantize_bf16(&w, &mut out, &pool, kernel).unwrap();
+            for (i, (&b, &e)) in out.iter().zip(&dense.w).enumerate() {
+                let got = bf16_to_f32(b) as f64;
+                assert!((got - e).abs() <= e.abs() / 256.0 + 1e-7, "{kernel:?} element {i}: {got} vs {e}");
+            }
         }
     }
 }
