@@ -1,5 +1,6 @@
 """Dequantizing GGUF tensors to float32, whole tensors at once for the block formats small
-chat models ship in (Q4_0, Q4_1, Q8_0), ``gguf.quants`` for the rest.
+chat models ship in (Q4_0, Q4_1, Q8_0), ``gguf.quants`` for the rest; or keeping Q4_0/Q4_1
+and Q8_0 matrices quantized (:func:`quantized_blocks`).
 
 ``gguf.quants`` splits every tensor into many row groups and dequantizes them one by one;
 on the embedded SmolLM2 that is ~3.5 s of a ~10 s start-up. The same arithmetic over the
@@ -81,6 +82,30 @@ def int4_blocks(tensor: GGUFTensor) -> Int4Blocks | None:
     nibbles = np.concatenate([codes & 0x0F, codes >> 4], axis=1)
     groups = cols // 32
     return Int4Blocks(nibbles.reshape(rows, cols), scale.reshape(rows, groups), zero.reshape(rows, groups))
+
+
+class Int8Blocks(NamedTuple):
+    """A Q8_0 tensor kept quantized, ``w = scale·q`` per block of 32
+    (``fastsched.kernels.quant_matmul.Int8Weight``): codes ``[N, K]`` int8, scale
+    ``[N, K/32]`` float32 (the fp16 ``d`` widened: exact)."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+
+
+def int8_blocks(tensor: GGUFTensor) -> Int8Blocks | None:
+    """``tensor``'s codes and scales if it is a Q8_0 matrix (else None)."""
+    if tensor.tensor_type != GGMLQuantizationType.Q8_0 or len(tensor.shape) != 2:
+        return None
+    rows, cols = tensor.shape
+    blocks = np.ascontiguousarray(tensor.data).reshape(-1, 34)
+    codes = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
+    return Int8Blocks(codes.reshape(rows, cols), _scale(blocks, 0).reshape(rows, cols // 32))
+
+
+def quantized_blocks(tensor: GGUFTensor) -> Int4Blocks | Int8Blocks | None:
+    """What :meth:`GGUFFile.iter_weights` keeps quantized: Q4_0/Q4_1 and Q8_0 matrices."""
+    return int4_blocks(tensor) or int8_blocks(tensor)
 
 
 def dequantize(tensor: GGUFTensor) -> np.ndarray:

@@ -14,14 +14,14 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight
+from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight, Int8Weight
 from fastsched.model_loader import hf, is_gguf, open_gguf, resolve_model_path
-from fastsched.model_loader.gguf_quants import Int4Blocks
+from fastsched.model_loader.gguf_quants import Int4Blocks, Int8Blocks
 from fastsched.models.llama import LlamaForCausalLM, target_parameter
-from fastsched.models.quant_linear import QuantLinear
+from fastsched.models.quant_linear import QuantEmbedding, QuantLinear
 from fastsched.models.registry import get_model_class
 
-# --quantization values (vLLM's spelling): gguf keeps a GGUF file's 4-bit tensors 4-bit;
+# --quantization values (vLLM's spelling): gguf keeps a GGUF file's 4- and 8-bit tensors so;
 # int4 quantizes a dense checkpoint's linear layers at load; none dequantizes everything.
 QUANTIZATIONS = ("gguf", "int4", "none")
 
@@ -41,9 +41,11 @@ def iter_hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 progress.update(1)
 
 
-def _from_gguf(name: str, w: object) -> tuple[str, torch.Tensor | Int4Weight]:
+def _from_gguf(name: str, w: object) -> tuple[str, torch.Tensor | Int4Weight | Int8Weight]:
     if isinstance(w, Int4Blocks):
         return name, Int4Weight(*(torch.from_numpy(part) for part in w))
+    if isinstance(w, Int8Blocks):
+        return name, Int8Weight(*(torch.from_numpy(part) for part in w))
     return name, torch.from_numpy(w)  # type: ignore[arg-type]
 
 
@@ -58,15 +60,17 @@ def _quantize_linears(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[t
             yield name, tensor
 
 
-def _all_shards_int4(int4_names: set[str], gguf_names: Iterator[str]) -> set[str]:
-    """The linear weights whose every checkpoint tensor is 4-bit (so the layer becomes a
-    ``QuantLinear`` and its dense weight is never needed)."""
+def _all_shards_quantized(bits: dict[str, int], gguf_names: Iterator[str]) -> set[str]:
+    """The parameters whose every checkpoint tensor is quantized with the same bits (so the
+    layer becomes a ``QuantLinear``, or the 8-bit embedding a ``QuantEmbedding``, and its
+    dense weight is never needed)."""
     from fastsched.model_loader.gguf import _hf_name
 
-    shards: dict[str, list[bool]] = {}
+    shards: dict[str, list[int]] = {}
     for name in map(_hf_name, gguf_names):
-        shards.setdefault(target_parameter(name), []).append(name in int4_names)
-    return {t for t, flags in shards.items() if all(flags) and (t.endswith("proj.weight") or t == "lm_head.weight")}
+        shards.setdefault(target_parameter(name), []).append(bits.get(name, 0))
+    return {t for t, b in shards.items() if b[0] and len(set(b)) == 1 and (
+        t.endswith("proj.weight") or t == "lm_head.weight" or (t == "embed_tokens.weight" and b[0] == 8))}
 
 
 def _materialize(model: torch.nn.Module, device: torch.device, skip: set[str]) -> None:
@@ -119,15 +123,16 @@ def load_model(
     start = time.monotonic()
     path = resolve_model_path(model)
     quantization = check_quantization(quantization, path)
-    packed: set[str] = set()  # parameters that will be 4-bit: never allocated dense
-    weights: Iterator[tuple[str, torch.Tensor | Int4Weight]]
+    packed: set[str] = set()  # parameters that will be 4- or 8-bit: never allocated dense
+    weights: Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]
     if is_gguf(path):
         gguf_file = open_gguf(path)
         config = gguf_file.config()
         logger.info("%s holds tensors %s; quantization %s", path.name, gguf_file.quantization_types(), quantization)
         weights = (_from_gguf(name, w) for name, w in gguf_file.iter_weights(config, quantization == "gguf"))
         if quantization == "gguf":
-            packed = _all_shards_int4(gguf_file.int4_tensor_names(), (t.name for t in gguf_file.container.tensors))
+            packed = _all_shards_quantized(gguf_file.quantized_tensor_names(),
+                                           (t.name for t in gguf_file.container.tensors))
     else:
         config = hf.read_config(path)
         hf.weight_files(path)  # a missing file fails before the model is allocated
@@ -141,13 +146,14 @@ def load_model(
     with torch.no_grad():
         model.load_weights(weights)
     _release_freed_memory()
-    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    num_params = sum(p.numel() for p in model.parameters()) + sum(m.in_features * m.out_features for m in quantized)
+    quantized = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    num_params = sum(p.numel() for p in model.parameters()) + sum(
+        m.weight_packed.in_features * m.weight_packed.out_features for m in quantized)
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     packed_bytes = sum(m.weight_packed.nbytes() for m in quantized)
     kernels = sorted({m.weight_packed.kind for m in quantized})
-    logger.info("loaded %s (%.0fM parameters, %d linear layers 4-bit with kernel %s) in %.1f s: weights %.0f MiB "
-                "(%.0f MiB packed 4-bit, %.0f MiB in %s)", path.name, num_params / 1e6, len(quantized),
+    logger.info("loaded %s (%.0fM parameters, %d layers quantized with kernel %s) in %.1f s: weights %.0f MiB "
+                "(%.0f MiB packed 4/8-bit, %.0f MiB in %s)", path.name, num_params / 1e6, len(quantized),
                 ",".join(kernels) or "-", time.monotonic() - start, (dense_bytes + packed_bytes) / 2**20,
                 packed_bytes / 2**20, dense_bytes / 2**20, str(dtype).removeprefix("torch."))
     return model.eval()
