@@ -58,7 +58,11 @@ impl Pool {
                 std::thread::spawn(move || worker(&s))
             })
             .collect();
-        Pool { shared, workers, busy: Mutex::new(()) }
+        Pool {
+            shared,
+            workers,
+            busy: Mutex::new(()),
+        }
     }
 
     /// Cores a call uses (the caller included).
@@ -113,7 +117,10 @@ fn take_tasks(s: &Shared, generation: u64) {
         if state >> 32 != generation || index >= tasks {
             return;
         }
-        if s.state.compare_exchange_weak(state, state + 1, Ordering::AcqRel, Ordering::Relaxed).is_err() {
+        if s.state
+            .compare_exchange_weak(state, state + 1, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
             continue;
         }
         // SAFETY: a claimed task of the current generation keeps its job alive (see `Shared`).
@@ -142,7 +149,9 @@ fn worker(s: &Shared) {
             }
             let mut sleepers = s.sleep.lock().unwrap();
             *sleepers += 1;
-            while s.state.load(Ordering::Acquire) >> 32 == seen && s.stop.load(Ordering::Relaxed) == 0 {
+            while s.state.load(Ordering::Acquire) >> 32 == seen
+                && s.stop.load(Ordering::Relaxed) == 0
+            {
                 sleepers = s.wake.wait(sleepers).unwrap();
             }
             *sleepers -= 1;
@@ -181,7 +190,10 @@ mod tests {
                         counts[i].fetch_add(1, Ordering::Relaxed);
                     });
                 }
-                assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 50), "threads {threads} tasks {tasks}");
+                assert!(
+                    counts.iter().all(|c| c.load(Ordering::Relaxed) == 50),
+                    "threads {threads} tasks {tasks}"
+                );
             }
         }
     }

@@ -86,7 +86,9 @@ impl Weight<'_> {
             if len == want {
                 Ok(())
             } else {
-                Err(format!("{field} has {len} elements, [{n}, {k}] needs {want}"))
+                Err(format!(
+                    "{field} has {len} elements, [{n}, {k}] needs {want}"
+                ))
             }
         };
         match self {
@@ -105,7 +107,10 @@ impl Weight<'_> {
 
 /// Packs `codes [N, K]` (each 0..15) into [`Int4`]'s layout.
 pub fn pack_int4(codes: &[u8], n: usize, k: usize) -> Vec<u8> {
-    assert!(k % GROUP == 0 && codes.len() == n * k, "codes must be [N, K] with K a multiple of {GROUP}");
+    assert!(
+        k % GROUP == 0 && codes.len() == n * k,
+        "codes must be [N, K] with K a multiple of {GROUP}"
+    );
     let mut out = vec![0u8; n * k / 2];
     for (row, dst) in codes.chunks_exact(k).zip(out.chunks_exact_mut(k / 2)) {
         let pairs = k / (2 * GROUP);
@@ -184,8 +189,15 @@ fn quantize_act(x: Act, m: usize, k: usize, bias: i32) -> QAct {
             lanes[..8].fill(a.d[row * kb + 2 * p]);
             lanes[8..].fill(a.d[row * kb + 2 * p + 1]);
             let q = &a.q[row * k + p * 64..][..64];
-            for (lane, c) in a.negcorr[(row * pairs + p) * 16..][..16].iter_mut().enumerate() {
-                *c = -bias * q[lane * 4..lane * 4 + 4].iter().map(|&v| v as i32).sum::<i32>();
+            for (lane, c) in a.negcorr[(row * pairs + p) * 16..][..16]
+                .iter_mut()
+                .enumerate()
+            {
+                *c = -bias
+                    * q[lane * 4..lane * 4 + 4]
+                        .iter()
+                        .map(|&v| v as i32)
+                        .sum::<i32>();
             }
         }
     }
@@ -207,7 +219,14 @@ impl OutPtr {
 const MIN_ROWS_PER_TASK: usize = 16;
 
 /// `out[M, N] = x[M, K] · Wᵀ` (float32 out), split over `pool`'s threads by output rows.
-pub fn matmul(w: &Weight, x: Act, m: usize, out: &mut [f32], pool: &Pool, kernel: Kernel) -> Result<(), String> {
+pub fn matmul(
+    w: &Weight,
+    x: Act,
+    m: usize,
+    out: &mut [f32],
+    pool: &Pool,
+    kernel: Kernel,
+) -> Result<(), String> {
     w.validate()?;
     let (n, k) = w.shape();
     let xlen = match x {
@@ -215,16 +234,25 @@ pub fn matmul(w: &Weight, x: Act, m: usize, out: &mut [f32], pool: &Pool, kernel
         Act::Bf16(v) => v.len(),
     };
     if xlen != m * k || out.len() != m * n {
-        return Err(format!("x has {xlen} elements and out {}, [M={m}, K={k}] x [N={n}] needs {} and {}",
-                           out.len(), m * k, m * n));
+        return Err(format!(
+            "x has {xlen} elements and out {}, [M={m}, K={k}] x [N={n}] needs {} and {}",
+            out.len(),
+            m * k,
+            m * n
+        ));
     }
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let a = quantize_act(x, m, k, match w {
-        Weight::Int4(_) => 8,
-        Weight::Int8(_) => 128,
-    });
+    let a = quantize_act(
+        x,
+        m,
+        k,
+        match w {
+            Weight::Int4(_) => 8,
+            Weight::Int8(_) => 128,
+        },
+    );
     let outp = OutPtr(out.as_mut_ptr());
     // Tasks: a few per thread (a shared machine deschedules threads unevenly), each with
     // at least MIN_ROWS_PER_TASK rows; small calls run on the caller alone.
@@ -247,7 +275,16 @@ pub fn matmul(w: &Weight, x: Act, m: usize, out: &mut [f32], pool: &Pool, kernel
 }
 
 /// Output columns `lo..hi` of every row.
-unsafe fn rows(w: &Weight, a: &QAct, m: usize, n: usize, lo: usize, hi: usize, out: OutPtr, kernel: Kernel) {
+unsafe fn rows(
+    w: &Weight,
+    a: &QAct,
+    m: usize,
+    n: usize,
+    lo: usize,
+    hi: usize,
+    out: OutPtr,
+    kernel: Kernel,
+) {
     let mut m0 = 0;
     while m0 < m {
         let mt = (m - m0).min(4);
@@ -301,7 +338,10 @@ fn group_codes(w: &Weight, col: usize, g: usize, codes: &mut [i32; GROUP]) {
             }
         }
         Weight::Int8(w) => {
-            for (c, &q) in codes.iter_mut().zip(&w.codes[col * w.k + g * GROUP..][..GROUP]) {
+            for (c, &q) in codes
+                .iter_mut()
+                .zip(&w.codes[col * w.k + g * GROUP..][..GROUP])
+            {
                 *c = q as i32;
             }
         }
@@ -335,7 +375,14 @@ mod simd {
     use super::*;
     use std::arch::x86_64::*;
 
-    pub(super) unsafe fn dot_rows(w: &Weight, a: &QAct, m0: usize, mt: usize, col: usize, acc: &mut [f32; 4]) {
+    pub(super) unsafe fn dot_rows(
+        w: &Weight,
+        a: &QAct,
+        m0: usize,
+        mt: usize,
+        col: usize,
+        acc: &mut [f32; 4],
+    ) {
         match (w, mt) {
             (Weight::Int4(w), 1) => int4_rows::<1>(w, a, m0, col, acc),
             (Weight::Int4(w), 2) => int4_rows::<2>(w, a, m0, col, acc),
@@ -353,13 +400,24 @@ mod simd {
     /// lanes' `negcorr` gives the signed codes' integer dot (8 lanes a group), scaled by
     /// `scale · d` into float accumulators.
     #[inline(always)]
-    unsafe fn pair<const MT: usize>(a: &QAct, m0: usize, p: usize, wq: __m512i, sv: __m512, acc: &mut [__m512; MT]) {
+    unsafe fn pair<const MT: usize>(
+        a: &QAct,
+        m0: usize,
+        p: usize,
+        wq: __m512i,
+        sv: __m512,
+        acc: &mut [__m512; MT],
+    ) {
         let pairs = a.k / (2 * GROUP);
         for (r, acc) in acc.iter_mut().enumerate() {
             let row = m0 + r;
             let xq = _mm512_loadu_si512(a.q.as_ptr().add(row * a.k + p * 64).cast());
             let at = (row * pairs + p) * 16;
-            let dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(a.negcorr.as_ptr().add(at).cast()), wq, xq);
+            let dot = _mm512_dpbusd_epi32(
+                _mm512_loadu_si512(a.negcorr.as_ptr().add(at).cast()),
+                wq,
+                xq,
+            );
             let dl = _mm512_loadu_ps(a.dlanes.as_ptr().add(at));
             *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, dl), *acc);
         }
@@ -369,7 +427,10 @@ mod simd {
     #[inline(always)]
     unsafe fn scale_lanes(scale: *const f32) -> __m512 {
         let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(scale.cast()))))
+        _mm512_permutexvar_ps(
+            idx,
+            _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(scale.cast()))),
+        )
     }
 
     /// Sum over the last, odd group (not in a pair) of `scale · d · Σ (w_code − offset) · qx`.
@@ -382,7 +443,11 @@ mod simd {
         let mut codes = [0i32; GROUP];
         group_codes(w, col, g, &mut codes);
         let q = &a.q[row * a.k + g * GROUP..][..GROUP];
-        let dot: i32 = codes.iter().zip(q).map(|(&c, &x)| (c - offset) * x as i32).sum();
+        let dot: i32 = codes
+            .iter()
+            .zip(q)
+            .map(|(&c, &x)| (c - offset) * x as i32)
+            .sum();
         let scale = match w {
             Weight::Int4(w) => w.scale[col * kb + g],
             Weight::Int8(w) => w.scale[col * kb + g],
@@ -395,7 +460,10 @@ mod simd {
     unsafe fn store_bf16(codes: __m512i, s: __m512, z: __m512, dst: *mut u16) {
         let v = _mm512_castps_si512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), s, z));
         let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(v), _mm512_set1_epi32(1));
-        let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(v, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))));
+        let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+            v,
+            _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)),
+        ));
         _mm256_storeu_si256(dst.cast(), _mm512_cvtepi32_epi16(r));
     }
 
@@ -417,8 +485,15 @@ mod simd {
                     for q in 0..4 {
                         let g = col * kb + 2 * p + q / 2;
                         let (sc, z) = (w.scale[g], w.zero[g] - 8.0 * w.scale[g]);
-                        let c = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes.as_ptr().add(q * 16).cast()));
-                        store_bf16(c, _mm512_set1_ps(sc), _mm512_set1_ps(z), dst.as_mut_ptr().add(p * 64 + q * 16));
+                        let c = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                            codes.as_ptr().add(q * 16).cast(),
+                        ));
+                        store_bf16(
+                            c,
+                            _mm512_set1_ps(sc),
+                            _mm512_set1_ps(z),
+                            dst.as_mut_ptr().add(p * 64 + q * 16),
+                        );
                     }
                 }
             }
@@ -428,8 +503,15 @@ mod simd {
                 for g in 0..kb {
                     let sc = _mm512_set1_ps(w.scale[col * kb + g]);
                     for h in 0..2 {
-                        let c = _mm512_cvtepi8_epi32(_mm_loadu_si128(row.add(g * GROUP + h * 16).cast()));
-                        store_bf16(c, sc, _mm512_setzero_ps(), dst.as_mut_ptr().add(g * GROUP + h * 16));
+                        let c = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                            row.add(g * GROUP + h * 16).cast(),
+                        ));
+                        store_bf16(
+                            c,
+                            sc,
+                            _mm512_setzero_ps(),
+                            dst.as_mut_ptr().add(g * GROUP + h * 16),
+                        );
                     }
                 }
             }
@@ -437,7 +519,13 @@ mod simd {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn int4_rows<const MT: usize>(w: &Int4, a: &QAct, m0: usize, col: usize, out: &mut [f32; 4]) {
+    unsafe fn int4_rows<const MT: usize>(
+        w: &Int4,
+        a: &QAct,
+        m0: usize,
+        col: usize,
+        out: &mut [f32; 4],
+    ) {
         let (k, kb) = (a.k, a.k / GROUP);
         let mut acc = [_mm512_setzero_ps(); MT];
         let scale = w.scale.as_ptr().add(col * kb);
@@ -450,16 +538,33 @@ mod simd {
             let wq = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
             pair::<MT>(a, m0, p, wq, scale_lanes(scale.add(2 * p)), &mut acc);
         }
-        let zero = &w.zero[col * kb..][..kb];
+        // the zeros' term Σ zero · Σx, 16 groups a step, into the same accumulators
+        let zero = w.zero.as_ptr().add(col * kb);
+        for g in (0..kb).step_by(16) {
+            let mask: __mmask16 = if kb - g >= 16 {
+                0xffff
+            } else {
+                (1u16 << (kb - g)) - 1
+            };
+            let z = _mm512_maskz_loadu_ps(mask, zero.add(g));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let xs = _mm512_maskz_loadu_ps(mask, a.xsum.as_ptr().add((m0 + r) * kb + g));
+                *acc = _mm512_fmadd_ps(z, xs, *acc);
+            }
+        }
         for r in 0..MT {
-            let xsum = &a.xsum[(m0 + r) * kb..][..kb];
-            let zero_term: f32 = zero.iter().zip(xsum).map(|(z, x)| z * x).sum();
-            out[r] = _mm512_reduce_add_ps(acc[r]) + zero_term + odd_group(&Weight::Int4(*w), a, m0 + r, col, 8);
+            out[r] = _mm512_reduce_add_ps(acc[r]) + odd_group(&Weight::Int4(*w), a, m0 + r, col, 8);
         }
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn int8_rows<const MT: usize>(w: &Int8, a: &QAct, m0: usize, col: usize, out: &mut [f32; 4]) {
+    unsafe fn int8_rows<const MT: usize>(
+        w: &Int8,
+        a: &QAct,
+        m0: usize,
+        col: usize,
+        out: &mut [f32; 4],
+    ) {
         let (k, kb) = (a.k, a.k / GROUP);
         let mut acc = [_mm512_setzero_ps(); MT];
         let scale = w.scale.as_ptr().add(col * kb);
@@ -483,11 +588,20 @@ fn f32_to_bf16(v: f32) -> u16 {
 }
 
 /// The whole weight as bfloat16 `[N, K]` (for large M, where a dense GEMM wins).
-pub fn dequantize_bf16(w: &Weight, out: &mut [u16], pool: &Pool, kernel: Kernel) -> Result<(), String> {
+pub fn dequantize_bf16(
+    w: &Weight,
+    out: &mut [u16],
+    pool: &Pool,
+    kernel: Kernel,
+) -> Result<(), String> {
     w.validate()?;
     let (n, k) = w.shape();
     if out.len() != n * k {
-        return Err(format!("out has {} elements, [{n}, {k}] needs {}", out.len(), n * k));
+        return Err(format!(
+            "out has {} elements, [{n}, {k}] needs {}",
+            out.len(),
+            n * k
+        ));
     }
     let kb = k / GROUP;
     let tasks = (n / 64).clamp(1, 4 * pool.threads());
@@ -497,7 +611,8 @@ pub fn dequantize_bf16(w: &Weight, out: &mut [u16], pool: &Pool, kernel: Kernel)
         let mut codes = [0i32; GROUP];
         for col in t * rows_per..((t + 1) * rows_per).min(n) {
             // SAFETY: each task writes its own rows of `out`.
-            let dst = unsafe { std::slice::from_raw_parts_mut((outp.get() as *mut u16).add(col * k), k) };
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut((outp.get() as *mut u16).add(col * k), k) };
             let mut first = 0;
             #[cfg(target_arch = "x86_64")]
             if kernel == Kernel::Avx512Vnni {
@@ -511,7 +626,10 @@ pub fn dequantize_bf16(w: &Weight, out: &mut [u16], pool: &Pool, kernel: Kernel)
             for g in first..kb {
                 group_codes(w, col, g, &mut codes);
                 let (s, z) = match w {
-                    Weight::Int4(w) => (w.scale[col * kb + g], w.zero[col * kb + g] - 8.0 * w.scale[col * kb + g]),
+                    Weight::Int4(w) => (
+                        w.scale[col * kb + g],
+                        w.zero[col * kb + g] - 8.0 * w.scale[col * kb + g],
+                    ),
                     Weight::Int8(w) => (w.scale[col * kb + g], 0.0),
                 };
                 for (d, &c) in dst[g * GROUP..][..GROUP].iter_mut().zip(&codes) {

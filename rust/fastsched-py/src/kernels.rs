@@ -60,7 +60,11 @@ unsafe fn weight<'a>(n: usize, k: usize, bits: u8, w: [usize; 3]) -> PyResult<We
             codes: std::slice::from_raw_parts(w[0] as *const i8, n * k),
             scale: std::slice::from_raw_parts(w[1] as *const f32, n * kb),
         }),
-        _ => return Err(PyValueError::new_err(format!("bits must be 4 or 8, got {bits}"))),
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "bits must be 4 or 8, got {bits}"
+            )))
+        }
     })
 }
 
@@ -68,8 +72,17 @@ unsafe fn weight<'a>(n: usize, k: usize, bits: u8, w: [usize; 3]) -> PyResult<We
 /// packed, scale, zero; int8: codes, scale, 0); `x` float32, or bfloat16 if `x_bf16`.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-pub fn quant_matmul(py: Python<'_>, bits: u8, n: usize, k: usize, w: [usize; 3], x: usize, x_bf16: bool, m: usize,
-                    out: usize) -> PyResult<()> {
+pub fn quant_matmul(
+    py: Python<'_>,
+    bits: u8,
+    n: usize,
+    k: usize,
+    w: [usize; 3],
+    x: usize,
+    x_bf16: bool,
+    m: usize,
+    out: usize,
+) -> PyResult<()> {
     let pool = pool();
     let result = py.detach(|| -> PyResult<()> {
         // SAFETY: the caller's contract (module docs).
@@ -89,11 +102,23 @@ pub fn quant_matmul(py: Python<'_>, bits: u8, n: usize, k: usize, w: [usize; 3],
 
 /// Writes the whole `bits`-bit weight at `w` as bfloat16 `[N, K]` to `out`.
 #[pyfunction]
-pub fn quant_dequantize_bf16(py: Python<'_>, bits: u8, n: usize, k: usize, w: [usize; 3], out: usize) -> PyResult<()> {
+pub fn quant_dequantize_bf16(
+    py: Python<'_>,
+    bits: u8,
+    n: usize,
+    k: usize,
+    w: [usize; 3],
+    out: usize,
+) -> PyResult<()> {
     let pool = pool();
     py.detach(|| -> PyResult<()> {
         // SAFETY: the caller's contract (module docs).
-        let (w, out) = unsafe { (weight(n, k, bits, w)?, std::slice::from_raw_parts_mut(out as *mut u16, n * k)) };
+        let (w, out) = unsafe {
+            (
+                weight(n, k, bits, w)?,
+                std::slice::from_raw_parts_mut(out as *mut u16, n * k),
+            )
+        };
         quant::dequantize_bf16(&w, out, &pool, quant::best_kernel()).map_err(PyValueError::new_err)
     })
 }
