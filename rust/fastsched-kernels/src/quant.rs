@@ -108,7 +108,7 @@ impl Weight<'_> {
 /// Packs `codes [N, K]` (each 0..15) into [`Int4`]'s layout.
 pub fn pack_int4(codes: &[u8], n: usize, k: usize) -> Vec<u8> {
     assert!(
-        k % GROUP == 0 && codes.len() == n * k,
+        k.is_multiple_of(GROUP) && codes.len() == n * k,
         "codes must be [N, K] with K a multiple of {GROUP}"
     );
     let mut out = vec![0u8; n * k / 2];
@@ -275,6 +275,7 @@ pub fn matmul(
 }
 
 /// Output columns `lo..hi` of every row.
+#[allow(clippy::too_many_arguments)]
 unsafe fn rows(
     w: &Weight,
     a: &QAct,
@@ -349,6 +350,7 @@ fn group_codes(w: &Weight, col: usize, g: usize, codes: &mut [i32; GROUP]) {
 }
 
 /// The portable inner loop: the same arithmetic as the SIMD one, one group at a time.
+#[allow(clippy::needless_range_loop)]
 fn scalar_dot_rows(w: &Weight, a: &QAct, m0: usize, mt: usize, col: usize, acc: &mut [f32; 4]) {
     let kb = a.k / GROUP;
     let mut codes = [0i32; GROUP];
@@ -436,7 +438,7 @@ mod simd {
     /// Sum over the last, odd group (not in a pair) of `scale · d · Σ (w_code − offset) · qx`.
     fn odd_group(w: &Weight, a: &QAct, row: usize, col: usize, offset: i32) -> f32 {
         let kb = a.k / GROUP;
-        if kb % 2 == 0 {
+        if kb.is_multiple_of(2) {
             return 0.0;
         }
         let g = kb - 1;
