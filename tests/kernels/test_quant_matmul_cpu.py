@@ -1,6 +1,6 @@
 """The Rust CPU int4 / int8 kernels (``fastsched.kernels.quant_matmul_cpu``) against
 dequantize-then-matmul in float64, for odd shapes (N not a multiple of a task's rows, an
-odd number of groups per row) and M = 1, 3, 8, 33.
+odd number of groups per row) and M = 1, 3, 8, 33 (integer kernel) and 70 (dequantize + GEMM).
 
 Tolerances, and why (bounds, not fits):
 - fewer than ``DENSE_MIN_ROWS`` rows: the integer kernel quantizes each activation to int8
@@ -48,7 +48,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 33])
+@pytest.mark.parametrize("m", [1, 3, 8, 33, 70])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (37, 96), (130, 576), (19, 160)])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_equals_dequantize_then_matmul(bits: int, m: int, n: int, k: int) -> None:

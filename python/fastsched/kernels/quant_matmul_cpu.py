@@ -27,12 +27,12 @@ import torch
 from fastsched import _core
 
 GROUP_SIZE = 32
-# From this many activation rows on, dequantize-to-bf16 + torch GEMM beats the integer kernel
-# (bench/RESULTS.md, "Rust int4/int8 kernels"), unless the weight is so large (the lm_head)
-# that its bf16 temporary costs more than the GEMM saves: then from DENSE_MIN_ROWS_LARGE.
-DENSE_MIN_ROWS = 8
-DENSE_MIN_ROWS_LARGE = 64
-LARGE_WEIGHT = 1 << 23  # weights (N·K)
+# From this many activation rows on (prefill chunks), dequantize-to-bf16 + torch GEMM beats
+# the integer kernel (bench/RESULTS.md, "Rust int4/int8 kernels"; from ~8 rows already on a
+# layer-sized weight). Below it every row takes the integer kernel, whose rows do not depend
+# on each other: a decode batch or a speculative verification gives each sequence the same
+# logits whatever else shares the step (tests/engine/test_spec_decode.py checks that).
+DENSE_MIN_ROWS = 64
 AVAILABLE = hasattr(_core, "quant_matmul")
 
 _threads = 0
@@ -91,7 +91,7 @@ class CpuQuantWeight:
 def _matmul(bits: int, x: torch.Tensor, addresses: list[int], n: int, k: int) -> torch.Tensor:
     _sync_threads()
     m = x.shape[0]
-    if m >= (DENSE_MIN_ROWS if n * k <= LARGE_WEIGHT else DENSE_MIN_ROWS_LARGE):
+    if m >= DENSE_MIN_ROWS:
         dense = torch.empty(n, k, dtype=torch.bfloat16)
         _core.quant_dequantize_bf16(bits, n, k, addresses, dense.data_ptr())
         return (x.to(torch.bfloat16) @ dense.t()).to(x.dtype)
