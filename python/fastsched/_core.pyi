@@ -49,6 +49,11 @@ __all__ = [
     "KIND_RESUMED",
     "FINISH_REASONS",
     "__version__",
+    "set_kernel_threads",
+    "kernel_threads",
+    "kernel_isa",
+    "quant_matmul",
+    "quant_dequantize_bf16",
 ]
 
 __version__: str
@@ -623,3 +628,12 @@ class BlockHasher:
     ) -> npt.NDArray[np.uint64]:
         """The chained hashes of the full blocks of ``token_ids`` (a partial last block has
         none), from the root of adapter ``lora_id`` and ``cache_salt``."""
+# Quantized CPU matmuls (rust/fastsched-kernels), called by fastsched.kernels.quant_matmul_cpu
+# with raw tensor addresses that it has checked.
+def set_kernel_threads(threads: int) -> None: ...
+def kernel_threads() -> int: ...
+def kernel_isa() -> str: ...
+def quant_matmul(
+    bits: int, n: int, k: int, w: Sequence[int], x: int, x_bf16: bool, m: int, out: int
+) -> None: ...
+def quant_dequantize_bf16(bits: int, n: int, k: int, w: Sequence[int], out: int) -> None: ...

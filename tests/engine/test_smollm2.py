@@ -72,7 +72,7 @@ def test_default_model_keeps_its_4_bit_weights_and_computes_in_bf16_where_the_cp
     assert llm.config.resolved_quantization == "gguf"
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 4 * model.config.num_layers
     expected = torch.bfloat16 if cpu_has_bf16() else torch.float32
-    assert model.embed_tokens.weight.dtype == expected and llm.engine.runner.kv_caches[0].dtype == expected
+    assert model.norm.weight.dtype == expected and llm.engine.runner.kv_caches[0].dtype == expected
 
 
 def test_default_model_answers_a_chat_question(llm) -> None:

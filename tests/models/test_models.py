@@ -49,7 +49,7 @@ class SingleRequestRunner:
         self.model = model
         self.backend = TorchNativeBackend()
         num_blocks = -(-max_len // BLOCK_SIZE)
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.norm.weight.dtype  # the embedding may be 8-bit (QuantEmbedding)
         self.kv_caches = [
             torch.zeros(2, num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, dtype=dtype) for _ in range(c.num_layers)
         ]

@@ -10,11 +10,12 @@ One form for every 4-bit source: ``w = scale · (q − 8) + zero`` per group of
 (``scale = d``, ``zero = m + 8d``). This is the form torch's CPU int4 kernel
 (``aten._weight_int4pack_mm_for_cpu``) computes, so the GGUF codes go into it as they are.
 
-- CPU: ``_weight_int4pack_mm_for_cpu`` with bf16 activations. Its scales and zeros
-  must have the activations' dtype, and its fp32 path has no vectorised kernel (measured
-  ~15× slower than the dense fp32 GEMV here), so the activations are cast to bf16 around
-  the call. The cost of that: scale and zero rounded to bf16 (relative error ≤ 2⁻⁹ each;
-  the GGUF's own fp16 scales keep 2⁻¹¹) and the activations rounded to bf16.
+- CPU: the Rust kernels of :mod:`fastsched.kernels.quant_matmul_cpu` (activations
+  quantized to int8 per group of 32, integer dot products with AVX-512 VNNI where the CPU
+  has it; fp32 scales and zeros). They replaced torch's ``_weight_int4pack_mm_for_cpu``,
+  which needs bf16 activations and scales and is ~2× slower than a bf16 GEMM from 8 rows
+  on (bench/RESULTS.md). The 8-bit form :class:`Int8Weight` (GGUF Q8_0) runs on the same
+  kernels.
 - CUDA: :func:`int4_matmul_triton`, a dequantize-in-registers matmul over codes packed two
   a byte (``[N, K/2]`` uint8, even column in the low nibble), tested in the Triton
   interpreter (tests/kernels), not run on a GPU by this project's CI.
@@ -28,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-GROUP_SIZE = 32
-# Where a CPU int4 kernel exists (torch >= 2.6); older torch falls back to a dense matmul.
-_CPU_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+from fastsched.kernels import quant_matmul_cpu
+
+GROUP_SIZE = quant_matmul_cpu.GROUP_SIZE
 
 
 @dataclass
@@ -75,11 +76,60 @@ class Int4Weight:
         return self.codes.numel() // 2 + 2 * self.scale.numel() * 2
 
 
+@dataclass
+class Int8Weight:
+    """A ``[N, K]`` weight as int8 codes and one scale per group: ``w = scale · q``, exactly
+    GGUF Q8_0 (``scale = d``); kept 8-bit (~1.06 bytes a weight) instead of dequantized."""
+
+    codes: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N, K / GROUP_SIZE] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.codes.shape[1])
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        if self.codes.dtype != torch.int8 or k % GROUP_SIZE or self.scale.shape != (n, k // GROUP_SIZE):
+            raise ValueError(f"int8 weight of shape {(n, k)} and dtype {self.codes.dtype} needs int8 codes and "
+                             f"[N, K/{GROUP_SIZE}] scales; got {tuple(self.scale.shape)}")
+
+    @classmethod
+    def cat(cls, parts: list[Int8Weight]) -> Int8Weight:
+        """Row-wise concatenation: the fused q/k/v or gate/up projection from its shards."""
+        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        """Round-to-nearest symmetric quantization of a dense ``[N, K]`` weight per group of
+        ``GROUP_SIZE`` (the Q8_0 rule: ``scale = max|w| / 127``)."""
+        n, k = weight.shape
+        groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        scale = groups.abs().amax(-1) / 127
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        codes = (groups * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(codes.reshape(n, k), scale)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int8(self.codes, self.scale).to(dtype)
+
+    def nbytes_packed(self) -> int:
+        """Bytes a matmul reads: a byte a code plus a float32 scale a group."""
+        return self.codes.numel() + 4 * self.scale.numel()
+
+
 def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """The reference: ``scale · (q − 8) + zero`` in float32, ``[N, K]``."""
     n, k = codes.shape
     q = codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float() - 8
     return (q * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The reference: ``scale · q`` in float32, ``[N, K]``."""
+    n, k = codes.shape
+    q = codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float()
+    return (q * scale.float()[..., None]).reshape(n, k)
 
 
 class PackedInt4:
@@ -88,15 +138,14 @@ class PackedInt4:
     def __init__(self, weight: Int4Weight, device: torch.device) -> None:
         self.out_features, self.in_features = weight.shape
         self.device = device
-        # bf16 on both: the CPU kernel needs scales in the activations' dtype, and bf16
-        # activations (module docstring); the Triton kernel upcasts to fp32 to accumulate.
+        # The Triton kernel takes bf16 activations (and upcasts to fp32 to accumulate); the
+        # Rust one takes fp32 or bf16 as they come.
         self.compute_dtype = torch.bfloat16
-        if device.type == "cpu" and _CPU_INT4:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
-            # [K / group, N, 2]: (scale, zero) of group g, output n.
-            self.scale_zeros = torch.stack([weight.scale, weight.zero], -1).transpose(0, 1).contiguous().to(
-                self.compute_dtype)
-            self.kind = "cpu_int4pack"
+        if device.type == "cpu" and quant_matmul_cpu.AVAILABLE:
+            self.cpu = quant_matmul_cpu.CpuQuantWeight(
+                4, (quant_matmul_cpu.pack_int4(weight.codes), weight.scale.float().contiguous(),
+                    weight.zero.float().contiguous()), *weight.shape)
+            self.kind = "cpu_rust"
         elif device.type == "cuda":
             codes = weight.codes.to(device)
             self.packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
@@ -111,19 +160,53 @@ class PackedInt4:
         """``x [M, K] @ W.T -> [M, N]`` in ``x``'s dtype."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        xc = x2 if x2.dtype == self.compute_dtype else x2.to(self.compute_dtype)
-        if self.kind == "cpu_int4pack":
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, self.packed, GROUP_SIZE, self.scale_zeros)
-        elif self.kind == "triton":
-            out = int4_matmul_triton(xc, self.packed, self.scale, self.zero)
+        if self.kind == "cpu_rust":
+            out = self.cpu.matmul(x2)
         else:
-            out = xc @ self.dense.t()
+            xc = x2 if x2.dtype == self.compute_dtype else x2.to(self.compute_dtype)
+            out = int4_matmul_triton(xc, self.packed, self.scale, self.zero) if self.kind == "triton" else (
+                xc @ self.dense.t())
         return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def nbytes(self) -> int:
-        tensors = {"cpu_int4pack": ("packed", "scale_zeros"), "triton": ("packed", "scale", "zero"),
-                   "dense": ("dense",)}[self.kind]
+        if self.kind == "cpu_rust":
+            return self.cpu.nbytes()
+        tensors = {"triton": ("packed", "scale", "zero"), "dense": ("dense",)}[self.kind]
         return sum(getattr(self, t).numel() * getattr(self, t).element_size() for t in tensors)
+
+
+class PackedInt8:
+    """An :class:`Int8Weight` for the device's kernel (CPU: the Rust one; elsewhere the
+    weight dequantized once to bf16), with :class:`PackedInt4`'s interface, plus the
+    embedding lookup of a tied embedding / lm_head that dequantizes only the gathered rows."""
+
+    def __init__(self, weight: Int8Weight, device: torch.device) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.device = device
+        self.codes = weight.codes.to(device).contiguous()
+        self.scale = weight.scale.to(device, torch.float32).contiguous()
+        if device.type == "cpu" and quant_matmul_cpu.AVAILABLE:
+            self.cpu = quant_matmul_cpu.CpuQuantWeight(8, (self.codes, self.scale), *weight.shape)
+            self.kind = "cpu_rust"
+        else:
+            self.dense = weight.dequantize(torch.bfloat16).to(device)
+            self.kind = "dense"
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K] @ W.T -> [M, N]`` in ``x``'s dtype."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        out = self.cpu.matmul(x2) if self.kind == "cpu_rust" else x2.to(self.dense.dtype) @ self.dense.t()
+        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the weight, dequantized (an embedding lookup)."""
+        return dequantize_int8(self.codes[ids.reshape(-1)], self.scale[ids.reshape(-1)]).to(dtype).reshape(
+            *ids.shape, self.in_features)
+
+    def nbytes(self) -> int:
+        tensors = (self.codes, self.scale) + ((self.dense,) if self.kind == "dense" else ())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def int4_matmul_triton(

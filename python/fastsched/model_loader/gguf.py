@@ -19,7 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tqdm import tqdm
 
 from fastsched.model_loader.gguf_container import GGUFContainer
-from fastsched.model_loader.gguf_quants import Int4Blocks, dequantize, int4_blocks, int4_type
+from fastsched.model_loader.gguf_quants import KEPT_BITS, Int4Blocks, Int8Blocks, dequantize, quantized_blocks
 from fastsched.model_loader.tokenizer import Tokenizer
 from fastsched.models.config import ModelConfig
 
@@ -138,19 +138,22 @@ class GGUFFile:
             counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
         return counts
 
-    def int4_tensor_names(self) -> set[str]:
-        """Hugging Face names of the tensors ``iter_weights(keep_quantized=True)`` gives 4-bit."""
-        return {_hf_name(t.name) for t in self.container.tensors if int4_type(t)}
+    def quantized_tensor_names(self) -> dict[str, int]:
+        """Hugging Face names of the tensors ``iter_weights(keep_quantized=True)`` keeps
+        quantized, with their bits (:data:`gguf_quants.KEPT_BITS`). Reads only the headers' types."""
+        return {_hf_name(t.name): KEPT_BITS[t.tensor_type] for t in self.container.tensors
+                if t.tensor_type in KEPT_BITS and len(t.shape) == 2}
 
     def iter_weights(
         self, config: ModelConfig, keep_quantized: bool = False
-    ) -> Iterator[tuple[str, np.ndarray | Int4Blocks]]:
+    ) -> Iterator[tuple[str, np.ndarray | Int4Blocks | Int8Blocks]]:
         """Every tensor as (Hugging Face name, float32 array), with a progress bar; with
-        ``keep_quantized``, the Q4_0/Q4_1/Q4_K matrices come as :class:`Int4Blocks` instead."""
+        ``keep_quantized``, the Q4_0/Q4_1/Q4_K matrices come as :class:`Int4Blocks` and the
+        Q5_0/Q8_0 ones as :class:`Int8Blocks` instead."""
         unpermute = self.metadata["general.architecture"] == "llama"
         for tensor in tqdm(self.container.tensors, desc=f"Loading {self.path.name}", unit="tensor"):
             name = _hf_name(tensor.name)
-            quantized = int4_blocks(tensor) if keep_quantized else None
+            quantized = quantized_blocks(tensor) if keep_quantized else None
             parts = list(quantized) if quantized is not None else [dequantize(tensor)]
             heads = None
             if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -159,7 +162,7 @@ class GGUFFile:
                 heads = config.num_kv_heads
             if heads is not None:  # rows move whole: codes, scales and zeros alike
                 parts = [_unpermute_rope_rows(p, heads) for p in parts]
-            yield name, Int4Blocks(*parts) if quantized is not None else parts[0]
+            yield name, type(quantized)(*parts) if quantized is not None else parts[0]
 
 
 def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Dequantizing GGUF tensors to float32, whole tensors at once for the block formats small
 chat models ship in (Q4_0, Q4_1, Q8_0), ``gguf.quants`` for the rest; and reading the
-4-bit formats (Q4_0, Q4_1, Q4_K) as codes and per-block parameters, kept quantized.
+formats kept quantized (:func:`quantized_blocks`: Q4_0, Q4_1, Q4_K as 4-bit, Q5_0 and Q8_0
+as 8-bit) as codes and per-block parameters.
 
 ``gguf.quants`` splits every tensor into many row groups and dequantizes them one by one;
 on the embedded SmolLM2 that is ~3.5 s of a ~10 s start-up. The same arithmetic over the
@@ -130,10 +131,26 @@ def int4_blocks(tensor: GGUFTensor) -> Int4Blocks | None:
 
 def int8_blocks(tensor: GGUFTensor) -> Int8Blocks | None:
     """``tensor`` as 8-bit codes and block parameters if it is Q5_0, Q5_1, Q5_K, Q8_0, or a
-    Q6_K whose scales pair up (else None). Not served this way yet: the loader dequantizes
-    these until an int8 matmul for groups of 32 is wired in."""
+    Q6_K whose scales pair up (else None). Only the formats in :data:`KEPT_BITS` are served
+    this way (``Int8Weight``); the others are dequantized at load."""
     converted = _convert(tensor, _INT8)
     return None if converted is None else Int8Blocks(*converted)
+
+
+# What ``quantized_blocks`` keeps quantized, by format, with its bits: every block of these
+# formats converts exactly. Q6_K does only where its scales pair up, which the header cannot
+# tell, and Q5_1/Q5_K carry an offset that ``Int8Weight`` has not: those are dequantized.
+KEPT_BITS = {
+    GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q4_K: 4,
+    GGMLQuantizationType.Q5_0: 8, GGMLQuantizationType.Q8_0: 8,
+}
+
+
+def quantized_blocks(tensor: GGUFTensor) -> Int4Blocks | Int8Blocks | None:
+    """What :meth:`GGUFFile.iter_weights` keeps quantized (:data:`KEPT_BITS`), else None."""
+    if tensor.tensor_type not in KEPT_BITS or len(tensor.shape) != 2:
+        return None
+    return int4_blocks(tensor) if KEPT_BITS[tensor.tensor_type] == 4 else int8_blocks(tensor)
 
 
 def dequantize(tensor: GGUFTensor) -> np.ndarray:

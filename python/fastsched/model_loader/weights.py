@@ -15,15 +15,15 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from fastsched.distributed.parallel import TensorParallel
-from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight
+from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight, Int8Weight
 from fastsched.model_loader import hf, is_gguf, open_gguf, resolve_model_path
-from fastsched.model_loader.gguf_quants import Int4Blocks
+from fastsched.model_loader.gguf_quants import Int4Blocks, Int8Blocks
 from fastsched.models.channel_quant_linear import ChannelQuantLinear, quantize_projections
 from fastsched.models.llama import LlamaForCausalLM, target_parameter
-from fastsched.models.quant_linear import QuantLinear
+from fastsched.models.quant_linear import QuantEmbedding, QuantLinear
 from fastsched.models.registry import get_model_class
 
-# --quantization values (vLLM's spelling): gguf keeps a GGUF file's 4-bit tensors 4-bit;
+# --quantization values (vLLM's spelling): gguf keeps a GGUF file's 4- and 8-bit tensors so;
 # int4 quantizes a dense checkpoint's linear layers at load (groups of 32), int8 and fp8 its
 # projections (one scale a channel); none dequantizes everything.
 QUANTIZATIONS = ("gguf", "int4", "int8", "fp8", "none")
@@ -46,9 +46,11 @@ def iter_hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 progress.update(1)
 
 
-def _from_gguf(name: str, w: object) -> tuple[str, torch.Tensor | Int4Weight]:
+def _from_gguf(name: str, w: object) -> tuple[str, torch.Tensor | Int4Weight | Int8Weight]:
     if isinstance(w, Int4Blocks):
         return name, Int4Weight(*(torch.from_numpy(part) for part in w))
+    if isinstance(w, Int8Blocks):  # only the formats without an offset are kept 8-bit
+        return name, Int8Weight(torch.from_numpy(w.codes), torch.from_numpy(w.scale))
     return name, torch.from_numpy(w)  # type: ignore[arg-type]
 
 
@@ -63,15 +65,17 @@ def _quantize_linears(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[t
             yield name, tensor
 
 
-def _all_shards_int4(int4_names: set[str], gguf_names: Iterator[str]) -> set[str]:
-    """The linear weights whose every checkpoint tensor is 4-bit (so the layer becomes a
-    ``QuantLinear`` and its dense weight is never needed)."""
+def _all_shards_quantized(bits: dict[str, int], gguf_names: Iterator[str]) -> set[str]:
+    """The parameters whose every checkpoint tensor is quantized with the same bits (so the
+    layer becomes a ``QuantLinear``, or the 8-bit embedding a ``QuantEmbedding``, and its
+    dense weight is never needed)."""
     from fastsched.model_loader.gguf import _hf_name
 
-    shards: dict[str, list[bool]] = {}
+    shards: dict[str, list[int]] = {}
     for name in map(_hf_name, gguf_names):
-        shards.setdefault(target_parameter(name), []).append(name in int4_names)
-    return {t for t, flags in shards.items() if all(flags) and (t.endswith("proj.weight") or t == "lm_head.weight")}
+        shards.setdefault(target_parameter(name), []).append(bits.get(name, 0))
+    return {t for t, b in shards.items() if b[0] and len(set(b)) == 1 and (
+        t.endswith("proj.weight") or t == "lm_head.weight" or (t == "embed_tokens.weight" and b[0] == 8))}
 
 
 def _materialize(model: torch.nn.Module, device: torch.device, skip: set[str]) -> None:
@@ -126,15 +130,16 @@ def load_model(
     start = time.monotonic()
     path = resolve_model_path(model)
     quantization = check_quantization(quantization, path)
-    packed: set[str] = set()  # parameters that will be 4-bit: never allocated dense
-    weights: Iterator[tuple[str, torch.Tensor | Int4Weight]]
+    packed: set[str] = set()  # parameters that will be 4- or 8-bit: never allocated dense
+    weights: Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]
     if is_gguf(path):
         gguf_file = open_gguf(path)
         config = gguf_file.config()
         logger.info("%s holds tensors %s; quantization %s", path.name, gguf_file.quantization_types(), quantization)
         weights = (_from_gguf(name, w) for name, w in gguf_file.iter_weights(config, quantization == "gguf"))
         if quantization == "gguf":
-            packed = _all_shards_int4(gguf_file.int4_tensor_names(), (t.name for t in gguf_file.container.tensors))
+            packed = _all_shards_quantized(gguf_file.quantized_tensor_names(),
+                                           (t.name for t in gguf_file.container.tensors))
     else:
         config = hf.read_config(path)
         hf.weight_files(path)  # a missing file fails before the model is allocated
@@ -156,15 +161,17 @@ def load_model(
 
 def _log_loaded(model: torch.nn.Module, path: Path, dtype: torch.dtype, seconds: float) -> None:
     """The start-up line: parameters, which layers are quantized with which kernel, and bytes."""
-    int4 = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    int8 = [m for m in model.modules() if isinstance(m, ChannelQuantLinear)]
+    packed = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    channel = [m for m in model.modules() if isinstance(m, ChannelQuantLinear)]
     num_params = (sum(p.numel() for p in model.parameters())
-                  + sum(m.in_features * m.out_features for m in (*int4, *int8)))
+                  + sum(m.weight_packed.in_features * m.weight_packed.out_features for m in packed)
+                  + sum(m.in_features * m.out_features for m in channel))
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    packed_bytes = sum(m.weight_packed.nbytes() for m in int4)
-    packed_bytes += sum(b.numel() * b.element_size() for m in int8 for b in m.buffers())
-    kernels = sorted({m.weight_packed.kind for m in int4} | {f"{m.kind}:{m.kernel}" for m in int8})
-    logger.info("loaded %s (%.0fM parameters, %d linear layers 4-bit, %d 8-bit, kernels %s) in %.1f s: weights "
-                "%.0f MiB (%.0f MiB quantized, %.0f MiB in %s)", path.name, num_params / 1e6, len(int4), len(int8),
+    packed_bytes = sum(m.weight_packed.nbytes() for m in packed)
+    packed_bytes += sum(b.numel() * b.element_size() for m in channel for b in m.buffers())
+    kernels = sorted({m.weight_packed.kind for m in packed} | {f"{m.kind}:{m.kernel}" for m in channel})
+    logger.info("loaded %s (%.0fM parameters, %d layers with group-quantized weights, %d with per-channel 8-bit, "
+                "kernels %s) in %.1f s: weights %.0f MiB (%.0f MiB quantized, %.0f MiB in %s)", path.name,
+                num_params / 1e6, len(packed), len(channel),
                 ",".join(kernels) or "-", seconds, (dense_bytes + packed_bytes) / 2**20,
                 packed_bytes / 2**20, dense_bytes / 2**20, str(dtype).removeprefix("torch."))

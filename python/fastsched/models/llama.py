@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastsched.attention.base import AttentionBackend, AttentionMetadata
-from fastsched.kernels.quant_matmul import Int4Weight
+from fastsched.kernels.quant_matmul import Int4Weight, Int8Weight
 from fastsched.models.config import ModelConfig
-from fastsched.models.quant_linear import QuantLinear, replace_linear
+from fastsched.models.quant_linear import QuantEmbedding, QuantLinear, replace_linear
 from fastsched.models.tp_shard import local_heads, shard_weight
 
 if TYPE_CHECKING:
@@ -238,6 +238,8 @@ class LlamaForCausalLM(nn.Module):
         (the other ranks get an empty tensor)."""
         if isinstance(self.lm_head, QuantLinear):
             logits = self.lm_head(hidden)
+        elif self.lm_head is None and isinstance(self.embed_tokens, QuantEmbedding):
+            logits = self.embed_tokens.logits(hidden)
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, weight.to(hidden.dtype) if weight.dtype != hidden.dtype else weight)
@@ -246,16 +248,19 @@ class LlamaForCausalLM(nn.Module):
         gathered = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits[:, :0] if gathered is None else gathered
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Weight]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]) -> None:
         """Copy Hugging Face-named tensors in, packing q/k/v and gate/up into the fused
         parameters; fails naming any tensor without a place and any tensor never given.
 
-        An :class:`Int4Weight` for a linear layer's weight (a GGUF kept quantized) replaces
-        that layer by a :class:`QuantLinear` once every shard of it is in; anywhere else
-        (an embedding) it is dequantized into the dense parameter."""
+        An :class:`Int4Weight` or :class:`Int8Weight` for a linear layer's weight (a GGUF
+        kept quantized) replaces that layer by a :class:`QuantLinear` once every shard of it
+        is in; an :class:`Int8Weight` token embedding replaces it by a :class:`QuantEmbedding`
+        (also the lm_head when tied); anything else quantized is dequantized into the dense
+        parameter."""
         params = dict(self.named_parameters())
+        device = self.norm.weight.device
         loaded: set[str] = set()
-        int4_shards: dict[str, dict[int, Int4Weight]] = {}
+        quantized_shards: dict[str, dict[int, Int4Weight | Int8Weight]] = {}
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
@@ -271,13 +276,20 @@ class LlamaForCausalLM(nn.Module):
                 target, start, size = name, 0, None
             if target not in params:
                 raise ValueError(f"checkpoint tensor {hf_name} has no place in {self.config.architecture}")
-            if isinstance(tensor, Int4Weight):
+            if isinstance(tensor, Int8Weight) and target == "embed_tokens.weight":
+                if tensor.shape != tuple(params[target].shape):
+                    raise ValueError(f"checkpoint tensor {hf_name} has shape {tensor.shape}, "
+                                     f"expected {tuple(params[target].shape)}")
+                self.embed_tokens = QuantEmbedding(tensor, params[target].dtype, device)
+                loaded.add(name)
+                continue
+            if isinstance(tensor, (Int4Weight, Int8Weight)):
                 if target.endswith("proj.weight") or target == "lm_head.weight":
                     expected = params[target].shape if size is None else (size, params[target].shape[1])
                     if tuple(expected) != tensor.shape:
                         raise ValueError(f"checkpoint tensor {hf_name} has shape {tensor.shape}, "
                                          f"expected {tuple(expected)}")
-                    int4_shards.setdefault(target, {})[0 if size is None else _FUSED[parts[1]][1]] = tensor
+                    quantized_shards.setdefault(target, {})[0 if size is None else _FUSED[parts[1]][1]] = tensor
                     loaded.add(name)
                     continue
                 tensor = tensor.dequantize()
@@ -293,14 +305,16 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise ValueError(f"checkpoint is missing tensors for {self.config.architecture}: {missing[:8]}{more}")
-        for target, shards in int4_shards.items():
+        for target, shards in quantized_shards.items():
             fused = target.rsplit(".", 2)[1]
             num_shards = sum(f == fused for f, _ in _FUSED.values()) or 1
-            if len(shards) == num_shards:
-                weight = Int4Weight.cat([shards[i] for i in range(num_shards)])
-                replace_linear(self, target.removesuffix(".weight"), weight, self.embed_tokens.weight.device)
+            kinds = {type(w) for w in shards.values()}
+            if len(shards) == num_shards and len(kinds) == 1:
+                weight = kinds.pop().cat([shards[i] for i in range(num_shards)])
+                replace_linear(self, target.removesuffix(".weight"), weight, device)
                 continue
-            # Mixed formats in one fused layer (some shards not 4-bit): the 4-bit ones go in dense.
+            # Mixed formats in one fused layer (some shards dense, or 4- and 8-bit): the
+            # quantized ones go in dense.
             for shard, weight in shards.items():
                 start, size = self._shard_range(fused, shard)
                 params[target].data[start : start + size].copy_(weight.dequantize())

@@ -1,21 +1,26 @@
-"""A linear layer whose weight stays 4-bit (``fastsched.kernels.quant_matmul``), swapped in
-for an ``nn.Linear`` of the model once its checkpoint tensors are known to be quantized."""
+"""A linear layer whose weight stays 4- or 8-bit (``fastsched.kernels.quant_matmul``), swapped
+in for an ``nn.Linear`` of the model once its checkpoint tensors are known to be quantized,
+and an embedding that stays 8-bit (a GGUF's Q8_0 token embedding, tied to the lm_head)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from fastsched.kernels.quant_matmul import Int4Weight, PackedInt4
+from fastsched.kernels.quant_matmul import Int4Weight, Int8Weight, PackedInt4, PackedInt8
+
+
+def pack(weight: Int4Weight | Int8Weight, device: torch.device) -> PackedInt4 | PackedInt8:
+    return PackedInt4(weight, device) if isinstance(weight, Int4Weight) else PackedInt8(weight, device)
 
 
 class QuantLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` packed for the device's int4 kernel; ``bias`` stays dense."""
+    """``y = x W^T + b`` with ``W`` packed for the device's int4 / int8 kernel; ``bias`` stays dense."""
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, device: torch.device) -> None:
+    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, device: torch.device) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight_packed = PackedInt4(weight, device)
+        self.weight_packed = pack(weight, device)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -26,7 +31,27 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.weight_packed.kind}"
 
 
-def replace_linear(model: nn.Module, name: str, weight: Int4Weight, device: torch.device) -> QuantLinear:
+class QuantEmbedding(nn.Module):
+    """A token embedding kept 8-bit: a lookup dequantizes only the rows it gathers, and a
+    tied lm_head (:meth:`logits`) runs the int8 matmul on the same codes."""
+
+    def __init__(self, weight: Int8Weight, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+        self.weight_packed = PackedInt8(weight, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight_packed.rows(ids, self.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.weight_packed.matmul(hidden)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, kernel={self.weight_packed.kind}"
+
+
+def replace_linear(model: nn.Module, name: str, weight: Int4Weight | Int8Weight, device: torch.device) -> QuantLinear:
     """Puts a :class:`QuantLinear` holding ``weight`` on ``device`` where the ``nn.Linear``
     ``name`` was, keeping its bias; the dense weight it had (if it was ever allocated) is freed."""
     parent_name, _, child = name.rpartition(".")
@@ -41,14 +66,21 @@ def replace_linear(model: nn.Module, name: str, weight: Int4Weight, device: torc
 
 def copy_weights(model: nn.Module, new: nn.Module) -> None:
     """Copies ``new``'s weights into ``model`` of the same architecture (weight reloads):
-    dense tensors through ``load_state_dict``, packed 4-bit ones (not in a state dict) by
-    layer. A mismatch raises ``RuntimeError`` naming the layer."""
+    dense tensors through ``load_state_dict``, packed 4- and 8-bit ones (not in a state dict)
+    by layer. A mismatch raises ``RuntimeError`` naming the layer."""
     model.load_state_dict(new.state_dict())
     for name, module in new.named_modules():
+        if isinstance(module, QuantEmbedding):
+            old = model.get_submodule(name)
+            if not isinstance(old, QuantEmbedding) or (old.num_embeddings, old.embedding_dim) != (
+                    module.num_embeddings, module.embedding_dim):
+                raise RuntimeError(f"{name}: the new embedding is 8-bit of shape "
+                                   f"{(module.num_embeddings, module.embedding_dim)}, the served one is {old}")
+            old.weight_packed = module.weight_packed
         if isinstance(module, QuantLinear):
             old = model.get_submodule(name)
             if not isinstance(old, QuantLinear) or (old.out_features, old.in_features) != (
                     module.out_features, module.in_features):
-                raise RuntimeError(f"{name}: the new weights are 4-bit of shape "
+                raise RuntimeError(f"{name}: the new weights are quantized of shape "
                                    f"{(module.out_features, module.in_features)}, the served layer is {old}")
             old.weight_packed = module.weight_packed

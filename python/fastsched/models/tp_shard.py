@@ -9,7 +9,7 @@
   that the rank's query heads read, replicated;
 - everything else (norms) whole.
 
-A 4-bit :class:`Int4Weight` is sliced before it is packed: by rows, or by columns in whole
+A quantized weight (:class:`Int4Weight`, :class:`Int8Weight`) is sliced before it is packed: by rows, or by columns in whole
 groups of ``GROUP_SIZE`` (a row-parallel shard whose width is not a multiple of it is
 refused, naming the layer, rather than dequantized behind the user's back).
 """
@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from fastsched.distributed.parallel import TensorParallel, split_range
-from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight
+from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight, Int8Weight
 from fastsched.models.config import ModelConfig
 
-Weight = torch.Tensor | Int4Weight
+Weight = torch.Tensor | Int4Weight | Int8Weight
 
 
 def local_heads(config: ModelConfig, tp: TensorParallel) -> tuple[int, int]:
@@ -45,19 +45,25 @@ def _kv_head_range(config: ModelConfig, tp: TensorParallel) -> tuple[int, int]:
     return head, head + 1
 
 
+def _parts(w: Int4Weight | Int8Weight) -> list[torch.Tensor]:
+    """A quantized weight's tensors, codes first (then its per-group parameters)."""
+    return [w.codes, w.scale] + ([w.zero] if isinstance(w, Int4Weight) else [])
+
+
 def _rows(w: Weight, start: int, end: int) -> Weight:
-    if isinstance(w, Int4Weight):
-        return Int4Weight(w.codes[start:end], w.scale[start:end], w.zero[start:end])
+    if isinstance(w, (Int4Weight, Int8Weight)):
+        return type(w)(*(t[start:end] for t in _parts(w)))
     return w[start:end]
 
 
 def _columns(name: str, w: Weight, start: int, end: int) -> Weight:
-    if isinstance(w, Int4Weight):
+    if isinstance(w, (Int4Weight, Int8Weight)):
         if start % GROUP_SIZE or end % GROUP_SIZE:
-            raise ValueError(f"{name}: a row-parallel shard of a 4-bit weight must be whole groups of {GROUP_SIZE} "
-                             f"columns; this rank's is [{start}, {end})")
+            raise ValueError(f"{name}: a row-parallel shard of a quantized weight must be whole groups of "
+                             f"{GROUP_SIZE} columns; this rank's is [{start}, {end})")
         g0, g1 = start // GROUP_SIZE, end // GROUP_SIZE
-        return Int4Weight(w.codes[:, start:end], w.scale[:, g0:g1], w.zero[:, g0:g1])
+        codes, *groups = _parts(w)
+        return type(w)(codes[:, start:end], *(t[:, g0:g1] for t in groups))
     return w[:, start:end]
 
 
@@ -65,8 +71,8 @@ def _pad_rows(w: Weight, rows: int) -> Weight:
     missing = rows - w.shape[0]
     if missing == 0:
         return w
-    if isinstance(w, Int4Weight):  # zero codes, scales and zeros dequantize to 0
-        return Int4Weight(*(torch.cat([t, t.new_zeros(missing, t.shape[1])]) for t in (w.codes, w.scale, w.zero)))
+    if isinstance(w, (Int4Weight, Int8Weight)):  # zero codes and parameters dequantize to 0
+        return type(w)(*(torch.cat([t, t.new_zeros(missing, t.shape[1])]) for t in _parts(w)))
     return torch.cat([w, w.new_zeros(missing, *w.shape[1:])])
 
 

@@ -5,6 +5,7 @@ mod admission;
 mod config;
 mod errors;
 mod kv;
+mod kernels;
 mod output;
 mod scheduler;
 
@@ -59,6 +60,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<output::PyEngineCoreOutputs>()?;
     m.add_class::<admission::PySharedAdmissionStats>()?;
     m.add_class::<kv::PyBlockHasher>()?;
+    m.add_function(wrap_pyfunction!(kernels::set_kernel_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::kernel_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::kernel_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::quant_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::quant_dequantize_bf16, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The codes of `SchedulerOutput.kinds` and `EngineCoreOutputs.finish_reasons`,
     // taken from the core's enums so Python never writes them down again.

@@ -1,0 +1,145 @@
+"""The CPU int4 / int8 weight-only matmuls of fastsched's Rust kernels crate
+(rust/fastsched-kernels), as torch custom ops so ``torch.compile`` traces through them.
+
+Method (the crate's docs): each activation row is quantized to int8 per group of 32 once a
+call, then meets the weight's 4- or 8-bit codes in integer dot products (AVX-512 VNNI where
+the CPU has it, detected at run time; a scalar loop otherwise), read from memory at 0.56 or
+1.06 bytes a weight. That makes the M = 1 GEMV of decoding memory-bound. For many rows
+(prefill, large batches) a dense GEMM does more work per weight byte than the integer
+kernel, so from ``DENSE_MIN_ROWS`` rows on the weight is dequantized to bf16 by the crate
+(threaded, into a temporary) and multiplied by torch's GEMM: measured in bench/RESULTS.md.
+
+Threads: a call uses ``torch.get_num_threads()`` cores, the calling thread plus a persistent
+pool whose workers spin briefly and then sleep, so they do not hold cores away from torch's
+OpenMP regions between calls.
+
+Layouts (what :func:`pack_int4` and :class:`fastsched.kernels.quant_matmul.Int8Weight` give):
+int4 ``packed [N, K/2]`` uint8, each 64 columns from ``c`` as 32 bytes, byte ``j`` holding
+column ``c + j`` in its low nibble and ``c + 32 + j`` in its high one (an odd last group of 32:
+``c + j`` and ``c + 16 + j``); int8 ``codes [N, K]``; scales (and int4 zeros) ``[N, K/32]``
+float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastsched import _core
+
+GROUP_SIZE = 32
+# From this many activation rows on (prefill chunks, big batches), dequantize-to-bf16 + torch
+# GEMM beats the integer kernel (bench/RESULTS.md, "Rust int4/int8 kernels"; from ~8 rows on a
+# layer-sized weight). Below it every row takes the integer kernel, whose rows do not depend on
+# each other, so small decode batches and speculative verifications give a sequence the same
+# logits whatever shares the step (tests/engine/test_spec_decode.py fails with 8). Measured
+# on the tests only: 8 breaks that invariance, 64 sends short prompts through the int8
+# activations and flips test_smollm2's greedy chat answer; 16 passes both.
+DENSE_MIN_ROWS = 16
+AVAILABLE = hasattr(_core, "quant_matmul")
+
+_threads = 0
+
+
+def _sync_threads() -> None:
+    """Keeps the kernels' pool at torch's thread count (the cores the engine may use)."""
+    global _threads
+    wanted = torch.get_num_threads()
+    if wanted != _threads:
+        _core.set_kernel_threads(wanted)
+        _threads = wanted
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """``codes [N, K]`` (0..15) in the kernels' packed layout (module docstring), ``[N, K/2]`` uint8."""
+    n, k = codes.shape
+    codes = codes.to(torch.uint8)
+    pairs = k // (2 * GROUP_SIZE)
+    head = codes[:, : pairs * 64].reshape(n, pairs, 2, 32)
+    parts = [(head[:, :, 0] | (head[:, :, 1] << 4)).reshape(n, pairs * 32)]
+    if (k // GROUP_SIZE) % 2:
+        tail = codes[:, pairs * 64 :]
+        parts.append(tail[:, :16] | (tail[:, 16:] << 4))
+    return torch.cat(parts, 1).contiguous()
+
+
+class CpuQuantWeight:
+    """A weight's tensors checked once for the binding (which trusts their addresses), and
+    its matmul: the Rust call directly when eager (a custom op's dispatch costs more than a
+    layer's GEMV), the custom op while ``torch.compile`` traces."""
+
+    def __init__(self, bits: int, tensors: tuple[torch.Tensor, ...], n: int, k: int) -> None:
+        kb = k // GROUP_SIZE
+        shapes = {4: {"packed": (torch.uint8, (n, k // 2)), "scale": (torch.float32, (n, kb)),
+                      "zero": (torch.float32, (n, kb))},
+                  8: {"codes": (torch.int8, (n, k)), "scale": (torch.float32, (n, kb))}}[bits]
+        if k % GROUP_SIZE or len(tensors) != len(shapes):
+            raise ValueError(f"int{bits} weight [{n}, {k}]: K must be a multiple of {GROUP_SIZE}")
+        for t, (name, (dtype, shape)) in zip(tensors, shapes.items()):
+            _check_tensor(name, t, dtype, shape)
+        self.bits, self.tensors, self.n, self.k = bits, tensors, n, k
+        self.addresses = [t.data_ptr() for t in tensors] + [0] * (3 - len(tensors))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype."""
+        if torch.compiler.is_compiling():
+            op = torch.ops.fastsched.int4_matmul if self.bits == 4 else torch.ops.fastsched.int8_matmul
+            return op(x, *self.tensors)
+        return _matmul(self.bits, x, self.addresses, self.n, self.k)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def _matmul(bits: int, x: torch.Tensor, addresses: list[int], n: int, k: int) -> torch.Tensor:
+    _sync_threads()
+    m = x.shape[0]
+    if m >= DENSE_MIN_ROWS:
+        dense = torch.empty(n, k, dtype=torch.bfloat16)
+        _core.quant_dequantize_bf16(bits, n, k, addresses, dense.data_ptr())
+        return (x.to(torch.bfloat16) @ dense.t()).to(x.dtype)
+    xc = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+    xc = xc.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    _core.quant_matmul(bits, n, k, addresses, xc.data_ptr(), xc.dtype == torch.bfloat16, m, out.data_ptr())
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor of shape {shape}; got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+
+
+def _check_x(x: torch.Tensor, k: int) -> None:
+    if x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU [M, {k}] tensor; got {tuple(x.shape)} on {x.device}")
+
+
+@torch.library.custom_op("fastsched::int4_matmul", mutates_args=())
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype for an int4 weight."""
+    weight = CpuQuantWeight(4, (packed, scale, zero), packed.shape[0], packed.shape[1] * 2)
+    _check_x(x, weight.k)
+    return _matmul(4, x, weight.addresses, weight.n, weight.k)
+
+
+@int4_matmul.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return _fake(x, packed.shape[0])
+
+
+@torch.library.custom_op("fastsched::int8_matmul", mutates_args=())
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype for an int8 weight."""
+    weight = CpuQuantWeight(8, (codes, scale), *codes.shape)
+    _check_x(x, weight.k)
+    return _matmul(8, x, weight.addresses, weight.n, weight.k)
+
+
+@int8_matmul.register_fake
+def _(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _fake(x, codes.shape[0])
+
+
+def _fake(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)

@@ -1,0 +1,647 @@
+//! Weight-only int4 / int8 matmuls (crate docs for the method) and their dequantization.
+//!
+//! Layouts (row-major, one row per output feature `n`; `KB = K / GROUP` groups a row):
+//!
+//! - [`Int4`]: `packed [N, K/2]` bytes. Each pair of groups (64 columns from `c`) is 32
+//!   bytes, byte `j` holding column `c + j` in its low nibble and `c + 32 + j` in its high
+//!   one, so one 256-bit load unpacks to the pair's 64 codes in column order. A last, odd
+//!   group is 16 bytes: byte `j` holds `c + j` (low) and `c + 16 + j` (high), GGUF's order.
+//!   `scale`, `zero`: `[N, KB]` float32. Built by [`pack_int4`].
+//! - [`Int8`]: `codes [N, K]` int8, `scale [N, KB]` float32 (GGUF Q8_0 with its fp16 `d`
+//!   widened).
+
+use crate::pool::Pool;
+use crate::GROUP;
+
+/// A 4-bit weight, `w = scale · (q − 8) + zero` (module docs for the layout).
+#[derive(Clone, Copy)]
+pub struct Int4<'a> {
+    pub n: usize,
+    pub k: usize,
+    pub packed: &'a [u8],
+    pub scale: &'a [f32],
+    pub zero: &'a [f32],
+}
+
+/// An 8-bit weight, `w = scale · q`.
+#[derive(Clone, Copy)]
+pub struct Int8<'a> {
+    pub n: usize,
+    pub k: usize,
+    pub codes: &'a [i8],
+    pub scale: &'a [f32],
+}
+
+#[derive(Clone, Copy)]
+pub enum Weight<'a> {
+    Int4(Int4<'a>),
+    Int8(Int8<'a>),
+}
+
+/// Activation rows, `[M, K]` row-major.
+#[derive(Clone, Copy)]
+pub enum Act<'a> {
+    F32(&'a [f32]),
+    /// bfloat16 as its bits.
+    Bf16(&'a [u16]),
+}
+
+/// Which inner loop runs: the AVX-512 VNNI one, or the portable one (same arithmetic).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    Scalar,
+    Avx512Vnni,
+}
+
+/// The fastest kernel this CPU supports, detected at run time.
+pub fn best_kernel() -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+        {
+            return Kernel::Avx512Vnni;
+        }
+    }
+    Kernel::Scalar
+}
+
+impl Weight<'_> {
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            Weight::Int4(w) => (w.n, w.k),
+            Weight::Int8(w) => (w.n, w.k),
+        }
+    }
+
+    /// Checks the buffers' lengths against the shape; the error names the bad field.
+    pub fn validate(&self) -> Result<(), String> {
+        let (n, k) = self.shape();
+        if k == 0 || k % GROUP != 0 {
+            return Err(format!("K = {k} must be a positive multiple of {GROUP}"));
+        }
+        let kb = k / GROUP;
+        let check = |field: &str, len: usize, want: usize| {
+            if len == want {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{field} has {len} elements, [{n}, {k}] needs {want}"
+                ))
+            }
+        };
+        match self {
+            Weight::Int4(w) => {
+                check("packed", w.packed.len(), n * k / 2)?;
+                check("scale", w.scale.len(), n * kb)?;
+                check("zero", w.zero.len(), n * kb)
+            }
+            Weight::Int8(w) => {
+                check("codes", w.codes.len(), n * k)?;
+                check("scale", w.scale.len(), n * kb)
+            }
+        }
+    }
+}
+
+/// Packs `codes [N, K]` (each 0..15) into [`Int4`]'s layout.
+pub fn pack_int4(codes: &[u8], n: usize, k: usize) -> Vec<u8> {
+    assert!(
+        k.is_multiple_of(GROUP) && codes.len() == n * k,
+        "codes must be [N, K] with K a multiple of {GROUP}"
+    );
+    let mut out = vec![0u8; n * k / 2];
+    for (row, dst) in codes.chunks_exact(k).zip(out.chunks_exact_mut(k / 2)) {
+        let pairs = k / (2 * GROUP);
+        for p in 0..pairs {
+            let (src, d) = (&row[p * 64..p * 64 + 64], &mut dst[p * 32..p * 32 + 32]);
+            for j in 0..32 {
+                d[j] = (src[j] & 15) | ((src[32 + j] & 15) << 4);
+            }
+        }
+        if (k / GROUP) % 2 == 1 {
+            let (src, d) = (&row[pairs * 64..], &mut dst[pairs * 32..]);
+            for j in 0..16 {
+                d[j] = (src[j] & 15) | ((src[16 + j] & 15) << 4);
+            }
+        }
+    }
+    out
+}
+
+/// Activation rows quantized per group: `x ≈ d · q`.
+struct QAct {
+    k: usize,
+    q: Vec<i8>,     // [M, K]
+    d: Vec<f32>,    // [M, KB]
+    dsum: Vec<f32>, // [M, KB]: d · Σq
+    xsum: Vec<f32>, // [M, KB]: Σx (exact, for the int4 zero term)
+    /// [M, pairs, 16]: d of a pair's first group in lanes 0..8, the second's in 8..16.
+    dlanes: Vec<f32>,
+    /// [M, pairs, 16]: −bias · (the sum of the 4 codes a `vpdpbusd` lane takes), the lane's
+    /// start value, so that the unsigned codes' offset (int4: 8, int8: 128) cancels exactly.
+    negcorr: Vec<i32>,
+}
+
+fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+fn quantize_act(x: Act, m: usize, k: usize, bias: i32) -> QAct {
+    let kb = k / GROUP;
+    let pairs = kb / 2;
+    let mut a = QAct {
+        k,
+        q: vec![0; m * k],
+        d: vec![0.0; m * kb],
+        dsum: vec![0.0; m * kb],
+        xsum: vec![0.0; m * kb],
+        dlanes: vec![0.0; m * pairs * 16],
+        negcorr: vec![0; m * pairs * 16],
+    };
+    let mut buf = [0f32; GROUP];
+    for g in 0..m * kb {
+        match x {
+            Act::F32(v) => buf.copy_from_slice(&v[g * GROUP..(g + 1) * GROUP]),
+            Act::Bf16(v) => {
+                for (b, &s) in buf.iter_mut().zip(&v[g * GROUP..(g + 1) * GROUP]) {
+                    *b = bf16_to_f32(s);
+                }
+            }
+        }
+        let amax = buf.iter().fold(0f32, |acc, v| acc.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut qsum = 0i32;
+        for (q, &v) in a.q[g * GROUP..(g + 1) * GROUP].iter_mut().zip(&buf) {
+            let r = (v * inv).round().clamp(-127.0, 127.0) as i8;
+            *q = r;
+            qsum += r as i32;
+        }
+        a.d[g] = d;
+        a.dsum[g] = d * qsum as f32;
+        a.xsum[g] = buf.iter().sum();
+    }
+    for row in 0..m {
+        for p in 0..pairs {
+            let lanes = &mut a.dlanes[(row * pairs + p) * 16..][..16];
+            lanes[..8].fill(a.d[row * kb + 2 * p]);
+            lanes[8..].fill(a.d[row * kb + 2 * p + 1]);
+            let q = &a.q[row * k + p * 64..][..64];
+            for (lane, c) in a.negcorr[(row * pairs + p) * 16..][..16]
+                .iter_mut()
+                .enumerate()
+            {
+                *c = -bias
+                    * q[lane * 4..lane * 4 + 4]
+                        .iter()
+                        .map(|&v| v as i32)
+                        .sum::<i32>();
+            }
+        }
+    }
+    a
+}
+
+/// The output pointer shared by the tasks of one call; each writes its own columns.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+impl OutPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Output rows a task takes: enough that a task is not dwarfed by the pool's overhead.
+const MIN_ROWS_PER_TASK: usize = 16;
+
+/// `out[M, N] = x[M, K] · Wᵀ` (float32 out), split over `pool`'s threads by output rows.
+pub fn matmul(
+    w: &Weight,
+    x: Act,
+    m: usize,
+    out: &mut [f32],
+    pool: &Pool,
+    kernel: Kernel,
+) -> Result<(), String> {
+    w.validate()?;
+    let (n, k) = w.shape();
+    let xlen = match x {
+        Act::F32(v) => v.len(),
+        Act::Bf16(v) => v.len(),
+    };
+    if xlen != m * k || out.len() != m * n {
+        return Err(format!(
+            "x has {xlen} elements and out {}, [M={m}, K={k}] x [N={n}] needs {} and {}",
+            out.len(),
+            m * k,
+            m * n
+        ));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let a = quantize_act(
+        x,
+        m,
+        k,
+        match w {
+            Weight::Int4(_) => 8,
+            Weight::Int8(_) => 128,
+        },
+    );
+    let outp = OutPtr(out.as_mut_ptr());
+    // Tasks: a few per thread (a shared machine deschedules threads unevenly), each with
+    // at least MIN_ROWS_PER_TASK rows; small calls run on the caller alone.
+    let tasks = (n / MIN_ROWS_PER_TASK).clamp(1, 4 * pool.threads());
+    let tasks = if n * k * m < 1 << 16 { 1 } else { tasks };
+    let rows_per = n.div_ceil(tasks);
+    let run = |t: usize| {
+        let (lo, hi) = (t * rows_per, ((t + 1) * rows_per).min(n));
+        if lo < hi {
+            // SAFETY: tasks write disjoint column ranges [lo, hi) of `out`, alive for the call.
+            unsafe { rows(w, &a, m, n, lo, hi, outp, kernel) };
+        }
+    };
+    if tasks == 1 {
+        run(0);
+    } else {
+        pool.run(tasks, &run);
+    }
+    Ok(())
+}
+
+/// Output columns `lo..hi` of every row.
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows(
+    w: &Weight,
+    a: &QAct,
+    m: usize,
+    n: usize,
+    lo: usize,
+    hi: usize,
+    out: OutPtr,
+    kernel: Kernel,
+) {
+    let mut m0 = 0;
+    while m0 < m {
+        let mt = (m - m0).min(4);
+        for col in lo..hi {
+            let mut acc = [0f32; 4];
+            match kernel {
+                #[cfg(target_arch = "x86_64")]
+                Kernel::Avx512Vnni => simd::dot_rows(w, a, m0, mt, col, &mut acc),
+                _ => scalar_dot_rows(w, a, m0, mt, col, &mut acc),
+            }
+            for (r, v) in acc[..mt].iter().enumerate() {
+                *out.0.add((m0 + r) * n + col) = *v;
+            }
+        }
+        m0 += mt;
+    }
+}
+
+/// The per-group terms the scalar loop's dot products of raw codes leave out: int4's
+/// `−8 · scale · d · Σq + zero · Σx` (none for int8, whose codes are signed).
+fn correction(w: &Weight, a: &QAct, row: usize, col: usize) -> f32 {
+    let kb = a.k / GROUP;
+    let (dsum, xsum) = (&a.dsum[row * kb..][..kb], &a.xsum[row * kb..][..kb]);
+    match w {
+        Weight::Int4(w) => {
+            let (s, z) = (&w.scale[col * kb..][..kb], &w.zero[col * kb..][..kb]);
+            (0..kb).map(|g| z[g] * xsum[g] - 8.0 * s[g] * dsum[g]).sum()
+        }
+        Weight::Int8(_) => 0.0,
+    }
+}
+
+/// The codes of group `g` of output row `col`, in column order.
+fn group_codes(w: &Weight, col: usize, g: usize, codes: &mut [i32; GROUP]) {
+    match w {
+        Weight::Int4(w) => {
+            let kb = w.k / GROUP;
+            let row = &w.packed[col * w.k / 2..][..w.k / 2];
+            if g / 2 < kb / 2 {
+                let pair = &row[(g / 2) * 32..][..32];
+                let shift = 4 * (g % 2) as u32;
+                for (c, &b) in codes.iter_mut().zip(pair) {
+                    *c = ((b >> shift) & 15) as i32;
+                }
+            } else {
+                let last = &row[(g / 2) * 32..][..16];
+                for j in 0..16 {
+                    codes[j] = (last[j] & 15) as i32;
+                    codes[16 + j] = (last[j] >> 4) as i32;
+                }
+            }
+        }
+        Weight::Int8(w) => {
+            for (c, &q) in codes
+                .iter_mut()
+                .zip(&w.codes[col * w.k + g * GROUP..][..GROUP])
+            {
+                *c = q as i32;
+            }
+        }
+    }
+}
+
+/// The portable inner loop: the same arithmetic as the SIMD one, one group at a time.
+#[allow(clippy::needless_range_loop)]
+fn scalar_dot_rows(w: &Weight, a: &QAct, m0: usize, mt: usize, col: usize, acc: &mut [f32; 4]) {
+    let kb = a.k / GROUP;
+    let mut codes = [0i32; GROUP];
+    let scale = match w {
+        Weight::Int4(w) => &w.scale[col * kb..][..kb],
+        Weight::Int8(w) => &w.scale[col * kb..][..kb],
+    };
+    for g in 0..kb {
+        group_codes(w, col, g, &mut codes);
+        for r in 0..mt {
+            let row = m0 + r;
+            let q = &a.q[row * a.k + g * GROUP..][..GROUP];
+            let dot: i32 = codes.iter().zip(q).map(|(&c, &x)| c * x as i32).sum();
+            acc[r] += scale[g] * a.d[row * kb + g] * dot as f32;
+        }
+    }
+    for (r, v) in acc[..mt].iter_mut().enumerate() {
+        *v += correction(w, a, m0 + r, col);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    pub(super) unsafe fn dot_rows(
+        w: &Weight,
+        a: &QAct,
+        m0: usize,
+        mt: usize,
+        col: usize,
+        acc: &mut [f32; 4],
+    ) {
+        match (w, mt) {
+            (Weight::Int4(w), 1) => int4_rows::<1>(w, a, m0, col, acc),
+            (Weight::Int4(w), 2) => int4_rows::<2>(w, a, m0, col, acc),
+            (Weight::Int4(w), 3) => int4_rows::<3>(w, a, m0, col, acc),
+            (Weight::Int4(w), _) => int4_rows::<4>(w, a, m0, col, acc),
+            (Weight::Int8(w), 1) => int8_rows::<1>(w, a, m0, col, acc),
+            (Weight::Int8(w), 2) => int8_rows::<2>(w, a, m0, col, acc),
+            (Weight::Int8(w), 3) => int8_rows::<3>(w, a, m0, col, acc),
+            (Weight::Int8(w), _) => int8_rows::<4>(w, a, m0, col, acc),
+        }
+    }
+
+    /// One pair of groups (64 columns) of `MT` activation rows against one weight row whose
+    /// 64 codes `wq` are unsigned bytes (int4: q, int8: q + 128): `vpdpbusd` from the
+    /// lanes' `negcorr` gives the signed codes' integer dot (8 lanes a group), scaled by
+    /// `scale · d` into float accumulators.
+    #[inline(always)]
+    unsafe fn pair<const MT: usize>(
+        a: &QAct,
+        m0: usize,
+        p: usize,
+        wq: __m512i,
+        sv: __m512,
+        acc: &mut [__m512; MT],
+    ) {
+        let pairs = a.k / (2 * GROUP);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let row = m0 + r;
+            let xq = _mm512_loadu_si512(a.q.as_ptr().add(row * a.k + p * 64).cast());
+            let at = (row * pairs + p) * 16;
+            let dot = _mm512_dpbusd_epi32(
+                _mm512_loadu_si512(a.negcorr.as_ptr().add(at).cast()),
+                wq,
+                xq,
+            );
+            let dl = _mm512_loadu_ps(a.dlanes.as_ptr().add(at));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, dl), *acc);
+        }
+    }
+
+    /// Lanes 0..8 the pair's first scale, 8..16 its second.
+    #[inline(always)]
+    unsafe fn scale_lanes(scale: *const f32) -> __m512 {
+        let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        _mm512_permutexvar_ps(
+            idx,
+            _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(scale.cast()))),
+        )
+    }
+
+    /// Sum over the last, odd group (not in a pair) of `scale · d · Σ (w_code − offset) · qx`.
+    fn odd_group(w: &Weight, a: &QAct, row: usize, col: usize, offset: i32) -> f32 {
+        let kb = a.k / GROUP;
+        if kb.is_multiple_of(2) {
+            return 0.0;
+        }
+        let g = kb - 1;
+        let mut codes = [0i32; GROUP];
+        group_codes(w, col, g, &mut codes);
+        let q = &a.q[row * a.k + g * GROUP..][..GROUP];
+        let dot: i32 = codes
+            .iter()
+            .zip(q)
+            .map(|(&c, &x)| (c - offset) * x as i32)
+            .sum();
+        let scale = match w {
+            Weight::Int4(w) => w.scale[col * kb + g],
+            Weight::Int8(w) => w.scale[col * kb + g],
+        };
+        scale * a.d[row * kb + g] * dot as f32
+    }
+
+    /// 16 floats `s · codes + z` to bf16 (round to nearest even) at `dst`.
+    #[inline(always)]
+    unsafe fn store_bf16(codes: __m512i, s: __m512, z: __m512, dst: *mut u16) {
+        let v = _mm512_castps_si512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), s, z));
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(v), _mm512_set1_epi32(1));
+        let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+            v,
+            _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)),
+        ));
+        _mm256_storeu_si256(dst.cast(), _mm512_cvtepi32_epi16(r));
+    }
+
+    /// Row `col` of the weight as bf16 into `dst` (`[K]`); an odd last int4 group is left
+    /// to the caller.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn dequantize_row(w: &Weight, col: usize, dst: &mut [u16]) {
+        match w {
+            Weight::Int4(w) => {
+                let (k, kb) = (w.k, w.k / GROUP);
+                let row = w.packed.as_ptr().add(col * k / 2);
+                for p in 0..kb / 2 {
+                    let mut codes = [0u8; 64];
+                    for j in 0..32 {
+                        let b = *row.add(p * 32 + j);
+                        codes[j] = b & 15;
+                        codes[32 + j] = b >> 4;
+                    }
+                    for q in 0..4 {
+                        let g = col * kb + 2 * p + q / 2;
+                        let (sc, z) = (w.scale[g], w.zero[g] - 8.0 * w.scale[g]);
+                        let c = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                            codes.as_ptr().add(q * 16).cast(),
+                        ));
+                        store_bf16(
+                            c,
+                            _mm512_set1_ps(sc),
+                            _mm512_set1_ps(z),
+                            dst.as_mut_ptr().add(p * 64 + q * 16),
+                        );
+                    }
+                }
+            }
+            Weight::Int8(w) => {
+                let (k, kb) = (w.k, w.k / GROUP);
+                let row = w.codes.as_ptr().add(col * k);
+                for g in 0..kb {
+                    let sc = _mm512_set1_ps(w.scale[col * kb + g]);
+                    for h in 0..2 {
+                        let c = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                            row.add(g * GROUP + h * 16).cast(),
+                        ));
+                        store_bf16(
+                            c,
+                            sc,
+                            _mm512_setzero_ps(),
+                            dst.as_mut_ptr().add(g * GROUP + h * 16),
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn int4_rows<const MT: usize>(
+        w: &Int4,
+        a: &QAct,
+        m0: usize,
+        col: usize,
+        out: &mut [f32; 4],
+    ) {
+        let (k, kb) = (a.k, a.k / GROUP);
+        let mut acc = [_mm512_setzero_ps(); MT];
+        let scale = w.scale.as_ptr().add(col * kb);
+        let low = _mm256_set1_epi8(15);
+        let row = w.packed.as_ptr().add(col * k / 2);
+        for p in 0..kb / 2 {
+            let bytes = _mm256_loadu_si256(row.add(p * 32).cast());
+            let lo = _mm256_and_si256(bytes, low);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low);
+            let wq = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            pair::<MT>(a, m0, p, wq, scale_lanes(scale.add(2 * p)), &mut acc);
+        }
+        // the zeros' term Σ zero · Σx, 16 groups a step, into the same accumulators
+        let zero = w.zero.as_ptr().add(col * kb);
+        for g in (0..kb).step_by(16) {
+            let mask: __mmask16 = if kb - g >= 16 {
+                0xffff
+            } else {
+                (1u16 << (kb - g)) - 1
+            };
+            let z = _mm512_maskz_loadu_ps(mask, zero.add(g));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let xs = _mm512_maskz_loadu_ps(mask, a.xsum.as_ptr().add((m0 + r) * kb + g));
+                *acc = _mm512_fmadd_ps(z, xs, *acc);
+            }
+        }
+        for r in 0..MT {
+            out[r] = _mm512_reduce_add_ps(acc[r]) + odd_group(&Weight::Int4(*w), a, m0 + r, col, 8);
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn int8_rows<const MT: usize>(
+        w: &Int8,
+        a: &QAct,
+        m0: usize,
+        col: usize,
+        out: &mut [f32; 4],
+    ) {
+        let (k, kb) = (a.k, a.k / GROUP);
+        let mut acc = [_mm512_setzero_ps(); MT];
+        let scale = w.scale.as_ptr().add(col * kb);
+        let flip = _mm512_set1_epi8(-128);
+        let row = w.codes.as_ptr().add(col * k);
+        for p in 0..kb / 2 {
+            // signed codes made unsigned (q + 128); `negcorr` takes 128 · Σqx back off
+            let wq = _mm512_xor_si512(_mm512_loadu_si512(row.add(p * 64).cast()), flip);
+            pair::<MT>(a, m0, p, wq, scale_lanes(scale.add(2 * p)), &mut acc);
+        }
+        for r in 0..MT {
+            out[r] = _mm512_reduce_add_ps(acc[r]) + odd_group(&Weight::Int8(*w), a, m0 + r, col, 0);
+        }
+    }
+}
+
+/// bf16 bits of `v`, rounded to nearest even.
+fn f32_to_bf16(v: f32) -> u16 {
+    let bits = v.to_bits();
+    ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+}
+
+/// The whole weight as bfloat16 `[N, K]` (for large M, where a dense GEMM wins).
+pub fn dequantize_bf16(
+    w: &Weight,
+    out: &mut [u16],
+    pool: &Pool,
+    kernel: Kernel,
+) -> Result<(), String> {
+    w.validate()?;
+    let (n, k) = w.shape();
+    if out.len() != n * k {
+        return Err(format!(
+            "out has {} elements, [{n}, {k}] needs {}",
+            out.len(),
+            n * k
+        ));
+    }
+    let kb = k / GROUP;
+    let tasks = (n / 64).clamp(1, 4 * pool.threads());
+    let rows_per = n.div_ceil(tasks);
+    let outp = OutPtr(out.as_mut_ptr() as *mut f32);
+    pool.run(tasks, &|t| {
+        let mut codes = [0i32; GROUP];
+        for col in t * rows_per..((t + 1) * rows_per).min(n) {
+            // SAFETY: each task writes its own rows of `out`.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut((outp.get() as *mut u16).add(col * k), k) };
+            let mut first = 0;
+            #[cfg(target_arch = "x86_64")]
+            if kernel == Kernel::Avx512Vnni {
+                // SAFETY: the CPU has AVX-512 (checked by `best_kernel`).
+                unsafe { simd::dequantize_row(w, col, dst) };
+                first = match w {
+                    Weight::Int4(_) => kb / 2 * 2,
+                    Weight::Int8(_) => kb,
+                };
+            }
+            for g in first..kb {
+                group_codes(w, col, g, &mut codes);
+                let (s, z) = match w {
+                    Weight::Int4(w) => (
+                        w.scale[col * kb + g],
+                        w.zero[col * kb + g] - 8.0 * w.scale[col * kb + g],
+                    ),
+                    Weight::Int8(w) => (w.scale[col * kb + g], 0.0),
+                };
+                for (d, &c) in dst[g * GROUP..][..GROUP].iter_mut().zip(&codes) {
+                    *d = f32_to_bf16(s * c as f32 + z);
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

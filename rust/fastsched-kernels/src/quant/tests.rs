@@ -1,0 +1,262 @@
+//! Each kernel against the scalar reference: dequantize in f64, then matmul.
+
+use super::*;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() % 1_000_000) as f32 / 500_000.0 - 1.0
+    }
+}
+
+struct Dense {
+    n: usize,
+    k: usize,
+    w: Vec<f64>,
+}
+
+fn int4_case(rng: &mut Rng, n: usize, k: usize) -> (Vec<u8>, Vec<f32>, Vec<f32>, Dense) {
+    let kb = k / GROUP;
+    let codes: Vec<u8> = (0..n * k).map(|_| (rng.next() % 16) as u8).collect();
+    let scale: Vec<f32> = (0..n * kb)
+        .map(|_| 0.01 + 0.05 * rng.uniform().abs())
+        .collect();
+    let zero: Vec<f32> = (0..n * kb).map(|_| 0.1 * rng.uniform()).collect();
+    let w = (0..n * k)
+        .map(|i| scale[i / GROUP] as f64 * (codes[i] as f64 - 8.0) + zero[i / GROUP] as f64)
+        .collect();
+    (pack_int4(&codes, n, k), scale, zero, Dense { n, k, w })
+}
+
+fn int8_case(rng: &mut Rng, n: usize, k: usize) -> (Vec<i8>, Vec<f32>, Dense) {
+    let codes: Vec<i8> = (0..n * k)
+        .map(|_| ((rng.next() % 255) as i32 - 127) as i8)
+        .collect();
+    let scale: Vec<f32> = (0..n * k / GROUP)
+        .map(|_| 0.001 + 0.01 * rng.uniform().abs())
+        .collect();
+    let w = (0..n * k)
+        .map(|i| scale[i / GROUP] as f64 * codes[i] as f64)
+        .collect();
+    (codes, scale, Dense { n, k, w })
+}
+
+/// Checks `out` against `x · Wᵀ` in f64 within the bound the activations' rounding allows:
+/// each x is off by at most half its group's step (`max|x| / 254`), so the error is at
+/// most Σ |w| · max|x|_group / 254 (plus float32 accumulation, 1e-5 of Σ |w·x|).
+fn check(out: &[f32], x: &[f32], m: usize, d: &Dense, what: &str) {
+    for r in 0..m {
+        let xr = &x[r * d.k..][..d.k];
+        let amax: Vec<f64> = xr
+            .chunks(GROUP)
+            .map(|g| g.iter().fold(0f64, |a, v| a.max(v.abs() as f64)))
+            .collect();
+        for c in 0..d.n {
+            let wr = &d.w[c * d.k..][..d.k];
+            let exact: f64 = wr.iter().zip(xr).map(|(w, &x)| w * x as f64).sum();
+            let bound: f64 = wr
+                .iter()
+                .enumerate()
+                .map(|(j, w)| w.abs() * amax[j / GROUP] / 254.0)
+                .sum::<f64>()
+                + 1e-5
+                    * wr.iter()
+                        .zip(xr)
+                        .map(|(w, &x)| (w * x as f64).abs())
+                        .sum::<f64>();
+            let got = out[r * d.n + c] as f64;
+            assert!(
+                (got - exact).abs() <= bound,
+                "{what}: row {r} col {c}: {got} vs {exact} (bound {bound})"
+            );
+        }
+    }
+}
+
+fn kernels() -> Vec<Kernel> {
+    let mut v = vec![Kernel::Scalar];
+    if best_kernel() != Kernel::Scalar {
+        v.push(best_kernel());
+    }
+    v
+}
+
+const SHAPES: [(usize, usize); 5] = [(1, 32), (7, 64), (37, 96), (130, 576), (19, 160)];
+
+#[test]
+fn int4_matches_dequantize_then_matmul() {
+    let mut rng = Rng(1);
+    let pool = Pool::new(2);
+    for (n, k) in SHAPES {
+        let (packed, scale, zero, dense) = int4_case(&mut rng, n, k);
+        let w = Weight::Int4(Int4 {
+            n,
+            k,
+            packed: &packed,
+            scale: &scale,
+            zero: &zero,
+        });
+        for m in [1, 3, 8, 33] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.uniform()).collect();
+            for kernel in kernels() {
+                let mut out = vec![0f32; m * n];
+                matmul(&w, Act::F32(&x), m, &mut out, &pool, kernel).unwrap();
+                check(
+                    &out,
+                    &x,
+                    m,
+                    &dense,
+                    &format!("int4 {kernel:?} m={m} n={n} k={k}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_matches_dequantize_then_matmul() {
+    let mut rng = Rng(2);
+    let pool = Pool::new(3);
+    for (n, k) in SHAPES {
+        let (codes, scale, dense) = int8_case(&mut rng, n, k);
+        let w = Weight::Int8(Int8 {
+            n,
+            k,
+            codes: &codes,
+            scale: &scale,
+        });
+        for m in [1, 3, 8, 33] {
+            let x: Vec<f32> = (0..m * k).map(|_| 3.0 * rng.uniform()).collect();
+            for kernel in kernels() {
+                let mut out = vec![0f32; m * n];
+                matmul(&w, Act::F32(&x), m, &mut out, &pool, kernel).unwrap();
+                check(
+                    &out,
+                    &x,
+                    m,
+                    &dense,
+                    &format!("int8 {kernel:?} m={m} n={n} k={k}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_activations_are_read_as_their_float32_values() {
+    let mut rng = Rng(3);
+    let pool = Pool::new(1);
+    let (n, k, m) = (33, 96, 3);
+    let (codes, scale, dense) = int8_case(&mut rng, n, k);
+    let w = Weight::Int8(Int8 {
+        n,
+        k,
+        codes: &codes,
+        scale: &scale,
+    });
+    let bits: Vec<u16> = (0..m * k).map(|_| f32_to_bf16(rng.uniform())).collect();
+    let x: Vec<f32> = bits.iter().map(|&b| bf16_to_f32(b)).collect();
+    let mut out = vec![0f32; m * n];
+    matmul(&w, Act::Bf16(&bits), m, &mut out, &pool, best_kernel()).unwrap();
+    check(&out, &x, m, &dense, "bf16 activations");
+}
+
+#[test]
+fn dequantize_bf16_matches_the_reference() {
+    let mut rng = Rng(4);
+    let pool = Pool::new(2);
+    let (n, k) = (70, 160);
+    let (packed, scale, zero, d4) = int4_case(&mut rng, n, k);
+    let (codes, s8, d8) = int8_case(&mut rng, n, k);
+    for (w, dense) in [
+        (
+            Weight::Int4(Int4 {
+                n,
+                k,
+                packed: &packed,
+                scale: &scale,
+                zero: &zero,
+            }),
+            d4,
+        ),
+        (
+            Weight::Int8(Int8 {
+                n,
+                k,
+                codes: &codes,
+                scale: &s8,
+            }),
+            d8,
+        ),
+    ] {
+        for kernel in kernels() {
+            let mut out = vec![0u16; n * k];
+            dequantize_bf16(&w, &mut out, &pool, kernel).unwrap();
+            for (i, (&b, &e)) in out.iter().zip(&dense.w).enumerate() {
+                let got = bf16_to_f32(b) as f64;
+                assert!(
+                    (got - e).abs() <= e.abs() / 256.0 + 1e-7,
+                    "{kernel:?} element {i}: {got} vs {e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_shapes_are_refused_naming_the_field() {
+    let pool = Pool::new(1);
+    let codes = vec![0i8; 60];
+    let scale = vec![1f32; 2];
+    let w = Weight::Int8(Int8 {
+        n: 2,
+        k: 32,
+        codes: &codes,
+        scale: &scale,
+    });
+    let mut out = vec![0f32; 2];
+    let err = matmul(&w, Act::F32(&[0.0; 32]), 1, &mut out, &pool, Kernel::Scalar).unwrap_err();
+    assert!(err.contains("codes") && err.contains("60"), "{err}");
+    let w = Weight::Int8(Int8 {
+        n: 1,
+        k: 40,
+        codes: &codes[..40],
+        scale: &scale[..1],
+    });
+    assert!(matmul(
+        &w,
+        Act::F32(&[0.0; 40]),
+        1,
+        &mut out[..1],
+        &pool,
+        Kernel::Scalar
+    )
+    .unwrap_err()
+    .contains("K = 40"));
+}
+
+#[test]
+fn zero_activation_groups_give_exact_zeros() {
+    let mut rng = Rng(5);
+    let pool = Pool::new(1);
+    let (n, k) = (16, 64);
+    let (codes, scale, _) = int8_case(&mut rng, n, k);
+    let w = Weight::Int8(Int8 {
+        n,
+        k,
+        codes: &codes,
+        scale: &scale,
+    });
+    for kernel in kernels() {
+        let mut out = vec![1f32; n];
+        matmul(&w, Act::F32(&vec![0.0; k]), 1, &mut out, &pool, kernel).unwrap();
+        assert!(out.iter().all(|&v| v == 0.0), "{kernel:?}: {out:?}");
+    }
+}
