@@ -415,9 +415,12 @@ class EngineCore:
         return len(self._in_flight)
 
     def shutdown(self) -> None:
-        """Stops the forward-pass thread (async scheduling) and tensor-parallel workers; not used after."""
+        """Stops the forward-pass thread (async scheduling) and tensor-parallel workers, and
+        writes out the step trace (the engine process skips finalizers); not used after."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self.step_tracer is not None:
+            self.step_tracer.close()
         if self.kv_transfer is not None:
             self.kv_transfer.close()
         if self.tp_group is not None:
