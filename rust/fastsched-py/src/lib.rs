@@ -4,8 +4,8 @@
 mod admission;
 mod config;
 mod errors;
-mod kv;
 mod kernels;
+mod kv;
 mod output;
 mod scheduler;
 
