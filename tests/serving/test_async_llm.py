@@ -201,7 +201,7 @@ def test_a5_rejection_leaves_no_trace_but_the_counter() -> None:
             ac.check_and_charge(f"x{i}", 1, 7)
     assert (ac.num_in_flight, ac.num_queued_tokens, ac.num_requests) == before
     assert ac.rejections == {"engine_faulted": 0, "max_num_queued_reqs": 3, "max_num_queued_tokens": 0, "ttft_slo": 0,
-                              "slo": 0}
+                              "slo": 0, "max_sessions": 0}
     ac.release("x0")  # never admitted: nothing to give back
     assert ac.num_in_flight == 1
     ac.release("a")

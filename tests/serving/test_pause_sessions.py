@@ -424,6 +424,7 @@ def test_s15_sessions_over_max_sessions_are_refused_with_503_and_retry_after_and
     llm = stack.llms[1]
     assert llm.max_sessions == 1  # the default: 2 engines x max_num_seqs 2, a quarter of it
     assert wait_for(lambda: llm.num_sessions == 0, timeout=30)
+    refused_before = llm.admission.rejections["max_sessions"]
     with ws_connect(ws_url(stack, 1)) as held:
         held.send(json.dumps({"type": "open", "request_id": "ws-held", "prompt": [7, 8, 9], "max_tokens": LONG,
                               **GREEDY}))
@@ -433,6 +434,8 @@ def test_s15_sessions_over_max_sessions_are_refused_with_503_and_retry_after_and
             error = json.loads(ws.recv(timeout=30))
         assert error["type"] == "error" and error["status"] == 503 and error["retry_after"] == 1, error
         assert error["error"]["code"] == "max_sessions" and error["error"]["type"] == "service_unavailable_error"
+        # A5: counted in admission_rejections_total{reason="max_sessions"} like every 503 of admission.
+        assert llm.admission.rejections["max_sessions"] == refused_before + 1
         r = httpx.post(stack.urls[1] + "/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": [5, 6], "max_tokens": 2, **GREEDY})
         assert r.status_code == 200, r.text

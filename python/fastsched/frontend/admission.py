@@ -52,10 +52,11 @@ MAX_NUM_QUEUED_REQS = "max_num_queued_reqs"
 MAX_NUM_QUEUED_TOKENS = "max_num_queued_tokens"
 TTFT_SLO = "ttft_slo"
 SLO = "slo"  # the goodput valve (A7)
+MAX_SESSIONS = "max_sessions"  # a session over --max-sessions (frontend.session)
 # The TTFT-SLO limit until measured, in scheduler steps of prompt per engine: more than
 # one step's worth, so prompt tokens are left over after a step and the engines measure.
 TTFT_SLO_FLOOR_STEPS = 2
-REASONS = (ENGINE_FAULTED, MAX_NUM_QUEUED_REQS, MAX_NUM_QUEUED_TOKENS, TTFT_SLO, SLO)
+REASONS = (ENGINE_FAULTED, MAX_NUM_QUEUED_REQS, MAX_NUM_QUEUED_TOKENS, TTFT_SLO, SLO, MAX_SESSIONS)
 # fastsched:slo_prediction_error_seconds: |predicted − measured|, seconds. Absolute, because
 # Prometheus histograms with negative buckets carry no _sum or _count.
 SLO_PREDICTION_ERROR_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -329,8 +330,13 @@ class AdmissionController:
                 f"{self.prefill_tokens_per_s:.0f} tokens/s{share}")
 
     def _reject(self, error: AdmissionError) -> None:
-        self._rejections[error.reason] += 1
+        self.count_rejection(error)
         raise error
+
+    def count_rejection(self, error: AdmissionError) -> None:
+        """``admission_rejections_total{reason}`` + 1, also for a refusal decided elsewhere
+        (a session over ``--max-sessions``)."""
+        self._rejections[error.reason] += 1
 
     # ------------------------------------------------------------ counters
 

@@ -214,6 +214,7 @@ class AsyncLLM:
                 f"{self.num_sessions} sessions are open on this frontend, its share of --max-sessions "
                 f"({self.max_sessions}); retry later", limit=self.max_sessions, current=self.num_sessions)
             self._history.add(rejected_status(valid.request_id, self.frontend_index, error, time.time(), 0))
+            self.admission.count_rejection(error)
             raise error
         return Session(self, self._admit(valid))
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from fastsched.frontend.admission import AdmissionError
+from fastsched.frontend.admission import MAX_SESSIONS, AdmissionError
 from fastsched.frontend.request_handle import RequestHandle
 from fastsched.inputs import PromptType
 from fastsched.outputs import RequestOutput
@@ -32,7 +32,6 @@ __all__ = ["Session", "SessionHost", "SessionLimitError", "SessionOutput", "Sess
            "session_cap"]
 
 
-MAX_SESSIONS = "max_sessions"  # the rejection reason (A5) of a session over the cap
 # The default cap: this share of the engines' max_num_seqs, so that sessions, which hold their
 # runner slot while they wait for input, never take every slot from ordinary requests.
 DEFAULT_SESSION_SHARE = 4
