@@ -14,8 +14,9 @@ position, prefix-cached blocks included.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -34,6 +35,13 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    @classmethod
+    def from_host(cls, step: Any, on_device: Callable[[Any], torch.Tensor]) -> AttentionMetadata:
+        """From a step's host arrays (the runner's prepared step, or a tensor-parallel
+        worker's ``StepInputs``), each moved by ``on_device``."""
+        return cls(on_device(step.slot_mapping), on_device(step.query_start_loc), on_device(step.seq_lens),
+                   on_device(step.block_tables), step.max_query_len, step.max_seq_len)
 
 
 class AttentionBackend(Protocol):

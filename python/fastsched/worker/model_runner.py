@@ -312,14 +312,7 @@ class ModelRunner:
         input_ids = on_device(step.input_ids)
         if len(step.placeholder_dst):
             input_ids[on_device(step.placeholder_dst)] = self._last_sampled[on_device(step.placeholder_src)]
-        metadata = AttentionMetadata(
-            slot_mapping=on_device(step.slot_mapping),
-            query_start_loc=on_device(step.query_start_loc),
-            seq_lens=on_device(step.seq_lens),
-            block_tables=on_device(step.block_tables),
-            max_query_len=step.max_query_len,
-            max_seq_len=step.max_seq_len,
-        )
+        metadata = AttentionMetadata.from_host(step, on_device)
         if self.step_channel is not None:
             self.step_channel.send(StepInputs(input_ids, step.positions, step.slot_mapping, step.query_start_loc,
                                               step.seq_lens, step.block_tables, step.max_query_len, step.max_seq_len,

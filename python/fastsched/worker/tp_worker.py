@@ -71,14 +71,7 @@ def serve_rank(spec: WorkerSpec) -> None:
                 model.num_local_kv_heads)
     with torch.inference_mode():
         while (step := channel.receive()) is not None:
-            metadata = AttentionMetadata(
-                slot_mapping=on_device(step.slot_mapping),
-                query_start_loc=on_device(step.query_start_loc),
-                seq_lens=on_device(step.seq_lens),
-                block_tables=on_device(step.block_tables),
-                max_query_len=step.max_query_len,
-                max_seq_len=step.max_seq_len,
-            )
+            metadata = AttentionMetadata.from_host(step, on_device)
             backend.prepare(metadata)
             hidden = model(step.input_ids, on_device(step.positions), kv_caches, metadata, backend)
             if step.compute_logits:  # the same rows as rank 0's ModelRunner.execute, for its gather
