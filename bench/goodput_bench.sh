@@ -15,6 +15,7 @@ PORT=${PORT:-18200}
 GRPC_PORT=${GRPC_PORT:-18250}
 FS=.venv/bin/fastsched
 mkdir -p bench/out
+. bench/lib/serve.sh
 GOODPUT_MS=(ttft:"$(awk "BEGIN{print $TTFT*1000}")" tpot:"$(awk "BEGIN{print $TPOT*1000}")")
 
 # As bench/ttft_slo_bench.sh: engine-bound on purpose (a 135M model on two CPU cores).
@@ -23,22 +24,13 @@ SERVER_FLAGS=(--device cpu --dtype float32 --max-model-len 2048 --kv-cache-memor
 
 run_one() {
   local name=$1; shift
-  "$FS" serve "${SERVER_FLAGS[@]}" "$@" >"bench/out/goodput_${name}.log" 2>&1 &
-  local pid=$!
-  trap 'kill -INT $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
-  for _ in $(seq 1 240); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-    kill -0 "$pid" 2>/dev/null || { echo "server exited; see bench/out/goodput_${name}.log" >&2; exit 1; }
-    sleep 0.5
-  done
+  serve_start "bench/out/goodput_${name}.log" "$PORT" -- "${SERVER_FLAGS[@]}" "$@"
   "$FS" bench serve --url "http://127.0.0.1:$PORT" --qps "$QPS" --num-requests "$NUM" \
       --prompt-len 256 --output-len 16 --seed 0 --no-progress --goodput "${GOODPUT_MS[@]}" \
       --out "bench/out/goodput_${name}.json"
   curl -s "http://127.0.0.1:$PORT/metrics" \
       | grep -E '^fastsched:(admission_rejections_total|slo_prediction_error_seconds_(sum|count))' || true
-  kill -INT "$pid"
-  wait "$pid" || true
-  trap - EXIT
+  serve_stop
 }
 
 echo "== without admission control"

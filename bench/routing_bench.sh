@@ -17,6 +17,7 @@ GRPC_PORT=${GRPC_PORT:-18781}
 KV_BLOCKS=${KV_BLOCKS:-192}
 FS=.venv/bin/fastsched
 mkdir -p bench/out
+. bench/lib/serve.sh
 
 SERVER_FLAGS=(--device cpu --dtype float32 --max-model-len 1024 --num-gpu-blocks-override "$KV_BLOCKS"
               --max-num-batched-tokens 1024 --data-parallel-size 2 --torch-num-threads 1
@@ -27,23 +28,11 @@ BENCH_FLAGS=(--dataset-name prefix_repetition --prefix-repetition-num-prefixes 8
 
 run_one() {
   local name=$1; shift
-  if curl -s "http://127.0.0.1:$PORT/health" >/dev/null; then
-    echo "port $PORT is taken by another server; set PORT and GRPC_PORT" >&2; exit 1
-  fi
-  "$FS" serve "${SERVER_FLAGS[@]}" "$@" >"bench/out/routing_${name}.log" 2>&1 &
-  local pid=$!
-  trap 'kill -INT $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
-  for _ in $(seq 1 480); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-    kill -0 "$pid" 2>/dev/null || { echo "server exited; see bench/out/routing_${name}.log" >&2; exit 1; }
-    sleep 0.5
-  done
+  serve_start "bench/out/routing_${name}.log" "$PORT" 480 -- "${SERVER_FLAGS[@]}" "$@"
   "$FS" bench serve --url "http://127.0.0.1:$PORT" "${BENCH_FLAGS[@]}" --out "bench/out/routing_${name}.json"
   curl -s "http://127.0.0.1:$PORT/metrics" \
     | grep -E '^fastsched:(routing_decisions_total|prefix_cache_(queries|hits)_total)' || true
-  kill -INT "$pid"
-  wait "$pid" || true
-  trap - EXIT
+  serve_stop
 }
 
 echo "== --routing load"

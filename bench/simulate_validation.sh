@@ -17,6 +17,7 @@ GRPC_PORT=${GRPC_PORT:-18250}
 FS=.venv/bin/fastsched
 OUT=bench/out/simulate
 mkdir -p "$OUT"
+. bench/lib/serve.sh
 rm -f "$OUT/steps.jsonl"
 [ -d "$OUT/tiny" ] || "$FS" make-tiny-model "$OUT/tiny"
 
@@ -24,22 +25,13 @@ ENGINE_FLAGS=(--model "$OUT/tiny" --device cpu --dtype float32 --kv-cache-memory
 LOAD=(--prompt-len 128 --output-len 64 --seed 0)
 NUM_CAL=$((NUM / 5))
 
-"$FS" serve "${ENGINE_FLAGS[@]}" --port "$PORT" --grpc-port "$GRPC_PORT" --disable-access-log \
-    --step-trace "$OUT/steps.jsonl" >"$OUT/serve.log" 2>&1 &
-pid=$!
-trap 'kill -INT $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
-for _ in $(seq 1 240); do
-  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-  kill -0 "$pid" 2>/dev/null || { echo "server exited; see $OUT/serve.log" >&2; exit 1; }
-  sleep 0.5
-done
+serve_start "$OUT/serve.log" "$PORT" -- "${ENGINE_FLAGS[@]}" --port "$PORT" --grpc-port "$GRPC_PORT" \
+    --disable-access-log --step-trace "$OUT/steps.jsonl"
 "$FS" bench serve --url "http://127.0.0.1:$PORT" --qps "$CAL" --num-requests "$NUM_CAL" "${LOAD[@]}" \
     --no-progress --out "$OUT/calibration_measured.json"
 "$FS" bench serve --url "http://127.0.0.1:$PORT" --qps "$QPS1" "$QPS2" --num-requests "$NUM" "${LOAD[@]}" \
     --no-progress --out "$OUT/measured.json"
-kill -INT "$pid"
-wait "$pid" || true
-trap - EXIT
+serve_stop
 
 "$FS" bench fit-step-cost "$OUT/steps.jsonl" --out "$OUT/cost.json"
 "$FS" simulate "${ENGINE_FLAGS[@]}" --cost-model "$OUT/cost.json" --qps "$CAL" --num-requests "$NUM_CAL" \

@@ -13,6 +13,7 @@ PORT=${PORT:-18100}
 GRPC_PORT=${GRPC_PORT:-18150}
 FS=.venv/bin/fastsched
 mkdir -p bench/out
+. bench/lib/serve.sh
 
 # Engine-bound on purpose: a 135M model prefills a few hundred tokens/s on two CPU cores,
 # so the engine, not the Python serving path, is what overload saturates.
@@ -21,20 +22,11 @@ SERVER_FLAGS=(--device cpu --dtype float32 --max-model-len 2048 --kv-cache-memor
 
 run_one() {
   local name=$1; shift
-  "$FS" serve "${SERVER_FLAGS[@]}" "$@" >"bench/out/ttft_slo_${name}.log" 2>&1 &
-  local pid=$!
-  trap 'kill -INT $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
-  for _ in $(seq 1 240); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-    kill -0 "$pid" 2>/dev/null || { echo "server exited; see bench/out/ttft_slo_${name}.log" >&2; exit 1; }
-    sleep 0.5
-  done
+  serve_start "bench/out/ttft_slo_${name}.log" "$PORT" -- "${SERVER_FLAGS[@]}" "$@"
   "$FS" bench serve --url "http://127.0.0.1:$PORT" --qps "$QPS" --num-requests "$NUM" \
       --prompt-len 256 --output-len 16 --seed 0 --no-progress --out "bench/out/ttft_slo_${name}.json"
   curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^fastsched:(admission_queued_tokens_limit|prefill_throughput|admission_rejections_total)' || true
-  kill -INT "$pid"
-  wait "$pid" || true
-  trap - EXIT
+  serve_stop
 }
 
 echo "== without admission control"
