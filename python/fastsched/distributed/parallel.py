@@ -19,12 +19,15 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def split_range(total: int, rank: int, size: int) -> tuple[int, int]:
-    """``[start, end)`` of rank ``rank``'s even share of ``total``, which ``size`` must divide."""
-    if total % size:
+def split_range(total: int, rank: int, size: int, *, uneven: bool = False) -> tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s share of ``total``: equal shares, which ``size`` must
+    divide, or with ``uneven`` the first ``total % size`` ranks one more each (whole KV heads
+    of a model whose KV heads do not split evenly, e.g. SmolLM2's 3 over 2 ranks: 2 + 1)."""
+    if total % size and not uneven:
         raise ValueError(f"{total} does not split over tensor_parallel_size {size}")
-    share = total // size
-    return rank * share, (rank + 1) * share
+    share, extra = divmod(total, size)
+    start = rank * share + min(rank, extra)
+    return start, start + share + (rank < extra)
 
 
 @dataclass

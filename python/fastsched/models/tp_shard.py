@@ -5,8 +5,12 @@
   bias only on rank 0, so that the all-reduce adds it once;
 - vocab-parallel: embedding and lm_head rows, each rank ``ceil(vocab / size)`` of them, the
   last rank's tail zero padding;
-- KV heads split like the query heads, or, with fewer KV heads than ranks, the one KV head
-  that the rank's query heads read, replicated;
+- attention by whole GQA groups (the query heads that read one KV head): each rank holds whole
+  KV heads with their groups' query heads, the first ``kv % size`` ranks one KV head more
+  (SmolLM2's 9 query / 3 KV heads over 2 ranks: query heads 0-5 and KV heads 0-1, then 6-8
+  and 2), so q/k/v and o_proj shards may differ in width between ranks; with fewer KV heads
+  than ranks, each KV head is replicated on ``size / kv`` ranks, which split its group's
+  query heads (:func:`head_ranges`);
 - everything else (norms) whole.
 
 A quantized weight (:class:`Int4Weight`, :class:`Int8Weight`) is sliced before it is packed: by rows, or by columns in whole
@@ -25,24 +29,43 @@ from fastsched.models.config import ModelConfig
 Weight = torch.Tensor | Int4Weight | Int8Weight
 
 
+def head_ranges(config: ModelConfig, rank: int, size: int) -> tuple[range, range]:
+    """(query heads, KV heads) rank ``rank`` of ``size`` holds, whole GQA groups on one rank.
+
+    Every KV head lives wholly on the ranks whose query heads read it, so attention needs no
+    collective. With at least as many KV heads as ranks any count splits (unevenly if need
+    be). With fewer, each KV head is replicated on the same number of ranks, so ``size``
+    must be a multiple of the KV heads and each replica needs one of its group's query
+    heads at least; anything else is refused naming the numbers."""
+    heads, kv = config.num_heads, config.num_kv_heads
+    group = heads // kv
+    if kv >= size:
+        first, last = split_range(kv, rank, size, uneven=True)
+        return range(first * group, last * group), range(first, last)
+    replicas = size // kv
+    if size % kv or group < replicas:
+        raise ValueError(f"the model's {heads} attention heads and {kv} KV heads do not split over "
+                         f"tensor_parallel_size {size}: with fewer KV heads than ranks each KV head is replicated "
+                         f"on the same number of ranks (tensor_parallel_size a multiple of {kv}, at most {heads})")
+    head = rank // replicas
+    start, end = split_range(group, rank % replicas, replicas, uneven=True)
+    return range(head * group + start, head * group + end), range(head, head + 1)
+
+
 def local_heads(config: ModelConfig, tp: TensorParallel) -> tuple[int, int]:
-    """(query heads, KV heads) one rank holds; errors name the head count that does not split."""
-    if config.num_heads % tp.size:
-        raise ValueError(f"the model's {config.num_heads} attention heads do not split over tensor_parallel_size "
-                         f"{tp.size}")
-    kv = config.num_kv_heads
-    if kv % tp.size and tp.size % kv:
-        raise ValueError(f"the model's {kv} KV heads neither split over nor replicate onto tensor_parallel_size "
-                         f"{tp.size}")
-    return config.num_heads // tp.size, max(kv // tp.size, 1)
+    """How many (query heads, KV heads) one rank holds (they may differ between ranks)."""
+    q, kv = head_ranges(config, tp.rank, tp.size)
+    return len(q), len(kv)
 
 
-def _kv_head_range(config: ModelConfig, tp: TensorParallel) -> tuple[int, int]:
-    kv = config.num_kv_heads
-    if kv >= tp.size:
-        return split_range(kv, tp.rank, tp.size)
-    head = tp.rank * kv // tp.size  # the KV head this rank's query heads read (replicated)
-    return head, head + 1
+def describe_head_split(config: ModelConfig, size: int) -> str:
+    """Each rank's heads, for the start-up log: ``rank 0 q 0-5 kv 0-1; rank 1 q 6-8 kv 2``."""
+
+    def span(r: range) -> str:
+        return str(r.start) if len(r) == 1 else f"{r.start}-{r.stop - 1}"
+
+    return "; ".join(f"rank {rank} q {span(q)} kv {span(kv)}"
+                     for rank, (q, kv) in enumerate(head_ranges(config, r, size) for r in range(size)))
 
 
 def _parts(w: Int4Weight | Int8Weight) -> list[torch.Tensor]:
@@ -81,19 +104,19 @@ def shard_weight(name: str, w: Weight, config: ModelConfig, tp: TensorParallel) 
     parts = name.rsplit(".", 2)
     proj, kind = (parts[-2], parts[-1]) if len(parts) == 3 else ("", name)
     hd = config.head_dim
+    q_heads, kv_heads = head_ranges(config, tp.rank, tp.size)
     if proj == "q_proj":
-        start, end = split_range(config.num_heads, tp.rank, tp.size)
-        return _rows(w, start * hd, end * hd)
+        return _rows(w, q_heads.start * hd, q_heads.stop * hd)
     if proj in ("k_proj", "v_proj"):
-        start, end = _kv_head_range(config, tp)
-        return _rows(w, start * hd, end * hd)
+        return _rows(w, kv_heads.start * hd, kv_heads.stop * hd)
     if proj in ("gate_proj", "up_proj"):
         return _rows(w, *split_range(config.intermediate_size, tp.rank, tp.size))
     if proj in ("o_proj", "down_proj"):
         if kind == "bias":
             return w if tp.rank == 0 else torch.zeros_like(w)
-        width = config.num_heads * hd if proj == "o_proj" else config.intermediate_size
-        return _columns(name, w, *split_range(width, tp.rank, tp.size))
+        if proj == "o_proj":
+            return _columns(name, w, q_heads.start * hd, q_heads.stop * hd)
+        return _columns(name, w, *split_range(config.intermediate_size, tp.rank, tp.size))
     if name in ("embed_tokens.weight", "lm_head.weight"):
         start, end, per_rank = tp.vocab_range(config.vocab_size)
         return _pad_rows(_rows(w, start, end), per_rank)

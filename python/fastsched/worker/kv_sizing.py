@@ -73,16 +73,18 @@ def profile_peak_bytes(
 def kv_pool_blocks(model: torch.nn.Module, backend: AttentionBackend, config: EngineConfig, model_config: ModelConfig,
                    dtype: torch.dtype, device: torch.device, max_model_len: int) -> int:
     """The blocks of one rank's KV cache (all of it without tensor parallelism): each rank holds
-    every block with its share of the KV heads, so the scheduler sees one pool. On CUDA a
+    every block with its share of the KV heads, so the scheduler sees one pool; where the KV
+    heads split unevenly rank 0 holds the most of them, so the pool it sizes fits every rank. On CUDA a
     max-size batch is profiled first; a sharded model cannot run one alone (its collectives
     need every rank), so there the memory its weights take stands for the peak."""
     peak = 0
     if device.type == "cuda" and config.num_gpu_blocks is None:
         peak = profile_peak_bytes(model, backend, config, dtype, device, max_model_len) \
             if getattr(model, "tp", None) is None else torch.cuda.memory_allocated(device)
-    rank_config = dataclasses.replace(model_config, num_kv_heads=getattr(model, "num_local_kv_heads",
-                                                                         model_config.num_kv_heads))
-    return determine_num_blocks(config, rank_config, dtype, device, max_model_len, peak)
+    if getattr(model, "tp", None) is not None:
+        attn = model.layers[0].self_attn
+        model_config = dataclasses.replace(model_config, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
+    return determine_num_blocks(config, model_config, dtype, device, max_model_len, peak)
 
 
 def determine_num_blocks(
