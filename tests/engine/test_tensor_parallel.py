@@ -23,7 +23,8 @@ from fastsched.config import EngineConfig
 from fastsched.distributed.parallel import TensorParallel
 from fastsched.kernels.quant_matmul import Int4Weight
 from fastsched.model_loader import load_model_config
-from fastsched.models.tp_shard import local_heads, shard_weight
+from fastsched.models.config import ModelConfig
+from fastsched.models.tp_shard import describe_head_split, head_ranges, local_heads, shard_weight
 
 PROMPT_LENGTHS = (3, 11, 26, 41, 63, 80)
 MAX_TOKENS = (16, 24, 20, 17, 23, 18)
@@ -115,10 +116,47 @@ def test_int4_row_parallel_shard_not_in_whole_groups_is_refused_naming_the_layer
         shard_weight("layers.0.self_attn.o_proj.weight", weight, config, _rank(1, 4))
 
 
-def test_heads_that_do_not_split_are_refused_naming_the_count(tiny_model_dir: Path) -> None:
-    config = load_model_config(tiny_model_dir)
-    with pytest.raises(ValueError, match="4 attention heads do not split over tensor_parallel_size 3"):
+def test_kv_heads_that_neither_split_nor_replicate_evenly_are_refused_naming_the_counts(tiny_model_dir: Path) -> None:
+    config = load_model_config(tiny_model_dir)  # 4 query heads, 2 KV heads: 3 ranks cannot share 2 KV heads
+    with pytest.raises(ValueError, match="4 attention heads and 2 KV heads do not split over tensor_parallel_size 3"):
         local_heads(config, _rank(0, 3))
+    with pytest.raises(ValueError, match="tensor_parallel_size 8"):  # more ranks than query heads
+        local_heads(config, _rank(0, 8))
+
+
+@pytest.fixture(scope="module")
+def smollm2_config() -> ModelConfig:
+    return load_model_config(None)  # the embedded GGUF: 9 query heads, 3 KV heads, head_dim 64
+
+
+def test_smollm2_over_two_ranks_splits_by_whole_kv_groups_unevenly(smollm2_config: ModelConfig) -> None:
+    """Rank 0 holds KV heads 0-1 with the 6 query heads that read them, rank 1 KV head 2 with
+    query heads 6-8: the q/k/v rows and o_proj columns tile the weights, in uneven widths."""
+    config = smollm2_config
+    assert [head_ranges(config, r, 2) for r in range(2)] == [(range(0, 6), range(0, 2)), (range(6, 9), range(2, 3))]
+    assert [local_heads(config, _rank(r, 2)) for r in range(2)] == [(6, 2), (3, 1)]
+    assert describe_head_split(config, 2) == "rank 0 q 0-5 kv 0-1; rank 1 q 6-8 kv 2"
+    hd, hidden = config.head_dim, config.hidden_size
+    q, k = torch.randn(config.num_heads * hd, hidden), torch.randn(config.num_kv_heads * hd, hidden)
+    o = torch.randn(hidden, config.num_heads * hd)
+    qs = [shard_weight("layers.0.self_attn.q_proj.weight", q, config, _rank(r, 2)) for r in range(2)]
+    ks = [shard_weight("layers.0.self_attn.k_proj.weight", k, config, _rank(r, 2)) for r in range(2)]
+    os_ = [shard_weight("layers.0.self_attn.o_proj.weight", o, config, _rank(r, 2)) for r in range(2)]
+    assert [t.shape[0] for t in qs] == [6 * hd, 3 * hd] and [t.shape[0] for t in ks] == [2 * hd, hd]
+    assert torch.equal(torch.cat(qs), q) and torch.equal(torch.cat(ks), k) and torch.equal(torch.cat(os_, dim=1), o)
+    quantized = Int4Weight.quantize(o)  # 384 and 192 columns: whole groups of 32
+    shards = [shard_weight("layers.0.self_attn.o_proj.weight", quantized, config, _rank(r, 2)) for r in range(2)]
+    assert torch.equal(torch.cat([s.dequantize() for s in shards], dim=1), quantized.dequantize())
+
+
+def test_smollm2_replicated_kv_heads_split_their_groups_query_heads_unevenly(smollm2_config: ModelConfig) -> None:
+    """6 ranks over 3 KV heads: each KV head on 2 ranks, its 3 query heads split 2 + 1; 4
+    ranks cannot share 3 KV heads equally and are refused naming the counts."""
+    assert [head_ranges(smollm2_config, r, 6) for r in range(2)] == [(range(0, 2), range(0, 1)),
+                                                                       (range(2, 3), range(0, 1))]
+    assert head_ranges(smollm2_config, 5, 6) == (range(8, 9), range(2, 3))
+    with pytest.raises(ValueError, match="9 attention heads and 3 KV heads do not split over tensor_parallel_size 4"):
+        local_heads(smollm2_config, _rank(0, 4))
 
 
 def test_tensor_parallel_with_lora_is_refused_naming_both() -> None:
@@ -190,25 +228,35 @@ def test_a_killed_worker_fails_the_engine_and_shutdown_leaves_no_worker(tiny_mod
     assert not _pid_alive(pid)
 
 
-def test_smollm2_over_three_ranks_gives_the_tokens_of_one_and_its_4bit_shards_load() -> None:
-    """The embedded GGUF (9 query heads, 3 KV heads: 2 ranks do not divide it, 3 do).
-    Dequantized to fp32 the sharded model's greedy tokens equal the unsharded one's, under
-    chunked prefill. Kept 4-bit (``gguf``, each rank's Int4Weight sliced before packing), the
-    bf16 rounding of partial sums (see the int4 test above) flips near-ties, so what is
-    checked there is that the prefill's top-3 candidates are the same tokens."""
-    prompts = ["The capital of France is", "def fibonacci(n):\n    "]
-    args = dict(kv_cache_memory=64 * 2**20, max_model_len=512, log_stats_interval=0, num_threads=1,
-                max_num_batched_tokens=8, max_num_seqs=8, dtype="float32")
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 
-    def run(quantization: str, tp: int) -> list:
-        llm = LLM(quantization=quantization, tensor_parallel_size=tp, **args)
-        try:
-            return [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        finally:
-            llm.shutdown()
 
-    dense = run("none", 1)
-    assert [o.token_ids for o in run("none", 3)] == [o.token_ids for o in dense]
-    quantized = run("gguf", 3)
-    assert [set(o.logprobs[0]) for o in quantized] == [set(o.logprobs[0]) for o in dense]
+def _smollm2(quantization: str, tp: int) -> list:
+    """Greedy outputs (with the prefill's top-3 logprobs) of the embedded SmolLM2 GGUF, under chunked prefill."""
+    llm = LLM(quantization=quantization, tensor_parallel_size=tp, kv_cache_memory=64 * 2**20, max_model_len=512,
+              log_stats_interval=0, num_threads=1, max_num_batched_tokens=8, max_num_seqs=8, dtype="float32")
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+        return [o.outputs[0] for o in llm.generate(SMOLLM2_PROMPTS, greedy, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def smollm2_unsharded() -> list:
+    return _smollm2("none", 1)
+
+
+@pytest.mark.parametrize("tp", [2, 3], ids=["tp2-uneven", "tp3"])
+def test_smollm2_sharded_dequantized_gives_the_tokens_of_one_rank(smollm2_unsharded: list, tp: int) -> None:
+    """9 query heads, 3 KV heads: over 2 ranks unevenly (6 + 3 query heads, 2 + 1 KV heads),
+    over 3 evenly. Dequantized to fp32 the sharded model's greedy tokens equal the unsharded one's."""
+    assert [o.token_ids for o in _smollm2("none", tp)] == [o.token_ids for o in smollm2_unsharded]
+
+
+def test_smollm2_4bit_shards_of_uneven_width_load_and_agree_on_the_top_candidates(smollm2_unsharded: list) -> None:
+    """Kept 4-bit (``gguf``, each rank's Int4Weight sliced before packing: o_proj in 384 and
+    192 columns), the bf16 rounding of partial sums (see the int4 test above) flips near-ties,
+    so what is checked is that the prefill's top-3 candidates are the same tokens."""
+    quantized = _smollm2("gguf", 2)
+    assert [set(o.logprobs[0]) for o in quantized] == [set(o.logprobs[0]) for o in smollm2_unsharded]
