@@ -60,6 +60,7 @@ from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.generation_defaults import load_generation_defaults
 from fastsched.model_loader.weights import load_model
 from fastsched.models.quant_linear import copy_weights
+from fastsched.models.tp_shard import describe_head_split
 from fastsched.cpu_env import configure_threads
 from fastsched.models.config import ModelConfig
 from fastsched.sample import make_generator
@@ -121,6 +122,7 @@ class EngineCore:
         num_blocks = kv_pool_blocks(model, backend, config, self.model_config, dtype, device, self.max_model_len)
         if self.tp_group is not None:
             self.tp_group.share_num_blocks(num_blocks)
+            logger.info("tensor parallel heads: %s", describe_head_split(self.model_config, config.tensor_parallel_size))
         self.lora = None
         if config.enable_lora:
             self.lora = LoRAManager(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,

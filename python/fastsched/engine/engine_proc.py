@@ -33,13 +33,17 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 import zmq
 
 from fastsched.config import EngineConfig, parse_lora_modules
+from fastsched.distributed.parallel import data_parallel_devices
 from fastsched.engine import protocol
 from fastsched.engine.core import EngineCore, NotPausedError
 from fastsched.engine.protocol import EngineCoreOutput, EngineStats, ModelInfo, OutputBatch, RequestTiming
 from fastsched.engine.status import engine_statuses
+from fastsched.models.config import ModelConfig
+from fastsched.models.tp_shard import head_ranges
 from fastsched.process_stats import read_process_stats
 
 logger = logging.getLogger("fastsched.engine")
@@ -84,7 +88,7 @@ def run_engine(
                 push.setsockopt(zmq.SNDHWM, SEND_HWM)
                 push.connect(addr)
                 pushes.append(push)
-            core, info = _build_engine(engine_config, torch_num_threads)
+            core, info = _build_engine(engine_config, engine_index, torch_num_threads)
         except Exception as e:
             logger.exception("engine %d failed to start", engine_index)
             _report_failure(engine_index, f"engine {engine_index} failed to start: {e}", pushes, ready_pipe)
@@ -142,11 +146,18 @@ def _exit_process(code: int) -> None:
     os._exit(code)
 
 
-def _build_engine(engine_config: dict[str, Any], torch_num_threads: int | None) -> tuple[EngineCore, ModelInfo]:
+def _build_engine(engine_config: dict[str, Any], engine_index: int,
+                  torch_num_threads: int | None) -> tuple[EngineCore, ModelInfo]:
     if torch_num_threads is not None and engine_config.get("num_threads") is None:
         # --torch-num-threads (serve's older spelling) is the engine's --num-threads.
         engine_config = {**engine_config, "num_threads": torch_num_threads}
     config = EngineConfig.from_kwargs(**engine_config)
+    device = config.torch_device
+    if device.type == "cuda":  # data parallelism: each engine (and its workers) on devices of its own
+        local_ranks = config.tensor_parallel_size if config.distributed_executor_backend == "mp" else 1
+        devices = data_parallel_devices(device, engine_index, local_ranks, torch.cuda.device_count())
+        config.device = str(devices[0])
+        logger.info("engine %d: devices %s", engine_index, ", ".join(map(str, devices)))
     core = EngineCore(config)
     sc = core.scheduler.config
     model = None if config.model is None else str(config.model)
@@ -161,15 +172,17 @@ def _build_engine(engine_config: dict[str, Any], torch_num_threads: int | None) 
         max_num_batched_tokens=sc.max_num_batched_tokens,
         tokenizer=config.tokenizer,
         sampling_defaults=core.sampling_defaults,
-        cache_config=_cache_config(config, sc),
+        cache_config=_cache_config(config, sc, core.model_config),
         lora_modules=parse_lora_modules(config.lora_modules) if config.enable_lora else None,
         max_lora_rank=config.max_lora_rank,
     )
     return core, info
 
 
-def _cache_config(config: EngineConfig, sc: Any) -> dict[str, str]:
+def _cache_config(config: EngineConfig, sc: Any, model_config: ModelConfig) -> dict[str, str]:
     """The labels of ``cache_config_info`` (vLLM's names; values as text, as vLLM writes them)."""
+    heads = [head_ranges(model_config, rank, config.tensor_parallel_size)
+             for rank in range(config.tensor_parallel_size)]
     return {
         "block_size": str(sc.block_size),
         "num_gpu_blocks": str(sc.num_gpu_blocks),
@@ -182,6 +195,9 @@ def _cache_config(config: EngineConfig, sc: Any) -> dict[str, str]:
         "kv_cache_memory_bytes": str(config.kv_cache_memory),
         # The parallel layout: each rank's KV cache holds its share of the KV heads.
         "tensor_parallel_size": str(config.tensor_parallel_size),
+        # Each rank's query and KV heads, "6,3" and "2,1" where they split unevenly (tp_shard.head_ranges).
+        "num_heads_per_rank": ",".join(str(len(q)) for q, _ in heads),
+        "num_kv_heads_per_rank": ",".join(str(len(kv)) for _, kv in heads),
         "distributed_executor_backend": config.distributed_executor_backend,
     }
 
