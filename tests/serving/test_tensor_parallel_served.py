@@ -1,7 +1,8 @@
 """``fastsched serve --tensor-parallel-size 2`` (issue 24; docs/deploy.md "Tensor
-parallelism"): the served greedy tokens are those of the unsharded model offline; the
+parallelism"): the served greedy tokens are those of the unsharded model offline, also
+with heads that split unevenly and with two data-parallel engines of two ranks each; the
 layout is in the start-up log and in ``cache_config_info``; a killed worker ends the
-server non-zero with every process gone.
+server non-zero with every process gone, and so does SIGTERM, cleanly.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,10 +23,24 @@ from loop_thread import wait_for  # noqa: E402
 from serve_process import metric_samples, pid_alive, start_serve  # noqa: E402
 
 from fastsched import LLM, SamplingParams  # noqa: E402
+from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
 
 PROMPTS = [[5, 77, 300, 12, 9, 41], list(range(40, 90))]
 MAX_TOKENS = 12
 EXIT_WITHIN_S = 30.0
+
+
+def _offline_texts(model_dir: Path, prompts: list[list[int]]) -> list[str]:
+    offline = LLM(model=str(model_dir), dtype="float32", log_stats_interval=0, num_threads=1, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
+
+
+def _complete(url: str, prompt: list[int]) -> str:
+    response = httpx.post(url + "/v1/completions", timeout=120, trust_env=False, json={
+        "model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
 
 
 def _worker_pids(log: str) -> list[int]:
@@ -35,21 +51,13 @@ def _worker_pids(log: str) -> list[int]:
 def test_tp2_serve_gives_the_unsharded_greedy_tokens_and_a_killed_worker_ends_it(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    offline = LLM(model=str(tiny_model_dir), dtype="float32", log_stats_interval=0, num_threads=1,
-                  max_model_len=256)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
+    expected = _offline_texts(tiny_model_dir, PROMPTS)
     server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
                          "--max-num-batched-tokens", "16", "--max-num-seqs", "8")
     try:
         workers = _worker_pids(server.log())
         assert len(workers) == 1, server.tail()
-        for prompt, text in zip(PROMPTS, expected, strict=True):
-            response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
-                "model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True})
-            assert response.status_code == 200, response.text
-            assert response.json()["choices"][0]["text"] == text
+        assert [_complete(server.url, prompt) for prompt in PROMPTS] == expected
         info = [k for k in metric_samples(server.url) if k.startswith("fastsched:cache_config_info")]
         assert info and 'tensor_parallel_size="2"' in info[0]
         children = server.child_pids
@@ -94,3 +102,34 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.fixture(scope="module")
+def uneven_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 query heads over 3 KV heads: over 2 ranks, 4 + 2 query heads and 2 + 1 KV heads."""
+    return make_tiny_model(tmp_path_factory.mktemp("uneven") / "model", hidden_size=96, num_heads=6, num_kv_heads=3)
+
+
+def test_dp2_tp2_serve_with_uneven_heads_gives_the_unsharded_tokens_and_sigterm_leaves_no_process(
+    uneven_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two engines of two ranks each (4 model processes), heads split 4+2 / 2+1 on each: every
+    request, whichever engine serves it, gets the greedy tokens of one unsharded model."""
+    prompts = [*PROMPTS, [7, 8, 9, 10] * 5, list(range(200, 233))]
+    expected = _offline_texts(uneven_model_dir, prompts)
+    server = start_serve(uneven_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
+                         "--data-parallel-size", "2", "--max-num-batched-tokens", "16", "--max-num-seqs", "8")
+    try:
+        workers = [int(p) for p in re.findall(r"parallel layout: tensor_parallel_size=2 \(mp; gloo; ranks 1.. "
+                                              r"pids \[(\d+)\]\)", server.log())]
+        assert len(workers) == 2 and len(set(workers)) == 2, server.tail()
+        assert server.log().count("tensor parallel heads: rank 0 q 0-3 kv 0-1; rank 1 q 4-5 kv 2") == 2
+        with ThreadPoolExecutor(len(prompts)) as pool:  # in flight together: both engines take some
+            assert list(pool.map(lambda p: _complete(server.url, p), prompts)) == expected
+        info = [k for k in metric_samples(server.url) if k.startswith("fastsched:cache_config_info")]
+        assert info and 'num_heads_per_rank="4,2"' in info[0] and 'num_kv_heads_per_rank="2,1"' in info[0]
+        children = server.child_pids
+        assert server.terminate() == 0, server.tail()
+        assert wait_for(lambda: not any(pid_alive(p) for p in [*children, *workers]), timeout=10)
+    finally:
+        server.close()
