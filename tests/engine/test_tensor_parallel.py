@@ -20,7 +20,7 @@ import torch
 
 from fastsched import LLM, SamplingParams
 from fastsched.config import EngineConfig
-from fastsched.distributed.parallel import TensorParallel
+from fastsched.distributed.parallel import TensorParallel, data_parallel_devices
 from fastsched.kernels.quant_matmul import Int4Weight
 from fastsched.model_loader import load_model_config
 from fastsched.models.config import ModelConfig
@@ -157,6 +157,19 @@ def test_smollm2_replicated_kv_heads_split_their_groups_query_heads_unevenly(smo
     assert head_ranges(smollm2_config, 5, 6) == (range(8, 9), range(2, 3))
     with pytest.raises(ValueError, match="9 attention heads and 3 KV heads do not split over tensor_parallel_size 4"):
         local_heads(smollm2_config, _rank(0, 4))
+
+
+def test_data_parallel_engines_take_devices_of_their_own_on_cuda() -> None:
+    """Engine d of tensor_parallel_size 2 takes cuda:2d and cuda:2d+1 (after the configured
+    cuda:N); with Ray only rank 0 is local; too few devices is an error naming them; the CPU
+    is every engine's. Computed without a GPU (the device index only names a device)."""
+    cuda, cuda2 = torch.device("cuda"), torch.device("cuda:2")
+    assert data_parallel_devices(cuda, 0, 2, device_count=4) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert data_parallel_devices(cuda, 1, 2, device_count=4) == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    assert data_parallel_devices(cuda2, 1, 1, device_count=4) == [torch.device("cuda", 3)]
+    with pytest.raises(ValueError, match=r"engine 1 with 2 local .* needs cuda:4..cuda:5, but 4 CUDA devices"):
+        data_parallel_devices(cuda2, 1, 2, device_count=4)
+    assert data_parallel_devices(torch.device("cpu"), 1, 2, device_count=0) == [torch.device("cpu")] * 2
 
 
 def test_tensor_parallel_with_lora_is_refused_naming_both() -> None:
