@@ -64,8 +64,11 @@ def describe_head_split(config: ModelConfig, size: int) -> str:
     def span(r: range) -> str:
         return str(r.start) if len(r) == 1 else f"{r.start}-{r.stop - 1}"
 
-    return "; ".join(f"rank {rank} q {span(q)} kv {span(kv)}"
-                     for rank, (q, kv) in enumerate(head_ranges(config, r, size) for r in range(size)))
+    ranks = []
+    for rank in range(size):
+        q, kv = head_ranges(config, rank, size)
+        ranks.append(f"rank {rank} q {span(q)} kv {span(kv)}")
+    return "; ".join(ranks)
 
 
 def _parts(w: Int4Weight | Int8Weight) -> list[torch.Tensor]:
