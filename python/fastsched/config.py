@@ -215,12 +215,6 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be mp or ray; got {self.distributed_executor_backend!r}")
-        if self.tensor_parallel_size == 1:
-            return
-        for name, value in (("enable_lora", self.enable_lora), ("kv_transfer_config", self.kv_transfer_config)):
-            if value:
-                raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not combine with {name} yet "
-                                 "(its adapters / KV blocks live on one rank)")
 
     def _check_lora(self) -> None:
         if self.max_loras < 1:

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from fastsched import LLM, SamplingParams
-from fastsched.config import EngineConfig
 from fastsched.distributed.parallel import TensorParallel
 from fastsched.kernels.quant_matmul import Int4Weight
 from fastsched.model_loader import load_model_config
@@ -119,11 +118,6 @@ def test_heads_that_do_not_split_are_refused_naming_the_count(tiny_model_dir: Pa
     config = load_model_config(tiny_model_dir)
     with pytest.raises(ValueError, match="4 attention heads do not split over tensor_parallel_size 3"):
         local_heads(config, _rank(0, 3))
-
-
-def test_tensor_parallel_with_lora_is_refused_naming_both() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not combine with enable_lora"):
-        EngineConfig(tensor_parallel_size=2, enable_lora=True)
 
 
 # ------------------------------------------------------------------ two gloo ranks

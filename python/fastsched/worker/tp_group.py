@@ -86,6 +86,12 @@ class TensorParallelGroup:
         dist.broadcast(torch.tensor([num_blocks], dtype=torch.int64), src=0, group=self.tp.cpu_group)
         logger.info("parallel layout: %s", self.layout())
 
+    def reload(self, model: str) -> None:
+        """Every other rank loads its shards of checkpoint ``model`` (a weight reload); returns
+        once all have (a rank that fails exits, which ends the engine)."""
+        self.channel.send_reload(model)
+        dist.barrier(group=self.tp.cpu_group)
+
     def check(self) -> None:
         """Raises once a rank has died (the engine loop calls this every turn)."""
         if self.failure is not None:
@@ -181,6 +187,7 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: tor
             init_method=init_method,
             block_size=config.block_size,
             parent_pid=os.getpid() if config.distributed_executor_backend == "mp" else 0,
+            lora=(config.max_loras, config.max_lora_rank, config.lora_cpu_capacity) if config.enable_lora else None,
         )
 
     return TensorParallelGroup(spec, config.tensor_parallel_size, device, config.distributed_executor_backend)
