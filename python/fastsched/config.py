@@ -91,6 +91,10 @@ class EngineConfig:
     distributed_executor_backend: str = field(default="mp", metadata=_flag(
         MODEL, "how tensor-parallel workers start: mp (local processes) or ray (actors of a running Ray cluster, "
                "placed by a placement group; needs the ray extra)", choices=("mp", "ray")))
+    execute_model_timeout: float = field(default=60.0, metadata=_flag(
+        MODEL, "seconds the engine waits for its tensor-parallel workers within one step (or KV block copy) "
+               "before it takes a worker for hung, kills the workers and fails, as a dead worker does (vLLM's "
+               "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS); 0: only the 120 s collective timeout"))
 
     max_num_seqs: int = field(default=_core_default("max_num_seqs"), metadata=_flag(
         SCHEDULER, "model-runner request slots"))
@@ -213,6 +217,8 @@ class EngineConfig:
         naming the other flag, rather than served wrong."""
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.execute_model_timeout < 0:
+            raise ValueError(f"execute_model_timeout must be >= 0 seconds, got {self.execute_model_timeout}")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be mp or ray; got {self.distributed_executor_backend!r}")
 

@@ -1,7 +1,7 @@
 """``fastsched serve --tensor-parallel-size 2`` (issue 24; docs/deploy.md "Tensor
 parallelism"): the served greedy tokens are those of the unsharded model offline; the
-layout is in the start-up log and in ``cache_config_info``; a killed worker ends the
-server non-zero with every process gone.
+layout is in the start-up log and in ``cache_config_info``; a killed worker, or a hung one
+(stopped: past ``--execute-model-timeout``), ends the server non-zero with every process gone.
 """
 
 from __future__ import annotations
@@ -59,6 +59,32 @@ def test_tp2_serve_gives_the_unsharded_greedy_tokens_and_a_killed_worker_ends_it
         assert "tensor parallel worker rank 1" in server.log()
         assert wait_for(lambda: not any(pid_alive(p) for p in [*children, *workers]), timeout=10)
     finally:
+        server.close()
+
+
+def test_a_hung_worker_ends_the_server_after_the_execute_model_timeout_with_every_process_gone(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGSTOP leaves the worker alive but silent: the next step's all-reduce waits for it
+    until the step watch (``--execute-model-timeout 5``) kills the workers and the engine fails."""
+    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
+                         "--execute-model-timeout", "5")
+    (worker,) = _worker_pids(server.log())
+    try:
+        children = server.child_pids
+        os.kill(worker, signal.SIGSTOP)
+        with pytest.raises(httpx.HTTPError):  # no answer; the server goes away meanwhile
+            response = httpx.post(server.url + "/v1/completions", timeout=EXIT_WITHIN_S, trust_env=False, json={
+                "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+            response.raise_for_status()
+        code = server.wait(EXIT_WITHIN_S)
+        assert code not in (None, 0), server.tail()
+        assert f"execute-model-timeout): a worker hangs; stopped worker pids [{worker}]" in server.log()
+        assert wait_for(lambda: not any(pid_alive(p) for p in [*children, worker]), timeout=10)
+    finally:
+        if pid_alive(worker):
+            os.kill(worker, signal.SIGCONT)
+            os.kill(worker, signal.SIGKILL)
         server.close()
 
 

@@ -15,6 +15,9 @@ the blocks themselves then move in a gather or scatter, see ``ModelRunner.read_b
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +65,8 @@ class StepChannel:
         self.tp = tp
         self._header = torch.zeros(_HEADER, dtype=torch.int64)
         self.bytes_sent = 0  # bytes broadcast so far (what the bench reports)
+        # time.monotonic() since rank 0 has been in a step's (or command's) collectives; None between them.
+        self.waiting_since: float | None = None
         self._pending: tuple[list[dist.Work], tuple[torch.Tensor, ...]] = ([], ())
 
     def send(self, step: StepInputs) -> None:
@@ -95,6 +100,16 @@ class StepChannel:
         for work in works:
             work.wait()
         self._pending = ([], ())
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Rank 0 runs collectives that need every rank: the hung-worker watch
+        (``TensorParallelGroup``) times it."""
+        self.waiting_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.waiting_since = None
 
     def send_stop(self) -> None:
         self._wait_sent()

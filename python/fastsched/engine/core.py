@@ -510,6 +510,7 @@ class EngineCore:
             result = self.runner.fetch(executed)
         except BaseException:
             self._abandon_in_flight()
+            self.check_workers()  # a failed tensor-parallel worker is the cause, not the collective's error
             raise
         self._in_flight.popleft()
         if step.saves is not None and self.kv_transfer is not None:

@@ -158,8 +158,9 @@ class ModelRunner:
         if self.block_shards is None:
             return read_blocks(self.kv_caches, block_ids)
         assert self.step_channel is not None
-        self.step_channel.send_command(READ_BLOCKS, block_ids)
-        whole = self.block_shards.gather(read_blocks(self.kv_caches, block_ids))
+        with self.step_channel.waiting():
+            self.step_channel.send_command(READ_BLOCKS, block_ids)
+            whole = self.block_shards.gather(read_blocks(self.kv_caches, block_ids))
         assert whole is not None
         return whole
 
@@ -167,8 +168,9 @@ class ModelRunner:
         """Fills KV blocks with ``blocks`` as :meth:`read_blocks` returns them (a KV connector's load)."""
         if self.block_shards is not None:
             assert self.step_channel is not None
-            self.step_channel.send_command(WRITE_BLOCKS, block_ids)
-            blocks = self.block_shards.scatter(blocks, len(block_ids))
+            with self.step_channel.waiting():
+                self.step_channel.send_command(WRITE_BLOCKS, block_ids)
+                blocks = self.block_shards.scatter(blocks, len(block_ids))
         write_blocks(self.kv_caches, block_ids, blocks)
 
     def prepare(
@@ -301,12 +303,18 @@ class ModelRunner:
 
         return history
 
-    @torch.inference_mode()
     def execute(self, step: PreparedStep) -> ExecutedStep:
         """Issues the forward pass and sampling of a prepared step; on a GPU it returns once
         they are queued, with the results' copy to the host under way (:meth:`fetch` waits
         for it), so the next step can be issued while this one runs. See the class
-        docstring for threads."""
+        docstring for threads. With tensor parallelism the hung-worker watch times it."""
+        if self.step_channel is None:
+            return self._execute(step)
+        with self.step_channel.waiting():
+            return self._execute(step)
+
+    @torch.inference_mode()
+    def _execute(self, step: PreparedStep) -> ExecutedStep:
         if step.num_reqs == 0:
             return ExecutedStep(step, None, None, None)
         dev = self.device
