@@ -125,7 +125,7 @@ class StepChannel:
         """A command (``RELOAD``, ``READ_BLOCKS``, ``WRITE_BLOCKS``) and its int64 payload,
         after the steps sent before it; the caller then runs the command's own collective."""
         self._wait_sent()
-        data = torch.from_numpy(np.ascontiguousarray(payload, dtype=np.int64))
+        data = torch.from_numpy(np.array(payload, dtype=np.int64))  # a copy: the payload may be read-only
         self._header.zero_()
         self._header[:2] = torch.tensor([kind, len(data)])
         dist.broadcast(self._header, src=0, group=self.tp.cpu_group)
