@@ -21,6 +21,8 @@ from loop_thread import wait_for  # noqa: E402
 from serve_process import metric_samples, pid_alive, start_serve  # noqa: E402
 
 from fastsched import LLM, SamplingParams  # noqa: E402
+from fastsched.lora import LoRARequest  # noqa: E402
+from fastsched.tools.tiny_lora import make_tiny_lora  # noqa: E402
 
 PROMPTS = [[5, 77, 300, 12, 9, 41], list(range(40, 90))]
 MAX_TOKENS = 12
@@ -58,6 +60,30 @@ def test_tp2_serve_gives_the_unsharded_greedy_tokens_and_a_killed_worker_ends_it
         assert code not in (None, 0), server.tail()
         assert "tensor parallel worker rank 1" in server.log()
         assert wait_for(lambda: not any(pid_alive(p) for p in [*children, *workers]), timeout=10)
+    finally:
+        server.close()
+
+
+def test_tp2_serve_applies_a_lora_adapter_as_one_rank_does(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The OpenAI ``model`` field names the adapter; the worker reads its slices from the path."""
+    adapter = make_tiny_lora(tiny_model_dir, tmp_path / "lora", rank=8, seed=3)
+    offline = LLM(model=str(tiny_model_dir), dtype="float32", log_stats_interval=0, num_threads=1,
+                  max_model_len=256, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    lora = LoRARequest("adapter", 1, str(adapter))
+    expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params, lora_request=lora, use_tqdm=False)]
+    base = [o.outputs[0].text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
+    assert expected != base
+    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2", "--enable-lora",
+                         "--max-lora-rank", "8", "--lora-modules", f"adapter={adapter}")
+    try:
+        for prompt, text in zip(PROMPTS, expected, strict=True):
+            response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
+                "model": "adapter", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == text
+        assert server.terminate() == 0, server.tail()
     finally:
         server.close()
 
