@@ -15,6 +15,7 @@ the blocks themselves then move in a gather or scatter, see ``ModelRunner.read_b
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +28,9 @@ import torch.distributed as dist
 from fastsched.distributed.parallel import TensorParallel
 
 STOP, STEP, RELOAD, READ_BLOCKS, WRITE_BLOCKS = 0, 1, 2, 3, 4
+# How long rank 0 waits for the other ranks to load a reloaded checkpoint (a big one takes
+# minutes, longer than the collectives' COLLECTIVE_TIMEOUT).
+RELOAD_TIMEOUT = datetime.timedelta(minutes=30)
 # command, T, B, max_blocks, max_query_len, max_seq_len, logits rows (-1: all), compute logits,
 # LoRA plan length (-1: no adapter); other commands: command, payload length.
 _HEADER = 9
@@ -120,6 +124,10 @@ class StepChannel:
         """Every rank loads its shards of checkpoint ``path`` (a weight reload)."""
         text = path.encode()
         self.send_command(RELOAD, np.frombuffer(text + b"\0" * (-len(text) % 8), dtype=np.int64))
+
+    def reloaded(self) -> None:
+        """Every rank calls it once its shards of a reload are in: rank 0 returns when all have."""
+        dist.monitored_barrier(group=self.tp.cpu_group, timeout=RELOAD_TIMEOUT)
 
     def send_command(self, kind: int, payload: np.ndarray) -> None:
         """A command (``RELOAD``, ``READ_BLOCKS``, ``WRITE_BLOCKS``) and its int64 payload,

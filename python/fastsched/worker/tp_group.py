@@ -96,7 +96,7 @@ class TensorParallelGroup:
         """Every other rank loads its shards of checkpoint ``model`` (a weight reload); returns
         once all have (a rank that fails exits, which ends the engine)."""
         self.channel.send_reload(model)
-        dist.barrier(group=self.tp.cpu_group)
+        self.channel.reloaded()
 
     def check(self) -> None:
         """Raises once a rank has died (the engine loop calls this every turn)."""

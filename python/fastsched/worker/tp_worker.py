@@ -84,7 +84,7 @@ def serve_rank(spec: WorkerSpec) -> None:
     with torch.inference_mode():
         while (step := channel.receive()) is not None:
             if isinstance(step, Command):
-                _run_command(step, spec, tp, model, kv_caches, shards)
+                _run_command(step, spec, tp, channel, model, kv_caches, shards)
                 continue
             metadata = AttentionMetadata.from_host(step, on_device)
             backend.prepare(metadata)
@@ -98,8 +98,8 @@ def serve_rank(spec: WorkerSpec) -> None:
     tp.leave()
 
 
-def _run_command(command: Command, spec: WorkerSpec, tp: TensorParallel, model: torch.nn.Module,
-                 kv_caches: list[torch.Tensor], shards: BlockShards) -> None:
+def _run_command(command: Command, spec: WorkerSpec, tp: TensorParallel, channel: StepChannel,
+                 model: torch.nn.Module, kv_caches: list[torch.Tensor], shards: BlockShards) -> None:
     """A weight reload (this rank's shards of the new checkpoint; the barrier tells rank 0 it
     is done) or the KV connector's gather (save) or scatter (load) of whole blocks."""
     if command.kind == RELOAD:
@@ -107,7 +107,7 @@ def _run_command(command: Command, spec: WorkerSpec, tp: TensorParallel, model: 
                          quantization=spec.quantization, tp=tp)
         copy_weights(model, new)
         logger.info("tensor parallel rank %d reloaded weights from %s", spec.rank, command.path)
-        dist.barrier(group=tp.cpu_group)
+        channel.reloaded()
         return
     assert command.block_ids is not None
     if command.kind == READ_BLOCKS:
