@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fastsched import LLM, SamplingParams
+from fastsched.config import EngineConfig
 from fastsched.distributed.parallel import TensorParallel
 from fastsched.kernels.quant_matmul import Int4Weight
 from fastsched.model_loader import load_model_config
@@ -118,6 +119,11 @@ def test_heads_that_do_not_split_are_refused_naming_the_count(tiny_model_dir: Pa
     config = load_model_config(tiny_model_dir)
     with pytest.raises(ValueError, match="4 attention heads do not split over tensor_parallel_size 3"):
         local_heads(config, _rank(0, 3))
+
+
+def test_a_negative_execute_model_timeout_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="execute_model_timeout must be >= 0 seconds, got -1"):
+        EngineConfig(execute_model_timeout=-1)
 
 
 # ------------------------------------------------------------------ two gloo ranks

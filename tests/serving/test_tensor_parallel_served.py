@@ -136,6 +136,34 @@ def test_with_fault_tolerance_a_killed_worker_restarts_the_engine_with_new_worke
         server.close()
 
 
+def test_with_fault_tolerance_a_hung_worker_restarts_the_engine_with_new_workers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
+                         "--execute-model-timeout", "5", "--enable-fault-tolerance", "--max-engine-restarts", "1")
+    (first,) = _worker_pids(server.log())
+    try:
+        os.kill(first, signal.SIGSTOP)
+        with pytest.raises(httpx.HTTPError):  # the request of the failed step is not retried
+            httpx.post(server.url + "/v1/completions", timeout=EXIT_WITHIN_S, trust_env=False, json={
+                "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}).raise_for_status()
+        assert wait_for(lambda: len(_all_worker_pids(server.log())) == 2 and _healthy(server.url), timeout=90), \
+            server.tail()
+        second = _all_worker_pids(server.log())[1]
+        assert not pid_alive(first) and pid_alive(second)
+        response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
+            "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+        children = server.child_pids
+        assert server.terminate() == 0, server.tail()
+        assert wait_for(lambda: not any(pid_alive(p) for p in [*children, second]), timeout=10)
+    finally:
+        if pid_alive(first):
+            os.kill(first, signal.SIGCONT)
+            os.kill(first, signal.SIGKILL)
+        server.close()
+
+
 def _all_worker_pids(log: str) -> list[int]:
     return [int(p) for p in re.findall(r"parallel layout: tensor_parallel_size=2 \(mp; gloo; ranks 1.. pids \[(\d+)\]\)",
                                        log)]
