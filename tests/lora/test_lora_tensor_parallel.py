@@ -110,14 +110,15 @@ def _generate(llm: LLM, prompts: Sequence[list[int]], loras: Sequence[LoRAReques
 def test_tp2_batch_of_two_adapters_and_the_base_model_gives_the_tokens_of_tp1(
     base_dir: Path, adapters: dict[str, LoRARequest], max_loras: int
 ) -> None:
-    """Chunked prefill (budget 48) and a 150-token prompt: the segmented (sgmv) and dense
-    (bgmv) paths both run on both ranks. With one slot the adapters take turns in it (S7),
-    so the other rank's slot is rewritten as rank 0's is."""
+    """A 256-token budget for 291 prompt tokens: the first step (over DENSE_MAX_TOKENS) takes
+    the segmented (sgmv) path, a prompt is chunked, the decodes take the dense (bgmv) one, on
+    both ranks. With one slot the adapters take turns in it (S7), so the other rank's slot
+    is rewritten as rank 0's is."""
     prompts = [_prompt(n, seed) for seed, n in enumerate([9, 40, 150, 17, 70, 5])]
     names = ["full", None, "qv", "qv", "full", None]
     loras = [adapters[n] if n else None for n in names]
     args = dict(enable_lora=True, max_loras=max_loras, max_lora_rank=MAX_RANK, num_gpu_blocks=256,
-                max_model_len=512, max_num_batched_tokens=48, max_num_seqs=8, dtype="float32", num_threads=1,
+                max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8, dtype="float32", num_threads=1,
                 log_stats_interval=0)
     reference = _generate(LLM(str(base_dir), **args), prompts, loras)
     llm = LLM(str(base_dir), tensor_parallel_size=2, **args)
