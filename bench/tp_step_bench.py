@@ -14,6 +14,11 @@ After the prefill and ``--warmup`` steps, ``--steps`` decode steps are timed:
   the embedding, ``T x hidden`` each) and the logits gathered to rank 0 (computed).
 
     .venv/bin/python bench/tp_step_bench.py --running 256 --rounds 3
+    .venv/bin/python bench/tp_step_bench.py --running 256 --rounds 3 --lora 2
+
+``--lora K``: K random rank-8 adapters (``make_tiny_lora``, every projection), the requests
+taking the base model and the adapters in turn; the step inputs then carry rank 0's LoRA
+plan (a few int64 per token) and every rank adds its slices' deltas.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import torch
 from fastsched.config import EngineConfig
 from fastsched.engine.core import EngineCore
 from fastsched.engine.protocol import EngineCoreRequest
+from fastsched.lora import LoRARequest
 from fastsched.sampling_params import SamplingParams
+from fastsched.tools.tiny_lora import make_tiny_lora
 from fastsched.tools.tiny_model import make_tiny_model
 
 
@@ -50,10 +57,13 @@ class Timed:
             self.seconds += time.perf_counter() - start
 
 
-def run(model: Path, tp: int, running: int, warmup: int, steps: int) -> dict[str, float]:
+def run(model: Path, tp: int, running: int, warmup: int, steps: int,
+        adapters: list[LoRARequest]) -> dict[str, float]:
+    lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=8) if adapters else {}
     config = EngineConfig(model=str(model), dtype="float32", tensor_parallel_size=tp, num_threads=1,
                           async_scheduling=False, num_gpu_blocks=running * 8 + 1, max_num_seqs=running,
-                          max_num_batched_tokens=max(2048, running * 32), log_stats_interval=0, max_model_len=512)
+                          max_num_batched_tokens=max(2048, running * 32), log_stats_interval=0, max_model_len=512,
+                          **lora)
     core = EngineCore(config)
     try:
         inner = core.runner.model
@@ -68,7 +78,8 @@ def run(model: Path, tp: int, running: int, warmup: int, steps: int) -> dict[str
         params = SamplingParams(temperature=0, max_tokens=warmup + steps + 8, ignore_eos=True)
         for i in range(running):
             prompt = [rng.randrange(3, core.vocab_size) for _ in range(32)]
-            core.add_request(EngineCoreRequest(f"r{i}", prompt, params, time.time()))
+            adapter = ([None, *adapters])[i % (len(adapters) + 1)]
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, params, time.time(), lora_request=adapter))
         for _ in range(warmup + 1):  # the prefill, then warm-up decodes
             core.step()
         step_s, model_s, send_s = [], [], []
@@ -99,16 +110,19 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3, help="TP=1 and TP=2 alternate this many times")
+    parser.add_argument("--lora", type=int, default=0, help="adapters the requests use in turn with the base model")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "tiny")
+        adapters = [LoRARequest(f"lora{k}", k, str(make_tiny_lora(model, Path(tmp) / f"lora{k}", rank=8, seed=k)))
+                    for k in range(1, args.lora + 1)]
         results: dict[int, list[dict[str, float]]] = {1: [], 2: []}
         for _ in range(args.rounds):
             for tp in (1, 2):
-                results[tp].append(run(model, tp, args.running, args.warmup, args.steps))
+                results[tp].append(run(model, tp, args.running, args.warmup, args.steps, adapters))
     print(f"running={args.running}, {args.steps} decode steps after {args.warmup} warm-up, {args.rounds} rounds "
-          "(median of the rounds' medians), µs")
+          f"(median of the rounds' medians), {args.lora} LoRA adapters, µs")
     print("| TP | step | model | host | send | input bytes | all-reduce bytes | gather bytes |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     med = {tp: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for tp, rs in results.items()}

@@ -91,6 +91,10 @@ class EngineConfig:
     distributed_executor_backend: str = field(default="mp", metadata=_flag(
         MODEL, "how tensor-parallel workers start: mp (local processes) or ray (actors of a running Ray cluster, "
                "placed by a placement group; needs the ray extra)", choices=("mp", "ray")))
+    execute_model_timeout: float = field(default=60.0, metadata=_flag(
+        MODEL, "seconds the engine waits for its tensor-parallel workers within one step (or KV block copy) "
+               "before it takes a worker for hung, kills the workers and fails, as a dead worker does (vLLM's "
+               "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS); 0: only the 120 s collective timeout"))
 
     max_num_seqs: int = field(default=_core_default("max_num_seqs"), metadata=_flag(
         SCHEDULER, "model-runner request slots"))
@@ -209,18 +213,14 @@ class EngineConfig:
                              "gguf (its own quantized tensors) or none")
 
     def _check_tensor_parallel(self) -> None:
-        """What tensor parallelism (docs/deploy.md) does not combine with yet is refused here,
-        naming the other flag, rather than served wrong."""
+        """Tensor parallelism's own settings (docs/deploy.md); it combines with every other
+        feature, so nothing else is refused here."""
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.execute_model_timeout < 0:
+            raise ValueError(f"execute_model_timeout must be >= 0 seconds, got {self.execute_model_timeout}")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be mp or ray; got {self.distributed_executor_backend!r}")
-        if self.tensor_parallel_size == 1:
-            return
-        for name, value in (("enable_lora", self.enable_lora), ("kv_transfer_config", self.kv_transfer_config)):
-            if value:
-                raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not combine with {name} yet "
-                                 "(its adapters / KV blocks live on one rank)")
 
     def _check_lora(self) -> None:
         if self.max_loras < 1:

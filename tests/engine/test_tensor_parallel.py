@@ -172,9 +172,9 @@ def test_data_parallel_engines_take_devices_of_their_own_on_cuda() -> None:
     assert data_parallel_devices(torch.device("cpu"), 1, 2, device_count=0) == [torch.device("cpu")] * 2
 
 
-def test_tensor_parallel_with_lora_is_refused_naming_both() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not combine with enable_lora"):
-        EngineConfig(tensor_parallel_size=2, enable_lora=True)
+def test_a_negative_execute_model_timeout_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="execute_model_timeout must be >= 0 seconds, got -1"):
+        EngineConfig(execute_model_timeout=-1)
 
 
 # ------------------------------------------------------------------ two gloo ranks

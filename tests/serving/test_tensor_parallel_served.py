@@ -1,8 +1,9 @@
 """``fastsched serve --tensor-parallel-size 2`` (issue 24; docs/deploy.md "Tensor
 parallelism"): the served greedy tokens are those of the unsharded model offline, also
-with heads that split unevenly and with two data-parallel engines of two ranks each; the
-layout is in the start-up log and in ``cache_config_info``; a killed worker ends the
-server non-zero with every process gone, and so does SIGTERM, cleanly.
+with heads that split unevenly, with two data-parallel engines of two ranks each and with
+LoRA adapters; the layout is in the start-up log and in ``cache_config_info``; a killed
+worker, or a hung one (stopped: past ``--execute-model-timeout``), ends the server non-zero
+with every process gone, and so does SIGTERM, cleanly.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from loop_thread import wait_for  # noqa: E402
 from serve_process import metric_samples, pid_alive, start_serve  # noqa: E402
 
 from fastsched import LLM, SamplingParams  # noqa: E402
+from fastsched.lora import LoRARequest  # noqa: E402
+from fastsched.tools.tiny_lora import make_tiny_lora  # noqa: E402
 from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
 
 PROMPTS = [[5, 77, 300, 12, 9, 41], list(range(40, 90))]
@@ -70,6 +73,56 @@ def test_tp2_serve_gives_the_unsharded_greedy_tokens_and_a_killed_worker_ends_it
         server.close()
 
 
+def test_tp2_serve_applies_a_lora_adapter_as_one_rank_does(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The OpenAI ``model`` field names the adapter; the worker reads its slices from the path."""
+    adapter = make_tiny_lora(tiny_model_dir, tmp_path / "lora", rank=8, seed=3)
+    offline = LLM(model=str(tiny_model_dir), dtype="float32", log_stats_interval=0, num_threads=1,
+                  max_model_len=256, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    lora = LoRARequest("adapter", 1, str(adapter))
+    expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params, lora_request=lora, use_tqdm=False)]
+    base = [o.outputs[0].text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
+    assert expected != base
+    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2", "--enable-lora",
+                         "--max-lora-rank", "8", "--lora-modules", f"adapter={adapter}")
+    try:
+        for prompt, text in zip(PROMPTS, expected, strict=True):
+            response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
+                "model": "adapter", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == text
+        assert server.terminate() == 0, server.tail()
+    finally:
+        server.close()
+
+
+def test_a_hung_worker_ends_the_server_after_the_execute_model_timeout_with_every_process_gone(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGSTOP leaves the worker alive but silent: the next step's all-reduce waits for it
+    until the step watch (``--execute-model-timeout 5``) kills the workers and the engine fails."""
+    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
+                         "--execute-model-timeout", "5")
+    (worker,) = _worker_pids(server.log())
+    try:
+        children = server.child_pids
+        os.kill(worker, signal.SIGSTOP)
+        with pytest.raises(httpx.HTTPError):  # no answer; the server goes away meanwhile
+            response = httpx.post(server.url + "/v1/completions", timeout=EXIT_WITHIN_S, trust_env=False, json={
+                "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+            response.raise_for_status()
+        code = server.wait(EXIT_WITHIN_S)
+        assert code not in (None, 0), server.tail()
+        assert f"execute-model-timeout): a worker hangs; stopped worker pids [{worker}]" in server.log()
+        assert wait_for(lambda: not any(pid_alive(p) for p in [*children, worker]), timeout=10)
+    finally:
+        if pid_alive(worker):
+            os.kill(worker, signal.SIGCONT)
+            os.kill(worker, signal.SIGKILL)
+        server.close()
+
+
 def test_with_fault_tolerance_a_killed_worker_restarts_the_engine_with_new_workers(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -89,6 +142,34 @@ def test_with_fault_tolerance_a_killed_worker_restarts_the_engine_with_new_worke
         assert server.terminate() == 0, server.tail()
         assert wait_for(lambda: not any(pid_alive(p) for p in [*children, second]), timeout=10)
     finally:
+        server.close()
+
+
+def test_with_fault_tolerance_a_hung_worker_restarts_the_engine_with_new_workers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
+                         "--execute-model-timeout", "5", "--enable-fault-tolerance", "--max-engine-restarts", "1")
+    (first,) = _worker_pids(server.log())
+    try:
+        os.kill(first, signal.SIGSTOP)
+        with pytest.raises(httpx.HTTPError):  # the request of the failed step is not retried
+            httpx.post(server.url + "/v1/completions", timeout=EXIT_WITHIN_S, trust_env=False, json={
+                "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}).raise_for_status()
+        assert wait_for(lambda: len(_all_worker_pids(server.log())) == 2 and _healthy(server.url), timeout=90), \
+            server.tail()
+        second = _all_worker_pids(server.log())[1]
+        assert not pid_alive(first) and pid_alive(second)
+        response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
+            "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+        children = server.child_pids
+        assert server.terminate() == 0, server.tail()
+        assert wait_for(lambda: not any(pid_alive(p) for p in [*children, second]), timeout=10)
+    finally:
+        if pid_alive(first):
+            os.kill(first, signal.SIGCONT)
+            os.kill(first, signal.SIGKILL)
         server.close()
 
 

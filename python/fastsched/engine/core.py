@@ -127,7 +127,8 @@ class EngineCore:
         if config.enable_lora:
             self.lora = LoRAManager(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                                     max_cpu_loras=config.lora_cpu_capacity, device=device, dtype=dtype,
-                                    kernel="triton" if device.type == "cuda" else "torch")
+                                    kernel="triton" if device.type == "cuda" else "torch",
+                                    tp=None if self.tp_group is None else self.tp_group.tp)
         self.scheduler = _core.Scheduler(config.scheduler_config(self.max_model_len, num_blocks))
         self.spec_counters = None if spec is None else SpecDecodingCounters(spec.num_speculative_tokens)
         # Drafts are proposed from the tokens a step accepts, so the next step cannot be
@@ -364,22 +365,27 @@ class EngineCore:
         running model and drops the prefix cache, whose KV they make stale: the RL use of S13,
         new weights between rollouts. Only while paused with mode ``all`` (:class:`NotPausedError`
         otherwise): no step runs meanwhile. Requests held by the pause keep their KV, computed
-        with the old weights. ``ValueError`` when the checkpoint does not fit the model, or with a
-        KV connector (its store would serve KV of the old weights)."""
+        with the old weights. With tensor parallelism every rank loads its own shards, rank 0
+        first (its shards are the check that the checkpoint fits). ``ValueError`` when the
+        checkpoint does not fit the model, or with a KV connector (its store would serve KV of
+        the old weights)."""
         if self.config.kv_transfer_config is not None:
             raise ValueError("weights cannot be reloaded with --kv-transfer-config: the KV store's blocks, keyed "
                              "by the served model, were computed with the old weights")
-        if self.tp_group is not None:  # each rank would have to load its shard
-            raise ValueError("weights cannot be reloaded with tensor_parallel_size > 1 yet")
         if self.pause_state != "paused_all":
             raise NotPausedError(f"weights can be reloaded only while paused with mode all; the engine is "
                                f"{self.pause_state}")
+        tp = None if self.tp_group is None else self.tp_group.tp
         new = load_model(model, dtype=self.config.torch_dtype, device=self.config.torch_device,
-                         quantization=self.config.resolved_quantization)
+                         quantization=self.config.resolved_quantization, tp=tp)
         try:
             copy_weights(self.runner.model, new)
         except RuntimeError as e:  # missing, unexpected or differently shaped tensors
             raise ValueError(f"the weights of {model} do not fit the served model: {e}") from None
+        if self.tp_group is not None:
+            # Rank 0's shards fitted, so the others' do (same checkpoint, same layout); a rank
+            # that fails anyway exits, and the engine ends with it (check_workers).
+            self.tp_group.reload(model)
         self.scheduler.reset_prefix_cache()
         logger.info("reloaded weights from %s; prefix cache dropped", model)
 
@@ -506,6 +512,7 @@ class EngineCore:
             result = self.runner.fetch(executed)
         except BaseException:
             self._abandon_in_flight()
+            self.check_workers()  # a failed tensor-parallel worker is the cause, not the collective's error
             raise
         self._in_flight.popleft()
         if step.saves is not None and self.kv_transfer is not None:

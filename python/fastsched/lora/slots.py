@@ -17,6 +17,12 @@ copies); :meth:`LoRAManager.activate` runs just before the forward
 pass, on the thread that runs them in order, and is the only code that writes the slots.
 A step planned while the previous one still runs may thus reuse a slot the previous one
 reads: the write happens after that forward pass, never during it.
+
+With tensor parallelism every rank holds its slice of each adapter
+(:mod:`fastsched.lora.sharding`) in slots of its own. Rank 0 plans; the other ranks follow
+its plan (:meth:`LoRAManager.follow`), which reaches them with the step's inputs
+(:mod:`fastsched.lora.step_wire`), reading an adapter from its path themselves when rank 0
+copies it into a slot.
 """
 
 from __future__ import annotations
@@ -24,14 +30,20 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from fastsched.lora.adapter import LoRAAdapter, load_adapter, projection_shapes
+from fastsched.lora import step_wire
+from fastsched.lora.adapter import LoRAAdapter, load_adapter
 from fastsched.lora.punica import DENSE_MAX_TOKENS, bgmv_dense, sgmv
 from fastsched.lora.request import LoRARequest
+from fastsched.lora.sharding import local_projection_shapes, shard_adapter
 from fastsched.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from fastsched.distributed.parallel import TensorParallel
 
 # The model's fused projections and the PEFT modules packed in each, in output order.
 FUSED_PROJECTIONS = {
@@ -53,6 +65,7 @@ class LoRAMapping:
     token_slots: np.ndarray | None  # bgmv_triton: [T] int64, -1 for the base model
     groups: list[tuple[int, np.ndarray]] | None  # sgmv: (slot, token indices)
     projections: frozenset[str]
+    wire: np.ndarray | None = None  # the plan for the other tensor-parallel ranks (step_wire)
 
 
 class LoRAStep:
@@ -108,7 +121,8 @@ class LoRAManager:
     (:func:`~fastsched.lora.triton_bgmv.bgmv_triton`, the engine's choice on CUDA)."""
 
     def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 device: torch.device, dtype: torch.dtype, kernel: str = "torch") -> None:
+                 device: torch.device, dtype: torch.dtype, kernel: str = "torch",
+                 tp: TensorParallel | None = None) -> None:
         if kernel not in ("torch", "triton"):
             raise ValueError(f"LoRA kernel must be torch or triton, got {kernel!r}")
         self.kernel = kernel
@@ -122,7 +136,8 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.device = device
-        shapes = projection_shapes(config)
+        self.tp = tp  # this rank's slices of every adapter, in slots of this rank's shapes
+        shapes = local_projection_shapes(config, tp)
         self._shapes = shapes
         self.dtype = dtype
         # Per layer and fused projection, a [in, S*K] and b [S*K, out] (fastsched.lora.punica).
@@ -169,6 +184,8 @@ class LoRAManager:
                 self._cpu.move_to_end(request.id)
                 return
         adapter = load_adapter(request.path, request.id, self.config, self.max_lora_rank)
+        if self.tp is not None:
+            adapter = shard_adapter(adapter, self.config, self.tp)
         self._requests[request.id] = request
         self._targets[request.id] = frozenset(
             fused for fused, modules in FUSED_PROJECTIONS.items() if adapter.target_modules & set(modules))
@@ -205,9 +222,30 @@ class LoRAManager:
             self._slot_of.move_to_end(lora_id)
             req_slots[lora_ids == lora_id] = slot
         token_slots = np.repeat(req_slots, num_scheduled)
+        projections = frozenset().union(*(self._targets[i] for i in wanted))
+        mapping = self._mapping(loads, token_slots, projections)
+        if self.tp is not None:
+            mapping.wire = step_wire.encode([(slot, a.id, self._requests[a.id].path) for slot, a in loads],
+                                            token_slots, projections)
+        return mapping
+
+    def follow(self, wire: np.ndarray) -> LoRAMapping:
+        """Rank 0's plan of a step (:attr:`LoRAMapping.wire`), on another tensor-parallel rank:
+        the same slots, with this rank's slices, read from the adapters' paths when first
+        copied in (rank 0 has checked them, so a failure here is the rank's, and ends it)."""
+        plan = step_wire.decode(wire)
+        loads = []
+        for slot, lora_id, path in plan.loads:
+            self.register(LoRARequest(f"lora-{lora_id}", lora_id, path))
+            loads.append((slot, self._cpu[lora_id]))
+        return self._mapping(loads, plan.token_slots, plan.projections)
+
+    def _mapping(self, loads: list[tuple[int, LoRAAdapter]], token_slots: np.ndarray,
+                 projections: frozenset[str]) -> LoRAMapping:
+        """The step's plan in the form its kernel reads (sgmv groups, triton slots or dense masks)."""
         masks = groups = triton_slots = None
         if len(token_slots) > DENSE_MAX_TOKENS:
-            groups = [(self._slot_of[i], np.flatnonzero(token_slots == self._slot_of[i])) for i in wanted]
+            groups = [(int(s), np.flatnonzero(token_slots == s)) for s in np.unique(token_slots[token_slots >= 0])]
         elif self.kernel == "triton":
             triton_slots = token_slots
         else:
@@ -215,7 +253,6 @@ class LoRAManager:
             adapted = np.flatnonzero(token_slots >= 0)
             own[adapted, token_slots[adapted]] = 1.0
             masks = {shards: np.repeat(own, shards * self.max_lora_rank, axis=1) for shards in (1, 2, 3)}
-        projections = frozenset().union(*(self._targets[i] for i in wanted))
         return LoRAMapping(loads, masks, triton_slots, groups, projections)
 
     def activate(self, mapping: LoRAMapping) -> LoRAStep:

@@ -20,13 +20,14 @@ import torch
 
 from fastsched._core import SchedulerOutput
 from fastsched.attention import AttentionBackend, AttentionMetadata
-from fastsched.distributed.step_channel import StepChannel, StepInputs
+from fastsched.distributed.step_channel import READ_BLOCKS, WRITE_BLOCKS, StepChannel, StepInputs
 from fastsched.lora.slots import LoRAManager, LoRAMapping
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, TokenHistories, to_device
 from fastsched.spec_decode import SpecStep, rejection_sample, verification_logprobs
 from fastsched.structured.bitmask import StepBitmask
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState
+from fastsched.worker.kv_blocks import BlockShards, read_blocks, write_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,8 @@ class ModelRunner:
         self.step_channel = step_channel
         self.lora = lora
         self.config: ModelConfig = model.config
+        self.block_shards = None if step_channel is None else BlockShards(step_channel.tp, self.config, block_size,
+                                                                         dtype)
         self.backend = backend
         self.device = device
         self.block_size = block_size
@@ -151,22 +154,24 @@ class ModelRunner:
 
     def read_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
         """Whole KV blocks, copied to the CPU: [n, layers, 2 (K, V), block_size, kv_heads, head_dim]
-        (what a KV connector saves)."""
-        index = torch.from_numpy(block_ids.astype(np.int64)).to(self.device)
-        first = self.kv_caches[0]
-        blocks = torch.empty((len(block_ids), len(self.kv_caches), 2, *first.shape[2:]),
-                             dtype=first.dtype, device=self.device)
-        for layer, kv in enumerate(self.kv_caches):
-            # Gather, then one strided copy: ~5x faster on CPU than stacking and permuting.
-            blocks[:, layer].copy_(kv[:, index].transpose(0, 1))
-        return blocks.cpu()
+        (what a KV connector saves); with tensor parallelism, every rank's heads gathered here."""
+        if self.block_shards is None:
+            return read_blocks(self.kv_caches, block_ids)
+        assert self.step_channel is not None
+        with self.step_channel.waiting():
+            self.step_channel.send_command(READ_BLOCKS, block_ids)
+            whole = self.block_shards.gather(read_blocks(self.kv_caches, block_ids))
+        assert whole is not None
+        return whole
 
     def write_blocks(self, block_ids: np.ndarray, blocks: torch.Tensor) -> None:
         """Fills KV blocks with ``blocks`` as :meth:`read_blocks` returns them (a KV connector's load)."""
-        index = torch.from_numpy(block_ids.astype(np.int64)).to(self.device)
-        data = blocks.to(self.device, non_blocking=True)
-        for layer, kv in enumerate(self.kv_caches):
-            kv[:, index] = data[:, layer].transpose(0, 1)
+        if self.block_shards is not None:
+            assert self.step_channel is not None
+            with self.step_channel.waiting():
+                self.step_channel.send_command(WRITE_BLOCKS, block_ids)
+                blocks = self.block_shards.scatter(blocks, len(block_ids))
+        write_blocks(self.kv_caches, block_ids, blocks)
 
     def prepare(
         self,
@@ -298,12 +303,18 @@ class ModelRunner:
 
         return history
 
-    @torch.inference_mode()
     def execute(self, step: PreparedStep) -> ExecutedStep:
         """Issues the forward pass and sampling of a prepared step; on a GPU it returns once
         they are queued, with the results' copy to the host under way (:meth:`fetch` waits
         for it), so the next step can be issued while this one runs. See the class
-        docstring for threads."""
+        docstring for threads. With tensor parallelism the hung-worker watch times it."""
+        if self.step_channel is None:
+            return self._execute(step)
+        with self.step_channel.waiting():
+            return self._execute(step)
+
+    @torch.inference_mode()
+    def _execute(self, step: PreparedStep) -> ExecutedStep:
         if step.num_reqs == 0:
             return ExecutedStep(step, None, None, None)
         dev = self.device
@@ -316,7 +327,8 @@ class ModelRunner:
         if self.step_channel is not None:
             self.step_channel.send(StepInputs(input_ids, step.positions, step.slot_mapping, step.query_start_loc,
                                               step.seq_lens, step.block_tables, step.max_query_len, step.max_seq_len,
-                                              step.logits_indices, step.sampling is not None))
+                                              step.logits_indices, step.sampling is not None,
+                                              None if step.lora is None else step.lora.wire))
         self.backend.prepare(metadata)
         lora = None if step.lora is None or self.lora is None else self.lora.activate(step.lora)
         hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend, lora)

@@ -7,8 +7,10 @@ group (one device bundle per rank), and forms the group over the nodes' addresse
 
 A rank that exits (or whose actor dies) while the engine runs is a failure of the engine:
 :attr:`TensorParallelGroup.failure` says which, the engine loop raises it, and the engine
-ends as any failed engine does. A rank that hangs makes rank 0's next collective time out
-(``COLLECTIVE_TIMEOUT``), which ends it too.
+ends as any failed engine does. A rank that hangs (stopped, deadlocked, stuck on its device)
+leaves rank 0 waiting in a step's collectives: past ``--execute-model-timeout`` the watch
+kills the workers, which fails rank 0's collective at once, and the engine ends the same way
+(without the watch, only the ``COLLECTIVE_TIMEOUT`` of the collective itself would end it).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def _node_ip() -> str:
 class TensorParallelGroup:
     """Ranks 1..N-1 of an engine, and rank 0's :class:`TensorParallel` and :class:`StepChannel`."""
 
-    def __init__(self, spec: Callable[[int, str], WorkerSpec], size: int, device: torch.device, backend: str) -> None:
+    def __init__(self, spec: Callable[[int, str], WorkerSpec], size: int, device: torch.device, backend: str,
+                 execute_model_timeout: float = 0.0) -> None:
         self.size = size
         self.backend = backend
         self.failure: str | None = None
@@ -70,6 +73,9 @@ class TensorParallelGroup:
                                  name=f"fastsched-tp-watch-{rank}").start()
         self.tp = TensorParallel.join(init_method, 0, size, device)
         self.channel = StepChannel(self.tp)
+        if execute_model_timeout > 0:
+            threading.Thread(target=self._watch_steps, args=(execute_model_timeout,), daemon=True,
+                             name="fastsched-tp-step-watch").start()
 
     @property
     def pids(self) -> list[int]:
@@ -86,14 +92,40 @@ class TensorParallelGroup:
         dist.broadcast(torch.tensor([num_blocks], dtype=torch.int64), src=0, group=self.tp.cpu_group)
         logger.info("parallel layout: %s", self.layout())
 
+    def reload(self, model: str) -> None:
+        """Every other rank loads its shards of checkpoint ``model`` (a weight reload); returns
+        once all have (a rank that fails exits, which ends the engine)."""
+        self.channel.send_reload(model)
+        self.channel.reloaded()
+
     def check(self) -> None:
         """Raises once a rank has died (the engine loop calls this every turn)."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
 
+    def _watch_steps(self, timeout: float) -> None:
+        """Fails the group once rank 0 has waited more than ``timeout`` seconds within one step."""
+        while not self._stopping and self.failure is None:
+            since = self.channel.waiting_since
+            if since is not None and time.monotonic() - since > timeout:
+                stopped = [pid for pid in self.pids if _stopped(pid)]
+                self.failure = (f"a tensor parallel step waited more than {timeout:g}s for its workers "
+                                f"(--execute-model-timeout): a worker hangs"
+                                + (f"; stopped worker pids {stopped}" if stopped else ""))
+                logger.error("%s; killing the workers", self.failure)
+                for proc in self._procs:
+                    proc.kill()  # rank 0's collective then fails at once
+                if self._actors:
+                    import ray
+
+                    for actor in self._actors:
+                        ray.kill(actor)
+                return
+            time.sleep(min(1.0, timeout / 8))
+
     def _watch_process(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
-        if not self._stopping:
+        if not self._stopping and self.failure is None:
             self.failure = f"tensor parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
             logger.error("%s", self.failure)
 
@@ -129,7 +161,7 @@ class TensorParallelGroup:
             error = "returned"
         except Exception as e:  # the actor died or its rank raised
             error = f"failed: {type(e).__name__}: {e}"
-        if not self._stopping:
+        if not self._stopping and self.failure is None:
             self.failure = f"tensor parallel worker rank {rank} (Ray actor) {error}"
             logger.error("%s", self.failure)
 
@@ -181,9 +213,20 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: tor
             init_method=init_method,
             block_size=config.block_size,
             parent_pid=os.getpid() if config.distributed_executor_backend == "mp" else 0,
+            lora=(config.max_loras, config.max_lora_rank, config.lora_cpu_capacity) if config.enable_lora else None,
         )
 
-    return TensorParallelGroup(spec, config.tensor_parallel_size, device, config.distributed_executor_backend)
+    return TensorParallelGroup(spec, config.tensor_parallel_size, device, config.distributed_executor_backend,
+                               config.execute_model_timeout)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether local process ``pid`` is stopped (SIGSTOP, a debugger), from /proc (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 class _RayRank:

@@ -1,5 +1,7 @@
 """What a tensor-parallel rank other than 0 runs: its shard of the model and of the KV
-cache, and the same forward pass as rank 0 for every step rank 0 broadcasts.
+cache, and the same forward pass as rank 0 for every step rank 0 broadcasts (with its
+slices of the step's LoRA adapters), and rank 0's other commands in their turn: a weight
+reload, the KV connector's block copies.
 
 Started by ``fastsched.worker.tp_group`` as ``python -m fastsched.worker.tp_worker SPEC``
 (a local process) or as a Ray actor's method (:func:`serve_rank`). It never schedules and
@@ -23,8 +25,11 @@ import torch.distributed as dist
 from fastsched.attention import AttentionMetadata, select_backend
 from fastsched.cpu_env import configure_threads
 from fastsched.distributed.parallel import TensorParallel
-from fastsched.distributed.step_channel import StepChannel
+from fastsched.distributed.step_channel import READ_BLOCKS, RELOAD, WRITE_BLOCKS, Command, StepChannel
+from fastsched.lora.slots import LoRAManager
 from fastsched.model_loader.weights import load_model
+from fastsched.models.quant_linear import copy_weights
+from fastsched.worker.kv_blocks import BlockShards, read_blocks, write_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,7 @@ class WorkerSpec:
     init_method: str  # tcp://host:port of rank 0's store
     block_size: int
     parent_pid: int  # a local worker dies with the engine (0: no such watch, a Ray actor)
+    lora: tuple[int, int, int] | None = None  # (max_loras, max_lora_rank, max_cpu_loras) with enable_lora
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -51,7 +57,7 @@ class WorkerSpec:
 
 def serve_rank(spec: WorkerSpec) -> None:
     """Joins the group, loads this rank's shard, sizes its KV cache as rank 0 says, then runs
-    every step rank 0 broadcasts until it broadcasts STOP."""
+    every step and command rank 0 broadcasts until it broadcasts STOP."""
     device = torch.device(spec.device)
     if device.type == "cpu":
         configure_threads(spec.num_threads)
@@ -64,6 +70,12 @@ def serve_rank(spec: WorkerSpec) -> None:
     cfg = model.config
     kv_caches = [torch.empty(2, int(num_blocks.item()), spec.block_size, model.num_local_kv_heads, cfg.head_dim,
                              dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+    lora = None
+    if spec.lora is not None:
+        max_loras, max_lora_rank, max_cpu_loras = spec.lora
+        lora = LoRAManager(cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+                           device=device, dtype=dtype, kernel="triton" if device.type == "cuda" else "torch", tp=tp)
+    shards = BlockShards(tp, cfg, spec.block_size, dtype)
     channel = StepChannel(tp)
     on_device = (lambda a: torch.from_numpy(a).to(device, non_blocking=True)) if device.type == "cuda" \
         else torch.from_numpy
@@ -71,15 +83,39 @@ def serve_rank(spec: WorkerSpec) -> None:
                 model.num_local_kv_heads)
     with torch.inference_mode():
         while (step := channel.receive()) is not None:
+            if isinstance(step, Command):
+                _run_command(step, spec, tp, channel, model, kv_caches, shards)
+                continue
             metadata = AttentionMetadata.from_host(step, on_device)
             backend.prepare(metadata)
-            hidden = model(step.input_ids, on_device(step.positions), kv_caches, metadata, backend)
+            adapters = None if step.lora is None or lora is None else lora.activate(lora.follow(step.lora))
+            hidden = model(step.input_ids, on_device(step.positions), kv_caches, metadata, backend, adapters)
             if step.compute_logits:  # the same rows as rank 0's ModelRunner.execute, for its gather
                 if step.logits_indices is not None:
                     hidden = hidden[on_device(step.logits_indices.astype(np.int64))]
                 model.compute_logits(hidden)
     logger.info("tensor parallel rank %d stopping", spec.rank)
     tp.leave()
+
+
+def _run_command(command: Command, spec: WorkerSpec, tp: TensorParallel, channel: StepChannel,
+                 model: torch.nn.Module, kv_caches: list[torch.Tensor], shards: BlockShards) -> None:
+    """A weight reload (this rank's shards of the new checkpoint; the barrier tells rank 0 it
+    is done) or the KV connector's gather (save) or scatter (load) of whole blocks."""
+    if command.kind == RELOAD:
+        new = load_model(command.path, dtype=getattr(torch, spec.dtype), device=spec.device,
+                         quantization=spec.quantization, tp=tp)
+        copy_weights(model, new)
+        logger.info("tensor parallel rank %d reloaded weights from %s", spec.rank, command.path)
+        channel.reloaded()
+        return
+    assert command.block_ids is not None
+    if command.kind == READ_BLOCKS:
+        shards.gather(read_blocks(kv_caches, command.block_ids))
+    elif command.kind == WRITE_BLOCKS:
+        write_blocks(kv_caches, command.block_ids, shards.scatter(None, len(command.block_ids)))
+    else:
+        raise RuntimeError(f"unknown tensor parallel command {command.kind} from rank 0")
 
 
 def _die_with_parent(parent_pid: int) -> None:
