@@ -6,7 +6,8 @@ dequantizing it into a ``[N, K]`` temporary for torch's GEMM.
   the crate's dequantization rule, activations rounded to bf16), products summed in fp32,
   the output rounded to bf16. Against the float64 product of those bf16 operands an output
   is within half a bf16 step of its value (``2⁻⁸ · |exact|``) plus fp32 accumulation
-  (1e-5 of ``Σ |w·x|``); against the old dense path it is within one bf16 step of it.
+  (1e-5 of ``Σ |w·x|``), and within the accumulation bound alone as float32 (logits);
+  against the old dense path it is within one bf16 step of it.
 - Batch invariance: a row's output does not depend on the other rows of the call nor on
   how many there are (bit-exact), nor on the thread count.
 """
@@ -57,9 +58,12 @@ def test_many_rows_equal_the_bf16_dequantize_then_matmul(bits: int, m: int, n: i
     # the old path (bf16 temporary + torch's GEMM) within one bf16 step
     old = (x @ _dense_bf16(packed).t()).double()
     assert bool(((out.double() - old).abs() <= 2**-7 * exact.abs() + 2e-5 * magnitude).all())
-    # float32 activations: rounded to bf16 on the way in, the output as float32 of the bf16 result
-    out32 = packed.matmul(x.float())
-    assert out32.dtype == torch.float32 and torch.equal(out32, out.float())
+    # float32 out (logits): the same float32 sums, not rounded to bf16
+    out32 = packed.matmul(x, torch.float32)
+    assert out32.dtype == torch.float32 and torch.equal(out32.bfloat16(), out)
+    assert bool(((out32.double() - exact).abs() <= 1e-5 * magnitude).all())
+    # float32 activations are rounded to bf16 on the way in
+    assert torch.equal(packed.matmul(x.float()), out32)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -156,17 +156,18 @@ class PackedInt4:
             self.dense = weight.dequantize(self.compute_dtype).to(device)
             self.kind = "dense"
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K] @ W.T -> [M, N]`` in ``x``'s dtype."""
+    def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [M, K] @ W.T -> [M, N]`` in ``out_dtype`` (default ``x``'s dtype)."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        out_dtype = out_dtype or x.dtype
         if self.kind == "cpu_rust":
-            out = self.cpu.matmul(x2)
+            out = self.cpu.matmul(x2, out_dtype)
         else:
             xc = x2 if x2.dtype == self.compute_dtype else x2.to(self.compute_dtype)
             out = int4_matmul_triton(xc, self.packed, self.scale, self.zero) if self.kind == "triton" else (
                 xc @ self.dense.t())
-        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return out.to(out_dtype).reshape(*shape[:-1], self.out_features)
 
     def nbytes(self) -> int:
         if self.kind == "cpu_rust":
@@ -192,12 +193,13 @@ class PackedInt8:
             self.dense = weight.dequantize(torch.bfloat16).to(device)
             self.kind = "dense"
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K] @ W.T -> [M, N]`` in ``x``'s dtype."""
+    def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [M, K] @ W.T -> [M, N]`` in ``out_dtype`` (default ``x``'s dtype)."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        out = self.cpu.matmul(x2) if self.kind == "cpu_rust" else x2.to(self.dense.dtype) @ self.dense.t()
-        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        out_dtype = out_dtype or x.dtype
+        out = self.cpu.matmul(x2, out_dtype) if self.kind == "cpu_rust" else x2.to(self.dense.dtype) @ self.dense.t()
+        return out.to(out_dtype).reshape(*shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized (an embedding lookup)."""

@@ -85,18 +85,20 @@ class CpuQuantWeight:
         self.bits, self.tensors, self.n, self.k = bits, tensors, n, k
         self.addresses = [t.data_ptr() for t in tensors] + [0] * (3 - len(tensors))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype."""
+    def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [M, K] @ Wᵀ -> [M, N]`` in ``out_dtype`` (default ``x``'s). The kernels sum in
+        float32, so a float32 ``out_dtype`` keeps what bf16 would round away (logits)."""
         if torch.compiler.is_compiling():
             op = torch.ops.fastsched.int4_matmul if self.bits == 4 else torch.ops.fastsched.int8_matmul
-            return op(x, *self.tensors)
-        return _matmul(self.bits, x, self.addresses, self.n, self.k)
+            return op(x, *self.tensors).to(out_dtype or x.dtype)
+        return _matmul(self.bits, x, self.addresses, self.n, self.k).to(out_dtype or x.dtype)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 def _matmul(bits: int, x: torch.Tensor, addresses: list[int], n: int, k: int) -> torch.Tensor:
+    """``x @ Wᵀ`` as float32 (the dense fallback's bf16 result widened)."""
     _sync_threads()
     m = x.shape[0]
     if m >= DENSE_MIN_ROWS:
@@ -104,16 +106,15 @@ def _matmul(bits: int, x: torch.Tensor, addresses: list[int], n: int, k: int) ->
         if not GEMM_SIMD:
             dense = torch.empty(n, k, dtype=torch.bfloat16)
             _core.quant_dequantize_bf16(bits, n, k, addresses, dense.data_ptr())
-            return (xb @ dense.t()).to(x.dtype)
+            return (xb @ dense.t()).float()
         out = torch.empty(m, n, dtype=torch.float32)
         _core.quant_gemm_bf16(bits, n, k, addresses, xb.data_ptr(), m, out.data_ptr())
-        # rounded to bf16 as the dense GEMM's output was, so many-row results keep their numbers
-        return out.to(torch.bfloat16).to(x.dtype)
+        return out
     xc = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
     xc = xc.contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
     _core.quant_matmul(bits, n, k, addresses, xc.data_ptr(), xc.dtype == torch.bfloat16, m, out.data_ptr())
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out
 
 
 def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -132,7 +133,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype for an int4 weight."""
     weight = CpuQuantWeight(4, (packed, scale, zero), packed.shape[0], packed.shape[1] * 2)
     _check_x(x, weight.k)
-    return _matmul(4, x, weight.addresses, weight.n, weight.k)
+    return _matmul(4, x, weight.addresses, weight.n, weight.k).to(x.dtype)
 
 
 @int4_matmul.register_fake
@@ -145,7 +146,7 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
     """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype for an int8 weight."""
     weight = CpuQuantWeight(8, (codes, scale), *codes.shape)
     _check_x(x, weight.k)
-    return _matmul(8, x, weight.addresses, weight.n, weight.k)
+    return _matmul(8, x, weight.addresses, weight.n, weight.k).to(x.dtype)
 
 
 @int8_matmul.register_fake
