@@ -26,6 +26,8 @@ const NR: usize = 4;
 const MR: usize = 6;
 /// Bytes of decoded weight a task keeps hot (about half of a 32 KiB L1d).
 const BUF_BYTES: usize = 16 * 1024;
+/// Bytes of activation rows a task keeps in L2 (a quarter of a 1 MiB L2) across its blocks.
+const X_BYTES: usize = 256 * 1024;
 
 /// The kernel `gemm_bf16` runs: AVX-512 BF16 (`vdpbf16ps`) or the portable loop.
 pub fn gemm_kernel() -> Kernel {
@@ -70,12 +72,18 @@ pub fn gemm_bf16(
     let tasks = blocks.min(4 * pool.threads());
     let per = blocks.div_ceil(tasks);
     let outp = OutPtr(out.as_mut_ptr());
+    // rows in chunks whose activations stay in L2 across a task's column blocks (a block is
+    // decoded again for each chunk: cheap next to a chunk's multiplications)
+    let mc = (X_BYTES / (2 * k) / MR * MR).max(MR);
     let run = |t: usize| {
         let mut buf = vec![0u16; nb * k];
-        for b in t * per..((t + 1) * per).min(blocks) {
-            let (lo, hi) = (b * nb, ((b + 1) * nb).min(n));
-            // SAFETY: tasks write disjoint column ranges [lo, hi) of `out`, alive for the call.
-            unsafe { block(w, x, m, n, lo, hi, &mut buf, outp, kernel) };
+        for r0 in (0..m).step_by(mc) {
+            let rows = r0..(r0 + mc).min(m);
+            for b in t * per..((t + 1) * per).min(blocks) {
+                let (lo, hi) = (b * nb, ((b + 1) * nb).min(n));
+                // SAFETY: tasks write disjoint column ranges [lo, hi) of `out`, alive for the call.
+                unsafe { block(w, x, rows.clone(), n, lo, hi, &mut buf, outp, kernel) };
+            }
         }
     };
     if tasks == 1 {
@@ -86,12 +94,12 @@ pub fn gemm_bf16(
     Ok(())
 }
 
-/// Columns `lo..hi` of every row: decode them into `buf`, then the register tiles.
+/// Columns `lo..hi` of `rows`: decode them into `buf`, then the register tiles.
 #[allow(clippy::too_many_arguments)]
 unsafe fn block(
     w: &Weight,
     x: &[u16],
-    m: usize,
+    rows: std::ops::Range<usize>,
     n: usize,
     lo: usize,
     hi: usize,
@@ -114,13 +122,15 @@ unsafe fn block(
             _ => decode_scalar(w, lo + c, dst),
         }
     }
-    for c0 in (0..padded).step_by(NR) {
-        let wc = &buf[c0 * k..(c0 + NR) * k];
-        let mut m0 = 0;
-        while m0 < m {
-            let mt = (m - m0).min(MR);
+    // rows outermost: a tile's rows of `x` stay in L1 across the block's columns, so `x` is
+    // read from L2 once a block
+    let mut m0 = rows.start;
+    while m0 < rows.end {
+        let mt = (rows.end - m0).min(MR);
+        let xr = &x[m0 * k..(m0 + mt) * k];
+        for c0 in (0..padded).step_by(NR) {
+            let wc = &buf[c0 * k..(c0 + NR) * k];
             let mut acc = [[0f32; NR]; MR];
-            let xr = &x[m0 * k..(m0 + mt) * k];
             match kernel {
                 #[cfg(target_arch = "x86_64")]
                 Kernel::Avx512Vnni => simd::tile(xr, mt, k, wc, &mut acc),
@@ -131,8 +141,8 @@ unsafe fn block(
                     *out.get().add((m0 + r) * n + lo + c0 + j) = *v;
                 }
             }
-            m0 += mt;
         }
+        m0 += mt;
     }
 }
 

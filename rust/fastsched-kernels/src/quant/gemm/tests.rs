@@ -13,7 +13,7 @@ const CASES: [(usize, usize, usize); 6] = [
     (9, 32, 6),
     (70, 160, 13),
     (130, 576, 33),
-    (67, 1536, 17),
+    (67, 1536, 100),
 ];
 
 fn kernels() -> Vec<Kernel> {
