@@ -12,7 +12,8 @@ One form for every 4-bit source: ``w = scale · (q − 8) + zero`` per group of
 
 - CPU: the Rust kernels of :mod:`fastsched.kernels.quant_matmul_cpu` (activations
   quantized to int8 per group of 32, integer dot products with AVX-512 VNNI where the CPU
-  has it; fp32 scales and zeros). They replaced torch's ``_weight_int4pack_mm_for_cpu``,
+  has it; fp32 scales and zeros; from 16 rows on a bf16 GEMM that decodes the weight in
+  cache-sized blocks). They replaced torch's ``_weight_int4pack_mm_for_cpu``,
   which needs bf16 activations and scales and is ~2× slower than a bf16 GEMM from 8 rows
   on (bench/RESULTS.md). The 8-bit form :class:`Int8Weight` (GGUF Q8_0) runs on the same
   kernels.
