@@ -1,7 +1,9 @@
 """Microbenchmark of the CPU weight-only matmuls on SmolLM2-135M's layer shapes: torch's
 ``_weight_int4pack_mm_for_cpu`` (bf16, what the CPU int4 path used before), the Rust int4
-and int8 kernels (``fastsched.kernels.quant_matmul_cpu``) and a dense bf16 GEMM, best of 5
-in µs. The same weight is reused, so the layer-sized ones sit in cache (compute, not
+and int8 kernels (``fastsched.kernels.quant_matmul_cpu``: the integer GEMV below
+``DENSE_MIN_ROWS`` rows, the bf16 GEMM from it on), the many-row path before the crate's bf16
+GEMM (the weight dequantized per call to a bf16 temporary, then torch's GEMM) and a dense bf16
+GEMM on an already-dequantized weight, best of 5 in µs. The same weight is reused, so the layer-sized ones sit in cache (compute, not
 bandwidth); the 49152 × 576 lm_head does not.
 
     .venv/bin/python bench/quant_kernels.py --threads 1 --rows 1,4,8,16,32,512
@@ -15,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from fastsched import _core
 from fastsched.kernels import quant_matmul_cpu
 from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight, Int8Weight
 
@@ -32,6 +35,13 @@ def best_us(f: Callable[[], object], inner: int) -> float:
     return min(times)
 
 
+def dequant_gemm(w: quant_matmul_cpu.CpuQuantWeight, x: torch.Tensor) -> torch.Tensor:
+    """The many-row path before the crate's bf16 GEMM: a bf16 temporary per call, torch's GEMM."""
+    dense = torch.empty(w.n, w.k, dtype=torch.bfloat16)
+    _core.quant_dequantize_bf16(w.bits, w.n, w.k, w.addresses, dense.data_ptr())
+    return x @ dense.t()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (the kernels follow it)")
@@ -39,8 +49,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"| M | N × K | torch int4pack | Rust int4 | Rust int8 | bf16 dense |  ({args.threads} thread(s), µs)")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    print(f"| M | N × K | torch int4pack | Rust int4 | Rust int8 | int4 dequant+GEMM | int8 dequant+GEMM "
+          f"| bf16 dense |  ({args.threads} thread(s), µs)")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, k in SHAPES:
         w = torch.randn(n, k) * 0.02
         w4, w8 = Int4Weight.quantize(w), Int8Weight.quantize(w)
@@ -55,6 +66,7 @@ def main() -> None:
             row = [best_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4pack, GROUP_SIZE, scale_zeros),
                            inner),
                    best_us(lambda: r4.matmul(x), inner), best_us(lambda: r8.matmul(x), inner),
+                   best_us(lambda: dequant_gemm(r4, x), inner), best_us(lambda: dequant_gemm(r8, x), inner),
                    best_us(lambda: x @ dense.t(), inner)]
             print(f"| {m} | {n} × {k} | " + " | ".join(f"{v:.0f}" for v in row) + " |", flush=True)
 

@@ -12,7 +12,8 @@ One form for every 4-bit source: ``w = scale · (q − 8) + zero`` per group of
 
 - CPU: the Rust kernels of :mod:`fastsched.kernels.quant_matmul_cpu` (activations
   quantized to int8 per group of 32, integer dot products with AVX-512 VNNI where the CPU
-  has it; fp32 scales and zeros). They replaced torch's ``_weight_int4pack_mm_for_cpu``,
+  has it; fp32 scales and zeros; from 16 rows on a bf16 GEMM that decodes the weight in
+  cache-sized blocks). They replaced torch's ``_weight_int4pack_mm_for_cpu``,
   which needs bf16 activations and scales and is ~2× slower than a bf16 GEMM from 8 rows
   on (bench/RESULTS.md). The 8-bit form :class:`Int8Weight` (GGUF Q8_0) runs on the same
   kernels.
@@ -156,17 +157,18 @@ class PackedInt4:
             self.dense = weight.dequantize(self.compute_dtype).to(device)
             self.kind = "dense"
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K] @ W.T -> [M, N]`` in ``x``'s dtype."""
+    def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [M, K] @ W.T -> [M, N]`` in ``out_dtype`` (default ``x``'s dtype)."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        out_dtype = out_dtype or x.dtype
         if self.kind == "cpu_rust":
-            out = self.cpu.matmul(x2)
+            out = self.cpu.matmul(x2, out_dtype)
         else:
             xc = x2 if x2.dtype == self.compute_dtype else x2.to(self.compute_dtype)
             out = int4_matmul_triton(xc, self.packed, self.scale, self.zero) if self.kind == "triton" else (
                 xc @ self.dense.t())
-        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return out.to(out_dtype).reshape(*shape[:-1], self.out_features)
 
     def nbytes(self) -> int:
         if self.kind == "cpu_rust":
@@ -192,12 +194,13 @@ class PackedInt8:
             self.dense = weight.dequantize(torch.bfloat16).to(device)
             self.kind = "dense"
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K] @ W.T -> [M, N]`` in ``x``'s dtype."""
+    def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [M, K] @ W.T -> [M, N]`` in ``out_dtype`` (default ``x``'s dtype)."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        out = self.cpu.matmul(x2) if self.kind == "cpu_rust" else x2.to(self.dense.dtype) @ self.dense.t()
-        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        out_dtype = out_dtype or x.dtype
+        out = self.cpu.matmul(x2, out_dtype) if self.kind == "cpu_rust" else x2.to(self.dense.dtype) @ self.dense.t()
+        return out.to(out_dtype).reshape(*shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized (an embedding lookup)."""

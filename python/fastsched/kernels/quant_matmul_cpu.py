@@ -5,9 +5,12 @@ Method (the crate's docs): each activation row is quantized to int8 per group of
 call, then meets the weight's 4- or 8-bit codes in integer dot products (AVX-512 VNNI where
 the CPU has it, detected at run time; a scalar loop otherwise), read from memory at 0.56 or
 1.06 bytes a weight. That makes the M = 1 GEMV of decoding memory-bound. For many rows
-(prefill, large batches) a dense GEMM does more work per weight byte than the integer
-kernel, so from ``DENSE_MIN_ROWS`` rows on the weight is dequantized to bf16 by the crate
-(threaded, into a temporary) and multiplied by torch's GEMM: measured in bench/RESULTS.md.
+(prefill, large batches) the integer kernel's per-row work stops paying, so from
+``DENSE_MIN_ROWS`` rows on the crate's bf16 GEMM takes over: bf16 activations, each block of
+output columns decoded once a call to bf16 into an L1-sized buffer (by the same rule as a
+dequantization) and multiplied with AVX-512 BF16 ``vdpbf16ps`` and fp32 accumulation, i.e.
+the numerics of "dequantize to bf16, then a bf16 GEMM" without the ``[N, K]`` temporary (and
+batch-invariant: a row's value does not depend on the others). Measured in bench/RESULTS.md.
 
 Threads: a call uses ``torch.get_num_threads()`` cores, the calling thread plus a persistent
 pool whose workers spin briefly and then sleep, so they do not hold cores away from torch's
@@ -27,15 +30,18 @@ import torch
 from fastsched import _core
 
 GROUP_SIZE = 32
-# From this many activation rows on (prefill chunks, big batches), dequantize-to-bf16 + torch
-# GEMM beats the integer kernel (bench/RESULTS.md, "Rust int4/int8 kernels"; from ~8 rows on a
-# layer-sized weight). Below it every row takes the integer kernel, whose rows do not depend on
+# From this many activation rows on (prefill chunks, big batches), a bf16 GEMM (the crate's;
+# before it, dequantize-to-bf16 + torch's) beats the integer kernel (bench/RESULTS.md, "Rust
+# int4/int8 kernels"; from ~8 rows on a layer-sized weight). Below it every row takes the integer kernel, whose rows do not depend on
 # each other, so small decode batches and speculative verifications give a sequence the same
 # logits whatever shares the step (tests/engine/test_spec_decode.py fails with 8). Measured
 # on the tests only: 8 breaks that invariance, 64 sends short prompts through the int8
 # activations and flips test_smollm2's greedy chat answer; 16 passes both.
 DENSE_MIN_ROWS = 16
 AVAILABLE = hasattr(_core, "quant_matmul")
+# The many-row GEMM's AVX-512 BF16 kernel; without it (older x86, other ISAs) the weight is
+# dequantized to a bf16 temporary for torch's GEMM instead.
+GEMM_SIMD = AVAILABLE and _core.quant_gemm_simd()
 
 _threads = 0
 
@@ -79,29 +85,36 @@ class CpuQuantWeight:
         self.bits, self.tensors, self.n, self.k = bits, tensors, n, k
         self.addresses = [t.data_ptr() for t in tensors] + [0] * (3 - len(tensors))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype."""
+    def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [M, K] @ Wᵀ -> [M, N]`` in ``out_dtype`` (default ``x``'s). The kernels sum in
+        float32, so a float32 ``out_dtype`` keeps what bf16 would round away (logits)."""
         if torch.compiler.is_compiling():
             op = torch.ops.fastsched.int4_matmul if self.bits == 4 else torch.ops.fastsched.int8_matmul
-            return op(x, *self.tensors)
-        return _matmul(self.bits, x, self.addresses, self.n, self.k)
+            return op(x, *self.tensors).to(out_dtype or x.dtype)
+        return _matmul(self.bits, x, self.addresses, self.n, self.k).to(out_dtype or x.dtype)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 def _matmul(bits: int, x: torch.Tensor, addresses: list[int], n: int, k: int) -> torch.Tensor:
+    """``x @ Wᵀ`` as float32 (the dense fallback's bf16 result widened)."""
     _sync_threads()
     m = x.shape[0]
     if m >= DENSE_MIN_ROWS:
-        dense = torch.empty(n, k, dtype=torch.bfloat16)
-        _core.quant_dequantize_bf16(bits, n, k, addresses, dense.data_ptr())
-        return (x.to(torch.bfloat16) @ dense.t()).to(x.dtype)
+        xb = x.to(torch.bfloat16).contiguous()
+        if not GEMM_SIMD:
+            dense = torch.empty(n, k, dtype=torch.bfloat16)
+            _core.quant_dequantize_bf16(bits, n, k, addresses, dense.data_ptr())
+            return (xb @ dense.t()).float()
+        out = torch.empty(m, n, dtype=torch.float32)
+        _core.quant_gemm_bf16(bits, n, k, addresses, xb.data_ptr(), m, out.data_ptr())
+        return out
     xc = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
     xc = xc.contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
     _core.quant_matmul(bits, n, k, addresses, xc.data_ptr(), xc.dtype == torch.bfloat16, m, out.data_ptr())
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out
 
 
 def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -120,7 +133,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype for an int4 weight."""
     weight = CpuQuantWeight(4, (packed, scale, zero), packed.shape[0], packed.shape[1] * 2)
     _check_x(x, weight.k)
-    return _matmul(4, x, weight.addresses, weight.n, weight.k)
+    return _matmul(4, x, weight.addresses, weight.n, weight.k).to(x.dtype)
 
 
 @int4_matmul.register_fake
@@ -133,7 +146,7 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
     """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype for an int8 weight."""
     weight = CpuQuantWeight(8, (codes, scale), *codes.shape)
     _check_x(x, weight.k)
-    return _matmul(8, x, weight.addresses, weight.n, weight.k)
+    return _matmul(8, x, weight.addresses, weight.n, weight.k).to(x.dtype)
 
 
 @int8_matmul.register_fake

@@ -45,7 +45,10 @@ class QuantEmbedding(nn.Module):
         return self.weight_packed.rows(ids, self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.weight_packed.matmul(hidden)
+        """float32 logits: the kernels sum in float32, and rounding 49k logits to bf16 (a step
+        of 1/8 at |logit| ≥ 16) ties close candidates, which greedy decoding then breaks by
+        token id (SmolLM2's chat answer flipped on such a tie)."""
+        return self.weight_packed.matmul(hidden, torch.float32)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, kernel={self.weight_packed.kind}"

@@ -13,6 +13,8 @@
 use crate::pool::Pool;
 use crate::GROUP;
 
+pub mod gemm;
+
 /// A 4-bit weight, `w = scale · (q − 8) + zero` (module docs for the layout).
 #[derive(Clone, Copy)]
 pub struct Int4<'a> {

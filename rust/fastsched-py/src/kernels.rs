@@ -122,3 +122,39 @@ pub fn quant_dequantize_bf16(
         quant::dequantize_bf16(&w, out, &pool, quant::best_kernel()).map_err(PyValueError::new_err)
     })
 }
+
+/// Whether the many-row bf16 GEMM has its SIMD kernel (AVX-512 BF16) on this CPU; without
+/// it a dense GEMM after dequantizing is the faster path.
+#[pyfunction]
+pub fn quant_gemm_simd() -> bool {
+    quant::gemm::gemm_kernel() != quant::Kernel::Scalar
+}
+
+/// `out[M, N] (float32) = x[M, K] (bfloat16) · Wᵀ` by the many-row bf16 GEMM (the weight
+/// decoded once a call into cache-sized blocks, no `[N, K]` temporary).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn quant_gemm_bf16(
+    py: Python<'_>,
+    bits: u8,
+    n: usize,
+    k: usize,
+    w: [usize; 3],
+    x: usize,
+    m: usize,
+    out: usize,
+) -> PyResult<()> {
+    let pool = pool();
+    py.detach(|| -> PyResult<()> {
+        // SAFETY: the caller's contract (module docs).
+        let (w, x, out) = unsafe {
+            (
+                weight(n, k, bits, w)?,
+                std::slice::from_raw_parts(x as *const u16, m * k),
+                std::slice::from_raw_parts_mut(out as *mut f32, m * n),
+            )
+        };
+        quant::gemm::gemm_bf16(&w, x, m, out, &pool, quant::gemm::gemm_kernel())
+            .map_err(PyValueError::new_err)
+    })
+}
