@@ -5,7 +5,14 @@ Measured for each engine, each in a process of its own (so its RSS is its own):
   ignored): the time of a run of ``--tokens`` tokens minus that of a run of 1 token, over
   the ``n * (tokens - 1)`` tokens between, so prompt processing is left out on both sides;
 - prefill tok/s for one ``--prompt-len``-token prompt (1 output token);
-- the process's resident memory after all of that (VmRSS; VmHWM too).
+- the process's resident memory after all of that (VmRSS; VmHWM too), and for fastsched where
+  it went: RSS after ``import torch``, after the engine's imports, after the engine is built
+  (model and KV pool), after the first step and at the end, each split into anonymous and
+  file-backed pages (``/proc/self/smaps_rollup``).
+
+Both engines get a KV cache of the same size, what the largest batch needs: llama.cpp a
+context of ``n * (prompt + tokens + 8)`` tokens per run, fastsched a pool of that many
+blocks (``--kv-cache-memory`` overrides it).
 
 llama.cpp comes from ``llama-cpp-python`` (its sdist vendors llama.cpp and builds it for this
 CPU), installed on demand into its own virtual environment under ``bench/out/`` (never a
@@ -33,10 +40,22 @@ PROMPT = "The capital of France is"
 LLAMACPP_REQUIREMENT = "llama-cpp-python==0.3.36"
 
 
+PROMPT_TOKENS_MAX = 16  # PROMPT's tokens, with room: sizes fastsched's KV pool before it is tokenized
+
+
 def rss_mib() -> dict[str, float]:
     status = Path("/proc/self/status").read_text().splitlines()
     fields = {line.split(":")[0]: line.split()[1] for line in status if line.startswith(("VmRSS", "VmHWM"))}
     return {"rss_mib": int(fields["VmRSS"]) / 1024, "peak_rss_mib": int(fields["VmHWM"]) / 1024}
+
+
+def rss_split_mib() -> list[float]:
+    """[resident, anonymous, file-backed] MiB of this process (smaps_rollup)."""
+    fields = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
+        name, value = line.split()[:2]
+        fields[name.rstrip(":")] = int(value) / 1024
+    return [fields["Rss"], fields["Anonymous"], fields["Rss"] - fields["Anonymous"]]
 
 
 def long_prompt_ids(vocab_ids: list[int], length: int) -> list[int]:
@@ -47,18 +66,41 @@ def long_prompt_ids(vocab_ids: list[int], length: int) -> list[int]:
 # --- fastsched (this process, when run with --worker fastsched) -------------------------------------
 
 
+def kv_pool_args(args: argparse.Namespace, block_size: int) -> dict[str, int]:
+    """fastsched's KV pool: ``--kv-cache-memory`` bytes if given, else blocks for the largest
+    batch's sequences (what llama.cpp's context gets), and a max_model_len for the longest run."""
+    longest = max(args.prompt_len + 1, PROMPT_TOKENS_MAX + args.tokens)
+    max_model_len = -(-longest // block_size) * block_size
+    if args.kv_cache_memory is not None:
+        return {"kv_cache_memory": args.kv_cache_memory, "max_model_len": max_model_len}
+    per_seq = -(-(PROMPT_TOKENS_MAX + args.tokens) // block_size)
+    blocks = max(max(args.batches) * per_seq, max_model_len // block_size) + 1  # + the null block
+    return {"num_gpu_blocks": blocks, "max_model_len": max_model_len}
+
+
 def run_fastsched(args: argparse.Namespace) -> dict[str, object]:
+    rss_stages = {"start": rss_split_mib()}
+    import torch
+
+    rss_stages["import torch"] = rss_split_mib()
     sys.path.insert(0, str(ROOT / "python"))
     from fastsched import LLM, SamplingParams
+    from fastsched.config import EngineConfig
 
+    rss_stages["engine imports"] = rss_split_mib()
     extra = json.loads(args.fastsched_args)
     start = time.perf_counter()
     llm = LLM(model=args.model, num_threads=args.threads, log_stats_interval=0,
-              kv_cache_memory=512 * 2**20, max_model_len=2048, **extra)
+              **kv_pool_args(args, extra.get("block_size", EngineConfig.block_size)), **extra)
+    rss_stages["engine built (model, KV pool)"] = rss_split_mib()
     result: dict[str, object] = {"engine": "fastsched", "load_s": time.perf_counter() - start,
                                  "dtype": str(llm.config.torch_dtype).removeprefix("torch."),
                                  "quantization": llm.config.resolved_quantization, "args": extra}
+    kv = llm.engine.runner.kv_caches
+    result["kv_pool_mib"] = sum(t.numel() * t.element_size() for t in kv) / 2**20
     prompt = llm.tokenizer.encode(PROMPT)
+    if len(prompt) > PROMPT_TOKENS_MAX:
+        raise SystemExit(f"PROMPT is {len(prompt)} tokens; PROMPT_TOKENS_MAX ({PROMPT_TOKENS_MAX}) must be at least that")
 
     def timed(prompts: list[list[int]], max_tokens: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -66,6 +108,8 @@ def run_fastsched(args: argparse.Namespace) -> dict[str, object]:
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t
 
+    timed([prompt], 1)
+    rss_stages["first step"] = rss_split_mib()
     timed([prompt], 8)  # warm-up
     for n in args.batches:
         runs = []
@@ -76,6 +120,8 @@ def run_fastsched(args: argparse.Namespace) -> dict[str, object]:
     long_prompt = long_prompt_ids(prompt, args.prompt_len)
     # Prefix caching would serve a repeated prompt from the cache: each run's prompt differs in its first token.
     result["prefill_tok_s"] = [args.prompt_len / timed([[i + 1] + long_prompt[1:]], 1) for i in range(args.repeats)]
+    rss_stages["end"] = rss_split_mib()
+    result["rss_stages_mib"] = rss_stages  # [resident, anonymous, file-backed]
     result.update(rss_mib())
     return result
 
@@ -198,6 +244,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the prefill run")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement (all reported)")
     parser.add_argument("--fastsched-args", default="{}", help="JSON of extra LLM(...) arguments")
+    parser.add_argument("--kv-cache-memory", type=int, default=None,
+                        help="fastsched's KV pool in bytes (default: blocks for the largest batch, as llama.cpp's "
+                             "context is sized)")
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--skip-fastsched", action="store_true", help="llama.cpp alone")
     parser.add_argument("--llamacpp-venv", type=Path, default=OUT / "llamacpp-venv",
@@ -234,6 +283,9 @@ def main() -> None:
         results[-1]["install_s"] = install_s
     print(json.dumps(results, indent=1))
     print(summarize(results))
+    for r in results:
+        for stage, (rss, anon, file) in r.get("rss_stages_mib", {}).items():
+            print(f"{r['engine']} RSS {stage}: {rss:.0f} MiB ({anon:.0f} anonymous, {file:.0f} file-backed)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from fastsched.distributed.parallel import TensorParallel
@@ -78,6 +79,21 @@ def _all_shards_quantized(bits: dict[str, int], gguf_names: Iterator[str]) -> se
         t.endswith("proj.weight") or t == "lm_head.weight" or (t == "embed_tokens.weight" and b[0] == 8))}
 
 
+class _SkipRandomInit(TorchFunctionMode):
+    """Makes the ``torch.nn.init`` calls of module constructors (``reset_parameters``) no-ops
+    while the model is built on the meta device. On meta they compute nothing anyway, but in
+    torch 2.15 a random init of a meta tensor goes through ``torch._refs``, whose first use
+    imports ``torch._dynamo`` and with it inductor, sympy and Triton: ~2.5 s of start-up and
+    ~150 MiB of resident memory that the engine never uses (bench/RESULTS.md, "CPU decode:
+    engine memory")."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def _materialize(model: torch.nn.Module, device: torch.device, skip: set[str]) -> None:
     """``to_empty`` but for the parameters in ``skip``, left on the meta device (they are
     replaced by packed 4-bit layers as the weights load)."""
@@ -85,11 +101,17 @@ def _materialize(model: torch.nn.Module, device: torch.device, skip: set[str]) -
         for name, param in list(module._parameters.items()):
             full = f"{module_name}.{name}" if module_name else name
             if param is not None and full not in skip:
-                module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device=device),
-                                                              requires_grad=param.requires_grad)
+                module._parameters[name] = torch.nn.Parameter(_empty(param, device), requires_grad=param.requires_grad)
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:
-                module._buffers[name] = torch.empty_like(buffer, device=device)
+                module._buffers[name] = _empty(buffer, device)
+
+
+def _empty(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor like ``meta`` on ``device``: ``torch.empty`` from its shape,
+    as ``empty_like`` of a meta tensor goes through ``torch._prims_common``, which imports
+    sympy (~35 MiB resident) on first use."""
+    return torch.empty(meta.shape, dtype=meta.dtype, device=device)
 
 
 def _release_freed_memory() -> None:
@@ -147,7 +169,7 @@ def load_model(
         weights = _quantize_linears(dense) if quantization == "int4" else dense
     model_cls = get_model_class(config.architecture)  # an unsupported one fails before any weight is read
     # Built on the meta device so no memory is spent on a random init that the weights overwrite.
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipRandomInit():
         model = model_cls(config) if tp is None else model_cls(config, tp)
     _materialize(model.to(dtype), torch.device(device), skip=packed)
     with torch.no_grad():
