@@ -65,6 +65,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::kernel_isa, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::quant_dequantize_bf16, m)?)?;
+    // CPU attention and elementwise kernels.
+    m.add_function(wrap_pyfunction!(kernels::paged_attention, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The codes of `SchedulerOutput.kinds` and `EngineCoreOutputs.finish_reasons`,
     // taken from the core's enums so Python never writes them down again.
