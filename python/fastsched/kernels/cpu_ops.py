@@ -82,3 +82,52 @@ def paged_attention(
         [num_blocks, block_size, num_kv_heads, head_dim], num_tokens, num_heads,
         [t.data_ptr() for t in step], seq_lens.shape[0], tables.shape[1], reqs.shape[0], scale,
     )
+
+
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``hidden += delta`` in place (bfloat16 rounding, as torch's add), then RMSNorm of it
+    (``fastsched.models.llama.RMSNorm``'s rounding): ``[M, N]`` bfloat16, contiguous."""
+    n = weight.shape[0]
+    if (hidden.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or hidden.device.type != "cpu"
+            or not hidden.is_contiguous() or hidden.dim() != 2 or hidden.shape[1] != n):
+        raise ValueError(f"hidden must be a contiguous CPU bfloat16 [M, {n}] tensor and weight bfloat16; "
+                         f"got {hidden.dtype} {tuple(hidden.shape)} and {weight.dtype}")
+    if delta is not None:
+        if delta.shape != hidden.shape or delta.dtype != hidden.dtype:
+            raise ValueError(f"delta must be bfloat16 {tuple(hidden.shape)}; got {delta.dtype} {tuple(delta.shape)}")
+        delta = delta.contiguous()
+    out = torch.empty_like(hidden)
+    _core.add_rms_norm_bf16(hidden.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.contiguous().data_ptr(),
+                            out.data_ptr(), hidden.shape[0], n, eps)
+    return out
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place on the first ``heads * head_dim`` columns of each row of
+    ``x [T, W]`` (q's heads then k's, as a fused QKV projection lays them out), row ``t`` by
+    row ``positions[t]`` of the ``[len, head_dim]`` tables (``x``'s dtype)."""
+    if (x.dtype not in DTYPES or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1
+            or x.shape[1] < heads * head_dim):
+        raise ValueError(f"x must be a CPU float32/bfloat16 [T, >= {heads * head_dim}] tensor with contiguous rows; "
+                         f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != x.dtype or not t.is_contiguous() or t.dim() != 2 or t.shape[1] != head_dim:
+            raise ValueError(f"{name} must be a contiguous {x.dtype} [len, {head_dim}] table; got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    check_step_tensor("positions", positions, torch.int64)
+    if positions.shape[0] != x.shape[0]:
+        raise ValueError(f"positions has {positions.shape[0]} rows, x {x.shape[0]}")
+    _core.rope(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), heads, head_dim, positions.data_ptr(),
+               x.shape[0], [cos.data_ptr(), sin.data_ptr()], cos.shape[0])
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for bfloat16 ``gate_up [M, 2I]`` (gate first), in torch's rounding."""
+    if gate_up.dtype != torch.bfloat16 or gate_up.device.type != "cpu" or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be a CPU bfloat16 [M, 2I] tensor; got {gate_up.dtype} {tuple(gate_up.shape)}")
+    gate_up = gate_up.contiguous()
+    inner = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], inner, dtype=torch.bfloat16)
+    _core.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inner)
+    return out

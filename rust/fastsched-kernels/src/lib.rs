@@ -20,3 +20,4 @@ pub const GROUP: usize = 32;
 
 // Paged attention and the elementwise ops of a decoder layer (CPU, float32 / bfloat16).
 pub mod attention;
+pub mod elementwise;

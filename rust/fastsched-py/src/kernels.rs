@@ -232,3 +232,96 @@ pub fn paged_attention(
         }
     })
 }
+
+// ---- Elementwise ops (fastsched_kernels::elementwise), for fastsched.kernels.cpu_ops ----
+
+use fastsched_kernels::elementwise;
+
+/// RMSNorm of the bfloat16 residual stream `hidden [M, N]` into `out`, after adding `delta`
+/// to `hidden` in place (`delta` = 0: no add). `weight [N]` bfloat16.
+#[pyfunction]
+pub fn add_rms_norm_bf16(
+    py: Python<'_>,
+    hidden: usize,
+    delta: usize,
+    weight: usize,
+    out: usize,
+    rows: usize,
+    n: usize,
+    eps: f32,
+) -> PyResult<()> {
+    py.detach(|| {
+        // SAFETY: the caller's contract (module docs).
+        unsafe {
+            elementwise::add_rms_norm_bf16(
+                std::slice::from_raw_parts_mut(hidden as *mut u16, rows * n),
+                (delta != 0).then(|| std::slice::from_raw_parts(delta as *const u16, rows * n)),
+                std::slice::from_raw_parts(weight as *const u16, n),
+                eps,
+                std::slice::from_raw_parts_mut(out as *mut u16, rows * n),
+            )
+        }
+        .map_err(PyValueError::new_err)
+    })
+}
+
+/// Rotate-half RoPE in place on the first `heads` heads of `head_dim` of each of the
+/// `rows` rows of `x` (`stride` elements apart), by `positions [rows]` (int64) into the
+/// `[table_len, head_dim]` tables `cos` and `sin`; all of `x`'s dtype.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    py: Python<'_>,
+    x: usize,
+    bf16: bool,
+    stride: usize,
+    heads: usize,
+    head_dim: usize,
+    positions: usize,
+    rows: usize,
+    tables: [usize; 2],
+    table_len: usize,
+) -> PyResult<()> {
+    py.detach(|| {
+        // SAFETY: the caller's contract (module docs).
+        unsafe {
+            let len = if rows == 0 {
+                0
+            } else {
+                (rows - 1) * stride + heads * head_dim
+            };
+            elementwise::rope(
+                &mut floats_mut(x, bf16, len),
+                stride,
+                heads,
+                head_dim,
+                std::slice::from_raw_parts(positions as *const i64, rows),
+                floats(tables[0], bf16, table_len * head_dim),
+                floats(tables[1], bf16, table_len * head_dim),
+            )
+        }
+        .map_err(PyValueError::new_err)
+    })
+}
+
+/// `out [M, I] = silu(gate) · up` for bfloat16 `gate_up [M, 2I]`.
+#[pyfunction]
+pub fn silu_mul_bf16(
+    py: Python<'_>,
+    gate_up: usize,
+    out: usize,
+    rows: usize,
+    inner: usize,
+) -> PyResult<()> {
+    py.detach(|| {
+        // SAFETY: the caller's contract (module docs).
+        unsafe {
+            elementwise::silu_mul_bf16(
+                std::slice::from_raw_parts(gate_up as *const u16, rows * 2 * inner),
+                std::slice::from_raw_parts_mut(out as *mut u16, rows * inner),
+                inner,
+            )
+        }
+        .map_err(PyValueError::new_err)
+    })
+}
