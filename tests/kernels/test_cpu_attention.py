@@ -23,7 +23,7 @@ from test_attention_backends import STEPS, _run_step
 pytestmark = pytest.mark.skipif(not cpu_ops.AVAILABLE, reason="fastsched._core built without paged_attention")
 
 # decodes, draft verifications (4 rows), prefill chunks with context, a long chunk for SDPA
-MIXED = ([37, 0, 15, 64, 3, 100, 16], [1, 1, 4, 1, 13, 70, 16])
+MIXED = ([37, 0, 15, 64, 3, 100, 16], [1, 1, 4, 1, 13, 260, 16])
 
 
 def _mixed_step(scenario, dtype, seed=0, **shape):
@@ -84,7 +84,7 @@ def test_long_chunks_go_to_sdpa_and_short_ones_to_the_kernel(scenario, close, mo
     s, spans = _mixed_step(scenario, torch.float32)
     query, key, value, metadata = s.step(spans)
     plan = cpu_backend._plan_step(metadata, s.block_size)
-    assert [p.end - p.start for p in plan.prefills] == [70]
+    assert [p.end - p.start for p in plan.prefills] == [260]
     assert plan.step[4].tolist() == [0, 1, 2, 3, 4, 6]
     monkeypatch.setattr(cpu_backend, "SDPA_MIN_QUERY_LEN", 1 << 20)  # everything through the kernel
     out = _forward(CpuBackend(), s, spans)

@@ -24,8 +24,9 @@ from fastsched.attention.base import AttentionMetadata
 from fastsched.attention.torch_native import TorchNativeBackend, _plan_prefill, _prefill, _Prefill
 from fastsched.kernels import cpu_ops
 
-# Query rows from which a request's chunk goes to SDPA (measured: bench/RESULTS.md).
-SDPA_MIN_QUERY_LEN = 64
+# Query rows from which a request's chunk goes to SDPA: the kernel was faster up to 128 rows and
+# close at 512 (bench/RESULTS.md, measured on a loaded machine); SDPA's blocked GEMMs keep long prompts.
+SDPA_MIN_QUERY_LEN = 256
 
 
 @dataclass
