@@ -242,7 +242,11 @@ pub fn paged_attention(
         head_dim,
         ..
     } = shape;
-    if num_kv_heads == 0 || head_dim == 0 || block_size == 0 || num_heads % num_kv_heads != 0 {
+    if num_kv_heads == 0
+        || head_dim == 0
+        || block_size == 0
+        || !num_heads.is_multiple_of(num_kv_heads)
+    {
         return Err(format!(
             "num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads} (both > 0)"
         ));
@@ -455,10 +459,10 @@ unsafe fn task_body(ctx: &Ctx, task: &Task) {
     let mut values = vec![0f32; bs * d];
     let mut scores = vec![0f32; bs];
     let table = &step.block_tables[req * step.max_blocks..];
-    for blk in 0..=last_pos / bs {
+    for (blk, &block) in table.iter().enumerate().take(last_pos / bs + 1) {
         let t0 = blk * bs;
         let nk = bs.min(last_pos + 1 - t0);
-        let block = table[blk] as usize;
+        let block = block as usize;
         for o in 0..nk {
             let slot = block * bs + o;
             load(

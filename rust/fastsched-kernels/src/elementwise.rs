@@ -26,7 +26,7 @@ pub fn add_rms_norm_bf16(
 ) -> Result<(), String> {
     let n = weight.len();
     if n == 0
-        || hidden.len() % n != 0
+        || !hidden.len().is_multiple_of(n)
         || out.len() != hidden.len()
         || delta.is_some_and(|d| d.len() != hidden.len())
     {
@@ -101,7 +101,7 @@ pub fn rope(
         (rows - 1) * stride + heads * d
     };
     let len = cos.len() / d.max(1);
-    if d % 2 != 0 || x.len() < need || cos.len() != len * d || sin.len() != cos.len() {
+    if !d.is_multiple_of(2) || x.len() < need || cos.len() != len * d || sin.len() != cos.len() {
         return Err(format!(
             "x has {} elements ({rows} rows {stride} apart of {heads} x {d} needs {need}); cos {} and sin {} not [len, {d}]",
             x.len(),
@@ -155,7 +155,7 @@ fn rope_head<T: Copy>(
 
 /// `out[M, I] = bf16(bf16(silu(gate)) · up)` for `gate_up [M, 2I]` (gate first).
 pub fn silu_mul_bf16(gate_up: &[u16], out: &mut [u16], inner: usize) -> Result<(), String> {
-    if inner == 0 || out.len() % inner != 0 || gate_up.len() != 2 * out.len() {
+    if inner == 0 || !out.len().is_multiple_of(inner) || gate_up.len() != 2 * out.len() {
         return Err(format!(
             "gate_up has {} and out {} elements, not [M, 2 x {inner}] and [M, {inner}]",
             gate_up.len(),
@@ -263,8 +263,8 @@ mod tests {
             1,
             4,
             &[0, 1],
-            &FloatsMut::F32(&mut c),
-            &FloatsMut::F32(&mut s),
+            Floats::F32(&c),
+            Floats::F32(&s),
         )
         .unwrap();
         assert_eq!(x, [1.0, 2.0, 3.0, 4.0, 9.0, -3.0, -2.0, 1.0, -4.0]);
@@ -274,8 +274,8 @@ mod tests {
             1,
             4,
             &[2],
-            &FloatsMut::F32(&mut c),
-            &FloatsMut::F32(&mut s),
+            Floats::F32(&c),
+            Floats::F32(&s),
         )
         .unwrap_err();
         assert!(err.contains("positions"), "{err}");

@@ -240,6 +240,7 @@ use fastsched_kernels::elementwise;
 /// RMSNorm of the bfloat16 residual stream `hidden [M, N]` into `out`, after adding `delta`
 /// to `hidden` in place (`delta` = 0: no add). `weight [N]` bfloat16.
 #[pyfunction]
+#[allow(clippy::too_many_arguments)]
 pub fn add_rms_norm_bf16(
     py: Python<'_>,
     hidden: usize,
