@@ -1,6 +1,7 @@
 """The CPU backend (the Rust paged-attention kernel, SDPA for long chunks) against the dense
-oracle and against the torch backend, and its batch invariance (design.md's rule for
-speculative decoding: a request's numbers do not depend on what shares its step).
+oracle and against the torch backend, and its batch invariance: a request's numbers do not
+depend on what shares its step, which greedy speculative decoding's equivalence to plain
+greedy decoding needs (tests/engine/test_spec_decode.py).
 
 Tolerances: conftest's TOLERANCES against the fp64 oracle; against the torch backend
 fp32 within 2e-6 (both accumulate in fp32, in different orders), bf16 within one bf16
