@@ -54,6 +54,10 @@ __all__ = [
     "kernel_isa",
     "quant_matmul",
     "quant_dequantize_bf16",
+    "paged_attention",
+    "add_rms_norm_bf16",
+    "rope",
+    "silu_mul_bf16",
 ]
 
 __version__: str
@@ -637,3 +641,33 @@ def quant_matmul(
     bits: int, n: int, k: int, w: Sequence[int], x: int, x_bf16: bool, m: int, out: int
 ) -> None: ...
 def quant_dequantize_bf16(bits: int, n: int, k: int, w: Sequence[int], out: int) -> None: ...
+
+# CPU attention and elementwise kernels (rust/fastsched-kernels), called by
+# fastsched.kernels.cpu_ops with raw tensor addresses that it has checked.
+def paged_attention(
+    tensors: Sequence[int],
+    strides: Sequence[int],
+    bf16: bool,
+    cache_bf16: bool,
+    cache_shape: Sequence[int],
+    num_tokens: int,
+    num_heads: int,
+    step: Sequence[int],
+    num_reqs: int,
+    max_blocks: int,
+    num_selected: int,
+    scale: float,
+) -> None: ...
+def add_rms_norm_bf16(hidden: int, delta: int, weight: int, out: int, rows: int, n: int, eps: float) -> None: ...
+def rope(
+    x: int,
+    bf16: bool,
+    stride: int,
+    heads: int,
+    head_dim: int,
+    positions: int,
+    rows: int,
+    tables: Sequence[int],
+    table_len: int,
+) -> None: ...
+def silu_mul_bf16(gate_up: int, out: int, rows: int, inner: int) -> None: ...

@@ -78,8 +78,9 @@ class EngineConfig:
                "affinity and cgroup quota considered)"))
     device: str = field(default="auto", metadata=_flag(MODEL, "cpu, cuda or cuda:N (auto: cuda when available)"))
     attention_backend: str | None = field(default=None, metadata=_flag(
-        MODEL, "attention implementation (default: flashinfer, else triton on CUDA; torch on CPU)",
-        choices=("torch", "triton", "flashinfer")))
+        MODEL, "attention implementation (default: flashinfer, else triton on CUDA; cpu, the Rust paged-attention "
+               "kernel, on CPU; torch: plain torch ops on any device)",
+        choices=("torch", "cpu", "triton", "flashinfer")))
     seed: int = field(default=0, metadata=_flag(MODEL, "seed for requests that do not set their own"))
     generation_config: str = field(default="auto", metadata=_flag(
         MODEL, "sampling defaults for requests that leave a parameter out: auto (the model's generation_config.json "

@@ -134,13 +134,13 @@ def test_chunked_prefill_reads_what_earlier_steps_wrote(scenario, close, backend
         close(out, s.dense_attention(spans, query.shape[0]), torch.float32)
 
 
-def test_select_backend_picks_torch_on_cpu():
-    assert select_backend(torch.device("cpu"), None).name == "torch"
+def test_select_backend_picks_the_rust_kernel_on_cpu():
+    assert select_backend(torch.device("cpu"), None).name == "cpu"
     assert select_backend(torch.device("cpu"), "torch").name == "torch"
 
 
 def test_select_backend_names_an_unknown_override():
-    with pytest.raises(ValueError, match="unknown attention backend 'cutlass'.*torch, triton, flashinfer"):
+    with pytest.raises(ValueError, match="unknown attention backend 'cutlass'.*torch, cpu, triton, flashinfer"):
         select_backend(torch.device("cpu"), "cutlass")
 
 

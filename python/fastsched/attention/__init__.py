@@ -14,7 +14,7 @@ import torch
 
 from fastsched.attention.base import AttentionBackend, AttentionMetadata
 
-BACKEND_NAMES = ("torch", "triton", "flashinfer")
+BACKEND_NAMES = ("torch", "cpu", "triton", "flashinfer")
 
 __all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "select_backend"]
 
@@ -23,7 +23,8 @@ def select_backend(device: torch.device, override: str | None = None) -> Attenti
     """The backend for ``device``: ``override`` if given, else the fastest one available.
 
     Automatic choice: "flashinfer" on CUDA when flashinfer imports, else
-    "triton" on CUDA, else "torch".  An override that is unknown or cannot
+    "triton" on CUDA; on the CPU "cpu" (the Rust kernel) when the extension has it,
+    else "torch".  An override that is unknown or cannot
     run here raises ValueError saying which and why, at start-up rather than
     at the first forward pass.
     """
@@ -33,6 +34,15 @@ def select_backend(device: torch.device, override: str | None = None) -> Attenti
         from fastsched.attention.torch_native import TorchNativeBackend
 
         return TorchNativeBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' needs the CPU device, got {device.type!r}")
+        from fastsched.attention.cpu import CpuBackend
+        from fastsched.kernels import cpu_ops
+
+        if not cpu_ops.AVAILABLE:
+            raise ValueError("attention backend 'cpu' is unavailable: fastsched._core lacks paged_attention")
+        return CpuBackend()
     if name == "triton":
         _require_cuda(name, device)
         if importlib.util.find_spec("triton") is None:
@@ -51,6 +61,10 @@ def select_backend(device: torch.device, override: str | None = None) -> Attenti
 
 
 def _automatic(device: torch.device) -> str:
+    if device.type == "cpu":
+        from fastsched.kernels import cpu_ops
+
+        return "cpu" if cpu_ops.AVAILABLE else "torch"
     if device.type != "cuda":
         return "torch"
     from fastsched.attention.flashinfer import flashinfer_available

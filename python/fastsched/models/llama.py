@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastsched.attention.base import AttentionBackend, AttentionMetadata
+from fastsched.kernels import cpu_ops
 from fastsched.kernels.quant_matmul import Int4Weight, Int8Weight
 from fastsched.models.config import ModelConfig
 from fastsched.models.quant_linear import QuantEmbedding, QuantLinear, replace_linear
@@ -79,6 +81,7 @@ class RotaryEmbedding:
         # A plain tensor, not a buffer: the model is built on the meta device and a buffer
         # would come back uninitialized from ``to_empty``.
         self.inv_freq = rope_inv_freq(config)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
@@ -86,6 +89,31 @@ class RotaryEmbedding:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim], broadcast over heads
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """A :class:`Rope` indexing cached ``[len, head_dim]`` tables (CPU), grown (doubling)
+        to cover ``positions``. Rows are built by ``__call__`` itself, in chunks small enough
+        that torch runs each on one thread and fully vectorized, so a table row has the bits
+        the per-step path computes for that position."""
+        cos, sin = self._tables.get(dtype, (None, None))
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if cos is None or cos.shape[0] < needed:
+            length = max(1024, 1 << (needed - 1).bit_length())
+            chunks = [self(torch.arange(i, min(i + 256, length)), dtype) for i in range(0, length, 256)]
+            cos = torch.cat([c for c, _ in chunks]).squeeze(1).contiguous()
+            sin = torch.cat([s for _, s in chunks]).squeeze(1).contiguous()
+            self._tables[dtype] = (cos, sin)
+        return Rope(cos, sin, positions.contiguous())
+
+
+@dataclass
+class Rope:
+    """A step's RoPE: per-token ``cos``/``sin`` ``[T, 1, head_dim]`` (``positions`` None),
+    or, for the CPU kernel, ``[len, head_dim]`` tables indexed by ``positions``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,8 +143,7 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
@@ -126,14 +153,19 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if lora is not None:
             lora.add("qkv_proj", hidden, qkv)
+        if rope.positions is not None:  # the CPU kernel, in place on q's and k's heads (no qk_norm)
+            cpu_ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope.positions, rope.cos, rope.sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = backend.forward(q, k, v.contiguous(), kv_cache, metadata, self.scale).reshape(num_tokens, self.q_size)
+        if rope.positions is None:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
+        # The CPU backend reads strided rows; the others are given v contiguous, as before.
+        v = v if backend.name == "cpu" else v.contiguous()
+        out = backend.forward(q, k, v, kv_cache, metadata, self.scale).reshape(num_tokens, self.q_size)
         projected = self.o_proj(out)
         if lora is not None:
             lora.add("o_proj", out, projected)
@@ -148,12 +180,15 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None, cpu_bf16: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.add("gate_up_proj", x, gate_up)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        activated = F.silu(gate) * up
+        if cpu_bf16:
+            activated = cpu_ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            activated = F.silu(gate) * up
         out = self.down_proj(activated)
         if lora is not None:
             lora.add("down_proj", activated, out)
@@ -171,15 +206,33 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         lora: LayerLoRA | None = None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata, backend, lora)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata, backend, lora)
         return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+
+    def forward_cpu_bf16(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        lora: LayerLoRA | None = None,
+    ) -> torch.Tensor:
+        """``forward`` with the CPU kernels: adds the previous layer's ``delta`` to the
+        residual stream ``hidden`` in place (fused with the norm) and returns this layer's,
+        so each residual add rides along with the next RMSNorm."""
+        eps = self.input_layernorm.eps
+        normed = cpu_ops.add_rms_norm(hidden, delta, self.input_layernorm.weight, eps)
+        attn = self.self_attn(normed, rope, kv_cache, metadata, backend, lora)
+        normed = cpu_ops.add_rms_norm(hidden, attn, self.post_attention_layernorm.weight, eps)
+        return self.mlp(normed, lora, cpu_bf16=True)
 
 
 # Checkpoint projection name -> (fused parameter, index of its shard in the fused output).
@@ -218,10 +271,33 @@ class LlamaForCausalLM(nn.Module):
         lora: LoRAStep | None = None,  # the step's adapters, None: the base model for every token
     ) -> torch.Tensor:  # [T, hidden_size], final-normed
         hidden = self.embed_tokens(input_ids) if self.tp is None else self._embed_vocab_parallel(input_ids)
-        cos, sin = self.rotary(positions, hidden.dtype)
+        cpu = hidden.device.type == "cpu" and cpu_ops.AVAILABLE and hidden.dtype in cpu_ops.DTYPES
+        # On the CPU the Rust kernels replace the elementwise torch ops: RoPE (same bits in
+        # float32 and bfloat16) whenever there is no q/k norm; norms, residual adds and SiLU
+        # (bfloat16 only, see fastsched-kernels' elementwise docs) in bfloat16.
+        rope = (self.rotary.table(positions, hidden.dtype) if cpu and not self.config.qk_norm
+                else Rope(*self.rotary(positions, hidden.dtype)))
+        if cpu and hidden.dtype == torch.bfloat16 and self.norm.weight.dtype == torch.bfloat16:
+            return self._forward_cpu_bf16(hidden, rope, kv_caches, metadata, backend, lora)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hidden = layer(hidden, cos, sin, kv_cache, metadata, backend, None if lora is None else lora.layer(i))
+            hidden = layer(hidden, rope, kv_cache, metadata, backend, None if lora is None else lora.layer(i))
         return self.norm(hidden)
+
+    def _forward_cpu_bf16(
+        self,
+        hidden: torch.Tensor,
+        rope: Rope,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        lora: LoRAStep | None,
+    ) -> torch.Tensor:
+        hidden = hidden.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
+        delta = None
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            delta = layer.forward_cpu_bf16(hidden, delta, rope, kv_cache, metadata, backend,
+                                           None if lora is None else lora.layer(i))
+        return cpu_ops.add_rms_norm(hidden, delta, self.norm.weight, self.norm.eps)
 
     def _embed_vocab_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Each rank looks up the ids in its vocabulary range, zeros for the rest; the

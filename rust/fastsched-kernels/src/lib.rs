@@ -17,3 +17,7 @@ pub mod quant;
 
 /// Input columns sharing one scale (and zero).
 pub const GROUP: usize = 32;
+
+// Paged attention and the elementwise ops of a decoder layer (CPU, float32 / bfloat16).
+pub mod attention;
+pub mod elementwise;

@@ -158,3 +158,207 @@ pub fn quant_gemm_bf16(
             .map_err(PyValueError::new_err)
     })
 }
+
+// ---- Paged attention (fastsched_kernels::attention), for fastsched.kernels.cpu_ops ----
+
+use fastsched_kernels::attention::{self, CacheShape, Floats, FloatsMut, Step};
+
+/// # Safety (of the callers' contract)
+/// `addr` points at a live, contiguous buffer of `len` elements of the given dtype.
+unsafe fn floats<'a>(addr: usize, bf16: bool, len: usize) -> Floats<'a> {
+    if bf16 {
+        Floats::Bf16(std::slice::from_raw_parts(addr as *const u16, len))
+    } else {
+        Floats::F32(std::slice::from_raw_parts(addr as *const f32, len))
+    }
+}
+
+/// # Safety
+/// As [`floats`], and nothing else reads or writes the buffer during the call.
+unsafe fn floats_mut<'a>(addr: usize, bf16: bool, len: usize) -> FloatsMut<'a> {
+    if bf16 {
+        FloatsMut::Bf16(std::slice::from_raw_parts_mut(addr as *mut u16, len))
+    } else {
+        FloatsMut::F32(std::slice::from_raw_parts_mut(addr as *mut f32, len))
+    }
+}
+
+/// Writes a step's keys and values into one layer's paged cache at `slot_mapping`, then
+/// attends for the requests listed in `reqs` (their query rows of `out`).
+///
+/// `tensors`: query `[T, H, D]`, key and value `[T, H_kv, D]` (rows `strides` = (query's,
+/// key's and value's) elements apart, each row contiguous), out `[T, H, D]` contiguous (all
+/// of the query's dtype, bfloat16 if `bf16` else float32), kv_cache `[2, num_blocks,
+/// block_size, H_kv, D]` (bfloat16 if `cache_bf16`). `step`: slot_mapping `[T]` int64,
+/// query_start_loc `[B + 1]`, seq_lens `[B]`, block_tables `[B, max_blocks]`, reqs
+/// `[num_selected]`, all int32. `cache_shape`: num_blocks, block_size, H_kv, D.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    py: Python<'_>,
+    tensors: [usize; 5],
+    strides: [usize; 2],
+    bf16: bool,
+    cache_bf16: bool,
+    cache_shape: [usize; 4],
+    num_tokens: usize,
+    num_heads: usize,
+    step: [usize; 5],
+    num_reqs: usize,
+    max_blocks: usize,
+    num_selected: usize,
+    scale: f32,
+) -> PyResult<()> {
+    let pool = pool();
+    let [num_blocks, block_size, num_kv_heads, head_dim] = cache_shape;
+    let shape = CacheShape {
+        num_blocks,
+        block_size,
+        num_kv_heads,
+        head_dim,
+    };
+    let cache_len = 2 * num_blocks * block_size * num_kv_heads * head_dim;
+    py.detach(|| -> PyResult<()> {
+        // SAFETY: the caller's contract (module docs); the cache is written, then read.
+        unsafe {
+            let [q_stride, kv_stride] = strides;
+            let span = |stride: usize, row: usize| {
+                if num_tokens == 0 {
+                    0
+                } else {
+                    (num_tokens - 1) * stride + row
+                }
+            };
+            let q_len = span(q_stride, num_heads * head_dim);
+            let kv_len = span(kv_stride, num_kv_heads * head_dim);
+            let [q, k, v, out, cache] = tensors;
+            let [slots, qsl, seq_lens, tables, reqs] = step;
+            attention::write_cache(
+                floats(k, bf16, kv_len),
+                floats(v, bf16, kv_len),
+                kv_stride,
+                std::slice::from_raw_parts(slots as *const i64, num_tokens),
+                &mut floats_mut(cache, cache_bf16, cache_len),
+                shape,
+            )
+            .map_err(PyValueError::new_err)?;
+            let step = Step {
+                query_start_loc: std::slice::from_raw_parts(qsl as *const i32, num_reqs + 1),
+                seq_lens: std::slice::from_raw_parts(seq_lens as *const i32, num_reqs),
+                block_tables: std::slice::from_raw_parts(
+                    tables as *const i32,
+                    num_reqs * max_blocks,
+                ),
+                max_blocks,
+            };
+            attention::paged_attention(
+                floats(q, bf16, q_len),
+                q_stride,
+                &mut floats_mut(out, bf16, num_tokens * num_heads * head_dim),
+                num_heads,
+                floats(cache, cache_bf16, cache_len),
+                shape,
+                step,
+                std::slice::from_raw_parts(reqs as *const i32, num_selected),
+                scale,
+                &pool,
+                attention::best_isa(),
+            )
+            .map_err(PyValueError::new_err)
+        }
+    })
+}
+
+// ---- Elementwise ops (fastsched_kernels::elementwise), for fastsched.kernels.cpu_ops ----
+
+use fastsched_kernels::elementwise;
+
+/// RMSNorm of the bfloat16 residual stream `hidden [M, N]` into `out`, after adding `delta`
+/// to `hidden` in place (`delta` = 0: no add). `weight [N]` bfloat16.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_bf16(
+    py: Python<'_>,
+    hidden: usize,
+    delta: usize,
+    weight: usize,
+    out: usize,
+    rows: usize,
+    n: usize,
+    eps: f32,
+) -> PyResult<()> {
+    py.detach(|| {
+        // SAFETY: the caller's contract (module docs).
+        unsafe {
+            elementwise::add_rms_norm_bf16(
+                std::slice::from_raw_parts_mut(hidden as *mut u16, rows * n),
+                (delta != 0).then(|| std::slice::from_raw_parts(delta as *const u16, rows * n)),
+                std::slice::from_raw_parts(weight as *const u16, n),
+                eps,
+                std::slice::from_raw_parts_mut(out as *mut u16, rows * n),
+            )
+        }
+        .map_err(PyValueError::new_err)
+    })
+}
+
+/// Rotate-half RoPE in place on the first `heads` heads of `head_dim` of each of the
+/// `rows` rows of `x` (`stride` elements apart), by `positions [rows]` (int64) into the
+/// `[table_len, head_dim]` tables `cos` and `sin`; all of `x`'s dtype.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    py: Python<'_>,
+    x: usize,
+    bf16: bool,
+    stride: usize,
+    heads: usize,
+    head_dim: usize,
+    positions: usize,
+    rows: usize,
+    tables: [usize; 2],
+    table_len: usize,
+) -> PyResult<()> {
+    py.detach(|| {
+        // SAFETY: the caller's contract (module docs).
+        unsafe {
+            let len = if rows == 0 {
+                0
+            } else {
+                (rows - 1) * stride + heads * head_dim
+            };
+            elementwise::rope(
+                &mut floats_mut(x, bf16, len),
+                stride,
+                heads,
+                head_dim,
+                std::slice::from_raw_parts(positions as *const i64, rows),
+                floats(tables[0], bf16, table_len * head_dim),
+                floats(tables[1], bf16, table_len * head_dim),
+            )
+        }
+        .map_err(PyValueError::new_err)
+    })
+}
+
+/// `out [M, I] = silu(gate) · up` for bfloat16 `gate_up [M, 2I]`.
+#[pyfunction]
+pub fn silu_mul_bf16(
+    py: Python<'_>,
+    gate_up: usize,
+    out: usize,
+    rows: usize,
+    inner: usize,
+) -> PyResult<()> {
+    py.detach(|| {
+        // SAFETY: the caller's contract (module docs).
+        unsafe {
+            elementwise::silu_mul_bf16(
+                std::slice::from_raw_parts(gate_up as *const u16, rows * 2 * inner),
+                std::slice::from_raw_parts_mut(out as *mut u16, rows * inner),
+                inner,
+            )
+        }
+        .map_err(PyValueError::new_err)
+    })
+}

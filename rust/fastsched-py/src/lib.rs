@@ -67,6 +67,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::quant_dequantize_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::quant_gemm_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::quant_gemm_simd, m)?)?;
+    // CPU attention and elementwise kernels.
+    m.add_function(wrap_pyfunction!(kernels::paged_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::add_rms_norm_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::rope, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::silu_mul_bf16, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The codes of `SchedulerOutput.kinds` and `EngineCoreOutputs.finish_reasons`,
     // taken from the core's enums so Python never writes them down again.
