@@ -54,6 +54,8 @@ __all__ = [
     "kernel_isa",
     "quant_matmul",
     "quant_dequantize_bf16",
+    "quant_gemm_simd",
+    "quant_gemm_bf16",
     "paged_attention",
     "add_rms_norm_bf16",
     "rope",
@@ -641,6 +643,10 @@ def quant_matmul(
     bits: int, n: int, k: int, w: Sequence[int], x: int, x_bf16: bool, m: int, out: int
 ) -> None: ...
 def quant_dequantize_bf16(bits: int, n: int, k: int, w: Sequence[int], out: int) -> None: ...
+def quant_gemm_simd() -> bool:
+    """Whether the many-row bf16 GEMM has its AVX-512 BF16 kernel on this CPU."""
+def quant_gemm_bf16(bits: int, n: int, k: int, w: Sequence[int], x: int, m: int, out: int) -> None:
+    """``out[M, N]`` (float32) ``= x[M, K]`` (bfloat16) ``· Wᵀ`` for an int4/int8 weight at addresses ``w``."""
 
 # CPU attention and elementwise kernels (rust/fastsched-kernels), called by
 # fastsched.kernels.cpu_ops with raw tensor addresses that it has checked.
