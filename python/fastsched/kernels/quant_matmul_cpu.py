@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from fastsched import _core
+from fastsched.kernels.cpu_ops import sync_threads
 
 GROUP_SIZE = 32
 # From this many activation rows on (prefill chunks, big batches), a bf16 GEMM (the crate's;
@@ -42,18 +43,6 @@ AVAILABLE = hasattr(_core, "quant_matmul")
 # The many-row GEMM's AVX-512 BF16 kernel; without it (older x86, other ISAs) the weight is
 # dequantized to a bf16 temporary for torch's GEMM instead.
 GEMM_SIMD = AVAILABLE and _core.quant_gemm_simd()
-
-_threads = 0
-
-
-def _sync_threads() -> None:
-    """Keeps the kernels' pool at torch's thread count (the cores the engine may use)."""
-    global _threads
-    wanted = torch.get_num_threads()
-    if wanted != _threads:
-        _core.set_kernel_threads(wanted)
-        _threads = wanted
-
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """``codes [N, K]`` (0..15) in the kernels' packed layout (module docstring), ``[N, K/2]`` uint8."""
@@ -99,7 +88,7 @@ class CpuQuantWeight:
 
 def _matmul(bits: int, x: torch.Tensor, addresses: list[int], n: int, k: int) -> torch.Tensor:
     """``x @ Wᵀ`` as float32 (the dense fallback's bf16 result widened)."""
-    _sync_threads()
+    sync_threads()
     m = x.shape[0]
     if m >= DENSE_MIN_ROWS:
         xb = x.to(torch.bfloat16).contiguous()
