@@ -60,6 +60,7 @@ __all__ = [
     "add_rms_norm_bf16",
     "rope",
     "silu_mul_bf16",
+    "CpuDecoder",
 ]
 
 __version__: str
@@ -677,3 +678,41 @@ def rope(
     table_len: int,
 ) -> None: ...
 def silu_mul_bf16(gate_up: int, out: int, rows: int, inner: int) -> None: ...
+
+# The decoder stack in one call (rust/fastsched-kernels' decoder), built and called by
+# fastsched.models.llama_cpu with raw tensor addresses that it has checked.
+@final
+class CpuDecoder:
+    """The decoder layers of a Llama-family model with int4/int8 linears, run as one call a step."""
+
+    def __new__(
+        cls,
+        sizes: Sequence[int],
+        eps: float,
+        dense_min_rows: int,
+        norms: Sequence[Sequence[int]],
+        weights: Sequence[Sequence[tuple[int, int, int, Sequence[int]]]],
+        final_norm: int,
+    ) -> CpuDecoder: ...
+    def forward(
+        self,
+        hidden: int,
+        out: int,
+        rows: int,
+        positions: int,
+        tables: Sequence[int],
+        table_len: int,
+        caches: Sequence[int],
+        cache_bf16: bool,
+        cache_blocks: Sequence[int],
+        step: Sequence[int],
+        num_reqs: int,
+        max_blocks: int,
+        num_selected: int,
+        num_rows: int,
+        scale: float,
+    ) -> None:
+        """Every layer and the final norm on the bfloat16 residual stream ``hidden`` (updated
+        in place), the final-normed rows into ``out``."""
+    @property
+    def num_layers(self) -> int: ...

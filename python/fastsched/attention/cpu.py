@@ -51,6 +51,15 @@ class CpuBackend:
         self._plan = None
         self._torch.prepare(metadata)
 
+    def kernel_step(self, metadata: AttentionMetadata, block_size: int) -> tuple[tuple[torch.Tensor, ...], int] | None:
+        """This step's checked tensors for the Rust kernel and its number of real query rows,
+        if the kernel attends for every request (no prefill chunk goes to SDPA); else None.
+        What a caller running the layers in Rust (``fastsched.models.llama_cpu``) passes on."""
+        plan = self._plan
+        if plan is None or plan.metadata is not metadata:
+            plan = self._plan = _plan_step(metadata, block_size)
+        return None if plan.prefills else (plan.step, plan.num_rows)
+
     def forward(
         self,
         query: torch.Tensor,

@@ -18,6 +18,7 @@ rank 0. Without one (``tp=None``) nothing of that runs.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,11 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastsched.attention.base import AttentionBackend, AttentionMetadata
+from fastsched.attention.cpu import CpuBackend
 from fastsched.kernels import cpu_ops
 from fastsched.kernels.quant_matmul import Int4Weight, Int8Weight
 from fastsched.models.config import ModelConfig
+from fastsched.models.llama_cpu import CpuDecoderStack, unsupported_reason
 from fastsched.models.quant_linear import QuantEmbedding, QuantLinear, replace_linear
 from fastsched.models.tp_shard import local_heads, shard_weight
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from fastsched.distributed.parallel import TensorParallel
@@ -260,6 +265,8 @@ class LlamaForCausalLM(nn.Module):
         # What this rank's KV cache holds per layer (all the model's KV heads without tp).
         self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.rotary = RotaryEmbedding(config)
+        # The CPU decoder stack (_cpu_stack): not built yet, built, or why it cannot be.
+        self._stack: CpuDecoderStack | str | None = None
 
     def forward(
         self,
@@ -293,11 +300,33 @@ class LlamaForCausalLM(nn.Module):
         lora: LoRAStep | None,
     ) -> torch.Tensor:
         hidden = hidden.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
+        stack = self._cpu_stack() if lora is None and isinstance(backend, CpuBackend) else None
+        kernel_step = None if stack is None else backend.kernel_step(metadata, kv_caches[0].shape[2])
+        if stack is not None and kernel_step is not None:
+            assert rope.positions is not None  # the table form, as on every CPU bfloat16 path
+            return stack.forward(hidden, rope.positions, rope.cos, rope.sin, kv_caches, *kernel_step)
         delta = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             delta = layer.forward_cpu_bf16(hidden, delta, rope, kv_cache, metadata, backend,
                                            None if lora is None else lora.layer(i))
         return cpu_ops.add_rms_norm(hidden, delta, self.norm.weight, self.norm.eps)
+
+    def _cpu_stack(self) -> CpuDecoderStack | None:
+        """The layers as one Rust call (:mod:`fastsched.models.llama_cpu`), built on first use;
+        None where the model does not qualify (the reason is logged once)."""
+        if self._stack is None:
+            reason = unsupported_reason(self)
+            self._stack = reason or CpuDecoderStack(self)
+            if reason:
+                logger.info("CPU decoder: layer by layer (%s)", reason)
+            else:
+                logger.info("CPU decoder: the %d layers run as one Rust call a step", len(self.layers))
+        return None if isinstance(self._stack, str) else self._stack
+
+    def weights_replaced(self) -> None:
+        """Called after the weights' tensors were swapped for new ones (a weight reload):
+        what was built from the old ones is dropped."""
+        self._stack = None
 
     def _embed_vocab_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Each rank looks up the ids in its vocabulary range, zeros for the rest; the

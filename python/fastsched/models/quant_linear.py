@@ -71,19 +71,24 @@ def copy_weights(model: nn.Module, new: nn.Module) -> None:
     """Copies ``new``'s weights into ``model`` of the same architecture (weight reloads):
     dense tensors through ``load_state_dict``, packed 4- and 8-bit ones (not in a state dict)
     by layer. A mismatch raises ``RuntimeError`` naming the layer."""
-    model.load_state_dict(new.state_dict())
-    for name, module in new.named_modules():
-        if isinstance(module, QuantEmbedding):
-            old = model.get_submodule(name)
-            if not isinstance(old, QuantEmbedding) or (old.num_embeddings, old.embedding_dim) != (
-                    module.num_embeddings, module.embedding_dim):
-                raise RuntimeError(f"{name}: the new embedding is 8-bit of shape "
-                                   f"{(module.num_embeddings, module.embedding_dim)}, the served one is {old}")
-            old.weight_packed = module.weight_packed
-        if isinstance(module, QuantLinear):
-            old = model.get_submodule(name)
-            if not isinstance(old, QuantLinear) or (old.out_features, old.in_features) != (
-                    module.out_features, module.in_features):
-                raise RuntimeError(f"{name}: the new weights are quantized of shape "
-                                   f"{(module.out_features, module.in_features)}, the served layer is {old}")
-            old.weight_packed = module.weight_packed
+    try:
+        model.load_state_dict(new.state_dict())
+        for name, module in new.named_modules():
+            if isinstance(module, QuantEmbedding):
+                old = model.get_submodule(name)
+                if not isinstance(old, QuantEmbedding) or (old.num_embeddings, old.embedding_dim) != (
+                        module.num_embeddings, module.embedding_dim):
+                    raise RuntimeError(f"{name}: the new embedding is 8-bit of shape "
+                                       f"{(module.num_embeddings, module.embedding_dim)}, the served one is {old}")
+                old.weight_packed = module.weight_packed
+            if isinstance(module, QuantLinear):
+                old = model.get_submodule(name)
+                if not isinstance(old, QuantLinear) or (old.out_features, old.in_features) != (
+                        module.out_features, module.in_features):
+                    raise RuntimeError(f"{name}: the new weights are quantized of shape "
+                                       f"{(module.out_features, module.in_features)}, the served layer is {old}")
+                old.weight_packed = module.weight_packed
+    finally:  # what was built from the old tensors goes, even after a partial copy
+        weights_replaced = getattr(model, "weights_replaced", None)
+        if weights_replaced is not None:
+            weights_replaced()

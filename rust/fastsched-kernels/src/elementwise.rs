@@ -11,7 +11,7 @@
 //! (summation order; a polynomial `exp`), which a bfloat16 result shows only when it sits
 //! on a rounding boundary: hence bfloat16 only for those two. Rows are independent.
 
-use crate::attention::{best_isa, bf16_to_f32, f32_to_bf16, Floats, FloatsMut, Isa};
+use crate::attention::{bf16_to_f32, f32_to_bf16, Floats, FloatsMut};
 
 const LANES: usize = 16;
 
@@ -37,7 +37,13 @@ pub fn add_rms_norm_bf16(
             delta.map(|d| d.len())
         ));
     }
-    dispatch(|| {
+    add_norm_rows(hidden, delta, weight, eps, out);
+    Ok(())
+}
+
+simd_fn! {
+    fn add_norm_rows(hidden: &mut [u16], delta: Option<&[u16]>, weight: &[u16], eps: f32, out: &mut [u16]) {
+        let n = weight.len();
         for (r, (h, o)) in hidden
             .chunks_exact_mut(n)
             .zip(out.chunks_exact_mut(n))
@@ -48,8 +54,7 @@ pub fn add_rms_norm_bf16(
             }
             norm_row(h, weight, eps, o);
         }
-    });
-    Ok(())
+    }
 }
 
 #[inline(always)]
@@ -112,26 +117,38 @@ pub fn rope(
     if let Some(p) = positions.iter().find(|&&p| p < 0 || p as usize >= len) {
         return Err(format!("positions holds {p}, the table has {len} rows"));
     }
-    dispatch(|| match (x, cos, sin) {
+    match (x, cos, sin) {
         (FloatsMut::F32(x), Floats::F32(c), Floats::F32(s)) => {
-            for (r, &p) in positions.iter().enumerate() {
-                let (c, s) = (&c[p as usize * d..][..d], &s[p as usize * d..][..d]);
-                for h in x[r * stride..][..heads * d].chunks_exact_mut(d) {
-                    rope_head(h, c, s, |v| v, |v| v);
-                }
-            }
+            rope_f32(x, stride, heads, d, positions, c, s)
         }
         (FloatsMut::Bf16(x), Floats::Bf16(c), Floats::Bf16(s)) => {
-            for (r, &p) in positions.iter().enumerate() {
-                let (c, s) = (&c[p as usize * d..][..d], &s[p as usize * d..][..d]);
-                for h in x[r * stride..][..heads * d].chunks_exact_mut(d) {
-                    rope_head(h, c, s, bf16_to_f32, f32_to_bf16);
-                }
+            rope_bf16(x, stride, heads, d, positions, c, s)
+        }
+        _ => return Err("x, cos and sin must share a dtype".to_string()),
+    }
+    Ok(())
+}
+
+simd_fn! {
+    fn rope_f32(x: &mut [f32], stride: usize, heads: usize, d: usize, positions: &[i64], c: &[f32], s: &[f32]) {
+        for (r, &p) in positions.iter().enumerate() {
+            let (c, s) = (&c[p as usize * d..][..d], &s[p as usize * d..][..d]);
+            for h in x[r * stride..][..heads * d].chunks_exact_mut(d) {
+                rope_head(h, c, s, |v| v, |v| v);
             }
         }
-        _ => unreachable!("checked by the caller: x, cos and sin share a dtype"),
-    });
-    Ok(())
+    }
+}
+
+simd_fn! {
+    fn rope_bf16(x: &mut [u16], stride: usize, heads: usize, d: usize, positions: &[i64], c: &[u16], s: &[u16]) {
+        for (r, &p) in positions.iter().enumerate() {
+            let (c, s) = (&c[p as usize * d..][..d], &s[p as usize * d..][..d]);
+            for h in x[r * stride..][..heads * d].chunks_exact_mut(d) {
+                rope_head(h, c, s, bf16_to_f32, f32_to_bf16);
+            }
+        }
+    }
 }
 
 #[inline(always)]
@@ -162,7 +179,12 @@ pub fn silu_mul_bf16(gate_up: &[u16], out: &mut [u16], inner: usize) -> Result<(
             out.len()
         ));
     }
-    dispatch(|| {
+    silu_mul_rows(gate_up, out, inner);
+    Ok(())
+}
+
+simd_fn! {
+    fn silu_mul_rows(gate_up: &[u16], out: &mut [u16], inner: usize) {
         for (gu, o) in gate_up
             .chunks_exact(2 * inner)
             .zip(out.chunks_exact_mut(inner))
@@ -174,8 +196,7 @@ pub fn silu_mul_bf16(gate_up: &[u16], out: &mut [u16], inner: usize) -> Result<(
                 *o = f32_to_bf16(silu * bf16_to_f32(u));
             }
         }
-    });
-    Ok(())
+    }
 }
 
 /// `eˣ` to ~2 float32 ulps, written so that it vectorizes: `2ⁿ · p(r)`, `x = n·ln2 + r`.
@@ -192,21 +213,6 @@ pub fn exp(x: f32) -> f32 {
     let p = p * r + 5e-1;
     let p = p * r * r + r + 1.0;
     p * f32::from_bits(((n as i32 + 127) as u32) << 23)
-}
-
-/// Runs `f` built with AVX-512 enabled where the CPU has it (same arithmetic either way).
-#[inline(always)]
-fn dispatch(f: impl FnOnce()) {
-    #[cfg(target_arch = "x86_64")]
-    if best_isa() == Isa::Avx512 {
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-        unsafe fn wide(f: impl FnOnce()) {
-            f()
-        }
-        // SAFETY: the CPU has AVX-512F/BW/VL (checked at run time).
-        return unsafe { wide(f) };
-    }
-    f()
 }
 
 #[cfg(test)]

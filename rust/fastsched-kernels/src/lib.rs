@@ -12,6 +12,31 @@
 //! The cost is the activations' rounding to 8 bits (relative error ≤ 1/254 of a group's
 //! largest value per element, averaged out over a dot product).
 
+/// Defines `fn $name($args) -> $ret $body` whose body is compiled twice, as is and with
+/// AVX-512 (F, BW, VL) enabled, the second chosen at run time where the CPU has it (same
+/// arithmetic either way; the wider build lets loops vectorize and `floor`/`round` become
+/// instructions, not libm calls). A body handed over as a closure would not do: a closure is
+/// compiled as a function of its own, without the caller's target features.
+macro_rules! simd_fn {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            if $crate::attention::best_isa() == $crate::attention::Isa::Avx512 {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+                unsafe fn wide($($arg: $ty),*) $(-> $ret)? {
+                    body($($arg),*)
+                }
+                // SAFETY: the CPU has AVX-512F/BW/VL (checked at run time).
+                return unsafe { wide($($arg),*) };
+            }
+            body($($arg),*)
+        }
+    };
+}
+
 pub mod pool;
 pub mod quant;
 
@@ -20,4 +45,5 @@ pub const GROUP: usize = 32;
 
 // Paged attention and the elementwise ops of a decoder layer (CPU, float32 / bfloat16).
 pub mod attention;
+pub mod decoder;
 pub mod elementwise;

@@ -150,60 +150,62 @@ fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
-fn quantize_act(x: Act, m: usize, k: usize, bias: i32) -> QAct {
-    let kb = k / GROUP;
-    let pairs = kb / 2;
-    let mut a = QAct {
-        k,
-        q: vec![0; m * k],
-        d: vec![0.0; m * kb],
-        dsum: vec![0.0; m * kb],
-        xsum: vec![0.0; m * kb],
-        dlanes: vec![0.0; m * pairs * 16],
-        negcorr: vec![0; m * pairs * 16],
-    };
-    let mut buf = [0f32; GROUP];
-    for g in 0..m * kb {
-        match x {
-            Act::F32(v) => buf.copy_from_slice(&v[g * GROUP..(g + 1) * GROUP]),
-            Act::Bf16(v) => {
-                for (b, &s) in buf.iter_mut().zip(&v[g * GROUP..(g + 1) * GROUP]) {
-                    *b = bf16_to_f32(s);
+simd_fn! {
+    fn quantize_act(x: Act, m: usize, k: usize, bias: i32) -> QAct {
+        let kb = k / GROUP;
+        let pairs = kb / 2;
+        let mut a = QAct {
+            k,
+            q: vec![0; m * k],
+            d: vec![0.0; m * kb],
+            dsum: vec![0.0; m * kb],
+            xsum: vec![0.0; m * kb],
+            dlanes: vec![0.0; m * pairs * 16],
+            negcorr: vec![0; m * pairs * 16],
+        };
+        let mut buf = [0f32; GROUP];
+        for g in 0..m * kb {
+            match x {
+                Act::F32(v) => buf.copy_from_slice(&v[g * GROUP..(g + 1) * GROUP]),
+                Act::Bf16(v) => {
+                    for (b, &s) in buf.iter_mut().zip(&v[g * GROUP..(g + 1) * GROUP]) {
+                        *b = bf16_to_f32(s);
+                    }
+                }
+            }
+            let amax = buf.iter().fold(0f32, |acc, v| acc.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut qsum = 0i32;
+            for (q, &v) in a.q[g * GROUP..(g + 1) * GROUP].iter_mut().zip(&buf) {
+                let r = (v * inv).round().clamp(-127.0, 127.0) as i8;
+                *q = r;
+                qsum += r as i32;
+            }
+            a.d[g] = d;
+            a.dsum[g] = d * qsum as f32;
+            a.xsum[g] = buf.iter().sum();
+        }
+        for row in 0..m {
+            for p in 0..pairs {
+                let lanes = &mut a.dlanes[(row * pairs + p) * 16..][..16];
+                lanes[..8].fill(a.d[row * kb + 2 * p]);
+                lanes[8..].fill(a.d[row * kb + 2 * p + 1]);
+                let q = &a.q[row * k + p * 64..][..64];
+                for (lane, c) in a.negcorr[(row * pairs + p) * 16..][..16]
+                    .iter_mut()
+                    .enumerate()
+                {
+                    *c = -bias
+                        * q[lane * 4..lane * 4 + 4]
+                            .iter()
+                            .map(|&v| v as i32)
+                            .sum::<i32>();
                 }
             }
         }
-        let amax = buf.iter().fold(0f32, |acc, v| acc.max(v.abs()));
-        let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut qsum = 0i32;
-        for (q, &v) in a.q[g * GROUP..(g + 1) * GROUP].iter_mut().zip(&buf) {
-            let r = (v * inv).round().clamp(-127.0, 127.0) as i8;
-            *q = r;
-            qsum += r as i32;
-        }
-        a.d[g] = d;
-        a.dsum[g] = d * qsum as f32;
-        a.xsum[g] = buf.iter().sum();
+        a
     }
-    for row in 0..m {
-        for p in 0..pairs {
-            let lanes = &mut a.dlanes[(row * pairs + p) * 16..][..16];
-            lanes[..8].fill(a.d[row * kb + 2 * p]);
-            lanes[8..].fill(a.d[row * kb + 2 * p + 1]);
-            let q = &a.q[row * k + p * 64..][..64];
-            for (lane, c) in a.negcorr[(row * pairs + p) * 16..][..16]
-                .iter_mut()
-                .enumerate()
-            {
-                *c = -bias
-                    * q[lane * 4..lane * 4 + 4]
-                        .iter()
-                        .map(|&v| v as i32)
-                        .sum::<i32>();
-            }
-        }
-    }
-    a
 }
 
 /// The output pointer shared by the tasks of one call; each writes its own columns.
@@ -646,4 +648,4 @@ pub fn dequantize_bf16(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 
 static POOL: Mutex<Option<Arc<Pool>>> = Mutex::new(None);
 
-fn pool() -> Arc<Pool> {
+pub(crate) fn pool() -> Arc<Pool> {
     let mut p = POOL.lock().unwrap();
     Arc::clone(p.get_or_insert_with(|| Arc::new(Pool::new(1))))
 }
@@ -44,7 +44,12 @@ pub fn kernel_isa() -> &'static str {
 
 /// # Safety (of the callers' contract)
 /// Every address points at a live, contiguous buffer of the size the shapes imply.
-unsafe fn weight<'a>(n: usize, k: usize, bits: u8, w: [usize; 3]) -> PyResult<Weight<'a>> {
+pub(crate) unsafe fn weight<'a>(
+    n: usize,
+    k: usize,
+    bits: u8,
+    w: [usize; 3],
+) -> PyResult<Weight<'a>> {
     let kb = k / fastsched_kernels::GROUP;
     Ok(match bits {
         4 => Weight::Int4(Int4 {

@@ -3,6 +3,7 @@
 
 mod admission;
 mod config;
+mod decoder;
 mod errors;
 mod kernels;
 mod kv;
@@ -72,6 +73,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::add_rms_norm_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::rope, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::silu_mul_bf16, m)?)?;
+    m.add_class::<decoder::PyCpuDecoder>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The codes of `SchedulerOutput.kinds` and `EngineCoreOutputs.finish_reasons`,
     // taken from the core's enums so Python never writes them down again.

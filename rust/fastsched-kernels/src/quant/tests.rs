@@ -2,27 +2,27 @@
 
 use super::*;
 
-pub(super) struct Rng(pub(super) u64);
+pub(crate) struct Rng(pub(crate) u64);
 impl Rng {
-    pub(super) fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self
             .0
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         self.0 >> 33
     }
-    pub(super) fn uniform(&mut self) -> f32 {
+    pub(crate) fn uniform(&mut self) -> f32 {
         (self.next() % 1_000_000) as f32 / 500_000.0 - 1.0
     }
 }
 
-pub(super) struct Dense {
-    pub(super) n: usize,
-    pub(super) k: usize,
-    pub(super) w: Vec<f64>,
+pub(crate) struct Dense {
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) w: Vec<f64>,
 }
 
-pub(super) fn int4_case(rng: &mut Rng, n: usize, k: usize) -> (Vec<u8>, Vec<f32>, Vec<f32>, Dense) {
+pub(crate) fn int4_case(rng: &mut Rng, n: usize, k: usize) -> (Vec<u8>, Vec<f32>, Vec<f32>, Dense) {
     let kb = k / GROUP;
     let codes: Vec<u8> = (0..n * k).map(|_| (rng.next() % 16) as u8).collect();
     let scale: Vec<f32> = (0..n * kb)
@@ -35,7 +35,7 @@ pub(super) fn int4_case(rng: &mut Rng, n: usize, k: usize) -> (Vec<u8>, Vec<f32>
     (pack_int4(&codes, n, k), scale, zero, Dense { n, k, w })
 }
 
-pub(super) fn int8_case(rng: &mut Rng, n: usize, k: usize) -> (Vec<i8>, Vec<f32>, Dense) {
+pub(crate) fn int8_case(rng: &mut Rng, n: usize, k: usize) -> (Vec<i8>, Vec<f32>, Dense) {
     let codes: Vec<i8> = (0..n * k)
         .map(|_| ((rng.next() % 255) as i32 - 127) as i8)
         .collect();

@@ -1,0 +1,392 @@
+//! The stack against a float64 Llama written out from its definition, the invariance of a
+//! row to what shares its step, and the shape checks.
+
+use super::*;
+use crate::attention::bf16_to_f32;
+use crate::quant::tests::{int4_case, int8_case, Dense, Rng};
+use crate::quant::{Int4, Int8};
+
+const HIDDEN: usize = 64;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = 16;
+const INTER: usize = 96;
+const LAYERS: usize = 2;
+const BLOCK: usize = 4;
+const BLOCKS: usize = 8;
+
+/// A weight kept in both forms: the kernels' buffers and the float64 matrix they stand for.
+enum Stored {
+    Int4(Vec<u8>, Vec<f32>, Vec<f32>, Dense),
+    Int8(Vec<i8>, Vec<f32>, Dense),
+}
+
+impl Stored {
+    fn new(rng: &mut Rng, n: usize, k: usize, int8: bool) -> Stored {
+        if int8 {
+            // int8_case's weights are ~4x int4_case's; scaled to match, so that two layers
+            // do not blow the activations up
+            let (c, mut s, mut d) = int8_case(rng, n, k);
+            s.iter_mut().for_each(|s| *s *= 0.25);
+            d.w.iter_mut().for_each(|w| *w *= 0.25);
+            Stored::Int8(c, s, d)
+        } else {
+            let (p, s, z, d) = int4_case(rng, n, k);
+            Stored::Int4(p, s, z, d)
+        }
+    }
+
+    fn weight(&self) -> Weight<'_> {
+        match self {
+            Stored::Int4(p, s, z, d) => Weight::Int4(Int4 {
+                n: d.n,
+                k: d.k,
+                packed: p,
+                scale: s,
+                zero: z,
+            }),
+            Stored::Int8(c, s, d) => Weight::Int8(Int8 {
+                n: d.n,
+                k: d.k,
+                codes: c,
+                scale: s,
+            }),
+        }
+    }
+
+    fn dense(&self) -> &Dense {
+        match self {
+            Stored::Int4(.., d) | Stored::Int8(.., d) => d,
+        }
+    }
+}
+
+struct Model {
+    norms: Vec<Vec<u16>>, // per layer: input, post; then the final norm
+    weights: Vec<[Stored; 4]>,
+    cos: Vec<u16>,
+    sin: Vec<u16>,
+}
+
+fn bf(v: f64) -> u16 {
+    f32_to_bf16(v as f32)
+}
+
+fn model(seed: u64) -> Model {
+    let mut rng = Rng(seed);
+    let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+    let mut norms = Vec::new();
+    let mut weights = Vec::new();
+    for l in 0..LAYERS {
+        for _ in 0..2 {
+            norms.push(
+                (0..HIDDEN)
+                    .map(|_| bf(1.0 + 0.3 * rng.uniform() as f64))
+                    .collect(),
+            );
+        }
+        // layer 1 int8, layer 0 int4: both kinds in one stack
+        let int8 = l == 1;
+        weights.push([
+            Stored::new(&mut rng, q + 2 * kv, HIDDEN, int8),
+            Stored::new(&mut rng, HIDDEN, q, int8),
+            Stored::new(&mut rng, 2 * INTER, HIDDEN, int8),
+            Stored::new(&mut rng, HIDDEN, INTER, int8),
+        ]);
+    }
+    norms.push(
+        (0..HIDDEN)
+            .map(|_| bf(1.0 + 0.3 * rng.uniform() as f64))
+            .collect(),
+    );
+    let len = 32;
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for p in 0..len {
+        for j in 0..HEAD_DIM {
+            let freq = 10000f64.powf(-2.0 * (j % (HEAD_DIM / 2)) as f64 / HEAD_DIM as f64);
+            cos.push(bf((p as f64 * freq).cos()));
+            sin.push(bf((p as f64 * freq).sin()));
+        }
+    }
+    Model {
+        norms,
+        weights,
+        cos,
+        sin,
+    }
+}
+
+fn dims(dense_min_rows: usize) -> Dims {
+    Dims {
+        hidden: HIDDEN,
+        num_heads: HEADS,
+        num_kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        intermediate: INTER,
+        eps: 1e-5,
+        dense_min_rows,
+    }
+}
+
+fn layers(m: &Model) -> Vec<Layer<'_>> {
+    (0..LAYERS)
+        .map(|l| {
+            let w = &m.weights[l];
+            Layer {
+                input_norm: &m.norms[2 * l],
+                post_norm: &m.norms[2 * l + 1],
+                qkv: w[0].weight(),
+                o: w[1].weight(),
+                gate_up: w[2].weight(),
+                down: w[3].weight(),
+            }
+        })
+        .collect()
+}
+
+fn shape() -> CacheShape {
+    CacheShape {
+        num_blocks: BLOCKS,
+        block_size: BLOCK,
+        num_kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+    }
+}
+
+/// One request per entry of `lens` (query rows, all of its tokens: no cached context), in
+/// blocks 1, 2, … in order, plus `padding` rows; returns the final-normed output.
+fn run(
+    m: &Model,
+    embedded: &[u16],
+    lens: &[usize],
+    padding: usize,
+    dense_min_rows: usize,
+) -> Vec<u16> {
+    let rows: usize = lens.iter().sum::<usize>() + padding;
+    let mut hidden = embedded[..rows * HIDDEN].to_vec();
+    let mut out = vec![0u16; rows * HIDDEN];
+    let mut caches: Vec<Vec<u16>> = (0..LAYERS)
+        .map(|_| vec![0u16; 2 * BLOCKS * BLOCK * KV_HEADS * HEAD_DIM])
+        .collect();
+    let max_blocks = 3;
+    let (mut qsl, mut seq_lens, mut tables, mut positions, mut slots) =
+        (vec![0i32], vec![], vec![], vec![], vec![]);
+    let mut next_block = 1;
+    for &len in lens {
+        qsl.push(qsl.last().unwrap() + len as i32);
+        seq_lens.push(len as i32);
+        let first = next_block;
+        for b in 0..max_blocks {
+            tables.push(if b < len.div_ceil(BLOCK) {
+                first + b as i32
+            } else {
+                0
+            });
+        }
+        next_block += len.div_ceil(BLOCK) as i32;
+        for p in 0..len {
+            positions.push(p as i64);
+            slots.push(((first as usize + p / BLOCK) * BLOCK + p % BLOCK) as i64);
+        }
+    }
+    positions.extend(std::iter::repeat_n(0, padding));
+    slots.extend(std::iter::repeat_n(-1, padding));
+    let reqs: Vec<i32> = (0..lens.len() as i32).collect();
+    let mut cache_views: Vec<FloatsMut> = caches.iter_mut().map(|c| FloatsMut::Bf16(c)).collect();
+    let layers = layers(m);
+    validate(&dims(dense_min_rows), &layers, &m.norms[2 * LAYERS]).unwrap();
+    forward(
+        &dims(dense_min_rows),
+        &layers,
+        &m.norms[2 * LAYERS],
+        &mut cache_views,
+        &mut hidden,
+        &mut out,
+        Rope {
+            positions: &positions,
+            cos: &m.cos,
+            sin: &m.sin,
+        },
+        Attention {
+            slot_mapping: &slots,
+            step: Step {
+                query_start_loc: &qsl,
+                seq_lens: &seq_lens,
+                block_tables: &tables,
+                max_blocks,
+            },
+            reqs: &reqs,
+            num_rows: rows - padding,
+            cache_shape: shape(),
+            scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        },
+        &Pool::new(2),
+        Kernels::best(),
+    )
+    .unwrap();
+    out
+}
+
+fn rms_norm(x: &[f64], w: &[u16]) -> Vec<f64> {
+    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + 1e-5).sqrt();
+    x.iter()
+        .zip(w)
+        .map(|(v, &w)| v * inv * bf16_to_f32(w) as f64)
+        .collect()
+}
+
+fn matvec(d: &Dense, x: &[f64]) -> Vec<f64> {
+    (0..d.n)
+        .map(|c| {
+            d.w[c * d.k..][..d.k]
+                .iter()
+                .zip(x)
+                .map(|(w, x)| w * x)
+                .sum()
+        })
+        .collect()
+}
+
+fn rotate(x: &mut [f64], p: usize, m: &Model) {
+    let half = HEAD_DIM / 2;
+    let (c, s) = (
+        &m.cos[p * HEAD_DIM..][..HEAD_DIM],
+        &m.sin[p * HEAD_DIM..][..HEAD_DIM],
+    );
+    for head in x.chunks_exact_mut(HEAD_DIM) {
+        let old = head.to_vec();
+        for i in 0..HEAD_DIM {
+            let rot = if i < half {
+                -old[i + half]
+            } else {
+                old[i - half]
+            };
+            head[i] = old[i] * bf16_to_f32(c[i]) as f64 + rot * bf16_to_f32(s[i]) as f64;
+        }
+    }
+}
+
+/// `x` rounded to bfloat16 where the stack stores a bfloat16 tensor.
+fn r(x: Vec<f64>) -> Vec<f64> {
+    x.into_iter().map(|v| bf16_to_f32(bf(v)) as f64).collect()
+}
+
+/// One request of `len` tokens through the stack in float64, rounded to bfloat16 where the
+/// stack stores its tensors (the stack's other roundings, e.g. RoPE's and RMSNorm's
+/// intermediate ones, are left out).
+fn reference(m: &Model, embedded: &[u16], len: usize) -> Vec<Vec<f64>> {
+    let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+    let mut h: Vec<Vec<f64>> = (0..len)
+        .map(|t| {
+            embedded[t * HIDDEN..][..HIDDEN]
+                .iter()
+                .map(|&b| bf16_to_f32(b) as f64)
+                .collect()
+        })
+        .collect();
+    for l in 0..LAYERS {
+        let w = &m.weights[l];
+        let qkv: Vec<Vec<f64>> = (0..len)
+            .map(|t| {
+                let mut v = r(matvec(w[0].dense(), &r(rms_norm(&h[t], &m.norms[2 * l]))));
+                rotate(&mut v[..q + kv], t, m);
+                r(v)
+            })
+            .collect();
+        for t in 0..len {
+            let mut a = vec![0f64; q];
+            for head in 0..HEADS {
+                let g = head / (HEADS / KV_HEADS);
+                let qh = &qkv[t][head * HEAD_DIM..][..HEAD_DIM];
+                let scores: Vec<f64> = (0..=t)
+                    .map(|u| {
+                        let kh = &qkv[u][q + g * HEAD_DIM..][..HEAD_DIM];
+                        qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f64>()
+                            / (HEAD_DIM as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let p: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f64 = p.iter().sum();
+                for (u, pu) in p.iter().enumerate() {
+                    let vh = &qkv[u][q + kv + g * HEAD_DIM..][..HEAD_DIM];
+                    for d in 0..HEAD_DIM {
+                        a[head * HEAD_DIM + d] += pu / total * vh[d];
+                    }
+                }
+            }
+            let o = r(matvec(w[1].dense(), &r(a)));
+            h[t] = r(h[t].iter().zip(&o).map(|(h, o)| h + o).collect());
+            let gu = r(matvec(
+                w[2].dense(),
+                &r(rms_norm(&h[t], &m.norms[2 * l + 1])),
+            ));
+            let act = r((0..INTER)
+                .map(|j| gu[j] / (1.0 + (-gu[j]).exp()) * gu[INTER + j])
+                .collect());
+            let down = r(matvec(w[3].dense(), &act));
+            h[t] = r(h[t].iter().zip(&down).map(|(h, d)| h + d).collect());
+        }
+    }
+    h.iter()
+        .map(|x| rms_norm(x, &m.norms[2 * LAYERS]))
+        .collect()
+}
+
+fn embedded(rows: usize, seed: u64) -> Vec<u16> {
+    let mut rng = Rng(seed);
+    (0..rows * HIDDEN)
+        .map(|_| bf(rng.uniform() as f64))
+        .collect()
+}
+
+#[test]
+fn matches_a_float64_llama_on_both_linear_paths() {
+    let m = model(7);
+    let x = embedded(6, 11);
+    let want = reference(&m, &x, 6);
+    // 100: every linear on the integer GEMV (activations rounded to int8); 1: every linear on
+    // the bf16 GEMM. Bound: a row's relative L2 error after two layers of bfloat16 (and int8)
+    // roundings; a wrong head, position or residual gives errors of order 1.
+    for (dense_min_rows, bound) in [(100, 0.05), (1, 0.05)] {
+        let got = run(&m, &x, &[6], 0, dense_min_rows);
+        for (t, row) in want.iter().enumerate() {
+            let got = &got[t * HIDDEN..][..HIDDEN];
+            let err: f64 = row
+                .iter()
+                .zip(got)
+                .map(|(v, &g)| (bf16_to_f32(g) as f64 - v).powi(2))
+                .sum();
+            let norm: f64 = row.iter().map(|v| v * v).sum();
+            let rel = (err / norm).sqrt();
+            assert!(
+                rel <= bound,
+                "dense_min_rows {dense_min_rows}: row {t}: relative L2 error {rel:.4} > {bound}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_request_gets_the_same_bits_whatever_shares_its_step() {
+    let m = model(3);
+    let x = embedded(8, 5);
+    // request A (3 rows) alone, then with request B (4 rows) and a padding row after it
+    let alone = run(&m, &x, &[3], 0, 16);
+    let shared = run(&m, &x, &[3, 4], 1, 16);
+    assert_eq!(alone[..], shared[..3 * HIDDEN]);
+    // B's rows are its own: B alone (its rows first) gives them too
+    let b_alone = run(&m, &x[3 * HIDDEN..], &[4], 0, 16);
+    assert_eq!(b_alone[..], shared[3 * HIDDEN..7 * HIDDEN]);
+}
+
+#[test]
+fn validate_names_the_layer_and_projection_of_a_bad_shape() {
+    let m = model(1);
+    let mut ls = layers(&m);
+    ls[1].o = ls[1].down;
+    let err = validate(&dims(16), &ls, &m.norms[2 * LAYERS]).unwrap_err();
+    assert!(err.contains("layer 1: o"), "{err}");
+    let err = validate(&dims(16), &layers(&m), &m.norms[0][..8]).unwrap_err();
+    assert!(err.contains("final norm"), "{err}");
+}
