@@ -260,3 +260,43 @@ fn zero_activation_groups_give_exact_zeros() {
         assert!(out.iter().all(|&v| v == 0.0), "{kernel:?}: {out:?}");
     }
 }
+
+/// Speculative decoding needs a row's logits whatever shares its step: a row of an M-row
+/// call (four rows at a time) has the bits of the same row alone (four columns at a time).
+#[test]
+fn a_row_has_the_same_bits_alone_or_among_others() {
+    let mut rng = Rng(5);
+    let pool = Pool::new(2);
+    for (n, k) in SHAPES {
+        let (packed, scale, zero, _) = int4_case(&mut rng, n, k);
+        let (codes, scale8, _) = int8_case(&mut rng, n, k);
+        let weights = [
+            Weight::Int4(Int4 {
+                n,
+                k,
+                packed: &packed,
+                scale: &scale,
+                zero: &zero,
+            }),
+            Weight::Int8(Int8 {
+                n,
+                k,
+                codes: &codes,
+                scale: &scale8,
+            }),
+        ];
+        for w in &weights {
+            let m = 6;
+            let x: Vec<f32> = (0..m * k).map(|_| rng.uniform()).collect();
+            for kernel in kernels() {
+                let mut all = vec![0f32; m * n];
+                matmul(w, Act::F32(&x), m, &mut all, &pool, kernel).unwrap();
+                for r in 0..m {
+                    let mut one = vec![0f32; n];
+                    matmul(w, Act::F32(&x[r * k..][..k]), 1, &mut one, &pool, kernel).unwrap();
+                    assert_eq!(one, all[r * n..][..n], "{kernel:?} n={n} k={k} row {r}");
+                }
+            }
+        }
+    }
+}
