@@ -139,11 +139,18 @@ struct QAct {
     d: Vec<f32>,    // [M, KB]
     dsum: Vec<f32>, // [M, KB]: d · Σq
     xsum: Vec<f32>, // [M, KB]: Σx (exact, for the int4 zero term)
-    /// [M, pairs, 16]: d of a pair's first group in lanes 0..8, the second's in 8..16.
+    /// [M, pairs, 16]: the activation scales of the lanes the SIMD kernels multiply: int8,
+    /// and int4's last pair when it has an odd number, d of a pair's first group in lanes
+    /// 0..8 and the second's in 8..16; int4 quads (pairs `2j`, `2j + 1`: groups `g..g + 4`),
+    /// two vectors, `[d(g) | d(g + 2)]` and `[d(g + 1) | d(g + 3)]`.
     dlanes: Vec<f32>,
-    /// [M, pairs, 16]: −bias · (the sum of the 4 codes a `vpdpbusd` lane takes), the lane's
-    /// start value, so that the unsigned codes' offset (int4: 8, int8: 128) cancels exactly.
+    /// int8 only, [M, pairs, 16]: −128 · (the sum of the 4 codes a `vpdpbusd` lane takes),
+    /// the lane's start value, so that the unsigned codes' offset cancels exactly.
     negcorr: Vec<i32>,
+    /// int4 only, [M, K]: `q` with each quad's groups in the order its weight bytes unpack
+    /// to, `g, g + 2, g + 1, g + 3` (the low nibbles of 64 bytes, then the high ones); a last
+    /// odd pair and odd group as in `q`.
+    qa: Vec<i8>,
 }
 
 fn bf16_to_f32(b: u16) -> f32 {
@@ -161,7 +168,8 @@ simd_fn! {
             dsum: vec![0.0; m * kb],
             xsum: vec![0.0; m * kb],
             dlanes: vec![0.0; m * pairs * 16],
-            negcorr: vec![0; m * pairs * 16],
+            negcorr: if bias == 8 { Vec::new() } else { vec![0; m * pairs * 16] },
+            qa: if bias == 8 { vec![0; m * k] } else { Vec::new() },
         };
         let mut buf = [0f32; GROUP];
         for g in 0..m * kb {
@@ -185,6 +193,28 @@ simd_fn! {
             a.d[g] = d;
             a.dsum[g] = d * qsum as f32;
             a.xsum[g] = buf.iter().sum();
+        }
+        if bias == 8 {
+            // int4: quads of groups in unpacking order, then the last odd pair as it is
+            a.qa.copy_from_slice(&a.q);
+            for row in 0..m {
+                for j in 0..pairs / 2 {
+                    let g = row * kb + 4 * j;
+                    for (slot, from) in [0, 2, 1, 3].into_iter().enumerate() {
+                        let dst = (g + slot) * GROUP;
+                        a.qa[dst..dst + GROUP].copy_from_slice(&a.q[(g + from) * GROUP..][..GROUP]);
+                        let lanes = &mut a.dlanes[(row * pairs + 2 * j + slot / 2) * 16..][..16];
+                        lanes[slot % 2 * 8..][..8].fill(a.d[g + from]);
+                    }
+                }
+                if pairs % 2 == 1 {
+                    let p = pairs - 1;
+                    let lanes = &mut a.dlanes[(row * pairs + p) * 16..][..16];
+                    lanes[..8].fill(a.d[row * kb + 2 * p]);
+                    lanes[8..].fill(a.d[row * kb + 2 * p + 1]);
+                }
+            }
+            return a;
         }
         for row in 0..m {
             for p in 0..pairs {
@@ -543,6 +573,12 @@ mod simd {
         }
     }
 
+    /// Integer dots of `MT` activation rows with one int4 weight row: per quad of groups
+    /// (64 bytes, 128 columns) one load unpacks to two vectors of codes, the low nibbles
+    /// (groups `g`, `g + 2`) and the high ones (`g + 1`, `g + 3`), met by the activations in
+    /// that order (`QAct::qa`); each `vpdpbusd` lane sums 4 products of an unsigned code and
+    /// a signed activation, scaled by `scale · d` into float accumulators. The codes' offset
+    /// (`−8 · scale · d · Σq`) and the zeros' term (`zero · Σx`) are added per group after.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn int4_rows<const MT: usize>(
         w: &Int4,
@@ -552,9 +588,9 @@ mod simd {
         out: &mut [f32; 4],
     ) {
         let (k, kb) = (a.k, a.k / GROUP);
+        let pairs = kb / 2;
         let mut acc = [_mm512_setzero_ps(); MT];
         let scale = w.scale.as_ptr().add(col * kb);
-        let low = _mm256_set1_epi8(15);
         let row = w.packed.as_ptr().add(col * k / 2);
         prefetch_ahead(
             w.packed.as_ptr(),
@@ -574,25 +610,78 @@ mod simd {
             4 * (col + PREFETCH_ROWS) * kb,
             4 * kb,
         );
-        for p in 0..kb / 2 {
+        let low = _mm512_set1_epi8(15);
+        let (idx_lo, idx_hi) = (
+            _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
+            _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1),
+        );
+        let zero = _mm512_setzero_si512();
+        for j in 0..pairs / 2 {
+            let bytes = _mm512_loadu_si512(row.add(j * 64).cast());
+            let lo = _mm512_and_si512(bytes, low);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), low);
+            let s4 = _mm512_castps128_ps512(_mm_loadu_ps(scale.add(4 * j)));
+            let (sv_lo, sv_hi) = (
+                _mm512_permutexvar_ps(idx_lo, s4),
+                _mm512_permutexvar_ps(idx_hi, s4),
+            );
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let xq = a.qa.as_ptr().add((m0 + r) * k + j * 128);
+                let dl = a.dlanes.as_ptr().add(((m0 + r) * pairs + 2 * j) * 16);
+                let dot = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xq.cast()));
+                *acc = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(dot),
+                    _mm512_mul_ps(sv_lo, _mm512_loadu_ps(dl)),
+                    *acc,
+                );
+                let dot = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512(xq.add(64).cast()));
+                *acc = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(dot),
+                    _mm512_mul_ps(sv_hi, _mm512_loadu_ps(dl.add(16))),
+                    *acc,
+                );
+            }
+        }
+        if pairs % 2 == 1 {
+            // the last pair alone: 32 bytes, its groups in their own order
+            let p = pairs - 1;
             let bytes = _mm256_loadu_si256(row.add(p * 32).cast());
+            let low = _mm256_set1_epi8(15);
             let lo = _mm256_and_si256(bytes, low);
             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low);
             let wq = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-            pair::<MT>(a, m0, p, wq, scale_lanes(scale.add(2 * p)), &mut acc);
+            let sv = scale_lanes(scale.add(2 * p));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let xq = _mm512_loadu_si512(a.qa.as_ptr().add((m0 + r) * k + p * 64).cast());
+                let dl = _mm512_loadu_ps(a.dlanes.as_ptr().add(((m0 + r) * pairs + p) * 16));
+                let dot = _mm512_dpbusd_epi32(zero, wq, xq);
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, dl), *acc);
+            }
         }
-        // the zeros' term Σ zero · Σx, 16 groups a step, into the same accumulators
-        let zero = w.zero.as_ptr().add(col * kb);
-        for g in (0..kb).step_by(16) {
-            let mask: __mmask16 = if kb - g >= 16 {
+        // per group, 16 a step: zero · Σx (every group), −8 · scale · dΣq (the paired ones;
+        // an odd last group is `odd_group`'s, offset included)
+        let zeros = w.zero.as_ptr().add(col * kb);
+        let minus8 = _mm512_set1_ps(-8.0);
+        let mask = |n: usize| -> __mmask16 {
+            if n >= 16 {
                 0xffff
             } else {
-                (1u16 << (kb - g)) - 1
-            };
-            let z = _mm512_maskz_loadu_ps(mask, zero.add(g));
+                (1u16 << n) - 1
+            }
+        };
+        for g in (0..kb).step_by(16) {
+            let (all, paired) = (mask(kb - g), mask((2 * pairs).saturating_sub(g)));
+            let z = _mm512_maskz_loadu_ps(all, zeros.add(g));
+            let s8 = _mm512_mul_ps(_mm512_maskz_loadu_ps(paired, scale.add(g)), minus8);
             for (r, acc) in acc.iter_mut().enumerate() {
-                let xs = _mm512_maskz_loadu_ps(mask, a.xsum.as_ptr().add((m0 + r) * kb + g));
-                *acc = _mm512_fmadd_ps(z, xs, *acc);
+                let at = (m0 + r) * kb + g;
+                *acc =
+                    _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(all, a.xsum.as_ptr().add(at)), *acc);
+                *acc = _mm512_fmadd_ps(
+                    s8,
+                    _mm512_maskz_loadu_ps(paired, a.dsum.as_ptr().add(at)),
+                    *acc,
+                );
             }
         }
         for r in 0..MT {
