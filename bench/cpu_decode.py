@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -220,9 +221,24 @@ def llamacpp_python(venv: Path) -> tuple[Path, float]:
     return python, took
 
 
+def merge_round(results: dict[str, dict[str, object]], result: dict[str, object]) -> None:
+    """Adds one round's result of an engine to the earlier rounds': the runs of each
+    measurement appended, everything else (RSS, load time) from the latest round."""
+    earlier = results.get(str(result["engine"]))
+    if earlier is not None:
+        for key, value in result.items():
+            if key.endswith("tok_s"):
+                result[key] = list(earlier[key]) + list(value)
+    results[str(result["engine"])] = result
+
+
 def summarize(results: list[dict[str, object]]) -> str:
+    """Each measurement's range per engine and, with both engines, the ratio of their
+    medians (fastsched / llama.cpp; RSS too, where lower is better)."""
     keys = [k for k in results[0] if k.endswith("tok_s")] + ["rss_mib"]
-    lines = ["| | " + " | ".join(str(r["engine"]) for r in results) + " |", "| --- |" + " ---: |" * len(results)]
+    both = len(results) == 2
+    lines = ["| | " + " | ".join(str(r["engine"]) for r in results) + (" | ratio |" if both else " |"),
+             "| --- |" + " ---: |" * (len(results) + both)]
     for key in keys:
         cells = []
         for r in results:
@@ -231,6 +247,11 @@ def summarize(results: list[dict[str, object]]) -> str:
                 cells.append(f"{min(value):.1f}–{max(value):.1f}" if len(value) > 1 else f"{value[0]:.1f}")
             else:
                 cells.append("-" if value is None else f"{value:.0f}")
+        if both and all(r.get(key) is not None for r in results):
+            medians = [statistics.median(v) if isinstance(v, list) else v for v in (r[key] for r in results)]
+            cells.append(f"{medians[0] / medians[1]:.2f}×")
+        elif both:
+            cells.append("-")
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -243,6 +264,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="sequence counts to decode")
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the prefill run")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement (all reported)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of the whole bench, the engines alternating (fastsched, llama.cpp, fastsched, "
+                             "...), so that a shared machine's slow minutes fall on both; all runs are reported")
     parser.add_argument("--fastsched-args", default="{}", help="JSON of extra LLM(...) arguments")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="fastsched's KV pool in bytes (default: blocks for the largest batch, as llama.cpp's "
@@ -270,15 +294,19 @@ def main() -> None:
     if not args.skip_llamacpp:
         python, install_s = llamacpp_python(args.llamacpp_venv)
         engines.append(("llamacpp", python))
-    results = []
-    for name, python in engines:
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        proc = subprocess.run([python, __file__, *passthrough, "--worker", name], capture_output=True, text=True,
-                              env=env)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if proc.returncode or line is None:
-            raise SystemExit(f"{name} run failed:\n{proc.stderr[-4000:]}")
-        results.append(json.loads(line.removeprefix("RESULT ")))
+    from tqdm import tqdm  # here: the llama.cpp worker runs this file in a venv without it
+
+    by_engine: dict[str, dict[str, object]] = {}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    for round_ in tqdm(range(args.rounds), desc="rounds", disable=args.rounds == 1):
+        for name, python in engines:
+            proc = subprocess.run([python, __file__, *passthrough, "--worker", name], capture_output=True, text=True,
+                                  env=env)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode or line is None:
+                raise SystemExit(f"{name} run failed (round {round_ + 1}):\n{proc.stderr[-4000:]}")
+            merge_round(by_engine, json.loads(line.removeprefix("RESULT ")))
+    results = list(by_engine.values())
     if install_s is not None:
         results[-1]["install_s"] = install_s
     print(json.dumps(results, indent=1))

@@ -31,3 +31,16 @@ def test_kv_cache_memory_overrides_the_sizing():
     bench = load_bench()
     args = argparse.Namespace(batches=[32], tokens=128, prompt_len=512, kv_cache_memory=2**29)
     assert bench.kv_pool_args(args, 16) == {"kv_cache_memory": 2**29, "max_model_len": 528}
+
+
+def test_rounds_append_each_measurement_and_the_summary_gives_the_ratio_of_medians():
+    bench = load_bench()
+    results: dict = {}
+    bench.merge_round(results, {"engine": "fastsched", "decode_1_tok_s": [100.0], "rss_mib": 800.0})
+    bench.merge_round(results, {"engine": "llama.cpp", "decode_1_tok_s": [90.0], "rss_mib": 200.0})
+    bench.merge_round(results, {"engine": "fastsched", "decode_1_tok_s": [120.0, 110.0], "rss_mib": 790.0})
+    assert results["fastsched"]["decode_1_tok_s"] == [100.0, 120.0, 110.0]
+    assert results["fastsched"]["rss_mib"] == 790.0
+    table = bench.summarize(list(results.values()))
+    assert "| decode_1_tok_s | 100.0–120.0 | 90.0 | 1.22× |" in table
+    assert "| rss_mib | 790 | 200 | 3.95× |" in table
