@@ -201,6 +201,9 @@ pub fn forward(
             attn.num_rows
         ));
     }
+    if m == 0 {
+        return Ok(());
+    }
     let width = q + 2 * kv;
     let mut buf = Buffers {
         normed: vec![0; m * h],

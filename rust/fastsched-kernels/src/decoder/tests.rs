@@ -390,3 +390,9 @@ fn validate_names_the_layer_and_projection_of_a_bad_shape() {
     let err = validate(&dims(16), &layers(&m), &m.norms[0][..8]).unwrap_err();
     assert!(err.contains("final norm"), "{err}");
 }
+
+#[test]
+fn a_step_without_rows_does_nothing() {
+    let m = model(2);
+    assert!(run(&m, &[], &[], 0, 16).is_empty());
+}
