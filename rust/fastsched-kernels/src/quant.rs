@@ -323,13 +323,15 @@ unsafe fn rows(
     let mut m0 = 0;
     while m0 < m {
         let mt = (m - m0).min(4);
+        #[cfg(target_arch = "x86_64")]
+        if kernel == Kernel::Avx512Vnni {
+            simd::dot_cols(w, a, m0, mt, lo..hi, n, out);
+            m0 += mt;
+            continue;
+        }
         for col in lo..hi {
             let mut acc = [0f32; 4];
-            match kernel {
-                #[cfg(target_arch = "x86_64")]
-                Kernel::Avx512Vnni => simd::dot_rows(w, a, m0, mt, col, &mut acc),
-                _ => scalar_dot_rows(w, a, m0, mt, col, &mut acc),
-            }
+            scalar_dot_rows(w, a, m0, mt, col, &mut acc);
             for (r, v) in acc[..mt].iter().enumerate() {
                 *out.0.add((m0 + r) * n + col) = *v;
             }
@@ -411,23 +413,61 @@ mod simd {
     use super::*;
     use std::arch::x86_64::*;
 
-    pub(super) unsafe fn dot_rows(
+    #[inline(always)]
+    unsafe fn each_col<F: FnMut(usize, &mut [f32; 4])>(
+        cols: std::ops::Range<usize>,
+        m0: usize,
+        mt: usize,
+        n: usize,
+        out: OutPtr,
+        f: &mut F,
+    ) {
+        for col in cols {
+            let mut acc = [0f32; 4];
+            f(col, &mut acc);
+            for (r, v) in acc[..mt].iter().enumerate() {
+                *out.0.add((m0 + r) * n + col) = *v;
+            }
+        }
+    }
+
+    /// Output columns `cols` of activation rows `m0..m0 + mt` into `out` (`[M, n]`): one
+    /// call a task, the column loop inside the AVX-512 build so the kernels inline into it.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn dot_cols(
         w: &Weight,
         a: &QAct,
         m0: usize,
         mt: usize,
-        col: usize,
-        acc: &mut [f32; 4],
+        cols: std::ops::Range<usize>,
+        n: usize,
+        out: OutPtr,
     ) {
         match (w, mt) {
-            (Weight::Int4(w), 1) => int4_rows::<1>(w, a, m0, col, acc),
-            (Weight::Int4(w), 2) => int4_rows::<2>(w, a, m0, col, acc),
-            (Weight::Int4(w), 3) => int4_rows::<3>(w, a, m0, col, acc),
-            (Weight::Int4(w), _) => int4_rows::<4>(w, a, m0, col, acc),
-            (Weight::Int8(w), 1) => int8_rows::<1>(w, a, m0, col, acc),
-            (Weight::Int8(w), 2) => int8_rows::<2>(w, a, m0, col, acc),
-            (Weight::Int8(w), 3) => int8_rows::<3>(w, a, m0, col, acc),
-            (Weight::Int8(w), _) => int8_rows::<4>(w, a, m0, col, acc),
+            (Weight::Int4(w), 1) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
+                int4_rows::<1>(w, a, m0, c, acc)
+            }),
+            (Weight::Int4(w), 2) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
+                int4_rows::<2>(w, a, m0, c, acc)
+            }),
+            (Weight::Int4(w), 3) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
+                int4_rows::<3>(w, a, m0, c, acc)
+            }),
+            (Weight::Int4(w), _) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
+                int4_rows::<4>(w, a, m0, c, acc)
+            }),
+            (Weight::Int8(w), 1) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
+                int8_rows::<1>(w, a, m0, c, acc)
+            }),
+            (Weight::Int8(w), 2) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
+                int8_rows::<2>(w, a, m0, c, acc)
+            }),
+            (Weight::Int8(w), 3) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
+                int8_rows::<3>(w, a, m0, c, acc)
+            }),
+            (Weight::Int8(w), _) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
+                int8_rows::<4>(w, a, m0, c, acc)
+            }),
         }
     }
 
@@ -685,7 +725,10 @@ mod simd {
             }
         }
         for r in 0..MT {
-            out[r] = _mm512_reduce_add_ps(acc[r]) + odd_group(&Weight::Int4(*w), a, m0 + r, col, 8);
+            out[r] = _mm512_reduce_add_ps(acc[r]);
+            if kb % 2 == 1 {
+                out[r] += odd_group(&Weight::Int4(*w), a, m0 + r, col, 8);
+            }
         }
     }
 
@@ -720,7 +763,10 @@ mod simd {
             pair::<MT>(a, m0, p, wq, scale_lanes(scale.add(2 * p)), &mut acc);
         }
         for r in 0..MT {
-            out[r] = _mm512_reduce_add_ps(acc[r]) + odd_group(&Weight::Int8(*w), a, m0 + r, col, 0);
+            out[r] = _mm512_reduce_add_ps(acc[r]);
+            if kb % 2 == 1 {
+                out[r] += odd_group(&Weight::Int8(*w), a, m0 + r, col, 0);
+            }
         }
     }
 }
