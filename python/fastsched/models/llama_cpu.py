@@ -93,6 +93,7 @@ class CpuDecoderStack:
         addresses, cache_bf16, blocks = self._cache_layout(kv_caches)
         out = torch.empty_like(hidden)
         slots, qsl, seq_lens, tables, reqs = step
+        cpu_ops.sync_threads()
         self._rust.forward(
             hidden.data_ptr(), out.data_ptr(), rows, positions.data_ptr(),
             [cos.data_ptr(), sin.data_ptr()], cos.shape[0], addresses, cache_bf16, blocks,
