@@ -692,6 +692,7 @@ class CpuDecoder:
         dense_min_rows: int,
         norms: Sequence[Sequence[int]],
         weights: Sequence[Sequence[tuple[int, int, int, Sequence[int]]]],
+        biases: Sequence[Sequence[int]],
         final_norm: int,
     ) -> CpuDecoder: ...
     def forward(

@@ -1,12 +1,15 @@
 """The CPU decoder stack (fastsched.models.llama_cpu): the embedded SmolLM2 (4-bit weights,
-bfloat16) run as one Rust call a step gives the same bits as the layer-by-layer path, for
-its hidden states and for what it writes into the KV cache, and it steps aside where it
-does not apply."""
+bfloat16) and a Qwen2 with q/k/v biases (quantized to int4 at load) run as one Rust call a
+step give the same bits as the layer-by-layer path, for their hidden states and for what
+they write into the KV cache, and the stack steps aside where it does not apply."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import transformers
 
 from fastsched.attention.base import AttentionMetadata
 from fastsched.attention.cpu import SDPA_MIN_QUERY_LEN, CpuBackend
@@ -71,7 +74,29 @@ STEPS = [
 ]
 
 
-def test_the_stack_gives_the_layer_by_layer_bits_and_kv_cache(model) -> None:
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory: pytest.TempPathFactory):
+    """A random Qwen2 (q/k/v biases, randomized: transformers' init zeroes them) with int4 weights."""
+    path = tmp_path_factory.mktemp("qwen2")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    reference = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(0.5 * torch.randn_like(param))
+            elif param.ndim > 1:
+                param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+    reference.save_pretrained(path)
+    model = load_model(Path(path), dtype=torch.bfloat16, quantization="int4")
+    assert model.layers[0].self_attn.qkv_proj.bias is not None
+    return model
+
+
+@pytest.mark.parametrize("name", ["model", "qwen2"])
+def test_the_stack_gives_the_layer_by_layer_bits_and_kv_cache(name, request) -> None:
+    model = request.getfixturevalue(name)
     assert unsupported_reason(model) is None
     stacked, layered = _caches(model), _caches(model)
     generator = torch.Generator().manual_seed(1)

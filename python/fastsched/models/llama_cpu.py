@@ -9,10 +9,10 @@ write and paged attention, SiLU, residual adds, the final norm) to the crate in 
 It runs the same kernels in the same order as ``LlamaForCausalLM._forward_cpu_bf16``, so its
 output is bit-equal to that path (tests/models/test_llama_cpu.py), and it applies only
 where that path would run those kernels: bfloat16 activations, every projection an int4 /
-int8 :class:`QuantLinear` on the Rust kernels without bias, no q/k norm, no tensor
-parallelism, no LoRA in the step, every request's attention on the Rust kernel (no SDPA
-prefill chunk), and a CPU with the many-row GEMM's AVX-512 BF16. Otherwise the model runs
-layer by layer.
+int8 :class:`QuantLinear` on the Rust kernels (with or without a bfloat16 bias, as Qwen2's
+q/k/v), no q/k norm, no tensor parallelism, no LoRA in the step, every request's attention
+on the Rust kernel (no SDPA prefill chunk), and a CPU with the many-row GEMM's AVX-512 BF16.
+Otherwise the model runs layer by layer.
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
     for i, layer in enumerate(model.layers):
         for name in _PROJECTIONS:
             proj = layer.get_submodule(name)
-            if not isinstance(proj, QuantLinear) or proj.weight_packed.kind != "cpu_rust" or proj.bias is not None:
-                return f"layer {i} {name} is not a bias-free int4/int8 layer on the Rust kernels"
+            if not isinstance(proj, QuantLinear) or proj.weight_packed.kind != "cpu_rust":
+                return f"layer {i} {name} is not an int4/int8 layer on the Rust kernels"
+            if proj.bias is not None and proj.bias.dtype != torch.bfloat16:
+                return f"layer {i} {name}'s bias is {proj.bias.dtype}, not bfloat16"
     return None
 
 
@@ -56,17 +58,21 @@ class CpuDecoderStack:
 
     def __init__(self, model: nn.Module) -> None:
         config, attn = model.config, model.layers[0].self_attn
-        packed = [[layer.get_submodule(name).weight_packed for name in _PROJECTIONS] for layer in model.layers]
+        projections = [[layer.get_submodule(name) for name in _PROJECTIONS] for layer in model.layers]
+        packed = [[proj.weight_packed for proj in layer] for layer in projections]
+        biases = [[None if proj.bias is None else proj.bias.detach().contiguous() for proj in layer]
+                  for layer in projections]
         norms = [(layer.input_layernorm.weight.detach().contiguous(),
                   layer.post_attention_layernorm.weight.detach().contiguous()) for layer in model.layers]
         final_norm = model.norm.weight.detach().contiguous()
-        self._alive = (packed, norms, final_norm)
+        self._alive = (packed, biases, norms, final_norm)
         self.scale = attn.scale
         self._rust = _core.CpuDecoder(
             [config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, model.layers[0].mlp.intermediate_size],
             model.norm.eps, quant_matmul_cpu.DENSE_MIN_ROWS,
             [[i.data_ptr(), p.data_ptr()] for i, p in norms],
             [[(w.cpu.bits, w.cpu.n, w.cpu.k, w.cpu.addresses) for w in layer] for layer in packed],
+            [[0 if b is None else b.data_ptr() for b in layer] for layer in biases],
             final_norm.data_ptr(),
         )
         self._hidden, self._kv_heads, self._head_dim = config.hidden_size, attn.num_kv_heads, attn.head_dim

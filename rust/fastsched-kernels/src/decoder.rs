@@ -24,7 +24,7 @@
 //! A linear layer takes the integer GEMV ([`quant::matmul`]) below `dense_min_rows` rows and
 //! the many-row bf16 GEMM ([`quant::gemm::gemm_bf16`]) from there on, as the Python path does.
 
-use crate::attention::{self, f32_to_bf16, CacheShape, Floats, FloatsMut, Isa, Step};
+use crate::attention::{self, bf16_to_f32, f32_to_bf16, CacheShape, Floats, FloatsMut, Isa, Step};
 use crate::elementwise;
 use crate::pool::Pool;
 use crate::quant::{self, gemm, Act, Kernel, Weight};
@@ -54,7 +54,7 @@ impl Dims {
 
 /// One decoder layer's weights: RMSNorm weights (bfloat16 `[hidden]`) and the fused
 /// projections, q/k/v `[q + 2·kv, hidden]`, o `[hidden, q]`, gate/up `[2·I, hidden]` (gate
-/// first), down `[hidden, I]`.
+/// first), down `[hidden, I]`, each with an optional bfloat16 bias `[N]` (Qwen2's q/k/v).
 #[derive(Clone, Copy)]
 pub struct Layer<'a> {
     pub input_norm: &'a [u16],
@@ -63,6 +63,8 @@ pub struct Layer<'a> {
     pub o: Weight<'a>,
     pub gate_up: Weight<'a>,
     pub down: Weight<'a>,
+    /// The biases of q/k/v, o, gate/up and down, in that order.
+    pub biases: [Option<&'a [u16]>; 4],
 }
 
 /// The step's RoPE: a position per row and bfloat16 `[len, head_dim]` cos / sin tables.
@@ -137,12 +139,22 @@ pub fn validate(dims: &Dims, layers: &[Layer], final_norm: &[u16]) -> Result<(),
                 ));
             }
         }
-        for (name, w, want) in [
+        for ((name, w, want), bias) in [
             ("qkv", &layer.qkv, (q + 2 * kv, h)),
             ("o", &layer.o, (h, q)),
             ("gate_up", &layer.gate_up, (2 * i, h)),
             ("down", &layer.down, (h, i)),
-        ] {
+        ]
+        .into_iter()
+        .zip(layer.biases)
+        {
+            if let Some(b) = bias.filter(|b| b.len() != want.0) {
+                return Err(format!(
+                    "layer {l}: {name}'s bias has {} elements, expected {}",
+                    b.len(),
+                    want.0
+                ));
+            }
             w.validate()
                 .map_err(|e| format!("layer {l}: {name}: {e}"))?;
             if w.shape() != want {
@@ -214,14 +226,21 @@ pub fn forward(
         delta: vec![0; m * h],
         wide: Vec::new(),
     };
-    let linear = |w: &Weight, x: &[u16], y: &mut [u16], wide: &mut Vec<f32>| {
-        linear(w, x, m, y, wide, dims.dense_min_rows, pool, kernels)
-    };
+    let linear =
+        |w: &Weight, bias: Option<&[u16]>, x: &[u16], y: &mut [u16], wide: &mut Vec<f32>| {
+            linear(w, bias, x, m, y, wide, dims.dense_min_rows, pool, kernels)
+        };
     let heads = dims.num_heads + dims.num_kv_heads;
     for (l, (layer, cache)) in layers.iter().zip(caches.iter_mut()).enumerate() {
         let delta = (l > 0).then_some(&buf.delta[..]);
         elementwise::add_rms_norm_bf16(hidden, delta, layer.input_norm, dims.eps, &mut buf.normed)?;
-        linear(&layer.qkv, &buf.normed, &mut buf.qkv, &mut buf.wide)?;
+        linear(
+            &layer.qkv,
+            layer.biases[0],
+            &buf.normed,
+            &mut buf.qkv,
+            &mut buf.wide,
+        )?;
         elementwise::rope(
             &mut FloatsMut::Bf16(&mut buf.qkv),
             width,
@@ -258,7 +277,13 @@ pub fn forward(
             pool,
             kernels.attention,
         )?;
-        linear(&layer.o, &buf.attn, &mut buf.delta, &mut buf.wide)?;
+        linear(
+            &layer.o,
+            layer.biases[1],
+            &buf.attn,
+            &mut buf.delta,
+            &mut buf.wide,
+        )?;
         elementwise::add_rms_norm_bf16(
             hidden,
             Some(&buf.delta),
@@ -266,9 +291,21 @@ pub fn forward(
             dims.eps,
             &mut buf.normed,
         )?;
-        linear(&layer.gate_up, &buf.normed, &mut buf.gate_up, &mut buf.wide)?;
+        linear(
+            &layer.gate_up,
+            layer.biases[2],
+            &buf.normed,
+            &mut buf.gate_up,
+            &mut buf.wide,
+        )?;
         elementwise::silu_mul_bf16(&buf.gate_up, &mut buf.act, i)?;
-        linear(&layer.down, &buf.act, &mut buf.delta, &mut buf.wide)?;
+        linear(
+            &layer.down,
+            layer.biases[3],
+            &buf.act,
+            &mut buf.delta,
+            &mut buf.wide,
+        )?;
     }
     let delta = (!layers.is_empty()).then_some(&buf.delta[..]);
     elementwise::add_rms_norm_bf16(hidden, delta, final_norm, dims.eps, out)
@@ -286,10 +323,12 @@ struct Buffers {
     wide: Vec<f32>,
 }
 
-/// `y [M, N] = bf16(x [M, K] · Wᵀ)`.
+/// `y [M, N] = bf16(x [M, K] · Wᵀ)`, then `bf16(y + bias)` with a bias (the Python layer's
+/// bfloat16 add after the projection).
 #[allow(clippy::too_many_arguments)]
 fn linear(
     w: &Weight,
+    bias: Option<&[u16]>,
     x: &[u16],
     m: usize,
     y: &mut [u16],
@@ -306,6 +345,13 @@ fn linear(
     }
     for (y, &v) in y.iter_mut().zip(wide.iter()) {
         *y = f32_to_bf16(v);
+    }
+    if let Some(bias) = bias {
+        for row in y.chunks_exact_mut(bias.len()) {
+            for (y, &b) in row.iter_mut().zip(bias) {
+                *y = f32_to_bf16(bf16_to_f32(*y) + bf16_to_f32(b));
+            }
+        }
     }
     Ok(())
 }

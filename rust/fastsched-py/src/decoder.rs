@@ -23,6 +23,8 @@ pub struct PyCpuDecoder {
     norms: Vec<[usize; 2]>,
     /// Per layer: q/k/v, o, gate/up, down.
     weights: Vec<[WeightAddrs; 4]>,
+    /// Per layer: the bfloat16 biases of the same four (0: none).
+    biases: Vec<[usize; 4]>,
     final_norm: usize,
 }
 
@@ -33,19 +35,31 @@ impl PyCpuDecoder {
         let h = self.dims.hidden;
         let norm = |addr: usize| std::slice::from_raw_parts(addr as *const u16, h);
         let w = |(bits, n, k, a): WeightAddrs| weight(n, k, bits, a);
+        let bias = |addr: usize, (_, n, _, _): WeightAddrs| {
+            (addr != 0).then(|| std::slice::from_raw_parts(addr as *const u16, n))
+        };
         self.norms
             .iter()
             .zip(&self.weights)
-            .map(|(&[input, post], &[qkv, o, gate_up, down])| {
-                Ok(Layer {
-                    input_norm: norm(input),
-                    post_norm: norm(post),
-                    qkv: w(qkv)?,
-                    o: w(o)?,
-                    gate_up: w(gate_up)?,
-                    down: w(down)?,
-                })
-            })
+            .zip(&self.biases)
+            .map(
+                |((&[input, post], &[qkv, o, gate_up, down]), &[bq, bo, bg, bd])| {
+                    Ok(Layer {
+                        input_norm: norm(input),
+                        post_norm: norm(post),
+                        qkv: w(qkv)?,
+                        o: w(o)?,
+                        gate_up: w(gate_up)?,
+                        down: w(down)?,
+                        biases: [
+                            bias(bq, qkv),
+                            bias(bo, o),
+                            bias(bg, gate_up),
+                            bias(bd, down),
+                        ],
+                    })
+                },
+            )
             .collect()
     }
 }
@@ -53,23 +67,27 @@ impl PyCpuDecoder {
 #[pymethods]
 impl PyCpuDecoder {
     /// `sizes`: hidden, num_heads, num_kv_heads, head_dim, intermediate; `dense_min_rows`:
-    /// activation rows from which a linear layer runs the many-row GEMM. Fails naming the
+    /// activation rows from which a linear layer runs the many-row GEMM; `biases`: per layer
+    /// the addresses of the four projections' bfloat16 biases (0: none). Fails naming the
     /// layer and projection whose shape does not fit.
     #[new]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         sizes: [usize; 5],
         eps: f32,
         dense_min_rows: usize,
         norms: Vec<[usize; 2]>,
         weights: Vec<[WeightAddrs; 4]>,
+        biases: Vec<[usize; 4]>,
         final_norm: usize,
     ) -> PyResult<Self> {
         let [hidden, num_heads, num_kv_heads, head_dim, intermediate] = sizes;
-        if norms.len() != weights.len() {
+        if norms.len() != weights.len() || biases.len() != weights.len() {
             return Err(PyValueError::new_err(format!(
-                "{} layers of norms and {} of weights",
+                "{} layers of norms, {} of weights and {} of biases",
                 norms.len(),
-                weights.len()
+                weights.len(),
+                biases.len()
             )));
         }
         let this = PyCpuDecoder {
@@ -84,6 +102,7 @@ impl PyCpuDecoder {
             },
             norms,
             weights,
+            biases,
             final_norm,
         };
         // SAFETY: the owner's contract (module docs).

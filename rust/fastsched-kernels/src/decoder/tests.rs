@@ -139,6 +139,7 @@ fn layers(m: &Model) -> Vec<Layer<'_>> {
                 o: w[1].weight(),
                 gate_up: w[2].weight(),
                 down: w[3].weight(),
+                biases: [None; 4],
             }
         })
         .collect()
@@ -389,6 +390,10 @@ fn validate_names_the_layer_and_projection_of_a_bad_shape() {
     assert!(err.contains("layer 1: o"), "{err}");
     let err = validate(&dims(16), &layers(&m), &m.norms[0][..8]).unwrap_err();
     assert!(err.contains("final norm"), "{err}");
+    let mut ls = layers(&m);
+    ls[0].biases[0] = Some(&m.norms[0]); // [hidden], q/k/v has more outputs
+    let err = validate(&dims(16), &ls, &m.norms[2 * LAYERS]).unwrap_err();
+    assert!(err.contains("layer 0: qkv's bias"), "{err}");
 }
 
 #[test]
