@@ -21,7 +21,7 @@ pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.tx
 pytest.importorskip("grpc", reason="grpcio is not installed (requirements-serve.txt)")
 
 from loop_thread import wait_for  # noqa: E402
-from serve_process import metric_samples, pid_alive, start_serve  # noqa: E402
+from serve_process import ServeProcess, metric_samples, pid_alive, start_serve  # noqa: E402
 
 from fastsched import LLM, SamplingParams  # noqa: E402
 from fastsched.lora import LoRARequest  # noqa: E402
@@ -131,16 +131,9 @@ def test_with_fault_tolerance_a_killed_worker_restarts_the_engine_with_new_worke
     try:
         (first,) = _worker_pids(server.log())
         os.kill(first, signal.SIGKILL)
-        assert wait_for(lambda: len(_all_worker_pids(server.log())) == 2 and _healthy(server.url), timeout=90), \
-            server.tail()
-        second = _all_worker_pids(server.log())[1]
+        second = _restarted_worker(server)
         assert second != first and pid_alive(second)
-        response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
-            "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
-        assert response.status_code == 200, response.text
-        children = server.child_pids
-        assert server.terminate() == 0, server.tail()
-        assert wait_for(lambda: not any(pid_alive(p) for p in [*children, second]), timeout=10)
+        _complete_then_stop(server, second)
     finally:
         server.close()
 
@@ -156,21 +149,31 @@ def test_with_fault_tolerance_a_hung_worker_restarts_the_engine_with_new_workers
         with pytest.raises(httpx.HTTPError):  # the request of the failed step is not retried
             httpx.post(server.url + "/v1/completions", timeout=EXIT_WITHIN_S, trust_env=False, json={
                 "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}).raise_for_status()
-        assert wait_for(lambda: len(_all_worker_pids(server.log())) == 2 and _healthy(server.url), timeout=90), \
-            server.tail()
-        second = _all_worker_pids(server.log())[1]
+        second = _restarted_worker(server)
         assert not pid_alive(first) and pid_alive(second)
-        response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
-            "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
-        assert response.status_code == 200, response.text
-        children = server.child_pids
-        assert server.terminate() == 0, server.tail()
-        assert wait_for(lambda: not any(pid_alive(p) for p in [*children, second]), timeout=10)
+        _complete_then_stop(server, second)
     finally:
         if pid_alive(first):
             os.kill(first, signal.SIGCONT)
             os.kill(first, signal.SIGKILL)
         server.close()
+
+
+def _restarted_worker(server: ServeProcess) -> int:
+    """Waits until the engine has restarted with a new worker and serves; its pid."""
+    assert wait_for(lambda: len(_all_worker_pids(server.log())) == 2 and _healthy(server.url), timeout=90), \
+        server.tail()
+    return _all_worker_pids(server.log())[1]
+
+
+def _complete_then_stop(server: ServeProcess, worker: int) -> None:
+    """A completion succeeds, then SIGTERM stops the server with every child and ``worker`` gone."""
+    response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
+        "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+    assert response.status_code == 200, response.text
+    children = server.child_pids
+    assert server.terminate() == 0, server.tail()
+    assert wait_for(lambda: not any(pid_alive(p) for p in [*children, worker]), timeout=10)
 
 
 def _all_worker_pids(log: str) -> list[int]:

@@ -55,9 +55,7 @@ class CpuBackend:
         """This step's checked tensors for the Rust kernel and its number of real query rows,
         if the kernel attends for every request (no prefill chunk goes to SDPA); else None.
         What a caller running the layers in Rust (``fastsched.models.llama_cpu``) passes on."""
-        plan = self._plan
-        if plan is None or plan.metadata is not metadata:
-            plan = self._plan = _plan_step(metadata, block_size)
+        plan = self._step_plan(metadata, block_size)
         return None if plan.prefills else (plan.step, plan.num_rows)
 
     def forward(
@@ -72,9 +70,7 @@ class CpuBackend:
         """Write this step's K/V at ``slot_mapping``, then attend causally over the cache."""
         if query.dtype not in cpu_ops.DTYPES or kv_cache.dtype not in cpu_ops.DTYPES:
             return self._torch.forward(query, key, value, kv_cache, metadata, scale)
-        plan = self._plan
-        if plan is None or plan.metadata is not metadata:
-            plan = self._plan = _plan_step(metadata, kv_cache.shape[2])
+        plan = self._step_plan(metadata, kv_cache.shape[2])
         out = torch.empty(query.shape, dtype=query.dtype)
         if plan.num_rows < out.shape[0]:
             out[plan.num_rows :].zero_()  # padding rows (the contract: zero)
@@ -83,6 +79,12 @@ class CpuBackend:
             rows = slice(p.start, p.end)
             out[rows] = _prefill(query[rows], key[rows], value[rows], kv_cache, p, scale)
         return out
+
+    def _step_plan(self, metadata: AttentionMetadata, block_size: int) -> _CpuPlan:
+        """This step's plan, built by the first layer (or ``kernel_step``) that asks."""
+        if self._plan is None or self._plan.metadata is not metadata:
+            self._plan = _plan_step(metadata, block_size)
+        return self._plan
 
 
 def _plan_step(metadata: AttentionMetadata, block_size: int) -> _CpuPlan:

@@ -74,21 +74,22 @@ def copy_weights(model: nn.Module, new: nn.Module) -> None:
     try:
         model.load_state_dict(new.state_dict())
         for name, module in new.named_modules():
-            if isinstance(module, QuantEmbedding):
+            if isinstance(module, (QuantEmbedding, QuantLinear)):
                 old = model.get_submodule(name)
-                if not isinstance(old, QuantEmbedding) or (old.num_embeddings, old.embedding_dim) != (
-                        module.num_embeddings, module.embedding_dim):
-                    raise RuntimeError(f"{name}: the new embedding is 8-bit of shape "
-                                       f"{(module.num_embeddings, module.embedding_dim)}, the served one is {old}")
-                old.weight_packed = module.weight_packed
-            if isinstance(module, QuantLinear):
-                old = model.get_submodule(name)
-                if not isinstance(old, QuantLinear) or (old.out_features, old.in_features) != (
-                        module.out_features, module.in_features):
-                    raise RuntimeError(f"{name}: the new weights are quantized of shape "
-                                       f"{(module.out_features, module.in_features)}, the served layer is {old}")
+                if type(old) is not type(module) or _packed_shape(old) != _packed_shape(module):
+                    new_kind, served = (("embedding is 8-bit", "one") if isinstance(module, QuantEmbedding)
+                                        else ("weights are quantized", "layer"))
+                    raise RuntimeError(f"{name}: the new {new_kind} of shape {_packed_shape(module)}, "
+                                       f"the served {served} is {old}")
                 old.weight_packed = module.weight_packed
     finally:  # what was built from the old tensors goes, even after a partial copy
         weights_replaced = getattr(model, "weights_replaced", None)
         if weights_replaced is not None:
             weights_replaced()
+
+
+def _packed_shape(module: QuantEmbedding | QuantLinear) -> tuple[int, int]:
+    """The shape of the packed weight a reload swaps in."""
+    if isinstance(module, QuantEmbedding):
+        return module.num_embeddings, module.embedding_dim
+    return module.out_features, module.in_features

@@ -249,6 +249,26 @@ impl OutPtr {
     }
 }
 
+/// Checks a matmul's weight and that `x` and `out` hold `[M, K]` and `[M, N]` elements;
+/// returns `(N, K)`.
+pub(crate) fn check_call(
+    w: &Weight,
+    xlen: usize,
+    outlen: usize,
+    m: usize,
+) -> Result<(usize, usize), String> {
+    w.validate()?;
+    let (n, k) = w.shape();
+    if xlen != m * k || outlen != m * n {
+        return Err(format!(
+            "x has {xlen} elements and out {outlen}, [M={m}, K={k}] x [N={n}] needs {} and {}",
+            m * k,
+            m * n
+        ));
+    }
+    Ok((n, k))
+}
+
 /// Output rows a task takes: enough that a task is not dwarfed by the pool's overhead.
 const MIN_ROWS_PER_TASK: usize = 16;
 
@@ -261,20 +281,11 @@ pub fn matmul(
     pool: &Pool,
     kernel: Kernel,
 ) -> Result<(), String> {
-    w.validate()?;
-    let (n, k) = w.shape();
     let xlen = match x {
         Act::F32(v) => v.len(),
         Act::Bf16(v) => v.len(),
     };
-    if xlen != m * k || out.len() != m * n {
-        return Err(format!(
-            "x has {xlen} elements and out {}, [M={m}, K={k}] x [N={n}] needs {} and {}",
-            out.len(),
-            m * k,
-            m * n
-        ));
-    }
+    let (n, k) = check_call(w, xlen, out.len(), m)?;
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -300,11 +311,7 @@ pub fn matmul(
             unsafe { rows(w, &a, m, n, lo, hi, outp, kernel) };
         }
     };
-    if tasks == 1 {
-        run(0);
-    } else {
-        pool.run(tasks, &run);
-    }
+    pool.run(tasks, &run); // one task runs on the caller
     Ok(())
 }
 

@@ -52,17 +52,7 @@ pub fn gemm_bf16(
     pool: &Pool,
     kernel: Kernel,
 ) -> Result<(), String> {
-    w.validate()?;
-    let (n, k) = w.shape();
-    if x.len() != m * k || out.len() != m * n {
-        return Err(format!(
-            "x has {} elements and out {}, [M={m}, K={k}] x [N={n}] needs {} and {}",
-            x.len(),
-            out.len(),
-            m * k,
-            m * n
-        ));
-    }
+    let (n, k) = super::check_call(w, x.len(), out.len(), m)?;
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -86,11 +76,7 @@ pub fn gemm_bf16(
             }
         }
     };
-    if tasks == 1 {
-        run(0);
-    } else {
-        pool.run(tasks, &run);
-    }
+    pool.run(tasks, &run); // one task runs on the caller
     Ok(())
 }
 
