@@ -361,6 +361,18 @@ fn correction(w: &Weight, a: &QAct, row: usize, col: usize) -> f32 {
     }
 }
 
+/// Group `g` of output row `col` as `w = s · code + z` (int4: `z = zero − 8 · scale`).
+fn group_affine(w: &Weight, col: usize, g: usize) -> (f32, f32) {
+    let kb = w.shape().1 / GROUP;
+    match w {
+        Weight::Int4(w) => (
+            w.scale[col * kb + g],
+            w.zero[col * kb + g] - 8.0 * w.scale[col * kb + g],
+        ),
+        Weight::Int8(w) => (w.scale[col * kb + g], 0.0),
+    }
+}
+
 /// The codes of group `g` of output row `col`, in column order.
 fn group_codes(w: &Weight, col: usize, g: usize, codes: &mut [i32; GROUP]) {
     match w {
@@ -822,13 +834,7 @@ pub fn dequantize_bf16(
             }
             for g in first..kb {
                 group_codes(w, col, g, &mut codes);
-                let (s, z) = match w {
-                    Weight::Int4(w) => (
-                        w.scale[col * kb + g],
-                        w.zero[col * kb + g] - 8.0 * w.scale[col * kb + g],
-                    ),
-                    Weight::Int8(w) => (w.scale[col * kb + g], 0.0),
-                };
+                let (s, z) = group_affine(w, col, g);
                 for (d, &c) in dst[g * GROUP..][..GROUP].iter_mut().zip(&codes) {
                     *d = f32_to_bf16(s * c as f32 + z);
                 }

@@ -138,13 +138,7 @@ pub(super) fn decode_scalar(w: &Weight, col: usize, dst: &mut [u16]) {
     let mut codes = [0i32; GROUP];
     for g in 0..kb {
         group_codes(w, col, g, &mut codes);
-        let (s, z) = match w {
-            Weight::Int4(w) => (
-                w.scale[col * kb + g],
-                w.zero[col * kb + g] - 8.0 * w.scale[col * kb + g],
-            ),
-            Weight::Int8(w) => (w.scale[col * kb + g], 0.0),
-        };
+        let (s, z) = super::group_affine(w, col, g);
         for (d, &c) in dst[g * GROUP..][..GROUP].iter_mut().zip(&codes) {
             *d = super::f32_to_bf16(s.mul_add(c as f32, z));
         }
