@@ -25,3 +25,13 @@ from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(pytestconfig: pytest.Config) -> Path:
+    """The real Gemma 3 270M Q4_K_M GGUF (tests/real_models.py), assembled once into pytest's cache."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from real_models import gemma3_gguf as locate
+
+    cache = Path(pytestconfig.cache.mkdir("gemma3-gguf"))
+    return locate(cache)
