@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tokenizers
-from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tqdm import tqdm
 
 from fastsched.model_loader.gguf_container import GGUFContainer
 from fastsched.model_loader.gguf_quants import KEPT_BITS, Int4Blocks, Int8Blocks, dequantize, quantized_blocks
+from fastsched.model_loader.gguf_tokenizer import gguf_tokenizer
 from fastsched.model_loader.tokenizer import Tokenizer
 from fastsched.models.config import ModelConfig
 
@@ -44,41 +43,6 @@ _LAYER_NAMES = {
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
-# llama.cpp token types (llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
-
-# Pre-tokenizer regexes by ``tokenizer.ggml.pre``: text must be split the way the merges were learned.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _split_pre(pattern: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-
-
-_PRE_TOKENIZERS = {
-    "default": _gpt2_pre,
-    "gpt2": _gpt2_pre,
-    # SmolLM: every digit is its own token, then GPT-2 splitting.
-    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_pre()]),
-    "llama3": lambda: _split_pre(_LLAMA3_SPLIT),
-    "llama-bpe": lambda: _split_pre(_LLAMA3_SPLIT),
-    "qwen2": lambda: _split_pre(_QWEN2_SPLIT),
-}
-
 
 class GGUFFile:
     """A GGUF file opened once (memory-mapped); metadata parsed to plain Python values."""
@@ -95,41 +59,7 @@ class GGUFFile:
         return ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names)
 
     def tokenizer(self) -> Tokenizer:
-        meta = self.metadata
-        model_type = meta.get("tokenizer.ggml.model")
-        if model_type != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer.ggml.model {model_type!r} is not supported; only 'gpt2' (byte-level BPE) is"
-            )
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre not in _PRE_TOKENIZERS:
-            raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: {sorted(_PRE_TOKENIZERS)}")
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
-        backend = tokenizers.Tokenizer(tokenizers.models.BPE(
-            vocab={token: i for i, token in enumerate(tokens)}, merges=merges
-        ))
-        if pre == "qwen2":
-            backend.normalizer = normalizers.NFC()
-        backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
-        backend.decoder = decoders.ByteLevel()
-        # Control tokens (<|im_start|>...) and user-defined ones must match whole, never be merged from pieces.
-        token_types = meta.get("tokenizer.ggml.token_type") or [0] * len(tokens)
-        typed = list(zip(tokens, token_types, strict=True))
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
-        bos_id = meta.get("tokenizer.ggml.bos_token_id")
-        eos_id = meta.get("tokenizer.ggml.eos_token_id")
-        eot_id = meta.get("tokenizer.ggml.eot_token_id")  # chat models' end-of-turn, stops generation too
-        eos_ids = tuple(dict.fromkeys(i for i in (eos_id, eot_id) if i is not None))
-        return Tokenizer(
-            backend,
-            eos_token_ids=eos_ids,
-            chat_template=meta.get("tokenizer.chat_template"),
-            bos_token=tokens[bos_id] if bos_id is not None else None,
-            eos_token=tokens[eos_id] if eos_id is not None else None,
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        )
+        return gguf_tokenizer(self.metadata)
 
     def quantization_types(self) -> dict[str, int]:
         """How many tensors the file holds of each GGML type (``{"Q4_1": 210, ...}``), for the log."""

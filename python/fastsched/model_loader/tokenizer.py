@@ -18,7 +18,6 @@ from typing import Any
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import processors
 
 _GIL_FREE_ENCODE_CHARS = 4096  # texts longer than this are encoded without holding the GIL
 # Appended to the message left open by ``continue_final_message``: the rendered text is cut
@@ -35,17 +34,15 @@ class Tokenizer:
         chat_template: str | None = None,
         bos_token: str | None = None,
         eos_token: str | None = None,
-        add_bos_token: bool = False,
     ) -> None:
-        """``add_bos_token`` is for vocabularies whose BOS is not added by the backend's own
-        post-processor (GGUF files carry it as a flag); HF ``tokenizer.json`` files already add it."""
+        """BOS/EOS around an encoded text come from ``backend``'s post-processor (a GGUF file's
+        ``add_bos_token`` flag is turned into one, as in a Hugging Face ``tokenizer.json``)."""
         self.backend = backend
         self.eos_token_ids = tuple(eos_token_ids)
         self._chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
-        self.add_bos_token = add_bos_token and self.bos_token_id is not None
         self._compiled_template: jinja2.Template | None = None
         self._max_token_chars: int | None = None
 
@@ -55,14 +52,8 @@ class Tokenizer:
         ``fastsched.model_loader.load_tokenizer`` read back with the same ids."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        backend = self.backend
-        if self.add_bos_token:  # a GGUF flag: HF tokenizers add BOS in their post-processor
-            backend = tokenizers.Tokenizer.from_str(backend.to_str())
-            bos = self.bos_token
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_token_id)])
-        backend.save(str(out / "tokenizer.json"))
-        settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos_token}
+        self.backend.save(str(out / "tokenizer.json"))
+        settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
         settings.update({k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
                                            ("chat_template", self.chat_template)) if v is not None})
         (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
@@ -85,12 +76,8 @@ class Tokenizer:
         if len(text) > _GIL_FREE_ENCODE_CHARS:
             # encode_batch releases the GIL (encode holds it): a long text tokenized in a
             # worker thread must not stop the event loop that called it.
-            ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        else:
-            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
-            ids = [self.bos_token_id, *ids]
-        return ids
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -109,11 +109,12 @@ def _train_tokenizer(vocab_size: int) -> tokenizers.Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(corpus(), trainer=trainer)
     return tokenizer
 
 
-def _corpus() -> list[str]:
+def corpus() -> list[str]:
+    """The tokenizer training texts: fixed standard-library sources (prose and code)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts, remaining = [], _CORPUS_BYTES
     for name in _CORPUS_FILES:
