@@ -30,10 +30,15 @@ from fastsched.units import parse_count
 API_KEY_ENV = "FASTSCHED_API_KEY"  # as vLLM's VLLM_API_KEY: a key kept out of argv (/proc/PID/cmdline)
 
 DEFAULT_QUESTION = "What is the capital of France?"
+CHAT_TEMPLATE_HELP = ("the Jinja chat template that renders chat messages (a file, or the template itself) "
+                      "instead of the checkpoint's; a model without one (a base model, such as a GGUF file "
+                      "with no tokenizer.chat_template) answers chat requests only with it (without: a 400 "
+                      "naming this flag; plain-text prompts work either way)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from fastsched.entrypoints.llm import LLM
+    from fastsched.model_loader.tokenizer import NoChatTemplateError, resolve_chat_template
     from fastsched.sampling_params import SamplingParams
 
     prompts = args.prompt or [DEFAULT_QUESTION]
@@ -46,11 +51,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.request_seed,
         stop=args.stop,
     )
+    chat_template = resolve_chat_template(args.chat_template) if args.chat_template is not None else None
     llm = LLM(**engine_kwargs(args))
     if args.raw:
         outputs = llm.generate(prompts, params)
     else:
-        outputs = [llm.chat([{"role": "user", "content": p}], params, use_tqdm=False)[0] for p in prompts]
+        try:
+            outputs = [llm.chat([{"role": "user", "content": p}], params, use_tqdm=False,
+                                chat_template=chat_template)[0] for p in prompts]
+        except NoChatTemplateError as e:
+            print(f"fastsched generate: error: {e}", file=sys.stderr)
+            return 2
     for prompt, out in zip(prompts, outputs):
         for completion in out.outputs:
             print(f"### {prompt}\n{completion.text.strip()}\n[{completion.finish_reason}, "
@@ -191,9 +202,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) clients may send; responses and /v1/models use the first "
                         "(default: the checkpoint's directory or file name)")
-    n.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
-                   help="the Jinja chat template that renders chat requests (a file, or the template itself) "
-                        "instead of the checkpoint's")
+    n.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING", help=CHAT_TEMPLATE_HELP)
     n.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
     n.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request when a frontend admits it (prompt, parameters) and when it ends")
@@ -326,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", "-p", action="append", default=[],
                      help=f"a prompt (repeatable; default: {DEFAULT_QUESTION!r})")
     gen.add_argument("--raw", action="store_true", help="send prompts as plain text, not chat messages")
+    gen.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING", help=CHAT_TEMPLATE_HELP)
     gen.add_argument("--max-tokens", type=parse_count, default=64, help="tokens to generate per completion")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")

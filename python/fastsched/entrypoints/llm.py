@@ -121,16 +121,20 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation: with the assistant prompt,
-        or (``continue_final_message``) leaving the last message open for the model to go on."""
+        """Applies the model's chat template (or ``chat_template``, a Jinja template, as vLLM's
+        ``LLM.chat`` takes it: a base model has none) to each conversation: with the assistant
+        prompt, or (``continue_final_message``) leaving the last message open for the model
+        to go on."""
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
                                                continue_final_message=continue_final_message, tokenize=True,
+                                               chat_template=chat_template,
                                                **(chat_template_kwargs or {}))
             for conv in conversations
         ]

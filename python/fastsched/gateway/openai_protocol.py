@@ -25,6 +25,7 @@ from fastsched.gateway import structured, tool_calls
 from fastsched.gateway.chat_template import template_options
 from fastsched.gateway.request_fields import FieldError
 from fastsched.limits import LimitError, RequestLimits, check_cache_salt, check_finite, check_prompt_chars
+from fastsched.model_loader.tokenizer import NoChatTemplateError
 from fastsched.proto_gen import import_stubs
 
 pb, _ = import_stubs()
@@ -365,7 +366,9 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     try:
         prompt_ids = list(tokenizer.apply_chat_template(tool_calls.template_messages(messages), tokenize=True,
                                                         **options))
-    except Exception as e:  # a template's raise_exception(), or no template at all
+    except NoChatTemplateError as e:  # a base model: chat needs --chat-template, completions work
+        raise bad_request(str(e), "messages") from None
+    except Exception as e:  # a template's raise_exception()
         raise bad_request(f"messages could not be rendered with the chat template: {e}", "messages") from e
     _unsupported(body, "logit_bias")
     max_tokens = _get_int(body, "max_completion_tokens")

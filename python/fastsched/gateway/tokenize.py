@@ -15,6 +15,7 @@ from fastsched.gateway.chat_template import template_options
 from fastsched.gateway.openai_protocol import bad_request
 from fastsched.gateway.request_fields import FieldError
 from fastsched.limits import RequestLimits, check_prompt_chars
+from fastsched.model_loader.tokenizer import NoChatTemplateError
 
 _COMMON = {"model"}
 _PROMPT_FIELDS = _COMMON | {"prompt", "add_special_tokens", "return_token_strs"}
@@ -52,6 +53,8 @@ def tokenize(body: dict[str, Any], tokenizer: Any, max_model_len: int | None, li
             raise bad_request(str(e), e.param) from None
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        except NoChatTemplateError as e:
+            raise bad_request(str(e), "messages") from None
         except (ValueError, TypeError) as e:
             raise bad_request(f"The chat template cannot render these messages: {e}", "messages") from None
         # The template writes the special tokens itself (as /v1/chat/completions tokenizes).

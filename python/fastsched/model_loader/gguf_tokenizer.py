@@ -75,8 +75,8 @@ def gguf_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     model_type = metadata.get("tokenizer.ggml.model")
     builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
     if model_type not in builders:
-        raise ValueError(f"GGUF tokenizer.ggml.model {model_type!r} is not supported; supported: {sorted(builders)} "
-                         "(byte-level BPE, SentencePiece)")
+        raise ValueError(f"GGUF tokenizer.ggml.model {model_type!r} is not supported; supported: "
+                         f"{sorted(builders)} (byte-level BPE, SentencePiece)")
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     backend = builders[model_type](metadata, tokens)
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
@@ -114,7 +114,8 @@ def _byte_level_bpe(metadata: dict[str, Any], tokens: list[str]) -> tokenizers.T
         raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: "
                          f"{sorted(_BYTE_LEVEL_PRE_TOKENIZERS)}")
     merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
     if pre == "qwen2":
         backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = _BYTE_LEVEL_PRE_TOKENIZERS[pre]()
@@ -132,8 +133,8 @@ def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str]) -> tokenizer
     else:
         ranks = metadata.get("tokenizer.ggml.scores") or []
         if len(ranks) != len(tokens):
-            raise ValueError(f"GGUF tokenizer.ggml.scores has {len(ranks)} entries for {len(tokens)} tokens: a "
-                             "SentencePiece vocabulary needs a score per token")
+            raise ValueError(f"GGUF tokenizer.ggml.scores has {len(ranks)} entries for {len(tokens)} "
+                             "tokens: a SentencePiece vocabulary needs a score per token")
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = tokenizers.Tokenizer(tokenizers.models.BPE(
@@ -144,7 +145,8 @@ def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str]) -> tokenizer
     if architecture == "phi3":
         # Phi-3's prefix space comes from a normalizer: one before every piece of text, and a
         # text that starts with spaces keeps them all (▁▁▁hi for "  hi").
-        backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE),
+                                                   normalizers.Replace(" ", _SPACE)])
     elif gemma:
         backend.normalizer = normalizers.Replace(" ", _SPACE)
     else:
@@ -157,7 +159,9 @@ def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str]) -> tokenizer
     return backend
 
 
-def _merges_by_score(tokens: list[str], vocab: dict[str, int], ranks: Sequence[float]) -> list[tuple[str, str]]:
+def _merges_by_score(
+    tokens: list[str], vocab: dict[str, int], ranks: Sequence[float]
+) -> list[tuple[str, str]]:
     """Every ``(left, right)`` whose halves and whole are pieces, best first: a higher score
     of the whole first; on a tie, the longer left half, the longer right half, then the
     vocabulary's order (transformers ranks them so, and equal ids depend on it)."""
@@ -170,7 +174,9 @@ def _merges_by_score(tokens: list[str], vocab: dict[str, int], ranks: Sequence[f
     return [(piece[:-neg_cut], piece[-neg_cut:]) for _, neg_cut, _, _, piece in candidates]
 
 
-def _added_around(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> processors.PostProcessor:
+def _added_around(
+    backend: tokenizers.Tokenizer, bos: str | None, eos: str | None
+) -> processors.PostProcessor:
     """BOS before and EOS after an encoded text, as the file's ``add_bos_token`` /
     ``add_eos_token`` ask (a Hugging Face tokenizer's post-processor does the same)."""
     single = " ".join([*([bos] if bos else []), "$A", *([eos] if eos else [])])

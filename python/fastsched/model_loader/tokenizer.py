@@ -8,6 +8,7 @@ object serves HF directories and GGUF files.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -23,6 +24,18 @@ _GIL_FREE_ENCODE_CHARS = 4096  # texts longer than this are encoded without hold
 # Appended to the message left open by ``continue_final_message``: the rendered text is cut
 # where it appears, so whatever the template writes after a message is left out.
 _CONTINUE_MARK = "FASTSCHED_CONTINUE_FINAL_MESSAGE "
+
+
+class NoChatTemplateError(ValueError):
+    """A chat was asked of a tokenizer without a chat template (a base model's): a client
+    error that names how to give one."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this model's tokenizer defines no chat template (a base model has none: no "
+            "tokenizer_config.json chat_template, chat_template.jinja or GGUF tokenizer.chat_template), and "
+            "none was given: pass one with --chat-template FILE_OR_STRING (LLM.chat: chat_template=...), or "
+            "send a plain-text prompt instead (/v1/completions, generate --raw)")
 
 
 class Tokenizer:
@@ -43,7 +56,6 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
-        self._compiled_template: jinja2.Template | None = None
         self._max_token_chars: int | None = None
 
     def save(self, directory: str | os.PathLike[str]) -> None:
@@ -93,7 +105,6 @@ class Tokenizer:
     def chat_template(self, template: str | None) -> None:
         """Replaces the checkpoint's template (``serve --chat-template``)."""
         self._chat_template = template
-        self._compiled_template = None
 
     def apply_chat_template(
         self,
@@ -102,26 +113,27 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tokenize: bool = False,
+        chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
-        """Render ``messages`` with the checkpoint's Jinja template, the way transformers does
-        (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``bos_token``...).
+        """Render ``messages`` with the checkpoint's Jinja template, or ``chat_template`` when
+        given, the way transformers does (sandboxed, ``trim_blocks``/``lstrip_blocks``,
+        ``raise_exception``, ``bos_token``...). :class:`NoChatTemplateError` when there is none.
 
         ``continue_final_message`` leaves the last message open (no end-of-turn after it), for
         the model to go on with it, as transformers does: the text is cut right after that
         message's content (after its last non-space character when the template trims it).
         When tokenizing, special tokens are not added again: the template writes them.
         """
-        if self.chat_template is None:
-            raise ValueError("this checkpoint has no chat template (tokenizer_config.json chat_template, "
-                             "chat_template.jinja, or GGUF tokenizer.chat_template)")
-        if self._compiled_template is None:
-            self._compiled_template = _jinja_environment().from_string(self.chat_template)
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            raise NoChatTemplateError()
+        compiled = _compiled_template(template)
         if continue_final_message:
             if not messages or not isinstance(messages[-1].get("content"), str):
                 raise ValueError("continue_final_message needs a last message with text content")
             messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_MARK}]
-        text = self._compiled_template.render(
+        text = compiled.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
@@ -145,6 +157,12 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     # Jinja's own tojson escapes HTML characters, which would change the prompt text.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str) -> jinja2.Template:
+    """Templates are compiled once: a server renders the same one for every chat request."""
+    return _jinja_environment().from_string(template)
 
 
 def _jinja_environment() -> ImmutableSandboxedEnvironment:

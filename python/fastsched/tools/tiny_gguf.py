@@ -104,7 +104,9 @@ def _merges(trained: tokenizers.Tokenizer) -> list[tuple[str, str]]:
     return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
 
 
-def _random_weights(vocab: int, layers: int, hidden: int, inter: int, kv: int, seed: int) -> dict[str, np.ndarray]:
+def _random_weights(
+    vocab: int, layers: int, hidden: int, inter: int, kv: int, seed: int
+) -> dict[str, np.ndarray]:
     """GGUF tensor names, float32; scaled as ``tiny_model``'s, so logits spread apart."""
     rng = np.random.default_rng(seed)
 
