@@ -94,7 +94,8 @@ def test_sentencepiece_gguf_decodes_as_transformers(pair) -> None:
     runs += [[rng.choice(byte_ids) for _ in range(rng.randrange(1, 8))] for _ in range(100)]
     for ids in runs:
         for skip in (True, False):
-            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), ids
+            expected = theirs.decode(ids, skip_special_tokens=skip)
+            assert ours.decode(ids, skip_special_tokens=skip) == expected, ids
 
 
 def test_sentencepiece_decode_round_trips_the_text(pair) -> None:
@@ -111,7 +112,8 @@ def _streamed(tokenizer, ids: list[int], skip_special_tokens: bool) -> list[str]
     """The text deltas a stream releases, the ids coming one a step."""
     processor = OutputProcessor(tokenizer, stream=True)
     parent = RequestOutput("r", "", [], [CompletionOutput(index=0)])
-    processor.add_request("r", parent, 0, SamplingParams(max_tokens=len(ids), skip_special_tokens=skip_special_tokens))
+    params = SamplingParams(max_tokens=len(ids), skip_special_tokens=skip_special_tokens)
+    processor.add_request("r", parent, 0, params)
     deltas = []
     for i, token in enumerate(ids):
         finished = "length" if i == len(ids) - 1 else None
@@ -166,15 +168,18 @@ def test_add_space_prefix_false_prepends_no_space(tiny_files: dict[str, Path]) -
     without = load_tokenizer(tiny_files["llama-no-space-prefix"])
     pieces = [without.backend.id_to_token(t) for t in without.encode("Hello world", add_special_tokens=False)]
     assert not pieces[0].startswith("▁") and any(p.startswith("▁") for p in pieces[1:])
-    assert with_prefix.backend.id_to_token(with_prefix.encode("Hello", add_special_tokens=False)[0]).startswith("▁")
+    first = with_prefix.encode("Hello", add_special_tokens=False)[0]
+    assert with_prefix.backend.id_to_token(first).startswith("▁")
     for text in (t for t in TEXTS if "▁" not in t):  # a literal ▁ comes back a space
-        assert without.decode(without.encode(text, add_special_tokens=False), skip_special_tokens=False) == text
+        ids = without.encode(text, add_special_tokens=False)
+        assert without.decode(ids, skip_special_tokens=False) == text
 
 
 def test_gemma3_control_tokens_match_whole_and_are_skipped(gemma3_gguf: Path) -> None:
     tokenizer = load_tokenizer(gemma3_gguf)
     ids = tokenizer.encode("<start_of_turn>user\nHi<end_of_turn>", add_special_tokens=False)
-    assert ids[0] == tokenizer.token_to_id("<start_of_turn>") and ids[-1] == tokenizer.token_to_id("<end_of_turn>")
+    assert ids[0] == tokenizer.token_to_id("<start_of_turn>")
+    assert ids[-1] == tokenizer.token_to_id("<end_of_turn>")
     assert tokenizer.decode(ids, skip_special_tokens=True) == "user\nHi"
     assert tokenizer.chat_template is None  # a base model: chat needs --chat-template
 
@@ -198,4 +203,5 @@ def test_exported_sentencepiece_tokenizer_keeps_the_ids(tiny_files: dict[str, Pa
         for text in TEXTS:
             ids = original.encode(text)
             assert exported.encode(text) == ids == hf_exported.encode(text), (name, text)
-            assert exported.decode(ids, skip_special_tokens=False) == original.decode(ids, skip_special_tokens=False)
+            decoded = original.decode(ids, skip_special_tokens=False)
+            assert exported.decode(ids, skip_special_tokens=False) == decoded
