@@ -142,12 +142,12 @@ def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str]) -> tokenizer
         unk_token=tokens[unk_id] if unk_id is not None else None,
     ))
     space_prefix = not gemma and bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-    if architecture == "phi3":
+    if architecture == "phi3" and space_prefix:
         # Phi-3's prefix space comes from a normalizer: one before every piece of text, and a
         # text that starts with spaces keeps them all (▁▁▁hi for "  hi").
         backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE),
                                                    normalizers.Replace(" ", _SPACE)])
-    elif gemma:
+    elif gemma or architecture == "phi3":
         backend.normalizer = normalizers.Replace(" ", _SPACE)
     else:
         backend.pre_tokenizer = pre_tokenizers.Metaspace(
