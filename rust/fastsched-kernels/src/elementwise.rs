@@ -319,12 +319,23 @@ fn gelu_tanh(x: f32) -> f32 {
 
 /// `tanh(x)` as `±(1 − 2 / (e^{2|x|} + 1))`: within ~2 float32 ulps of 1 everywhere and
 /// near-correctly rounded close to ±1, which is what `1 + tanh` needs (not accurate
-/// relative to a tiny `tanh` itself); vectorizes through [`exp`].
+/// relative to a tiny `tanh` itself); vectorizes through [`exp`]. Exactly ±1 from
+/// |x| > [`TANH_SATURATES`] on, as torch's CPU `tanh` gives it, so that a GELU of a gate
+/// below about −5 is 0 as torch's is, not a few 1e-7.
 #[inline(always)]
 fn tanh(x: f32) -> f32 {
-    let t = 2.0 / (exp(2.0 * x.abs()) + 1.0);
+    let a = x.abs();
+    let t = if a > TANH_SATURATES {
+        0.0
+    } else {
+        2.0 / (exp(2.0 * a) + 1.0)
+    };
     (1.0 - t).copysign(x)
 }
+
+/// Where torch's vectorized float32 `tanh` (the one its bfloat16 GELU runs) returns ±1
+/// (measured on torch 2.x: exactly ±1 above it, `1 − 2^-24` just below).
+const TANH_SATURATES: f32 = 8.664_34;
 
 /// `eˣ` to ~2 float32 ulps, written so that it vectorizes: `2ⁿ · p(r)`, `x = n·ln2 + r`.
 #[inline(always)]
@@ -365,7 +376,14 @@ mod tests {
         let delta: Vec<u16> = [1.0, 0.0, -1.0, 0.0, 0.5, -0.5, 0.5, -0.5].map(bf).to_vec();
         let weight: Vec<u16> = [1.0, 2.0, 1.0, 0.5].map(bf).to_vec();
         let mut out = vec![0u16; 8];
-        add_rms_norm_bf16(&mut hidden, Some(&delta), NormWeight::Bf16(&weight), 0.0, &mut out).unwrap();
+        add_rms_norm_bf16(
+            &mut hidden,
+            Some(&delta),
+            NormWeight::Bf16(&weight),
+            0.0,
+            &mut out,
+        )
+        .unwrap();
         let h: Vec<f32> = hidden.iter().map(|&b| bf16_to_f32(b)).collect();
         assert_eq!(h, [2.0, 2.0, 2.0, 4.0, 1.0, 0.0, 1.0, 0.0]);
         let want = |row: &[f32], w: &[f32]| -> Vec<f32> {
@@ -405,13 +423,15 @@ mod tests {
             for h in 0..2 {
                 let mut head: Vec<u16> = row[h * 4..][..4].iter().map(|&v| bf(v)).collect();
                 let mut want = vec![0u16; 4];
-                add_rms_norm_bf16(&mut head, None, NormWeight::Bf16(&weight), 1e-6, &mut want).unwrap();
+                add_rms_norm_bf16(&mut head, None, NormWeight::Bf16(&weight), 1e-6, &mut want)
+                    .unwrap();
                 assert_eq!(x[r * 12 + h * 4..][..4], want[..], "row {r} head {h}");
             }
             let rest: Vec<u16> = row[8..].iter().map(|&v| bf(v)).collect();
             assert_eq!(x[r * 12 + 8..][..4], rest[..], "row {r}: not a head");
         }
-        let err = rms_norm_heads_bf16(&mut x, 12, 3, 2, NormWeight::Bf16(&weight), 1e-6).unwrap_err();
+        let err =
+            rms_norm_heads_bf16(&mut x, 12, 3, 2, NormWeight::Bf16(&weight), 1e-6).unwrap_err();
         assert!(err.contains("3 rows"), "{err}");
     }
 
@@ -423,10 +443,15 @@ mod tests {
         gelu_tanh_mul_bf16(&gate_up, &mut out, 9).unwrap();
         for (i, &g) in gates.iter().enumerate() {
             let g = g as f64;
-            let gelu = 0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh());
+            let gelu = 0.5
+                * g
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh());
             let want = bf16_to_f32(bf((bf16_to_f32(bf(gelu as f32)) * 1.5) as f32));
             let got = bf16_to_f32(out[i]);
-            assert!((got - want).abs() <= want.abs() / 128.0, "gate {g}: {got} vs {want}");
+            assert!(
+                (got - want).abs() <= want.abs() / 128.0,
+                "gate {g}: {got} vs {want}"
+            );
         }
         assert!(gelu_tanh_mul_bf16(&gate_up, &mut out[..4], 9).is_err());
     }

@@ -137,7 +137,9 @@ impl Case {
                                 .map(|(a, b)| (*a as f64) * (*b as f64))
                                 .sum::<f64>()
                                 * scores.scale as f64;
-                            scores.softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh())
+                            scores
+                                .softcap
+                                .map_or(s, |c| c as f64 * (s / c as f64).tanh())
                         })
                         .collect();
                     let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -187,9 +189,14 @@ fn a_sliding_window_and_a_softcap_match_the_reference() {
     let pool = Pool::new(2);
     let c = case(MIXED, 4, 2, 32, 17);
     let all: Vec<i32> = (0..MIXED.len() as i32).collect();
-    for (window, softcap) in [(Some(1), None), (Some(3), None), (Some(4), Some(0.8)), (Some(9), None),
-        (None, Some(0.5)), (Some(100), Some(2.0))]
-    {
+    for (window, softcap) in [
+        (Some(1), None),
+        (Some(3), None),
+        (Some(4), Some(0.8)),
+        (Some(9), None),
+        (None, Some(0.5)),
+        (Some(100), Some(2.0)),
+    ] {
         let scores = Scores {
             scale: 0.125,
             softcap,
@@ -227,8 +234,20 @@ fn a_window_covering_the_sequence_gives_plain_causal_bits() {
 fn rejects_a_zero_window_and_a_bad_cap() {
     let c = case(&[(1, 5)], 2, 1, 16, 1);
     for (scores, what) in [
-        (Scores { window: Some(0), ..Scores::scaled(0.125) }, "window"),
-        (Scores { softcap: Some(0.0), ..Scores::scaled(0.125) }, "softcap"),
+        (
+            Scores {
+                window: Some(0),
+                ..Scores::scaled(0.125)
+            },
+            "window",
+        ),
+        (
+            Scores {
+                softcap: Some(0.0),
+                ..Scores::scaled(0.125)
+            },
+            "softcap",
+        ),
     ] {
         let mut out = vec![0f32; c.query.len()];
         let err = paged_attention(

@@ -218,7 +218,10 @@ fn layers(m: &Model) -> Vec<Layer<'_>> {
                 input_norm: norms[0].weight(),
                 post_norm: norms[1].weight(),
                 qk_norms: m.qk_norms.get(l).map(|n| [n[0].weight(), n[1].weight()]),
-                out_norms: [norms.get(2).map(Norm::weight), norms.get(3).map(Norm::weight)],
+                out_norms: [
+                    norms.get(2).map(Norm::weight),
+                    norms.get(3).map(Norm::weight),
+                ],
                 qkv: w[0].weight(),
                 o: w[1].weight(),
                 gate_up: w[2].weight(),
@@ -341,7 +344,10 @@ fn matvec(d: &Dense, x: &[f64]) -> Vec<f64> {
 
 fn rotate(x: &mut [f64], p: usize, (cos, sin): &(Vec<u16>, Vec<u16>)) {
     let half = HEAD_DIM / 2;
-    let (c, s) = (&cos[p * HEAD_DIM..][..HEAD_DIM], &sin[p * HEAD_DIM..][..HEAD_DIM]);
+    let (c, s) = (
+        &cos[p * HEAD_DIM..][..HEAD_DIM],
+        &sin[p * HEAD_DIM..][..HEAD_DIM],
+    );
     for head in x.chunks_exact_mut(HEAD_DIM) {
         let old = head.to_vec();
         for i in 0..HEAD_DIM {
@@ -405,7 +411,9 @@ fn reference(m: &Model, embedded: &[u16], len: usize) -> Vec<Vec<f64>> {
                         let kh = &qkv[u][q + g * HEAD_DIM..][..HEAD_DIM];
                         let s = qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f64>()
                             * scores.scale as f64;
-                        scores.softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh())
+                        scores
+                            .softcap
+                            .map_or(s, |c| c as f64 * (s / c as f64).tanh())
                     })
                     .collect();
                 let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -492,14 +500,23 @@ fn each_gemma_option_changes_the_result() {
         ("softcap", Box::new(|l: &mut Layer| l.scores.softcap = None)),
         ("rope table", Box::new(|l: &mut Layer| l.rope_table = 0)),
         ("qk norms", Box::new(|l: &mut Layer| l.qk_norms = None)),
-        ("out norms", Box::new(|l: &mut Layer| l.out_norms = [None; 2])),
-        ("activation", Box::new(|l: &mut Layer| l.activation = Activation::Silu)),
+        (
+            "out norms",
+            Box::new(|l: &mut Layer| l.out_norms = [None; 2]),
+        ),
+        (
+            "activation",
+            Box::new(|l: &mut Layer| l.activation = Activation::Silu),
+        ),
     ];
     for (name, change) in variants.drain(..) {
         let mut ls = layers(&m);
         ls.iter_mut().for_each(|l| change(l));
-        let rope_tables: Vec<RopeTable> =
-            m.tables.iter().map(|(cos, sin)| RopeTable { cos, sin }).collect();
+        let rope_tables: Vec<RopeTable> = m
+            .tables
+            .iter()
+            .map(|(cos, sin)| RopeTable { cos, sin })
+            .collect();
         let mut hidden = x.clone();
         let mut out = vec![0u16; x.len()];
         let mut caches: Vec<Vec<u16>> = (0..LAYERS)
@@ -515,7 +532,10 @@ fn each_gemma_option_changes_the_result() {
             &mut views,
             &mut hidden,
             &mut out,
-            Rope { positions: &positions, tables: &rope_tables },
+            Rope {
+                positions: &positions,
+                tables: &rope_tables,
+            },
             Attention {
                 slot_mapping: &slots,
                 step: Step {
