@@ -159,7 +159,8 @@ def test_a_window_covering_every_key_gives_plain_attentions_bits(scenario):
     backend = CpuBackend()
     query, key, value, metadata = s.step(spans, fused_qkv=True)
     backend.prepare(metadata)
-    wide = backend.forward(query, key, value, s.kv_cache, metadata, s.scale, AttentionOptions(sliding_window=1 << 20))
+    wide = backend.forward(query, key, value, s.kv_cache, metadata, s.scale,
+                           AttentionOptions(sliding_window=1 << 20))
     plain = _forward(CpuBackend(), s, spans)
     short = slice(0, sum(e - b for b, e in spans[:5]))  # the rows before the long (SDPA) chunk
     assert torch.equal(wide[short], plain[short])

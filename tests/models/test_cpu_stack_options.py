@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(not quant_matmul_cpu.GEMM_SIMD, reason="the stac
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 96
 EPS, SCALE, BLOCK_SIZE, BOUND = 1e-6, 0.2, 4, 0.05
-OPTIONS = [(AttentionOptions(sliding_window=3), 1), (AttentionOptions(logits_soft_cap=1.5), 0)]  # (options, table)
+# per layer: attention options, RoPE table
+OPTIONS = [(AttentionOptions(sliding_window=3), 1), (AttentionOptions(logits_soft_cap=1.5), 0)]
 BASES = (10000.0, 10.0)
 
 
@@ -41,17 +42,21 @@ def _model(seed: int) -> tuple[list[StackLayer], torch.Tensor, list[list[torch.T
 
     layers, dense = [], []
     for options, table in OPTIONS:
-        shapes = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN),
-                  (HIDDEN, INTER)]
+        shapes = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM),
+                  (2 * INTER, HIDDEN), (HIDDEN, INTER)]
         weights = [Int4Weight.quantize(torch.randn(n, k, generator=gen) / k**0.5) for n, k in shapes]
         dense.append([w.dequantize(torch.float64) for w in weights])
         layers.append(StackLayer(
             input_norm=norm(HIDDEN), post_norm=norm(HIDDEN),
-            projections=tuple(QuantLinear(w, None, torch.device("cpu")) for w in weights),  # type: ignore[arg-type]
+            projections=tuple(QuantLinear(w, None, torch.device("cpu")) for w in weights),  # type: ignore
             scale=SCALE, q_norm=norm(HEAD_DIM), k_norm=norm(HEAD_DIM), attn_out_norm=norm(HIDDEN),
             mlp_out_norm=norm(HIDDEN), activation="gelu_tanh", attention=options, rope_table=table,
         ))
     return layers, norm(HIDDEN), dense
+
+
+def _stack(layers: list[StackLayer], final_norm: torch.Tensor) -> CpuDecoderStack:
+    return CpuDecoderStack(layers, final_norm, EPS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
 
 
 def _tables(length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -112,7 +117,7 @@ def _rel_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 def test_gemma_style_options_match_a_float64_reference_over_steps() -> None:
     layers, final_norm, dense = _model(0)
     assert layers_unsupported_reason(layers, final_norm) is None
-    stack = CpuDecoderStack(layers, final_norm, EPS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    stack = _stack(layers, final_norm)
     embedded = (torch.randn(2, 12, HIDDEN, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
     caches = [torch.zeros(2, 16, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in layers]
     tables = _tables(32)
@@ -128,9 +133,10 @@ def test_gemma_style_options_match_a_float64_reference_over_steps() -> None:
                 positions.append(p)
             qsl.append(qsl[-1] + rows)
             seq_lens.append(cached + rows)
+        int32 = torch.int32
         metadata = AttentionMetadata(
-            torch.tensor(slots), torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
-            torch.tensor([list(range(1 + 4 * i, 5 + 4 * i)) for i in range(2)], dtype=torch.int32),
+            torch.tensor(slots), torch.tensor(qsl, dtype=int32), torch.tensor(seq_lens, dtype=int32),
+            torch.tensor([list(range(1 + 4 * i, 5 + 4 * i)) for i in range(2)], dtype=int32),
             max(r for _, r in step), max(seq_lens))
         backend = CpuBackend()
         backend.prepare(metadata)
@@ -154,4 +160,4 @@ def test_mixed_norm_dtypes_and_an_unknown_activation_are_refused() -> None:
     assert "all bfloat16 or all float32" in layers_unsupported_reason(layers, final_norm.to(torch.bfloat16))
     layers[1].activation = "relu"
     with pytest.raises(ValueError, match="layer 1: activation"):
-        CpuDecoderStack(layers, final_norm, EPS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+        _stack(layers, final_norm)

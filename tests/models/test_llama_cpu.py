@@ -101,7 +101,8 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("qwen3")
     torch.manual_seed(0)
     config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256)
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      vocab_size=256)
     reference = transformers.Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in reference.named_parameters():

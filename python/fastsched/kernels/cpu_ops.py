@@ -86,14 +86,16 @@ def paged_attention(
         [query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), kv_cache.data_ptr()],
         [q_stride, kv_stride], query.dtype == torch.bfloat16, kv_cache.dtype == torch.bfloat16,
         [num_blocks, block_size, num_kv_heads, head_dim], num_tokens, num_heads,
-        [t.data_ptr() for t in step], seq_lens.shape[0], tables.shape[1], reqs.shape[0], scale, softcap, window,
+        [t.data_ptr() for t in step], seq_lens.shape[0], tables.shape[1], reqs.shape[0], scale, softcap,
+        window,
     )
 
 
 def _norm_weight(weight: torch.Tensor, n: int) -> torch.Tensor:
     """A norm weight the binding reads: ``[n]`` bfloat16 (Llama's rounding) or float32 (Gemma's
     ``1 + w``, one rounding), contiguous, on the CPU."""
-    if weight.dtype not in (torch.bfloat16, torch.float32) or weight.shape != (n,) or weight.device.type != "cpu":
+    if (weight.dtype not in (torch.bfloat16, torch.float32) or weight.shape != (n,)
+            or weight.device.type != "cpu"):
         raise ValueError(f"weight must be a CPU bfloat16 or float32 [{n}] tensor; got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
     return weight.contiguous()

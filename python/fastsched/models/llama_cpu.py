@@ -47,8 +47,10 @@ class StackLayer:
     norm included."""
 
     input_norm: torch.Tensor
-    post_norm: torch.Tensor  # before the MLP: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm
-    projections: tuple[QuantLinear, QuantLinear, QuantLinear, QuantLinear]  # qkv, o, gate_up (gate first), down
+    # before the MLP: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm
+    post_norm: torch.Tensor
+    # qkv [q + 2 kv, hidden], o, gate_up [2 I, hidden] (gate first), down
+    projections: tuple[QuantLinear, QuantLinear, QuantLinear, QuantLinear]
     scale: float  # the attention's: scores are scale * q.k
     q_norm: torch.Tensor | None = None  # per-head norms before RoPE (Qwen3, Gemma 3); both or neither
     k_norm: torch.Tensor | None = None
@@ -60,7 +62,8 @@ class StackLayer:
 
     def norms(self) -> list[torch.Tensor | None]:
         """In the binding's order: input, post, q, k, attn_out, mlp_out."""
-        return [self.input_norm, self.post_norm, self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm]
+        return [self.input_norm, self.post_norm, self.q_norm, self.k_norm, self.attn_out_norm,
+                self.mlp_out_norm]
 
 
 def layers_unsupported_reason(layers: Sequence[StackLayer], final_norm: torch.Tensor) -> str | None:
@@ -122,9 +125,10 @@ class CpuDecoderStack:
                  num_kv_heads: int, head_dim: int) -> None:
         for i, layer in enumerate(layers):
             if layer.activation not in ACTIVATIONS:
-                raise ValueError(f"layer {i}: activation must be one of {ACTIVATIONS}, got {layer.activation!r}")
+                raise ValueError(f"layer {i}: activation must be one of {ACTIVATIONS}, "
+                                 f"got {layer.activation!r}")
         packed = [[proj.weight_packed for proj in layer.projections] for layer in layers]
-        biases = [[None if proj.bias is None else proj.bias.detach().contiguous() for proj in layer.projections]
+        biases = [[None if p.bias is None else p.bias.detach().contiguous() for p in layer.projections]
                   for layer in layers]
         norms = [[None if n is None else n.contiguous() for n in layer.norms()] for layer in layers]
         final_norm = final_norm.contiguous()
@@ -139,14 +143,15 @@ class CpuDecoderStack:
             [[(w.cpu.bits, w.cpu.n, w.cpu.k, w.cpu.addresses) for w in layer] for layer in packed],
             [[0 if b is None else b.data_ptr() for b in layer] for layer in biases],
             final_norm.data_ptr(),
-            [(layer.activation, layer.attention.sliding_window, layer.rope_table, layer.attention.logits_soft_cap,
-              layer.scale) for layer in layers],
+            [(layer.activation, layer.attention.sliding_window, layer.rope_table,
+              layer.attention.logits_soft_cap, layer.scale) for layer in layers],
         )
         self._hidden, self._kv_heads, self._head_dim = hidden, num_kv_heads, head_dim
         self._caches: tuple[tuple[int, int], list[int], bool, list[int]] | None = None
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                kv_caches: list[torch.Tensor], step: tuple[torch.Tensor, ...], num_rows: int) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
+                tables: Sequence[tuple[torch.Tensor, torch.Tensor]], kv_caches: list[torch.Tensor],
+                step: tuple[torch.Tensor, ...], num_rows: int) -> torch.Tensor:
         """Every layer and the final norm on ``hidden [T, hidden]`` (bfloat16, the embedded
         tokens, Gemma's scaling applied; used as the residual stream, so overwritten). RoPE:
         ``tables`` holds a ``(cos, sin)`` pair of ``[len, head_dim]`` tables per RoPE the layers
@@ -156,10 +161,11 @@ class CpuDecoderStack:
         if hidden.dtype != torch.bfloat16 or not hidden.is_contiguous():
             raise ValueError(f"hidden must be a contiguous bfloat16 tensor; got {hidden.dtype}")
         for i, pair in enumerate(tables):
+            shape = (pair[0].shape[0], self._head_dim)
             for name, t in zip(("cos", "sin"), pair):
-                if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != (pair[0].shape[0], self._head_dim):
-                    raise ValueError(f"tables[{i}]'s {name} must be a contiguous bfloat16 [len, {self._head_dim}] "
-                                     f"table like its cos; got {t.dtype} {tuple(t.shape)}")
+                if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != shape:
+                    raise ValueError(f"tables[{i}]'s {name} must be a contiguous bfloat16 [len, "
+                                     f"{self._head_dim}] table like its cos; got {t.dtype} {tuple(t.shape)}")
         cpu_ops.check_step_tensor("positions", positions, torch.int64)
         rows = hidden.shape[0]
         if hidden.dim() != 2 or hidden.shape[1] != self._hidden or positions.shape != (rows,) or step[0].shape != (rows,) or not 0 <= num_rows <= rows:
@@ -171,8 +177,9 @@ class CpuDecoderStack:
         cpu_ops.sync_threads()
         self._rust.forward(
             hidden.data_ptr(), out.data_ptr(), rows, positions.data_ptr(),
-            [(cos.data_ptr(), sin.data_ptr(), cos.shape[0]) for cos, sin in tables], addresses, cache_bf16, blocks,
-            [t.data_ptr() for t in step], seq_lens.shape[0], block_tables.shape[1], reqs.shape[0], num_rows,
+            [(cos.data_ptr(), sin.data_ptr(), cos.shape[0]) for cos, sin in tables], addresses, cache_bf16,
+            blocks, [t.data_ptr() for t in step], seq_lens.shape[0], block_tables.shape[1], reqs.shape[0],
+            num_rows,
         )
         return out
 

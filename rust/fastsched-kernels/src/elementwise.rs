@@ -446,7 +446,7 @@ mod tests {
             let gelu = 0.5
                 * g
                 * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh());
-            let want = bf16_to_f32(bf((bf16_to_f32(bf(gelu as f32)) * 1.5) as f32));
+            let want = bf16_to_f32(bf(bf16_to_f32(bf(gelu as f32)) * 1.5));
             let got = bf16_to_f32(out[i]);
             assert!(
                 (got - want).abs() <= want.abs() / 128.0,

@@ -257,6 +257,18 @@ fn run(
     padding: usize,
     dense_min_rows: usize,
 ) -> Vec<u16> {
+    run_layers(m, &layers(m), embedded, lens, padding, dense_min_rows)
+}
+
+/// [`run`] with `layers` standing for the model's.
+fn run_layers(
+    m: &Model,
+    layers: &[Layer],
+    embedded: &[u16],
+    lens: &[usize],
+    padding: usize,
+    dense_min_rows: usize,
+) -> Vec<u16> {
     let rows: usize = lens.iter().sum::<usize>() + padding;
     let mut hidden = embedded[..rows * HIDDEN].to_vec();
     let mut out = vec![0u16; rows * HIDDEN];
@@ -288,16 +300,15 @@ fn run(
     slots.extend(std::iter::repeat_n(-1, padding));
     let reqs: Vec<i32> = (0..lens.len() as i32).collect();
     let mut cache_views: Vec<FloatsMut> = caches.iter_mut().map(|c| FloatsMut::Bf16(c)).collect();
-    let layers = layers(m);
     let rope_tables: Vec<RopeTable> = m
         .tables
         .iter()
         .map(|(cos, sin)| RopeTable { cos, sin })
         .collect();
-    validate(&dims(dense_min_rows), &layers, m.final_norm.weight()).unwrap();
+    validate(&dims(dense_min_rows), layers, m.final_norm.weight()).unwrap();
     forward(
         &dims(dense_min_rows),
-        &layers,
+        layers,
         m.final_norm.weight(),
         &mut cache_views,
         &mut hidden,
@@ -489,69 +500,27 @@ fn matches_a_float64_reference_on_both_linear_paths_with_every_layer_option() {
     }
 }
 
+/// An edit of a layer's options.
+type LayerChange = fn(&mut Layer);
+
 #[test]
 fn each_gemma_option_changes_the_result() {
     // the reference test's bound must not be loose enough to pass a stack ignoring an option
     let x = embedded(6, 11);
     let m = model(7, Variant::Gemma);
     let full = run(&m, &x, &[6], 0, 100);
-    let mut variants: Vec<(&str, Box<dyn Fn(&mut Layer)>)> = vec![
-        ("window", Box::new(|l: &mut Layer| l.scores.window = None)),
-        ("softcap", Box::new(|l: &mut Layer| l.scores.softcap = None)),
-        ("rope table", Box::new(|l: &mut Layer| l.rope_table = 0)),
-        ("qk norms", Box::new(|l: &mut Layer| l.qk_norms = None)),
-        (
-            "out norms",
-            Box::new(|l: &mut Layer| l.out_norms = [None; 2]),
-        ),
-        (
-            "activation",
-            Box::new(|l: &mut Layer| l.activation = Activation::Silu),
-        ),
+    let changes: [(&str, LayerChange); 6] = [
+        ("window", |l| l.scores.window = None),
+        ("softcap", |l| l.scores.softcap = None),
+        ("rope table", |l| l.rope_table = 0),
+        ("qk norms", |l| l.qk_norms = None),
+        ("out norms", |l| l.out_norms = [None; 2]),
+        ("activation", |l| l.activation = Activation::Silu),
     ];
-    for (name, change) in variants.drain(..) {
+    for (name, change) in changes {
         let mut ls = layers(&m);
-        ls.iter_mut().for_each(|l| change(l));
-        let rope_tables: Vec<RopeTable> = m
-            .tables
-            .iter()
-            .map(|(cos, sin)| RopeTable { cos, sin })
-            .collect();
-        let mut hidden = x.clone();
-        let mut out = vec![0u16; x.len()];
-        let mut caches: Vec<Vec<u16>> = (0..LAYERS)
-            .map(|_| vec![0u16; 2 * BLOCKS * BLOCK * KV_HEADS * HEAD_DIM])
-            .collect();
-        let mut views: Vec<FloatsMut> = caches.iter_mut().map(|c| FloatsMut::Bf16(c)).collect();
-        let positions: Vec<i64> = (0..6).collect();
-        let slots: Vec<i64> = (0..6).map(|p| BLOCK as i64 + p).collect();
-        forward(
-            &dims(100),
-            &ls,
-            m.final_norm.weight(),
-            &mut views,
-            &mut hidden,
-            &mut out,
-            Rope {
-                positions: &positions,
-                tables: &rope_tables,
-            },
-            Attention {
-                slot_mapping: &slots,
-                step: Step {
-                    query_start_loc: &[0, 6],
-                    seq_lens: &[6],
-                    block_tables: &[1, 2, 0],
-                    max_blocks: 3,
-                },
-                reqs: &[0],
-                num_rows: 6,
-                cache_shape: shape(),
-            },
-            &Pool::new(1),
-            Kernels::best(),
-        )
-        .unwrap();
+        ls.iter_mut().for_each(change);
+        let out = run_layers(&m, &ls, &x, &[6], 0, 100);
         assert_ne!(out, full, "without {name} the output is the same");
     }
 }
