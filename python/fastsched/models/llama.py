@@ -160,8 +160,8 @@ class Attention(nn.Module):
             lora.add("qkv_proj", hidden, qkv)
         if rope.positions is not None:  # the CPU kernels, in place on q's and k's heads
             if self.qk_norm:  # bfloat16 only: the table form comes with q/k norms on that path alone
-                cpu_ops.rms_norm_heads_(qkv, self.num_heads, self.q_norm.weight, self.q_norm.eps)
-                k_norm = self.k_norm
+                q_norm, k_norm = self.q_norm, self.k_norm
+                cpu_ops.rms_norm_heads_(qkv, self.num_heads, q_norm.weight, q_norm.eps)
                 cpu_ops.rms_norm_heads_(qkv[:, self.q_size :], self.num_kv_heads, k_norm.weight, k_norm.eps)
             cpu_ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope.positions, rope.cos, rope.sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
