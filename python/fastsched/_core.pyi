@@ -60,6 +60,8 @@ __all__ = [
     "add_rms_norm_bf16",
     "rope",
     "silu_mul_bf16",
+    "gelu_tanh_mul_bf16",
+    "rms_norm_heads_bf16",
     "CpuDecoder",
 ]
 
@@ -664,8 +666,15 @@ def paged_attention(
     max_blocks: int,
     num_selected: int,
     scale: float,
+    softcap: float | None,
+    window: int | None,
 ) -> None: ...
-def add_rms_norm_bf16(hidden: int, delta: int, weight: int, out: int, rows: int, n: int, eps: float) -> None: ...
+def add_rms_norm_bf16(
+    hidden: int, delta: int, weight: int, weight_f32: bool, out: int, rows: int, n: int, eps: float
+) -> None: ...
+def rms_norm_heads_bf16(
+    x: int, stride: int, rows: int, heads: int, head_dim: int, weight: int, weight_f32: bool, eps: float
+) -> None: ...
 def rope(
     x: int,
     bf16: bool,
@@ -678,6 +687,7 @@ def rope(
     table_len: int,
 ) -> None: ...
 def silu_mul_bf16(gate_up: int, out: int, rows: int, inner: int) -> None: ...
+def gelu_tanh_mul_bf16(gate_up: int, out: int, rows: int, inner: int) -> None: ...
 
 # The decoder stack in one call (rust/fastsched-kernels' decoder), built and called by
 # fastsched.models.llama_cpu with raw tensor addresses that it has checked.
@@ -691,18 +701,21 @@ class CpuDecoder:
         eps: float,
         dense_min_rows: int,
         norms: Sequence[Sequence[int]],
+        norms_f32: bool,
         weights: Sequence[Sequence[tuple[int, int, int, Sequence[int]]]],
         biases: Sequence[Sequence[int]],
         final_norm: int,
-    ) -> CpuDecoder: ...
+        options: Sequence[tuple[str, int | None, int, float | None, float]],
+    ) -> CpuDecoder:
+        """``norms``: per layer input, post, q, k, attn_out, mlp_out (0: none); ``options``: per
+        layer activation, sliding window, RoPE table, logit soft-cap, attention scale."""
     def forward(
         self,
         hidden: int,
         out: int,
         rows: int,
         positions: int,
-        tables: Sequence[int],
-        table_len: int,
+        tables: Sequence[tuple[int, int, int]],
         caches: Sequence[int],
         cache_bf16: bool,
         cache_blocks: Sequence[int],
@@ -711,7 +724,6 @@ class CpuDecoder:
         max_blocks: int,
         num_selected: int,
         num_rows: int,
-        scale: float,
     ) -> None:
         """Every layer and the final norm on the bfloat16 residual stream ``hidden`` (updated
         in place), the final-normed rows into ``out``."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fastsched.attention import cpu as cpu_backend
+from fastsched.attention.base import AttentionOptions
 from fastsched.attention.cpu import CpuBackend
 from fastsched.attention.torch_native import TorchNativeBackend
 from fastsched.kernels import cpu_ops
@@ -84,9 +85,11 @@ def test_long_chunks_go_to_sdpa_and_short_ones_to_the_kernel(scenario, close, mo
     """The split depends only on a request's own query length."""
     s, spans = _mixed_step(scenario, torch.float32)
     query, key, value, metadata = s.step(spans)
-    plan = cpu_backend._plan_step(metadata, s.block_size)
+    plan = cpu_backend._plan_step(metadata, s.block_size, sdpa=True)
     assert [p.end - p.start for p in plan.prefills] == [260]
     assert plan.step[4].tolist() == [0, 1, 2, 3, 4, 6]
+    plan = cpu_backend._plan_step(metadata, s.block_size, sdpa=False)  # a windowed or soft-capped layer's
+    assert plan.prefills == [] and plan.step[4].tolist() == list(range(7))
     monkeypatch.setattr(cpu_backend, "SDPA_MIN_QUERY_LEN", 1 << 20)  # everything through the kernel
     out = _forward(CpuBackend(), s, spans)
     n = sum(e - b for b, e in spans)
@@ -114,3 +117,58 @@ def test_the_binding_names_a_bad_block_id(scenario):
     metadata.block_tables[0, 0] = s.kv_cache.shape[1]
     with pytest.raises(ValueError, match="block_tables holds"):
         CpuBackend().forward(query, key, value, s.kv_cache, metadata, s.scale)
+
+
+def _dense_attention(s, spans, options: AttentionOptions) -> torch.Tensor:
+    """The fp64 oracle with a sliding window (keys in (p - window, p]) and soft-capped scores."""
+    group = s.num_heads // s.num_kv_heads
+    rows = []
+    for i, (start, end) in enumerate(spans):
+        q = s.queries[i][start:end].double()
+        k = s.keys[i][:end].double().repeat_interleave(group, dim=1)
+        v = s.values[i][:end].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * s.scale
+        if options.logits_soft_cap is not None:
+            scores = options.logits_soft_cap * torch.tanh(scores / options.logits_soft_cap)
+        pos, key = torch.arange(start, end)[:, None], torch.arange(end)[None, :]
+        visible = key <= pos
+        if options.sliding_window is not None:
+            visible &= key > pos - options.sliding_window
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        rows.append(torch.einsum("hqk,khd->qhd", probs, v))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("options", [AttentionOptions(sliding_window=1), AttentionOptions(sliding_window=20),
+                                     AttentionOptions(logits_soft_cap=0.5),
+                                     AttentionOptions(sliding_window=7, logits_soft_cap=2.0)],
+                         ids=["window_1", "window_20", "softcap", "window_and_softcap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_sliding_window_and_a_soft_cap_match_the_oracle(scenario, close, options, dtype):
+    """Decodes, verifications, chunks with context and the long chunk (on the kernel too)."""
+    s, spans = _mixed_step(scenario, dtype, num_heads=6, num_kv_heads=2, head_dim=40, block_size=8)
+    query, key, value, metadata = s.step(spans, fused_qkv=True)
+    backend = CpuBackend()
+    backend.prepare(metadata)
+    out = backend.forward(query, key, value, s.kv_cache, metadata, s.scale, options)
+    close(out, _dense_attention(s, spans, options), dtype)
+
+
+def test_a_window_covering_every_key_gives_plain_attentions_bits(scenario):
+    s, spans = _mixed_step(scenario, torch.bfloat16)
+    backend = CpuBackend()
+    query, key, value, metadata = s.step(spans, fused_qkv=True)
+    backend.prepare(metadata)
+    wide = backend.forward(query, key, value, s.kv_cache, metadata, s.scale,
+                           AttentionOptions(sliding_window=1 << 20))
+    plain = _forward(CpuBackend(), s, spans)
+    short = slice(0, sum(e - b for b, e in spans[:5]))  # the rows before the long (SDPA) chunk
+    assert torch.equal(wide[short], plain[short])
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"sliding_window": 0}, "sliding_window"),
+                                               ({"logits_soft_cap": 0.0}, "logits_soft_cap"),
+                                               ({"logits_soft_cap": float("inf")}, "logits_soft_cap")])
+def test_attention_options_refuse_what_cannot_work(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        AttentionOptions(**kwargs)

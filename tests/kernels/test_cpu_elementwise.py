@@ -1,10 +1,11 @@
 """The Rust elementwise kernels (fastsched-kernels' elementwise.rs) against the torch ops of
-``fastsched.models.llama`` they replace on the CPU.
+``fastsched.models.llama`` they replace on the CPU, and against transformers' Gemma RMSNorm
+and torch's tanh GELU for the Gemma ones.
 
 RoPE must give the same bits in float32 and bfloat16 (it runs in the fp32 parity path).
-RMSNorm and SiLU·up are bfloat16 only; their float32 mean of squares and exp may differ in
-the last float32 bit, so a bf16 result may sit one bf16 step away, rarely: tolerated at
-one bf16 ulp on at most 1 % of elements. The residual add must be exact.
+RMSNorm, SiLU·up and GELU-tanh·up are bfloat16 only; their float32 mean of squares, exp and
+tanh may differ in the last float32 bit, so a bf16 result may sit one bf16 step away, rarely:
+tolerated at one bf16 ulp on at most 1 % of elements. The residual add must be exact.
 """
 
 from __future__ import annotations
@@ -84,3 +85,53 @@ def test_kernels_name_a_bad_argument():
     table = torch.zeros(4, 8)
     with pytest.raises(ValueError, match="positions holds 9"):
         cpu_ops.rope_(torch.zeros(1, 8), 1, 8, torch.tensor([9]), table, table)
+
+
+def _gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Gemma3RMSNorm: float32 throughout, ``1 + w``, one rounding."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def test_a_float32_weight_norms_as_gemma_with_one_rounding():
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(640, generator=gen) * 0.5).to(torch.bfloat16)  # the checkpoint's w
+    hidden = (torch.randn(17, 640, generator=gen) * 3).to(torch.bfloat16)
+    got = cpu_ops.add_rms_norm(hidden, None, 1.0 + weight.float(), 1e-6)
+    apart = _ulps_apart(got, _gemma_rms_norm(hidden, weight, 1e-6))
+    assert int(apart.max()) <= 1 and float((apart > 0).float().mean()) <= 0.01
+    # and not Llama's double rounding: that one differs on many elements
+    llama = cpu_ops.add_rms_norm(hidden, None, (1.0 + weight.float()).to(torch.bfloat16), 1e-6)
+    assert float((_ulps_apart(llama, got) > 0).float().mean()) > 0.05
+
+
+@pytest.mark.parametrize("gemma", [False, True], ids=["qwen3_bf16_weight", "gemma_f32_weight"])
+def test_head_norms_norm_each_head_of_q_or_k_in_place(gemma):
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, head_dim = 4, 2, 64
+    qkv = (torch.randn(9, (heads + 2 * kv_heads) * head_dim, generator=gen) * 2).to(torch.bfloat16)
+    w = (torch.rand(head_dim, generator=gen) + 0.5).to(torch.bfloat16)
+    weight = 1.0 + w.float() if gemma else w
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(9, kv_heads, head_dim)
+    if gemma:
+        want_k = _gemma_rms_norm(k, w, 1e-6)
+    else:
+        norm = RMSNorm(head_dim, 1e-6).to(torch.bfloat16)
+        norm.weight.data = w
+        want_k = norm(k)
+    got = qkv.clone()
+    cpu_ops.rms_norm_heads_(got[:, heads * head_dim :], kv_heads, weight, 1e-6)
+    apart = _ulps_apart(got[:, heads * head_dim : (heads + kv_heads) * head_dim], want_k.flatten(1))
+    assert int(apart.max()) <= 1 and float((apart > 0).float().mean()) <= 0.01
+    k_cols = slice(heads * head_dim, (heads + kv_heads) * head_dim)
+    got[:, k_cols] = qkv[:, k_cols]
+    assert torch.equal(got, qkv)  # q and v untouched
+
+
+def test_gelu_tanh_mul_matches_torch_within_one_bf16_step():
+    gate_up = (torch.randn(9, 2 * 2048, generator=torch.Generator().manual_seed(5)) * 4).to(torch.bfloat16)
+    gate, up = gate_up.split(2048, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    got = cpu_ops.gelu_tanh_mul(gate_up)
+    apart = _ulps_apart(got, want)
+    assert int(apart.max()) <= 1 and float((apart > 0).float().mean()) <= 0.01

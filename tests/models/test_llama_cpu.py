@@ -1,7 +1,8 @@
 """The CPU decoder stack (fastsched.models.llama_cpu): the embedded SmolLM2 (4-bit weights,
-bfloat16) and a Qwen2 with q/k/v biases (quantized to int4 at load) run as one Rust call a
-step give the same bits as the layer-by-layer path, for their hidden states and for what
-they write into the KV cache, and the stack steps aside where it does not apply."""
+bfloat16), a Qwen2 with q/k/v biases and a Qwen3 with per-head q/k norms (both quantized to
+int4 at load) run as one Rust call a step give the same bits as the layer-by-layer path, for
+their hidden states and for what they write into the KV cache, and the stack steps aside
+where it does not apply."""
 
 from __future__ import annotations
 
@@ -94,7 +95,28 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory):
     return model
 
 
-@pytest.mark.parametrize("name", ["model", "qwen2"])
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory):
+    """A random Qwen3 (q/k norms, randomized: transformers' init sets them to ones) with int4 weights."""
+    path = tmp_path_factory.mktemp("qwen3")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      vocab_size=256)
+    reference = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.copy_(1 + 0.5 * torch.rand_like(param))
+            elif param.ndim > 1:
+                param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+    reference.save_pretrained(path)
+    model = load_model(Path(path), dtype=torch.bfloat16, quantization="int4")
+    assert model.config.qk_norm
+    return model
+
+
+@pytest.mark.parametrize("name", ["model", "qwen2", "qwen3"])
 def test_the_stack_gives_the_layer_by_layer_bits_and_kv_cache(name, request) -> None:
     model = request.getfixturevalue(name)
     assert unsupported_reason(model) is None

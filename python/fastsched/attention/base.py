@@ -9,7 +9,8 @@ token ``t`` of request ``i`` sits in block ``block_tables[i, t // block_size]`` 
 offset ``t % block_size``.  A backend first writes this step's K/V into the cache
 at ``slot_mapping`` (``block_id * block_size + offset``), then lets every query
 token attend causally to all keys of its request up to and including its own
-position, prefix-cached blocks included.
+position, prefix-cached blocks included; a layer's :class:`AttentionOptions` may narrow that
+to a sliding window and soft-cap its scores.
 """
 
 from __future__ import annotations
@@ -44,6 +45,32 @@ class AttentionMetadata:
                    on_device(step.block_tables), step.max_query_len, step.max_seq_len)
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """A layer's departures from plain causal attention, in vLLM's names (Gemma 2 / 3); the
+    default is plain causal attention."""
+
+    # A query at position p attends the keys in (p - sliding_window, p]: sliding_window keys,
+    # its own included (transformers' sliding mask, vLLM's window_left = sliding_window - 1).
+    sliding_window: int | None = None
+    # Scores s = scale * q.k become logits_soft_cap * tanh(s / logits_soft_cap) before the softmax.
+    logits_soft_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
+        if self.logits_soft_cap is not None and not 0 < self.logits_soft_cap < float("inf"):
+            raise ValueError(f"logits_soft_cap must be positive and finite, got {self.logits_soft_cap}")
+
+    @property
+    def plain(self) -> bool:
+        """Plain causal attention (no window, no cap)."""
+        return self.sliding_window is None and self.logits_soft_cap is None
+
+
+PLAIN_ATTENTION = AttentionOptions()
+
+
 class AttentionBackend(Protocol):
     """One implementation per device family (torch, Triton, FlashInfer)."""
 
@@ -60,6 +87,8 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        options: AttentionOptions = PLAIN_ATTENTION,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write this step's K/V at ``slot_mapping``, then attend causally over the cache."""
+        """Write this step's K/V at ``slot_mapping``, then attend causally over the cache
+        (within the layer's ``options``)."""
         ...

@@ -10,8 +10,10 @@ docs), so a request gets the same logits whatever shares its step — what specu
 decoding's greedy equivalence needs. Prefill chunks of ``SDPA_MIN_QUERY_LEN`` rows or more
 go to torch's SDPA instead (:mod:`fastsched.attention.torch_native`'s per-request path),
 whose blocked GEMMs beat the kernel's per-row loop there; which path a request takes
-depends only on its own query length, so the invariance holds. Query dtypes other than
-float32 and bfloat16 run entirely on the torch backend.
+depends only on its own query length, so the invariance holds. A layer with a sliding window
+or a logit soft-cap (:class:`AttentionOptions`) runs every request on the kernel, which
+implements both. Query dtypes other than float32 and bfloat16 run entirely on the torch
+backend.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastsched.attention.base import AttentionMetadata
+from fastsched.attention.base import PLAIN_ATTENTION, AttentionMetadata, AttentionOptions
 from fastsched.attention.torch_native import TorchNativeBackend, _plan_prefill, _prefill, _Prefill
 from fastsched.kernels import cpu_ops
 
@@ -43,19 +45,20 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self) -> None:
-        self._plan: _CpuPlan | None = None
+        # This step's plans: with long chunks on SDPA (True), all on the kernel (False).
+        self._plans: dict[bool, _CpuPlan] = {}
         self._torch = TorchNativeBackend()
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        """Drop the previous step's plan; the next forward builds this step's."""
-        self._plan = None
+        """Drop the previous step's plans; the next forward builds this step's."""
+        self._plans = {}
         self._torch.prepare(metadata)
 
     def kernel_step(self, metadata: AttentionMetadata, block_size: int) -> tuple[tuple[torch.Tensor, ...], int] | None:
         """This step's checked tensors for the Rust kernel and its number of real query rows,
         if the kernel attends for every request (no prefill chunk goes to SDPA); else None.
         What a caller running the layers in Rust (``fastsched.models.llama_cpu``) passes on."""
-        plan = self._step_plan(metadata, block_size)
+        plan = self._step_plan(metadata, block_size, sdpa=True)
         return None if plan.prefills else (plan.step, plan.num_rows)
 
     def forward(
@@ -66,33 +69,39 @@ class CpuBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        options: AttentionOptions = PLAIN_ATTENTION,
     ) -> torch.Tensor:
-        """Write this step's K/V at ``slot_mapping``, then attend causally over the cache."""
+        """Write this step's K/V at ``slot_mapping``, then attend causally over the cache
+        (within the layer's ``options``)."""
         if query.dtype not in cpu_ops.DTYPES or kv_cache.dtype not in cpu_ops.DTYPES:
-            return self._torch.forward(query, key, value, kv_cache, metadata, scale)
-        plan = self._step_plan(metadata, kv_cache.shape[2])
+            if options.plain:
+                return self._torch.forward(query, key, value, kv_cache, metadata, scale)
+            return self._torch.forward(query, key, value, kv_cache, metadata, scale, options)
+        plan = self._step_plan(metadata, kv_cache.shape[2], sdpa=options.plain)
         out = torch.empty(query.shape, dtype=query.dtype)
         if plan.num_rows < out.shape[0]:
             out[plan.num_rows :].zero_()  # padding rows (the contract: zero)
-        cpu_ops.paged_attention(query, key, value, out, kv_cache, plan.step, scale)
+        cpu_ops.paged_attention(query, key, value, out, kv_cache, plan.step, scale, options.logits_soft_cap,
+                                options.sliding_window)
         for p in plan.prefills:
             rows = slice(p.start, p.end)
             out[rows] = _prefill(query[rows], key[rows], value[rows], kv_cache, p, scale)
         return out
 
-    def _step_plan(self, metadata: AttentionMetadata, block_size: int) -> _CpuPlan:
+    def _step_plan(self, metadata: AttentionMetadata, block_size: int, sdpa: bool) -> _CpuPlan:
         """This step's plan, built by the first layer (or ``kernel_step``) that asks."""
-        if self._plan is None or self._plan.metadata is not metadata:
-            self._plan = _plan_step(metadata, block_size)
-        return self._plan
+        plan = self._plans.get(sdpa)
+        if plan is None or plan.metadata is not metadata:
+            plan = self._plans[sdpa] = _plan_step(metadata, block_size, sdpa)
+        return plan
 
 
-def _plan_step(metadata: AttentionMetadata, block_size: int) -> _CpuPlan:
-    """Split the requests into the kernel's and SDPA's by query length; check the step's
-    tensors once for the binding."""
+def _plan_step(metadata: AttentionMetadata, block_size: int, sdpa: bool) -> _CpuPlan:
+    """Split the requests into the kernel's and (if ``sdpa``) SDPA's by query length; check
+    the step's tensors once for the binding."""
     qsl = metadata.query_start_loc
     query_lens = qsl.diff()
-    long = query_lens >= SDPA_MIN_QUERY_LEN
+    long = query_lens >= SDPA_MIN_QUERY_LEN if sdpa else torch.zeros(query_lens.shape, dtype=torch.bool)
     reqs = torch.nonzero(~long).flatten().to(torch.int32)
     starts = qsl.tolist() if bool(long.any()) else []
     prefills = [_plan_prefill(starts[i], starts[i + 1], int(metadata.seq_lens[i]), metadata.block_tables[i],

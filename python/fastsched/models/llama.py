@@ -33,7 +33,7 @@ from fastsched.attention.cpu import CpuBackend
 from fastsched.kernels import cpu_ops
 from fastsched.kernels.quant_matmul import Int4Weight, Int8Weight
 from fastsched.models.config import ModelConfig
-from fastsched.models.llama_cpu import CpuDecoderStack, unsupported_reason
+from fastsched.models.llama_cpu import CpuDecoderStack, llama_stack, unsupported_reason
 from fastsched.models.quant_linear import QuantEmbedding, QuantLinear, replace_linear
 from fastsched.models.tp_shard import local_heads, shard_weight
 
@@ -158,7 +158,11 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if lora is not None:
             lora.add("qkv_proj", hidden, qkv)
-        if rope.positions is not None:  # the CPU kernel, in place on q's and k's heads (no qk_norm)
+        if rope.positions is not None:  # the CPU kernels, in place on q's and k's heads
+            if self.qk_norm:  # bfloat16 only: the table form comes with q/k norms on that path alone
+                q_norm, k_norm = self.q_norm, self.k_norm
+                cpu_ops.rms_norm_heads_(qkv, self.num_heads, q_norm.weight, q_norm.eps)
+                cpu_ops.rms_norm_heads_(qkv[:, self.q_size :], self.num_kv_heads, k_norm.weight, k_norm.eps)
             cpu_ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope.positions, rope.cos, rope.sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -279,12 +283,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden_size], final-normed
         hidden = self.embed_tokens(input_ids) if self.tp is None else self._embed_vocab_parallel(input_ids)
         cpu = hidden.device.type == "cpu" and cpu_ops.AVAILABLE and hidden.dtype in cpu_ops.DTYPES
+        cpu_bf16 = cpu and hidden.dtype == torch.bfloat16 and self.norm.weight.dtype == torch.bfloat16
         # On the CPU the Rust kernels replace the elementwise torch ops: RoPE (same bits in
-        # float32 and bfloat16) whenever there is no q/k norm; norms, residual adds and SiLU
-        # (bfloat16 only, see fastsched-kernels' elementwise docs) in bfloat16.
-        rope = (self.rotary.table(positions, hidden.dtype) if cpu and not self.config.qk_norm
+        # float32 and bfloat16) whenever there is no q/k norm; norms (q/k norms too), residual
+        # adds and SiLU (bfloat16 only, see fastsched-kernels' elementwise docs) in bfloat16.
+        rope = (self.rotary.table(positions, hidden.dtype) if cpu_bf16 or (cpu and not self.config.qk_norm)
                 else Rope(*self.rotary(positions, hidden.dtype)))
-        if cpu and hidden.dtype == torch.bfloat16 and self.norm.weight.dtype == torch.bfloat16:
+        if cpu_bf16:
             return self._forward_cpu_bf16(hidden, rope, kv_caches, metadata, backend, lora)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, rope, kv_cache, metadata, backend, None if lora is None else lora.layer(i))
@@ -304,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
         kernel_step = None if stack is None else backend.kernel_step(metadata, kv_caches[0].shape[2])
         if stack is not None and kernel_step is not None:
             assert rope.positions is not None  # the table form, as on every CPU bfloat16 path
-            return stack.forward(hidden, rope.positions, rope.cos, rope.sin, kv_caches, *kernel_step)
+            return stack.forward(hidden, rope.positions, [(rope.cos, rope.sin)], kv_caches, *kernel_step)
         delta = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             delta = layer.forward_cpu_bf16(hidden, delta, rope, kv_cache, metadata, backend,
@@ -316,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
         None where the model does not qualify (the reason is logged once)."""
         if self._stack is None:
             reason = unsupported_reason(self)
-            self._stack = reason or CpuDecoderStack(self)
+            self._stack = reason or llama_stack(self)
             if reason:
                 logger.info("CPU decoder: layer by layer (%s)", reason)
             else:

@@ -1,51 +1,81 @@
-"""The Llama decoder stack as one Rust call a step on the CPU (``fastsched_kernels::decoder``).
+"""The decoder stack as one Rust call a step on the CPU (``fastsched_kernels::decoder``).
 
 At one decode token SmolLM2's 30 layers make ~450 kernel calls of 2–70 µs each; from Python,
 with a check, an allocation and a float32 → bfloat16 cast around each, the step took about
 twice the kernels' own time (bench/RESULTS.md, "CPU decode: one call for the decoder stack").
-:class:`CpuDecoderStack` hands the whole stack (norms, quantized projections, RoPE, the KV
-write and paged attention, SiLU, residual adds, the final norm) to the crate in one call.
+:class:`CpuDecoderStack` hands the whole stack (norms, quantized projections, q/k norms, RoPE,
+the KV write and paged attention, the activation, residual adds, the final norm) to the crate
+in one call.
 
-It runs the same kernels in the same order as ``LlamaForCausalLM._forward_cpu_bf16``, so its
-output is bit-equal to that path (tests/models/test_llama_cpu.py), and it applies only
-where that path would run those kernels: bfloat16 activations, every projection an int4 /
-int8 :class:`QuantLinear` on the Rust kernels (with or without a bfloat16 bias, as Qwen2's
-q/k/v), no q/k norm, no tensor parallelism, no LoRA in the step, every request's attention
-on the Rust kernel (no SDPA prefill chunk), and a CPU with the many-row GEMM's AVX-512 BF16.
-Otherwise the model runs layer by layer.
+A model describes its layers as :class:`StackLayer` values: the Llama family through
+:func:`llama_stack`, others (Gemma 2 / 3: output norms, GeGLU, sliding windows with their own
+RoPE table, soft-capped logits, ``1 + w`` norms given as float32) by building them. For the
+Llama family it runs the same kernels in the same order as
+``LlamaForCausalLM._forward_cpu_bf16``, so its output is bit-equal to that path
+(tests/models/test_llama_cpu.py), and it applies only where that path would run those
+kernels: bfloat16 activations, every projection an int4 / int8 :class:`QuantLinear` on the
+Rust kernels (with or without a bfloat16 bias, as Qwen2's q/k/v), no tensor parallelism, no
+LoRA in the step, every request's attention on the Rust kernel (no SDPA prefill chunk), and a
+CPU with the many-row GEMM's AVX-512 BF16. Otherwise the model runs layer by layer.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
 from fastsched import _core
+from fastsched.attention.base import PLAIN_ATTENTION, AttentionOptions
 from fastsched.kernels import cpu_ops, quant_matmul_cpu
 from fastsched.models.quant_linear import QuantLinear
 
 logger = logging.getLogger(__name__)
 
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why ``model`` (a ``fastsched.models.llama.LlamaForCausalLM``) cannot run as one stack
-    call (None: it can)."""
+@dataclass
+class StackLayer:
+    """One decoder layer as the stack runs it (the crate's ``decoder`` module docs give the
+    order). Norm weights are ``[hidden]`` (q/k norms ``[head_dim]``), all bfloat16 (Llama's
+    rounding) or all float32 (Gemma's, given as ``1 + w``: one rounding), the stack's final
+    norm included."""
+
+    input_norm: torch.Tensor
+    # before the MLP: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm
+    post_norm: torch.Tensor
+    # qkv [q + 2 kv, hidden], o, gate_up [2 I, hidden] (gate first), down
+    projections: tuple[QuantLinear, QuantLinear, QuantLinear, QuantLinear]
+    scale: float  # the attention's: scores are scale * q.k
+    q_norm: torch.Tensor | None = None  # per-head norms before RoPE (Qwen3, Gemma 3); both or neither
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # Gemma's post_attention_layernorm, on o_proj's output
+    mlp_out_norm: torch.Tensor | None = None  # Gemma's post_feedforward_layernorm, on down_proj's output
+    activation: str = "silu"  # of the gate, times up: "silu" or "gelu_tanh" (GeGLU)
+    attention: AttentionOptions = field(default=PLAIN_ATTENTION)  # sliding window, logit soft-cap
+    rope_table: int = 0  # which of ``forward``'s RoPE tables rotates this layer's q and k
+
+    def norms(self) -> list[torch.Tensor | None]:
+        """In the binding's order: input, post, q, k, attn_out, mlp_out."""
+        return [self.input_norm, self.post_norm, self.q_norm, self.k_norm, self.attn_out_norm,
+                self.mlp_out_norm]
+
+
+def layers_unsupported_reason(layers: Sequence[StackLayer], final_norm: torch.Tensor) -> str | None:
+    """Why these layers cannot run as one stack call (None: they can), whatever the model."""
     if not (hasattr(_core, "CpuDecoder") and cpu_ops.AVAILABLE and quant_matmul_cpu.GEMM_SIMD):
         return "this CPU lacks the kernels' AVX-512 BF16 GEMM"
-    if model.tp is not None:
-        return "tensor parallelism"
-    if model.config.qk_norm:
-        return "per-head q/k norms"
-    norms = [model.norm.weight] + [n.weight for layer in model.layers
-                                   for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    if any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in norms):
-        return "weights not bfloat16 on the CPU"
-    for i, layer in enumerate(model.layers):
-        for name in _PROJECTIONS:
-            proj = layer.get_submodule(name)
+    norms = [final_norm] + [n for layer in layers for n in layer.norms() if n is not None]
+    if any(w.device.type != "cpu" for w in norms) or {w.dtype for w in norms} not in (
+            {torch.bfloat16}, {torch.float32}):
+        return "norm weights not all bfloat16 or all float32 on the CPU"
+    for i, layer in enumerate(layers):
+        for name, proj in zip(_PROJECTIONS, layer.projections):
             if not isinstance(proj, QuantLinear) or proj.weight_packed.kind != "cpu_rust":
                 return f"layer {i} {name} is not an int4/int8 layer on the Rust kernels"
             if proj.bias is not None and proj.bias.dtype != torch.bfloat16:
@@ -53,44 +83,89 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-class CpuDecoderStack:
-    """The Rust stack of ``model``'s layers; holds every tensor whose address it gave away."""
+def llama_layers(model: nn.Module) -> list[StackLayer]:
+    """The layers of a ``fastsched.models.llama.LlamaForCausalLM`` (Llama, Mistral, Qwen2, Qwen3)."""
+    layers = []
+    for layer in model.layers:
+        attn = layer.self_attn
+        layers.append(StackLayer(
+            input_norm=layer.input_layernorm.weight.detach(),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            projections=tuple(layer.get_submodule(name) for name in _PROJECTIONS),  # type: ignore[arg-type]
+            scale=attn.scale,
+            q_norm=attn.q_norm.weight.detach() if attn.qk_norm else None,
+            k_norm=attn.k_norm.weight.detach() if attn.qk_norm else None,
+        ))
+    return layers
 
-    def __init__(self, model: nn.Module) -> None:
-        config, attn = model.config, model.layers[0].self_attn
-        projections = [[layer.get_submodule(name) for name in _PROJECTIONS] for layer in model.layers]
-        packed = [[proj.weight_packed for proj in layer] for layer in projections]
-        biases = [[None if proj.bias is None else proj.bias.detach().contiguous() for proj in layer]
-                  for layer in projections]
-        norms = [(layer.input_layernorm.weight.detach().contiguous(),
-                  layer.post_attention_layernorm.weight.detach().contiguous()) for layer in model.layers]
-        final_norm = model.norm.weight.detach().contiguous()
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why ``model`` (a ``fastsched.models.llama.LlamaForCausalLM``) cannot run as one stack
+    call (None: it can)."""
+    if model.tp is not None:
+        return "tensor parallelism"
+    if model.norm.weight.dtype != torch.bfloat16:
+        return "weights not bfloat16 on the CPU"
+    return layers_unsupported_reason(llama_layers(model), model.norm.weight)
+
+
+def llama_stack(model: nn.Module) -> CpuDecoderStack:
+    """The stack of a ``LlamaForCausalLM`` for which :func:`unsupported_reason` is None."""
+    attn = model.layers[0].self_attn
+    return CpuDecoderStack(llama_layers(model), model.norm.weight.detach(), model.norm.eps,
+                           num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
+
+
+class CpuDecoderStack:
+    """The Rust stack of ``layers``; holds every tensor whose address it gave away. The
+    layers must have passed :func:`layers_unsupported_reason`; shapes are checked by the
+    crate, which fails naming the layer and the part."""
+
+    def __init__(self, layers: Sequence[StackLayer], final_norm: torch.Tensor, eps: float, *, num_heads: int,
+                 num_kv_heads: int, head_dim: int) -> None:
+        for i, layer in enumerate(layers):
+            if layer.activation not in ACTIVATIONS:
+                raise ValueError(f"layer {i}: activation must be one of {ACTIVATIONS}, "
+                                 f"got {layer.activation!r}")
+        packed = [[proj.weight_packed for proj in layer.projections] for layer in layers]
+        biases = [[None if p.bias is None else p.bias.detach().contiguous() for p in layer.projections]
+                  for layer in layers]
+        norms = [[None if n is None else n.contiguous() for n in layer.norms()] for layer in layers]
+        final_norm = final_norm.contiguous()
         self._alive = (packed, biases, norms, final_norm)
-        self.scale = attn.scale
+        gate_up = layers[0].projections[2].weight_packed.cpu if layers else None
+        hidden = final_norm.shape[0]
         self._rust = _core.CpuDecoder(
-            [config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, model.layers[0].mlp.intermediate_size],
-            model.norm.eps, quant_matmul_cpu.DENSE_MIN_ROWS,
-            [[i.data_ptr(), p.data_ptr()] for i, p in norms],
+            [hidden, num_heads, num_kv_heads, head_dim, 0 if gate_up is None else gate_up.n // 2],
+            eps, quant_matmul_cpu.DENSE_MIN_ROWS,
+            [[0 if n is None else n.data_ptr() for n in layer] for layer in norms],
+            final_norm.dtype == torch.float32,
             [[(w.cpu.bits, w.cpu.n, w.cpu.k, w.cpu.addresses) for w in layer] for layer in packed],
             [[0 if b is None else b.data_ptr() for b in layer] for layer in biases],
             final_norm.data_ptr(),
+            [(layer.activation, layer.attention.sliding_window, layer.rope_table,
+              layer.attention.logits_soft_cap, layer.scale) for layer in layers],
         )
-        self._hidden, self._kv_heads, self._head_dim = config.hidden_size, attn.num_kv_heads, attn.head_dim
+        self._hidden, self._kv_heads, self._head_dim = hidden, num_kv_heads, head_dim
         self._caches: tuple[tuple[int, int], list[int], bool, list[int]] | None = None
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: list[torch.Tensor], step: tuple[torch.Tensor, ...], num_rows: int) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
+                tables: Sequence[tuple[torch.Tensor, torch.Tensor]], kv_caches: list[torch.Tensor],
+                step: tuple[torch.Tensor, ...], num_rows: int) -> torch.Tensor:
         """Every layer and the final norm on ``hidden [T, hidden]`` (bfloat16, the embedded
-        tokens; used as the residual stream, so overwritten). RoPE: row ``t`` takes row
-        ``positions[t]`` of the ``[len, head_dim]`` tables ``cos``, ``sin``. ``step``: the
-        attention backend's checked tensors (slot_mapping, query_start_loc, seq_lens,
+        tokens, Gemma's scaling applied; used as the residual stream, so overwritten). RoPE:
+        ``tables`` holds a ``(cos, sin)`` pair of ``[len, head_dim]`` tables per RoPE the layers
+        name (``StackLayer.rope_table``), row ``t`` takes row ``positions[t]`` of them. ``step``:
+        the attention backend's checked tensors (slot_mapping, query_start_loc, seq_lens,
         block_tables, the requests), which must cover the ``num_rows`` real rows."""
         if hidden.dtype != torch.bfloat16 or not hidden.is_contiguous():
             raise ValueError(f"hidden must be a contiguous bfloat16 tensor; got {hidden.dtype}")
-        for name, t in (("cos", cos), ("sin", sin)):
-            if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != (cos.shape[0], self._head_dim):
-                raise ValueError(f"{name} must be a contiguous bfloat16 [len, {self._head_dim}] table; "
-                                 f"got {t.dtype} {tuple(t.shape)}")
+        for i, pair in enumerate(tables):
+            shape = (pair[0].shape[0], self._head_dim)
+            for name, t in zip(("cos", "sin"), pair):
+                if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != shape:
+                    raise ValueError(f"tables[{i}]'s {name} must be a contiguous bfloat16 [len, "
+                                     f"{self._head_dim}] table like its cos; got {t.dtype} {tuple(t.shape)}")
         cpu_ops.check_step_tensor("positions", positions, torch.int64)
         rows = hidden.shape[0]
         if hidden.dim() != 2 or hidden.shape[1] != self._hidden or positions.shape != (rows,) or step[0].shape != (rows,) or not 0 <= num_rows <= rows:
@@ -98,12 +173,13 @@ class CpuDecoderStack:
                              f"{tuple(step[0].shape)} and num_rows {num_rows} do not agree")
         addresses, cache_bf16, blocks = self._cache_layout(kv_caches)
         out = torch.empty_like(hidden)
-        slots, qsl, seq_lens, tables, reqs = step
+        slots, qsl, seq_lens, block_tables, reqs = step
         cpu_ops.sync_threads()
         self._rust.forward(
             hidden.data_ptr(), out.data_ptr(), rows, positions.data_ptr(),
-            [cos.data_ptr(), sin.data_ptr()], cos.shape[0], addresses, cache_bf16, blocks,
-            [t.data_ptr() for t in step], seq_lens.shape[0], tables.shape[1], reqs.shape[0], num_rows, self.scale,
+            [(cos.data_ptr(), sin.data_ptr(), cos.shape[0]) for cos, sin in tables], addresses, cache_bf16,
+            blocks, [t.data_ptr() for t in step], seq_lens.shape[0], block_tables.shape[1], reqs.shape[0],
+            num_rows,
         )
         return out
 

@@ -4,7 +4,10 @@
 //! `[T, H_kv, D]`, the cache `[2, num_blocks, block_size, H_kv, D]` (0: keys, 1: values).
 //! Request `i` owns query rows `query_start_loc[i]..query_start_loc[i + 1]`; its token `t`
 //! sits in block `block_tables[i, t / block_size]` at offset `t % block_size`; its query row
-//! `j` is at position `seq_lens[i] − query_len + j` and attends to keys `0..=position`.
+//! `j` is at position `seq_lens[i] − query_len + j` and attends to keys `0..=position`, or
+//! with a sliding window `W` to those in `(position − W, position]` (transformers' and vLLM's
+//! definition: `W` keys, its own included). A key's score is `s = scale · q·k`, or with
+//! Gemma 2's logit soft-capping `cap · tanh(s / cap)`, before the softmax ([`Scores`]).
 //! Query head `h` reads KV head `h / (H / H_kv)` (grouped-query attention).
 //!
 //! Method: one task per (request, KV head, tile of query rows), all query heads of the
@@ -88,6 +91,46 @@ pub struct Step<'a> {
     /// `[B, max_blocks]`.
     pub block_tables: &'a [i32],
     pub max_blocks: usize,
+}
+
+/// How a layer scores a query against its keys (besides the causal mask).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scores {
+    /// Multiplies `q·k` (usually `head_dim^-0.5`).
+    pub scale: f32,
+    /// Logit soft-capping: `cap · tanh(s / cap)` (None: off).
+    pub softcap: Option<f32>,
+    /// Sliding window: a query at position `p` attends the keys in `(p − window, p]` (None:
+    /// all keys up to `p`).
+    pub window: Option<usize>,
+}
+
+impl Scores {
+    /// Plain causal attention scaled by `scale`.
+    pub fn scaled(scale: f32) -> Scores {
+        Scores {
+            scale,
+            softcap: None,
+            window: None,
+        }
+    }
+
+    /// Fails naming a window of 0 or a cap that is not positive and finite.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.window == Some(0) {
+            return Err("sliding window must be at least 1, got 0".to_string());
+        }
+        if let Some(cap) = self.softcap.filter(|c| !(c.is_finite() && *c > 0.0)) {
+            return Err(format!("softcap must be positive and finite, got {cap}"));
+        }
+        Ok(())
+    }
+
+    /// The first position a query at `pos` attends.
+    #[inline(always)]
+    fn first_key(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
 }
 
 /// Which inner loops run: the AVX-512 build or the portable one (same arithmetic).
@@ -206,7 +249,7 @@ struct Ctx<'a> {
     shape: CacheShape,
     step: Step<'a>,
     num_heads: usize,
-    scale: f32,
+    scores: Scores,
     out: OutPtr,
 }
 
@@ -232,10 +275,11 @@ pub fn paged_attention(
     shape: CacheShape,
     step: Step,
     reqs: &[i32],
-    scale: f32,
+    scores: Scores,
     pool: &Pool,
     isa: Isa,
 ) -> Result<(), String> {
+    scores.validate()?;
     let CacheShape {
         block_size,
         num_kv_heads,
@@ -332,7 +376,7 @@ pub fn paged_attention(
         shape,
         step,
         num_heads,
-        scale,
+        scores,
         out: match out {
             FloatsMut::F32(v) => OutPtr::F32(v.as_mut_ptr()),
             FloatsMut::Bf16(v) => OutPtr::Bf16(v.as_mut_ptr()),
@@ -409,6 +453,16 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc[0] + tail
 }
 
+/// A key's score from its dot product with the query ([`Scores`]).
+#[inline(always)]
+fn score(dot: f32, s: Scores) -> f32 {
+    let x = dot * s.scale;
+    match s.softcap {
+        Some(cap) => cap * (x / cap).tanh(),
+        None => x,
+    }
+}
+
 #[inline(always)]
 fn scale_in_place(x: &mut [f32], s: f32) {
     for v in x {
@@ -459,7 +513,13 @@ unsafe fn task_body(ctx: &Ctx, task: &Task) {
     let mut values = vec![0f32; bs * d];
     let mut scores = vec![0f32; bs];
     let table = &step.block_tables[req * step.max_blocks..];
-    for (blk, &block) in table.iter().enumerate().take(last_pos / bs + 1) {
+    let first_blk = ctx.scores.first_key(first_pos) / bs;
+    for (blk, &block) in table
+        .iter()
+        .enumerate()
+        .take(last_pos / bs + 1)
+        .skip(first_blk)
+    {
         let t0 = blk * bs;
         let nk = bs.min(last_pos + 1 - t0);
         let block = block as usize;
@@ -478,16 +538,18 @@ unsafe fn task_body(ctx: &Ctx, task: &Task) {
         }
         for r in 0..rows {
             let pos = first_pos + r;
-            if pos < t0 {
+            // this row's keys within the block: offsets begin..end
+            let begin = ctx.scores.first_key(pos).saturating_sub(t0);
+            let end = nk.min((pos + 1).saturating_sub(t0));
+            if begin >= end {
                 continue;
             }
-            let valid = nk.min(pos + 1 - t0);
             for g in 0..group {
                 let i = r * group + g;
                 let qi = &q[i * d..][..d];
                 let mut block_max = f32::NEG_INFINITY;
-                for t in 0..valid {
-                    let s = dot(qi, &keys[t * d..][..d]) * ctx.scale;
+                for t in begin..end {
+                    let s = score(dot(qi, &keys[t * d..][..d]), ctx.scores);
                     scores[t] = s;
                     block_max = block_max.max(s);
                 }
@@ -498,7 +560,7 @@ unsafe fn task_body(ctx: &Ctx, task: &Task) {
                     scale_in_place(acc_i, correction);
                     max[i] = block_max;
                 }
-                for t in 0..valid {
+                for t in begin..end {
                     let p = (scores[t] - max[i]).exp();
                     sum[i] += p;
                     axpy(acc_i, p, &values[t * d..][..d]);

@@ -1,5 +1,7 @@
 //! A Llama-family decoder stack in one call: every layer of a step, bfloat16 activations,
-//! weight-only int4 / int8 linears, the paged KV cache, and the final norm.
+//! weight-only int4 / int8 linears, the paged KV cache, and the final norm; with the per-layer
+//! options of Qwen3 (q/k norms) and Gemma 2 / 3 (norms after attention and MLP, GeGLU,
+//! sliding-window layers with their own RoPE table, logit soft-capping, `1 + w` norms).
 //!
 //! Why: at one decode token a layer is ~15 kernel calls of 2–70 µs each, and driving them
 //! from Python (argument checks, tensor allocations, the float32 → bfloat16 casts between
@@ -14,18 +16,25 @@
 //! ```text
 //! for each layer:                       (δ = None for the first)
 //!     x   = add_rms_norm(h += δ, input_norm)
-//!     qkv = bf16(x · Wqkvᵀ);  rope on q's and k's heads
+//!     qkv = bf16(x · Wqkvᵀ);  [q_norm, k_norm on each head];  rope on q's and k's heads
 //!     cache[slots] = k, v;   a = attention(q, cache)   (padding rows: 0)
-//!     x   = add_rms_norm(h += bf16(a · Woᵀ), post_norm)
-//!     δ   = bf16(silu_mul(bf16(x · Wgate_upᵀ)) · Wdownᵀ)
+//!     δ   = bf16(a · Woᵀ);   [δ = attn_out_norm(δ)]
+//!     x   = add_rms_norm(h += δ, post_norm)
+//!     δ   = bf16(act_mul(bf16(x · Wgate_upᵀ)) · Wdownᵀ);   [δ = mlp_out_norm(δ)]
 //! out = add_rms_norm(h += δ, final_norm)
 //! ```
+//!
+//! (bracketed: where the layer has it; `act_mul` SiLU or GELU-tanh times up; the attention
+//! with the layer's [`Scores`] and RoPE table). Gemma's embedding scale and final logit
+//! soft-capping sit outside the stack, on the caller's side.
 //!
 //! A linear layer takes the integer GEMV ([`quant::matmul`]) below `dense_min_rows` rows and
 //! the many-row bf16 GEMM ([`quant::gemm::gemm_bf16`]) from there on, as the Python path does.
 
-use crate::attention::{self, bf16_to_f32, f32_to_bf16, CacheShape, Floats, FloatsMut, Isa, Step};
-use crate::elementwise;
+use crate::attention::{
+    self, bf16_to_f32, f32_to_bf16, CacheShape, Floats, FloatsMut, Isa, Scores, Step,
+};
+use crate::elementwise::{self, NormWeight};
 use crate::pool::Pool;
 use crate::quant::{self, gemm, Act, Kernel, Weight};
 
@@ -52,25 +61,53 @@ impl Dims {
     }
 }
 
-/// One decoder layer's weights: RMSNorm weights (bfloat16 `[hidden]`) and the fused
+/// The MLP's activation of the gate, times up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// GELU with the tanh approximation (Gemma's GeGLU).
+    GeluTanh,
+}
+
+/// One decoder layer: its RMSNorm weights (`[hidden]`; q/k norms `[head_dim]`), the fused
 /// projections, q/k/v `[q + 2·kv, hidden]`, o `[hidden, q]`, gate/up `[2·I, hidden]` (gate
-/// first), down `[hidden, I]`, each with an optional bfloat16 bias `[N]` (Qwen2's q/k/v).
+/// first), down `[hidden, I]`, each with an optional bfloat16 bias `[N]` (Qwen2's q/k/v), and
+/// its options (module docs).
 #[derive(Clone, Copy)]
 pub struct Layer<'a> {
-    pub input_norm: &'a [u16],
-    pub post_norm: &'a [u16],
+    pub input_norm: NormWeight<'a>,
+    /// The norm before the MLP (Llama's post_attention_layernorm, Gemma's
+    /// pre_feedforward_layernorm).
+    pub post_norm: NormWeight<'a>,
+    /// Per-head norms of q and k before RoPE (Qwen3, Gemma 3).
+    pub qk_norms: Option<[NormWeight<'a>; 2]>,
+    /// Norms of the attention's and the MLP's outputs before their residual adds (Gemma's
+    /// post_attention_layernorm and post_feedforward_layernorm).
+    pub out_norms: [Option<NormWeight<'a>>; 2],
     pub qkv: Weight<'a>,
     pub o: Weight<'a>,
     pub gate_up: Weight<'a>,
     pub down: Weight<'a>,
     /// The biases of q/k/v, o, gate/up and down, in that order.
     pub biases: [Option<&'a [u16]>; 4],
+    pub activation: Activation,
+    /// The attention's scale, window and soft-cap.
+    pub scores: Scores,
+    /// Which of the step's RoPE tables rotates q and k (Gemma 3's local layers have their own).
+    pub rope_table: usize,
 }
 
-/// The step's RoPE: a position per row and bfloat16 `[len, head_dim]` cos / sin tables.
+/// The step's RoPE: a position per row and bfloat16 `[len, head_dim]` cos / sin tables, one
+/// pair per distinct RoPE of the model (each layer names its own).
 #[derive(Clone, Copy)]
 pub struct Rope<'a> {
     pub positions: &'a [i64],
+    pub tables: &'a [RopeTable<'a>],
+}
+
+/// One RoPE's bfloat16 cos and sin tables, `[len, head_dim]` each.
+#[derive(Clone, Copy)]
+pub struct RopeTable<'a> {
     pub cos: &'a [u16],
     pub sin: &'a [u16],
 }
@@ -85,7 +122,6 @@ pub struct Attention<'a> {
     pub reqs: &'a [i32],
     pub num_rows: usize,
     pub cache_shape: CacheShape,
-    pub scale: f32,
 }
 
 /// Which SIMD builds run (each detected at run time by its module).
@@ -106,8 +142,9 @@ impl Kernels {
     }
 }
 
-/// Checks that every layer's weights and norms have the shapes `dims` implies.
-pub fn validate(dims: &Dims, layers: &[Layer], final_norm: &[u16]) -> Result<(), String> {
+/// Checks that every layer's weights and norms have the shapes `dims` implies, and its
+/// attention options make sense.
+pub fn validate(dims: &Dims, layers: &[Layer], final_norm: NormWeight) -> Result<(), String> {
     let (h, q, kv, i) = (
         dims.hidden,
         dims.q_size(),
@@ -128,17 +165,26 @@ pub fn validate(dims: &Dims, layers: &[Layer], final_norm: &[u16]) -> Result<(),
         ));
     }
     for (l, layer) in layers.iter().enumerate() {
-        for (name, norm) in [
-            ("input_norm", layer.input_norm),
-            ("post_norm", layer.post_norm),
+        let [q_norm, k_norm] = layer.qk_norms.map_or([None; 2], |n| n.map(Some));
+        for (name, norm, want) in [
+            ("input_norm", Some(layer.input_norm), h),
+            ("post_norm", Some(layer.post_norm), h),
+            ("attn_out_norm", layer.out_norms[0], h),
+            ("mlp_out_norm", layer.out_norms[1], h),
+            ("q_norm", q_norm, dims.head_dim),
+            ("k_norm", k_norm, dims.head_dim),
         ] {
-            if norm.len() != h {
+            if let Some(norm) = norm.filter(|n| n.len() != want) {
                 return Err(format!(
-                    "layer {l}: {name} has {} elements, hidden is {h}",
+                    "layer {l}: {name} has {} elements, expected {want}",
                     norm.len()
                 ));
             }
         }
+        layer
+            .scores
+            .validate()
+            .map_err(|e| format!("layer {l}: {e}"))?;
         for ((name, w, want), bias) in [
             ("qkv", &layer.qkv, (q + 2 * kv, h)),
             ("o", &layer.o, (h, q)),
@@ -175,7 +221,7 @@ pub fn validate(dims: &Dims, layers: &[Layer], final_norm: &[u16]) -> Result<(),
 pub fn forward(
     dims: &Dims,
     layers: &[Layer],
-    final_norm: &[u16],
+    final_norm: NormWeight,
     caches: &mut [FloatsMut],
     hidden: &mut [u16],
     out: &mut [u16],
@@ -213,6 +259,17 @@ pub fn forward(
             attn.num_rows
         ));
     }
+    if let Some((l, layer)) = layers
+        .iter()
+        .enumerate()
+        .find(|(_, layer)| layer.rope_table >= rope.tables.len())
+    {
+        return Err(format!(
+            "layer {l} takes RoPE table {}, the step has {}",
+            layer.rope_table,
+            rope.tables.len()
+        ));
+    }
     if m == 0 {
         return Ok(());
     }
@@ -241,14 +298,20 @@ pub fn forward(
             &mut buf.qkv,
             &mut buf.wide,
         )?;
+        if let Some([q_norm, k_norm]) = layer.qk_norms {
+            let (nh, nkv) = (dims.num_heads, dims.num_kv_heads);
+            elementwise::rms_norm_heads_bf16(&mut buf.qkv, width, m, nh, q_norm, dims.eps)?;
+            elementwise::rms_norm_heads_bf16(&mut buf.qkv[q..], width, m, nkv, k_norm, dims.eps)?;
+        }
+        let table = rope.tables[layer.rope_table];
         elementwise::rope(
             &mut FloatsMut::Bf16(&mut buf.qkv),
             width,
             heads,
             dims.head_dim,
             rope.positions,
-            Floats::Bf16(rope.cos),
-            Floats::Bf16(rope.sin),
+            Floats::Bf16(table.cos),
+            Floats::Bf16(table.sin),
         )?;
         let qkv = &buf.qkv[..];
         attention::write_cache(
@@ -273,7 +336,7 @@ pub fn forward(
             attn.cache_shape,
             attn.step,
             attn.reqs,
-            attn.scale,
+            layer.scores,
             pool,
             kernels.attention,
         )?;
@@ -284,6 +347,9 @@ pub fn forward(
             &mut buf.delta,
             &mut buf.wide,
         )?;
+        if let Some(norm) = layer.out_norms[0] {
+            elementwise::rms_norm_heads_bf16(&mut buf.delta, h, m, 1, norm, dims.eps)?;
+        }
         elementwise::add_rms_norm_bf16(
             hidden,
             Some(&buf.delta),
@@ -298,7 +364,10 @@ pub fn forward(
             &mut buf.gate_up,
             &mut buf.wide,
         )?;
-        elementwise::silu_mul_bf16(&buf.gate_up, &mut buf.act, i)?;
+        match layer.activation {
+            Activation::Silu => elementwise::silu_mul_bf16(&buf.gate_up, &mut buf.act, i)?,
+            Activation::GeluTanh => elementwise::gelu_tanh_mul_bf16(&buf.gate_up, &mut buf.act, i)?,
+        }
         linear(
             &layer.down,
             layer.biases[3],
@@ -306,6 +375,9 @@ pub fn forward(
             &mut buf.delta,
             &mut buf.wide,
         )?;
+        if let Some(norm) = layer.out_norms[1] {
+            elementwise::rms_norm_heads_bf16(&mut buf.delta, h, m, 1, norm, dims.eps)?;
+        }
     }
     let delta = (!layers.is_empty()).then_some(&buf.delta[..]);
     elementwise::add_rms_norm_bf16(hidden, delta, final_norm, dims.eps, out)

@@ -4,8 +4,11 @@
 //! contiguity once, keeps every weight tensor alive as long as this object, and the step's
 //! tensors for the call. The GIL is released while the stack runs.
 
-use fastsched_kernels::attention::{CacheShape, FloatsMut, Step};
-use fastsched_kernels::decoder::{self, Attention, Dims, Kernels, Layer, Rope};
+use fastsched_kernels::attention::{CacheShape, FloatsMut, Scores, Step};
+use fastsched_kernels::decoder::{
+    self, Activation, Attention, Dims, Kernels, Layer, Rope, RopeTable,
+};
+use fastsched_kernels::elementwise::NormWeight;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -14,13 +17,54 @@ use crate::kernels::{pool, weight};
 /// A linear layer's weight: bits (4 or 8), N, K and its buffers' addresses (`kernels`).
 type WeightAddrs = (u8, usize, usize, [usize; 3]);
 
+/// A layer's options as Python gives them: activation ("silu" or "gelu_tanh"), sliding
+/// window, RoPE table, logit soft-cap, attention scale.
+type LayerOptions = (String, Option<usize>, usize, Option<f32>, f32);
+
+/// Per layer: the options the kernels take, checked once.
+#[derive(Clone, Copy)]
+struct Options {
+    activation: Activation,
+    scores: Scores,
+    rope_table: usize,
+}
+
+impl Options {
+    fn parse(
+        l: usize,
+        (activation, window, rope_table, softcap, scale): LayerOptions,
+    ) -> PyResult<Self> {
+        let activation = match activation.as_str() {
+            "silu" => Activation::Silu,
+            "gelu_tanh" => Activation::GeluTanh,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "layer {l}: activation must be 'silu' or 'gelu_tanh', got {other:?}"
+                )))
+            }
+        };
+        Ok(Options {
+            activation,
+            scores: Scores {
+                scale,
+                softcap,
+                window,
+            },
+            rope_table,
+        })
+    }
+}
+
 /// The decoder layers of a Llama-family model with quantized linears, run as one call a
 /// step (`fastsched_kernels::decoder`).
 #[pyclass(name = "CpuDecoder", module = "fastsched._core", frozen)]
 pub struct PyCpuDecoder {
     dims: Dims,
-    /// Per layer: the input and post-attention RMSNorm weights (bfloat16 `[hidden]`).
-    norms: Vec<[usize; 2]>,
+    /// Per layer: the RMSNorm weights' addresses, input, post (before the MLP), q, k, attn_out,
+    /// mlp_out (0: none), bfloat16 or (`norms_f32`) float32.
+    norms: Vec<[usize; 6]>,
+    norms_f32: bool,
+    options: Vec<Options>,
     /// Per layer: q/k/v, o, gate/up, down.
     weights: Vec<[WeightAddrs; 4]>,
     /// Per layer: the bfloat16 biases of the same four (0: none).
@@ -30,10 +74,30 @@ pub struct PyCpuDecoder {
 
 impl PyCpuDecoder {
     /// # Safety
+    /// As [`Self::layers`].
+    unsafe fn final_norm<'a>(&self) -> NormWeight<'a> {
+        let (addr, h) = (self.final_norm, self.dims.hidden);
+        if self.norms_f32 {
+            NormWeight::F32(std::slice::from_raw_parts(addr as *const f32, h))
+        } else {
+            NormWeight::Bf16(std::slice::from_raw_parts(addr as *const u16, h))
+        }
+    }
+
+    /// # Safety
     /// The addresses are live for `'a` (the owner's contract, module docs).
     unsafe fn layers<'a>(&self) -> PyResult<Vec<Layer<'a>>> {
-        let h = self.dims.hidden;
-        let norm = |addr: usize| std::slice::from_raw_parts(addr as *const u16, h);
+        let (h, d) = (self.dims.hidden, self.dims.head_dim);
+        let f32_weights = self.norms_f32;
+        let norm = |addr: usize, len: usize| {
+            (addr != 0).then(|| {
+                if f32_weights {
+                    NormWeight::F32(std::slice::from_raw_parts(addr as *const f32, len))
+                } else {
+                    NormWeight::Bf16(std::slice::from_raw_parts(addr as *const u16, len))
+                }
+            })
+        };
         let w = |(bits, n, k, a): WeightAddrs| weight(n, k, bits, a);
         let bias = |addr: usize, (_, n, _, _): WeightAddrs| {
             (addr != 0).then(|| std::slice::from_raw_parts(addr as *const u16, n))
@@ -42,11 +106,38 @@ impl PyCpuDecoder {
             .iter()
             .zip(&self.weights)
             .zip(&self.biases)
+            .zip(&self.options)
+            .enumerate()
             .map(
-                |((&[input, post], &[qkv, o, gate_up, down]), &[bq, bo, bg, bd])| {
+                |(
+                    l,
+                    (
+                        (
+                            (&[input, post, qn, kn, an, mn], &[qkv, o, gate_up, down]),
+                            &[bq, bo, bg, bd],
+                        ),
+                        opt,
+                    ),
+                )| {
+                    let qk_norms = match (norm(qn, d), norm(kn, d)) {
+                        (Some(q), Some(k)) => Some([q, k]),
+                        (None, None) => None,
+                        _ => {
+                            return Err(PyValueError::new_err(format!(
+                                "layer {l}: a q norm and a k norm come together, got one"
+                            )))
+                        }
+                    };
+                    let required = |addr: usize, name: &str| {
+                        norm(addr, h).ok_or_else(|| {
+                            PyValueError::new_err(format!("layer {l}: {name} is required"))
+                        })
+                    };
                     Ok(Layer {
-                        input_norm: norm(input),
-                        post_norm: norm(post),
+                        input_norm: required(input, "input_norm")?,
+                        post_norm: required(post, "post_norm")?,
+                        qk_norms,
+                        out_norms: [norm(an, h), norm(mn, h)],
                         qkv: w(qkv)?,
                         o: w(o)?,
                         gate_up: w(gate_up)?,
@@ -57,6 +148,9 @@ impl PyCpuDecoder {
                             bias(bg, gate_up),
                             bias(bd, down),
                         ],
+                        activation: opt.activation,
+                        scores: opt.scores,
+                        rope_table: opt.rope_table,
                     })
                 },
             )
@@ -67,29 +161,47 @@ impl PyCpuDecoder {
 #[pymethods]
 impl PyCpuDecoder {
     /// `sizes`: hidden, num_heads, num_kv_heads, head_dim, intermediate; `dense_min_rows`:
-    /// activation rows from which a linear layer runs the many-row GEMM; `biases`: per layer
-    /// the addresses of the four projections' bfloat16 biases (0: none). Fails naming the
-    /// layer and projection whose shape does not fit.
+    /// activation rows from which a linear layer runs the many-row GEMM; `norms`: per layer
+    /// the addresses of the input, post (before the MLP), q, k, attn_out and mlp_out RMSNorm
+    /// weights (0: none; the first two required), all bfloat16, or all float32 if `norms_f32`
+    /// (Gemma's `1 + w`), the final norm too; `biases`: per layer the addresses of the four
+    /// projections' bfloat16 biases (0: none); `options`: per layer the activation ("silu",
+    /// "gelu_tanh"), sliding window, RoPE table, logit soft-cap and attention scale. Fails
+    /// naming the layer and part whose shape or option does not fit.
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
         sizes: [usize; 5],
         eps: f32,
         dense_min_rows: usize,
-        norms: Vec<[usize; 2]>,
+        norms: Vec<[usize; 6]>,
+        norms_f32: bool,
         weights: Vec<[WeightAddrs; 4]>,
         biases: Vec<[usize; 4]>,
         final_norm: usize,
+        options: Vec<LayerOptions>,
     ) -> PyResult<Self> {
         let [hidden, num_heads, num_kv_heads, head_dim, intermediate] = sizes;
-        if norms.len() != weights.len() || biases.len() != weights.len() {
+        if norms.len() != weights.len()
+            || biases.len() != weights.len()
+            || options.len() != weights.len()
+        {
             return Err(PyValueError::new_err(format!(
-                "{} layers of norms, {} of weights and {} of biases",
+                "{} layers of norms, {} of weights, {} of biases and {} of options",
                 norms.len(),
                 weights.len(),
-                biases.len()
+                biases.len(),
+                options.len()
             )));
         }
+        if final_norm == 0 {
+            return Err(PyValueError::new_err("final_norm is required"));
+        }
+        let options = options
+            .into_iter()
+            .enumerate()
+            .map(|(l, o)| Options::parse(l, o))
+            .collect::<PyResult<Vec<_>>>()?;
         let this = PyCpuDecoder {
             dims: Dims {
                 hidden,
@@ -101,6 +213,8 @@ impl PyCpuDecoder {
                 dense_min_rows,
             },
             norms,
+            norms_f32,
+            options,
             weights,
             biases,
             final_norm,
@@ -108,8 +222,8 @@ impl PyCpuDecoder {
         // SAFETY: the owner's contract (module docs).
         unsafe {
             let layers = this.layers()?;
-            let final_norm = std::slice::from_raw_parts(final_norm as *const u16, hidden);
-            decoder::validate(&this.dims, &layers, final_norm).map_err(PyValueError::new_err)?;
+            decoder::validate(&this.dims, &layers, this.final_norm())
+                .map_err(PyValueError::new_err)?;
         }
         Ok(this)
     }
@@ -117,8 +231,8 @@ impl PyCpuDecoder {
     /// Runs every layer on the bfloat16 residual stream `hidden [rows, hidden]` (updated in
     /// place) and writes the final-normed `out [rows, hidden]`.
     ///
-    /// `positions [rows]` int64 index the bfloat16 RoPE `tables` (cos, sin: `[table_len,
-    /// head_dim]`); `caches`: each layer's `[2, num_blocks, block_size, H_kv, D]` cache
+    /// `positions [rows]` int64 index the bfloat16 RoPE `tables`, per RoPE (cos, sin, len:
+    /// `[len, head_dim]` each; the layers' options name theirs); `caches`: each layer's `[2, num_blocks, block_size, H_kv, D]` cache
     /// (bfloat16 if `cache_bf16`, else float32); `step`: slot_mapping `[rows]` int64, then
     /// int32 query_start_loc `[num_reqs + 1]`, seq_lens `[num_reqs]`, block_tables
     /// `[num_reqs, max_blocks]` and the requests to attend for `[num_selected]`, which own
@@ -131,8 +245,7 @@ impl PyCpuDecoder {
         out: usize,
         rows: usize,
         positions: usize,
-        tables: [usize; 2],
-        table_len: usize,
+        tables: Vec<(usize, usize, usize)>,
         caches: Vec<usize>,
         cache_bf16: bool,
         cache_blocks: [usize; 2],
@@ -141,7 +254,6 @@ impl PyCpuDecoder {
         max_blocks: usize,
         num_selected: usize,
         num_rows: usize,
-        scale: f32,
     ) -> PyResult<()> {
         let pool = pool();
         let dims = self.dims;
@@ -170,22 +282,28 @@ impl PyCpuDecoder {
                         }
                     })
                     .collect();
-                let table = |a: usize| {
-                    std::slice::from_raw_parts(a as *const u16, table_len * dims.head_dim)
+                let table = |a: usize, len: usize| {
+                    std::slice::from_raw_parts(a as *const u16, len * dims.head_dim)
                 };
+                let tables: Vec<RopeTable> = tables
+                    .iter()
+                    .map(|&(cos, sin, len)| RopeTable {
+                        cos: table(cos, len),
+                        sin: table(sin, len),
+                    })
+                    .collect();
                 let [slots, qsl, seq_lens, block_tables, reqs] = step;
                 let n = rows * dims.hidden;
                 decoder::forward(
                     &dims,
                     &layers,
-                    std::slice::from_raw_parts(self.final_norm as *const u16, dims.hidden),
+                    self.final_norm(),
                     &mut caches,
                     std::slice::from_raw_parts_mut(hidden as *mut u16, n),
                     std::slice::from_raw_parts_mut(out as *mut u16, n),
                     Rope {
                         positions: std::slice::from_raw_parts(positions as *const i64, rows),
-                        cos: table(tables[0]),
-                        sin: table(tables[1]),
+                        tables: &tables,
                     },
                     Attention {
                         slot_mapping: std::slice::from_raw_parts(slots as *const i64, rows),
@@ -204,7 +322,6 @@ impl PyCpuDecoder {
                         reqs: std::slice::from_raw_parts(reqs as *const i32, num_selected),
                         num_rows,
                         cache_shape,
-                        scale,
                     },
                     &pool,
                     Kernels::best(),

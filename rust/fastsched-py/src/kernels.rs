@@ -166,7 +166,7 @@ pub fn quant_gemm_bf16(
 
 // ---- Paged attention (fastsched_kernels::attention), for fastsched.kernels.cpu_ops ----
 
-use fastsched_kernels::attention::{self, CacheShape, Floats, FloatsMut, Step};
+use fastsched_kernels::attention::{self, CacheShape, Floats, FloatsMut, Scores, Step};
 
 /// # Safety (of the callers' contract)
 /// `addr` points at a live, contiguous buffer of `len` elements of the given dtype.
@@ -196,7 +196,8 @@ unsafe fn floats_mut<'a>(addr: usize, bf16: bool, len: usize) -> FloatsMut<'a> {
 /// of the query's dtype, bfloat16 if `bf16` else float32), kv_cache `[2, num_blocks,
 /// block_size, H_kv, D]` (bfloat16 if `cache_bf16`). `step`: slot_mapping `[T]` int64,
 /// query_start_loc `[B + 1]`, seq_lens `[B]`, block_tables `[B, max_blocks]`, reqs
-/// `[num_selected]`, all int32. `cache_shape`: num_blocks, block_size, H_kv, D.
+/// `[num_selected]`, all int32. `cache_shape`: num_blocks, block_size, H_kv, D. `scale`,
+/// `softcap` and `window`: the layer's scores (the crate's `Scores`).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
@@ -213,8 +214,15 @@ pub fn paged_attention(
     max_blocks: usize,
     num_selected: usize,
     scale: f32,
+    softcap: Option<f32>,
+    window: Option<usize>,
 ) -> PyResult<()> {
     let pool = pool();
+    let scores = Scores {
+        scale,
+        softcap,
+        window,
+    };
     let [num_blocks, block_size, num_kv_heads, head_dim] = cache_shape;
     let shape = CacheShape {
         num_blocks,
@@ -265,7 +273,7 @@ pub fn paged_attention(
                 shape,
                 step,
                 std::slice::from_raw_parts(reqs as *const i32, num_selected),
-                scale,
+                scores,
                 &pool,
                 attention::best_isa(),
             )
@@ -276,10 +284,21 @@ pub fn paged_attention(
 
 // ---- Elementwise ops (fastsched_kernels::elementwise), for fastsched.kernels.cpu_ops ----
 
-use fastsched_kernels::elementwise;
+use fastsched_kernels::elementwise::{self, NormWeight};
+
+/// # Safety
+/// As [`floats`].
+unsafe fn norm_weight<'a>(addr: usize, f32_weight: bool, len: usize) -> NormWeight<'a> {
+    if f32_weight {
+        NormWeight::F32(std::slice::from_raw_parts(addr as *const f32, len))
+    } else {
+        NormWeight::Bf16(std::slice::from_raw_parts(addr as *const u16, len))
+    }
+}
 
 /// RMSNorm of the bfloat16 residual stream `hidden [M, N]` into `out`, after adding `delta`
-/// to `hidden` in place (`delta` = 0: no add). `weight [N]` bfloat16.
+/// to `hidden` in place (`delta` = 0: no add). `weight [N]` bfloat16, or float32 (Gemma's
+/// `1 + w`, one rounding) if `weight_f32`.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn add_rms_norm_bf16(
@@ -287,6 +306,7 @@ pub fn add_rms_norm_bf16(
     hidden: usize,
     delta: usize,
     weight: usize,
+    weight_f32: bool,
     out: usize,
     rows: usize,
     n: usize,
@@ -298,7 +318,7 @@ pub fn add_rms_norm_bf16(
             elementwise::add_rms_norm_bf16(
                 std::slice::from_raw_parts_mut(hidden as *mut u16, rows * n),
                 (delta != 0).then(|| std::slice::from_raw_parts(delta as *const u16, rows * n)),
-                std::slice::from_raw_parts(weight as *const u16, n),
+                norm_weight(weight, weight_f32, n),
                 eps,
                 std::slice::from_raw_parts_mut(out as *mut u16, rows * n),
             )
@@ -340,6 +360,65 @@ pub fn rope(
                 std::slice::from_raw_parts(positions as *const i64, rows),
                 floats(tables[0], bf16, table_len * head_dim),
                 floats(tables[1], bf16, table_len * head_dim),
+            )
+        }
+        .map_err(PyValueError::new_err)
+    })
+}
+
+/// RMSNorm in place on the first `heads` heads of `head_dim` of each of the `rows` rows of
+/// the bfloat16 `x` (`stride` elements apart), one `weight [head_dim]` (as
+/// [`add_rms_norm_bf16`]'s).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_heads_bf16(
+    py: Python<'_>,
+    x: usize,
+    stride: usize,
+    rows: usize,
+    heads: usize,
+    head_dim: usize,
+    weight: usize,
+    weight_f32: bool,
+    eps: f32,
+) -> PyResult<()> {
+    py.detach(|| {
+        // SAFETY: the caller's contract (module docs).
+        unsafe {
+            let len = if rows == 0 {
+                0
+            } else {
+                (rows - 1) * stride + heads * head_dim
+            };
+            elementwise::rms_norm_heads_bf16(
+                std::slice::from_raw_parts_mut(x as *mut u16, len),
+                stride,
+                rows,
+                heads,
+                norm_weight(weight, weight_f32, head_dim),
+                eps,
+            )
+        }
+        .map_err(PyValueError::new_err)
+    })
+}
+
+/// `out [M, I] = gelu_tanh(gate) · up` for bfloat16 `gate_up [M, 2I]`.
+#[pyfunction]
+pub fn gelu_tanh_mul_bf16(
+    py: Python<'_>,
+    gate_up: usize,
+    out: usize,
+    rows: usize,
+    inner: usize,
+) -> PyResult<()> {
+    py.detach(|| {
+        // SAFETY: the caller's contract (module docs).
+        unsafe {
+            elementwise::gelu_tanh_mul_bf16(
+                std::slice::from_raw_parts(gate_up as *const u16, rows * 2 * inner),
+                std::slice::from_raw_parts_mut(out as *mut u16, rows * inner),
+                inner,
             )
         }
         .map_err(PyValueError::new_err)

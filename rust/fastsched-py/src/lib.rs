@@ -73,6 +73,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::add_rms_norm_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::rope, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::silu_mul_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::gelu_tanh_mul_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::rms_norm_heads_bf16, m)?)?;
     m.add_class::<decoder::PyCpuDecoder>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The codes of `SchedulerOutput.kinds` and `EngineCoreOutputs.finish_reasons`,

@@ -79,6 +79,10 @@ impl Case {
     }
 
     fn run(&self, reqs: &[i32], isa: Isa, pool: &Pool) -> Vec<f32> {
+        self.run_scored(reqs, isa, pool, Scores::scaled(0.125))
+    }
+
+    fn run_scored(&self, reqs: &[i32], isa: Isa, pool: &Pool, scores: Scores) -> Vec<f32> {
         let mut out = vec![0f32; self.query.len()];
         paged_attention(
             Floats::F32(&self.query),
@@ -89,7 +93,7 @@ impl Case {
             self.shape,
             self.step(),
             reqs,
-            0.125,
+            scores,
             pool,
             isa,
         )
@@ -97,8 +101,12 @@ impl Case {
         out
     }
 
-    /// Two-pass softmax in float64, straight from the contract (module docs).
     fn reference(&self) -> Vec<f32> {
+        self.reference_scored(Scores::scaled(0.125))
+    }
+
+    /// Two-pass softmax in float64, straight from the contract (module docs).
+    fn reference_scored(&self, scores: Scores) -> Vec<f32> {
         let CacheShape {
             block_size,
             num_kv_heads,
@@ -119,13 +127,19 @@ impl Case {
                             + t % block_size
                     };
                     let key = |kv, t| &self.cache[self.shape.offset(kv, slot(t), h / group)..][..d];
-                    let s: Vec<f64> = (0..=pos)
+                    // keys first..=pos: the window's W keys, or all
+                    let first = scores.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let s: Vec<f64> = (first..=pos)
                         .map(|t| {
-                            q.iter()
+                            let s = q
+                                .iter()
                                 .zip(key(0, t))
                                 .map(|(a, b)| (*a as f64) * (*b as f64))
                                 .sum::<f64>()
-                                * 0.125
+                                * scores.scale as f64;
+                            scores
+                                .softcap
+                                .map_or(s, |c| c as f64 * (s / c as f64).tanh())
                         })
                         .collect();
                     let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -135,8 +149,10 @@ impl Case {
                         .iter_mut()
                         .enumerate()
                     {
-                        *o =
-                            ((0..=pos).map(|t| p[t] * key(1, t)[i] as f64).sum::<f64>() / z) as f32;
+                        *o = ((first..=pos)
+                            .map(|t| p[t - first] * key(1, t)[i] as f64)
+                            .sum::<f64>()
+                            / z) as f32;
                     }
                 }
             }
@@ -163,6 +179,92 @@ fn matches_the_reference_on_mixed_decode_verify_and_prefill_rows() {
                 );
             }
         }
+    }
+}
+
+#[test]
+fn a_sliding_window_and_a_softcap_match_the_reference() {
+    // windows shorter than a block, a block exactly, across blocks; chunks starting inside
+    // and before the window; a cap small enough to bend the scores (|s| up to ~2 here)
+    let pool = Pool::new(2);
+    let c = case(MIXED, 4, 2, 32, 17);
+    let all: Vec<i32> = (0..MIXED.len() as i32).collect();
+    for (window, softcap) in [
+        (Some(1), None),
+        (Some(3), None),
+        (Some(4), Some(0.8)),
+        (Some(9), None),
+        (None, Some(0.5)),
+        (Some(100), Some(2.0)),
+    ] {
+        let scores = Scores {
+            scale: 0.125,
+            softcap,
+            window,
+        };
+        let want = c.reference_scored(scores);
+        for isa in [Isa::Scalar, best_isa()] {
+            let got = c.run_scored(&all, isa, &pool, scores);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() < 1e-5,
+                    "window {window:?} softcap {softcap:?} {isa:?}: element {i}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_window_covering_the_sequence_gives_plain_causal_bits() {
+    let c = case(MIXED, 4, 2, 32, 19);
+    let all: Vec<i32> = (0..MIXED.len() as i32).collect();
+    let windowed = Scores {
+        window: Some(30),
+        ..Scores::scaled(0.125)
+    };
+    let pool = Pool::new(1);
+    assert_eq!(
+        c.run(&all, best_isa(), &pool),
+        c.run_scored(&all, best_isa(), &pool, windowed)
+    );
+}
+
+#[test]
+fn rejects_a_zero_window_and_a_bad_cap() {
+    let c = case(&[(1, 5)], 2, 1, 16, 1);
+    for (scores, what) in [
+        (
+            Scores {
+                window: Some(0),
+                ..Scores::scaled(0.125)
+            },
+            "window",
+        ),
+        (
+            Scores {
+                softcap: Some(0.0),
+                ..Scores::scaled(0.125)
+            },
+            "softcap",
+        ),
+    ] {
+        let mut out = vec![0f32; c.query.len()];
+        let err = paged_attention(
+            Floats::F32(&c.query),
+            2 * 16,
+            &mut FloatsMut::F32(&mut out),
+            2,
+            Floats::F32(&c.cache),
+            c.shape,
+            c.step(),
+            &[0],
+            scores,
+            &Pool::new(1),
+            Isa::Scalar,
+        )
+        .unwrap_err();
+        assert!(err.contains(what), "{err}");
     }
 }
 
@@ -218,7 +320,7 @@ fn bf16_cache_and_query_stay_close_to_float32() {
         c.shape,
         c.step(),
         &all,
-        0.125,
+        Scores::scaled(0.125),
         &Pool::new(1),
         best_isa(),
     )
@@ -246,7 +348,7 @@ fn rejects_a_block_id_outside_the_cache() {
         c.shape,
         c.step(),
         &[0],
-        0.125,
+        Scores::scaled(0.125),
         &Pool::new(1),
         Isa::Scalar,
     )

@@ -1,8 +1,10 @@
-//! The stack against a float64 Llama written out from its definition, the invariance of a
-//! row to what shares its step, and the shape checks.
+//! The stack against a float64 Llama (and Qwen3, and a Gemma-style stack with every option)
+//! written out from its definition, the invariance of a row to what shares its step, and
+//! the shape checks.
 
 use super::*;
 use crate::attention::bf16_to_f32;
+use crate::elementwise::NormWeight;
 use crate::quant::tests::{int4_case, int8_case, Dense, Rng};
 use crate::quant::{Int4, Int8};
 
@@ -61,29 +63,79 @@ impl Stored {
     }
 }
 
+/// Which per-layer options the test model has.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Variant {
+    Llama,
+    /// q/k norms (bfloat16 weights).
+    Qwen3,
+    /// float32 `1 + w` norms, q/k norms, output norms, GELU-tanh; layer 0 a 3-key sliding
+    /// window on its own RoPE table, layer 1 soft-capped; a non-default scale.
+    Gemma,
+}
+
+/// An RMSNorm weight in the form the variant hands the stack.
+enum Norm {
+    Bf16(Vec<u16>),
+    F32(Vec<f32>),
+}
+
+impl Norm {
+    fn new(rng: &mut Rng, n: usize, f32_weight: bool) -> Norm {
+        let values = (0..n).map(|_| 1.0 + 0.3 * rng.uniform());
+        if f32_weight {
+            Norm::F32(values.collect())
+        } else {
+            Norm::Bf16(values.map(|v| bf(v as f64)).collect())
+        }
+    }
+
+    fn weight(&self) -> NormWeight<'_> {
+        match self {
+            Norm::Bf16(w) => NormWeight::Bf16(w),
+            Norm::F32(w) => NormWeight::F32(w),
+        }
+    }
+
+    fn values(&self) -> Vec<f64> {
+        match self {
+            Norm::Bf16(w) => w.iter().map(|&b| bf16_to_f32(b) as f64).collect(),
+            Norm::F32(w) => w.iter().map(|&v| v as f64).collect(),
+        }
+    }
+}
+
 struct Model {
-    norms: Vec<Vec<u16>>, // per layer: input, post; then the final norm
+    variant: Variant,
+    /// Per layer: input, post, then (Gemma) attn_out, mlp_out.
+    norms: Vec<Vec<Norm>>,
+    /// Per layer (Qwen3, Gemma): q_norm, k_norm.
+    qk_norms: Vec<[Norm; 2]>,
+    final_norm: Norm,
     weights: Vec<[Stored; 4]>,
-    cos: Vec<u16>,
-    sin: Vec<u16>,
+    /// cos and sin per RoPE: base 10000, and (Gemma's local layers) base 10.
+    tables: Vec<(Vec<u16>, Vec<u16>)>,
 }
 
 fn bf(v: f64) -> u16 {
     f32_to_bf16(v as f32)
 }
 
-fn model(seed: u64) -> Model {
+fn model(seed: u64, variant: Variant) -> Model {
     let mut rng = Rng(seed);
     let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+    let gemma = variant == Variant::Gemma;
     let mut norms = Vec::new();
+    let mut qk_norms = Vec::new();
     let mut weights = Vec::new();
     for l in 0..LAYERS {
-        for _ in 0..2 {
-            norms.push(
-                (0..HIDDEN)
-                    .map(|_| bf(1.0 + 0.3 * rng.uniform() as f64))
-                    .collect(),
-            );
+        norms.push(
+            (0..if gemma { 4 } else { 2 })
+                .map(|_| Norm::new(&mut rng, HIDDEN, gemma))
+                .collect(),
+        );
+        if variant != Variant::Llama {
+            qk_norms.push([0, 1].map(|_| Norm::new(&mut rng, HEAD_DIM, gemma)));
         }
         // layer 1 int8, layer 0 int4: both kinds in one stack
         let int8 = l == 1;
@@ -94,25 +146,29 @@ fn model(seed: u64) -> Model {
             Stored::new(&mut rng, HIDDEN, INTER, int8),
         ]);
     }
-    norms.push(
-        (0..HIDDEN)
-            .map(|_| bf(1.0 + 0.3 * rng.uniform() as f64))
-            .collect(),
-    );
+    let final_norm = Norm::new(&mut rng, HIDDEN, gemma);
     let len = 32;
-    let (mut cos, mut sin) = (Vec::new(), Vec::new());
-    for p in 0..len {
-        for j in 0..HEAD_DIM {
-            let freq = 10000f64.powf(-2.0 * (j % (HEAD_DIM / 2)) as f64 / HEAD_DIM as f64);
-            cos.push(bf((p as f64 * freq).cos()));
-            sin.push(bf((p as f64 * freq).sin()));
-        }
-    }
+    let tables = [10000f64, 10.0]
+        .iter()
+        .map(|&base| {
+            let (mut cos, mut sin) = (Vec::new(), Vec::new());
+            for p in 0..len {
+                for j in 0..HEAD_DIM {
+                    let freq = base.powf(-2.0 * (j % (HEAD_DIM / 2)) as f64 / HEAD_DIM as f64);
+                    cos.push(bf((p as f64 * freq).cos()));
+                    sin.push(bf((p as f64 * freq).sin()));
+                }
+            }
+            (cos, sin)
+        })
+        .collect();
     Model {
+        variant,
         norms,
+        qk_norms,
+        final_norm,
         weights,
-        cos,
-        sin,
+        tables,
     }
 }
 
@@ -128,18 +184,56 @@ fn dims(dense_min_rows: usize) -> Dims {
     }
 }
 
+/// Layer `l`'s scores and RoPE table.
+fn options(variant: Variant, l: usize) -> (Scores, usize) {
+    let plain = Scores::scaled(1.0 / (HEAD_DIM as f32).sqrt());
+    match (variant, l) {
+        (Variant::Gemma, 0) => (
+            Scores {
+                scale: 0.2,
+                window: Some(3),
+                softcap: None,
+            },
+            1,
+        ),
+        (Variant::Gemma, _) => (
+            Scores {
+                scale: 0.2,
+                window: None,
+                softcap: Some(1.5),
+            },
+            0,
+        ),
+        _ => (plain, 0),
+    }
+}
+
 fn layers(m: &Model) -> Vec<Layer<'_>> {
     (0..LAYERS)
         .map(|l| {
             let w = &m.weights[l];
+            let norms = &m.norms[l];
+            let (scores, rope_table) = options(m.variant, l);
             Layer {
-                input_norm: &m.norms[2 * l],
-                post_norm: &m.norms[2 * l + 1],
+                input_norm: norms[0].weight(),
+                post_norm: norms[1].weight(),
+                qk_norms: m.qk_norms.get(l).map(|n| [n[0].weight(), n[1].weight()]),
+                out_norms: [
+                    norms.get(2).map(Norm::weight),
+                    norms.get(3).map(Norm::weight),
+                ],
                 qkv: w[0].weight(),
                 o: w[1].weight(),
                 gate_up: w[2].weight(),
                 down: w[3].weight(),
                 biases: [None; 4],
+                activation: if m.variant == Variant::Gemma {
+                    Activation::GeluTanh
+                } else {
+                    Activation::Silu
+                },
+                scores,
+                rope_table,
             }
         })
         .collect()
@@ -158,6 +252,18 @@ fn shape() -> CacheShape {
 /// blocks 1, 2, … in order, plus `padding` rows; returns the final-normed output.
 fn run(
     m: &Model,
+    embedded: &[u16],
+    lens: &[usize],
+    padding: usize,
+    dense_min_rows: usize,
+) -> Vec<u16> {
+    run_layers(m, &layers(m), embedded, lens, padding, dense_min_rows)
+}
+
+/// [`run`] with `layers` standing for the model's.
+fn run_layers(
+    m: &Model,
+    layers: &[Layer],
     embedded: &[u16],
     lens: &[usize],
     padding: usize,
@@ -194,19 +300,22 @@ fn run(
     slots.extend(std::iter::repeat_n(-1, padding));
     let reqs: Vec<i32> = (0..lens.len() as i32).collect();
     let mut cache_views: Vec<FloatsMut> = caches.iter_mut().map(|c| FloatsMut::Bf16(c)).collect();
-    let layers = layers(m);
-    validate(&dims(dense_min_rows), &layers, &m.norms[2 * LAYERS]).unwrap();
+    let rope_tables: Vec<RopeTable> = m
+        .tables
+        .iter()
+        .map(|(cos, sin)| RopeTable { cos, sin })
+        .collect();
+    validate(&dims(dense_min_rows), layers, m.final_norm.weight()).unwrap();
     forward(
         &dims(dense_min_rows),
-        &layers,
-        &m.norms[2 * LAYERS],
+        layers,
+        m.final_norm.weight(),
         &mut cache_views,
         &mut hidden,
         &mut out,
         Rope {
             positions: &positions,
-            cos: &m.cos,
-            sin: &m.sin,
+            tables: &rope_tables,
         },
         Attention {
             slot_mapping: &slots,
@@ -219,7 +328,6 @@ fn run(
             reqs: &reqs,
             num_rows: rows - padding,
             cache_shape: shape(),
-            scale: 1.0 / (HEAD_DIM as f32).sqrt(),
         },
         &Pool::new(2),
         Kernels::best(),
@@ -228,12 +336,9 @@ fn run(
     out
 }
 
-fn rms_norm(x: &[f64], w: &[u16]) -> Vec<f64> {
+fn rms_norm(x: &[f64], w: &Norm) -> Vec<f64> {
     let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + 1e-5).sqrt();
-    x.iter()
-        .zip(w)
-        .map(|(v, &w)| v * inv * bf16_to_f32(w) as f64)
-        .collect()
+    x.iter().zip(w.values()).map(|(v, w)| v * inv * w).collect()
 }
 
 fn matvec(d: &Dense, x: &[f64]) -> Vec<f64> {
@@ -248,11 +353,11 @@ fn matvec(d: &Dense, x: &[f64]) -> Vec<f64> {
         .collect()
 }
 
-fn rotate(x: &mut [f64], p: usize, m: &Model) {
+fn rotate(x: &mut [f64], p: usize, (cos, sin): &(Vec<u16>, Vec<u16>)) {
     let half = HEAD_DIM / 2;
     let (c, s) = (
-        &m.cos[p * HEAD_DIM..][..HEAD_DIM],
-        &m.sin[p * HEAD_DIM..][..HEAD_DIM],
+        &cos[p * HEAD_DIM..][..HEAD_DIM],
+        &sin[p * HEAD_DIM..][..HEAD_DIM],
     );
     for head in x.chunks_exact_mut(HEAD_DIM) {
         let old = head.to_vec();
@@ -272,6 +377,10 @@ fn r(x: Vec<f64>) -> Vec<f64> {
     x.into_iter().map(|v| bf16_to_f32(bf(v)) as f64).collect()
 }
 
+fn gelu_tanh(x: f64) -> f64 {
+    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+}
+
 /// One request of `len` tokens through the stack in float64, rounded to bfloat16 where the
 /// stack stores its tensors (the stack's other roundings, e.g. RoPE's and RMSNorm's
 /// intermediate ones, are left out).
@@ -287,51 +396,72 @@ fn reference(m: &Model, embedded: &[u16], len: usize) -> Vec<Vec<f64>> {
         .collect();
     for l in 0..LAYERS {
         let w = &m.weights[l];
+        let norms = &m.norms[l];
+        let (scores, table) = options(m.variant, l);
         let qkv: Vec<Vec<f64>> = (0..len)
             .map(|t| {
-                let mut v = r(matvec(w[0].dense(), &r(rms_norm(&h[t], &m.norms[2 * l]))));
-                rotate(&mut v[..q + kv], t, m);
+                let mut v = r(matvec(w[0].dense(), &r(rms_norm(&h[t], &norms[0]))));
+                if let Some([q_norm, k_norm]) = m.qk_norms.get(l) {
+                    for (head, x) in v[..q + kv].chunks_exact_mut(HEAD_DIM).enumerate() {
+                        let normed = rms_norm(x, if head < HEADS { q_norm } else { k_norm });
+                        x.copy_from_slice(&r(normed));
+                    }
+                }
+                rotate(&mut v[..q + kv], t, &m.tables[table]);
                 r(v)
             })
             .collect();
         for t in 0..len {
             let mut a = vec![0f64; q];
+            let first = scores.window.map_or(0, |w| (t + 1).saturating_sub(w));
             for head in 0..HEADS {
                 let g = head / (HEADS / KV_HEADS);
                 let qh = &qkv[t][head * HEAD_DIM..][..HEAD_DIM];
-                let scores: Vec<f64> = (0..=t)
+                let logits: Vec<f64> = (first..=t)
                     .map(|u| {
                         let kh = &qkv[u][q + g * HEAD_DIM..][..HEAD_DIM];
-                        qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f64>()
-                            / (HEAD_DIM as f64).sqrt()
+                        let s = qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f64>()
+                            * scores.scale as f64;
+                        scores
+                            .softcap
+                            .map_or(s, |c| c as f64 * (s / c as f64).tanh())
                     })
                     .collect();
-                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let p: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let p: Vec<f64> = logits.iter().map(|s| (s - max).exp()).collect();
                 let total: f64 = p.iter().sum();
-                for (u, pu) in p.iter().enumerate() {
-                    let vh = &qkv[u][q + kv + g * HEAD_DIM..][..HEAD_DIM];
+                for (j, pu) in p.iter().enumerate() {
+                    let vh = &qkv[first + j][q + kv + g * HEAD_DIM..][..HEAD_DIM];
                     for d in 0..HEAD_DIM {
                         a[head * HEAD_DIM + d] += pu / total * vh[d];
                     }
                 }
             }
-            let o = r(matvec(w[1].dense(), &r(a)));
+            let mut o = r(matvec(w[1].dense(), &r(a)));
+            if let Some(norm) = norms.get(2) {
+                o = r(rms_norm(&o, norm));
+            }
             h[t] = r(h[t].iter().zip(&o).map(|(h, o)| h + o).collect());
-            let gu = r(matvec(
-                w[2].dense(),
-                &r(rms_norm(&h[t], &m.norms[2 * l + 1])),
-            ));
+            let gu = r(matvec(w[2].dense(), &r(rms_norm(&h[t], &norms[1]))));
             let act = r((0..INTER)
-                .map(|j| gu[j] / (1.0 + (-gu[j]).exp()) * gu[INTER + j])
+                .map(|j| {
+                    let gate = gu[j];
+                    let activated = if m.variant == Variant::Gemma {
+                        gelu_tanh(gate)
+                    } else {
+                        gate / (1.0 + (-gate).exp())
+                    };
+                    activated * gu[INTER + j]
+                })
                 .collect());
-            let down = r(matvec(w[3].dense(), &act));
+            let mut down = r(matvec(w[3].dense(), &act));
+            if let Some(norm) = norms.get(3) {
+                down = r(rms_norm(&down, norm));
+            }
             h[t] = r(h[t].iter().zip(&down).map(|(h, d)| h + d).collect());
         }
     }
-    h.iter()
-        .map(|x| rms_norm(x, &m.norms[2 * LAYERS]))
-        .collect()
+    h.iter().map(|x| rms_norm(x, &m.final_norm)).collect()
 }
 
 fn embedded(rows: usize, seed: u64) -> Vec<u16> {
@@ -342,62 +472,105 @@ fn embedded(rows: usize, seed: u64) -> Vec<u16> {
 }
 
 #[test]
-fn matches_a_float64_llama_on_both_linear_paths() {
-    let m = model(7);
+fn matches_a_float64_reference_on_both_linear_paths_with_every_layer_option() {
     let x = embedded(6, 11);
-    let want = reference(&m, &x, 6);
     // 100: every linear on the integer GEMV (activations rounded to int8); 1: every linear on
     // the bf16 GEMM. Bound: a row's relative L2 error after two layers of bfloat16 (and int8)
-    // roundings; a wrong head, position or residual gives errors of order 1.
-    for (dense_min_rows, bound) in [(100, 0.05), (1, 0.05)] {
-        let got = run(&m, &x, &[6], 0, dense_min_rows);
-        for (t, row) in want.iter().enumerate() {
-            let got = &got[t * HIDDEN..][..HIDDEN];
-            let err: f64 = row
-                .iter()
-                .zip(got)
-                .map(|(v, &g)| (bf16_to_f32(g) as f64 - v).powi(2))
-                .sum();
-            let norm: f64 = row.iter().map(|v| v * v).sum();
-            let rel = (err / norm).sqrt();
-            assert!(
-                rel <= bound,
-                "dense_min_rows {dense_min_rows}: row {t}: relative L2 error {rel:.4} > {bound}"
-            );
+    // roundings; a wrong head, position, window, norm or residual gives errors of order 1.
+    for variant in [Variant::Llama, Variant::Qwen3, Variant::Gemma] {
+        let m = model(7, variant);
+        let want = reference(&m, &x, 6);
+        for (dense_min_rows, bound) in [(100, 0.05), (1, 0.05)] {
+            let got = run(&m, &x, &[6], 0, dense_min_rows);
+            for (t, row) in want.iter().enumerate() {
+                let got = &got[t * HIDDEN..][..HIDDEN];
+                let err: f64 = row
+                    .iter()
+                    .zip(got)
+                    .map(|(v, &g)| (bf16_to_f32(g) as f64 - v).powi(2))
+                    .sum();
+                let norm: f64 = row.iter().map(|v| v * v).sum();
+                let rel = (err / norm).sqrt();
+                assert!(
+                    rel <= bound,
+                    "{variant:?} dense_min_rows {dense_min_rows}: row {t}: relative L2 error {rel:.4} > {bound}"
+                );
+            }
         }
+    }
+}
+
+/// An edit of a layer's options.
+type LayerChange = fn(&mut Layer);
+
+#[test]
+fn each_gemma_option_changes_the_result() {
+    // the reference test's bound must not be loose enough to pass a stack ignoring an option
+    let x = embedded(6, 11);
+    let m = model(7, Variant::Gemma);
+    let full = run(&m, &x, &[6], 0, 100);
+    let changes: [(&str, LayerChange); 6] = [
+        ("window", |l| l.scores.window = None),
+        ("softcap", |l| l.scores.softcap = None),
+        ("rope table", |l| l.rope_table = 0),
+        ("qk norms", |l| l.qk_norms = None),
+        ("out norms", |l| l.out_norms = [None; 2]),
+        ("activation", |l| l.activation = Activation::Silu),
+    ];
+    for (name, change) in changes {
+        let mut ls = layers(&m);
+        ls.iter_mut().for_each(change);
+        let out = run_layers(&m, &ls, &x, &[6], 0, 100);
+        assert_ne!(out, full, "without {name} the output is the same");
     }
 }
 
 #[test]
 fn a_request_gets_the_same_bits_whatever_shares_its_step() {
-    let m = model(3);
-    let x = embedded(8, 5);
-    // request A (3 rows) alone, then with request B (4 rows) and a padding row after it
-    let alone = run(&m, &x, &[3], 0, 16);
-    let shared = run(&m, &x, &[3, 4], 1, 16);
-    assert_eq!(alone[..], shared[..3 * HIDDEN]);
-    // B's rows are its own: B alone (its rows first) gives them too
-    let b_alone = run(&m, &x[3 * HIDDEN..], &[4], 0, 16);
-    assert_eq!(b_alone[..], shared[3 * HIDDEN..7 * HIDDEN]);
+    for variant in [Variant::Llama, Variant::Gemma] {
+        let m = model(3, variant);
+        let x = embedded(8, 5);
+        // request A (3 rows) alone, then with request B (4 rows) and a padding row after it
+        let alone = run(&m, &x, &[3], 0, 16);
+        let shared = run(&m, &x, &[3, 4], 1, 16);
+        assert_eq!(alone[..], shared[..3 * HIDDEN], "{variant:?}");
+        // B's rows are its own: B alone (its rows first) gives them too
+        let b_alone = run(&m, &x[3 * HIDDEN..], &[4], 0, 16);
+        assert_eq!(b_alone[..], shared[3 * HIDDEN..7 * HIDDEN], "{variant:?}");
+    }
 }
 
 #[test]
-fn validate_names_the_layer_and_projection_of_a_bad_shape() {
-    let m = model(1);
+fn validate_names_the_layer_and_part_of_a_bad_shape_or_option() {
+    let m = model(1, Variant::Gemma);
+    let fin = m.final_norm.weight();
     let mut ls = layers(&m);
     ls[1].o = ls[1].down;
-    let err = validate(&dims(16), &ls, &m.norms[2 * LAYERS]).unwrap_err();
+    let err = validate(&dims(16), &ls, fin).unwrap_err();
     assert!(err.contains("layer 1: o"), "{err}");
-    let err = validate(&dims(16), &layers(&m), &m.norms[0][..8]).unwrap_err();
+    let short = NormWeight::Bf16(&[0u16; 8]);
+    let err = validate(&dims(16), &layers(&m), short).unwrap_err();
     assert!(err.contains("final norm"), "{err}");
     let mut ls = layers(&m);
-    ls[0].biases[0] = Some(&m.norms[0]); // [hidden], q/k/v has more outputs
-    let err = validate(&dims(16), &ls, &m.norms[2 * LAYERS]).unwrap_err();
+    ls[0].biases[0] = Some(&[0u16; HIDDEN]); // [hidden], q/k/v has more outputs
+    let err = validate(&dims(16), &ls, fin).unwrap_err();
     assert!(err.contains("layer 0: qkv's bias"), "{err}");
+    let mut ls = layers(&m);
+    ls[1].qk_norms.as_mut().unwrap()[1] = m.norms[0][0].weight(); // [hidden], not [head_dim]
+    let err = validate(&dims(16), &ls, fin).unwrap_err();
+    assert!(err.contains("layer 1: k_norm"), "{err}");
+    let mut ls = layers(&m);
+    ls[0].out_norms[1] = Some(short);
+    let err = validate(&dims(16), &ls, fin).unwrap_err();
+    assert!(err.contains("layer 0: mlp_out_norm"), "{err}");
+    let mut ls = layers(&m);
+    ls[1].scores.window = Some(0);
+    let err = validate(&dims(16), &ls, fin).unwrap_err();
+    assert!(err.contains("layer 1: sliding window"), "{err}");
 }
 
 #[test]
 fn a_step_without_rows_does_nothing() {
-    let m = model(2);
+    let m = model(2, Variant::Llama);
     assert!(run(&m, &[], &[], 0, 16).is_empty());
 }
