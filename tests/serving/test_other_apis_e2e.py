@@ -36,7 +36,7 @@ from fastsched.model_loader import load_tokenizer  # noqa: E402
 MODEL = "tiny"
 API_KEY = "sk-other-apis"
 STORE_SIZE = 2
-MAX_QUEUED = 2
+MAX_QUEUED = 4
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"], "additionalProperties": False}
