@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -28,9 +28,7 @@ from fastsched.gateway.chat_based import answer, as_api_error, sse
 from fastsched.gateway.openai_protocol import ApiError
 from fastsched.gateway.request_ids import assign_request_id
 from fastsched.limits import LimitError
-
-if TYPE_CHECKING:
-    from fastsched.gateway.app import Gateway
+from fastsched.gateway.state import GatewayState
 
 # HTTP status -> Anthropic's error type.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -61,7 +59,7 @@ def with_anthropic_errors(handler: Handler) -> Handler:
     return wrapped
 
 
-async def create_message(gateway: Gateway, request: Request) -> Response:
+async def create_message(gateway: GatewayState, request: Request) -> Response:
     message_id = assign_request_id(request, "msg")
     body, size = await gateway.read_json(request)
     parsed = await gateway.parse_chat_request(to_chat(body), size, message_id)
@@ -69,7 +67,7 @@ async def create_message(gateway: Gateway, request: Request) -> Response:
                                                               len(parsed.prompts[0])))
 
 
-async def count_tokens(gateway: Gateway, request: Request) -> Response:
+async def count_tokens(gateway: GatewayState, request: Request) -> Response:
     """The prompt's tokens as ``/v1/messages`` renders it: the ``input_tokens`` it would report."""
     body, size = await gateway.read_json(request)
     parsed = await gateway.parse_chat_request(to_chat(body, count_only=True), size, "count_tokens")

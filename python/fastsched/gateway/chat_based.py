@@ -13,7 +13,7 @@ an ordinary error response in the API's own shape (:meth:`ChatBasedApi.error_res
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import grpc
 from starlette.requests import Request
@@ -24,9 +24,7 @@ from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.openai_protocol import ApiError, ParsedRequest, ResponseFormatter
 from fastsched.gateway.streams import ClientWatch, merge_streams
 from fastsched.limits import LimitError
-
-if TYPE_CHECKING:
-    from fastsched.gateway.app import Gateway
+from fastsched.gateway.state import GatewayState
 
 
 class ChatBasedApi(Protocol):
@@ -57,7 +55,7 @@ def sse(event: str | None, payload: dict[str, Any]) -> str:
     return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
 
 
-async def answer(gateway: Gateway, request: Request, parsed: ParsedRequest, api: ChatBasedApi) -> Response:
+async def answer(gateway: GatewayState, request: Request, parsed: ParsedRequest, api: ChatBasedApi) -> Response:
     """Runs a translated chat request and answers it in ``api``'s shape, streamed or whole."""
     formatter = ResponseFormatter(parsed, parsed.lora_name or gateway.model_name, gateway.tokenizer,
                                   gateway.enable_prompt_tokens_details)
@@ -84,7 +82,7 @@ class _ApiEventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, gateway: Gateway, parsed: ParsedRequest, formatter: ResponseFormatter,
+    def __init__(self, gateway: GatewayState, parsed: ParsedRequest, formatter: ResponseFormatter,
                  api: ChatBasedApi) -> None:
         self.gateway, self.parsed, self.formatter, self.api = gateway, parsed, formatter, api
         self.status_code, self.background = 200, None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import base64
 import struct
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from starlette.requests import Request
@@ -32,9 +32,7 @@ from fastsched.gateway.request_ids import assign_request_id
 from fastsched.gateway.streams import ClientWatch, merge_streams
 from fastsched.limits import check_cache_salt, check_prompt_chars
 from fastsched.proto_gen import import_stubs
-
-if TYPE_CHECKING:
-    from fastsched.gateway.app import Gateway
+from fastsched.gateway.state import GatewayState
 
 pb, _ = import_stubs()
 
@@ -56,7 +54,7 @@ def _inputs(value: Any) -> list[str | list[int]]:
                       f"ids, got {shorten(value)}", "input")
 
 
-def parse_embeddings(body: dict[str, Any], request_id: str, gateway: Gateway,
+def parse_embeddings(body: dict[str, Any], request_id: str, gateway: GatewayState,
                      max_model_len: int | None) -> tuple[ParsedRequest, str, int | None]:
     """The request's Generate calls, its ``encoding_format`` and ``dimensions``."""
     check_fields(body, FIELDS)
@@ -101,7 +99,7 @@ def _encode(vector: list[float], encoding: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
-async def create_embeddings(gateway: Gateway, request: Request) -> Response:
+async def create_embeddings(gateway: GatewayState, request: Request) -> Response:
     request_id = assign_request_id(request, "embd")
     body, _ = await gateway.read_json(request)
     info = await gateway.pool.model_info()

@@ -5,18 +5,15 @@ reaches the frontends through the same gRPC call, gate and admission as chat."""
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 from starlette.routing import Route
 
 from fastsched.gateway import anthropic_messages, embeddings, responses
 from fastsched.gateway.auth import API
-
-if TYPE_CHECKING:
-    from fastsched.gateway.app import Gateway
+from fastsched.gateway.state import GatewayState
 
 
-def routes(gateway: Gateway) -> list[Route]:
+def routes(gateway: GatewayState) -> list[Route]:
     guard, bind = gateway.auth.guard, functools.partial
 
     def anthropic(handler: object) -> object:

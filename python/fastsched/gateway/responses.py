@@ -15,7 +15,7 @@ the whole response. Every event carries a ``sequence_number``.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,12 +25,10 @@ from fastsched.gateway.openai_protocol import ApiError
 from fastsched.gateway.request_ids import assign_request_id
 from fastsched.gateway.response_store import StoredResponse
 from fastsched.gateway.responses_input import ResponsesRequest, not_found, to_chat
-
-if TYPE_CHECKING:
-    from fastsched.gateway.app import Gateway
+from fastsched.gateway.state import GatewayState
 
 
-async def create_response(gateway: Gateway, request: Request) -> Response:
+async def create_response(gateway: GatewayState, request: Request) -> Response:
     response_id = assign_request_id(request, "resp")
     body, size = await gateway.read_json(request)
     previous_id = body.get("previous_response_id")
@@ -45,7 +43,7 @@ async def create_response(gateway: Gateway, request: Request) -> Response:
     return await answer(gateway, request, parsed, ResponsesApi(gateway, response_id, body, translated))
 
 
-async def retrieve_response(gateway: Gateway, request: Request) -> Response:
+async def retrieve_response(gateway: GatewayState, request: Request) -> Response:
     response_id = request.path_params["response_id"]
     stored = gateway.responses_store.get(response_id)
     if stored is None:
@@ -68,7 +66,7 @@ def _text_part(text: str) -> dict[str, Any]:
 class ResponsesApi:
     """One Responses request's answer (a ``chat_based.ChatBasedApi``)."""
 
-    def __init__(self, gateway: Gateway, response_id: str, body: dict[str, Any], request: ResponsesRequest) -> None:
+    def __init__(self, gateway: GatewayState, response_id: str, body: dict[str, Any], request: ResponsesRequest) -> None:
         self.gateway, self.id, self.request = gateway, response_id, request
         self.store = request.store and gateway.responses_store.enabled
         self.created_at = int(time.time())
