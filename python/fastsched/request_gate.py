@@ -123,7 +123,8 @@ class RequestGate:
         else:
             built = params()
         prompt = await self.prepare(prompt)
-        return self._request(request_id, prompt, built, priority, lora_request, streaming, cache_salt, pooling)
+        return self._request(request_id, prompt, built, priority, lora_request, streaming, cache_salt,
+                             pooling)
 
     def _request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
                  lora_request: LoRARequest | None, streaming: bool, cache_salt: str | None,

@@ -53,7 +53,7 @@ class OutputBatch:
     logprobs: dict[int, _Logprobs] = field(default_factory=dict)  # row -> per new token: id -> (logprob, rank)
     errors: dict[int, str] = field(default_factory=dict)  # row -> why an ignored request could not run
     segment_ends: set[int] = field(default_factory=set)  # rows of sessions that ended a segment (S15)
-    pooled: dict[int, np.ndarray] = field(default_factory=dict)  # row -> a pooling request's embedding (float32)
+    pooled: dict[int, np.ndarray] = field(default_factory=dict)  # row -> a pooling request's embedding
 
     @classmethod
     def empty(cls) -> OutputBatch:

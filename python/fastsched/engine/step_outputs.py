@@ -46,7 +46,7 @@ class RequestColumns:
         self.first_scheduled_time = np.full(size, math.nan)
         self.first_token_time = np.full(size, math.nan)
         self.lora_id = np.zeros(size, dtype=np.int64)  # 0: the base model
-        self.pool = np.zeros(size, dtype=bool)  # a pooling request (embeddings): its prompt's last hidden state
+        self.pool = np.zeros(size, dtype=bool)  # a pooling request (embeddings)
 
     def ensure(self, handle: int) -> None:
         """Grows every column (doubling) so that ``handle`` indexes it."""

@@ -206,7 +206,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "cache) in responses")
     n.add_argument("--responses-store-size", type=int, default=0,
                    help="/v1/responses answers the gateway keeps for GET /v1/responses/{id} and "
-                        "previous_response_id, the oldest forgotten first (default 0: none, as vLLM's default)")
+                        "previous_response_id, the oldest forgotten first (default 0: none, as in vLLM)")
     p = parser.add_argument_group("processes (docs/design.md §1)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine processes (D), each a full copy of the model with its own scheduler and KV pool")

@@ -24,7 +24,8 @@ _REFUSED = ("container", "mcp_servers", "context_management", "diagnostics", "in
             "user_profile_id", "workspace_id")
 # cache_control (top level or on a block) is accepted: the prefix cache keeps every prompt's blocks anyway.
 FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "tools", "tool_choice",
-                    "metadata", "thinking", "service_tier", "output_config", "cache_control", *_PASSED, *_REFUSED})
+                    "metadata", "thinking", "service_tier", "output_config", "cache_control", *_PASSED,
+                    *_REFUSED})
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
                           "cache_control", *_REFUSED})
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -42,7 +43,7 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
             raise bad_request(f"{name} is not supported by this server", name)
     thinking = body.get("thinking")
     if thinking is not None and thinking != {"type": "disabled"}:
-        raise bad_request("thinking is not supported by this server (only {\"type\": \"disabled\"})", "thinking")
+        raise bad_request('thinking is not supported by this server (only {"type": "disabled"})', "thinking")
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise bad_request(f"service_tier {shorten(body['service_tier'])} is not supported; allowed: auto, "
                           "standard_only", "service_tier")
@@ -56,7 +57,8 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     else:
         max_tokens = body.get("max_tokens")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise bad_request(f"max_tokens is required: a positive integer, got {shorten(max_tokens)}", "max_tokens")
+            raise bad_request(f"max_tokens is required: a positive integer, got {shorten(max_tokens)}",
+                              "max_tokens")
         chat["max_tokens"] = max_tokens
         chat.update({k: body[k] for k in _PASSED if body.get(k) is not None})
         if body.get("stop_sequences"):
@@ -84,8 +86,8 @@ def _output_format(config: Any) -> dict[str, Any] | None:
     spec = config.get("format")
     if spec is None:
         return None
-    if not isinstance(spec, dict) or spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict) \
-            or set(spec) - {"type", "schema"}:
+    if (not isinstance(spec, dict) or spec.get("type") != "json_schema"
+            or not isinstance(spec.get("schema"), dict) or set(spec) - {"type", "schema"}):
         raise bad_request(f'output_config.format must be {{"type": "json_schema", "schema": {{...}}}}, got '
                           f"{shorten(spec)}", "output_config")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}
@@ -96,8 +98,8 @@ def _check_metadata(metadata: Any) -> None:
     accepted and unused, as OpenAI's ``user`` is (fastsched keeps no per-user state)."""
     if metadata is None:
         return
-    if not isinstance(metadata, dict) or set(metadata) - {"user_id"} or not isinstance(metadata.get("user_id"),
-                                                                                         str | None):
+    if (not isinstance(metadata, dict) or set(metadata) - {"user_id"}
+            or not isinstance(metadata.get("user_id"), str | None)):
         raise bad_request(f"metadata may hold only user_id (a string), got {shorten(metadata)}", "metadata")
 
 
@@ -109,8 +111,8 @@ def _text_blocks(value: Any, where: str) -> str:
         raise bad_request(f"{where} must be a string or a list of text blocks, got {shorten(value)}", where)
     texts = []
     for block in value:
-        if (not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str)
-                or set(block) - {"type", "text", "cache_control"}):
+        if (not isinstance(block, dict) or block.get("type") != "text"
+                or not isinstance(block.get("text"), str) or set(block) - {"type", "text", "cache_control"}):
             raise bad_request(f"{where}: only text blocks are supported, got {shorten(block)}", where)
         texts.append(block["text"])
     return "".join(texts)
@@ -164,8 +166,8 @@ def _turn(role: str, blocks: list[Any], i: int) -> list[dict[str, Any]]:
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                             "content": _text_blocks(content, "messages")})
         else:
-            raise bad_request(f"messages[{i}]: {role} content blocks may be text"
-                              f"{', tool_use' if role == 'assistant' else ', tool_result'}; got {shorten(block)}",
+            allowed = "text, tool_use" if role == "assistant" else "text, tool_result"
+            raise bad_request(f"messages[{i}]: {role} content blocks may be {allowed}; got {shorten(block)}",
                               "messages")
     turn = results
     if texts or calls or not results:
@@ -177,10 +179,10 @@ def _turn(role: str, blocks: list[Any], i: int) -> list[dict[str, Any]]:
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:
-    if (not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or not isinstance(tool.get("name"), str)
-            or not isinstance(tool.get("input_schema"), dict)):
-        raise bad_request(f'tools[{i}] must be {{"name": ..., "input_schema": {{...}}}} (client tools only), got '
-                          f"{shorten(tool)}", "tools")
+    if (not isinstance(tool, dict) or tool.get("type", "custom") != "custom"
+            or not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict)):
+        raise bad_request(f'tools[{i}] must be {{"name": ..., "input_schema": {{...}}}} (client tools only), '
+                          f"got {shorten(tool)}", "tools")
     extra = set(tool) - {"type", "name", "description", "input_schema", "cache_control"}
     if extra:
         raise bad_request(f"tools[{i}] has unknown field(s) {sorted(extra)}", "tools")
@@ -194,11 +196,11 @@ def _tool_choice(choice: Any) -> Any:
     kind = choice.get("type") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or set(choice) - {"type", "name", "disable_parallel_tool_use"} \
             or (kind not in _CHOICES and kind != "tool"):
-        raise bad_request('tool_choice must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}, '
-                          f"got {shorten(choice)}", "tool_choice")
+        raise bad_request('tool_choice must be {"type": "auto" | "any" | "none"} or '
+                          f'{{"type": "tool", "name": ...}}, got {shorten(choice)}', "tool_choice")
     if choice.get("disable_parallel_tool_use"):
-        raise bad_request("tool_choice.disable_parallel_tool_use is not supported by this server (a forced answer "
-                          "may hold several calls)", "tool_choice")
+        raise bad_request("tool_choice.disable_parallel_tool_use is not supported by this server (a forced "
+                          "answer may hold several calls)", "tool_choice")
     if kind == "tool":
         if not isinstance(choice.get("name"), str):
             raise bad_request("tool_choice of type tool needs a name", "tool_choice")

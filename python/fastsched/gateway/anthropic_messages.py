@@ -63,8 +63,8 @@ async def create_message(gateway: GatewayState, request: Request) -> Response:
     message_id = assign_request_id(request, "msg")
     body, size = await gateway.read_json(request)
     parsed = await gateway.parse_chat_request(to_chat(body), size, message_id)
-    return await answer(gateway, request, parsed, MessagesApi(body.get("model") or gateway.model_name, message_id,
-                                                              len(parsed.prompts[0])))
+    api = MessagesApi(body.get("model") or gateway.model_name, message_id, len(parsed.prompts[0]))
+    return await answer(gateway, request, parsed, api)
 
 
 async def count_tokens(gateway: GatewayState, request: Request) -> Response:
@@ -98,8 +98,8 @@ class MessagesApi:
 
     def _message(self, content: list[dict[str, Any]], stop_reason: str | None, stop_sequence: str | None,
                  output_tokens: int) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                 "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens}}
 
     def body(self, chat: dict[str, Any]) -> dict[str, Any]:
@@ -109,8 +109,9 @@ class MessagesApi:
         if message.get("content") or not message.get("tool_calls"):
             content.append({"type": "text", "text": message.get("content") or ""})
         for call in message.get("tool_calls") or []:
-            content.append({"type": "tool_use", "id": _tool_use_id(call["id"]), "name": call["function"]["name"],
-                            "input": json.loads(call["function"]["arguments"])})
+            function = call["function"]
+            content.append({"type": "tool_use", "id": _tool_use_id(call["id"]), "name": function["name"],
+                            "input": json.loads(function["arguments"])})
         return self._message(content, *_stop(choice), chat["usage"]["completion_tokens"])
 
     # ---------------------------------------------------------------- the stream
@@ -128,13 +129,14 @@ class MessagesApi:
                 events += self._delta(self._block, {"type": "text_delta", "text": delta["content"]})
             for call in delta.get("tool_calls") or []:
                 if call["index"] not in self._calls:
-                    block = {"type": "tool_use", "id": _tool_use_id(call["id"]), "name": call["function"]["name"],
-                             "input": {}}
+                    block = {"type": "tool_use", "id": _tool_use_id(call["id"]),
+                             "name": call["function"]["name"], "input": {}}
                     events += self._start_block(block)
                     self._calls[call["index"]] = self._block  # type: ignore[assignment]
                 piece = call.get("function", {}).get("arguments")
                 if piece:
-                    events += self._delta(self._calls[call["index"]], {"type": "input_json_delta", "partial_json": piece})
+                    events += self._delta(self._calls[call["index"]],
+                                          {"type": "input_json_delta", "partial_json": piece})
         return events
 
     def _start_block(self, block: dict[str, Any]) -> str:

@@ -119,7 +119,7 @@ class Gateway:
     """The routes' state: the frontend pool, the model's name and tokenizer, the limits."""
 
     tool_parser: str | None = None  # --tool-call-parser, for tool_choice "auto" (gateway.tool_calls)
-    embedding_size: int | None = None  # the model's embedding length, once one was computed (gateway.embeddings)
+    embedding_size: int | None = None  # the embeddings' length, once one was computed (gateway.embeddings)
 
     def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
                  api_key: str | None, limits: RequestLimits, retry_after_s: int,
@@ -195,7 +195,8 @@ class Gateway:
         return await self._generate(request, await self.parse_chat_request(body, size, request_id))
 
     async def parse_chat_request(self, body: dict[str, Any], size: int, request_id: str) -> ParsedRequest:
-        """``parse_chat`` of a chat body (``size``: its request's bytes; a long one is rendered off the loop)."""
+        """``parse_chat`` of a chat body (``size``: its request's bytes: a long one is rendered off the
+        event loop)."""
         info = await self.pool.model_info()
         args = (body, self.tokenizer, info and info["max_model_len"], request_id, self.limits, self.tool_parser)
         if size <= INLINE_TOKENIZE_CHARS:
@@ -438,7 +439,7 @@ def create_app(
     ``/v1/sessions`` WebSocket's settings (``gateway.sessions.SessionSettings``). ``ValueError``
     for admin routes guarded by ``api_key`` alone. ``enable_prompt_tokens_details``:
     ``usage.prompt_tokens_details.cached_tokens`` in responses (vLLM's flag of that name).
-    ``responses_store_size``: how many ``/v1/responses`` answers are kept (``gateway.response_store``; 0: none).
+    ``responses_store_size``: how many ``/v1/responses`` answers are kept (``gateway.response_store``).
     """
     gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s,
                       admin, sessions, enable_prompt_tokens_details, responses_store_size)
@@ -488,7 +489,8 @@ def create_app(
     handlers = {ApiError: _api_error, LimitError: _limit_error, PathNotAllowedError: _path_not_allowed,
                 HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
-                    middleware=[Middleware(_RequestIdHeader), Middleware(CountEndpoints, gateway.endpoint_counts)])
+                    middleware=[Middleware(_RequestIdHeader),
+                                Middleware(CountEndpoints, gateway.endpoint_counts)])
     app.state.gateway = gateway
     return app
 

@@ -30,7 +30,8 @@ class Auth:
     def __init__(self, api_key: str | None, admin_api_key: str | None = None) -> None:
         self.keys = {API: api_key, ADMIN: admin_api_key}
 
-    def failure(self, headers: Mapping[str, str], scope: str = API, x_api_key: bool = False) -> ApiError | None:
+    def failure(self, headers: Mapping[str, str], scope: str = API,
+                x_api_key: bool = False) -> ApiError | None:
         """The 401 for a request without the key ``scope`` requires; None when it may pass.
         ``x_api_key``: the key may come as an ``x-api-key`` header too (Anthropic's clients send it so)."""
         key = self.keys[scope]

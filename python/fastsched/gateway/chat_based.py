@@ -55,7 +55,8 @@ def sse(event: str | None, payload: dict[str, Any]) -> str:
     return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
 
 
-async def answer(gateway: GatewayState, request: Request, parsed: ParsedRequest, api: ChatBasedApi) -> Response:
+async def answer(gateway: GatewayState, request: Request, parsed: ParsedRequest,
+                 api: ChatBasedApi) -> Response:
     """Runs a translated chat request and answers it in ``api``'s shape, streamed or whole."""
     formatter = ResponseFormatter(parsed, parsed.lora_name or gateway.model_name, gateway.tokenizer,
                                   gateway.enable_prompt_tokens_details)
@@ -102,7 +103,8 @@ class _ApiEventStream(Response):
                     async for prompt_index, resp in merge_streams(streams):
                         events += self.api.stream_events(self.formatter.consume(prompt_index, resp))
                         if events:
-                            await send({"type": "http.response.body", "body": events.encode(), "more_body": True})
+                            await send({"type": "http.response.body", "body": events.encode(),
+                                        "more_body": True})
                         events = ""
                     events += self.api.stream_end(self.formatter.final())
                 except grpc.aio.AioRpcError as e:

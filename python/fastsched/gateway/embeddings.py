@@ -50,8 +50,8 @@ def _inputs(value: Any) -> list[str | list[int]]:
         return [value]
     if isinstance(value, list) and value and all(isinstance(v, str) or _is_token_ids(v) for v in value):
         return list(value)
-    raise bad_request("input must be a string, a list of strings, a list of token ids or a list of lists of token "
-                      f"ids, got {shorten(value)}", "input")
+    raise bad_request("input must be a string, a list of strings, a list of token ids or a list of lists of "
+                      f"token ids, got {shorten(value)}", "input")
 
 
 def parse_embeddings(body: dict[str, Any], request_id: str, gateway: GatewayState,
@@ -80,7 +80,7 @@ def parse_embeddings(body: dict[str, Any], request_id: str, gateway: GatewayStat
     priority = body.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int) or not INT32[0] <= priority <= INT32[1]:
         raise bad_request(f"priority must be an integer, got {shorten(priority)}", "priority")
-    # One token of room is what the engine's prefill-only request asks for: it ends when its prompt is computed.
+    # The engine's prefill-only request asks for one token: it ends when its prompt is computed.
     sampling = pb.SamplingParams(max_tokens=1, temperature=0.0)
     parsed = ParsedRequest("completion", inputs, sampling, priority, stream=False, include_usage=False,
                            request_id=request_id, cache_salt=check_cache_salt(body.get("cache_salt")),
@@ -89,8 +89,8 @@ def parse_embeddings(body: dict[str, Any], request_id: str, gateway: GatewayStat
 
 
 def _dimensions_error(dimensions: int, size: int) -> Exception:
-    return bad_request(f"dimensions {dimensions} cannot be honoured: this model's embeddings have {size} dimensions "
-                       "and it was not trained for shortened (Matryoshka) ones", "dimensions")
+    return bad_request(f"dimensions {dimensions} cannot be honoured: this model's embeddings have {size} "
+                       "dimensions and it was not trained for shortened (Matryoshka) ones", "dimensions")
 
 
 def _encode(vector: list[float], encoding: str) -> list[float] | str:
@@ -103,7 +103,8 @@ async def create_embeddings(gateway: GatewayState, request: Request) -> Response
     request_id = assign_request_id(request, "embd")
     body, _ = await gateway.read_json(request)
     info = await gateway.pool.model_info()
-    parsed, encoding, dimensions = parse_embeddings(body, request_id, gateway, info and info["max_model_len"])
+    max_model_len = info["max_model_len"] if info else None
+    parsed, encoding, dimensions = parse_embeddings(body, request_id, gateway, max_model_len)
     parsed = gateway.with_adapter(parsed, body)
     vectors: dict[int, list[float]] = {}
     prompt_tokens = 0

@@ -5,24 +5,33 @@ reaches the frontends through the same gRPC call, gate and admission as chat."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Awaitable, Callable
 
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route
 
 from fastsched.gateway import anthropic_messages, embeddings, responses
-from fastsched.gateway.auth import API
+from fastsched.gateway.auth import API, Handler
 from fastsched.gateway.state import GatewayState
 
 
-def routes(gateway: GatewayState) -> list[Route]:
-    guard, bind = gateway.auth.guard, functools.partial
+GatewayHandler = Callable[[GatewayState, Request], Awaitable[Response]]
 
-    def anthropic(handler: object) -> object:
-        return anthropic_messages.with_anthropic_errors(guard(bind(handler, gateway), API, x_api_key=True))
+
+def routes(gateway: GatewayState) -> list[Route]:
+    guard = gateway.auth.guard
+
+    def bind(handler: GatewayHandler) -> Handler:
+        return functools.partial(handler, gateway)
+
+    def anthropic(handler: GatewayHandler) -> Handler:
+        return anthropic_messages.with_anthropic_errors(guard(bind(handler), API, x_api_key=True))
 
     return [
-        Route("/v1/responses", guard(bind(responses.create_response, gateway)), methods=["POST"]),
-        Route("/v1/responses/{response_id}", guard(bind(responses.retrieve_response, gateway)), methods=["GET"]),
+        Route("/v1/responses", guard(bind(responses.create_response)), methods=["POST"]),
+        Route("/v1/responses/{response_id}", guard(bind(responses.retrieve_response)), methods=["GET"]),
         Route("/v1/messages", anthropic(anthropic_messages.create_message), methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic(anthropic_messages.count_tokens), methods=["POST"]),
-        Route("/v1/embeddings", guard(bind(embeddings.create_embeddings, gateway)), methods=["POST"]),
+        Route("/v1/embeddings", guard(bind(embeddings.create_embeddings)), methods=["POST"]),
     ]

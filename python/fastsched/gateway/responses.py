@@ -66,7 +66,8 @@ def _text_part(text: str) -> dict[str, Any]:
 class ResponsesApi:
     """One Responses request's answer (a ``chat_based.ChatBasedApi``)."""
 
-    def __init__(self, gateway: GatewayState, response_id: str, body: dict[str, Any], request: ResponsesRequest) -> None:
+    def __init__(self, gateway: GatewayState, response_id: str, body: dict[str, Any],
+                 request: ResponsesRequest) -> None:
         self.gateway, self.id, self.request = gateway, response_id, request
         self.store = request.store and gateway.responses_store.enabled
         self.created_at = int(time.time())
@@ -97,8 +98,8 @@ class ResponsesApi:
         message = choice["message"]
         output = []
         if message.get("content") or not message.get("tool_calls"):
-            output.append({"type": "message", "id": f"msg_{self.id}", "status": "completed", "role": "assistant",
-                           "content": [_text_part(message.get("content") or "")]})
+            output.append({"type": "message", "id": f"msg_{self.id}", "status": "completed",
+                           "role": "assistant", "content": [_text_part(message.get("content") or "")]})
         for call in message.get("tool_calls") or []:
             output.append({"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
                            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
@@ -107,13 +108,15 @@ class ResponsesApi:
 
     def _finish(self, chat: dict[str, Any], output: list[dict[str, Any]]) -> dict[str, Any]:
         incomplete = chat["choices"][0]["finish_reason"] == "length"
-        response = self._response("incomplete" if incomplete else "completed", output, _usage(chat), incomplete)
+        status = "incomplete" if incomplete else "completed"
+        response = self._response(status, output, _usage(chat), incomplete)
         if self.store:
             message = chat["choices"][0]["message"]
             said = {"role": "assistant", "content": message.get("content") or ""}
             if message.get("tool_calls"):
                 said["tool_calls"] = message["tool_calls"]
-            self.gateway.responses_store.put(self.id, StoredResponse(response, [*self.request.conversation, said]))
+            conversation = [*self.request.conversation, said]
+            self.gateway.responses_store.put(self.id, StoredResponse(response, conversation))
         return response
 
     # ---------------------------------------------------------------- the stream
@@ -141,17 +144,19 @@ class ResponsesApi:
     def _text(self, text: str) -> str:
         events = ""
         if self._message is None:
-            self._message = {"type": "message", "id": f"msg_{self.id}-{len(self._items)}", "status": "in_progress",
-                             "role": "assistant", "content": [], "text": ""}
+            item_id = f"msg_{self.id}-{len(self._items)}"
+            self._message = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant",
+                             "content": [], "text": ""}
             self._items.append(self._message)
             index = len(self._items) - 1
-            events += self._event("response.output_item.added", output_index=index, item=self._public(self._message))
-            events += self._event("response.content_part.added", item_id=self._message["id"], output_index=index,
+            events += self._event("response.output_item.added", output_index=index,
+                                  item=self._public(self._message))
+            events += self._event("response.content_part.added", item_id=item_id, output_index=index,
                                   content_index=0, part=_text_part(""))
         self._message["text"] += text
         return events + self._event("response.output_text.delta", item_id=self._message["id"],
-                                    output_index=self._items.index(self._message), content_index=0, delta=text,
-                                    logprobs=[])
+                                    output_index=self._items.index(self._message), content_index=0,
+                                    delta=text, logprobs=[])
 
     def _close_message(self) -> str:
         message, self._message = self._message, None
@@ -159,8 +164,8 @@ class ResponsesApi:
             return ""
         index, text = self._items.index(message), message.pop("text")
         message.update(status="completed", content=[_text_part(text)])
-        return (self._event("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
-                            text=text, logprobs=[])
+        return (self._event("response.output_text.done", item_id=message["id"], output_index=index,
+                            content_index=0, text=text, logprobs=[])
                 + self._event("response.content_part.done", item_id=message["id"], output_index=index,
                               content_index=0, part=_text_part(text))
                 + self._event("response.output_item.done", output_index=index, item=message))
@@ -174,7 +179,8 @@ class ResponsesApi:
                     "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
             self._calls[call["index"]] = item
             self._items.append(item)
-            events += self._event("response.output_item.added", output_index=len(self._items) - 1, item=dict(item))
+            events += self._event("response.output_item.added", output_index=len(self._items) - 1,
+                                  item=dict(item))
         piece = call.get("function", {}).get("arguments") or ""
         if piece:
             item["arguments"] += piece
@@ -187,8 +193,8 @@ class ResponsesApi:
         for item in self._calls.values():
             index = self._items.index(item)
             item["status"] = "completed"
-            events += self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  name=item["name"], arguments=item["arguments"])
+            events += self._event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=index, name=item["name"], arguments=item["arguments"])
             events += self._event("response.output_item.done", output_index=index, item=item)
         if not self._items:  # nothing was said: one empty message, as a whole response has
             events += self._text("") + self._close_message()

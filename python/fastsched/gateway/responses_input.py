@@ -20,8 +20,8 @@ from fastsched.gateway.request_fields import shorten
 
 # Sampling and scheduling fields passed to the chat request as they are (chat checks them).
 PASSED = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "stop", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                    "priority", "cache_salt", "stream"})
+                    "repetition_penalty", "stop", "ignore_eos", "skip_special_tokens",
+                    "include_stop_str_in_output", "priority", "cache_salt", "stream"})
 # Fields with only the value that changes nothing accepted (a 400 for any other).
 _ONLY = {
     "parallel_tool_calls": (True,),  # a forced "required" answer may hold several calls
@@ -33,8 +33,8 @@ _ONLY = {
 # Fields refused when set to anything but null, [] or {}.
 _REFUSED = ("include", "reasoning", "max_tool_calls", "prompt", "prompt_cache_key", "conversation",
             "stream_options")
-FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "store",
-                    "previous_response_id", "metadata", *PASSED, *_ONLY, *_REFUSED})
+FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "text", "tools", "tool_choice",
+                    "store", "previous_response_id", "metadata", *PASSED, *_ONLY, *_REFUSED})
 # OpenAI's limits on metadata: what a client can make the server echo (and keep, when stored).
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -46,7 +46,7 @@ class ResponsesRequest:
     """What a Responses request asks beyond its chat body."""
 
     chat: dict[str, Any]  # the chat request it is served as
-    conversation: list[dict[str, Any]]  # its chat messages without the instructions (what a follow-up extends)
+    conversation: list[dict[str, Any]]  # its chat messages but the instructions: what a follow-up extends
     store: bool  # the client asked for the response to be kept (OpenAI's default: true)
     metadata: dict[str, str] | None
 
@@ -93,15 +93,16 @@ def _input_messages(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise bad_request(f"input must be a string or a non-empty list of items, got {shorten(value)}", "input")
+        raise bad_request(f"input must be a string or a non-empty list of items, got {shorten(value)}",
+                          "input")
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             messages.append(_message(item, i))
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", i), "type": "function",
-                    "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
+            function = {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}
+            call = {"id": _string(item, "call_id", i), "type": "function", "function": function}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                 messages[-1]["tool_calls"].append(call)  # one assistant turn, several calls
             else:
@@ -110,8 +111,8 @@ def _input_messages(value: Any) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
                              "content": _string(item, "output", i)})
         else:
-            raise bad_request(f"input[{i}] must be a message, a function_call or a function_call_output item, got "
-                              f"{shorten(item)}", "input")
+            raise bad_request(f"input[{i}] must be a message, a function_call or a function_call_output "
+                              f"item, got {shorten(item)}", "input")
     return messages
 
 
@@ -131,15 +132,15 @@ def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"),
-                                                                                                  str):
-                raise bad_request(f"input[{i}].content: only text parts ({', '.join(_TEXT_PARTS)}) are supported, "
-                                  f"got {shorten(part)}", "input")
+            if (not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS
+                    or not isinstance(part.get("text"), str)):
+                raise bad_request(f"input[{i}].content: only text parts ({', '.join(_TEXT_PARTS)}) are "
+                                  f"supported, got {shorten(part)}", "input")
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
-        raise bad_request(f"input[{i}].content must be a string or a list of text parts, got {shorten(content)}",
-                          "input")
+        raise bad_request(f"input[{i}].content must be a string or a list of text parts, got "
+                          f"{shorten(content)}", "input")
     return {"role": role, "content": content}
 
 
@@ -159,13 +160,14 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     extra = set(spec) - {"type", "name", "schema", "strict", "description"}
     if extra:
         raise bad_request(f"text.format has unknown field(s) {sorted(extra)}", "text")
-    return {"type": "json_schema", "json_schema": {k: spec[k] for k in ("name", "schema", "strict") if k in spec}}
+    return {"type": "json_schema",
+            "json_schema": {k: spec[k] for k in ("name", "schema", "strict") if k in spec}}
 
 
 def _chat_tool(tool: Any, i: int) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-        raise bad_request(f'tools[{i}] must be {{"type": "function", "name": ..., "parameters": ...}} (function '
-                          f"tools only), got {shorten(tool)}", "tools")
+        raise bad_request(f'tools[{i}] must be {{"type": "function", "name": ..., "parameters": ...}} '
+                          f"(function tools only), got {shorten(tool)}", "tools")
     extra = set(tool) - {"type", "name", "description", "parameters", "strict"}
     if extra:
         raise bad_request(f"tools[{i}] has unknown field(s) {sorted(extra)}", "tools")
@@ -178,8 +180,8 @@ def _chat_tool_choice(choice: Any) -> Any:
         return choice  # none, auto, required: chat's names
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}, got '
-                      f"{shorten(choice)}", "tool_choice")
+    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}, '
+                      f"got {shorten(choice)}", "tool_choice")
 
 
 def _metadata(value: Any) -> dict[str, str] | None:
@@ -189,7 +191,8 @@ def _metadata(value: Any) -> dict[str, str] | None:
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
             or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in value.items())):
         raise bad_request(f"metadata must be at most {MAX_METADATA_PAIRS} string pairs, keys of at most "
-                          f"{MAX_METADATA_KEY} characters and values of at most {MAX_METADATA_VALUE}", "metadata")
+                          f"{MAX_METADATA_KEY} characters and values of at most {MAX_METADATA_VALUE}",
+                          "metadata")
     return value
 
 

@@ -92,7 +92,7 @@ class ExecutedStep:
     logprobs: LogprobsTensors | None  # likewise
     ready: torch.cuda.Event | None  # None on the CPU: the results are there already
     num_sampled: torch.Tensor | None = None  # tokens per sampled request when drafts were verified
-    pooled: torch.Tensor | None = None  # [len(step.pool_tokens), hidden] float32 on the host (copy as ``sampled``)
+    pooled: torch.Tensor | None = None  # [len(step.pool_tokens), hidden] float32 (copied as ``sampled``)
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -339,7 +339,7 @@ class ModelRunner:
         hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend, lora)
         pooled = None
         if step.pool_tokens is not None:
-            # vLLM's pooling of a generative model served for embeddings: the last token's state, L2-normalised.
+            # vLLM's pooling of a generative model served for embeddings: the last token's, L2-normalised.
             last = hidden[on_device(step.pool_tokens)].float()
             pooled = torch.nn.functional.normalize(last, dim=-1).to("cpu", non_blocking=True)
         executed = self._sample(step, hidden)
