@@ -93,12 +93,39 @@ def test_responses_answer_text_and_usage_plain_and_streamed(client: openai.OpenA
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.incomplete"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]  # vLLM's: completed, even if cut
+    assert events[-1].response.status == "incomplete"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == response.output_text == events[-1].response.output_text  # greedy: the same text
     assert events[-1].response.usage.input_tokens == response.usage.input_tokens
+
+
+def test_the_clients_stream_helpers_accumulate_the_events(client: openai.OpenAI,
+                                                          claude: anthropic.Anthropic) -> None:
+    """The SDKs' own accumulators (``responses.stream``, ``messages.stream``) rebuild the answer
+    from the events: ids, indexes and deltas must fit together."""
+    kwargs = dict(model=MODEL, input="Weather?", tools=RESPONSES_TOOLS, tool_choice="required",
+                  max_output_tokens=120, temperature=1.0)
+    with client.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert calls and all(json.loads(c.arguments) is not None for c in calls)
+    with client.responses.stream(model=MODEL, input="Hi", max_output_tokens=5, temperature=0.0) as stream:
+        text = stream.get_final_response().output_text
+    assert text == client.responses.create(model=MODEL, input="Hi", max_output_tokens=5,
+                                           temperature=0.0).output_text
+    with claude.messages.stream(model=MODEL, max_tokens=120, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
+                                messages=[{"role": "user", "content": "Weather?"}]) as stream:
+        message = stream.get_final_message()
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and uses
+    jsonschema.validate(uses[0].input, WEATHER)
+    with claude.messages.stream(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "Hi"}],
+                                extra_body={"temperature": 0.0}) as stream:
+        streamed = "".join(stream.text_stream)
+    assert streamed and stream.get_final_message().content[0].text == streamed
 
 
 def test_responses_input_items_and_text_format_json_schema(client: openai.OpenAI) -> None:

@@ -8,8 +8,8 @@ events: ``response.created`` and ``response.in_progress``; per item ``response.o
 then for text ``response.content_part.added``, ``response.output_text.delta``...,
 ``response.output_text.done``, ``response.content_part.done``, for a call
 ``response.function_call_arguments.delta``... and ``response.function_call_arguments.done``, then
-``response.output_item.done``; last ``response.completed`` (or ``response.incomplete``) with
-the whole response. Every event carries a ``sequence_number``.
+``response.output_item.done``; last ``response.completed`` with the whole response (whose
+``status`` may be ``incomplete``: vLLM's choice). Every event carries a ``sequence_number``.
 """
 
 from __future__ import annotations
@@ -198,9 +198,9 @@ class ResponsesApi:
             events += self._event("response.output_item.done", output_index=index, item=item)
         if not self._items:  # nothing was said: one empty message, as a whole response has
             events += self._text("") + self._close_message()
-        response = self._finish(chat, self._items)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        return events + self._event(kind, response=response)
+        # Always response.completed, as vLLM sends it, its status incomplete when cut (the clients' stream
+        # helpers wait for it; OpenAI would send response.incomplete instead).
+        return events + self._event("response.completed", response=self._finish(chat, self._items))
 
     def stream_error(self, error: ApiError) -> str:
         return self._event("error", code=error.code, message=error.message, param=error.param)
