@@ -51,18 +51,20 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
+def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory,
+          tiny_model_dir: Path) -> Iterator[Stack]:
     engines = launch(engine_config, ipc_dir(tmp_path_factory, "ipc"), num_engines=1, num_frontends=1)
     loop = LoopThread()
+    settings = FrontendSettings(ready_timeout=60, max_num_queued_reqs=MAX_QUEUED)
     llm = loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[0], frontend_index=0,
-                                   settings=FrontendSettings(ready_timeout=60, max_num_queued_reqs=MAX_QUEUED)))
+                                   settings=settings))
     port = free_port()
     server = loop.call(serve_frontend(llm, "127.0.0.1", port))
     addrs = [f"127.0.0.1:{port}"]
     try:
         yield Stack(loop.start_gateway(create_app(addrs, MODEL, load_tokenizer(str(tiny_model_dir)))),
-                    loop.start_gateway(create_app(addrs, MODEL, load_tokenizer(str(tiny_model_dir)), api_key=API_KEY,
-                                                  responses_store_size=STORE_SIZE)),
+                    loop.start_gateway(create_app(addrs, MODEL, load_tokenizer(str(tiny_model_dir)),
+                                                  api_key=API_KEY, responses_store_size=STORE_SIZE)),
                     loop, llm)
     finally:
         loop.stop_stack([server], [llm])
@@ -83,7 +85,8 @@ def claude(stack: Stack) -> anthropic.Anthropic:
 
 
 def test_responses_answer_text_and_usage_plain_and_streamed(client: openai.OpenAI) -> None:
-    kwargs = dict(model=MODEL, input="Say something.", instructions="Be brief.", max_output_tokens=6, temperature=0.0)
+    kwargs = dict(model=MODEL, input="Say something.", instructions="Be brief.", max_output_tokens=6,
+                  temperature=0.0)
     response = client.responses.create(**kwargs)
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.output_text and response.usage.output_tokens == 6 and response.usage.input_tokens > 5
@@ -116,7 +119,8 @@ def test_the_clients_stream_helpers_accumulate_the_events(client: openai.OpenAI,
         text = stream.get_final_response().output_text
     assert text == client.responses.create(model=MODEL, input="Hi", max_output_tokens=5,
                                            temperature=0.0).output_text
-    with claude.messages.stream(model=MODEL, max_tokens=120, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
+    with claude.messages.stream(model=MODEL, max_tokens=120, tools=ANTHROPIC_TOOLS,
+                                tool_choice={"type": "any"},
                                 messages=[{"role": "user", "content": "Weather?"}]) as stream:
         message = stream.get_final_message()
     uses = [b for b in message.content if b.type == "tool_use"]
@@ -171,7 +175,7 @@ def test_responses_store_previous_response_id_and_its_bound(stack: Stack) -> Non
     # The conversation so far is the prompt: the first turn, its answer, the new turn.
     assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     client.responses.create(model=MODEL, input="Third.", max_output_tokens=1, store=False)  # not kept
-    client.responses.create(model=MODEL, input="Fourth.", max_output_tokens=1)  # the store holds STORE_SIZE: first goes
+    client.responses.create(model=MODEL, input="Fourth.", max_output_tokens=1)  # STORE_SIZE kept: first goes
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
     assert client.responses.retrieve(follow.id).id == follow.id
@@ -179,8 +183,10 @@ def test_responses_store_previous_response_id_and_its_bound(stack: Stack) -> Non
 
 def test_responses_without_a_store_say_so(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as error:
-        client.responses.create(model=MODEL, input="Hi", previous_response_id="resp-nope", max_output_tokens=2)
-    assert error.value.body["param"] == "previous_response_id" and "--responses-store-size" in error.value.message
+        client.responses.create(model=MODEL, input="Hi", previous_response_id="resp-nope",
+                                max_output_tokens=2)
+    assert error.value.body["param"] == "previous_response_id"
+    assert "--responses-store-size" in error.value.message
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp-nope")
 
@@ -216,7 +222,8 @@ def test_messages_answer_and_count_tokens_plain_and_streamed(claude: anthropic.A
 
     events = list(claude.messages.create(**kwargs, stream=True))
     kinds = [e.type for e in events]
-    assert kinds[:2] == ["message_start", "content_block_start"] and set(kinds[2:-3]) == {"content_block_delta"}
+    assert kinds[:2] == ["message_start", "content_block_start"]
+    assert set(kinds[2:-3]) == {"content_block_delta"}
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == message.content[0].text
     assert events[0].message.usage.input_tokens == count.input_tokens
@@ -226,7 +233,8 @@ def test_messages_answer_and_count_tokens_plain_and_streamed(claude: anthropic.A
 def test_messages_stop_sequences_end_turn_with_the_one_matched(claude: anthropic.Anthropic) -> None:
     messages = [{"role": "user", "content": "Go on."}]
     greedy = {"temperature": 0.0}  # the client's own fields no longer include the sampling ones
-    text = claude.messages.create(model=MODEL, max_tokens=12, messages=messages, extra_body=greedy).content[0].text
+    first = claude.messages.create(model=MODEL, max_tokens=12, messages=messages, extra_body=greedy)
+    text = first.content[0].text
     stop = text[4:6]
     message = claude.messages.create(model=MODEL, max_tokens=12, messages=messages, extra_body=greedy,
                                      stop_sequences=[stop])
@@ -246,7 +254,8 @@ def test_messages_forced_tool_use_is_parsed_and_its_result_goes_back(claude: ant
     if stream:
         events = list(claude.messages.create(**kwargs, stream=True))
         starts = [e for e in events if e.type == "content_block_start"]
-        assert starts and starts[0].content_block.type == "tool_use" and starts[0].content_block.name == "weather"
+        assert starts and starts[0].content_block.type == "tool_use"
+        assert starts[0].content_block.name == "weather"
         partial = "".join(e.delta.partial_json for e in events
                           if e.type == "content_block_delta" and e.index == starts[0].index)
         jsonschema.validate(json.loads(partial), WEATHER)
@@ -261,29 +270,33 @@ def test_messages_forced_tool_use_is_parsed_and_its_result_goes_back(claude: ant
     assert call_id.startswith("toolu_")
     followed = claude.messages.create(model=MODEL, max_tokens=3, tools=ANTHROPIC_TOOLS, messages=[
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": "weather", "input": arguments}]},
+        {"role": "assistant",
+         "content": [{"type": "tool_use", "id": call_id, "name": "weather", "input": arguments}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": "Sunny."}]}],
         tool_choice={"type": "none"})
     assert followed.stop_reason == "max_tokens" and followed.content[0].type == "text"
 
 
 def test_messages_output_config_format_is_a_json_schema(claude: anthropic.Anthropic) -> None:
-    message = claude.messages.create(model=MODEL, max_tokens=80, messages=[{"role": "user", "content": "JSON?"}],
+    message = claude.messages.create(model=MODEL, max_tokens=80,
+                                     messages=[{"role": "user", "content": "JSON?"}],
                                      output_config={"format": {"type": "json_schema", "schema": WEATHER}})
     assert message.stop_reason == "end_turn"
     jsonschema.validate(json.loads(message.content[0].text), WEATHER)
 
 
 def test_messages_errors_are_in_anthropics_shape(stack: Stack, claude: anthropic.Anthropic) -> None:
-    r = httpx.post(stack.url + "/v1/messages", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
-                   timeout=30)
+    r = httpx.post(stack.url + "/v1/messages", timeout=30,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and r.json()["type"] == "error", r.text
-    assert r.json()["error"]["type"] == "invalid_request_error" and "max_tokens" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "max_tokens" in error["message"]
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
     with pytest.raises(anthropic.NotFoundError) as error:
-        claude.messages.create(model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+        claude.messages.create(model="no-such-model", max_tokens=4,
+                               messages=[{"role": "user", "content": "x"}])
     assert error.value.body["error"]["type"] == "not_found_error"
 
 
@@ -351,7 +364,8 @@ def test_a2_a_burst_gets_the_same_503s_and_metrics_on_every_api(stack: Stack) ->
     assert held == [200] * MAX_QUEUED
     rejected = _metric(stack.url, "fastsched:admission_rejections_total", reason="max_num_queued_reqs")
     assert rejected - rejected_before == 4
-    assert _metric(stack.url, "fastsched:http_requests_total", endpoint="/v1/messages", status="200") >= MAX_QUEUED
+    answered = _metric(stack.url, "fastsched:http_requests_total", endpoint="/v1/messages", status="200")
+    assert answered >= MAX_QUEUED
 
 
 # ------------------------------------------------------------------ /v1/embeddings
@@ -365,9 +379,11 @@ def test_embeddings_are_unit_norm_one_length_and_the_same_for_the_same_input(cli
     assert len({len(v) for v in vectors}) == 1 and len(vectors[0]) == 64  # the tiny model's hidden size
     for v in vectors:
         assert sum(x * x for x in v) == pytest.approx(1.0, abs=1e-5)
-    assert vectors[0] == pytest.approx(vectors[2], abs=1e-6) and vectors[0] != pytest.approx(vectors[1], abs=1e-3)
+    assert vectors[0] == pytest.approx(vectors[2], abs=1e-6)
+    assert vectors[0] != pytest.approx(vectors[1], abs=1e-3)
     assert response.usage.prompt_tokens == response.usage.total_tokens > 6
-    alone = client.embeddings.create(model=MODEL, input="Jumps over", encoding_format="float").data[0].embedding
+    alone = client.embeddings.create(model=MODEL, input="Jumps over",
+                                     encoding_format="float").data[0].embedding
     assert alone == pytest.approx(vectors[1], abs=1e-5)  # batch-invariant
     ids = client.embeddings.create(model=MODEL, input=[[5, 6, 7]], encoding_format="float").data[0].embedding
     assert len(ids) == 64
@@ -375,8 +391,9 @@ def test_embeddings_are_unit_norm_one_length_and_the_same_for_the_same_input(cli
 
 def test_embeddings_encodings_and_dimensions(stack: Stack) -> None:
     body = {"model": MODEL, "input": "Hello there."}
-    floats = httpx.post(stack.url + "/v1/embeddings", json={**body, "encoding_format": "float"}, timeout=30).json()
-    b64 = httpx.post(stack.url + "/v1/embeddings", json={**body, "encoding_format": "base64"}, timeout=30).json()
+    url = stack.url + "/v1/embeddings"
+    floats = httpx.post(url, json={**body, "encoding_format": "float"}, timeout=30).json()
+    b64 = httpx.post(url, json={**body, "encoding_format": "base64"}, timeout=30).json()
     raw = base64.b64decode(b64["data"][0]["embedding"])
     decoded = struct.unpack(f"<{len(raw) // 4}f", raw)
     assert list(decoded) == pytest.approx(floats["data"][0]["embedding"], abs=1e-6)

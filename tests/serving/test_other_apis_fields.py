@@ -68,9 +68,11 @@ def test_responses_input_items_become_chat_messages() -> None:
         {"role": "tool", "tool_call_id": "c1", "content": "done"}]
     assert translated.conversation == chat["messages"][1:]  # what a follow-up extends: no instructions
     assert chat["max_completion_tokens"] == 9 and chat["temperature"] == 0.5 and translated.store is True
-    assert chat["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert chat["tools"] == [{"type": "function",
+                              "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
-    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    assert chat["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "x", "schema": {"type": "object"}}}
 
 
 def test_a_previous_conversation_comes_before_the_new_input() -> None:
@@ -95,7 +97,8 @@ def test_responses_requests_that_cannot_be_served_name_their_field(body: dict, p
 
 def test_anthropic_tool_use_and_results_become_chat_tool_calls_and_messages() -> None:
     chat = anthropic_input.to_chat({
-        "model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "Sys", "cache_control": {"type": "x"}}],
+        "model": "m", "max_tokens": 5,
+        "system": [{"type": "text", "text": "Sys", "cache_control": {"type": "x"}}],
         "stop_sequences": ["END"], "top_k": 4,
         "messages": [
             {"role": "user", "content": "Weather?"},
@@ -110,11 +113,14 @@ def test_anthropic_tool_use_and_results_become_chat_tool_calls_and_messages() ->
     assert chat["messages"] == [
         {"role": "system", "content": "Sys"}, {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": "Let me look.", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "w", "arguments": json.dumps({"city": "Paris"})}}]},
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny"}, {"role": "user", "content": "Thanks"}]
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "w", "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny"},
+        {"role": "user", "content": "Thanks"}]
     assert chat["stop"] == ["END"] and chat["max_tokens"] == 5 and chat["top_k"] == 4
     assert chat["tool_choice"] == "required"
-    assert chat["tools"][0]["function"] == {"name": "w", "parameters": {"type": "object"}, "description": "Weather"}
+    assert chat["tools"][0]["function"] == {"name": "w", "parameters": {"type": "object"},
+                                            "description": "Weather"}
 
 
 def test_count_tokens_renders_what_a_message_renders() -> None:
