@@ -36,6 +36,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int | None = None
+    embedding: list[float] | None = None  # a pooling request's (embeddings): its prompt's last hidden state
 
     @property
     def finished(self) -> bool:

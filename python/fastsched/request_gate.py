@@ -53,6 +53,7 @@ class ValidRequest:
     lora_request: LoRARequest | None = None
     streaming: bool = False  # the opening of a streaming-input session (S15)
     cache_salt: str | None = None  # vLLM's: requests with different salts never share prefix-cache blocks
+    pooling: bool = False  # answers its prompt's embedding (gateway /v1/embeddings): one token, not sent
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class RequestGate:
     async def request_async(self, request_id: str, prompt: PromptType, params: Callable[[], SamplingParams],
                             constraint: tuple[str, str | Sequence[str]] | None = None, priority: int = 0,
                             lora_request: LoRARequest | None = None, streaming: bool = False,
-                            cache_salt: str | None = None) -> ValidRequest:
+                            cache_salt: str | None = None, pooling: bool = False) -> ValidRequest:
         """:meth:`request` for an event loop: ``params`` builds the sampling parameters (which
         compiles an output constraint, ``constraint``: its kind and text or choice list, bounded
         first) and a long prompt is tokenized, both in the worker threads (:meth:`off_loop`)."""
@@ -122,12 +123,16 @@ class RequestGate:
         else:
             built = params()
         prompt = await self.prepare(prompt)
-        return self._request(request_id, prompt, built, priority, lora_request, streaming, cache_salt)
+        return self._request(request_id, prompt, built, priority, lora_request, streaming, cache_salt,
+                             pooling)
 
     def _request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
-                 lora_request: LoRARequest | None, streaming: bool, cache_salt: str | None) -> ValidRequest:
+                 lora_request: LoRARequest | None, streaming: bool, cache_salt: str | None,
+                 pooling: bool = False) -> ValidRequest:
         check_cache_salt(cache_salt)
         self.check_params(params)
+        if pooling:
+            check_pooling(params, streaming)
         if streaming:
             if params.n != 1:
                 raise ValueError(f"a session generates one completion: n must be 1, got {params.n}")
@@ -143,7 +148,8 @@ class RequestGate:
             text, token_ids = None, [int(t) for t in prompt]
         self.check_token_ids(token_ids)
         self.check_length(len(token_ids), params.max_tokens)
-        return ValidRequest(request_id, text, token_ids, params, priority, lora_request, streaming, cache_salt)
+        return ValidRequest(request_id, text, token_ids, params, priority, lora_request, streaming, cache_salt,
+                            pooling)
 
     def chunk(self, request_id: str, prompt: PromptType, max_tokens: int, last: bool, *, held: int,
               num_chunks: int) -> ValidChunk:
@@ -199,6 +205,16 @@ class RequestGate:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_pooling(params: SamplingParams, streaming: bool) -> None:
+    """A pooling request (an embedding) computes its prompt and ends: one completion of one
+    token, which is dropped; nothing that shapes or reports generated tokens."""
+    if params.max_tokens != 1 or params.n != 1:
+        raise ValueError(f"an embedding request asks for one completion of max_tokens 1, got n={params.n}, "
+                         f"max_tokens={params.max_tokens}")
+    if streaming or params.structured_outputs is not None or params.logprobs is not None:
+        raise ValueError("an embedding request cannot be a session nor have structured_outputs or logprobs")
 
 
 async def run_bounded(pool: concurrent.futures.Executor, timeout: float, what: str, fn: Callable[..., T],

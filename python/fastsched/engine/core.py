@@ -247,13 +247,14 @@ class EngineCore:
         c.ensure(handle)
         c.request_id[handle] = request.request_id
         c.final_only[handle] = request.final_only
-        c.watch[handle] = not request.final_only or params.logprobs is not None
+        c.watch[handle] = not request.final_only or params.logprobs is not None or request.pooling
         self._outputs.num_final_only += request.final_only
         c.client[handle] = client
         c.logprobs[handle] = -1 if params.logprobs is None else params.logprobs
         c.cached_reported[handle] = False
         c.first_scheduled_time[handle] = c.first_token_time[handle] = math.nan
         c.lora_id[handle] = lora_id or 0
+        c.pool[handle] = request.pooling
         if lora_id is not None and self.lora is not None:
             self.lora.acquire(lora_id)  # its CPU copy stays until the request ends (_prepare)
         generator = make_generator(params.seed, self.runner.device) if params.seed is not None else None
@@ -497,6 +498,7 @@ class EngineCore:
         prepared = self.runner.prepare(so, self.scheduler.token_ids, self._row_states.__getitem__)
         # Its token bitmask needs the tokens of the step before it: now, or once that one is collected.
         prepared.bitmask = self.structured.step_bitmask(prepared.sampled_handles, fill_now=first_in_flight)
+        prepared.pool_tokens, prepared.pool_handles = self._outputs.pool_tokens(prepared)
         if self.lora is not None and len(so):
             prepared.lora = self.lora.plan(c.lora_id[so.req_handles], so.num_scheduled_tokens)
         future = None

@@ -25,6 +25,7 @@ class EngineCoreOutput:
     num_cached_tokens: int | None = None
     error: str | None = None  # why an ignored request could not run
     segment_ended: bool = False  # a streaming session ended a segment: it waits for input (S15)
+    pooled: np.ndarray | None = None  # a pooling request's embedding (float32), with its prompt's last step
 
 
 _Logprobs = list[dict[int, tuple[float, int]]]
@@ -35,7 +36,7 @@ class OutputBatch:
     """One engine step's outputs as columns: row ``i`` is one request's delta.
 
     The engine fills it from the scheduler's arrays without a Python object per row;
-    rows that need more than the columns (a stop token id, logprobs, an error) are the
+    rows that need more than the columns (a stop token id, logprobs, an error, an embedding) are the
     few keys of the sparse maps. Iterating gives one :class:`EngineCoreOutput` per row,
     for in-process consumers; :func:`encode` packs the columns as bytes.
     """
@@ -52,6 +53,7 @@ class OutputBatch:
     logprobs: dict[int, _Logprobs] = field(default_factory=dict)  # row -> per new token: id -> (logprob, rank)
     errors: dict[int, str] = field(default_factory=dict)  # row -> why an ignored request could not run
     segment_ends: set[int] = field(default_factory=set)  # rows of sessions that ended a segment (S15)
+    pooled: dict[int, np.ndarray] = field(default_factory=dict)  # row -> a pooling request's embedding
 
     @classmethod
     def empty(cls) -> OutputBatch:
@@ -78,6 +80,7 @@ class OutputBatch:
             logprobs={i: o.new_logprobs for i, o in enumerate(outputs) if o.new_logprobs is not None},
             errors={i: o.error for i, o in enumerate(outputs) if o.error is not None},
             segment_ends={i for i, o in enumerate(outputs) if o.segment_ended},
+            pooled={i: o.pooled for i, o in enumerate(outputs) if o.pooled is not None},
         )
 
     def __len__(self) -> int:
@@ -98,6 +101,7 @@ class OutputBatch:
                 None if cached[i] < 0 else cached[i],
                 self.errors.get(i),
                 i in self.segment_ends,
+                self.pooled.get(i),
             )
 
     def select(self, rows: np.ndarray) -> OutputBatch:
@@ -117,10 +121,11 @@ class OutputBatch:
             logprobs={new_row[r]: v for r, v in self.logprobs.items() if r in new_row},
             errors={new_row[r]: v for r, v in self.errors.items() if r in new_row},
             segment_ends={new_row[r] for r in self.segment_ends if r in new_row},
+            pooled={new_row[r]: v for r, v in self.pooled.items() if r in new_row},
         )
 
     def _has_extras(self) -> bool:
-        return bool(self.stop_reasons or self.logprobs or self.errors or self.segment_ends)
+        return bool(self.stop_reasons or self.logprobs or self.errors or self.segment_ends or self.pooled)
 
 
 def select_csr(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -236,6 +236,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=T
     # A streaming-input session (S15): after each segment it waits for STREAM_INPUT or CLOSE_STREAM
     # instead of finishing.
     streaming: bool = False
+    # A pooling request (embeddings): the step that completes its prompt reports the last prompt
+    # token's hidden state, L2-normalised (EngineCoreOutput.pooled); max_tokens 1 ends it there.
+    pooling: bool = False
 
     def __post_init__(self) -> None:
         if type(self.params) is _SamplingParamsWire:  # decoded
@@ -252,6 +255,7 @@ class OutputExtra(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     stop_reason: int | str | None  # the stop token id that ended it
     logprobs: list[list[tuple[int, float, int]]] | None  # per new token: [token_id, logprob, rank], ...
     error: str | None  # why an ignored request could not run
+    pooled: bytes | None = None  # a pooling request's embedding, little-endian float32
 
 
 class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -272,10 +276,12 @@ class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
     @classmethod
     def of(cls, b: OutputBatch) -> OutputColumns:
         extras = []
-        for row in sorted({*b.stop_reasons, *b.logprobs, *b.errors}):
+        for row in sorted({*b.stop_reasons, *b.logprobs, *b.errors, *b.pooled}):
             entries = b.logprobs.get(row)
             logprobs = None if entries is None else [[(t, lp, rank) for t, (lp, rank) in e.items()] for e in entries]
-            extras.append(OutputExtra(row, b.stop_reasons.get(row), logprobs, b.errors.get(row)))
+            pooled = b.pooled.get(row)
+            extras.append(OutputExtra(row, b.stop_reasons.get(row), logprobs, b.errors.get(row),
+                                      None if pooled is None else pooled.astype("<f4").tobytes()))
         return cls(b.request_ids, b.token_offsets.astype("<u4").tobytes(), b.token_ids.astype("<u4").tobytes(),
                    b.finish_reasons.astype(np.uint8).tobytes(), b.num_cached_tokens.astype("<i8").tobytes(),
                    extras, sorted(b.segment_ends))
@@ -308,6 +314,8 @@ class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
             out.stop_reason, out.error = extra.stop_reason, extra.error
             if extra.logprobs is not None:
                 out.new_logprobs = [{t: (lp, rank) for t, lp, rank in entry} for entry in extra.logprobs]
+            if extra.pooled is not None:
+                out.pooled = _column(extra.pooled, "<f4", None, "pooled")
         for row in self.segment_ends:
             if row >= n:
                 raise ValueError(f"segment_ends row {row} is out of range")

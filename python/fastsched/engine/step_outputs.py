@@ -3,7 +3,7 @@
 :class:`StepOutputs` turns what a collected step produced (the scheduler's
 ``EngineCoreOutputs`` and the runner's ``StepResult``) into one :class:`OutputBatch`: numpy
 over all rows, Python only for the rows that need something of their own (a first token,
-logprobs, a stop token id, an error, a final-only request's whole output). The per-request
+logprobs, a stop token id, an error, an embedding, a final-only request's whole output). The per-request
 values it needs and the scheduler does not hold live in :class:`RequestColumns`, indexed by
 scheduler handle, written by ``EngineCore.add_request``.
 """
@@ -19,7 +19,7 @@ import torch
 from fastsched import _core
 from fastsched.engine.output_batch import OutputBatch, select_csr
 from fastsched.sample import LogprobsTensors
-from fastsched.worker.model_runner import StepResult
+from fastsched.worker.model_runner import PreparedStep, StepResult
 
 FINISH_STOP = 1
 FINISH_IGNORED = 4
@@ -46,6 +46,7 @@ class RequestColumns:
         self.first_scheduled_time = np.full(size, math.nan)
         self.first_token_time = np.full(size, math.nan)
         self.lora_id = np.zeros(size, dtype=np.int64)  # 0: the base model
+        self.pool = np.zeros(size, dtype=bool)  # a pooling request (embeddings)
 
     def ensure(self, handle: int) -> None:
         """Grows every column (doubling) so that ``handle`` indexes it."""
@@ -150,7 +151,21 @@ class StepOutputs:
             tokens = batch.token_ids[offsets[rows]].tolist()
             for i, entry in zip(rows.tolist(), _logprobs_entries(result.logprobs, j_of, tokens, k[wants])):
                 batch.logprobs[i] = [entry]
+        if result.pooled:
+            for i, h in zip(watched.tolist(), wh.tolist()):
+                if h in result.pooled:
+                    batch.pooled[i] = result.pooled[h]
         c.watch[wh] = (k >= 0) | ~c.cached_reported[wh] | np.isnan(c.first_token_time[wh])
+
+    def pool_tokens(self, step: PreparedStep) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The flat token index of the last prompt token of each pooling request whose prompt
+        ``step`` completes (the ones it samples), and their handles; (None, None) without any."""
+        handles = step.sampled_handles
+        wants = self.columns.pool[handles] if len(handles) else handles
+        if not np.count_nonzero(wants):
+            return None, None
+        ends = step.query_start_loc[1:][step.sampled_positions[wants]]
+        return ends.astype(np.int64) - 1, handles[wants]
 
     def _final_only_tokens(self, batch: OutputBatch, handles: np.ndarray) -> None:
         """Finished final-only rows get all their output tokens (read from the scheduler,

@@ -134,6 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch_num_threads=args.torch_num_threads,
         access_log=not args.disable_access_log,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        responses_store_size=args.responses_store_size,
         log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
@@ -212,6 +213,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
                    help="report usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix "
                         "cache) in responses")
+    n.add_argument("--responses-store-size", type=int, default=0,
+                   help="/v1/responses answers the gateway keeps for GET /v1/responses/{id} and "
+                        "previous_response_id, the oldest forgotten first (default 0: none, as in vLLM)")
     p = parser.add_argument_group("processes (docs/design.md §1)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine processes (D), each a full copy of the model with its own scheduler and KV pool")

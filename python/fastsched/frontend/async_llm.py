@@ -278,6 +278,7 @@ class AsyncLLM:
         if self.request_logger is not None:
             self.request_logger.received(request_id, text, token_ids, params, valid.priority)
         requests = engine_requests(state.child_ids, token_ids, params, state.metrics.arrival_time, valid.priority)
+        requests[0].pooling = valid.pooling
         if valid.streaming:
             requests[0].streaming = True
             state.session = SessionState(len(token_ids) + params.max_tokens, len(token_ids))

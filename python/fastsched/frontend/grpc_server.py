@@ -128,8 +128,9 @@ class _ResponseStream:
     per engine (``engine``: the index of the engine serving the request, None if not known)."""
 
     def __init__(self, request_id: str, num_top_logprobs: int | None, latencies: LatencyHistograms,
-                 engine: int | None = None) -> None:
+                 engine: int | None = None, embed: bool = False) -> None:
         self.request_id = request_id
+        self.embed = embed  # an embedding request: its final message carries the embedding, no tokens
         self.num_top_logprobs = num_top_logprobs
         self.latencies = latencies.engine(engine)
         self.start = time.monotonic()
@@ -143,11 +144,13 @@ class _ResponseStream:
         now = time.monotonic()
         self.last = output
         response = pb.GenerateResponse(request_id=self.request_id)
-        for delta in output.deltas:
+        for delta in () if self.embed else output.deltas:
             if delta.token_ids:
                 self._observe_tokens(delta.index, len(delta.token_ids), now)
             response.completions.append(self._completion_delta(delta))
         if output.finished:
+            if output.embedding is not None:
+                response.embedding.extend(output.embedding)
             response.usage.CopyFrom(self.usage())
             self.usage_sent = True
             self._observe_end(output, now)
@@ -193,7 +196,7 @@ class _ResponseStream:
             return pb.Usage()
         return pb.Usage(
             prompt_tokens=len(out.prompt_token_ids),
-            completion_tokens=sum(len(c.token_ids) for c in out.outputs),
+            completion_tokens=0 if self.embed else sum(len(c.token_ids) for c in out.outputs),
             cached_tokens=out.num_cached_tokens or 0,
         )
 
@@ -214,7 +217,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             valid = await self._validate(request_id, request, streaming=False)
             stream = self.async_llm.submit(valid)
         responses = _ResponseStream(request_id, valid.params.logprobs, self.latencies,
-                                    getattr(stream, "engine_index", None))
+                                    getattr(stream, "engine_index", None), embed=valid.pooling)
         try:
             # Leaving this block before the request finished (the client cancelled, the
             # stream broke) aborts it in the engine: no path can forget the abort.
@@ -267,7 +270,8 @@ class FrontendServicer(pb_grpc.FrontendServicer):
                 constraint = (kind, list(so.choice.values) if kind == "choice" else getattr(so, kind))
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
         return await self.async_llm.gate.request_async(request_id, prompt, build_params, constraint,
-                                                       request.priority, lora, streaming, cache_salt)
+                                                       request.priority, lora, streaming, cache_salt,
+                                                       request.embed)
 
     def _parse(self, request: Any) -> tuple[str | list[int], Callable[[], SamplingParams], LoRARequest | None]:
         """The prompt, a builder of the sampling parameters (it may compile a grammar: the gate

@@ -65,6 +65,8 @@ class OutputProcessor:
                 o.token_ids.extend(out.new_token_ids)
             if out.num_cached_tokens is not None and c.parent.num_cached_tokens is None:
                 c.parent.num_cached_tokens = out.num_cached_tokens
+            if out.pooled is not None:
+                c.parent.embedding = out.pooled.tolist()
             if out.new_logprobs and o.logprobs is not None:
                 for entry in out.new_logprobs:
                     o.logprobs.append(

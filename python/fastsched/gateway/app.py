@@ -40,9 +40,7 @@ import contextlib
 import importlib.metadata
 import json
 import logging
-import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
@@ -58,9 +56,10 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastsched.admin import AdminSettings, PathNotAllowedError
-from fastsched.gateway import cache_admin, pause
+from fastsched.gateway import cache_admin, other_apis, pause
 from fastsched.gateway import metrics as gateway_metrics
 from fastsched.gateway.auth import ADMIN, Auth
+from fastsched.gateway.endpoint_metrics import CountEndpoints, EndpointCounts
 from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.http_protocol import guarded_http_protocol
 from fastsched.gateway.json_body import SURROGATE_ESCAPE, check_json, reject_constant
@@ -75,7 +74,10 @@ from fastsched.gateway.openai_protocol import (
     parse_completion,
 )
 from fastsched.gateway.pool import FrontendPool, FrontendStream
+from fastsched.gateway.request_ids import assign_request_id
+from fastsched.gateway.response_store import ResponseStore
 from fastsched.gateway.sessions import SessionSettings, session_websocket
+from fastsched.gateway.streams import ClientWatch, merge_streams
 from fastsched.gateway.tokenize import detokenize, tokenize
 from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits
 from fastsched.request_gate import run_bounded
@@ -84,73 +86,6 @@ logger = logging.getLogger("fastsched.gateway")
 _VERSION = importlib.metadata.version("fastsched")
 
 _PROMPT_CHUNK = 8  # prompts of an OpenAI response id looked up at once
-# An X-Request-Id the gateway accepts: printable ASCII without "/", so it fits a URL path.
-_VALID_REQUEST_ID = re.compile(r"[!-.0-~]{1,128}")
-
-
-async def _merge(streams: Sequence[FrontendStream]) -> AsyncIterator[tuple[int, Any]]:
-    """``(prompt_index, response)`` from all streams as they arrive."""
-    if len(streams) == 1:
-        async for resp in streams[0]:
-            yield 0, resp
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: FrontendStream) -> None:
-        try:
-            async for resp in stream:
-                await queue.put((i, resp))
-        except grpc.aio.AioRpcError as e:
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, done))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-class _ClientWatch:
-    """``async with _ClientWatch(receive) as watch``: if the client disconnects inside the
-    block, the task serving it is cancelled (its gRPC calls with it, so the frontends abort
-    the request in the engine), the block ends quietly and ``watch.gone`` is True. One
-    watcher task per request, however long it streams."""
-
-    def __init__(self, receive: Receive) -> None:
-        self._receive = receive
-        self.gone = False
-
-    async def __aenter__(self) -> _ClientWatch:
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
-        self._watcher = asyncio.ensure_future(self._watch())
-        return self
-
-    async def _watch(self) -> None:
-        while (await self._receive())["type"] != "http.disconnect":
-            pass
-        self.gone = True
-        self._task.cancel()
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
-        self._watcher.cancel()
-        if self.gone and exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
-            self._task.uncancel()
-            return True
-        return False
 
 
 class _EventStream(Response):
@@ -168,8 +103,8 @@ class _EventStream(Response):
         self.init_headers({"Cache-Control": "no-cache"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with _ClientWatch(receive):
-            streams = await self.gateway._open_all(self.parsed)
+        async with ClientWatch(receive):
+            streams = await self.gateway.open_all(self.parsed)
             try:
                 await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
                 async for events, last in self.gateway._sse(self.parsed, self.formatter, streams):
@@ -184,11 +119,12 @@ class Gateway:
     """The routes' state: the frontend pool, the model's name and tokenizer, the limits."""
 
     tool_parser: str | None = None  # --tool-call-parser, for tool_choice "auto" (gateway.tool_calls)
+    embedding_size: int | None = None  # the embeddings' length, once one was computed (gateway.embeddings)
 
     def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
                  api_key: str | None, limits: RequestLimits, retry_after_s: int,
                  admin: AdminSettings | None = None, sessions: SessionSettings | None = None,
-                 enable_prompt_tokens_details: bool = False) -> None:
+                 enable_prompt_tokens_details: bool = False, responses_store_size: int = 0) -> None:
         self.admin = admin or AdminSettings()
         self.admin.check_keys(api_key)
         self.sessions = sessions or SessionSettings()
@@ -200,6 +136,8 @@ class Gateway:
         self.model_name, self.tokenizer, self.api_key = self.model_names[0], tokenizer, api_key
         self.limits, self.retry_after_s = limits, retry_after_s
         self.created = int(time.time())
+        self.responses_store = ResponseStore(responses_store_size)  # /v1/responses' stored responses
+        self.endpoint_counts = EndpointCounts()
         self.loras = LoRAAdmin(self.pool, retry_after_s, self.admin, self.auth.metadata(ADMIN))
         # Chat templates of long bodies are rendered and tokenized here, off the event loop.
         self._parse_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="fastsched-chat-template")
@@ -245,15 +183,20 @@ class Gateway:
         return body, len(raw)
 
     async def completions(self, request: Request) -> Response:
-        request_id = _assign_request_id(request, "cmpl")
+        request_id = assign_request_id(request, "cmpl")
         body, _ = await self.read_json(request)
         info = await self.pool.model_info()
         parsed = parse_completion(body, request_id, self.limits, info and info["max_model_len"], self.tokenizer)
-        return await self._generate(request, self._with_adapter(parsed, body))
+        return await self._generate(request, self.with_adapter(parsed, body))
 
     async def chat_completions(self, request: Request) -> Response:
-        request_id = _assign_request_id(request, "chatcmpl")
+        request_id = assign_request_id(request, "chatcmpl")
         body, size = await self.read_json(request)
+        return await self._generate(request, await self.parse_chat_request(body, size, request_id))
+
+    async def parse_chat_request(self, body: dict[str, Any], size: int, request_id: str) -> ParsedRequest:
+        """``parse_chat`` of a chat body (``size``: its request's bytes: a long one is rendered off the
+        event loop)."""
         info = await self.pool.model_info()
         args = (body, self.tokenizer, info and info["max_model_len"], request_id, self.limits, self.tool_parser)
         if size <= INLINE_TOKENIZE_CHARS:
@@ -261,16 +204,16 @@ class Gateway:
         else:
             parsed = await run_bounded(self._parse_pool, self.limits.prepare_timeout, "rendering the chat template",
                                        parse_chat, *args)
-        return await self._generate(request, self._with_adapter(parsed, body))
+        return self.with_adapter(parsed, body)
 
-    def _with_adapter(self, parsed: ParsedRequest, body: dict[str, Any]) -> ParsedRequest:
+    def with_adapter(self, parsed: ParsedRequest, body: dict[str, Any]) -> ParsedRequest:
         """A ``model`` that is not one of the served names is an adapter (``read_json`` checked)."""
         model = body.get("model")
         if model is not None and model not in self.model_names:
             parsed.lora_name = model
         return parsed
 
-    async def _open_all(self, parsed: ParsedRequest) -> list[FrontendStream]:
+    async def open_all(self, parsed: ParsedRequest) -> list[FrontendStream]:
         requests = parsed.grpc_requests()
         if len(requests) == 1:  # the common case: no task of its own
             return [await self.pool.open(requests[0], self.retry_after_s)]
@@ -291,14 +234,14 @@ class Gateway:
         if parsed.stream:
             return _EventStream(self, parsed, formatter)
         body = None
-        async with _ClientWatch(request.receive) as watch:
-            body = await self._collect(parsed, formatter)
+        async with ClientWatch(request.receive) as watch:
+            body = await self.collect(parsed, formatter)
         return Response(status_code=499) if watch.gone or body is None else JSONResponse(body)
 
-    async def _collect(self, parsed: ParsedRequest, formatter: ResponseFormatter) -> dict[str, Any]:
-        streams = await self._open_all(parsed)
+    async def collect(self, parsed: ParsedRequest, formatter: ResponseFormatter) -> dict[str, Any]:
+        streams = await self.open_all(parsed)
         try:
-            async for prompt_index, resp in _merge(streams):
+            async for prompt_index, resp in merge_streams(streams):
                 formatter.consume(prompt_index, resp)
         except grpc.aio.AioRpcError as e:
             raise api_error_from_rpc(e, self.retry_after_s) from e
@@ -313,7 +256,7 @@ class Gateway:
         which ends the response, also holds the usage chunk and ``[DONE]``."""
         unfinished = len(streams)
         try:
-            async with contextlib.aclosing(_merge(streams)) as responses:
+            async with contextlib.aclosing(merge_streams(streams)) as responses:
                 async for prompt_index, resp in responses:
                     # One choice per chunk, as OpenAI and vLLM stream n > 1 (clients index chunks by choice).
                     entries = formatter.consume(prompt_index, resp)
@@ -376,7 +319,8 @@ class Gateway:
                             status_code=200 if healthy else 503)
 
     async def metrics(self, request: Request) -> Response:
-        body = gateway_metrics.render(await self.pool.stats(), self.model_name)
+        body = gateway_metrics.render(await self.pool.stats(), self.model_name,
+                                      extra=self.endpoint_counts.families(self.model_name))
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def request_status(self, request: Request) -> Response:
@@ -416,19 +360,6 @@ def _body_too_large(limit: int) -> ApiError:
                     code="request_too_large")
 
 
-def _assign_request_id(request: Request, prefix: str) -> str:
-    """The client's ``X-Request-Id`` if it sends a valid one, else ``<prefix>-<hex>``; kept
-    on the request so that :class:`_RequestIdHeader` returns it."""
-    request_id = request.headers.get("x-request-id")
-    if request_id is None:
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-    elif not _VALID_REQUEST_ID.fullmatch(request_id):
-        raise bad_request("X-Request-Id must be 1 to 128 printable ASCII characters other than '/' and spaces, "
-                          f"got {request_id[:80]!r}", None)
-    request.state.request_id = request_id
-    return request_id
-
-
 class _RequestIdHeader:
     """Adds ``X-Request-Id`` to the response of every request given an id, errors included.
     Pure ASGI (no BaseHTTPMiddleware), so streaming and disconnects pass through untouched."""
@@ -440,7 +371,7 @@ class _RequestIdHeader:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        state = scope.setdefault("state", {})  # request.state: where _assign_request_id keeps the id
+        state = scope.setdefault("state", {})  # request.state: where assign_request_id keeps the id
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start" and "request_id" in state:
@@ -494,6 +425,7 @@ def create_app(
     admin: AdminSettings | None = None,
     sessions: SessionSettings | None = None,
     enable_prompt_tokens_details: bool = False,
+    responses_store_size: int = 0,
 ) -> Starlette:
     """The gateway's ASGI app over the frontends at ``frontend_addrs`` (``host:port``).
 
@@ -507,9 +439,10 @@ def create_app(
     ``/v1/sessions`` WebSocket's settings (``gateway.sessions.SessionSettings``). ``ValueError``
     for admin routes guarded by ``api_key`` alone. ``enable_prompt_tokens_details``:
     ``usage.prompt_tokens_details.cached_tokens`` in responses (vLLM's flag of that name).
+    ``responses_store_size``: how many ``/v1/responses`` answers are kept (``gateway.response_store``).
     """
     gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s,
-                      admin, sessions, enable_prompt_tokens_details)
+                      admin, sessions, enable_prompt_tokens_details, responses_store_size)
     gateway.tool_parser = tool_parser
 
     @contextlib.asynccontextmanager
@@ -533,6 +466,7 @@ def create_app(
         Route("/version", gateway.version, methods=["GET"]),
         Route("/ping", gateway.ping, methods=["GET", "POST"]),
         WebSocketRoute("/v1/sessions", session_websocket),
+        *other_apis.routes(gateway),
     ]
     # Admin routes exist only when enabled (fastsched.admin), behind the admin key.
     if gateway.admin.enable_runtime_lora_updating:
@@ -555,7 +489,8 @@ def create_app(
     handlers = {ApiError: _api_error, LimitError: _limit_error, PathNotAllowedError: _path_not_allowed,
                 HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
-                    middleware=[Middleware(_RequestIdHeader)])
+                    middleware=[Middleware(_RequestIdHeader),
+                                Middleware(CountEndpoints, gateway.endpoint_counts)])
     app.state.gateway = gateway
     return app
 

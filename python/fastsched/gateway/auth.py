@@ -1,7 +1,8 @@
 """The gateway's one key check, declared per route in ``create_app`` instead of called by each handler.
 
 Two keys, two kinds of route: ``--api-key`` guards the inference API (``/v1/*``, the
-``/v1/sessions`` WebSocket included, ``/tokenize``, ``/detokenize``); ``--admin-api-key`` guards
+``/v1/sessions`` WebSocket included, ``/tokenize``, ``/detokenize``; ``/v1/messages`` also takes it
+as Anthropic's ``x-api-key`` header); ``--admin-api-key`` guards
 the admin routes (pause, resume, reload, LoRA load/unload, ``/debug/*``), which are off unless
 enabled (``fastsched.admin``). The API key never grants admin. ``/health``, ``/ping``,
 ``/version`` and ``/metrics`` stay open for probes and scrapers, as in vLLM.
@@ -10,6 +11,7 @@ enabled (``fastsched.admin``). The API key never grants admin. ``/health``, ``/p
 from __future__ import annotations
 
 import functools
+import hmac
 from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.requests import Request
@@ -28,21 +30,25 @@ class Auth:
     def __init__(self, api_key: str | None, admin_api_key: str | None = None) -> None:
         self.keys = {API: api_key, ADMIN: admin_api_key}
 
-    def failure(self, headers: Mapping[str, str], scope: str = API) -> ApiError | None:
-        """The 401 for a request without the key ``scope`` requires; None when it may pass."""
+    def failure(self, headers: Mapping[str, str], scope: str = API,
+                x_api_key: bool = False) -> ApiError | None:
+        """The 401 for a request without the key ``scope`` requires; None when it may pass.
+        ``x_api_key``: the key may come as an ``x-api-key`` header too (Anthropic's clients send it so)."""
         key = self.keys[scope]
         if key is None or bearer_matches(headers.get("authorization"), key):
+            return None
+        if x_api_key and hmac.compare_digest(headers.get("x-api-key", "").encode(), key.encode()):
             return None
         which = "admin API key (--admin-api-key)" if scope == ADMIN else "API key"
         return ApiError(401, f"Invalid or missing {which}: send `Authorization: Bearer <key>`.",
                         type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    def guard(self, handler: Handler, scope: str = API) -> Handler:
-        """``handler`` behind the key of ``scope``."""
+    def guard(self, handler: Handler, scope: str = API, x_api_key: bool = False) -> Handler:
+        """``handler`` behind the key of ``scope`` (``x_api_key``: see :meth:`failure`)."""
 
         @functools.wraps(handler)
         async def guarded(request: Request) -> Response:
-            error = self.failure(request.headers, scope)
+            error = self.failure(request.headers, scope, x_api_key)
             if error is not None:
                 raise error
             return await handler(request)

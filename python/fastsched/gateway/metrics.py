@@ -430,8 +430,9 @@ class _Snapshot:
         return self.families
 
 
-def render(stats: Sequence[Any], model_name: str = "", own_process: bool = True) -> bytes:
-    """The Prometheus text exposition of the frontends' stats."""
+def render(stats: Sequence[Any], model_name: str = "", own_process: bool = True,
+           extra: Iterable[Metric] = ()) -> bytes:
+    """The Prometheus text exposition of the frontends' stats, and the gateway's own ``extra`` families."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(metric_families(stats, model_name, own_process)))
+    registry.register(_Snapshot([*metric_families(stats, model_name, own_process), *extra]))
     return generate_latest(registry)

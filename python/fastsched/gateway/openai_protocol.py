@@ -161,6 +161,7 @@ class ParsedRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     lora_name: str = ""  # the LoRA adapter the client named as `model`; empty: the base model
     cache_salt: str | None = None  # vLLM's: separates tenants' prefix-cache blocks
+    embed: bool = False  # answer each prompt's embedding instead of generating (gateway.embeddings)
 
     @property
     def n(self) -> int:
@@ -173,6 +174,8 @@ class ParsedRequest:
                                      priority=self.priority, model=self.lora_name)
             if self.cache_salt is not None:
                 req.cache_salt = self.cache_salt
+            if self.embed:
+                req.embed = True
             if isinstance(prompt, str):
                 req.text = prompt
             else:

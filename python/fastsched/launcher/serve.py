@@ -400,7 +400,8 @@ class Launcher:
         sessions = SessionSettings(c.frontend.session_open_timeout, c.allowed_origins)
         app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key,
                          limits=c.frontend.limits, tool_parser=c.tool_call_parser, admin=c.admin, sessions=sessions,
-                         enable_prompt_tokens_details=c.enable_prompt_tokens_details)
+                         enable_prompt_tokens_details=c.enable_prompt_tokens_details,
+                         responses_store_size=c.responses_store_size)
         server = gateway_server(app, c.host, c.port, log_config=None,
                                 log_level=c.uvicorn_log_level or c.log_level.lower(),
                                 access_log=c.access_log, timeout_graceful_shutdown=c.shutdown_timeout)

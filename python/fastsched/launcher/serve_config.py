@@ -37,6 +37,7 @@ class ServeConfig:
     torch_num_threads: int | None = None
     access_log: bool = True
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens in responses
+    responses_store_size: int = 0  # /v1/responses answers kept for GET and previous_response_id (0: none)
     log_level: str = "INFO"
     uvicorn_log_level: str | None = None  # uvicorn's loggers (None: log_level's); debug logs the probes too
     tool_call_parser: str | None = None  # tool_choice "auto" (gateway.tool_parsers): --enable-auto-tool-choice
@@ -50,6 +51,8 @@ class ServeConfig:
         if self.frontend.num_frontends != self.api_server_count:
             raise ValueError(f"frontend.num_frontends ({self.frontend.num_frontends}) must equal api_server_count "
                              f"({self.api_server_count})")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be non-negative, got {self.responses_store_size}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
         if self.max_engine_restarts < 0:

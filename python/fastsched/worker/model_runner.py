@@ -42,6 +42,7 @@ class StepResult:
     logprobs: LogprobsTensors | None  # rows aligned with sampled_positions, on the CPU
     token_offsets: np.ndarray | None = None  # [num_scheduled + 1] (speculative steps)
     num_accepted: np.ndarray | None = None  # drafts accepted per sampled request (speculative steps)
+    pooled: dict[int, np.ndarray] | None = None  # handle -> embedding, of the step's pooling requests
 
 
 @dataclass
@@ -76,6 +77,10 @@ class PreparedStep:
     # Structured outputs: the constrained rows' token bitmask, set by the engine after prepare().
     bitmask: StepBitmask | None = None
     lora: LoRAMapping | None = None  # the step's adapters (the engine plans them); None: base model only
+    # Pooling requests (embeddings) whose prompt this step completes, set by the engine after prepare():
+    # the flat index of each one's last prompt token, and its handle.
+    pool_tokens: np.ndarray | None = None
+    pool_handles: np.ndarray | None = None
 
 
 @dataclass
@@ -87,6 +92,7 @@ class ExecutedStep:
     logprobs: LogprobsTensors | None  # likewise
     ready: torch.cuda.Event | None  # None on the CPU: the results are there already
     num_sampled: torch.Tensor | None = None  # tokens per sampled request when drafts were verified
+    pooled: torch.Tensor | None = None  # [len(step.pool_tokens), hidden] float32 (copied as ``sampled``)
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -317,7 +323,6 @@ class ModelRunner:
     def _execute(self, step: PreparedStep) -> ExecutedStep:
         if step.num_reqs == 0:
             return ExecutedStep(step, None, None, None)
-        dev = self.device
         on_device = self._on_device
 
         input_ids = on_device(step.input_ids)
@@ -332,6 +337,19 @@ class ModelRunner:
         self.backend.prepare(metadata)
         lora = None if step.lora is None or self.lora is None else self.lora.activate(step.lora)
         hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend, lora)
+        pooled = None
+        if step.pool_tokens is not None:
+            # vLLM's pooling of a generative model served for embeddings: the last token's, L2-normalised.
+            last = hidden[on_device(step.pool_tokens)].float()
+            pooled = torch.nn.functional.normalize(last, dim=-1).to("cpu", non_blocking=True)
+        executed = self._sample(step, hidden)
+        executed.pooled = pooled
+        return executed
+
+    def _sample(self, step: PreparedStep, hidden: torch.Tensor) -> ExecutedStep:
+        """Logits and sampling of a step whose forward pass gave ``hidden``."""
+        dev = self.device
+        on_device = self._on_device
         if step.sampling is None:
             return ExecutedStep(step, None, None, None)
         sampling = step.sampling if dev.type == "cpu" else step.sampling.to(dev)
@@ -389,6 +407,13 @@ class ModelRunner:
 
     def fetch(self, executed: ExecutedStep) -> StepResult:
         """Waits for an executed step's results (on a GPU, for the device) and returns them on the host."""
+        result = self._fetch(executed)
+        if executed.pooled is not None:
+            assert executed.step.pool_handles is not None
+            result.pooled = dict(zip(executed.step.pool_handles.tolist(), executed.pooled.numpy()))
+        return result
+
+    def _fetch(self, executed: ExecutedStep) -> StepResult:
         step = executed.step
         if executed.sampled is None:
             return StepResult(tokens=np.full(step.num_reqs, -1, dtype=np.int64), sampled_positions=_EMPTY,
