@@ -71,7 +71,7 @@ class CpuDecoderStack:
             [config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, model.layers[0].mlp.intermediate_size],
             model.norm.eps, quant_matmul_cpu.DENSE_MIN_ROWS,
             [[i.data_ptr(), p.data_ptr()] for i, p in norms],
-            [[(w.cpu.bits, w.cpu.n, w.cpu.k, w.cpu.addresses) for w in layer] for layer in packed],
+            [[w.cpu.spec for w in layer] for layer in packed],
             [[0 if b is None else b.data_ptr() for b in layer] for layer in biases],
             final_norm.data_ptr(),
         )

@@ -7,8 +7,9 @@
 //!   one, so one 256-bit load unpacks to the pair's 64 codes in column order. A last, odd
 //!   group is 16 bytes: byte `j` holds `c + j` (low) and `c + 16 + j` (high), GGUF's order.
 //!   `scale`, `zero`: `[N, KB]` float32. Built by [`pack_int4`].
-//! - [`Int8`]: `codes [N, K]` int8, `scale [N, KB]` float32 (GGUF Q8_0 with its fp16 `d`
-//!   widened).
+//! - [`Int8`]: `codes [N, K]` int8, `scale [N, K / scale_group]` float32 (one scale per 32
+//!   columns, or per 16: GGUF Q6_K's sub-blocks), and optionally `zero [N, KB]` float32
+//!   (GGUF Q5_1 / Q5_K's offsets). Q8_0 and Q5_0 are scales alone, their fp16 `d` widened.
 
 use crate::pool::Pool;
 use crate::GROUP;
@@ -25,13 +26,33 @@ pub struct Int4<'a> {
     pub zero: &'a [f32],
 }
 
-/// An 8-bit weight, `w = scale · q`.
+/// An 8-bit weight, `w = scale · q + zero`: a scale per `scale_group` (32 or 16) columns,
+/// a zero (if any) per [`GROUP`].
 #[derive(Clone, Copy)]
 pub struct Int8<'a> {
     pub n: usize,
     pub k: usize,
     pub codes: &'a [i8],
     pub scale: &'a [f32],
+    pub zero: Option<&'a [f32]>,
+    pub scale_group: usize,
+}
+
+/// Column counts an [`Int8`] scale may cover: a whole group, or half of one.
+pub const SCALE_GROUPS: [usize; 2] = [GROUP, GROUP / 2];
+
+impl Int8<'_> {
+    /// The scales of the two halves (16 columns each) of group `g` of output row `col`.
+    #[inline(always)]
+    fn half_scales(&self, col: usize, g: usize) -> [f32; 2] {
+        if self.scale_group == GROUP {
+            let s = self.scale[col * (self.k / GROUP) + g];
+            [s, s]
+        } else {
+            let at = col * (self.k / 16) + 2 * g;
+            [self.scale[at], self.scale[at + 1]]
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -100,8 +121,18 @@ impl Weight<'_> {
                 check("zero", w.zero.len(), n * kb)
             }
             Weight::Int8(w) => {
+                if !SCALE_GROUPS.contains(&w.scale_group) {
+                    return Err(format!(
+                        "scale_group = {} must be one of {SCALE_GROUPS:?}",
+                        w.scale_group
+                    ));
+                }
                 check("codes", w.codes.len(), n * k)?;
-                check("scale", w.scale.len(), n * kb)
+                check("scale", w.scale.len(), n * (k / w.scale_group))?;
+                match w.zero {
+                    Some(z) => check("zero", z.len(), n * kb),
+                    None => Ok(()),
+                }
             }
         }
     }
@@ -348,7 +379,7 @@ unsafe fn rows(
 }
 
 /// The per-group terms the scalar loop's dot products of raw codes leave out: int4's
-/// `−8 · scale · d · Σq + zero · Σx` (none for int8, whose codes are signed).
+/// `−8 · scale · d · Σq + zero · Σx`; int8's `zero · Σx` (its codes are signed).
 fn correction(w: &Weight, a: &QAct, row: usize, col: usize) -> f32 {
     let kb = a.k / GROUP;
     let (dsum, xsum) = (&a.dsum[row * kb..][..kb], &a.xsum[row * kb..][..kb]);
@@ -357,19 +388,56 @@ fn correction(w: &Weight, a: &QAct, row: usize, col: usize) -> f32 {
             let (s, z) = (&w.scale[col * kb..][..kb], &w.zero[col * kb..][..kb]);
             (0..kb).map(|g| z[g] * xsum[g] - 8.0 * s[g] * dsum[g]).sum()
         }
-        Weight::Int8(_) => 0.0,
+        Weight::Int8(w) => match w.zero {
+            Some(z) => (0..kb).map(|g| z[col * kb + g] * xsum[g]).sum(),
+            None => 0.0,
+        },
     }
 }
 
-/// Group `g` of output row `col` as `w = s · code + z` (int4: `z = zero − 8 · scale`).
-fn group_affine(w: &Weight, col: usize, g: usize) -> (f32, f32) {
+/// Group `g` of output row `col` as `w = s[h] · code + z` for its halves `h` of 16 columns
+/// (int4: `z = zero − 8 · scale`).
+fn group_affine(w: &Weight, col: usize, g: usize) -> ([f32; 2], f32) {
     let kb = w.shape().1 / GROUP;
     match w {
-        Weight::Int4(w) => (
-            w.scale[col * kb + g],
-            w.zero[col * kb + g] - 8.0 * w.scale[col * kb + g],
+        Weight::Int4(w) => {
+            let s = w.scale[col * kb + g];
+            ([s, s], w.zero[col * kb + g] - 8.0 * s)
+        }
+        Weight::Int8(w) => (
+            w.half_scales(col, g),
+            w.zero.map_or(0.0, |z| z[col * kb + g]),
         ),
-        Weight::Int8(w) => (w.scale[col * kb + g], 0.0),
+    }
+}
+
+/// `Σ scale · d · (code − offset) · qx` over group `g` of output row `col` (its `codes`)
+/// against the activations `q` of scale `d`: one product for a group of one scale, one a
+/// half for int8 scales of 16 columns.
+fn scaled_dot(
+    w: &Weight,
+    col: usize,
+    g: usize,
+    codes: &[i32; GROUP],
+    offset: i32,
+    q: &[i8],
+    d: f32,
+) -> f32 {
+    let dot = |r: std::ops::Range<usize>| -> f32 {
+        codes[r.clone()]
+            .iter()
+            .zip(&q[r])
+            .map(|(&c, &x)| (c - offset) * x as i32)
+            .sum::<i32>() as f32
+    };
+    let kb = w.shape().1 / GROUP;
+    match w {
+        Weight::Int4(w) => w.scale[col * kb + g] * d * dot(0..GROUP),
+        Weight::Int8(w) if w.scale_group == GROUP => w.scale[col * kb + g] * d * dot(0..GROUP),
+        Weight::Int8(w) => {
+            let [s0, s1] = w.half_scales(col, g);
+            d * (s0 * dot(0..16) + s1 * dot(16..GROUP))
+        }
     }
 }
 
@@ -409,17 +477,12 @@ fn group_codes(w: &Weight, col: usize, g: usize, codes: &mut [i32; GROUP]) {
 fn scalar_dot_rows(w: &Weight, a: &QAct, m0: usize, mt: usize, col: usize, acc: &mut [f32; 4]) {
     let kb = a.k / GROUP;
     let mut codes = [0i32; GROUP];
-    let scale = match w {
-        Weight::Int4(w) => &w.scale[col * kb..][..kb],
-        Weight::Int8(w) => &w.scale[col * kb..][..kb],
-    };
     for g in 0..kb {
         group_codes(w, col, g, &mut codes);
         for r in 0..mt {
             let row = m0 + r;
             let q = &a.q[row * a.k + g * GROUP..][..GROUP];
-            let dot: i32 = codes.iter().zip(q).map(|(&c, &x)| c * x as i32).sum();
-            acc[r] += scale[g] * a.d[row * kb + g] * dot as f32;
+            acc[r] += scaled_dot(w, col, g, &codes, 0, q, a.d[row * kb + g]);
         }
     }
     for (r, v) in acc[..mt].iter_mut().enumerate() {
@@ -475,17 +538,36 @@ mod simd {
             (Weight::Int4(w), _) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
                 int4_rows::<4>(w, a, m0, c, acc)
             }),
-            (Weight::Int8(w), 1) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
-                int8_rows::<1>(w, a, m0, c, acc)
+            (Weight::Int8(w), _) if w.scale_group == GROUP => {
+                int8_cols::<false>(w, a, m0, mt, cols, n, out)
+            }
+            (Weight::Int8(w), _) => int8_cols::<true>(w, a, m0, mt, cols, n, out),
+        }
+    }
+
+    /// [`dot_cols`] for an int8 weight with scales per group (`SUB16` false) or per half.
+    #[inline(always)]
+    unsafe fn int8_cols<const SUB16: bool>(
+        w: &Int8,
+        a: &QAct,
+        m0: usize,
+        mt: usize,
+        cols: std::ops::Range<usize>,
+        n: usize,
+        out: OutPtr,
+    ) {
+        match mt {
+            1 => each_col(cols, m0, mt, n, out, &mut |c, acc| {
+                int8_rows::<1, SUB16>(w, a, m0, c, acc)
             }),
-            (Weight::Int8(w), 2) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
-                int8_rows::<2>(w, a, m0, c, acc)
+            2 => each_col(cols, m0, mt, n, out, &mut |c, acc| {
+                int8_rows::<2, SUB16>(w, a, m0, c, acc)
             }),
-            (Weight::Int8(w), 3) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
-                int8_rows::<3>(w, a, m0, c, acc)
+            3 => each_col(cols, m0, mt, n, out, &mut |c, acc| {
+                int8_rows::<3, SUB16>(w, a, m0, c, acc)
             }),
-            (Weight::Int8(w), _) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
-                int8_rows::<4>(w, a, m0, c, acc)
+            _ => each_col(cols, m0, mt, n, out, &mut |c, acc| {
+                int8_rows::<4, SUB16>(w, a, m0, c, acc)
             }),
         }
     }
@@ -547,6 +629,38 @@ mod simd {
         )
     }
 
+    /// Lanes `4h..4h + 4` the scale of the pair's quarter `h` (16 columns: four lanes of
+    /// `vpdpbusd`), for scales per half group.
+    #[inline(always)]
+    unsafe fn quarter_scale_lanes(scale: *const f32) -> __m512 {
+        let idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(scale)))
+    }
+
+    /// `acc[r] += Σ_g zero[g] · Σx[g]` over the `kb` groups of activation row `m0 + r`, 16
+    /// groups a step.
+    #[inline(always)]
+    unsafe fn add_zero_terms<const MT: usize>(
+        zeros: *const f32,
+        a: &QAct,
+        m0: usize,
+        kb: usize,
+        acc: &mut [__m512; MT],
+    ) {
+        for g in (0..kb).step_by(16) {
+            let mask: __mmask16 = if kb - g >= 16 {
+                0xffff
+            } else {
+                (1u16 << (kb - g)) - 1
+            };
+            let z = _mm512_maskz_loadu_ps(mask, zeros.add(g));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let xsum = _mm512_maskz_loadu_ps(mask, a.xsum.as_ptr().add((m0 + r) * kb + g));
+                *acc = _mm512_fmadd_ps(z, xsum, *acc);
+            }
+        }
+    }
+
     /// Sum over the last, odd group (not in a pair) of `scale · d · Σ (w_code − offset) · qx`.
     fn odd_group(w: &Weight, a: &QAct, row: usize, col: usize, offset: i32) -> f32 {
         let kb = a.k / GROUP;
@@ -557,16 +671,7 @@ mod simd {
         let mut codes = [0i32; GROUP];
         group_codes(w, col, g, &mut codes);
         let q = &a.q[row * a.k + g * GROUP..][..GROUP];
-        let dot: i32 = codes
-            .iter()
-            .zip(q)
-            .map(|(&c, &x)| (c - offset) * x as i32)
-            .sum();
-        let scale = match w {
-            Weight::Int4(w) => w.scale[col * kb + g],
-            Weight::Int8(w) => w.scale[col * kb + g],
-        };
-        scale * a.d[row * kb + g] * dot as f32
+        scaled_dot(w, col, g, &codes, offset, q, a.d[row * kb + g])
     }
 
     /// 16 floats `s · codes + z` to bf16 (round to nearest even) at `dst`.
@@ -615,15 +720,16 @@ mod simd {
                 let (k, kb) = (w.k, w.k / GROUP);
                 let row = w.codes.as_ptr().add(col * k);
                 for g in 0..kb {
-                    let sc = _mm512_set1_ps(w.scale[col * kb + g]);
-                    for h in 0..2 {
+                    let scales = w.half_scales(col, g);
+                    let z = _mm512_set1_ps(w.zero.map_or(0.0, |z| z[col * kb + g]));
+                    for (h, &s) in scales.iter().enumerate() {
                         let c = _mm512_cvtepi8_epi32(_mm_loadu_si128(
                             row.add(g * GROUP + h * 16).cast(),
                         ));
                         store_bf16(
                             c,
-                            sc,
-                            _mm512_setzero_ps(),
+                            _mm512_set1_ps(s),
+                            z,
                             dst.as_mut_ptr().add(g * GROUP + h * 16),
                         );
                     }
@@ -751,8 +857,11 @@ mod simd {
         }
     }
 
+    /// Integer dots of `MT` activation rows with one int8 weight row, a pair of groups (64
+    /// columns) a step; scales per group, or (`SUB16`) per 16 columns, four lanes each; the
+    /// zeros' term (`zero · Σx`) added per group after.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn int8_rows<const MT: usize>(
+    unsafe fn int8_rows<const MT: usize, const SUB16: bool>(
         w: &Int8,
         a: &QAct,
         m0: usize,
@@ -761,7 +870,8 @@ mod simd {
     ) {
         let (k, kb) = (a.k, a.k / GROUP);
         let mut acc = [_mm512_setzero_ps(); MT];
-        let scale = w.scale.as_ptr().add(col * kb);
+        let row_scales = k / w.scale_group;
+        let scale = w.scale.as_ptr().add(col * row_scales);
         prefetch_ahead(
             w.codes.as_ptr().cast(),
             w.codes.len(),
@@ -771,15 +881,31 @@ mod simd {
         prefetch_ahead(
             w.scale.as_ptr().cast(),
             4 * w.scale.len(),
-            4 * (col + PREFETCH_ROWS) * kb,
-            4 * kb,
+            4 * (col + PREFETCH_ROWS) * row_scales,
+            4 * row_scales,
         );
+        if let Some(zero) = w.zero {
+            prefetch_ahead(
+                zero.as_ptr().cast(),
+                4 * zero.len(),
+                4 * (col + PREFETCH_ROWS) * kb,
+                4 * kb,
+            );
+        }
         let flip = _mm512_set1_epi8(-128);
         let row = w.codes.as_ptr().add(col * k);
         for p in 0..kb / 2 {
             // signed codes made unsigned (q + 128); `negcorr` takes 128 · Σqx back off
             let wq = _mm512_xor_si512(_mm512_loadu_si512(row.add(p * 64).cast()), flip);
-            pair::<MT>(a, m0, p, wq, scale_lanes(scale.add(2 * p)), &mut acc);
+            let sv = if SUB16 {
+                quarter_scale_lanes(scale.add(4 * p))
+            } else {
+                scale_lanes(scale.add(2 * p))
+            };
+            pair::<MT>(a, m0, p, wq, sv, &mut acc);
+        }
+        if let Some(zero) = w.zero {
+            add_zero_terms::<MT>(zero.as_ptr().add(col * kb), a, m0, kb, &mut acc);
         }
         for r in 0..MT {
             out[r] = _mm512_reduce_add_ps(acc[r]);
@@ -835,8 +961,8 @@ pub fn dequantize_bf16(
             for g in first..kb {
                 group_codes(w, col, g, &mut codes);
                 let (s, z) = group_affine(w, col, g);
-                for (d, &c) in dst[g * GROUP..][..GROUP].iter_mut().zip(&codes) {
-                    *d = f32_to_bf16(s * c as f32 + z);
+                for (j, (d, &c)) in dst[g * GROUP..][..GROUP].iter_mut().zip(&codes).enumerate() {
+                    *d = f32_to_bf16(s[j / 16] * c as f32 + z);
                 }
             }
         }

@@ -9,10 +9,7 @@ use fastsched_kernels::decoder::{self, Attention, Dims, Kernels, Layer, Rope};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::kernels::{pool, weight};
-
-/// A linear layer's weight: bits (4 or 8), N, K and its buffers' addresses (`kernels`).
-type WeightAddrs = (u8, usize, usize, [usize; 3]);
+use crate::kernels::{pool, weight, WeightSpec};
 
 /// The decoder layers of a Llama-family model with quantized linears, run as one call a
 /// step (`fastsched_kernels::decoder`).
@@ -22,7 +19,7 @@ pub struct PyCpuDecoder {
     /// Per layer: the input and post-attention RMSNorm weights (bfloat16 `[hidden]`).
     norms: Vec<[usize; 2]>,
     /// Per layer: q/k/v, o, gate/up, down.
-    weights: Vec<[WeightAddrs; 4]>,
+    weights: Vec<[WeightSpec; 4]>,
     /// Per layer: the bfloat16 biases of the same four (0: none).
     biases: Vec<[usize; 4]>,
     final_norm: usize,
@@ -34,8 +31,8 @@ impl PyCpuDecoder {
     unsafe fn layers<'a>(&self) -> PyResult<Vec<Layer<'a>>> {
         let h = self.dims.hidden;
         let norm = |addr: usize| std::slice::from_raw_parts(addr as *const u16, h);
-        let w = |(bits, n, k, a): WeightAddrs| weight(n, k, bits, a);
-        let bias = |addr: usize, (_, n, _, _): WeightAddrs| {
+        let w = |spec: WeightSpec| weight(spec);
+        let bias = |addr: usize, (_, _, n, _, _): WeightSpec| {
             (addr != 0).then(|| std::slice::from_raw_parts(addr as *const u16, n))
         };
         self.norms
@@ -77,7 +74,7 @@ impl PyCpuDecoder {
         eps: f32,
         dense_min_rows: usize,
         norms: Vec<[usize; 2]>,
-        weights: Vec<[WeightAddrs; 4]>,
+        weights: Vec<[WeightSpec; 4]>,
         biases: Vec<[usize; 4]>,
         final_norm: usize,
     ) -> PyResult<Self> {
