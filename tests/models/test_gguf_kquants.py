@@ -189,7 +189,8 @@ def _sane_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.rand
     blocks = rng.integers(0, 256, size=(rows * cols // block_size, block_bytes), dtype=np.uint8)
     for at in FP16_AT[qtype]:
         unit = size / (_K_CODE_RANGE[qtype] if at != 2 else 63)  # dmin multiplies a 6-bit minimum
-        blocks[:, at:at + 2] = (rng.uniform(0.5, 1, size=(len(blocks), 1)) * unit).astype(np.float16).view(np.uint8)
+        scales = rng.uniform(0.5, 1, size=(len(blocks), 1)) * unit
+        blocks[:, at:at + 2] = scales.astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -200,7 +201,8 @@ def _mixed_llama(path: Path, types: dict[str, GGMLQuantizationType]) -> Path:
         blk = f"blk.{layer}."
         shapes |= {blk + "attn_q": (HIDDEN, HIDDEN), blk + "attn_k": (HIDDEN // 2, HIDDEN),
                    blk + "attn_v": (HIDDEN // 2, HIDDEN), blk + "attn_output": (HIDDEN, HIDDEN),
-                   blk + "ffn_gate": (INTER, HIDDEN), blk + "ffn_up": (INTER, HIDDEN), blk + "ffn_down": (HIDDEN, INTER)}
+                   blk + "ffn_gate": (INTER, HIDDEN), blk + "ffn_up": (INTER, HIDDEN),
+                   blk + "ffn_down": (HIDDEN, INTER)}
     tensors = {"output_norm.weight": (np.ones(HIDDEN, np.float32), Q.F32)}
     for name, (rows, cols) in shapes.items():
         qtype, size = types[name], PROJECTION_SIZE if name.startswith("blk.") else 0.05
@@ -231,8 +233,8 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
     caches = [torch.zeros(2, 8, 16, attn.num_kv_heads, attn.head_dim, dtype=model.norm.weight.dtype)
               for _ in model.layers]
     metadata = AttentionMetadata(torch.arange(t), torch.tensor([0, t], dtype=torch.int32),
-                                 torch.tensor([t], dtype=torch.int32), torch.arange(8, dtype=torch.int32)[None],
-                                 t, t)
+                                 torch.tensor([t], dtype=torch.int32),
+                                 torch.arange(8, dtype=torch.int32)[None], t, t)
     backend = CpuBackend()
     backend.prepare(metadata)
     with torch.inference_mode():
@@ -252,8 +254,9 @@ def test_a_gguf_with_every_format_mixed_within_layers_loads_with_no_dense_weight
     assert isinstance(kept.layers[1].self_attn.qkv_proj.weight_packed, PackedInt4)  # Q4_K × 3
     qkv0 = kept.layers[0].self_attn.qkv_proj.weight_packed  # Q5_K, Q4_K, Q6_K: 8-bit, per 16, zeros
     assert isinstance(qkv0, PackedInt8) and qkv0.cpu.scale_group == 16 and qkv0.zero is not None
+    down0 = kept.layers[0].mlp.down_proj.weight_packed
     for module, ref in [(qkv0, reference.layers[0].self_attn.qkv_proj.weight),
-                        (kept.layers[0].mlp.down_proj.weight_packed, reference.layers[0].mlp.down_proj.weight),
+                        (down0, reference.layers[0].mlp.down_proj.weight),
                         (kept.lm_head.weight_packed, reference.lm_head.weight),
                         (kept.embed_tokens.weight_packed, reference.embed_tokens.weight)]:
         ours = dequantize_int8(module.codes, module.scale, module.zero)
@@ -264,7 +267,8 @@ def test_a_gguf_with_every_format_mixed_within_layers_loads_with_no_dense_weight
                  "Q4_1 1 tensors", "Q5_0 1 tensors", "Q5_1 1 tensors"):
         assert part in line, line
     assert "Q4_K 5 tensors" in line and "(4 int4, 1 int8)" in line  # layer 0's k fused with 8-bit shards
-    q6_k = GGML_QUANT_SIZES[Q.Q6_K][1] * (VOCAB * HIDDEN + HIDDEN // 2 * HIDDEN + HIDDEN * INTER + HIDDEN**2) // 256
+    q6_k_weights = VOCAB * HIDDEN + HIDDEN // 2 * HIDDEN + HIDDEN * INTER + HIDDEN**2
+    q6_k = GGML_QUANT_SIZES[Q.Q6_K][1] * q6_k_weights // 256
     assert f"Q6_K 4 tensors {q6_k / 2**20:.1f} MiB (int8)" in line
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
@@ -322,5 +326,31 @@ def test_what_cannot_stay_quantized_is_a_warning_with_its_count_and_bytes(tmp_pa
     warning = next(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     q2_k = GGML_QUANT_SIZES[Q.Q2_K][1] * HIDDEN * INTER // 256
     q4_k = GGML_QUANT_SIZES[Q.Q4_K][1] * (HIDDEN + HIDDEN // 2) * HIDDEN // 256
-    assert f"3 quantized tensors ({(q2_k + q4_k) / 2**20:.1f} MiB) dequantized to bfloat16" in warning, warning
+    expected = f"3 quantized tensors ({(q2_k + q4_k) / 2**20:.1f} MiB) dequantized to bfloat16"
+    assert expected in warning, warning
     assert "Q2_K 1 tensors" in warning and "Q4_K 2 tensors" in warning
+
+
+def test_every_quantized_tensor_of_the_real_gemma3_q4_k_m_file_is_kept_exactly(gemma3_gguf) -> None:
+    """The published Gemma 3 270M Q4_K_M (Q4_K, Q5_0, Q6_K, Q8_0): each quantized matrix
+    converts to a kept form, 4-bit or 8-bit, whose dequantization is the file's weights (the
+    tied Q8_0 embedding checked on its first 4096 rows)."""
+    from dataclasses import replace
+
+    from fastsched.kernels.quant_matmul import dequantize_int4
+    from fastsched.model_loader.gguf_quants import KEPT_BITS, dequantize, quantized_blocks
+
+    types: dict[str, int] = {}
+    for tensor in GGUFContainer(gemma3_gguf).tensors:
+        if tensor.tensor_type == Q.F32:
+            continue
+        if tensor.name == "token_embd.weight":
+            rows = 4096
+            tensor = replace(tensor, shape=(rows, tensor.shape[1]), data=tensor.data[:rows])
+        blocks = quantized_blocks(tensor)
+        assert blocks is not None, tensor.name
+        parts = [None if p is None else torch.from_numpy(np.ascontiguousarray(p)) for p in blocks]
+        ours = (dequantize_int4 if KEPT_BITS[tensor.tensor_type] == 4 else dequantize_int8)(*parts).numpy()
+        np.testing.assert_allclose(ours, dequantize(tensor), rtol=1e-6, atol=1e-7, err_msg=tensor.name)
+        types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+    assert types == {"Q4_K": 27, "Q5_0": 81, "Q6_K": 9, "Q8_0": 10}

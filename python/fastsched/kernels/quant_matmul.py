@@ -105,12 +105,13 @@ class Int8Weight:
     def __post_init__(self) -> None:
         n, k = self.codes.shape
         groups = k // GROUP_SIZE
-        if (self.codes.dtype != torch.int8 or k % GROUP_SIZE or self.scale.shape not in ((n, groups), (n, 2 * groups))
-                or (self.zero is not None and self.zero.shape != (n, groups))):
+        scales_fit = self.scale.shape in ((n, groups), (n, 2 * groups))
+        zero_fits = self.zero is None or self.zero.shape == (n, groups)
+        if self.codes.dtype != torch.int8 or k % GROUP_SIZE or not scales_fit or not zero_fits:
             zero = None if self.zero is None else tuple(self.zero.shape)
             raise ValueError(f"int8 weight of shape {(n, k)} and dtype {self.codes.dtype} needs int8 codes, "
-                             f"[N, K/{GROUP_SIZE}] or [N, K/{GROUP_SIZE // 2}] scales and [N, K/{GROUP_SIZE}] "
-                             f"zeros or none; got {tuple(self.scale.shape)} and {zero}")
+                             f"[N, K/{GROUP_SIZE}] or [N, K/{GROUP_SIZE // 2}] scales and "
+                             f"[N, K/{GROUP_SIZE}] zeros or none; got {tuple(self.scale.shape)} and {zero}")
 
     @classmethod
     def from_int4(cls, weight: Int4Weight) -> Int8Weight:
@@ -152,7 +153,8 @@ class Int8Weight:
 
     def nbytes_packed(self) -> int:
         """Bytes a matmul reads: a byte a code plus a float32 scale (and zero) a group."""
-        return self.codes.numel() + 4 * self.scale.numel() + (0 if self.zero is None else 4 * self.zero.numel())
+        zeros = 0 if self.zero is None else self.zero.numel()
+        return self.codes.numel() + 4 * (self.scale.numel() + zeros)
 
 
 def fuse(parts: list[Int4Weight | Int8Weight]) -> Int4Weight | Int8Weight:
@@ -170,7 +172,9 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return (q * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
 
 
-def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_int8(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None
+) -> torch.Tensor:
     """The reference: ``scale · c (+ zero)`` in float32, ``[N, K]``, a scale per ``K /
     scale.shape[1]`` columns, a zero per ``GROUP_SIZE``."""
     n, k = codes.shape
@@ -267,7 +271,8 @@ class PackedInt8:
             *ids.shape, self.in_features)
 
     def nbytes(self) -> int:
-        tensors = [self.codes, self.scale] + [t for t in (self.zero, getattr(self, "dense", None)) if t is not None]
+        optional = (self.zero, getattr(self, "dense", None))
+        tensors = [self.codes, self.scale] + [t for t in optional if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -74,7 +74,8 @@ class CpuQuantWeight:
     def __init__(self, bits: int, tensors: tuple[torch.Tensor, ...], n: int, k: int) -> None:
         kb = k // GROUP_SIZE
         if bits not in (4, 8) or k % GROUP_SIZE:
-            raise ValueError(f"int{bits} weight [{n}, {k}]: bits must be 4 or 8 and K a multiple of {GROUP_SIZE}")
+            raise ValueError(f"int{bits} weight [{n}, {k}]: bits must be 4 or 8 and K a multiple of "
+                             f"{GROUP_SIZE}")
         scale_group = GROUP_SIZE
         if bits == 8 and len(tensors) >= 2 and tensors[1].dim() == 2 and tensors[1].shape[1] == 2 * kb:
             scale_group = GROUP_SIZE // 2
@@ -159,7 +160,8 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 
 
 @int8_matmul.register_fake
-def _(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
+def _(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+      zero: torch.Tensor | None = None) -> torch.Tensor:
     return _fake(x, codes.shape[0])
 
 

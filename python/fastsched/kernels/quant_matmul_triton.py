@@ -104,7 +104,8 @@ def _int8_matmul_kernel(
         k = start + tl.arange(0, BLOCK_K)
         w_mask = col_mask[:, None] & (k < K)[None, :]
         c = tl.load(codes_ptr + cols[:, None] * stride_cn + k[None, :], mask=w_mask, other=0).to(tl.float32)
-        s = tl.load(scale_ptr + cols[:, None] * stride_sn + (k // SCALE_GROUP)[None, :], mask=w_mask, other=0.0)
+        s = tl.load(scale_ptr + cols[:, None] * stride_sn + (k // SCALE_GROUP)[None, :], mask=w_mask,
+                    other=0.0)
         w = c * s  # [BLOCK_N, BLOCK_K]
         if HAS_ZERO:
             w += tl.load(zero_ptr + cols[:, None] * stride_zn + (k // GROUP)[None, :], mask=w_mask, other=0.0)

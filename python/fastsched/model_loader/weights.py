@@ -72,7 +72,9 @@ def _quantize_linears(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[t
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
-def _plan_gguf(bits: dict[str, int], tensors: list[GGUFTensor]) -> tuple[set[str], list[tuple[GGUFTensor, int]]]:
+def _plan_gguf(
+    bits: dict[str, int], tensors: list[GGUFTensor]
+) -> tuple[set[str], list[tuple[GGUFTensor, int]]]:
     """Which parameters stay quantized, and the bits each tensor is served with (0: dense).
 
     A linear layer, lm_head or the embedding stays quantized when every checkpoint tensor of
@@ -123,9 +125,11 @@ def _log_gguf_kept(path: Path, served: list[tuple[GGUFTensor, int]], dtype: torc
             for kind, ((n, size), widths) in sorted(kept.items())))
     if dense:
         count, size = sum(n for n, _ in dense.values()), sum(s for _, s in dense.values())
-        logger.warning("%s: %d quantized tensors (%.1f MiB) dequantized to %s (no kept form, or a layer with a "
-                       "dense shard): %s", path.name, count, size / 2**20, str(dtype).removeprefix("torch."),
-                       ", ".join(f"{kind} {n} tensors ({s / 2**20:.1f} MiB)" for kind, (n, s) in sorted(dense.items())))
+        parts = ", ".join(f"{kind} {n} tensors ({nbytes / 2**20:.1f} MiB)"
+                          for kind, (n, nbytes) in sorted(dense.items()))
+        logger.warning("%s: %d quantized tensors (%.1f MiB) dequantized to %s (no kept form, or a layer "
+                       "with a dense shard): %s", path.name, count, size / 2**20,
+                       str(dtype).removeprefix("torch."), parts)
 
 
 class _SkipRandomInit(TorchFunctionMode):

@@ -87,10 +87,11 @@ def _columns(name: str, w: Weight, start: int, end: int) -> Weight:
         if start % GROUP_SIZE or end % GROUP_SIZE:
             raise ValueError(f"{name}: a row-parallel shard of a quantized weight must be whole groups of "
                              f"{GROUP_SIZE} columns; this rank's is [{start}, {end})")
-        # each parameter covers K / its columns: scales 32 or 16 columns (Int8Weight), zeros 32
+        # a parameter covers K / its columns: scales 32 or 16 columns (Int8Weight), zeros 32
         codes, *groups = _parts(w)
         k = codes.shape[1]
-        return type(w)(codes[:, start:end], *(t[:, start * t.shape[1] // k:end * t.shape[1] // k] for t in groups))
+        sliced = (t[:, start * t.shape[1] // k:end * t.shape[1] // k] for t in groups)
+        return type(w)(codes[:, start:end], *sliced)
     return w[:, start:end]
 
 
