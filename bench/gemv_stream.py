@@ -32,7 +32,7 @@ PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "ml
 def pass_seconds(weights: list[CpuQuantWeight], xs: list[torch.Tensor], outs: list[torch.Tensor]) -> float:
     start = time.perf_counter()
     for w, x, out in zip(weights, xs, outs):
-        _core.quant_matmul(w.bits, w.n, w.k, w.addresses, x.data_ptr(), True, 1, out.data_ptr())
+        _core.quant_matmul(w.spec, x.data_ptr(), True, 1, out.data_ptr())
     return time.perf_counter() - start
 
 

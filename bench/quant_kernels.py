@@ -38,7 +38,7 @@ def best_us(f: Callable[[], object], inner: int) -> float:
 def dequant_gemm(w: quant_matmul_cpu.CpuQuantWeight, x: torch.Tensor) -> torch.Tensor:
     """The many-row path before the crate's bf16 GEMM: a bf16 temporary per call, torch's GEMM."""
     dense = torch.empty(w.n, w.k, dtype=torch.bfloat16)
-    _core.quant_dequantize_bf16(w.bits, w.n, w.k, w.addresses, dense.data_ptr())
+    _core.quant_dequantize_bf16(w.spec, dense.data_ptr())
     return x @ dense.t()
 
 

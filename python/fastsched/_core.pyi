@@ -642,14 +642,15 @@ class BlockHasher:
 def set_kernel_threads(threads: int) -> None: ...
 def kernel_threads() -> int: ...
 def kernel_isa() -> str: ...
+# A weight ``w``: (bits, columns a scale covers, N, K, addresses), ``CpuQuantWeight.spec``.
 def quant_matmul(
-    bits: int, n: int, k: int, w: Sequence[int], x: int, x_bf16: bool, m: int, out: int
+    w: tuple[int, int, int, int, Sequence[int]], x: int, x_bf16: bool, m: int, out: int
 ) -> None: ...
-def quant_dequantize_bf16(bits: int, n: int, k: int, w: Sequence[int], out: int) -> None: ...
+def quant_dequantize_bf16(w: tuple[int, int, int, int, Sequence[int]], out: int) -> None: ...
 def quant_gemm_simd() -> bool:
     """Whether the many-row bf16 GEMM has its AVX-512 BF16 kernel on this CPU."""
-def quant_gemm_bf16(bits: int, n: int, k: int, w: Sequence[int], x: int, m: int, out: int) -> None:
-    """``out[M, N]`` (float32) ``= x[M, K]`` (bfloat16) ``· Wᵀ`` for an int4/int8 weight at addresses ``w``."""
+def quant_gemm_bf16(w: tuple[int, int, int, int, Sequence[int]], x: int, m: int, out: int) -> None:
+    """``out[M, N]`` (float32) ``= x[M, K]`` (bfloat16) ``· Wᵀ`` for an int4/int8 weight ``w``."""
 
 # CPU attention and elementwise kernels (rust/fastsched-kernels), called by
 # fastsched.kernels.cpu_ops with raw tensor addresses that it has checked.
@@ -702,7 +703,7 @@ class CpuDecoder:
         dense_min_rows: int,
         norms: Sequence[Sequence[int]],
         norms_f32: bool,
-        weights: Sequence[Sequence[tuple[int, int, int, Sequence[int]]]],
+        weights: Sequence[Sequence[tuple[int, int, int, int, Sequence[int]]]],
         biases: Sequence[Sequence[int]],
         final_norm: int,
         options: Sequence[tuple[str, int | None, int, float | None, float]],

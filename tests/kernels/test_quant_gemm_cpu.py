@@ -38,7 +38,7 @@ def _dense_bf16(packed: PackedInt4 | PackedInt8) -> torch.Tensor:
     """The weight as the crate dequantizes it to bf16 (what the old many-row path multiplied)."""
     cpu = packed.cpu
     dense = torch.empty(cpu.n, cpu.k, dtype=torch.bfloat16)
-    _core.quant_dequantize_bf16(cpu.bits, cpu.n, cpu.k, cpu.addresses, dense.data_ptr())
+    _core.quant_dequantize_bf16(cpu.spec, dense.data_ptr())
     return dense
 
 

@@ -19,8 +19,9 @@ OpenMP regions between calls.
 Layouts (what :func:`pack_int4` and :class:`fastsched.kernels.quant_matmul.Int8Weight` give):
 int4 ``packed [N, K/2]`` uint8, each 64 columns from ``c`` as 32 bytes, byte ``j`` holding
 column ``c + j`` in its low nibble and ``c + 32 + j`` in its high one (an odd last group of 32:
-``c + j`` and ``c + 16 + j``); int8 ``codes [N, K]``; scales (and int4 zeros) ``[N, K/32]``
-float32.
+``c + j`` and ``c + 16 + j``), scales and zeros ``[N, K/32]`` float32; int8 ``codes [N, K]``,
+scales ``[N, K/32]`` or ``[N, K/16]`` (GGUF Q6_K's sub-blocks) float32 and optionally zeros
+``[N, K/32]`` float32 (GGUF Q5_1, Q5_K).
 """
 
 from __future__ import annotations
@@ -57,52 +58,71 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, 1).contiguous()
 
 
+# The columns an int8 weight's scale may cover: a group, or half of one (GGUF Q6_K).
+SCALE_GROUPS = (GROUP_SIZE, GROUP_SIZE // 2)
+WeightSpec = tuple[int, int, int, int, list[int]]
+
+
 class CpuQuantWeight:
     """A weight's tensors checked once for the binding (which trusts their addresses), and
     its matmul: the Rust call directly when eager (a custom op's dispatch costs more than a
-    layer's GEMV), the custom op while ``torch.compile`` traces."""
+    layer's GEMV), the custom op while ``torch.compile`` traces.
+
+    ``tensors``: int4 (packed, scale, zero); int8 (codes, scale) or (codes, scale, zero),
+    the scale's shape saying the columns each covers (module docstring)."""
 
     def __init__(self, bits: int, tensors: tuple[torch.Tensor, ...], n: int, k: int) -> None:
         kb = k // GROUP_SIZE
-        shapes = {4: {"packed": (torch.uint8, (n, k // 2)), "scale": (torch.float32, (n, kb)),
-                      "zero": (torch.float32, (n, kb))},
-                  8: {"codes": (torch.int8, (n, k)), "scale": (torch.float32, (n, kb))}}[bits]
-        if k % GROUP_SIZE or len(tensors) != len(shapes):
-            raise ValueError(f"int{bits} weight [{n}, {k}]: K must be a multiple of {GROUP_SIZE}")
+        if bits not in (4, 8) or k % GROUP_SIZE:
+            raise ValueError(f"int{bits} weight [{n}, {k}]: bits must be 4 or 8 and K a multiple of "
+                             f"{GROUP_SIZE}")
+        scale_group = GROUP_SIZE
+        if bits == 8 and len(tensors) >= 2 and tensors[1].dim() == 2 and tensors[1].shape[1] == 2 * kb:
+            scale_group = GROUP_SIZE // 2
+        shapes = {"packed": (torch.uint8, (n, k // 2))} if bits == 4 else {"codes": (torch.int8, (n, k))}
+        shapes |= {"scale": (torch.float32, (n, k // scale_group)), "zero": (torch.float32, (n, kb))}
+        if not (len(tensors) == 3 or (bits == 8 and len(tensors) == 2)):
+            raise ValueError(f"int{bits} weight [{n}, {k}]: {len(tensors)} tensors, expected "
+                             f"{'3' if bits == 4 else '2 or 3'} ({', '.join(shapes)})")
         for t, (name, (dtype, shape)) in zip(tensors, shapes.items()):
             _check_tensor(name, t, dtype, shape)
         self.bits, self.tensors, self.n, self.k = bits, tensors, n, k
-        self.addresses = [t.data_ptr() for t in tensors] + [0] * (3 - len(tensors))
+        self.scale_group = scale_group
+        # What the binding takes for this weight (its ``WeightSpec``): an absent zero is 0.
+        self.spec: WeightSpec = (bits, scale_group, n, k,
+                                 [t.data_ptr() for t in tensors] + [0] * (3 - len(tensors)))
 
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``x [M, K] @ Wᵀ -> [M, N]`` in ``out_dtype`` (default ``x``'s). The kernels sum in
         float32, so a float32 ``out_dtype`` keeps what bf16 would round away (logits)."""
         if torch.compiler.is_compiling():
-            op = torch.ops.fastsched.int4_matmul if self.bits == 4 else torch.ops.fastsched.int8_matmul
-            return op(x, *self.tensors).to(out_dtype or x.dtype)
-        return _matmul(self.bits, x, self.addresses, self.n, self.k).to(out_dtype or x.dtype)
+            if self.bits == 4:
+                return torch.ops.fastsched.int4_matmul(x, *self.tensors).to(out_dtype or x.dtype)
+            codes, scale, *zero = self.tensors
+            return torch.ops.fastsched.int8_matmul(x, codes, scale, *zero).to(out_dtype or x.dtype)
+        return _matmul(self.spec, x).to(out_dtype or x.dtype)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
-def _matmul(bits: int, x: torch.Tensor, addresses: list[int], n: int, k: int) -> torch.Tensor:
+def _matmul(spec: WeightSpec, x: torch.Tensor) -> torch.Tensor:
     """``x @ Wᵀ`` as float32 (the dense fallback's bf16 result widened)."""
     sync_threads()
-    m = x.shape[0]
+    m, (n, k) = x.shape[0], spec[2:4]
     if m >= DENSE_MIN_ROWS:
         xb = x.to(torch.bfloat16).contiguous()
         if not GEMM_SIMD:
             dense = torch.empty(n, k, dtype=torch.bfloat16)
-            _core.quant_dequantize_bf16(bits, n, k, addresses, dense.data_ptr())
+            _core.quant_dequantize_bf16(spec, dense.data_ptr())
             return (xb @ dense.t()).float()
         out = torch.empty(m, n, dtype=torch.float32)
-        _core.quant_gemm_bf16(bits, n, k, addresses, xb.data_ptr(), m, out.data_ptr())
+        _core.quant_gemm_bf16(spec, xb.data_ptr(), m, out.data_ptr())
         return out
     xc = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
     xc = xc.contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
-    _core.quant_matmul(bits, n, k, addresses, xc.data_ptr(), xc.dtype == torch.bfloat16, m, out.data_ptr())
+    _core.quant_matmul(spec, xc.data_ptr(), xc.dtype == torch.bfloat16, m, out.data_ptr())
     return out
 
 
@@ -122,7 +142,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype for an int4 weight."""
     weight = CpuQuantWeight(4, (packed, scale, zero), packed.shape[0], packed.shape[1] * 2)
     _check_x(x, weight.k)
-    return _matmul(4, x, weight.addresses, weight.n, weight.k).to(x.dtype)
+    return _matmul(weight.spec, x).to(x.dtype)
 
 
 @int4_matmul.register_fake
@@ -131,15 +151,17 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Te
 
 
 @torch.library.custom_op("fastsched::int8_matmul", mutates_args=())
-def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                zero: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype for an int8 weight."""
-    weight = CpuQuantWeight(8, (codes, scale), *codes.shape)
+    weight = CpuQuantWeight(8, (codes, scale) if zero is None else (codes, scale, zero), *codes.shape)
     _check_x(x, weight.k)
-    return _matmul(8, x, weight.addresses, weight.n, weight.k).to(x.dtype)
+    return _matmul(weight.spec, x).to(x.dtype)
 
 
 @int8_matmul.register_fake
-def _(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+      zero: torch.Tensor | None = None) -> torch.Tensor:
     return _fake(x, codes.shape[0])
 
 

@@ -79,7 +79,7 @@ class GGUFFile:
     ) -> Iterator[tuple[str, np.ndarray | Int4Blocks | Int8Blocks]]:
         """Every tensor as (Hugging Face name, float32 array), with a progress bar; with
         ``keep_quantized``, the Q4_0/Q4_1/Q4_K matrices come as :class:`Int4Blocks` and the
-        Q5_0/Q8_0 ones as :class:`Int8Blocks` instead. Each array is a copy, not a view of
+        Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 ones as :class:`Int8Blocks` instead. Each array is a copy, not a view of
         the file; once the last is taken (or the iteration is abandoned) the file's pages are
         released from this process's resident memory."""
         unpermute = self.metadata["general.architecture"] == "llama"
@@ -94,7 +94,7 @@ class GGUFFile:
                 elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
                     heads = config.num_kv_heads
                 if heads is not None:  # rows move whole: codes, scales and zeros alike
-                    parts = [_unpermute_rope_rows(p, heads) for p in parts]
+                    parts = [None if p is None else _unpermute_rope_rows(p, heads) for p in parts]
                 yield name, type(quantized)(*parts) if quantized is not None else parts[0]
         finally:
             self.container.release_pages()

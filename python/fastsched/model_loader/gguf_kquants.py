@@ -12,8 +12,8 @@ codes per block out; the caller reshapes to ``[N, K]``):
 - 8-bit, ``w = scale·c + zero``, ``c`` int8 (``zero`` absent where the format has no
   offset: then it is ``Int8Weight``'s ``w = scale·c``, GGUF Q8_0). Q5_0: ``d·(q − 16)``;
   Q5_1: ``d·q + m`` → ``c = q − 16``, ``zero = m + 16·d``; Q5_K as Q4_K with 5-bit codes;
-  Q6_K: ``d·s·(q − 32)`` over sub-blocks of 16 with int8 ``s``, which fits groups of 32 only
-  when both halves of every group share their ``s`` (else :func:`q6_k_int8` returns None).
+  Q6_K: ``d·s·(q − 32)`` over sub-blocks of 16 with int8 ``s``: a scale ``d·s`` per 16
+  columns (the one layout whose scales are not per group of 32).
 
 Every product of an fp16 and a small integer is exact in float32 (≤ 11 + 8 bits of
 mantissa); a ``zero`` that subtracts two such products rounds at most once, to float32.
@@ -92,13 +92,11 @@ def q5_k_int8(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (codes.astype(np.int16) - 16).astype(np.int8).reshape(-1, QK_K), scale, 16 * scale - dmin * m
 
 
-def q6_k_int8(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None] | None:
+def q6_k_int8(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     """Q6_K blocks (210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
-    sub-block scales, d) → codes ``[B, 256]`` in −32..31, scale ``[B, 8]``; None when some
-    pair of 16-weight sub-blocks in a group of 32 has two different scales."""
-    sub_scales = blocks[:, 192:208].view(np.int8).reshape(-1, 8, 2)
-    if not np.array_equal(sub_scales[..., 0], sub_scales[..., 1]):
-        return None
+    sub-block scales, d) → codes ``[B, 256]`` in −32..31, scale ``[B, 16]`` (one a sub-block
+    of 16 weights), no zero."""
+    sub_scales = blocks[:, 192:208].view(np.int8)
     n = blocks.shape[0]
     # Two halves of 128 weights; in each, 64 low-nibble bytes give runs 0–1 (low) and 2–3
     # (high), and 32 high bytes give the top two bits of runs 0..3 at shifts 0, 2, 4, 6.
@@ -107,5 +105,5 @@ def q6_k_int8(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None] | None:
     qh = blocks[:, 128:192].reshape(n, 2, 1, _SUB)
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 0x03
     codes = (low | (high << 4)).astype(np.int16) - 32
-    scale = _f16(blocks, 208) * sub_scales[..., 0].astype(np.float32)
+    scale = _f16(blocks, 208) * sub_scales.astype(np.float32)
     return codes.astype(np.int8).reshape(n, QK_K), scale, None

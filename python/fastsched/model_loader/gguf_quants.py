@@ -1,7 +1,7 @@
 """Dequantizing GGUF tensors to float32, whole tensors at once for the block formats small
 chat models ship in (Q4_0, Q4_1, Q8_0), ``gguf.quants`` for the rest; and reading the
-formats kept quantized (:func:`quantized_blocks`: Q4_0, Q4_1, Q4_K as 4-bit, Q5_0 and Q8_0
-as 8-bit) as codes and per-block parameters.
+formats kept quantized (:func:`quantized_blocks`: Q4_0, Q4_1, Q4_K as 4-bit; Q5_0, Q5_1,
+Q5_K, Q6_K and Q8_0 as 8-bit) as codes and per-block parameters.
 
 ``gguf.quants`` splits every tensor into many row groups and dequantizes them one by one;
 on the embedded SmolLM2 that is ~3.5 s of a ~10 s start-up. The same arithmetic over the
@@ -65,9 +65,9 @@ class Int4Blocks(NamedTuple):
 
 
 class Int8Blocks(NamedTuple):
-    """A 5-, 6- or 8-bit tensor as ``w = scale·c + zero`` per block of 32 (``gguf_kquants``):
-    codes ``[N, K]`` int8, scale ``[N, K/32]`` float32, zero the same or None where the
-    format has no offset (Q5_0, Q6_K, Q8_0: then exactly ``Int8Weight``'s ``w = scale·c``)."""
+    """A 5-, 6- or 8-bit tensor as ``w = scale·c + zero`` (``gguf_kquants``, ``Int8Weight``'s
+    form): codes ``[N, K]`` int8, scale ``[N, K/32]`` float32 (Q6_K: ``[N, K/16]``), zero
+    ``[N, K/32]`` or None where the format has no offset (Q5_0, Q6_K, Q8_0)."""
 
     codes: np.ndarray
     scale: np.ndarray
@@ -88,8 +88,7 @@ def _q8_0_int8(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     return blocks[:, 2:].view(np.int8), _scale(blocks, 0), None
 
 
-# format -> (bytes per block, blocks -> (codes, scale, zero)); a converter may answer None
-# (Q6_K whose 16-weight halves differ in scale): then the tensor is dequantized.
+# format -> (bytes per block, blocks -> (codes, scale, zero)); every block converts exactly.
 _INT4 = {
     GGMLQuantizationType.Q4_0: (18, _q4_0_int4),
     GGMLQuantizationType.Q4_1: (20, _q4_1_int4),
@@ -114,13 +113,9 @@ def _convert(tensor: GGUFTensor, table: dict) -> tuple[np.ndarray, np.ndarray, n
         return None
     block_bytes, convert = table[tensor.tensor_type]
     rows, cols = tensor.shape
-    converted = convert(np.ascontiguousarray(tensor.data).reshape(-1, block_bytes))
-    if converted is None:
-        return None
-    codes, scale, zero = converted
-    groups = cols // 32
-    return (codes.reshape(rows, cols), scale.reshape(rows, groups),
-            None if zero is None else zero.reshape(rows, groups))
+    codes, scale, zero = convert(np.ascontiguousarray(tensor.data).reshape(-1, block_bytes))
+    return (codes.reshape(rows, cols), scale.reshape(rows, -1),
+            None if zero is None else zero.reshape(rows, cols // 32))
 
 
 def int4_blocks(tensor: GGUFTensor) -> Int4Blocks | None:
@@ -130,19 +125,17 @@ def int4_blocks(tensor: GGUFTensor) -> Int4Blocks | None:
 
 
 def int8_blocks(tensor: GGUFTensor) -> Int8Blocks | None:
-    """``tensor`` as 8-bit codes and block parameters if it is Q5_0, Q5_1, Q5_K, Q8_0, or a
-    Q6_K whose scales pair up (else None). Only the formats in :data:`KEPT_BITS` are served
-    this way (``Int8Weight``); the others are dequantized at load."""
+    """``tensor`` as 8-bit codes and block parameters if it is Q5_0, Q5_1, Q5_K, Q6_K or Q8_0
+    (else None)."""
     converted = _convert(tensor, _INT8)
     return None if converted is None else Int8Blocks(*converted)
 
 
 # What ``quantized_blocks`` keeps quantized, by format, with its bits: every block of these
-# formats converts exactly. Q6_K does only where its scales pair up, which the header cannot
-# tell, and Q5_1/Q5_K carry an offset that ``Int8Weight`` has not: those are dequantized.
+# formats converts exactly (the other formats, Q2_K, Q3_K, the IQ ones..., are dequantized).
 KEPT_BITS = {
-    GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q4_K: 4,
-    GGMLQuantizationType.Q5_0: 8, GGMLQuantizationType.Q8_0: 8,
+    **{t: 4 for t in _INT4},
+    **{t: 8 for t in _INT8},
 }
 
 

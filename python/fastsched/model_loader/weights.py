@@ -18,13 +18,14 @@ from tqdm import tqdm
 from fastsched.distributed.parallel import TensorParallel
 from fastsched.kernels.quant_matmul import GROUP_SIZE, Int4Weight, Int8Weight
 from fastsched.model_loader import hf, is_gguf, open_gguf, resolve_model_path
+from fastsched.model_loader.gguf_container import GGUFTensor
 from fastsched.model_loader.gguf_quants import Int4Blocks, Int8Blocks
 from fastsched.models.channel_quant_linear import ChannelQuantLinear, quantize_projections
 from fastsched.models.llama import LlamaForCausalLM, target_parameter
 from fastsched.models.quant_linear import QuantEmbedding, QuantLinear
 from fastsched.models.registry import get_model_class
 
-# --quantization values (vLLM's spelling): gguf keeps a GGUF file's 4- and 8-bit tensors so;
+# --quantization values (vLLM's spelling): gguf keeps a GGUF file's quantized tensors so;
 # int4 quantizes a dense checkpoint's linear layers at load (groups of 32), int8 and fp8 its
 # projections (one scale a channel); none dequantizes everything.
 QUANTIZATIONS = ("gguf", "int4", "int8", "fp8", "none")
@@ -50,8 +51,9 @@ def iter_hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def _from_gguf(name: str, w: object) -> tuple[str, torch.Tensor | Int4Weight | Int8Weight]:
     if isinstance(w, Int4Blocks):
         return name, Int4Weight(*(torch.from_numpy(part) for part in w))
-    if isinstance(w, Int8Blocks):  # only the formats without an offset are kept 8-bit
-        return name, Int8Weight(torch.from_numpy(w.codes), torch.from_numpy(w.scale))
+    if isinstance(w, Int8Blocks):
+        zero = None if w.zero is None else torch.from_numpy(w.zero)
+        return name, Int8Weight(torch.from_numpy(w.codes), torch.from_numpy(w.scale), zero)
     return name, torch.from_numpy(w)  # type: ignore[arg-type]
 
 
@@ -66,17 +68,68 @@ def _quantize_linears(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[t
             yield name, tensor
 
 
-def _all_shards_quantized(bits: dict[str, int], gguf_names: Iterator[str]) -> set[str]:
-    """The parameters whose every checkpoint tensor is quantized with the same bits (so the
-    layer becomes a ``QuantLinear``, or the 8-bit embedding a ``QuantEmbedding``, and its
-    dense weight is never needed)."""
+# GGML types that are plain floats: read as they are, nothing to keep quantized.
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def _plan_gguf(
+    bits: dict[str, int], tensors: list[GGUFTensor]
+) -> tuple[set[str], list[tuple[GGUFTensor, int]]]:
+    """Which parameters stay quantized, and the bits each tensor is served with (0: dense).
+
+    A linear layer, lm_head or the embedding stays quantized when every checkpoint tensor of
+    it is in a kept format (``bits``, :meth:`GGUFFile.quantized_tensor_names`): then it
+    becomes a ``QuantLinear`` / ``QuantEmbedding`` and its dense weight is never allocated.
+    Its shards may differ in format: 4-bit if all are (``fuse``), else 8-bit; the embedding is
+    8-bit. A layer with a dense shard is dense."""
     from fastsched.model_loader.gguf import _hf_name
 
-    shards: dict[str, list[int]] = {}
-    for name in map(_hf_name, gguf_names):
-        shards.setdefault(target_parameter(name), []).append(bits.get(name, 0))
-    return {t for t, b in shards.items() if b[0] and len(set(b)) == 1 and (
-        t.endswith("proj.weight") or t == "lm_head.weight" or (t == "embed_tokens.weight" and b[0] == 8))}
+    shards: dict[str, list[tuple[GGUFTensor, int]]] = {}
+    for tensor in tensors:
+        name = _hf_name(tensor.name)
+        shards.setdefault(target_parameter(name), []).append((tensor, bits.get(name, 0)))
+    packed, served = set(), []
+    for target, group in shards.items():
+        linear = target.endswith("proj.weight") or target in ("lm_head.weight", "embed_tokens.weight")
+        kept = linear and all(b for _, b in group)
+        if kept:
+            packed.add(target)
+        width = 4 if all(b == 4 for _, b in group) and target != "embed_tokens.weight" else 8
+        served += [(tensor, width if kept else 0) for tensor, _ in group]
+    return packed, served
+
+
+def _log_gguf_kept(path: Path, served: list[tuple[GGUFTensor, int]], dtype: torch.dtype) -> None:
+    """The start-up lines of a GGUF served quantized: each quantized type's tensors and file
+    bytes kept (as int4 / int8), and a warning for those dequantized to ``dtype``."""
+    kept: dict[str, tuple[list[int], dict[int, int]]] = {}  # type -> ([tensors, bytes], {bits: tensors})
+    dense: dict[str, list[int]] = {}
+    for tensor, bits in served:
+        kind = tensor.tensor_type.name
+        if kind in _FLOAT_TYPES:
+            continue
+        if bits:
+            entry, widths = kept.setdefault(kind, ([0, 0], {}))
+            widths[bits] = widths.get(bits, 0) + 1
+        else:
+            entry = dense.setdefault(kind, [0, 0])
+        entry[0] += 1
+        entry[1] += tensor.data.nbytes
+
+    def as_widths(widths: dict[int, int]) -> str:
+        return ", ".join(f"int{b}" if len(widths) == 1 else f"{n} int{b}" for b, n in sorted(widths.items()))
+
+    if kept:
+        logger.info("%s: kept quantized %s", path.name, "; ".join(
+            f"{kind} {n} tensors {size / 2**20:.1f} MiB ({as_widths(widths)})"
+            for kind, ((n, size), widths) in sorted(kept.items())))
+    if dense:
+        count, size = sum(n for n, _ in dense.values()), sum(s for _, s in dense.values())
+        parts = ", ".join(f"{kind} {n} tensors ({nbytes / 2**20:.1f} MiB)"
+                          for kind, (n, nbytes) in sorted(dense.items()))
+        logger.warning("%s: %d quantized tensors (%.1f MiB) dequantized to %s (no kept form, or a layer "
+                       "with a dense shard): %s", path.name, count, size / 2**20,
+                       str(dtype).removeprefix("torch."), parts)
 
 
 class _SkipRandomInit(TorchFunctionMode):
@@ -160,8 +213,8 @@ def load_model(
         logger.info("%s holds tensors %s; quantization %s", path.name, gguf_file.quantization_types(), quantization)
         weights = (_from_gguf(name, w) for name, w in gguf_file.iter_weights(config, quantization == "gguf"))
         if quantization == "gguf":
-            packed = _all_shards_quantized(gguf_file.quantized_tensor_names(),
-                                           (t.name for t in gguf_file.container.tensors))
+            packed, served = _plan_gguf(gguf_file.quantized_tensor_names(), gguf_file.container.tensors)
+            _log_gguf_kept(path, served, dtype)
     else:
         config = hf.read_config(path)
         hf.weight_files(path)  # a missing file fails before the model is allocated

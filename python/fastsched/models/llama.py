@@ -31,7 +31,7 @@ from torch import nn
 from fastsched.attention.base import AttentionBackend, AttentionMetadata
 from fastsched.attention.cpu import CpuBackend
 from fastsched.kernels import cpu_ops
-from fastsched.kernels.quant_matmul import Int4Weight, Int8Weight
+from fastsched.kernels.quant_matmul import Int4Weight, Int8Weight, fuse
 from fastsched.models.config import ModelConfig
 from fastsched.models.llama_cpu import CpuDecoderStack, llama_stack, unsupported_reason
 from fastsched.models.quant_linear import QuantEmbedding, QuantLinear, replace_linear
@@ -364,9 +364,10 @@ class LlamaForCausalLM(nn.Module):
 
         An :class:`Int4Weight` or :class:`Int8Weight` for a linear layer's weight (a GGUF
         kept quantized) replaces that layer by a :class:`QuantLinear` once every shard of it
-        is in; an :class:`Int8Weight` token embedding replaces it by a :class:`QuantEmbedding`
-        (also the lm_head when tied); anything else quantized is dequantized into the dense
-        parameter."""
+        is in (shards of different formats fused by :func:`fuse`); a quantized token
+        embedding replaces it by a :class:`QuantEmbedding`, 8-bit (also the lm_head when
+        tied); anything else quantized, and the quantized shards of a layer with a dense
+        one, is dequantized into the dense parameter."""
         params = dict(self.named_parameters())
         device = self.norm.weight.device
         loaded: set[str] = set()
@@ -386,11 +387,12 @@ class LlamaForCausalLM(nn.Module):
                 target, start, size = name, 0, None
             if target not in params:
                 raise ValueError(f"checkpoint tensor {hf_name} has no place in {self.config.architecture}")
-            if isinstance(tensor, Int8Weight) and target == "embed_tokens.weight":
+            if isinstance(tensor, (Int4Weight, Int8Weight)) and target == "embed_tokens.weight":
                 if tensor.shape != tuple(params[target].shape):
                     raise ValueError(f"checkpoint tensor {hf_name} has shape {tensor.shape}, "
                                      f"expected {tuple(params[target].shape)}")
-                self.embed_tokens = QuantEmbedding(tensor, params[target].dtype, device)
+                weight = Int8Weight.from_int4(tensor) if isinstance(tensor, Int4Weight) else tensor
+                self.embed_tokens = QuantEmbedding(weight, params[target].dtype, device)
                 loaded.add(name)
                 continue
             if isinstance(tensor, (Int4Weight, Int8Weight)):
@@ -418,13 +420,11 @@ class LlamaForCausalLM(nn.Module):
         for target, shards in quantized_shards.items():
             fused = target.rsplit(".", 2)[1]
             num_shards = sum(f == fused for f, _ in _FUSED.values()) or 1
-            kinds = {type(w) for w in shards.values()}
-            if len(shards) == num_shards and len(kinds) == 1:
-                weight = kinds.pop().cat([shards[i] for i in range(num_shards)])
+            if len(shards) == num_shards:
+                weight = fuse([shards[i] for i in range(num_shards)])
                 replace_linear(self, target.removesuffix(".weight"), weight, device)
                 continue
-            # Mixed formats in one fused layer (some shards dense, or 4- and 8-bit): the
-            # quantized ones go in dense.
+            # Some shards of this fused layer are dense: the quantized ones go in dense too.
             for shard, weight in shards.items():
                 start, size = self._shard_range(fused, shard)
                 params[target].data[start : start + size].copy_(weight.dequantize())

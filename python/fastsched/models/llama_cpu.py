@@ -140,7 +140,7 @@ class CpuDecoderStack:
             eps, quant_matmul_cpu.DENSE_MIN_ROWS,
             [[0 if n is None else n.data_ptr() for n in layer] for layer in norms],
             final_norm.dtype == torch.float32,
-            [[(w.cpu.bits, w.cpu.n, w.cpu.k, w.cpu.addresses) for w in layer] for layer in packed],
+            [[w.cpu.spec for w in layer] for layer in packed],
             [[0 if b is None else b.data_ptr() for b in layer] for layer in biases],
             final_norm.data_ptr(),
             [(layer.activation, layer.attention.sliding_window, layer.rope_table,

@@ -73,7 +73,7 @@ def describe_head_split(config: ModelConfig, size: int) -> str:
 
 def _parts(w: Int4Weight | Int8Weight) -> list[torch.Tensor]:
     """A quantized weight's tensors, codes first (then its per-group parameters)."""
-    return [w.codes, w.scale] + ([w.zero] if isinstance(w, Int4Weight) else [])
+    return [w.codes, w.scale] + ([w.zero] if w.zero is not None else [])
 
 
 def _rows(w: Weight, start: int, end: int) -> Weight:
@@ -87,9 +87,11 @@ def _columns(name: str, w: Weight, start: int, end: int) -> Weight:
         if start % GROUP_SIZE or end % GROUP_SIZE:
             raise ValueError(f"{name}: a row-parallel shard of a quantized weight must be whole groups of "
                              f"{GROUP_SIZE} columns; this rank's is [{start}, {end})")
-        g0, g1 = start // GROUP_SIZE, end // GROUP_SIZE
+        # a parameter covers K / its columns: scales 32 or 16 columns (Int8Weight), zeros 32
         codes, *groups = _parts(w)
-        return type(w)(codes[:, start:end], *(t[:, g0:g1] for t in groups))
+        k = codes.shape[1]
+        sliced = (t[:, start * t.shape[1] // k:end * t.shape[1] // k] for t in groups)
+        return type(w)(codes[:, start:end], *sliced)
     return w[:, start:end]
 
 

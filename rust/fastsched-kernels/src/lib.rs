@@ -2,7 +2,8 @@
 //! kept in its quantized form (groups of [`GROUP`] consecutive input columns):
 //!
 //! - int4: `w = scale · (q − 8) + zero`, `q` in 0..15 (GGUF Q4_0 / Q4_1);
-//! - int8: `w = scale · q`, `q` in −127..127 (GGUF Q8_0).
+//! - int8: `w = scale · q + zero`, `q` in −128..127, one scale per 32 or per 16 columns and
+//!   an optional zero per 32 (GGUF Q5_0, Q5_1, Q5_K, Q6_K and Q8_0).
 //!
 //! Method (the one llama.cpp uses): each activation row is quantized once per call to
 //! int8 per group (`x ≈ d · qx`, `d = max|x| / 127`), then each weight group meets it as

@@ -7,8 +7,9 @@
 //!   one, so one 256-bit load unpacks to the pair's 64 codes in column order. A last, odd
 //!   group is 16 bytes: byte `j` holds `c + j` (low) and `c + 16 + j` (high), GGUF's order.
 //!   `scale`, `zero`: `[N, KB]` float32. Built by [`pack_int4`].
-//! - [`Int8`]: `codes [N, K]` int8, `scale [N, KB]` float32 (GGUF Q8_0 with its fp16 `d`
-//!   widened).
+//! - [`Int8`]: `codes [N, K]` int8, `scale [N, K / scale_group]` float32 (one scale per 32
+//!   columns, or per 16: GGUF Q6_K's sub-blocks), and optionally `zero [N, KB]` float32
+//!   (GGUF Q5_1 / Q5_K's offsets). Q8_0 and Q5_0 are scales alone, their fp16 `d` widened.
 
 use crate::pool::Pool;
 use crate::GROUP;
@@ -25,13 +26,33 @@ pub struct Int4<'a> {
     pub zero: &'a [f32],
 }
 
-/// An 8-bit weight, `w = scale · q`.
+/// An 8-bit weight, `w = scale · q + zero`: a scale per `scale_group` (32 or 16) columns,
+/// a zero (if any) per [`GROUP`].
 #[derive(Clone, Copy)]
 pub struct Int8<'a> {
     pub n: usize,
     pub k: usize,
     pub codes: &'a [i8],
     pub scale: &'a [f32],
+    pub zero: Option<&'a [f32]>,
+    pub scale_group: usize,
+}
+
+/// Column counts an [`Int8`] scale may cover: a whole group, or half of one.
+pub const SCALE_GROUPS: [usize; 2] = [GROUP, GROUP / 2];
+
+impl Int8<'_> {
+    /// The scales of the two halves (16 columns each) of group `g` of output row `col`.
+    #[inline(always)]
+    fn half_scales(&self, col: usize, g: usize) -> [f32; 2] {
+        if self.scale_group == GROUP {
+            let s = self.scale[col * (self.k / GROUP) + g];
+            [s, s]
+        } else {
+            let at = col * (self.k / 16) + 2 * g;
+            [self.scale[at], self.scale[at + 1]]
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -100,8 +121,18 @@ impl Weight<'_> {
                 check("zero", w.zero.len(), n * kb)
             }
             Weight::Int8(w) => {
+                if !SCALE_GROUPS.contains(&w.scale_group) {
+                    return Err(format!(
+                        "scale_group = {} must be one of {SCALE_GROUPS:?}",
+                        w.scale_group
+                    ));
+                }
                 check("codes", w.codes.len(), n * k)?;
-                check("scale", w.scale.len(), n * kb)
+                check("scale", w.scale.len(), n * (k / w.scale_group))?;
+                match w.zero {
+                    Some(z) => check("zero", z.len(), n * kb),
+                    None => Ok(()),
+                }
             }
         }
     }
@@ -348,7 +379,7 @@ unsafe fn rows(
 }
 
 /// The per-group terms the scalar loop's dot products of raw codes leave out: int4's
-/// `−8 · scale · d · Σq + zero · Σx` (none for int8, whose codes are signed).
+/// `−8 · scale · d · Σq + zero · Σx`; int8's `zero · Σx` (its codes are signed).
 fn correction(w: &Weight, a: &QAct, row: usize, col: usize) -> f32 {
     let kb = a.k / GROUP;
     let (dsum, xsum) = (&a.dsum[row * kb..][..kb], &a.xsum[row * kb..][..kb]);
@@ -357,19 +388,56 @@ fn correction(w: &Weight, a: &QAct, row: usize, col: usize) -> f32 {
             let (s, z) = (&w.scale[col * kb..][..kb], &w.zero[col * kb..][..kb]);
             (0..kb).map(|g| z[g] * xsum[g] - 8.0 * s[g] * dsum[g]).sum()
         }
-        Weight::Int8(_) => 0.0,
+        Weight::Int8(w) => match w.zero {
+            Some(z) => (0..kb).map(|g| z[col * kb + g] * xsum[g]).sum(),
+            None => 0.0,
+        },
     }
 }
 
-/// Group `g` of output row `col` as `w = s · code + z` (int4: `z = zero − 8 · scale`).
-fn group_affine(w: &Weight, col: usize, g: usize) -> (f32, f32) {
+/// Group `g` of output row `col` as `w = s[h] · code + z` for its halves `h` of 16 columns
+/// (int4: `z = zero − 8 · scale`).
+fn group_affine(w: &Weight, col: usize, g: usize) -> ([f32; 2], f32) {
     let kb = w.shape().1 / GROUP;
     match w {
-        Weight::Int4(w) => (
-            w.scale[col * kb + g],
-            w.zero[col * kb + g] - 8.0 * w.scale[col * kb + g],
+        Weight::Int4(w) => {
+            let s = w.scale[col * kb + g];
+            ([s, s], w.zero[col * kb + g] - 8.0 * s)
+        }
+        Weight::Int8(w) => (
+            w.half_scales(col, g),
+            w.zero.map_or(0.0, |z| z[col * kb + g]),
         ),
-        Weight::Int8(w) => (w.scale[col * kb + g], 0.0),
+    }
+}
+
+/// `Σ scale · d · (code − offset) · qx` over group `g` of output row `col` (its `codes`)
+/// against the activations `q` of scale `d`: one product for a group of one scale, one a
+/// half for int8 scales of 16 columns.
+fn scaled_dot(
+    w: &Weight,
+    col: usize,
+    g: usize,
+    codes: &[i32; GROUP],
+    offset: i32,
+    q: &[i8],
+    d: f32,
+) -> f32 {
+    let dot = |r: std::ops::Range<usize>| -> f32 {
+        codes[r.clone()]
+            .iter()
+            .zip(&q[r])
+            .map(|(&c, &x)| (c - offset) * x as i32)
+            .sum::<i32>() as f32
+    };
+    let kb = w.shape().1 / GROUP;
+    match w {
+        Weight::Int4(w) => w.scale[col * kb + g] * d * dot(0..GROUP),
+        Weight::Int8(w) if w.scale_group == GROUP => w.scale[col * kb + g] * d * dot(0..GROUP),
+        Weight::Int8(w) => {
+            let [s0, s1] = w.half_scales(col, g);
+            d * (s0 * dot(0..16) + s1 * dot(16..GROUP))
+        }
     }
 }
 
@@ -409,17 +477,12 @@ fn group_codes(w: &Weight, col: usize, g: usize, codes: &mut [i32; GROUP]) {
 fn scalar_dot_rows(w: &Weight, a: &QAct, m0: usize, mt: usize, col: usize, acc: &mut [f32; 4]) {
     let kb = a.k / GROUP;
     let mut codes = [0i32; GROUP];
-    let scale = match w {
-        Weight::Int4(w) => &w.scale[col * kb..][..kb],
-        Weight::Int8(w) => &w.scale[col * kb..][..kb],
-    };
     for g in 0..kb {
         group_codes(w, col, g, &mut codes);
         for r in 0..mt {
             let row = m0 + r;
             let q = &a.q[row * a.k + g * GROUP..][..GROUP];
-            let dot: i32 = codes.iter().zip(q).map(|(&c, &x)| c * x as i32).sum();
-            acc[r] += scale[g] * a.d[row * kb + g] * dot as f32;
+            acc[r] += scaled_dot(w, col, g, &codes, 0, q, a.d[row * kb + g]);
         }
     }
     for (r, v) in acc[..mt].iter_mut().enumerate() {
@@ -428,367 +491,7 @@ fn scalar_dot_rows(w: &Weight, a: &QAct, m0: usize, mt: usize, col: usize, acc: 
 }
 
 #[cfg(target_arch = "x86_64")]
-mod simd {
-    use super::*;
-    use std::arch::x86_64::*;
-
-    #[inline(always)]
-    unsafe fn each_col<F: FnMut(usize, &mut [f32; 4])>(
-        cols: std::ops::Range<usize>,
-        m0: usize,
-        mt: usize,
-        n: usize,
-        out: OutPtr,
-        f: &mut F,
-    ) {
-        for col in cols {
-            let mut acc = [0f32; 4];
-            f(col, &mut acc);
-            for (r, v) in acc[..mt].iter().enumerate() {
-                *out.0.add((m0 + r) * n + col) = *v;
-            }
-        }
-    }
-
-    /// Output columns `cols` of activation rows `m0..m0 + mt` into `out` (`[M, n]`): one
-    /// call a task, the column loop inside the AVX-512 build so the kernels inline into it.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub(super) unsafe fn dot_cols(
-        w: &Weight,
-        a: &QAct,
-        m0: usize,
-        mt: usize,
-        cols: std::ops::Range<usize>,
-        n: usize,
-        out: OutPtr,
-    ) {
-        match (w, mt) {
-            (Weight::Int4(w), 1) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
-                int4_rows::<1>(w, a, m0, c, acc)
-            }),
-            (Weight::Int4(w), 2) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
-                int4_rows::<2>(w, a, m0, c, acc)
-            }),
-            (Weight::Int4(w), 3) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
-                int4_rows::<3>(w, a, m0, c, acc)
-            }),
-            (Weight::Int4(w), _) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
-                int4_rows::<4>(w, a, m0, c, acc)
-            }),
-            (Weight::Int8(w), 1) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
-                int8_rows::<1>(w, a, m0, c, acc)
-            }),
-            (Weight::Int8(w), 2) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
-                int8_rows::<2>(w, a, m0, c, acc)
-            }),
-            (Weight::Int8(w), 3) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
-                int8_rows::<3>(w, a, m0, c, acc)
-            }),
-            (Weight::Int8(w), _) => each_col(cols, m0, mt, n, out, &mut |c, acc| {
-                int8_rows::<4>(w, a, m0, c, acc)
-            }),
-        }
-    }
-
-    /// One pair of groups (64 columns) of `MT` activation rows against one weight row whose
-    /// 64 codes `wq` are unsigned bytes (int4: q, int8: q + 128): `vpdpbusd` from the
-    /// lanes' `negcorr` gives the signed codes' integer dot (8 lanes a group), scaled by
-    /// `scale · d` into float accumulators.
-    #[inline(always)]
-    unsafe fn pair<const MT: usize>(
-        a: &QAct,
-        m0: usize,
-        p: usize,
-        wq: __m512i,
-        sv: __m512,
-        acc: &mut [__m512; MT],
-    ) {
-        let pairs = a.k / (2 * GROUP);
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let row = m0 + r;
-            let xq = _mm512_loadu_si512(a.q.as_ptr().add(row * a.k + p * 64).cast());
-            let at = (row * pairs + p) * 16;
-            let dot = _mm512_dpbusd_epi32(
-                _mm512_loadu_si512(a.negcorr.as_ptr().add(at).cast()),
-                wq,
-                xq,
-            );
-            let dl = _mm512_loadu_ps(a.dlanes.as_ptr().add(at));
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, dl), *acc);
-        }
-    }
-
-    /// Weight rows ahead of the one being read whose bytes are prefetched: the GEMV reads
-    /// three streams (codes, scales, zeros) once each, and the hardware prefetcher alone
-    /// left the loads waiting on memory (perf: most samples on the first use of a load).
-    /// 4 rows ahead: ~10 % more decode tok/s than none; 8 and 16 were in between
-    /// (bench/RESULTS.md, "CPU decode: one call for the decoder stack").
-    const PREFETCH_ROWS: usize = 4;
-
-    /// Prefetches `len` bytes from byte `at` of the buffer `base` (`size` bytes), the part
-    /// of them inside it.
-    #[inline(always)]
-    unsafe fn prefetch_ahead(base: *const u8, size: usize, at: usize, len: usize) {
-        let end = (at + len).min(size);
-        let mut i = at;
-        while i < end {
-            _mm_prefetch::<_MM_HINT_T0>(base.add(i).cast());
-            i += 64;
-        }
-    }
-
-    /// Lanes 0..8 the pair's first scale, 8..16 its second.
-    #[inline(always)]
-    unsafe fn scale_lanes(scale: *const f32) -> __m512 {
-        let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        _mm512_permutexvar_ps(
-            idx,
-            _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(scale.cast()))),
-        )
-    }
-
-    /// Sum over the last, odd group (not in a pair) of `scale · d · Σ (w_code − offset) · qx`.
-    fn odd_group(w: &Weight, a: &QAct, row: usize, col: usize, offset: i32) -> f32 {
-        let kb = a.k / GROUP;
-        if kb.is_multiple_of(2) {
-            return 0.0;
-        }
-        let g = kb - 1;
-        let mut codes = [0i32; GROUP];
-        group_codes(w, col, g, &mut codes);
-        let q = &a.q[row * a.k + g * GROUP..][..GROUP];
-        let dot: i32 = codes
-            .iter()
-            .zip(q)
-            .map(|(&c, &x)| (c - offset) * x as i32)
-            .sum();
-        let scale = match w {
-            Weight::Int4(w) => w.scale[col * kb + g],
-            Weight::Int8(w) => w.scale[col * kb + g],
-        };
-        scale * a.d[row * kb + g] * dot as f32
-    }
-
-    /// 16 floats `s · codes + z` to bf16 (round to nearest even) at `dst`.
-    #[inline(always)]
-    unsafe fn store_bf16(codes: __m512i, s: __m512, z: __m512, dst: *mut u16) {
-        let v = _mm512_castps_si512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), s, z));
-        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(v), _mm512_set1_epi32(1));
-        let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(
-            v,
-            _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)),
-        ));
-        _mm256_storeu_si256(dst.cast(), _mm512_cvtepi32_epi16(r));
-    }
-
-    /// Row `col` of the weight as bf16 into `dst` (`[K]`); an odd last int4 group is left
-    /// to the caller.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn dequantize_row(w: &Weight, col: usize, dst: &mut [u16]) {
-        match w {
-            Weight::Int4(w) => {
-                let (k, kb) = (w.k, w.k / GROUP);
-                let row = w.packed.as_ptr().add(col * k / 2);
-                for p in 0..kb / 2 {
-                    let mut codes = [0u8; 64];
-                    for j in 0..32 {
-                        let b = *row.add(p * 32 + j);
-                        codes[j] = b & 15;
-                        codes[32 + j] = b >> 4;
-                    }
-                    for q in 0..4 {
-                        let g = col * kb + 2 * p + q / 2;
-                        let (sc, z) = (w.scale[g], w.zero[g] - 8.0 * w.scale[g]);
-                        let c = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                            codes.as_ptr().add(q * 16).cast(),
-                        ));
-                        store_bf16(
-                            c,
-                            _mm512_set1_ps(sc),
-                            _mm512_set1_ps(z),
-                            dst.as_mut_ptr().add(p * 64 + q * 16),
-                        );
-                    }
-                }
-            }
-            Weight::Int8(w) => {
-                let (k, kb) = (w.k, w.k / GROUP);
-                let row = w.codes.as_ptr().add(col * k);
-                for g in 0..kb {
-                    let sc = _mm512_set1_ps(w.scale[col * kb + g]);
-                    for h in 0..2 {
-                        let c = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                            row.add(g * GROUP + h * 16).cast(),
-                        ));
-                        store_bf16(
-                            c,
-                            sc,
-                            _mm512_setzero_ps(),
-                            dst.as_mut_ptr().add(g * GROUP + h * 16),
-                        );
-                    }
-                }
-            }
-        }
-    }
-
-    /// Integer dots of `MT` activation rows with one int4 weight row: per quad of groups
-    /// (64 bytes, 128 columns) one load unpacks to two vectors of codes, the low nibbles
-    /// (groups `g`, `g + 2`) and the high ones (`g + 1`, `g + 3`), met by the activations in
-    /// that order (`QAct::qa`); each `vpdpbusd` lane sums 4 products of an unsigned code and
-    /// a signed activation, scaled by `scale · d` into float accumulators. The codes' offset
-    /// (`−8 · scale · d · Σq`) and the zeros' term (`zero · Σx`) are added per group after.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn int4_rows<const MT: usize>(
-        w: &Int4,
-        a: &QAct,
-        m0: usize,
-        col: usize,
-        out: &mut [f32; 4],
-    ) {
-        let (k, kb) = (a.k, a.k / GROUP);
-        let pairs = kb / 2;
-        let mut acc = [_mm512_setzero_ps(); MT];
-        let scale = w.scale.as_ptr().add(col * kb);
-        let row = w.packed.as_ptr().add(col * k / 2);
-        prefetch_ahead(
-            w.packed.as_ptr(),
-            w.packed.len(),
-            (col + PREFETCH_ROWS) * k / 2,
-            k / 2,
-        );
-        prefetch_ahead(
-            w.scale.as_ptr().cast(),
-            4 * w.scale.len(),
-            4 * (col + PREFETCH_ROWS) * kb,
-            4 * kb,
-        );
-        prefetch_ahead(
-            w.zero.as_ptr().cast(),
-            4 * w.zero.len(),
-            4 * (col + PREFETCH_ROWS) * kb,
-            4 * kb,
-        );
-        let low = _mm512_set1_epi8(15);
-        let (idx_lo, idx_hi) = (
-            _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
-            _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1),
-        );
-        let zero = _mm512_setzero_si512();
-        for j in 0..pairs / 2 {
-            let bytes = _mm512_loadu_si512(row.add(j * 64).cast());
-            let lo = _mm512_and_si512(bytes, low);
-            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), low);
-            let s4 = _mm512_castps128_ps512(_mm_loadu_ps(scale.add(4 * j)));
-            let (sv_lo, sv_hi) = (
-                _mm512_permutexvar_ps(idx_lo, s4),
-                _mm512_permutexvar_ps(idx_hi, s4),
-            );
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let xq = a.qa.as_ptr().add((m0 + r) * k + j * 128);
-                let dl = a.dlanes.as_ptr().add(((m0 + r) * pairs + 2 * j) * 16);
-                let dot = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xq.cast()));
-                *acc = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(dot),
-                    _mm512_mul_ps(sv_lo, _mm512_loadu_ps(dl)),
-                    *acc,
-                );
-                let dot = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512(xq.add(64).cast()));
-                *acc = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(dot),
-                    _mm512_mul_ps(sv_hi, _mm512_loadu_ps(dl.add(16))),
-                    *acc,
-                );
-            }
-        }
-        if pairs % 2 == 1 {
-            // the last pair alone: 32 bytes, its groups in their own order
-            let p = pairs - 1;
-            let bytes = _mm256_loadu_si256(row.add(p * 32).cast());
-            let low = _mm256_set1_epi8(15);
-            let lo = _mm256_and_si256(bytes, low);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low);
-            let wq = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-            let sv = scale_lanes(scale.add(2 * p));
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let xq = _mm512_loadu_si512(a.qa.as_ptr().add((m0 + r) * k + p * 64).cast());
-                let dl = _mm512_loadu_ps(a.dlanes.as_ptr().add(((m0 + r) * pairs + p) * 16));
-                let dot = _mm512_dpbusd_epi32(zero, wq, xq);
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, dl), *acc);
-            }
-        }
-        // per group, 16 a step: zero · Σx (every group), −8 · scale · dΣq (the paired ones;
-        // an odd last group is `odd_group`'s, offset included)
-        let zeros = w.zero.as_ptr().add(col * kb);
-        let minus8 = _mm512_set1_ps(-8.0);
-        let mask = |n: usize| -> __mmask16 {
-            if n >= 16 {
-                0xffff
-            } else {
-                (1u16 << n) - 1
-            }
-        };
-        for g in (0..kb).step_by(16) {
-            let (all, paired) = (mask(kb - g), mask((2 * pairs).saturating_sub(g)));
-            let z = _mm512_maskz_loadu_ps(all, zeros.add(g));
-            let s8 = _mm512_mul_ps(_mm512_maskz_loadu_ps(paired, scale.add(g)), minus8);
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let at = (m0 + r) * kb + g;
-                *acc =
-                    _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(all, a.xsum.as_ptr().add(at)), *acc);
-                *acc = _mm512_fmadd_ps(
-                    s8,
-                    _mm512_maskz_loadu_ps(paired, a.dsum.as_ptr().add(at)),
-                    *acc,
-                );
-            }
-        }
-        for r in 0..MT {
-            out[r] = _mm512_reduce_add_ps(acc[r]);
-            if kb % 2 == 1 {
-                out[r] += odd_group(&Weight::Int4(*w), a, m0 + r, col, 8);
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn int8_rows<const MT: usize>(
-        w: &Int8,
-        a: &QAct,
-        m0: usize,
-        col: usize,
-        out: &mut [f32; 4],
-    ) {
-        let (k, kb) = (a.k, a.k / GROUP);
-        let mut acc = [_mm512_setzero_ps(); MT];
-        let scale = w.scale.as_ptr().add(col * kb);
-        prefetch_ahead(
-            w.codes.as_ptr().cast(),
-            w.codes.len(),
-            (col + PREFETCH_ROWS) * k,
-            k,
-        );
-        prefetch_ahead(
-            w.scale.as_ptr().cast(),
-            4 * w.scale.len(),
-            4 * (col + PREFETCH_ROWS) * kb,
-            4 * kb,
-        );
-        let flip = _mm512_set1_epi8(-128);
-        let row = w.codes.as_ptr().add(col * k);
-        for p in 0..kb / 2 {
-            // signed codes made unsigned (q + 128); `negcorr` takes 128 · Σqx back off
-            let wq = _mm512_xor_si512(_mm512_loadu_si512(row.add(p * 64).cast()), flip);
-            pair::<MT>(a, m0, p, wq, scale_lanes(scale.add(2 * p)), &mut acc);
-        }
-        for r in 0..MT {
-            out[r] = _mm512_reduce_add_ps(acc[r]);
-            if kb % 2 == 1 {
-                out[r] += odd_group(&Weight::Int8(*w), a, m0 + r, col, 0);
-            }
-        }
-    }
-}
+mod simd;
 
 /// bf16 bits of `v`, rounded to nearest even.
 fn f32_to_bf16(v: f32) -> u16 {
@@ -835,8 +538,8 @@ pub fn dequantize_bf16(
             for g in first..kb {
                 group_codes(w, col, g, &mut codes);
                 let (s, z) = group_affine(w, col, g);
-                for (d, &c) in dst[g * GROUP..][..GROUP].iter_mut().zip(&codes) {
-                    *d = f32_to_bf16(s * c as f32 + z);
+                for (j, (d, &c)) in dst[g * GROUP..][..GROUP].iter_mut().zip(&codes).enumerate() {
+                    *d = f32_to_bf16(s[j / 16] * c as f32 + z);
                 }
             }
         }

@@ -12,10 +12,7 @@ use fastsched_kernels::elementwise::NormWeight;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::kernels::{pool, weight};
-
-/// A linear layer's weight: bits (4 or 8), N, K and its buffers' addresses (`kernels`).
-type WeightAddrs = (u8, usize, usize, [usize; 3]);
+use crate::kernels::{pool, weight, WeightSpec};
 
 /// A layer's options as Python gives them: activation ("silu" or "gelu_tanh"), sliding
 /// window, RoPE table, logit soft-cap, attention scale.
@@ -66,7 +63,7 @@ pub struct PyCpuDecoder {
     norms_f32: bool,
     options: Vec<Options>,
     /// Per layer: q/k/v, o, gate/up, down.
-    weights: Vec<[WeightAddrs; 4]>,
+    weights: Vec<[WeightSpec; 4]>,
     /// Per layer: the bfloat16 biases of the same four (0: none).
     biases: Vec<[usize; 4]>,
     final_norm: usize,
@@ -98,8 +95,8 @@ impl PyCpuDecoder {
                 }
             })
         };
-        let w = |(bits, n, k, a): WeightAddrs| weight(n, k, bits, a);
-        let bias = |addr: usize, (_, n, _, _): WeightAddrs| {
+        let w = |spec: WeightSpec| weight(spec);
+        let bias = |addr: usize, (_, _, n, _, _): WeightSpec| {
             (addr != 0).then(|| std::slice::from_raw_parts(addr as *const u16, n))
         };
         self.norms
@@ -176,7 +173,7 @@ impl PyCpuDecoder {
         dense_min_rows: usize,
         norms: Vec<[usize; 6]>,
         norms_f32: bool,
-        weights: Vec<[WeightAddrs; 4]>,
+        weights: Vec<[WeightSpec; 4]>,
         biases: Vec<[usize; 4]>,
         final_norm: usize,
         options: Vec<LayerOptions>,

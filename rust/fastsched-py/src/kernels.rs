@@ -42,15 +42,24 @@ pub fn kernel_isa() -> &'static str {
     }
 }
 
+/// A weight as `fastsched.kernels.quant_matmul_cpu.CpuQuantWeight.spec` gives it: bits (4 or
+/// 8), the columns a scale covers (32, or 16 for int8), N, K, and its buffers' addresses
+/// (int4: packed, scale, zero; int8: codes, scale, zero or 0 for none).
+pub(crate) type WeightSpec = (u8, usize, usize, usize, [usize; 3]);
+
 /// # Safety (of the callers' contract)
 /// Every address points at a live, contiguous buffer of the size the shapes imply.
 pub(crate) unsafe fn weight<'a>(
-    n: usize,
-    k: usize,
-    bits: u8,
-    w: [usize; 3],
+    (bits, scale_group, n, k, w): WeightSpec,
 ) -> PyResult<Weight<'a>> {
     let kb = k / fastsched_kernels::GROUP;
+    if bits == 4 && scale_group != fastsched_kernels::GROUP
+        || !quant::SCALE_GROUPS.contains(&scale_group)
+    {
+        return Err(PyValueError::new_err(format!(
+            "scale_group {scale_group} does not fit a {bits}-bit weight"
+        )));
+    }
     Ok(match bits {
         4 => Weight::Int4(Int4 {
             n,
@@ -63,7 +72,9 @@ pub(crate) unsafe fn weight<'a>(
             n,
             k,
             codes: std::slice::from_raw_parts(w[0] as *const i8, n * k),
-            scale: std::slice::from_raw_parts(w[1] as *const f32, n * kb),
+            scale: std::slice::from_raw_parts(w[1] as *const f32, n * (k / scale_group)),
+            zero: (w[2] != 0).then(|| std::slice::from_raw_parts(w[2] as *const f32, n * kb)),
+            scale_group,
         }),
         _ => {
             return Err(PyValueError::new_err(format!(
@@ -73,16 +84,12 @@ pub(crate) unsafe fn weight<'a>(
     })
 }
 
-/// `out[M, N] (float32) = x[M, K] · Wᵀ` for a `bits`-bit weight at addresses `w` (int4:
-/// packed, scale, zero; int8: codes, scale, 0); `x` float32, or bfloat16 if `x_bf16`.
+/// `out[M, N] (float32) = x[M, K] · Wᵀ` for the weight `w` ([`WeightSpec`]); `x` float32,
+/// or bfloat16 if `x_bf16`.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
 pub fn quant_matmul(
     py: Python<'_>,
-    bits: u8,
-    n: usize,
-    k: usize,
-    w: [usize; 3],
+    w: WeightSpec,
     x: usize,
     x_bf16: bool,
     m: usize,
@@ -91,8 +98,9 @@ pub fn quant_matmul(
     let pool = pool();
     let result = py.detach(|| -> PyResult<()> {
         // SAFETY: the caller's contract (module docs).
+        let (n, k) = (w.2, w.3);
         let (w, x, out) = unsafe {
-            let w = weight(n, k, bits, w)?;
+            let w = weight(w)?;
             let x = if x_bf16 {
                 Act::Bf16(std::slice::from_raw_parts(x as *const u16, m * k))
             } else {
@@ -105,22 +113,16 @@ pub fn quant_matmul(
     result
 }
 
-/// Writes the whole `bits`-bit weight at `w` as bfloat16 `[N, K]` to `out`.
+/// Writes the whole weight `w` ([`WeightSpec`]) as bfloat16 `[N, K]` to `out`.
 #[pyfunction]
-pub fn quant_dequantize_bf16(
-    py: Python<'_>,
-    bits: u8,
-    n: usize,
-    k: usize,
-    w: [usize; 3],
-    out: usize,
-) -> PyResult<()> {
+pub fn quant_dequantize_bf16(py: Python<'_>, w: WeightSpec, out: usize) -> PyResult<()> {
     let pool = pool();
     py.detach(|| -> PyResult<()> {
+        let (n, k) = (w.2, w.3);
         // SAFETY: the caller's contract (module docs).
         let (w, out) = unsafe {
             (
-                weight(n, k, bits, w)?,
+                weight(w)?,
                 std::slice::from_raw_parts_mut(out as *mut u16, n * k),
             )
         };
@@ -138,23 +140,20 @@ pub fn quant_gemm_simd() -> bool {
 /// `out[M, N] (float32) = x[M, K] (bfloat16) · Wᵀ` by the many-row bf16 GEMM (the weight
 /// decoded once a call into cache-sized blocks, no `[N, K]` temporary).
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
 pub fn quant_gemm_bf16(
     py: Python<'_>,
-    bits: u8,
-    n: usize,
-    k: usize,
-    w: [usize; 3],
+    w: WeightSpec,
     x: usize,
     m: usize,
     out: usize,
 ) -> PyResult<()> {
     let pool = pool();
     py.detach(|| -> PyResult<()> {
+        let (n, k) = (w.2, w.3);
         // SAFETY: the caller's contract (module docs).
         let (w, x, out) = unsafe {
             (
-                weight(n, k, bits, w)?,
+                weight(w)?,
                 std::slice::from_raw_parts(x as *const u16, m * k),
                 std::slice::from_raw_parts_mut(out as *mut f32, m * n),
             )

@@ -52,6 +52,8 @@ impl Stored {
                 k: d.k,
                 codes: c,
                 scale: s,
+                zero: None,
+                scale_group: crate::GROUP,
             }),
         }
     }

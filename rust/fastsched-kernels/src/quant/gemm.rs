@@ -139,8 +139,8 @@ pub(super) fn decode_scalar(w: &Weight, col: usize, dst: &mut [u16]) {
     for g in 0..kb {
         group_codes(w, col, g, &mut codes);
         let (s, z) = super::group_affine(w, col, g);
-        for (d, &c) in dst[g * GROUP..][..GROUP].iter_mut().zip(&codes) {
-            *d = super::f32_to_bf16(s.mul_add(c as f32, z));
+        for (j, (d, &c)) in dst[g * GROUP..][..GROUP].iter_mut().zip(&codes).enumerate() {
+            *d = super::f32_to_bf16(s[j / 16].mul_add(c as f32, z));
         }
     }
 }
@@ -212,13 +212,15 @@ mod simd {
                 let (k, kb) = (w.k, w.k / GROUP);
                 let row = w.codes.as_ptr().add(col * k);
                 for g in 0..kb {
-                    let s = _mm512_set1_ps(w.scale[col * kb + g]);
+                    let (s, z) = super::super::group_affine(&Weight::Int8(*w), col, g);
+                    let z = _mm512_set1_ps(z);
                     let half = |h: usize| {
-                        let c =
-                            _mm512_cvtepi8_epi32(_mm_loadu_si128(row.add(g * GROUP + h).cast()));
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), s, _mm512_setzero_ps())
+                        let c = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                            row.add(g * GROUP + 16 * h).cast(),
+                        ));
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(s[h]), z)
                     };
-                    let v = _mm512_cvtne2ps_pbh(half(16), half(0));
+                    let v = _mm512_cvtne2ps_pbh(half(1), half(0));
                     _mm512_storeu_si512(
                         out.add(g * GROUP).cast(),
                         std::mem::transmute::<__m512bh, __m512i>(v),

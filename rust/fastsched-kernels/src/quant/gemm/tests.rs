@@ -1,7 +1,7 @@
 //! The many-row bf16 GEMM against a f64 reference of the same bf16 operands, its SIMD
 //! decode against the scalar one, and batch invariance (a row alone == the row in a batch).
 
-use super::super::tests::{int4_case, int8_case, Rng};
+use super::super::tests::{int4_case, int8_case, int8_layout_case, Rng, INT8_LAYOUTS};
 use super::*;
 use crate::quant::{bf16_to_f32, f32_to_bf16, Int4, Int8};
 
@@ -24,8 +24,11 @@ fn kernels() -> Vec<Kernel> {
     v
 }
 
-/// Runs `f` on an int4 and an int8 weight of shape `[n, k]`.
+/// Runs `f` on an int4 weight and an int8 weight of each layout, of shape `[n, k]`.
 fn for_weights(rng: &mut Rng, n: usize, k: usize, mut f: impl FnMut(&Weight)) {
+    for layout in INT8_LAYOUTS {
+        f(&int8_layout_case(rng, n, k, layout).weight());
+    }
     let (packed, scale, zero, _) = int4_case(rng, n, k);
     let (codes, s8, _) = int8_case(rng, n, k);
     f(&Weight::Int4(Int4 {
@@ -40,6 +43,8 @@ fn for_weights(rng: &mut Rng, n: usize, k: usize, mut f: impl FnMut(&Weight)) {
         k,
         codes: &codes,
         scale: &s8,
+        zero: None,
+        scale_group: crate::GROUP,
     }));
 }
 
@@ -140,6 +145,8 @@ fn bad_lengths_are_refused() {
         k: 32,
         codes: &codes,
         scale: &scale,
+        zero: None,
+        scale_group: crate::GROUP,
     });
     let err = gemm_bf16(&w, &[0; 31], 1, &mut [0.0; 2], &pool, Kernel::Scalar).unwrap_err();
     assert!(err.contains("x has 31"), "{err}");
