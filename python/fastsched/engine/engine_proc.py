@@ -335,7 +335,7 @@ class _EngineLoop:
             self.core.reload_weights(msg.model)
         except NotPausedError as e:
             error = (protocol.RELOAD_CONFLICT, str(e))
-        except (ValueError, OSError, RuntimeError) as e:
+        except Exception as e:  # the checkpoint's fault (weight_reload): the old weights serve on
             error = (protocol.RELOAD_INVALID, f"{type(e).__name__}: {e}")
         if error is not None:
             logger.warning("engine %d: weights from %s not reloaded: %s", self.engine_index, msg.model, error[1])

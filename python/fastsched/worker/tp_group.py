@@ -92,12 +92,6 @@ class TensorParallelGroup:
         dist.broadcast(torch.tensor([num_blocks], dtype=torch.int64), src=0, group=self.tp.cpu_group)
         logger.info("parallel layout: %s", self.layout())
 
-    def reload(self, model: str) -> None:
-        """Every other rank loads its shards of checkpoint ``model`` (a weight reload); returns
-        once all have (a rank that fails exits, which ends the engine)."""
-        self.channel.send_reload(model)
-        self.channel.reloaded()
-
     def check(self) -> None:
         """Raises once a rank has died (the engine loop calls this every turn)."""
         if self.failure is not None:

@@ -27,8 +27,8 @@ from fastsched.cpu_env import configure_threads
 from fastsched.distributed.parallel import TensorParallel
 from fastsched.distributed.step_channel import READ_BLOCKS, RELOAD, WRITE_BLOCKS, Command, StepChannel
 from fastsched.lora.slots import LoRAManager
+from fastsched.worker.weight_reload import load_checked, swap_in
 from fastsched.model_loader.weights import load_model
-from fastsched.models.quant_linear import copy_weights
 from fastsched.worker.kv_blocks import BlockShards, read_blocks, write_blocks
 
 logger = logging.getLogger(__name__)
@@ -100,14 +100,16 @@ def serve_rank(spec: WorkerSpec) -> None:
 
 def _run_command(command: Command, spec: WorkerSpec, tp: TensorParallel, channel: StepChannel,
                  model: torch.nn.Module, kv_caches: list[torch.Tensor], shards: BlockShards) -> None:
-    """A weight reload (this rank's shards of the new checkpoint; the barrier tells rank 0 it
-    is done) or the KV connector's gather (save) or scatter (load) of whole blocks."""
+    """A weight reload (this rank's shards of the new checkpoint, swapped in when every rank
+    has its own: ``fastsched.worker.weight_reload``) or the KV connector's gather (save) or
+    scatter (load) of whole blocks."""
     if command.kind == RELOAD:
-        new = load_model(command.path, dtype=getattr(torch, spec.dtype), device=spec.device,
-                         quantization=spec.quantization, tp=tp)
-        copy_weights(model, new)
-        logger.info("tensor parallel rank %d reloaded weights from %s", spec.rank, command.path)
-        channel.reloaded()
+        new, error = load_checked(command.path, model, dtype=getattr(torch, spec.dtype), device=spec.device,
+                                  quantization=spec.quantization, tp=tp)
+        if error is not None:
+            logger.warning("tensor parallel rank %d: weights from %s not loaded: %s", spec.rank, command.path, error)
+        if swap_in(model, new, error, channel) is None:
+            logger.info("tensor parallel rank %d reloaded weights from %s", spec.rank, command.path)
         return
     assert command.block_ids is not None
     if command.kind == READ_BLOCKS:
