@@ -125,3 +125,21 @@ def test_an_adapter_broken_after_its_first_use_fails_its_next_request_not_a_step
     with pytest.raises(ValueError, match="not a safetensors file"):
         llm.generate([PROMPT], GREEDY, lora_request=first, use_tqdm=False)
     assert llm.generate([PROMPT], GREEDY, lora_request=adapters["qv"], use_tqdm=False)[0].finished
+
+
+def test_a_weights_file_that_is_not_safetensors_is_refused_without_quoting_its_bytes(tmp_path: Path) -> None:
+    """Issue 37: the message once gave the file's size and its first 8 bytes as a number."""
+    from fastsched.lora.request import read_safetensors_header
+
+    path = tmp_path / "adapter_model.safetensors"
+    data = b"password=hunter2;" * 10
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="not a safetensors file") as refused:
+        read_safetensors_header(path)
+    message = str(refused.value)
+    assert str(len(data)) not in message and str(int.from_bytes(data[:8], "little")) not in message
+    header = b'{"x": {"dtype": "F32", "shape": "hunter2", "data_offsets": [0, 4]}}'
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    with pytest.raises(ValueError, match="malformed entry") as refused:
+        read_safetensors_header(path)
+    assert "hunter2" not in str(refused.value)

@@ -200,6 +200,28 @@ def test_a_path_outside_the_allowed_ones_is_403_and_says_nothing_of_whether_it_e
     stack.fake.calls.clear()
 
 
+def test_a_file_link_inside_an_allowed_directory_that_leaves_it_is_403(stack: Stack, tmp_path: Path) -> None:
+    """Issue 37: only the directory was resolved, so ``adapter_model.safetensors`` linked to a
+    file elsewhere was opened, and the error told its size and its first 8 bytes as a number."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"TOPSECRET-bytes-of-another-file" * 3)
+    adapter = stack.allowed / "linked-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 2, "target_modules": ["q_proj"]}))
+    os.symlink(secret, adapter / "adapter_model.safetensors")
+    checkpoint = stack.allowed / "linked-checkpoint"
+    checkpoint.mkdir()
+    os.symlink(secret, checkpoint / "model.safetensors")
+    for route, body in (("/v1/load_lora_adapter", {"lora_name": "linked", "lora_path": str(adapter)}),
+                        ("/reload_weights", {"path": str(checkpoint)})):
+        r = httpx.post(stack.admin_url + route, headers=ADMIN, timeout=30, json=body)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "path_not_allowed", r.text
+        assert "a link that leaves" in r.text and str(secret.stat().st_size) not in r.text
+        leaked = str(int.from_bytes(secret.read_bytes()[:8], "little"))
+        assert leaked not in r.text
+    assert stack.fake.calls == []
+
+
 def test_grpc_load_of_a_path_outside_is_permission_denied(stack: Stack) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{stack.ports[0]}", options=[("grpc.enable_http_proxy", 0)]) as channel:
         with pytest.raises(grpc.RpcError) as info:
