@@ -166,6 +166,25 @@ def test_grpc_admin_methods_take_the_admin_key(stack: Stack) -> None:
     stack.fake.calls.clear()
 
 
+def test_grpc_both_key_checks_read_the_first_authorization_entry_only(stack: Stack) -> None:
+    """Issue 37: the admin check accepted any ``authorization`` entry, the API-key check only
+    the first; a wrong key then the right one passed one and failed the other. Both read the
+    first entry now, as an HTTP server reads the header."""
+    def auth(*keys: str) -> tuple[tuple[str, str], ...]:
+        return tuple(("authorization", f"Bearer {k}") for k in keys)
+
+    with grpc.insecure_channel(f"127.0.0.1:{stack.ports[0]}", options=[("grpc.enable_http_proxy", 0)]) as channel:
+        stub = pb_grpc.FrontendStub(channel)
+        calls = {"admin": lambda metadata: stub.IsPaused(pb.IsPausedRequest(), timeout=10, metadata=metadata),
+                 "api": lambda metadata: stub.ModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=metadata)}
+        for scope, key in (("admin", ADMIN_KEY), ("api", API_KEY)):
+            with pytest.raises(grpc.RpcError) as info:
+                calls[scope](auth("wrong", key))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, scope
+            calls[scope](auth(key, "wrong"))
+    stack.fake.calls.clear()
+
+
 def test_admin_routes_guarded_only_by_the_api_key_refuse_to_start() -> None:
     with pytest.raises(ValueError, match="--admin-api-key"):
         create_app(["127.0.0.1:1"], MODEL, tokenizer=None, api_key=API_KEY,
