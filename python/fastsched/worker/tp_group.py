@@ -30,6 +30,7 @@ from fastsched.config import EngineConfig
 from fastsched.distributed.parallel import COLLECTIVE_TIMEOUT, TensorParallel
 from fastsched.distributed.rendezvous import Rendezvous, listen
 from fastsched.distributed.step_channel import StepChannel
+from fastsched.worker.ray_placement import place_ranks
 from fastsched.worker.tp_worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class TensorParallelGroup:
     """Ranks 1..N-1 of an engine, and rank 0's :class:`TensorParallel` and :class:`StepChannel`."""
 
     def __init__(self, spec: Callable[[int, Rendezvous], WorkerSpec], size: int, device: torch.device, backend: str,
-                 execute_model_timeout: float = 0.0) -> None:
+                 execute_model_timeout: float = 0.0, ray_placement_strategy: str = "PACK") -> None:
         self.size = size
         self.backend = backend
         self.failure: str | None = None
@@ -54,8 +55,9 @@ class TensorParallelGroup:
         rendezvous, store = listen(_node_ip() if backend == "ray" else "127.0.0.1", size, COLLECTIVE_TIMEOUT)
         self._procs: list[subprocess.Popen[bytes]] = []
         self._actors: list[object] = []
+        self.nodes: list[str] = []  # with Ray, the node id of each rank
         if backend == "ray":
-            self._start_ray(spec, rendezvous)
+            self._start_ray(spec, rendezvous, ray_placement_strategy)
         else:
             for rank in range(1, size):
                 proc = subprocess.Popen([sys.executable, "-m", "fastsched.worker.tp_worker"], stdin=subprocess.PIPE)
@@ -79,7 +81,7 @@ class TensorParallelGroup:
 
     def layout(self) -> str:
         """The parallel layout, for the start-up log."""
-        where = f"pids {self.pids}" if self._procs else f"{len(self._actors)} Ray actors"
+        where = f"pids {self.pids}" if self._procs else f"{len(self._actors)} Ray actors; nodes {self.nodes}"
         return f"tensor_parallel_size={self.size} ({self.backend}; {dist.get_backend(self.tp.group)}; ranks 1.. {where})"
 
     def share_num_blocks(self, num_blocks: int) -> None:
@@ -118,29 +120,29 @@ class TensorParallelGroup:
             self.failure = f"tensor parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
             logger.error("%s", self.failure)
 
-    def _start_ray(self, spec: Callable[[int, Rendezvous], WorkerSpec], rendezvous: Rendezvous) -> None:
+    def _start_ray(self, spec: Callable[[int, Rendezvous], WorkerSpec], rendezvous: Rendezvous,
+                   strategy: str) -> None:
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
         use_gpu = spec(1, rendezvous).device.startswith("cuda")
-        bundle = {"GPU": 1} if use_gpu else {"CPU": 1}
-        group = placement_group([bundle] * (self.size - 1), strategy="PACK")
-        ray.get(group.ready(), timeout=120)
+        placement = place_ranks(self.size, use_gpu, strategy)
+        self._placement_group = placement.group
+        self.nodes = placement.nodes
         remote = ray.remote(num_gpus=1 if use_gpu else 0, num_cpus=0 if use_gpu else 1)(_RayRank)
-        for rank in range(1, self.size):
+        for rank, bundle in enumerate(placement.bundles, start=1):
             worker = spec(rank, rendezvous)
             if use_gpu:
                 worker.device = "cuda:0"  # the actor sees only its own GPU
-            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank - 1)
-            actor = remote.options(scheduling_strategy=strategy).remote()
+            where = PlacementGroupSchedulingStrategy(placement_group=placement.group,
+                                                     placement_group_bundle_index=bundle)
+            actor = remote.options(scheduling_strategy=where).remote()
             self._actors.append(actor)
             ref = actor.serve.remote(worker)
             threading.Thread(target=self._watch_actor, args=(rank, ref), daemon=True,
                              name=f"fastsched-tp-watch-{rank}").start()
-        self._placement_group = group
 
     def _watch_actor(self, rank: int, ref: object) -> None:
         import ray
@@ -207,7 +209,7 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: tor
         )
 
     return TensorParallelGroup(spec, config.tensor_parallel_size, device, config.distributed_executor_backend,
-                               config.execute_model_timeout)
+                               config.execute_model_timeout, config.ray_placement_strategy)
 
 
 def _stopped(pid: int) -> bool:
