@@ -4,7 +4,8 @@ docs/deploy.md "Tensor parallelism"). Ray's own multi-node test cluster
 its own raylet; ``--ray-placement-strategy STRICT_SPREAD`` puts rank 1 on the node the
 engine is not on. The greedy tokens are those of one rank; removing the second node while
 a stream runs gives the client an error (not a hang) and ends the server non-zero with
-every process gone. Skipped without ray.
+every process gone, or, with ``--enable-fault-tolerance`` and a third node, restarts the
+engine with rank 1 on the node that is left. Skipped without ray.
 """
 
 from __future__ import annotations
@@ -31,16 +32,26 @@ MAX_TOKENS = 12
 EXIT_WITHIN_S = 60.0
 
 
-@pytest.fixture
-def two_nodes() -> Iterator[tuple[Cluster, object]]:
-    """A head (the engine's node: rank 0's bundle) and a second node (rank 1's), one CPU each."""
+def _cluster(extra_nodes: int) -> Iterator[tuple[Cluster, list]]:
+    """A head (the engine's node: rank 0's bundle) and ``extra_nodes`` more, one CPU each."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    second = cluster.add_node(num_cpus=1)
     try:
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(extra_nodes)]
         cluster.wait_for_nodes()
-        yield cluster, second
+        yield cluster, nodes
     finally:
         cluster.shutdown()
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[tuple[Cluster, object]]:
+    for cluster, (second,) in _cluster(1):
+        yield cluster, second
+
+
+@pytest.fixture
+def three_nodes() -> Iterator[tuple[Cluster, list]]:
+    yield from _cluster(2)
 
 
 def _offline_texts(model_dir: Path) -> list[str]:
@@ -56,15 +67,23 @@ def _complete(url: str, prompt: list[int]) -> str:
     return response.json()["choices"][0]["text"]
 
 
+def _serve(cluster: Cluster, model_dir: Path, log: Path, *flags: str):
+    return start_serve(model_dir, log, "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
+                       "--ray-placement-strategy", "STRICT_SPREAD", *flags, max_model_len=4096,
+                       env={"RAY_ADDRESS": cluster.address})
+
+
+def _rank_nodes(log: str) -> list[tuple[str, str]]:
+    return re.findall(r"1 Ray actors; nodes \['(\w+)', '(\w+)'\]", log)
+
+
 def test_tp2_over_two_ray_nodes_gives_the_tokens_of_tp1_and_a_lost_node_ends_the_server(
         two_nodes: tuple[Cluster, object], tiny_model_dir: Path, tmp_path: Path) -> None:
     cluster, second = two_nodes
     expected = _offline_texts(tiny_model_dir)
-    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
-                         "--distributed-executor-backend", "ray", "--ray-placement-strategy", "STRICT_SPREAD",
-                         max_model_len=4096, env={"RAY_ADDRESS": cluster.address})
+    server = _serve(cluster, tiny_model_dir, tmp_path / "serve.log")
     try:
-        nodes = re.findall(r"1 Ray actors; nodes \['(\w+)', '(\w+)'\]", server.log())
+        nodes = _rank_nodes(server.log())
         assert nodes == [(cluster.head_node.node_id, second.node_id)], server.tail()  # one rank per node
         assert [_complete(server.url, prompt) for prompt in PROMPTS] == expected
         children = server.child_pids
@@ -88,5 +107,31 @@ def test_tp2_over_two_ray_nodes_gives_the_tokens_of_tp1_and_a_lost_node_ends_the
         assert code not in (None, 0), server.tail()
         assert "shutting down: engine 0 died" in server.log(), server.tail()
         assert wait_for(lambda: not any(pid_alive(p) for p in children), timeout=10)
+    finally:
+        server.close()
+
+
+def test_with_fault_tolerance_a_lost_node_restarts_the_engine_with_rank_1_on_another(
+        three_nodes: tuple[Cluster, list], tiny_model_dir: Path, tmp_path: Path) -> None:
+    cluster, extra = three_nodes
+    expected = _offline_texts(tiny_model_dir)
+    server = _serve(cluster, tiny_model_dir, tmp_path / "serve.log", "--enable-fault-tolerance",
+                    "--max-engine-restarts", "1")
+    try:
+        ((head, first),) = _rank_nodes(server.log())
+        assert head == cluster.head_node.node_id and first in {n.node_id for n in extra}, server.tail()
+        cluster.remove_node(next(n for n in extra if n.node_id == first), allow_graceful=False)
+        assert wait_for(lambda: len(_rank_nodes(server.log())) == 2, timeout=180), server.tail()
+        (_, second) = _rank_nodes(server.log())[1]
+        assert second not in (head, first), "rank 1 restarted on the node that is left"
+
+        def served() -> list[str] | None:
+            try:
+                return [_complete(server.url, prompt) for prompt in PROMPTS]
+            except (AssertionError, httpx.HTTPError):
+                return None  # 503 until the restarted engine is ready
+
+        assert wait_for(lambda: served() == expected, timeout=120), server.tail()
+        assert server.terminate() == 0, server.tail()
     finally:
         server.close()
