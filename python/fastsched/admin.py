@@ -80,8 +80,9 @@ class AdminSettings:
             with os.scandir(resolved) as entries:
                 for entry in entries:
                     if not self._allowed(os.path.realpath(entry.path)):
-                        raise PathNotAllowedError(f"{field} holds {entry.name!r}, a link that leaves the server's "
-                                                  f"--allowed-local-paths ({where})", field)
+                        raise PathNotAllowedError(
+                            f"{field} holds {entry.name!r}, a link that leaves the server's "
+                            f"--allowed-local-paths ({where})", field)
         return resolved
 
     def _allowed(self, resolved: str) -> bool:

@@ -83,7 +83,8 @@ def bad_checkpoints(tiny_model_dir: Path, other_weights: Path, tmp_path_factory:
     for file in tiny_model_dir.iterdir():
         if file.is_file():
             data = file.read_bytes()
-            (truncated / file.name).write_bytes(data[: len(data) // 2] if file.suffix == ".safetensors" else data)
+            cut = data[: len(data) // 2] if file.suffix == ".safetensors" else data
+            (truncated / file.name).write_bytes(cut)
     rank_1 = root / "rank-1-fails"
     rank_1.mkdir()
     for file in other_weights.iterdir():

@@ -35,7 +35,8 @@ def patched(data: bytes, key: str, value: int, out: Path) -> Path:
     ("llama.attention.head_count", 0, r"head_count = 0 must be an integer in \[1, "),
     ("llama.attention.head_count_kv", 2, r"head_count_kv = 2 does not divide .*head_count = 9"),
     ("llama.embedding_length", 2**31, r"embedding_length = 2147483648 must be an integer"),
-    ("llama.feed_forward_length", 1537, r"blk.0.ffn_gate.weight has shape \(1536, 576\).*implies \(1537, 576\)"),
+    ("llama.feed_forward_length", 1537,
+     r"blk.0.ffn_gate.weight has shape \(1536, 576\).*implies \(1537, 576\)"),
 ])
 def test_metadata_the_tensors_contradict_is_refused_before_the_model_is_built(
         smollm2_bytes: bytes, tmp_path: Path, key: str, value: int, message: str) -> None:

@@ -173,7 +173,8 @@ def test_grpc_both_key_checks_read_the_first_authorization_entry_only(stack: Sta
     def auth(*keys: str) -> tuple[tuple[str, str], ...]:
         return tuple(("authorization", f"Bearer {k}") for k in keys)
 
-    with grpc.insecure_channel(f"127.0.0.1:{stack.ports[0]}", options=[("grpc.enable_http_proxy", 0)]) as channel:
+    address, options = f"127.0.0.1:{stack.ports[0]}", [("grpc.enable_http_proxy", 0)]
+    with grpc.insecure_channel(address, options=options) as channel:
         stub = pb_grpc.FrontendStub(channel)
         calls = {"admin": lambda metadata: stub.IsPaused(pb.IsPausedRequest(), timeout=10, metadata=metadata),
                  "api": lambda metadata: stub.ModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=metadata)}

@@ -31,7 +31,8 @@ def _truncated_copy(model_dir: Path, out: Path) -> Path:
     for file in model_dir.iterdir():
         if file.is_file():
             data = file.read_bytes()
-            (out / file.name).write_bytes(data[: len(data) // 2] if file.name == "model.safetensors" else data)
+            cut = data[: len(data) // 2] if file.name == "model.safetensors" else data
+            (out / file.name).write_bytes(cut)
     return out
 
 
@@ -42,8 +43,8 @@ def test_s13_a_truncated_checkpoint_is_400_and_the_old_weights_serve_on(
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     bad = _truncated_copy(tiny_model_dir, allowed / "truncated")
-    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--enable-admin-api", "--admin-api-key", "sk-admin",
-                         "--allowed-local-paths", str(allowed), *flags)
+    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--enable-admin-api", "--admin-api-key",
+                         "sk-admin", "--allowed-local-paths", str(allowed), *flags)
     try:
         before = _complete(server.url)
         engines = server.engine_pids

@@ -55,7 +55,8 @@ def three_nodes() -> Iterator[tuple[Cluster, list]]:
 
 
 def _offline_texts(model_dir: Path) -> list[str]:
-    offline = LLM(model=str(model_dir), dtype="float32", log_stats_interval=0, num_threads=1, max_model_len=4096)
+    offline = LLM(model=str(model_dir), dtype="float32", log_stats_interval=0, num_threads=1,
+                  max_model_len=4096)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [o.outputs[0].text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
 
@@ -88,9 +89,10 @@ def test_tp2_over_two_ray_nodes_gives_the_tokens_of_tp1_and_a_lost_node_ends_the
         assert [_complete(server.url, prompt) for prompt in PROMPTS] == expected
         children = server.child_pids
         events: list[str] = []
-        with httpx.stream("POST", server.url + "/v1/completions", timeout=EXIT_WITHIN_S, trust_env=False, json={
-                "model": "model", "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
-                "stream": True}) as stream:
+        body = {"model": "model", "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=EXIT_WITHIN_S, trust_env=False,
+                          json=body) as stream:
             lines = stream.iter_lines()
             events += [line for line in (next(lines), next(lines)) if line]
             cluster.remove_node(second, allow_graceful=False)  # rank 1's machine goes away mid-stream

@@ -378,9 +378,10 @@ class EngineCore:
         group = self.tp_group
         if group is not None:
             group.channel.send_reload(model)  # the other ranks load their shards meanwhile
-        new, error = load_checked(model, self.runner.model, dtype=self.config.torch_dtype,
-                                  device=self.config.torch_device, quantization=self.config.resolved_quantization,
-                                  tp=None if group is None else group.tp)
+        config, tp = self.config, None if group is None else group.tp
+        new, error = load_checked(model, self.runner.model, dtype=config.torch_dtype,
+                                  device=config.torch_device, quantization=config.resolved_quantization,
+                                  tp=tp)
         failed = swap_in(self.runner.model, new, error, None if group is None else group.channel)
         if failed is not None:
             raise ValueError(f"the weights of {model} were not loaded, the served ones stay: {failed}")

@@ -340,7 +340,8 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             flag = "--enable-runtime-lora-updating" if rpc in LORA_RPCS else "--enable-admin-api"
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc} is off: start the server with {flag}")
         key = self.admin.admin_api_key
-        if key is not None and not bearer_matches(metadata_authorization(context.invocation_metadata() or ()), key):
+        authorization = metadata_authorization(context.invocation_metadata() or ())
+        if key is not None and not bearer_matches(authorization, key):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED_ADMIN)
 
     async def _check_path(self, context: grpc.aio.ServicerContext, path: str, field: str) -> None:

@@ -46,7 +46,8 @@ pb, pb_grpc = import_stubs()
 
 _OPEN_FIELDS = frozenset({"type", "prompt", "request_id", "priority", "model", "cache_salt"})
 # The sampling parameters an open message may carry: SamplingParams' fields, by either JSON name.
-_SAMPLING_FIELDS = frozenset(name for f in pb.SamplingParams.DESCRIPTOR.fields for name in (f.name, f.json_name))
+_SAMPLING_FIELDS = frozenset(name for field in pb.SamplingParams.DESCRIPTOR.fields
+                             for name in (field.name, field.json_name))
 _CHUNK_FIELDS = frozenset({"type", "prompt", "max_tokens", "last"})
 _CLOSE_POLICY, _CLOSE_TRY_AGAIN, _CLOSE_INTERNAL = 1008, 1013, 1011
 

@@ -117,7 +117,8 @@ def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
                 raise bad(f"are not a safetensors file: {size} bytes")
             (header_len,) = struct.unpack("<Q", f.read(8))
             if header_len > min(MAX_HEADER_BYTES, size - 8):
-                raise bad("are not a safetensors file: the header length its first 8 bytes give exceeds the file")
+                raise bad("are not a safetensors file: the header length its first 8 bytes give "
+                          "exceeds the file")
             header = json.loads(f.read(header_len))  # errors below never quote the file's bytes
     except OSError as e:
         raise bad(f"cannot be read: {e}") from None

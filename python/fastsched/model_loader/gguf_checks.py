@@ -47,7 +47,8 @@ def check_gguf_metadata(metadata: dict[str, Any], tensors: Sequence[GGUFTensor])
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DIMENSION:
-            raise ValueError(f"GGUF metadata {full} = {_short(value)} must be an integer in [1, {MAX_DIMENSION}]")
+            raise ValueError(f"GGUF metadata {full} = {_short(value)} must be an integer in "
+                             f"[1, {MAX_DIMENSION}]")
         return value
 
     layers, hidden, ffn = size("block_count"), size("embedding_length"), size("feed_forward_length")
@@ -62,7 +63,8 @@ def check_gguf_metadata(metadata: dict[str, Any], tensors: Sequence[GGUFTensor])
     if head_dim is None and heads is not None and hidden is not None:
         if hidden % heads:
             raise ValueError(f"GGUF metadata {arch}.embedding_length = {hidden} is not a multiple of "
-                             f"{arch}.attention.head_count = {heads} (and no attention.key_length says the head size)")
+                             f"{arch}.attention.head_count = {heads} (and no attention.key_length says "
+                             "the head size)")
         head_dim = hidden // heads
     if layers is not None:
         _check_layers(f"{arch}.block_count", layers, tensors)
@@ -95,7 +97,8 @@ def _check_layers(field: str, layers: int, tensors: Sequence[GGUFTensor]) -> Non
     for index, names in per_layer.items():
         if names != first:
             missing = sorted(first - names) or sorted(names - first)
-            raise ValueError(f"GGUF layer blk.{index} does not hold the tensors of blk.0 (differs in {missing[:4]})")
+            raise ValueError(f"GGUF layer blk.{index} does not hold the tensors of blk.0 "
+                             f"(differs in {missing[:4]})")
 
 
 def _short(value: Any) -> str:

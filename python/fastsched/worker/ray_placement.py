@@ -48,7 +48,8 @@ def place_ranks(size: int, use_gpu: bool, strategy: str) -> Placement:
         group = placement_group([bundle] * (size - 1), strategy=strategy)
     try:
         ray.get(group.ready(), timeout=READY_TIMEOUT_S)
-        bundle_nodes = [placement_group_table(group)["bundles_to_node_id"][i] for i in range(group.bundle_count)]
+        placed = placement_group_table(group)["bundles_to_node_id"]
+        bundle_nodes = [placed[i] for i in range(group.bundle_count)]
         if not with_rank_0:
             return Placement(group, list(range(size - 1)), [own_node, *bundle_nodes])
         if bundle_nodes[0] != own_node:  # the label selector is Ray's to honour

@@ -46,8 +46,9 @@ def _node_ip() -> str:
 class TensorParallelGroup:
     """Ranks 1..N-1 of an engine, and rank 0's :class:`TensorParallel` and :class:`StepChannel`."""
 
-    def __init__(self, spec: Callable[[int, Rendezvous], WorkerSpec], size: int, device: torch.device, backend: str,
-                 execute_model_timeout: float = 0.0, ray_placement_strategy: str = "PACK") -> None:
+    def __init__(self, spec: Callable[[int, Rendezvous], WorkerSpec], size: int, device: torch.device,
+                 backend: str, execute_model_timeout: float = 0.0,
+                 ray_placement_strategy: str = "PACK") -> None:
         self.size = size
         self.backend = backend
         self.failure: str | None = None
@@ -60,7 +61,8 @@ class TensorParallelGroup:
             self._start_ray(spec, rendezvous, ray_placement_strategy)
         else:
             for rank in range(1, size):
-                proc = subprocess.Popen([sys.executable, "-m", "fastsched.worker.tp_worker"], stdin=subprocess.PIPE)
+                proc = subprocess.Popen([sys.executable, "-m", "fastsched.worker.tp_worker"],
+                                        stdin=subprocess.PIPE)
                 assert proc.stdin is not None
                 with proc.stdin:
                     proc.stdin.write(spec(rank, rendezvous).to_json().encode())

@@ -116,7 +116,8 @@ def _run_command(command: Command, spec: WorkerSpec, tp: TensorParallel, channel
         new, error = load_checked(command.path, model, dtype=getattr(torch, spec.dtype), device=spec.device,
                                   quantization=spec.quantization, tp=tp)
         if error is not None:
-            logger.warning("tensor parallel rank %d: weights from %s not loaded: %s", spec.rank, command.path, error)
+            logger.warning("tensor parallel rank %d: weights from %s not loaded: %s", spec.rank, command.path,
+                           error)
         if swap_in(model, new, error, channel) is None:
             logger.info("tensor parallel rank %d reloaded weights from %s", spec.rank, command.path)
         return

@@ -30,7 +30,8 @@ def load_checked(path: str, served: nn.Module, *, dtype: torch.dtype, device: to
     return new, None
 
 
-def swap_in(served: nn.Module, new: nn.Module | None, error: str | None, channel: StepChannel | None) -> str | None:
+def swap_in(served: nn.Module, new: nn.Module | None, error: str | None,
+            channel: StepChannel | None) -> str | None:
     """Copies ``new`` into ``served`` if every rank loaded its shards (``error`` is this rank's
     reason why not); returns None then, else each failed rank's reason. Every rank calls it
     once per reload, after :meth:`StepChannel.send_reload` reached it."""
