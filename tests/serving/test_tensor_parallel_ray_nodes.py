@@ -22,6 +22,7 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirement
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
 from loop_thread import wait_for  # noqa: E402
+from test_listening_sockets import listening  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from serve_process import pid_alive, start_serve  # noqa: E402
 
@@ -87,6 +88,11 @@ def test_tp2_over_two_ray_nodes_gives_the_tokens_of_tp1_and_a_lost_node_ends_the
         nodes = _rank_nodes(server.log())
         assert nodes == [(cluster.head_node.node_id, second.node_id)], server.tail()  # one rank per node
         assert [_complete(server.url, prompt) for prompt in PROMPTS] == expected
+        # Rank 0's store and its gloo pairs listen on the node's address, as Ray reports it (Ray's own
+        # core worker in the engine listens on every interface: Ray's, see docs/deploy.md).
+        engine = server.engine_pids[0]
+        own = [a for a in listening(server.proc.pid)[engine] if a[0] == cluster.head_node.node_ip_address]
+        assert len(own) >= 2, listening(server.proc.pid)
         children = server.child_pids
         events: list[str] = []
         body = {"model": "model", "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
