@@ -4,6 +4,7 @@ listens on the group's host only, and its keys live under a secret only the rank
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 import torch.distributed as dist
@@ -46,3 +47,13 @@ def test_the_collectives_interface_is_the_one_holding_the_host() -> None:
     assert interface_of("127.0.0.1") == "lo"
     with pytest.raises(ValueError, match="no network interface of this machine has the address 198.51.100.7"):
         interface_of("198.51.100.7")
+
+
+def test_the_collectives_are_pinned_to_the_hosts_interface(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastsched.distributed import rendezvous
+
+    monkeypatch.setattr(rendezvous, "_OPERATOR_IFNAMES", frozenset({"NCCL_SOCKET_IFNAME"}))
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth7")  # the operator's: kept
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")  # a previous group's: replaced
+    rendezvous.pin_interfaces("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and os.environ["NCCL_SOCKET_IFNAME"] == "eth7"

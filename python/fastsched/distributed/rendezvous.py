@@ -28,6 +28,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# The ones the operator set before fastsched ran: those are theirs, never overridden.
+_OPERATOR_IFNAMES = frozenset(v for v in _IFNAME_VARIABLES if v in os.environ)
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,9 @@ def listen(host: str, size: int, timeout: datetime.timedelta) -> tuple[Rendezvou
 def pin_interfaces(host: str) -> None:
     """gloo and NCCL listen on the interface that holds ``host`` (not the host name's address)."""
     name = interface_of(host)
-    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        os.environ.setdefault(variable, name)
+    for variable in _IFNAME_VARIABLES:
+        if variable not in _OPERATOR_IFNAMES:
+            os.environ[variable] = name
 
 
 def interface_of(host: str) -> str:
