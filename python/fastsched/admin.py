@@ -6,7 +6,8 @@ weights, reset the prefix caches, load and unload LoRA adapters, and look into r
 ``--enable-admin-api`` turns on pause/resume/reload/debug, ``--enable-runtime-lora-updating``
 the adapter loads. They take their own key, ``--admin-api-key`` (the inference ``--api-key``
 never grants them), and a file they name must lie under one of ``--allowed-local-paths``,
-whatever the symlinks on the way: the answer for a path outside never says whether it exists.
+whatever the symlinks on the way, and so must every file in a directory it names: the answer
+for a path outside never says whether it exists.
 The gateway's routes and the frontends' gRPC methods apply the same :class:`AdminSettings`.
 """
 
@@ -66,13 +67,27 @@ class AdminSettings:
         return rpc in ADMIN_RPCS or rpc in LORA_RPCS
 
     def check_local_path(self, path: str, field: str) -> str:
-        """``path`` resolved (symlinks followed), when it lies under an allowed directory; else
-        :class:`PathNotAllowedError`, whose message is the same whether or not ``path`` exists."""
+        """``path`` resolved (symlinks followed), when it lies under an allowed directory and,
+        for a directory (a checkpoint, an adapter), so does every file in it once resolved:
+        the loaders open those by name, and a link to a file elsewhere would be read through.
+        Else :class:`PathNotAllowedError`, whose message is the same whether or not ``path`` exists."""
+        where = ", ".join(self.allowed_local_paths) if self.allowed_local_paths else "nowhere: none is set"
         resolved = os.path.realpath(path)
+        if not self._allowed(resolved):
+            raise PathNotAllowedError(
+                f"{field} must lie under one of the server's --allowed-local-paths ({where})", field)
+        if os.path.isdir(resolved):
+            with os.scandir(resolved) as entries:
+                for entry in entries:
+                    if not self._allowed(os.path.realpath(entry.path)):
+                        raise PathNotAllowedError(
+                            f"{field} holds {entry.name!r}, a link that leaves the server's "
+                            f"--allowed-local-paths ({where})", field)
+        return resolved
+
+    def _allowed(self, resolved: str) -> bool:
         for root in self.allowed_local_paths:
             base = os.path.realpath(root)
             if os.path.commonpath([base, resolved]) == base:
-                return resolved
-        where = ", ".join(self.allowed_local_paths) if self.allowed_local_paths else "nowhere: none is set"
-        raise PathNotAllowedError(
-            f"{field} must lie under one of the server's --allowed-local-paths ({where})", field)
+                return True
+        return False

@@ -92,6 +92,11 @@ class EngineConfig:
     distributed_executor_backend: str = field(default="mp", metadata=_flag(
         MODEL, "how tensor-parallel workers start: mp (local processes) or ray (actors of a running Ray cluster, "
                "placed by a placement group; needs the ray extra)", choices=("mp", "ray")))
+    ray_placement_strategy: str = field(default="PACK", metadata=_flag(
+        MODEL, "with --distributed-executor-backend ray, the placement group's strategy: PACK (the "
+               "ranks on as few nodes as fit), STRICT_PACK, SPREAD, or STRICT_SPREAD (every rank on a "
+               "node of its own, rank 0 on the engine's)",
+        choices=("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")))
     execute_model_timeout: float = field(default=60.0, metadata=_flag(
         MODEL, "seconds the engine waits for its tensor-parallel workers within one step (or KV block copy) "
                "before it takes a worker for hung, kills the workers and fails, as a dead worker does (vLLM's "

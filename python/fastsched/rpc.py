@@ -4,6 +4,8 @@ the metadata keys that carry an error's details and the API key, and the message
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
+from typing import Any
 
 REJECTION_REASON_KEY = "rejection-reason"  # an UNAVAILABLE's admission reason (A5)
 INVALID_PARAM_KEY = "invalid-param"  # the request field an INVALID_ARGUMENT is about
@@ -25,6 +27,16 @@ def error_metadata(*, param: str | None = None, reason: str | None = None,
     an admission rejection's reason (``rejection-reason``), the error's code (``error-code``)."""
     pairs = ((INVALID_PARAM_KEY, param), (REJECTION_REASON_KEY, reason), (ERROR_CODE_KEY, code))
     return tuple((key, value) for key, value in pairs if value)
+
+
+def metadata_authorization(metadata: Iterable[tuple[str, Any]]) -> str | None:
+    """The ``authorization`` value of gRPC metadata as an HTTP server reads the header: the
+    first entry, whatever follows (both gRPC checks, the API key's and the admin key's, read
+    it here, so one call cannot pass the one with a second entry the other ignores)."""
+    for name, value in metadata:
+        if name == AUTHORIZATION_KEY:
+            return value if isinstance(value, str) else None
+    return None
 
 
 def bearer_matches(authorization: str | None, key: str) -> bool:

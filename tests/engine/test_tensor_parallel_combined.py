@@ -2,8 +2,8 @@
 ``remote_kv``) (issue 24; docs/deploy.md "Tensor parallelism"): over two gloo ranks, fp32,
 greedy, the tokens are those of one rank.
 
-- Reload: every rank loads its own shards of the new checkpoint, rank 0 first, whose shards
-  are the check that it fits; a checkpoint that does not fit leaves every rank as it was.
+- Reload: every rank loads its own shards of the new checkpoint and checks them, and all
+  swap them in or none does: a checkpoint that any rank cannot load leaves every rank as it was.
 - KV connector: rank 0 alone keeps the store, of whole blocks, gathered from the ranks' KV
   heads on save and scattered to them on load (``fastsched.worker.kv_blocks``), so a store
   is the same whatever ``tensor_parallel_size`` wrote it.
@@ -71,13 +71,58 @@ def other_weights(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     return out
 
 
-def _reload_and_generate(model_dir: Path, other: Path, tp: int, prompts: list[list[int]], bad: Path) -> list:
+@pytest.fixture(scope="module")
+def bad_checkpoints(tiny_model_dir: Path, other_weights: Path, tmp_path_factory: pytest.TempPathFactory,
+                    ) -> dict[str, Path]:
+    """Checkpoints a reload must refuse, leaving the old weights: none there; a truncated
+    safetensors file (``SafetensorError``, which the engine once did not catch and died of);
+    one that only rank 1 fails to load (:func:`rank_1_fails`)."""
+    root = tmp_path_factory.mktemp("tp-bad")
+    truncated = root / "truncated"
+    truncated.mkdir()
+    for file in tiny_model_dir.iterdir():
+        if file.is_file():
+            data = file.read_bytes()
+            cut = data[: len(data) // 2] if file.suffix == ".safetensors" else data
+            (truncated / file.name).write_bytes(cut)
+    rank_1 = root / "rank-1-fails"
+    rank_1.mkdir()
+    for file in other_weights.iterdir():
+        (rank_1 / file.name).write_bytes(file.read_bytes())
+    return {"missing": root / "missing", "truncated": truncated, "rank 1": rank_1}
+
+
+@pytest.fixture
+def rank_1_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker processes started from now on fail (``KeyError``, a type the engine once let
+    through) to load any checkpoint under a ``rank-1-fails`` folder: a failure on a rank
+    other than 0, after rank 0 loaded its shards."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import fastsched.model_loader.weights as w\n"
+        "_load = w.load_model\n"
+        "def load_model(path, *args, tp=None, **kwargs):\n"
+        "    if tp is not None and tp.rank == 1 and 'rank-1-fails' in str(path):\n"
+        "        raise KeyError('injected: rank 1 cannot load')\n"
+        "    return _load(path, *args, tp=tp, **kwargs)\n"
+        "w.load_model = load_model\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{Path(__file__).resolve().parents[2] / 'python'}")
+
+
+def _reload_and_generate(model_dir: Path, other: Path, tp: int, prompts: list[list[int]],
+                         bad: dict[str, Path]) -> list:
     core = _core(model_dir, tp)
     try:
         before = _generate(core, prompts, "a")
         core.pause("all")
-        with pytest.raises((ValueError, OSError)):
-            core.reload_weights(str(bad))  # no checkpoint there: nothing changes, on any rank
+        for name, path in bad.items():
+            if name == "rank 1" and tp == 1:
+                continue
+            with pytest.raises(ValueError, match="the served ones stay") as refused:
+                core.reload_weights(str(path))  # nothing changes, on any rank
+            if name == "rank 1":
+                assert "tensor parallel rank 1: KeyError" in str(refused.value)
+            if name == "truncated":
+                assert "SafetensorError" in str(refused.value)
         core.resume()
         unchanged = _generate(core, prompts, "b")
         core.pause("all")
@@ -90,13 +135,14 @@ def _reload_and_generate(model_dir: Path, other: Path, tp: int, prompts: list[li
 
 
 def test_s13_tp2_reload_gives_the_tokens_of_tp1_after_the_same_reload(
-    tiny_model_dir: Path, other_weights: Path, prompts: list[list[int]], tmp_path: Path
+    tiny_model_dir: Path, other_weights: Path, prompts: list[list[int]], bad_checkpoints: dict[str, Path],
+    rank_1_fails: None,
 ) -> None:
-    one = _reload_and_generate(tiny_model_dir, other_weights, 1, prompts, tmp_path)
-    two = _reload_and_generate(tiny_model_dir, other_weights, 2, prompts, tmp_path)
+    one = _reload_and_generate(tiny_model_dir, other_weights, 1, prompts, bad_checkpoints)
+    two = _reload_and_generate(tiny_model_dir, other_weights, 2, prompts, bad_checkpoints)
     assert two == one
     before, unchanged, after = one
-    assert unchanged == before and after != before, "the reload changes the tokens, the failed one does not"
+    assert unchanged == before and after != before, "the reload changes the tokens, the failed ones do not"
 
 
 # ------------------------------------------------------------------ KV connector

@@ -125,3 +125,55 @@ def test_an_adapter_broken_after_its_first_use_fails_its_next_request_not_a_step
     with pytest.raises(ValueError, match="not a safetensors file"):
         llm.generate([PROMPT], GREEDY, lora_request=first, use_tqdm=False)
     assert llm.generate([PROMPT], GREEDY, lora_request=adapters["qv"], use_tqdm=False)[0].finished
+
+
+def test_a_weights_file_that_is_not_safetensors_is_refused_without_quoting_its_bytes(tmp_path: Path) -> None:
+    """Issue 37: the message once gave the file's size and its first 8 bytes as a number."""
+    from fastsched.lora.request import read_safetensors_header
+
+    path = tmp_path / "adapter_model.safetensors"
+    data = b"password=hunter2;" * 10
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="not a safetensors file") as refused:
+        read_safetensors_header(path)
+    message = str(refused.value)
+    assert str(len(data)) not in message and str(int.from_bytes(data[:8], "little")) not in message
+    header = b'{"x": {"dtype": "F32", "shape": "hunter2", "data_offsets": [0, 4]}}'
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    with pytest.raises(ValueError, match="malformed entry") as refused:
+        read_safetensors_header(path)
+    assert "hunter2" not in str(refused.value)
+
+
+@pytest.mark.parametrize("damage", ["nan", "inf in bfloat16", "a layer the model lacks", "no lora_B"])
+def test_the_frontend_refuses_an_adapter_every_request_would_fail_on(
+        base_dir: Path, adapters: dict[str, LoRARequest], tmp_path: Path, damage: str) -> None:
+    """Issue 37: such adapters loaded with 200 and were listed, then failed every request
+    that named them. Registering checks them against the served model now (a 400)."""
+    from fastsched.model_loader import load_model_config
+
+    config = load_model_config(base_dir)
+    path = copy_adapter(adapters["full"], tmp_path / "a")
+    tensors = load_file(str(path / WEIGHTS))
+    name = next(n for n in tensors if "lora_A" in n)
+    if damage == "nan":
+        tensors[name][0, 0] = torch.nan
+    elif damage == "inf in bfloat16":
+        tensors = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
+        tensors[name][1, 2] = -torch.inf
+    elif damage == "a layer the model lacks":
+        for half in ("A", "B"):
+            source = name.replace("lora_A", f"lora_{half}")
+            tensors[source.replace("layers.0.", f"layers.{config.num_layers}.")] = tensors[source].clone()
+    else:
+        del tensors[name.replace("lora_A", "lora_B")]
+    save_file(tensors, str(path / WEIGHTS))
+    message = {"nan": "holds NaN or infinite values", "inf in bfloat16": "holds NaN or infinite values",
+               "a layer the model lacks": f"has no place in .*{config.num_layers} layers",
+               "no lora_B": "has no lora_B tensor"}[damage]
+    registry = LoRARegistry(max_lora_rank=8, model_config=config)
+    with pytest.raises(ValueError, match=message):
+        registry.load("bad", str(path))
+    assert registry.adapters() == []
+    registry.load("good", adapters["full"].path)
+    assert [a.name for a in registry.adapters()] == ["good"]

@@ -166,6 +166,26 @@ def test_grpc_admin_methods_take_the_admin_key(stack: Stack) -> None:
     stack.fake.calls.clear()
 
 
+def test_grpc_both_key_checks_read_the_first_authorization_entry_only(stack: Stack) -> None:
+    """Issue 37: the admin check accepted any ``authorization`` entry, the API-key check only
+    the first; a wrong key then the right one passed one and failed the other. Both read the
+    first entry now, as an HTTP server reads the header."""
+    def auth(*keys: str) -> tuple[tuple[str, str], ...]:
+        return tuple(("authorization", f"Bearer {k}") for k in keys)
+
+    address, options = f"127.0.0.1:{stack.ports[0]}", [("grpc.enable_http_proxy", 0)]
+    with grpc.insecure_channel(address, options=options) as channel:
+        stub = pb_grpc.FrontendStub(channel)
+        calls = {"admin": lambda metadata: stub.IsPaused(pb.IsPausedRequest(), timeout=10, metadata=metadata),
+                 "api": lambda metadata: stub.ModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=metadata)}
+        for scope, key in (("admin", ADMIN_KEY), ("api", API_KEY)):
+            with pytest.raises(grpc.RpcError) as info:
+                calls[scope](auth("wrong", key))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, scope
+            calls[scope](auth(key, "wrong"))
+    stack.fake.calls.clear()
+
+
 def test_admin_routes_guarded_only_by_the_api_key_refuse_to_start() -> None:
     with pytest.raises(ValueError, match="--admin-api-key"):
         create_app(["127.0.0.1:1"], MODEL, tokenizer=None, api_key=API_KEY,
@@ -198,6 +218,28 @@ def test_a_path_outside_the_allowed_ones_is_403_and_says_nothing_of_whether_it_e
                    json={"path": str(stack.allowed / "ckpt")})
     assert r.status_code == 200 and stack.fake.calls == [f"reload {stack.allowed / 'ckpt'}"]
     stack.fake.calls.clear()
+
+
+def test_a_file_link_inside_an_allowed_directory_that_leaves_it_is_403(stack: Stack, tmp_path: Path) -> None:
+    """Issue 37: only the directory was resolved, so ``adapter_model.safetensors`` linked to a
+    file elsewhere was opened, and the error told its size and its first 8 bytes as a number."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"TOPSECRET-bytes-of-another-file" * 3)
+    adapter = stack.allowed / "linked-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 2, "target_modules": ["q_proj"]}))
+    os.symlink(secret, adapter / "adapter_model.safetensors")
+    checkpoint = stack.allowed / "linked-checkpoint"
+    checkpoint.mkdir()
+    os.symlink(secret, checkpoint / "model.safetensors")
+    for route, body in (("/v1/load_lora_adapter", {"lora_name": "linked", "lora_path": str(adapter)}),
+                        ("/reload_weights", {"path": str(checkpoint)})):
+        r = httpx.post(stack.admin_url + route, headers=ADMIN, timeout=30, json=body)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "path_not_allowed", r.text
+        assert "a link that leaves" in r.text and str(secret.stat().st_size) not in r.text
+        leaked = str(int.from_bytes(secret.read_bytes()[:8], "little"))
+        assert leaked not in r.text
+    assert stack.fake.calls == []
 
 
 def test_grpc_load_of_a_path_outside_is_permission_denied(stack: Stack) -> None:

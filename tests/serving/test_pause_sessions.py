@@ -442,6 +442,37 @@ def test_s15_sessions_over_max_sessions_are_refused_with_503_and_retry_after_and
     assert wait_for(lambda: llm.num_sessions == 0, timeout=30), "a closed session is no longer counted"
 
 
+@pytest.mark.parametrize("when", ["open", "chunk"])
+def test_s15_a_binary_frame_is_a_400_error_message_and_a_1008_close(stack: Stack, when: str) -> None:
+    """Issue 37: a binary frame was an unhandled KeyError in the gateway and a 1006 close."""
+    with ws_connect(ws_url(stack, 1)) as ws:
+        if when == "chunk":
+            ws.send(json.dumps({"type": "open", "prompt": [5, 6], "max_tokens": 1, **GREEDY}))
+            ws_segment(ws)
+        ws.send(b'{"type": "open"}')
+        error = json.loads(ws.recv(timeout=30))
+        assert error["type"] == "error" and error["status"] == 400, error
+        assert "not a binary frame" in error["error"]["message"]
+        with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
+            ws.recv(timeout=30)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+
+
+def test_s15_a_session_takes_a_cache_salt_and_names_a_bad_or_unknown_open_field(stack: Stack) -> None:
+    """Issue 37: ``cache_salt`` in an open message answered with protobuf's own error text."""
+    with ws_connect(ws_url(stack, 1)) as ws:
+        ws.send(json.dumps({"type": "open", "prompt": [5, 6, 7], "max_tokens": 2, "cache_salt": "tenant-a",
+                            **GREEDY}))
+        _, messages = ws_segment(ws)
+        assert len(messages[-1]["token_ids"]) + sum(len(m["token_ids"]) for m in messages[:-1]) == 2
+    for extra, field in (({"cache_salt": ""}, "cache_salt"), ({"temprature": 0.5}, "temprature")):
+        with ws_connect(ws_url(stack, 1)) as ws:
+            ws.send(json.dumps({"type": "open", "prompt": [5], "max_tokens": 1, **extra}))
+            error = json.loads(ws.recv(timeout=30))
+        assert error["type"] == "error" and error["status"] == 400 and error["error"]["param"] == field, error
+        assert "Message type" not in error["error"]["message"], "not protobuf's text"
+
+
 def test_s15_a_websocket_message_over_max_body_bytes_closes_the_socket_with_1009(stack: Stack,
                                                                                  tiny_model_dir: Path) -> None:
     app = create_app([stack.grpc_addrs[1]], MODEL, load_tokenizer(str(tiny_model_dir)),

@@ -316,6 +316,22 @@ def test_serve_ctrl_c_stops_gateway_then_frontends_then_engines_and_cleans_up(qu
              "engines stopped"]
     positions = [log.find(step) for step in steps]
     assert -1 not in positions and positions == sorted(positions), queued_reqs.tail()
+    # Issue 37: every Ctrl-C ended with multiprocessing's resource tracker (the group's last
+    # process) reporting a leaked semaphore (tqdm's lock, taken in the engine).
+    assert wait_for(lambda: not _group_alive(queued_reqs.proc.pid), timeout=30), "the resource tracker exits"
+    assert "leaked" not in queued_reqs.log(), queued_reqs.tail()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process of process group ``pgid`` remains (/proc, Linux)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state not in ("Z", "X"):
+            return True
+    return False
 
 
 # ------------------------------------------------------------------ --max-num-queued-tokens, fault tolerance

@@ -59,17 +59,16 @@ class TensorParallel:
     device: torch.device
 
     @classmethod
-    def join(cls, init_method: str, rank: int, size: int, device: torch.device) -> TensorParallel:
-        """Joins (rank 0: forms) the group at ``init_method`` (``tcp://host:port``)."""
+    def join(cls, store: dist.Store, rank: int, size: int, device: torch.device) -> TensorParallel:
+        """Joins (rank 0: forms) the group that meets at ``store`` (``fastsched.distributed.rendezvous``)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
         group = dist.group.WORLD
         cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
         assert group is not None
-        logger.info("tensor parallel rank %d of %d joined (%s on %s, %s)", rank, size, backend, device, init_method)
+        logger.info("tensor parallel rank %d of %d joined (%s on %s)", rank, size, backend, device)
         return cls(rank, size, group, cpu_group, device)
 
     def leave(self) -> None:

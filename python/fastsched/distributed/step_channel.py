@@ -125,8 +125,17 @@ class StepChannel:
         text = path.encode()
         self.send_command(RELOAD, np.frombuffer(text + b"\0" * (-len(text) % 8), dtype=np.int64))
 
+    def reload_vote(self, error: str | None) -> list[str | None]:
+        """Every rank calls it once its shards of a reload are loaded and checked (``error``:
+        why they are not) and gets every rank's answer, so that all copy them in or none does."""
+        dist.monitored_barrier(group=self.tp.cpu_group, timeout=RELOAD_TIMEOUT)  # loading takes long
+        errors: list[str | None] = [None] * self.tp.size
+        dist.all_gather_object(errors, error, group=self.tp.cpu_group)
+        return errors
+
     def reloaded(self) -> None:
-        """Every rank calls it once its shards of a reload are in: rank 0 returns when all have."""
+        """Every rank calls it once its shards of a reload are in (or refused by a rank): rank 0
+        returns when all have."""
         dist.monitored_barrier(group=self.tp.cpu_group, timeout=RELOAD_TIMEOUT)
 
     def send_command(self, kind: int, payload: np.ndarray) -> None:

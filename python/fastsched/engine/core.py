@@ -59,7 +59,6 @@ from fastsched.lora.slots import LoRAManager
 from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.generation_defaults import load_generation_defaults
 from fastsched.model_loader.weights import load_model
-from fastsched.models.quant_linear import copy_weights
 from fastsched.models.tp_shard import describe_head_split
 from fastsched.cpu_env import configure_threads
 from fastsched.models.config import ModelConfig
@@ -69,6 +68,7 @@ from fastsched.worker.input_batch import RowState
 from fastsched.worker.kv_sizing import kv_pool_blocks
 from fastsched.worker.model_runner import ExecutedStep, ModelRunner, PreparedStep, StepResult
 from fastsched.worker.tp_group import start_tensor_parallel
+from fastsched.worker.weight_reload import load_checked, swap_in
 
 logger = logging.getLogger(__name__)
 
@@ -366,27 +366,26 @@ class EngineCore:
         running model and drops the prefix cache, whose KV they make stale: the RL use of S13,
         new weights between rollouts. Only while paused with mode ``all`` (:class:`NotPausedError`
         otherwise): no step runs meanwhile. Requests held by the pause keep their KV, computed
-        with the old weights. With tensor parallelism every rank loads its own shards, rank 0
-        first (its shards are the check that the checkpoint fits). ``ValueError`` when the
-        checkpoint does not fit the model, or with a KV connector (its store would serve KV of
-        the old weights)."""
+        with the old weights. With tensor parallelism every rank loads its own shards, and all
+        swap them in or none does (``fastsched.worker.weight_reload``). ``ValueError`` with the
+        cause when any rank cannot load or fit the checkpoint (the old weights stay), or with a
+        KV connector (its store would serve KV of the old weights)."""
         if self.config.kv_transfer_config is not None:
             raise ValueError("weights cannot be reloaded with --kv-transfer-config: the KV store's blocks, keyed "
                              "by the served model, were computed with the old weights")
         if self.pause_state != "paused_all":
             raise NotPausedError(f"weights can be reloaded only while paused with mode all; the engine is "
                                f"{self.pause_state}")
-        tp = None if self.tp_group is None else self.tp_group.tp
-        new = load_model(model, dtype=self.config.torch_dtype, device=self.config.torch_device,
-                         quantization=self.config.resolved_quantization, tp=tp)
-        try:
-            copy_weights(self.runner.model, new)
-        except RuntimeError as e:  # missing, unexpected or differently shaped tensors
-            raise ValueError(f"the weights of {model} do not fit the served model: {e}") from None
-        if self.tp_group is not None:
-            # Rank 0's shards fitted, so the others' do (same checkpoint, same layout); a rank
-            # that fails anyway exits, and the engine ends with it (check_workers).
-            self.tp_group.reload(model)
+        group = self.tp_group
+        if group is not None:
+            group.channel.send_reload(model)  # the other ranks load their shards meanwhile
+        config, tp = self.config, None if group is None else group.tp
+        new, error = load_checked(model, self.runner.model, dtype=config.torch_dtype,
+                                  device=config.torch_device, quantization=config.resolved_quantization,
+                                  tp=tp)
+        failed = swap_in(self.runner.model, new, error, None if group is None else group.channel)
+        if failed is not None:
+            raise ValueError(f"the weights of {model} were not loaded, the served ones stay: {failed}")
         self.scheduler.reset_prefix_cache()
         logger.info("reloaded weights from %s; prefix cache dropped", model)
 

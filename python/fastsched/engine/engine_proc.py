@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 import torch
 import zmq
+from tqdm import tqdm
 
 from fastsched.config import EngineConfig, parse_lora_modules
 from fastsched.distributed.parallel import data_parallel_devices
@@ -71,6 +72,10 @@ def run_engine(
     Exits 0 on SIGTERM/SIGINT or when the parent process dies, 1 when the engine fails (after
     telling the frontends)."""
     _setup_logging(engine_index, log_level)
+    # tqdm's default lock is a multiprocessing semaphore, registered with the launcher's
+    # resource tracker, which an engine ending in os._exit never releases: every stop of the
+    # server reported it leaked. The loading bars of one process need only a thread lock.
+    tqdm.set_lock(threading.RLock())
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -335,7 +340,7 @@ class _EngineLoop:
             self.core.reload_weights(msg.model)
         except NotPausedError as e:
             error = (protocol.RELOAD_CONFLICT, str(e))
-        except (ValueError, OSError, RuntimeError) as e:
+        except Exception as e:  # the checkpoint's fault (weight_reload): the old weights serve on
             error = (protocol.RELOAD_INVALID, f"{type(e).__name__}: {e}")
         if error is not None:
             logger.warning("engine %d: weights from %s not reloaded: %s", self.engine_index, msg.model, error[1])

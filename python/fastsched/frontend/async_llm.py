@@ -54,7 +54,7 @@ from fastsched.frontend.session import Session, SessionLimitError, SessionState,
 from fastsched.frontend.settings import FrontendSettings
 from fastsched.inputs import PromptType, child_params, child_request_ids, engine_requests
 from fastsched.lora.request import LoRARequest
-from fastsched.model_loader import Tokenizer, load_tokenizer
+from fastsched.model_loader import Tokenizer, load_model_config, load_tokenizer
 from fastsched.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from fastsched.request_gate import RequestGate, ValidRequest
 from fastsched.sampling_params import SamplingParams
@@ -171,7 +171,8 @@ class AsyncLLM:
         max_num_seqs = sum(e.info.max_num_seqs for e in self._engines if e.info is not None)
         self.max_sessions = session_cap(self.settings.max_sessions, max_num_seqs, self.settings.num_frontends)
         if first.lora_modules is not None:
-            self.loras = LoRARegistry.from_modules(first.lora_modules, first.max_lora_rank)
+            model_config = await asyncio.to_thread(load_model_config, first.model)
+            self.loras = LoRARegistry.from_modules(first.lora_modules, first.max_lora_rank, model_config)
             self._table.on_added.append(self.loras.request_started)
             self._table.on_finished.append(self.loras.request_finished)
         self._started = True

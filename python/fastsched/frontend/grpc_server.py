@@ -56,12 +56,12 @@ from fastsched.lora.request import LoRARequest
 from fastsched.outputs import RequestOutput
 from fastsched.proto_gen import import_stubs
 from fastsched.rpc import (
-    AUTHORIZATION_KEY,
     INVALID_PARAM_KEY,
     MESSAGE_SIZE_OPTIONS,
     REJECTION_REASON_KEY,
     bearer_matches,
     error_metadata,
+    metadata_authorization,
 )
 from fastsched.request_gate import ValidRequest
 from fastsched.sampling_params import SamplingParams
@@ -344,8 +344,8 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             flag = "--enable-runtime-lora-updating" if rpc in LORA_RPCS else "--enable-admin-api"
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{rpc} is off: start the server with {flag}")
         key = self.admin.admin_api_key
-        if key is not None and not any(k == AUTHORIZATION_KEY and isinstance(v, str) and bearer_matches(v, key)
-                                       for k, v in context.invocation_metadata() or ()):
+        authorization = metadata_authorization(context.invocation_metadata() or ())
+        if key is not None and not bearer_matches(authorization, key):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED_ADMIN)
 
     async def _check_path(self, context: grpc.aio.ServicerContext, path: str, field: str) -> None:
@@ -541,10 +541,7 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return self._deny_stream if method.endswith("/Generate") else self._deny_unary
 
     def _authorized(self, metadata: Any) -> bool:
-        for key, value in metadata:
-            if key == AUTHORIZATION_KEY and isinstance(value, str):
-                return bearer_matches(value, self._key)
-        return False
+        return bearer_matches(metadata_authorization(metadata), self._key)
 
 
 _UNAUTHENTICATED = "Invalid or missing API key: send metadata `authorization: Bearer <key>`."

@@ -15,9 +15,12 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Protocol
 
-from fastsched.lora.request import LoRARequest, read_adapter_config
+from fastsched.lora.adapter_checks import check_adapter_fits, check_finite
+from fastsched.lora.request import WEIGHTS_FILE, LoRARequest, read_adapter_config, read_safetensors_header
+from fastsched.models.config import ModelConfig
 
 
 class LoRANotFoundError(ValueError):
@@ -43,28 +46,37 @@ class LoRARegistry:
     (consulted before an unload), counted from the request table's ``added`` and
     ``finished`` events (``request_started`` / ``request_finished``)."""
 
-    def __init__(self, max_lora_rank: int) -> None:
+    def __init__(self, max_lora_rank: int, model_config: ModelConfig | None = None) -> None:
         self.max_lora_rank = max_lora_rank
+        self.model_config = model_config  # the served model's, which an adapter must fit
         self._adapters: dict[str, LoRARequest] = {}
         self._in_use: Counter[str] = Counter()
 
     @classmethod
-    def from_modules(cls, modules: Mapping[str, str], max_lora_rank: int) -> LoRARegistry:
-        registry = cls(max_lora_rank)
+    def from_modules(cls, modules: Mapping[str, str], max_lora_rank: int,
+                     model_config: ModelConfig | None = None) -> LoRARegistry:
+        registry = cls(max_lora_rank, model_config)
         for name, path in modules.items():
             registry.load(name, path)
         return registry
 
     def load(self, name: str, path: str) -> LoRARequest:
-        """Registers adapter ``name`` at ``path`` after checking its config (a bad one is
-        a ValueError naming the field); a name already loaded is refused."""
+        """Registers adapter ``name`` at ``path`` after checking its config and, given the
+        served model's config, that its tensors fit the model and are finite (a bad one is a
+        ValueError naming the field or tensor: never listed, so no request fails on it);
+        a name already loaded is refused."""
         if not name:
             raise ValueError("lora_name must not be empty")
         if not path:
             raise ValueError("lora_path must not be empty")
         if name in self._adapters:
             raise ValueError(f"The lora adapter '{name}' has already been loaded.")
-        read_adapter_config(path, self.max_lora_rank)
+        rank = read_adapter_config(path, self.max_lora_rank)["r"]
+        if self.model_config is not None:
+            weights_file = Path(path) / WEIGHTS_FILE
+            header = read_safetensors_header(weights_file)
+            check_adapter_fits(path, header, rank, self.model_config)
+            check_finite(path, weights_file, header)
         request = LoRARequest(name, lora_id(name, path), path)
         self._adapters[name] = request
         return request

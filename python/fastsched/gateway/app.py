@@ -50,7 +50,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -158,6 +158,9 @@ class Gateway:
         except TimeoutError:
             raise ApiError(408, f"The request body was not received within {self.limits.body_timeout:g} s "
                                 "(--body-timeout).", code="request_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:  # an answer nobody reads, not a traceback in the log for each drop
+            raise ApiError(400, "The client closed the connection before sending the whole request body.",
+                           code="client_disconnected") from None
         return b"".join(chunks)
 
     async def read_json(self, request: Request) -> tuple[dict[str, Any], int]:

@@ -10,7 +10,8 @@ The client sends JSON messages:
 
 - ``{"type": "open", "prompt": text or token ids, "max_tokens": n, ...}`` first, with any
   sampling parameter of the gRPC ``SamplingParams`` (``temperature``, ``seed``, ...) and
-  optionally ``request_id``, ``priority`` and ``model`` (a served name or a LoRA adapter's);
+  optionally ``request_id``, ``priority``, ``model`` (a served name or a LoRA adapter's) and
+  ``cache_salt`` (vLLM's: the session's prefix-cache blocks are shared only with its salt);
 - ``{"type": "chunk", "prompt": ..., "max_tokens": n, "last": false}`` for each next chunk;
 - ``{"type": "close"}`` to end the session once its chunks are served.
 
@@ -38,11 +39,15 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from fastsched.frontend.settings import SESSION_OPEN_TIMEOUT_S
 from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.openai_protocol import ApiError, bad_request
+from fastsched.limits import LimitError, check_cache_salt
 from fastsched.proto_gen import import_stubs
 
 pb, pb_grpc = import_stubs()
 
-_OPEN_FIELDS = frozenset({"type", "prompt", "request_id", "priority", "model"})
+_OPEN_FIELDS = frozenset({"type", "prompt", "request_id", "priority", "model", "cache_salt"})
+# The sampling parameters an open message may carry: SamplingParams' fields, by either JSON name.
+_SAMPLING_FIELDS = frozenset(name for field in pb.SamplingParams.DESCRIPTOR.fields
+                             for name in (field.name, field.json_name))
 _CHUNK_FIELDS = frozenset({"type", "prompt", "max_tokens", "last"})
 _CLOSE_POLICY, _CLOSE_TRY_AGAIN, _CLOSE_INTERNAL = 1008, 1013, 1011
 
@@ -129,7 +134,17 @@ def open_request(message: dict[str, Any], model_names: Sequence[str] = ()) -> An
                                  priority=_field(message, "priority", int, 0),
                                  model="" if model in model_names else model)
     _set_prompt(request, message.get("prompt"))
+    try:
+        salt = check_cache_salt(message.get("cache_salt"))
+    except LimitError as e:
+        raise bad_request(str(e), "cache_salt") from None
+    if salt is not None:
+        request.cache_salt = salt
     params = {k: v for k, v in message.items() if k not in _OPEN_FIELDS}
+    unknown = sorted(set(params) - _SAMPLING_FIELDS)
+    if unknown:
+        raise bad_request(f"unknown open fields: {', '.join(unknown)} (an open message takes "
+                          f"{', '.join(sorted(_OPEN_FIELDS))} and the sampling parameters)", unknown[0])
     try:
         json_format.ParseDict(params, request.sampling_params)
     except json_format.ParseError as e:
@@ -183,7 +198,14 @@ async def _feed(websocket: WebSocket, call: Any) -> None:
 
 
 async def _receive(websocket: WebSocket) -> dict[str, Any]:
-    text = await websocket.receive_text()
+    """The next message, a JSON object in a text frame; ``ApiError`` 400 for anything else
+    (a binary frame, which ``receive_text`` met with a ``KeyError``)."""
+    frame = await websocket.receive()
+    if frame["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(frame.get("code", 1000), frame.get("reason"))
+    text = frame.get("text")
+    if text is None:
+        raise bad_request("a session message must be a JSON object in a text frame, not a binary frame", None)
     try:
         message = json.loads(text)
     except ValueError as e:

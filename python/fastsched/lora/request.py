@@ -117,25 +117,26 @@ def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
                 raise bad(f"are not a safetensors file: {size} bytes")
             (header_len,) = struct.unpack("<Q", f.read(8))
             if header_len > min(MAX_HEADER_BYTES, size - 8):
-                raise bad(f"are not a safetensors file: a header of {header_len} bytes in a file of {size}")
-            header = json.loads(f.read(header_len))
+                raise bad("are not a safetensors file: the header length its first 8 bytes give "
+                          "exceeds the file")
+            header = json.loads(f.read(header_len))  # errors below never quote the file's bytes
     except OSError as e:
         raise bad(f"cannot be read: {e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"are not a safetensors file: its header is not JSON ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise bad("are not a safetensors file: its header is not JSON") from None
     if not isinstance(header, dict):
         raise bad("are not a safetensors file: its header is not an object")
     header.pop("__metadata__", None)
     spans = []
     for name, info in header.items():
         if not isinstance(info, dict):
-            raise bad(f"hold tensor {name} with a malformed entry {info!r:.120}")
+            raise bad(f"hold tensor {name} with a malformed entry (not an object)")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dtype not in _DTYPE_BYTES:
             raise bad(f"hold tensor {name} of dtype {dtype!r}; LoRA weights are one of {sorted(_DTYPE_BYTES)}")
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
                 and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-            raise bad(f"hold tensor {name} with a malformed entry {info!r:.120}")
+            raise bad(f"hold tensor {name} with a malformed entry (shape or data_offsets)")
         if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype] or offsets[0] < 0:
             raise bad(f"hold tensor {name} whose bytes {offsets} do not match its shape {shape} and dtype {dtype}")
         spans.append((offsets[0], offsets[1]))

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastsched.lora.adapter import LoRAAdapter, projection_shapes
+from fastsched.lora.adapter import LoRAAdapter
+from fastsched.lora.adapter_checks import projection_shapes
 from fastsched.models.config import ModelConfig
 from fastsched.models.tp_shard import shard_weight
 

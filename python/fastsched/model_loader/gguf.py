@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from fastsched.model_loader.gguf_checks import check_gguf_metadata
 from fastsched.model_loader.gguf_container import GGUFContainer
 from fastsched.model_loader.gguf_quants import KEPT_BITS, Int4Blocks, Int8Blocks, dequantize, quantized_blocks
 from fastsched.model_loader.gguf_tokenizer import gguf_tokenizer
@@ -56,6 +57,7 @@ class GGUFFile:
         self.tensor_names = {tensor.name for tensor in self.container.tensors}
 
     def config(self) -> ModelConfig:
+        check_gguf_metadata(self.metadata, self.container.tensors)  # before the model is sized from it
         return ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names)
 
     def tokenizer(self) -> Tokenizer:

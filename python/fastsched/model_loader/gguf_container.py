@@ -11,6 +11,7 @@ shaped for ``gguf.quants.dequantize``.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -117,7 +118,10 @@ class GGUFContainer:
 
     def _tensor(self, name: str, dims: list[int], kind: GGMLQuantizationType, start: int) -> GGUFTensor:
         shape = tuple(reversed(dims))
-        count = int(np.prod(shape))
+        count = math.prod(shape)  # Python's integers: np.prod wraps around past int64
+        if kind not in _PLAIN_DTYPES and (not shape or shape[-1] % GGML_QUANT_SIZES[kind][0]):
+            raise ValueError(f"{self.path}: tensor {name} of shape {shape} is not made of whole "
+                             f"{kind.name} blocks")
         if kind in _PLAIN_DTYPES:
             dtype = np.dtype(_PLAIN_DTYPES[kind])
             rows, nbytes = shape, count * dtype.itemsize
@@ -126,7 +130,7 @@ class GGUFContainer:
             dtype = np.dtype(np.uint8)
             rows = (*shape[:-1], shape[-1] // block_size * type_size)
             nbytes = count // block_size * type_size
-        if start + nbytes > len(self._map):
+        if start + nbytes > len(self._map) or start < 0:
             raise ValueError(f"{self.path} is truncated: tensor {name} ends past the end of the file")
         data = self._map[start:start + nbytes].view(dtype).reshape(rows)
         return GGUFTensor(name, kind, shape, data)

@@ -67,22 +67,42 @@ def replace_linear(model: nn.Module, name: str, weight: Int4Weight | Int8Weight,
     return new
 
 
+def check_weights_fit(model: nn.Module, new: nn.Module) -> None:
+    """Raises ``ValueError`` naming the first tensor of ``new`` that ``model`` lacks, lacks
+    room for (shape, dtype) or holds as another kind of layer, before anything is copied: a
+    reload that fails leaves the served weights whole (``load_state_dict`` copies what fits
+    and reports the rest only afterwards)."""
+    served, loaded = model.state_dict(), new.state_dict()
+    for name in sorted(served.keys() ^ loaded.keys()):
+        side = "the new checkpoint lacks" if name in served else "the served model has no"
+        raise ValueError(f"{side} tensor {name}")
+    for name, tensor in loaded.items():
+        old = served[name]
+        if old.shape != tensor.shape or old.dtype != tensor.dtype:
+            raise ValueError(f"{name}: the new tensor is {tuple(tensor.shape)} {tensor.dtype}, "
+                             f"the served one {tuple(old.shape)} {old.dtype}")
+    for name, module in new.named_modules():
+        if isinstance(module, (QuantEmbedding, QuantLinear)):
+            old_module = model.get_submodule(name)
+            if type(old_module) is not type(module) or _packed_shape(old_module) != _packed_shape(module):
+                new_kind, kind = (("embedding is 8-bit", "one") if isinstance(module, QuantEmbedding)
+                                  else ("weights are quantized", "layer"))
+                raise ValueError(f"{name}: the new {new_kind} of shape {_packed_shape(module)}, "
+                                 f"the served {kind} is {old_module}")
+
+
 def copy_weights(model: nn.Module, new: nn.Module) -> None:
     """Copies ``new``'s weights into ``model`` of the same architecture (weight reloads):
     dense tensors through ``load_state_dict``, packed 4- and 8-bit ones (not in a state dict)
-    by layer. A mismatch raises ``RuntimeError`` naming the layer."""
+    by layer. A mismatch raises ``ValueError`` naming the tensor, with ``model`` unchanged
+    (:func:`check_weights_fit`)."""
+    check_weights_fit(model, new)
     try:
         model.load_state_dict(new.state_dict())
         for name, module in new.named_modules():
             if isinstance(module, (QuantEmbedding, QuantLinear)):
-                old = model.get_submodule(name)
-                if type(old) is not type(module) or _packed_shape(old) != _packed_shape(module):
-                    new_kind, served = (("embedding is 8-bit", "one") if isinstance(module, QuantEmbedding)
-                                        else ("weights are quantized", "layer"))
-                    raise RuntimeError(f"{name}: the new {new_kind} of shape {_packed_shape(module)}, "
-                                       f"the served {served} is {old}")
-                old.weight_packed = module.weight_packed
-    finally:  # what was built from the old tensors goes, even after a partial copy
+                model.get_submodule(name).weight_packed = module.weight_packed
+    finally:  # what was built from the old tensors goes
         weights_replaced = getattr(model, "weights_replaced", None)
         if weights_replaced is not None:
             weights_replaced()

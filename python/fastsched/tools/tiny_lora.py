@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fastsched.lora.adapter import projection_shapes
+from fastsched.lora.adapter_checks import projection_shapes
 from fastsched.lora.request import CONFIG_FILE, TARGET_MODULES, WEIGHTS_FILE
 from fastsched.model_loader import load_model_config
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -28,17 +27,13 @@ import torch
 import torch.distributed as dist
 
 from fastsched.config import EngineConfig
-from fastsched.distributed.parallel import TensorParallel
+from fastsched.distributed.parallel import COLLECTIVE_TIMEOUT, TensorParallel
+from fastsched.distributed.rendezvous import Rendezvous, listen
 from fastsched.distributed.step_channel import StepChannel
+from fastsched.worker.ray_placement import place_ranks
 from fastsched.worker.tp_worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _node_ip() -> str:
@@ -51,27 +46,31 @@ def _node_ip() -> str:
 class TensorParallelGroup:
     """Ranks 1..N-1 of an engine, and rank 0's :class:`TensorParallel` and :class:`StepChannel`."""
 
-    def __init__(self, spec: Callable[[int, str], WorkerSpec], size: int, device: torch.device, backend: str,
-                 execute_model_timeout: float = 0.0) -> None:
+    def __init__(self, spec: Callable[[int, Rendezvous], WorkerSpec], size: int, device: torch.device,
+                 backend: str, execute_model_timeout: float = 0.0,
+                 ray_placement_strategy: str = "PACK") -> None:
         self.size = size
         self.backend = backend
         self.failure: str | None = None
         self._stopping = False
-        host = _node_ip() if backend == "ray" else "127.0.0.1"
-        init_method = f"tcp://{host}:{_free_port(host)}"
+        rendezvous, store = listen(_node_ip() if backend == "ray" else "127.0.0.1", size, COLLECTIVE_TIMEOUT)
         self._procs: list[subprocess.Popen[bytes]] = []
         self._actors: list[object] = []
+        self.nodes: list[str] = []  # with Ray, the node id of each rank
         if backend == "ray":
-            self._start_ray(spec, init_method)
+            self._start_ray(spec, rendezvous, ray_placement_strategy)
         else:
             for rank in range(1, size):
-                worker = spec(rank, init_method)
-                self._procs.append(subprocess.Popen([sys.executable, "-m", "fastsched.worker.tp_worker",
-                                                     worker.to_json()]))
+                proc = subprocess.Popen([sys.executable, "-m", "fastsched.worker.tp_worker"],
+                                        stdin=subprocess.PIPE)
+                assert proc.stdin is not None
+                with proc.stdin:
+                    proc.stdin.write(spec(rank, rendezvous).to_json().encode())
+                self._procs.append(proc)
             for rank, proc in enumerate(self._procs, start=1):
                 threading.Thread(target=self._watch_process, args=(rank, proc), daemon=True,
                                  name=f"fastsched-tp-watch-{rank}").start()
-        self.tp = TensorParallel.join(init_method, 0, size, device)
+        self.tp = TensorParallel.join(store, 0, size, device)
         self.channel = StepChannel(self.tp)
         if execute_model_timeout > 0:
             threading.Thread(target=self._watch_steps, args=(execute_model_timeout,), daemon=True,
@@ -84,19 +83,13 @@ class TensorParallelGroup:
 
     def layout(self) -> str:
         """The parallel layout, for the start-up log."""
-        where = f"pids {self.pids}" if self._procs else f"{len(self._actors)} Ray actors"
+        where = f"pids {self.pids}" if self._procs else f"{len(self._actors)} Ray actors; nodes {self.nodes}"
         return f"tensor_parallel_size={self.size} ({self.backend}; {dist.get_backend(self.tp.group)}; ranks 1.. {where})"
 
     def share_num_blocks(self, num_blocks: int) -> None:
         """Tells the ranks the pool size rank 0 chose (every rank holds the same blocks)."""
         dist.broadcast(torch.tensor([num_blocks], dtype=torch.int64), src=0, group=self.tp.cpu_group)
         logger.info("parallel layout: %s", self.layout())
-
-    def reload(self, model: str) -> None:
-        """Every other rank loads its shards of checkpoint ``model`` (a weight reload); returns
-        once all have (a rank that fails exits, which ends the engine)."""
-        self.channel.send_reload(model)
-        self.channel.reloaded()
 
     def check(self) -> None:
         """Raises once a rank has died (the engine loop calls this every turn)."""
@@ -129,29 +122,29 @@ class TensorParallelGroup:
             self.failure = f"tensor parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
             logger.error("%s", self.failure)
 
-    def _start_ray(self, spec: Callable[[int, str], WorkerSpec], init_method: str) -> None:
+    def _start_ray(self, spec: Callable[[int, Rendezvous], WorkerSpec], rendezvous: Rendezvous,
+                   strategy: str) -> None:
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
-        use_gpu = spec(1, init_method).device.startswith("cuda")
-        bundle = {"GPU": 1} if use_gpu else {"CPU": 1}
-        group = placement_group([bundle] * (self.size - 1), strategy="PACK")
-        ray.get(group.ready(), timeout=120)
+        use_gpu = spec(1, rendezvous).device.startswith("cuda")
+        placement = place_ranks(self.size, use_gpu, strategy)
+        self._placement_group = placement.group
+        self.nodes = placement.nodes
         remote = ray.remote(num_gpus=1 if use_gpu else 0, num_cpus=0 if use_gpu else 1)(_RayRank)
-        for rank in range(1, self.size):
-            worker = spec(rank, init_method)
+        for rank, bundle in enumerate(placement.bundles, start=1):
+            worker = spec(rank, rendezvous)
             if use_gpu:
                 worker.device = "cuda:0"  # the actor sees only its own GPU
-            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank - 1)
-            actor = remote.options(scheduling_strategy=strategy).remote()
+            where = PlacementGroupSchedulingStrategy(placement_group=placement.group,
+                                                     placement_group_bundle_index=bundle)
+            actor = remote.options(scheduling_strategy=where).remote()
             self._actors.append(actor)
             ref = actor.serve.remote(worker)
             threading.Thread(target=self._watch_actor, args=(rank, ref), daemon=True,
                              name=f"fastsched-tp-watch-{rank}").start()
-        self._placement_group = group
 
     def _watch_actor(self, rank: int, ref: object) -> None:
         import ray
@@ -200,7 +193,7 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: tor
     On CUDA rank ``r`` takes the device ``r`` places after the engine's."""
     base = device.index or 0
 
-    def spec(rank: int, init_method: str) -> WorkerSpec:
+    def spec(rank: int, rendezvous: Rendezvous) -> WorkerSpec:
         return WorkerSpec(
             model=None if config.model is None else str(config.model),
             dtype=str(dtype).removeprefix("torch."),
@@ -210,14 +203,15 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: tor
             num_threads=config.num_threads,
             rank=rank,
             size=config.tensor_parallel_size,
-            init_method=init_method,
+            rendezvous=rendezvous,
+            host=rendezvous.host,  # local workers: rank 0's (loopback); Ray actors set their node's
             block_size=config.block_size,
             parent_pid=os.getpid() if config.distributed_executor_backend == "mp" else 0,
             lora=(config.max_loras, config.max_lora_rank, config.lora_cpu_capacity) if config.enable_lora else None,
         )
 
     return TensorParallelGroup(spec, config.tensor_parallel_size, device, config.distributed_executor_backend,
-                               config.execute_model_timeout)
+                               config.execute_model_timeout, config.ray_placement_strategy)
 
 
 def _stopped(pid: int) -> bool:
@@ -235,4 +229,5 @@ class _RayRank:
     def serve(self, spec: WorkerSpec) -> None:
         from fastsched.worker.tp_worker import serve_rank
 
+        spec.host = _node_ip()  # the node this actor was placed on
         serve_rank(spec)

@@ -3,7 +3,7 @@ cache, and the same forward pass as rank 0 for every step rank 0 broadcasts (wit
 slices of the step's LoRA adapters), and rank 0's other commands in their turn: a weight
 reload, the KV connector's block copies.
 
-Started by ``fastsched.worker.tp_group`` as ``python -m fastsched.worker.tp_worker SPEC``
+Started by ``fastsched.worker.tp_group`` as ``python -m fastsched.worker.tp_worker`` (SPEC on stdin)
 (a local process) or as a Ray actor's method (:func:`serve_rank`). It never schedules and
 never samples: rank 0 does both, and the logits reach it through the model's gather.
 """
@@ -24,11 +24,12 @@ import torch.distributed as dist
 
 from fastsched.attention import AttentionMetadata, select_backend
 from fastsched.cpu_env import configure_threads
-from fastsched.distributed.parallel import TensorParallel
+from fastsched.distributed.parallel import COLLECTIVE_TIMEOUT, TensorParallel
+from fastsched.distributed.rendezvous import Rendezvous
 from fastsched.distributed.step_channel import READ_BLOCKS, RELOAD, WRITE_BLOCKS, Command, StepChannel
 from fastsched.lora.slots import LoRAManager
+from fastsched.worker.weight_reload import load_checked, swap_in
 from fastsched.model_loader.weights import load_model
-from fastsched.models.quant_linear import copy_weights
 from fastsched.worker.kv_blocks import BlockShards, read_blocks, write_blocks
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class WorkerSpec:
-    """What a rank needs to build its shard (JSON on the worker's command line)."""
+    """What a rank needs to build its shard (JSON on a local worker's stdin: it holds the
+    group's secret, which a command line would show every user of the machine)."""
 
     model: str | None
     dtype: str  # "float32", "bfloat16"...
@@ -46,13 +48,19 @@ class WorkerSpec:
     num_threads: int | None
     rank: int
     size: int
-    init_method: str  # tcp://host:port of rank 0's store
+    rendezvous: Rendezvous  # rank 0's store and the group's secret
+    host: str  # the address of this rank's node its sockets listen on (a Ray actor sets its own)
     block_size: int
     parent_pid: int  # a local worker dies with the engine (0: no such watch, a Ray actor)
     lora: tuple[int, int, int] | None = None  # (max_loras, max_lora_rank, max_cpu_loras) with enable_lora
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        fields = json.loads(text)
+        return cls(**{**fields, "rendezvous": Rendezvous(**fields["rendezvous"])})
 
 
 def serve_rank(spec: WorkerSpec) -> None:
@@ -61,7 +69,8 @@ def serve_rank(spec: WorkerSpec) -> None:
     device = torch.device(spec.device)
     if device.type == "cpu":
         configure_threads(spec.num_threads)
-    tp = TensorParallel.join(spec.init_method, spec.rank, spec.size, device)
+    store = spec.rendezvous.connect(spec.size, COLLECTIVE_TIMEOUT, spec.host)
+    tp = TensorParallel.join(store, spec.rank, spec.size, device)
     dtype = getattr(torch, spec.dtype)
     model = load_model(spec.model, dtype=dtype, device=device, quantization=spec.quantization, tp=tp)
     backend = select_backend(device, spec.attention_backend)
@@ -100,14 +109,17 @@ def serve_rank(spec: WorkerSpec) -> None:
 
 def _run_command(command: Command, spec: WorkerSpec, tp: TensorParallel, channel: StepChannel,
                  model: torch.nn.Module, kv_caches: list[torch.Tensor], shards: BlockShards) -> None:
-    """A weight reload (this rank's shards of the new checkpoint; the barrier tells rank 0 it
-    is done) or the KV connector's gather (save) or scatter (load) of whole blocks."""
+    """A weight reload (this rank's shards of the new checkpoint, swapped in when every rank
+    has its own: ``fastsched.worker.weight_reload``) or the KV connector's gather (save) or
+    scatter (load) of whole blocks."""
     if command.kind == RELOAD:
-        new = load_model(command.path, dtype=getattr(torch, spec.dtype), device=spec.device,
-                         quantization=spec.quantization, tp=tp)
-        copy_weights(model, new)
-        logger.info("tensor parallel rank %d reloaded weights from %s", spec.rank, command.path)
-        channel.reloaded()
+        new, error = load_checked(command.path, model, dtype=getattr(torch, spec.dtype), device=spec.device,
+                                  quantization=spec.quantization, tp=tp)
+        if error is not None:
+            logger.warning("tensor parallel rank %d: weights from %s not loaded: %s", spec.rank, command.path,
+                           error)
+        if swap_in(model, new, error, channel) is None:
+            logger.info("tensor parallel rank %d reloaded weights from %s", spec.rank, command.path)
         return
     assert command.block_ids is not None
     if command.kind == READ_BLOCKS:
@@ -128,8 +140,8 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def main(argv: list[str]) -> int:
-    spec = WorkerSpec(**json.loads(argv[1]))
+def main() -> int:
+    spec = WorkerSpec.from_json(sys.stdin.read())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {spec.rank}] %(message)s")
     if spec.parent_pid:
         _die_with_parent(spec.parent_pid)
@@ -143,4 +155,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

@@ -5,8 +5,16 @@
 //! each job and then sleep on a condvar, so they neither burn a core between steps nor
 //! fight torch's own OpenMP threads for long; the calling thread always takes tasks too,
 //! so a pool of `threads − 1` workers uses `threads` cores and a one-thread pool has none.
+//!
+//! A task that panics does not take its thread down with it (which left the caller waiting
+//! for a task that would never be done): the panic is caught, the job's other tasks finish,
+//! and the panic is resumed on the caller once none of them runs any more, so that it
+//! reaches the caller as any panic of its own would (PyO3 turns it into a Python
+//! `PanicException` at the binding).
 
+use std::any::Any;
 use std::cell::UnsafeCell;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -20,6 +28,8 @@ struct Shared {
     tasks: AtomicUsize,
     done: AtomicUsize,
     job: UnsafeCell<Option<Job>>,
+    /// The first panic of the running job's tasks, resumed on the caller by `Pool::run`.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
     sleep: Mutex<u32>,
     wake: Condvar,
     stop: AtomicUsize,
@@ -48,6 +58,7 @@ impl Pool {
             tasks: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
             job: UnsafeCell::new(None),
+            panic: Mutex::new(None),
             sleep: Mutex::new(0),
             wake: Condvar::new(),
             stop: AtomicUsize::new(0),
@@ -71,7 +82,9 @@ impl Pool {
     }
 
     /// Runs `f(0..tasks)` across the pool and returns when all are done. A call made while
-    /// another thread's call is running runs its tasks on the calling thread alone.
+    /// another thread's call is running runs its tasks on the calling thread alone. A task
+    /// that panics: the others still run, then the first panic is resumed here, with every
+    /// worker back to waiting (the pool serves the next call as before).
     pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         if tasks == 0 {
             return;
@@ -104,7 +117,11 @@ impl Pool {
                 std::thread::yield_now();
             }
         }
+        let panic = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
         drop(guard);
+        if let Some(payload) = panic {
+            resume_unwind(payload);
+        }
     }
 }
 
@@ -125,7 +142,9 @@ fn take_tasks(s: &Shared, generation: u64) {
         }
         // SAFETY: a claimed task of the current generation keeps its job alive (see `Shared`).
         let job = unsafe { (*s.job.get()).unwrap() };
-        unsafe { (*job)(index as usize) };
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| unsafe { (*job)(index as usize) })) {
+            s.panic.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(payload);
+        }
         s.done.fetch_add(1, Ordering::Release);
     }
 }
@@ -194,6 +213,36 @@ mod tests {
                     counts.iter().all(|c| c.load(Ordering::Relaxed) == 50),
                     "threads {threads} tasks {tasks}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn a_panicking_task_reaches_the_caller_after_the_others_and_the_pool_serves_on() {
+        for threads in [1, 2, 4] {
+            let pool = Pool::new(threads);
+            for round in 0..20 {
+                let ran = AtomicUsize::new(0);
+                let caught = catch_unwind(AssertUnwindSafe(|| {
+                    pool.run(16, &|i| {
+                        if i % 5 == round % 5 {
+                            panic!("task {i} failed");
+                        }
+                        ran.fetch_add(1, Ordering::Relaxed);
+                    })
+                }));
+                let message = caught.expect_err("the panic reaches the caller, no hang");
+                let text = message.downcast_ref::<String>().expect("panic!'s formatted message");
+                assert!(text.starts_with("task ") && text.ends_with(" failed"), "{text}");
+                if threads > 1 {
+                    // Every task that does not panic ran before `run` returned.
+                    assert!(ran.load(Ordering::Relaxed) >= 12, "threads {threads} round {round}");
+                }
+                let counts: Vec<AtomicUsize> = (0..16).map(|_| AtomicUsize::new(0)).collect();
+                pool.run(16, &|i| {
+                    counts[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1), "threads {threads}");
             }
         }
     }
