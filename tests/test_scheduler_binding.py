@@ -818,7 +818,7 @@ def test_config_is_keyword_only():
         pytest.param(dict(prompt_token_ids=[]), "prompt_token_ids must not be empty", id="empty-prompt"),
         pytest.param(dict(prompt_token_ids=[5, -1]), "prompt_token_ids contains -1", id="negative-token"),
         pytest.param(dict(prompt_token_ids=[2**32]), "prompt_token_ids contains 4294967296", id="token-too-large"),
-        pytest.param(dict(max_tokens=0), "max_tokens \\(0\\)", id="max-tokens-0"),
+        pytest.param(dict(max_tokens=0, streaming=True), "max_tokens \\(0\\)", id="max-tokens-0-streaming"),
         pytest.param(dict(max_tokens=-3), "max_tokens \\(-3\\)", id="negative-max-tokens"),
         pytest.param(dict(min_tokens=5, max_tokens=2), "min_tokens \\(5\\).*max_tokens \\(2\\)", id="min-above-max"),
         pytest.param(dict(stop_token_ids=[-7]), "stop_token_ids contains -7", id="negative-stop-token"),

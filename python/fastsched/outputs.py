@@ -36,6 +36,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int | None = None
+    # prompt_logprobs (vLLM's): per prompt token, None for the first; set with the first output.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:

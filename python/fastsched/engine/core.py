@@ -42,13 +42,7 @@ from fastsched.engine.kv_connector.identity import store_identity
 from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
 from fastsched.engine.step_time_meter import StepTimeMeter
-from fastsched.engine.protocol import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    OutputBatch,
-    PauseState,
-    pause_state,
-)
+from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, OutputBatch, PauseState, pause_state
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_outputs import StepOutputs
 from fastsched.engine.start_up_heap import freeze_start_up_heap
@@ -222,6 +216,8 @@ class EngineCore:
                 # Input arriving between segments would go past the matcher, which sees outputs only.
                 raise ValueError("structured_outputs cannot be used by a streaming-input session")
             grammar = self.structured.compile(params.structured_outputs)
+        if params.prompt_logprobs is not None and (request.streaming or self.tp_group is not None):
+            raise ValueError("prompt_logprobs cannot be used by a streaming-input session or with tensor parallelism")
         # A constrained request ends where its grammar does, by the EOS the grammar then forces.
         ignore_eos = params.ignore_eos and grammar is None
         eos = None if ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
@@ -242,6 +238,7 @@ class EngineCore:
             lora_id=lora_id,
             streaming=request.streaming,
             cache_salt=request.cache_salt,
+            skip_reading_prefix_cache=bool(params.skip_reading_prefix_cache),
         )
         c = self._columns
         c.ensure(handle)
@@ -254,6 +251,7 @@ class EngineCore:
         c.cached_reported[handle] = False
         c.first_scheduled_time[handle] = c.first_token_time[handle] = math.nan
         c.lora_id[handle] = lora_id or 0
+        self._outputs.add_prompt_logprobs(handle, params.prompt_logprobs)
         if lora_id is not None and self.lora is not None:
             self.lora.acquire(lora_id)  # its CPU copy stays until the request ends (_prepare)
         generator = make_generator(params.seed, self.runner.device) if params.seed is not None else None
@@ -495,6 +493,7 @@ class EngineCore:
         if np.count_nonzero(so.kinds):
             c.first_scheduled_time[so.req_handles[so.kinds == KIND_NEW]] = launched_wall
         prepared = self.runner.prepare(so, self.scheduler.token_ids, self._row_states.__getitem__)
+        prepared.prompt_logprobs = self._outputs.plan_prompt_logprobs(so, prompt_lens)
         # Its token bitmask needs the tokens of the step before it: now, or once that one is collected.
         prepared.bitmask = self.structured.step_bitmask(prepared.sampled_handles, fill_now=first_in_flight)
         if self.lora is not None and len(so):

@@ -25,9 +25,12 @@ class EngineCoreOutput:
     num_cached_tokens: int | None = None
     error: str | None = None  # why an ignored request could not run
     segment_ended: bool = False  # a streaming session ended a segment: it waits for input (S15)
+    # With the first token (or a prefill-only finish): per prompt token, None for the first.
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
 
 _Logprobs = list[dict[int, tuple[float, int]]]
+_PromptLogprobs = list[dict[int, tuple[float, int]] | None]
 
 
 @dataclass(eq=False)
@@ -52,6 +55,7 @@ class OutputBatch:
     logprobs: dict[int, _Logprobs] = field(default_factory=dict)  # row -> per new token: id -> (logprob, rank)
     errors: dict[int, str] = field(default_factory=dict)  # row -> why an ignored request could not run
     segment_ends: set[int] = field(default_factory=set)  # rows of sessions that ended a segment (S15)
+    prompt_logprobs: dict[int, _PromptLogprobs] = field(default_factory=dict)  # row -> per prompt token
 
     @classmethod
     def empty(cls) -> OutputBatch:
@@ -78,6 +82,7 @@ class OutputBatch:
             logprobs={i: o.new_logprobs for i, o in enumerate(outputs) if o.new_logprobs is not None},
             errors={i: o.error for i, o in enumerate(outputs) if o.error is not None},
             segment_ends={i for i, o in enumerate(outputs) if o.segment_ended},
+            prompt_logprobs={i: o.prompt_logprobs for i, o in enumerate(outputs) if o.prompt_logprobs is not None},
         )
 
     def __len__(self) -> int:
@@ -98,6 +103,7 @@ class OutputBatch:
                 None if cached[i] < 0 else cached[i],
                 self.errors.get(i),
                 i in self.segment_ends,
+                self.prompt_logprobs.get(i),
             )
 
     def select(self, rows: np.ndarray) -> OutputBatch:
@@ -117,10 +123,11 @@ class OutputBatch:
             logprobs={new_row[r]: v for r, v in self.logprobs.items() if r in new_row},
             errors={new_row[r]: v for r, v in self.errors.items() if r in new_row},
             segment_ends={new_row[r] for r in self.segment_ends if r in new_row},
+            prompt_logprobs={new_row[r]: v for r, v in self.prompt_logprobs.items() if r in new_row},
         )
 
     def _has_extras(self) -> bool:
-        return bool(self.stop_reasons or self.logprobs or self.errors or self.segment_ends)
+        return bool(self.stop_reasons or self.logprobs or self.errors or self.segment_ends or self.prompt_logprobs)
 
 
 def select_csr(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -252,6 +252,8 @@ class OutputExtra(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     stop_reason: int | str | None  # the stop token id that ended it
     logprobs: list[list[tuple[int, float, int]]] | None  # per new token: [token_id, logprob, rank], ...
     error: str | None  # why an ignored request could not run
+    # Per prompt token as logprobs' entries, None for the first (prompt_logprobs).
+    prompt_logprobs: list[list[tuple[int, float, int]] | None] | None = None
 
 
 class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -272,10 +274,13 @@ class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
     @classmethod
     def of(cls, b: OutputBatch) -> OutputColumns:
         extras = []
-        for row in sorted({*b.stop_reasons, *b.logprobs, *b.errors}):
+        for row in sorted({*b.stop_reasons, *b.logprobs, *b.errors, *b.prompt_logprobs}):
             entries = b.logprobs.get(row)
             logprobs = None if entries is None else [[(t, lp, rank) for t, (lp, rank) in e.items()] for e in entries]
-            extras.append(OutputExtra(row, b.stop_reasons.get(row), logprobs, b.errors.get(row)))
+            prompt = b.prompt_logprobs.get(row)
+            prompt_wire = None if prompt is None else [
+                None if e is None else [(t, lp, rank) for t, (lp, rank) in e.items()] for e in prompt]
+            extras.append(OutputExtra(row, b.stop_reasons.get(row), logprobs, b.errors.get(row), prompt_wire))
         return cls(b.request_ids, b.token_offsets.astype("<u4").tobytes(), b.token_ids.astype("<u4").tobytes(),
                    b.finish_reasons.astype(np.uint8).tobytes(), b.num_cached_tokens.astype("<i8").tobytes(),
                    extras, sorted(b.segment_ends))
@@ -308,6 +313,9 @@ class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
             out.stop_reason, out.error = extra.stop_reason, extra.error
             if extra.logprobs is not None:
                 out.new_logprobs = [{t: (lp, rank) for t, lp, rank in entry} for entry in extra.logprobs]
+            if extra.prompt_logprobs is not None:
+                out.prompt_logprobs = [None if entry is None else {t: (lp, rank) for t, lp, rank in entry}
+                                       for entry in extra.prompt_logprobs]
         for row in self.segment_ends:
             if row >= n:
                 raise ValueError(f"segment_ends row {row} is out of range")

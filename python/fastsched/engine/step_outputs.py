@@ -19,9 +19,11 @@ import torch
 from fastsched import _core
 from fastsched.engine.output_batch import OutputBatch, select_csr
 from fastsched.sample import LogprobsTensors
+from fastsched.sample.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsStore, plan_prompt_logprobs
 from fastsched.worker.model_runner import StepResult
 
 FINISH_STOP = 1
+FINISH_ABORT = 3
 FINISH_IGNORED = 4
 
 
@@ -42,6 +44,7 @@ class RequestColumns:
         self.watch = np.zeros(size, dtype=bool)
         self.client = np.zeros(size, dtype=np.int64)
         self.logprobs = np.full(size, -1, dtype=np.int64)  # -1: none requested
+        self.prompt_logprobs = np.full(size, -1, dtype=np.int64)  # -1: none requested, or returned already
         self.cached_reported = np.zeros(size, dtype=bool)
         self.first_scheduled_time = np.full(size, math.nan)
         self.first_token_time = np.full(size, math.nan)
@@ -67,6 +70,35 @@ class StepOutputs:
         self.eos_set = frozenset(eos_token_ids)  # a stop at one of these reports no stop token id
         self.columns = RequestColumns()
         self.num_final_only = 0  # live final-only requests: while there are none, no row is filtered
+        self.prompt_store = PromptLogprobsStore()
+        self.num_scoring = 0  # live requests whose prompt logprobs are not returned yet
+
+    def add_prompt_logprobs(self, handle: int, k: int | None) -> None:
+        """A new request's ``prompt_logprobs`` (``add_request``; after its other columns)."""
+        c = self.columns
+        c.prompt_logprobs[handle] = -1 if k is None else k
+        self.prompt_store.drop(handle)  # a handle reused after an abandoned step
+        if k is not None:
+            c.watch[handle] = True
+            self.num_scoring += 1
+
+    def plan_prompt_logprobs(self, so: _core.SchedulerOutput, prompt_lens: np.ndarray) -> PromptLogprobsPlan | None:
+        """The rows of step ``so`` that score prompt tokens (``prompt_lens``: its requests')."""
+        if not self.num_scoring or not len(so):
+            return None
+        return plan_prompt_logprobs(so.req_handles, so.num_computed_tokens, so.num_scheduled_tokens.astype(np.int64),
+                                    prompt_lens, self.columns.prompt_logprobs[so.req_handles],
+                                    self.scheduler.token_ids)
+
+    def _return_prompt_logprobs(self, batch: OutputBatch, row: int, handle: int, returned: bool) -> None:
+        """Row ``row`` returns its request's prompt logprobs (``returned``) or drops them (an abort)."""
+        self.columns.prompt_logprobs[handle] = -1
+        self.num_scoring -= 1
+        if returned:
+            batch.prompt_logprobs[row] = self.prompt_store.take(
+                handle, int(self.scheduler.num_prompt_tokens(np.array([handle], dtype=np.uint32))[0]))
+        else:
+            self.prompt_store.drop(handle)
 
     def collect(self, eco: _core.EngineCoreOutputs, so: _core.SchedulerOutput, result: StepResult) -> OutputBatch:
         """The step's outputs as an OutputBatch, from the scheduler's arrays: numpy over all
@@ -86,6 +118,9 @@ class StepOutputs:
                 offsets, tokens = select_csr(offsets, tokens, rows)
                 handles, reasons, cached = handles[rows], reasons[rows], cached[rows]
                 segment_ended = segment_ended[rows]
+        if result.prompt_logprobs is not None:
+            for h, start, entries in result.prompt_logprobs.entries():
+                self.prompt_store.add(h, start, entries)
         n = len(handles)
         if not n:
             return OutputBatch.empty()
@@ -122,6 +157,8 @@ class StepOutputs:
                 batch.errors[i] = self.scheduler.ignore_reason(h)
             if c.final_only[h]:
                 batch.num_cached_tokens[i] = cached[i]
+            if c.prompt_logprobs[h] >= 0:  # a prefill-only request (S20), an abort or an ignored prompt
+                self._return_prompt_logprobs(batch, i, h, reasons[i] != FINISH_ABORT)
         if self.num_final_only:
             self._final_only_tokens(batch, handles)
 
@@ -139,6 +176,8 @@ class StepOutputs:
         report = (hit >= 0) & ~c.cached_reported[wh]
         batch.num_cached_tokens[watched[report]] = hit[report]
         c.cached_reported[wh[report]] = True
+        for i in watched[got & (c.prompt_logprobs[wh] >= 0)].tolist():
+            self._return_prompt_logprobs(batch, i, int(handles[i]), True)
         k = c.logprobs[wh]
         wants = (k >= 0) & got
         if np.count_nonzero(wants) and result.logprobs is not None:
@@ -150,7 +189,8 @@ class StepOutputs:
             tokens = batch.token_ids[offsets[rows]].tolist()
             for i, entry in zip(rows.tolist(), _logprobs_entries(result.logprobs, j_of, tokens, k[wants])):
                 batch.logprobs[i] = [entry]
-        c.watch[wh] = (k >= 0) | ~c.cached_reported[wh] | np.isnan(c.first_token_time[wh])
+        c.watch[wh] = (k >= 0) | (c.prompt_logprobs[wh] >= 0) | ~c.cached_reported[wh] | np.isnan(
+            c.first_token_time[wh])
 
     def _final_only_tokens(self, batch: OutputBatch, handles: np.ndarray) -> None:
         """Finished final-only rows get all their output tokens (read from the scheduler,

@@ -24,6 +24,7 @@ from fastsched.distributed.step_channel import READ_BLOCKS, WRITE_BLOCKS, StepCh
 from fastsched.lora.slots import LoRAManager, LoRAMapping
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, TokenHistories, to_device
+from fastsched.sample.prompt_logprobs import PromptLogprobsPlan, ScoredPrompts, compute_prompt_logprobs
 from fastsched.spec_decode import SpecStep, rejection_sample, verification_logprobs
 from fastsched.structured.bitmask import StepBitmask
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState
@@ -42,6 +43,7 @@ class StepResult:
     logprobs: LogprobsTensors | None  # rows aligned with sampled_positions, on the CPU
     token_offsets: np.ndarray | None = None  # [num_scheduled + 1] (speculative steps)
     num_accepted: np.ndarray | None = None  # drafts accepted per sampled request (speculative steps)
+    prompt_logprobs: ScoredPrompts | None = None  # the rows of PreparedStep.prompt_logprobs scored
 
 
 @dataclass
@@ -76,6 +78,8 @@ class PreparedStep:
     # Structured outputs: the constrained rows' token bitmask, set by the engine after prepare().
     bitmask: StepBitmask | None = None
     lora: LoRAMapping | None = None  # the step's adapters (the engine plans them); None: base model only
+    # The rows that score prompt tokens (prompt_logprobs; the engine plans them); None: no row does.
+    prompt_logprobs: PromptLogprobsPlan | None = None
 
 
 @dataclass
@@ -87,6 +91,7 @@ class ExecutedStep:
     logprobs: LogprobsTensors | None  # likewise
     ready: torch.cuda.Event | None  # None on the CPU: the results are there already
     num_sampled: torch.Tensor | None = None  # tokens per sampled request when drafts were verified
+    prompt_logprobs: ScoredPrompts | None = None  # on the CPU already
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -219,8 +224,8 @@ class ModelRunner:
         max_seq_len = int(seq_lens.max(initial=0))
         max_blocks = -(-max_seq_len // bs)
 
-        # Only requests whose prompt is now complete produce a token.
-        sampled_positions = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        # Only requests whose prompt is now complete produce a token, prefill-only ones none (S20).
+        sampled_positions = np.flatnonzero((seq_lens >= batch.num_tokens[rows]) & ~batch.prefill_only[rows])
         sampled_rows = rows[sampled_positions]
         sampling = None
         penalty_rows = penalty_src = _EMPTY
@@ -332,8 +337,11 @@ class ModelRunner:
         self.backend.prepare(metadata)
         lora = None if step.lora is None or self.lora is None else self.lora.activate(step.lora)
         hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend, lora)
+        prompt_lp = None
+        if step.prompt_logprobs is not None:
+            prompt_lp = compute_prompt_logprobs(hidden, step.prompt_logprobs, self.model.compute_logits)
         if step.sampling is None:
-            return ExecutedStep(step, None, None, None)
+            return ExecutedStep(step, None, None, None, prompt_logprobs=prompt_lp)
         sampling = step.sampling if dev.type == "cpu" else step.sampling.to(dev)
         if len(step.penalty_rows):
             sampling.add_output_tokens(on_device(step.penalty_rows), self._last_sampled[on_device(step.penalty_src)])
@@ -341,13 +349,15 @@ class ModelRunner:
             hidden = hidden[on_device(step.logits_indices.astype(np.int64))]
         logits = self.model.compute_logits(hidden).float()
         if step.spec is not None:
-            return self._verify(step, logits, sampling)
+            executed = self._verify(step, logits, sampling)
+            executed.prompt_logprobs = prompt_lp
+            return executed
         if step.bitmask is not None:
             step.bitmask.apply(logits)
         out = self.sampler(logits, sampling)
         self._last_sampled = out.sampled_token_ids
         if dev.type == "cpu":
-            return ExecutedStep(step, out.sampled_token_ids, out.logprobs, None)
+            return ExecutedStep(step, out.sampled_token_ids, out.logprobs, None, prompt_logprobs=prompt_lp)
         # Non-blocking copies into pinned memory, ready when the event is.
         tokens = out.sampled_token_ids.to("cpu", non_blocking=True)
         logprobs = out.logprobs
@@ -357,7 +367,7 @@ class ModelRunner:
             )
         ready = torch.cuda.Event()
         ready.record()
-        return ExecutedStep(step, tokens, logprobs, ready)
+        return ExecutedStep(step, tokens, logprobs, ready, prompt_logprobs=prompt_lp)
 
     def _verify(self, step: PreparedStep, logits: torch.Tensor, sampling: SamplingMetadata) -> ExecutedStep:
         """Rejection sampling of a step's drafts (speculative decoding); see :mod:`fastsched.spec_decode`."""
@@ -392,7 +402,7 @@ class ModelRunner:
         step = executed.step
         if executed.sampled is None:
             return StepResult(tokens=np.full(step.num_reqs, -1, dtype=np.int64), sampled_positions=_EMPTY,
-                              logprobs=None)
+                              logprobs=None, prompt_logprobs=executed.prompt_logprobs)
         if executed.ready is not None:
             executed.ready.synchronize()
         sampled = executed.sampled.numpy()
@@ -403,13 +413,15 @@ class ModelRunner:
             offsets = np.zeros(step.num_reqs + 1, dtype=np.int64)
             np.cumsum(per_request, out=offsets[1:])
             return StepResult(tokens=sampled, sampled_positions=step.sampled_positions, logprobs=executed.logprobs,
-                              token_offsets=offsets, num_accepted=counts - 1)
+                              token_offsets=offsets, num_accepted=counts - 1,
+                              prompt_logprobs=executed.prompt_logprobs)
         if len(sampled) == step.num_reqs:  # every request sampled (decodes): the common step
             tokens = sampled
         else:
             tokens = np.full(step.num_reqs, -1, dtype=np.int64)
             tokens[step.sampled_positions] = sampled
-        return StepResult(tokens=tokens, sampled_positions=step.sampled_positions, logprobs=executed.logprobs)
+        return StepResult(tokens=tokens, sampled_positions=step.sampled_positions, logprobs=executed.logprobs,
+                          prompt_logprobs=executed.prompt_logprobs)
 
     def abandon(self, step: PreparedStep) -> None:
         """A prepared step that will never be written (it failed): its reserved positions
