@@ -96,5 +96,5 @@ class RequestStream(RequestHandle[RequestState]):
             metrics = replace(state.metrics)
         return StreamOutput(
             parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, parent.num_cached_tokens,
-            deltas=deltas, metrics=metrics,
+            parent.prompt_logprobs, deltas=deltas, metrics=metrics,
         )
