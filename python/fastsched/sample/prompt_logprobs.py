@@ -29,6 +29,9 @@ PROMPT_LOGPROBS_CHUNK = 256
 
 # One prompt position's entry: token id -> (logprob, rank), the scored token first.
 PromptLogprobsEntry = dict[int, tuple[float, int]]
+# Sees each chunk's full log-softmax rows (plan, index of its first row, [rows, vocab] fp32)
+# before they are reduced: how a tool (``fastsched perplexity``) reads whole distributions.
+LogprobsTap = Callable[["PromptLogprobsPlan", int, torch.Tensor], None]
 
 
 @dataclass
@@ -42,6 +45,15 @@ class PromptLogprobsPlan:
     starts: np.ndarray  # [G] the position of each request's first row (its prompt index - 1)
     counts: np.ndarray  # [G] rows per request
     top_k: np.ndarray  # [G] the k each request asked for
+
+    def row_positions(self) -> np.ndarray:
+        """Each row's position: row ``r`` scores prompt token ``row_positions()[r] + 1`` of its request."""
+        within = np.arange(len(self.flat_indices)) - np.repeat(np.cumsum(self.counts) - self.counts, self.counts)
+        return np.repeat(self.starts, self.counts) + within
+
+    def row_handles(self) -> np.ndarray:
+        """Each row's request."""
+        return np.repeat(self.handles, self.counts)
 
 
 def plan_prompt_logprobs(
@@ -107,7 +119,7 @@ class ScoredPrompts:
 @torch.inference_mode()
 def compute_prompt_logprobs(hidden: torch.Tensor, plan: PromptLogprobsPlan,
                             compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                            chunk: int = PROMPT_LOGPROBS_CHUNK) -> ScoredPrompts:
+                            chunk: int = PROMPT_LOGPROBS_CHUNK, tap: LogprobsTap | None = None) -> ScoredPrompts:
     """Scores the plan's rows of ``hidden`` (the step's flat hidden states)."""
     device = hidden.device
     index = torch.from_numpy(plan.flat_indices).to(device)
@@ -117,8 +129,10 @@ def compute_prompt_logprobs(hidden: torch.Tensor, plan: PromptLogprobsPlan,
     parts = []
     for lo in range(0, len(index), chunk):
         rows = index[lo : lo + chunk]
-        logits = compute_logits(hidden[rows]).float()
-        parts.append(gather_logprobs(logits.log_softmax(dim=-1), targets[lo : lo + chunk], k))
+        logprobs = compute_logits(hidden[rows]).float().log_softmax(dim=-1)
+        if tap is not None:
+            tap(plan, lo, logprobs)
+        parts.append(gather_logprobs(logprobs, targets[lo : lo + chunk], k))
     return ScoredPrompts(plan, LogprobsTensors(*(torch.cat([getattr(p, name) for p in parts]).cpu() for name in (
         "sampled_logprobs", "sampled_ranks", "topk_token_ids", "topk_logprobs"))))
 

@@ -24,7 +24,7 @@ from fastsched.distributed.step_channel import READ_BLOCKS, WRITE_BLOCKS, StepCh
 from fastsched.lora.slots import LoRAManager, LoRAMapping
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, TokenHistories, to_device
-from fastsched.sample.prompt_logprobs import PromptLogprobsPlan, ScoredPrompts, compute_prompt_logprobs
+from fastsched.sample.prompt_logprobs import LogprobsTap, PromptLogprobsPlan, ScoredPrompts, compute_prompt_logprobs
 from fastsched.spec_decode import SpecStep, rejection_sample, verification_logprobs
 from fastsched.structured.bitmask import StepBitmask
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState
@@ -156,6 +156,7 @@ class ModelRunner:
         self._on_device = _array_to(device)
         # The tokens sampled by the last step executed, on the device: the next step's placeholders.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
+        self.prompt_logprobs_tap: LogprobsTap | None = None  # see fastsched.sample.prompt_logprobs
 
     def read_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
         """Whole KV blocks, copied to the CPU: [n, layers, 2 (K, V), block_size, kv_heads, head_dim]
@@ -339,7 +340,8 @@ class ModelRunner:
         hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend, lora)
         prompt_lp = None
         if step.prompt_logprobs is not None:
-            prompt_lp = compute_prompt_logprobs(hidden, step.prompt_logprobs, self.model.compute_logits)
+            prompt_lp = compute_prompt_logprobs(hidden, step.prompt_logprobs, self.model.compute_logits,
+                                                tap=self.prompt_logprobs_tap)
         if step.sampling is None:
             return ExecutedStep(step, None, None, None, prompt_logprobs=prompt_lp)
         sampling = step.sampling if dev.type == "cpu" else step.sampling.to(dev)
