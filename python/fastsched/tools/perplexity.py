@@ -11,7 +11,7 @@ standard error; with a reference, its PPL, Δppl, mean ln(PPL ratio), the mean K
 KL(reference ‖ model) over scored tokens with its standard error, its 99th percentile,
 and top-1 agreement (the share of positions where both pick the same most likely token).
 
-Both runs go through the engine (``fastsched.LLM``, prefill-only requests with
+Both runs go through the engine (an ``EngineCore``, prefill-only requests with
 ``prompt_logprobs``), so they run what serving runs. ``--decode`` computes one token per
 step (``max_num_batched_tokens=1``): the single-stream decode path (one row a step through
 the decoder stack, the GEMV kernels and the LM head) instead of prefill chunks. The whole
@@ -114,18 +114,26 @@ class _Runner:
     """One engine that scores windows: the full distributions at their scored positions."""
 
     def __init__(self, engine_kwargs: dict[str, Any], ctx: int, decode: bool) -> None:
-        from fastsched.entrypoints.llm import LLM
+        from fastsched.config import EngineConfig
+        from fastsched.engine.core import EngineCore
 
         budget = dict(max_num_seqs=1, max_num_batched_tokens=1) if decode else {}
-        self.llm = LLM(**engine_kwargs, max_model_len=ctx + 1, log_stats_interval=0, **budget)
+        self.engine = EngineCore(EngineConfig(**engine_kwargs, max_model_len=ctx + 1, log_stats_interval=0,
+                                              **budget))
         self.recorder = _WindowRecorder(ctx // 2)
-        self.llm.engine.runner.prompt_logprobs_tap = self.recorder
+        self.engine.runner.prompt_logprobs_tap = self.recorder
+        self.num_windows = 0
 
     def score(self, window: list[int]) -> torch.Tensor:
         """[scored, vocab] log-probs: row ``j`` predicts ``window[first + 1 + j]``."""
+        from fastsched.engine.protocol import EngineCoreRequest
         from fastsched.sampling_params import SamplingParams
 
-        self.llm.generate([window], SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)
+        self.num_windows += 1
+        params = SamplingParams(max_tokens=0, prompt_logprobs=0)  # prefill-only (S20), every position scored
+        self.engine.add_request(EngineCoreRequest(f"window-{self.num_windows}", window, params))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
         return self.recorder.take()
 
 
