@@ -24,7 +24,7 @@ def prompt_logprobs_from(resp: Any, token_text: Callable[[Any], str]) -> list[di
         if not position.HasField("sampled"):
             out.append(None)
             continue
-        entry = {}
+        entry: dict[str, dict[str, Any]] = {}
         for lp in (position.sampled, *position.top):
             entry.setdefault(str(lp.token_id), {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank,
                                                 "decoded_token": token_text(lp)})
@@ -55,7 +55,10 @@ class PromptScores:
         resp = self._responses.get(prompt_index)
         if resp is None:
             raise ValueError(f"prompt {prompt_index}: the engine returned no prompt logprobs")
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         offset = 0
         for token_id, position in zip(resp.prompt_token_ids, resp.prompt_logprobs):
             token = self._decode([token_id])

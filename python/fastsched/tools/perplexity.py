@@ -62,7 +62,11 @@ class PerplexityReport:
         head = (f"model {self.model}  text {self.text}  ctx {self.ctx}  mode {self.mode}  "
                 f"{self.num_windows} windows, {self.num_scored} tokens scored")
         rows = [("PPL", f"{self.ppl:.4f} ± {self.ppl_stderr:.4f}")]
-        if self.reference is not None:
+        if self.mean_kld is not None:
+            assert self.reference_ppl is not None and self.delta_ppl is not None
+            assert self.mean_ln_ppl_ratio is not None and self.mean_kld_stderr is not None
+            assert self.kld_p99 is not None and self.top1_agreement is not None
+            assert self.top1_agreement_stderr is not None
             rows += [
                 ("PPL(base)", f"{self.reference_ppl:.4f}   (reference: {self.reference})"),
                 ("Δppl", f"{self.delta_ppl:+.4f}"),
@@ -117,7 +121,7 @@ class _Runner:
         from fastsched.config import EngineConfig
         from fastsched.engine.core import EngineCore
 
-        budget = dict(max_num_seqs=1, max_num_batched_tokens=1) if decode else {}
+        budget: dict[str, Any] = dict(max_num_seqs=1, max_num_batched_tokens=1) if decode else {}
         self.engine = EngineCore(EngineConfig(**engine_kwargs, max_model_len=ctx + 1, log_stats_interval=0,
                                               **budget))
         self.recorder = _WindowRecorder(ctx // 2)
@@ -142,9 +146,10 @@ def _stderr(values: np.ndarray) -> float:
 
 
 def measure(text_path: str, ctx: int, engine_kwargs: dict[str, Any], reference_kwargs: dict[str, Any] | None,
-            decode: bool = False, progress: bool = True) -> PerplexityReport:
-    """Runs the model (and the reference, when given) over the text's windows."""
-    from tqdm import tqdm
+            decode: bool = False, progress: bool = True, max_windows: int | None = None) -> PerplexityReport:
+    """Runs the model (and the reference, when given) over the text's windows (the first
+    ``max_windows`` of them, when given: llama-perplexity's ``--chunks``)."""
+    from tqdm.auto import tqdm
 
     from fastsched.model_loader import load_tokenizer
 
@@ -153,7 +158,7 @@ def measure(text_path: str, ctx: int, engine_kwargs: dict[str, Any], reference_k
     tokenizer = load_tokenizer(engine_kwargs.get("tokenizer") or model)
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer.encode("a")[:1] == [bos]
-    chunks = windows(tokenizer.encode(text), ctx, bos if adds_bos else None)
+    chunks = windows(tokenizer.encode(text), ctx, bos if adds_bos else None)[:max_windows]
     first = ctx // 2
     runner = _Runner(engine_kwargs, ctx, decode)
     reference = None if reference_kwargs is None else _Runner(reference_kwargs, ctx, decode)
@@ -202,6 +207,8 @@ def add_perplexity_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p.add_argument("file", help="the text file (UTF-8)")
     p.add_argument("--model", default=None, help="the model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per window (default: 512)")
+    p.add_argument("--chunks", type=int, default=None, metavar="N",
+                   help="score only the first N windows (llama-perplexity's --chunks; default: all)")
     p.add_argument("--decode", action="store_true",
                    help="one token per step through the decode path instead of prefill chunks")
     p.add_argument("--kl-divergence", action="store_true", help="compare with the reference run")
@@ -225,6 +232,9 @@ def run_perplexity(args: argparse.Namespace) -> int:
         reference = {**engine, "model": args.reference_model or args.model,
                      "quantization": args.reference_quantization, "dtype": args.reference_dtype}
     torch.manual_seed(0)
-    report = measure(args.file, args.ctx, engine, reference, decode=args.decode, progress=not args.json)
+    if args.chunks is not None and args.chunks < 1:
+        raise ValueError(f"chunks must be at least 1, got {args.chunks}")
+    report = measure(args.file, args.ctx, engine, reference, decode=args.decode, progress=not args.json,
+                     max_windows=args.chunks)
     print(json.dumps(asdict(report)) if args.json else report.table(), file=sys.stdout)
     return 0
