@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fastsched.sample.prompt_logprobs import PromptLogprobsStore, compute_prompt_logprobs, plan_prompt_logprobs
+from fastsched.sample.prompt_logprobs import (PromptLogprobsStore, compute_prompt_logprobs,
+                                              plan_prompt_logprobs)
 
 TOKENS = {7: np.arange(100, 120), 8: np.arange(200, 206), 9: np.arange(300, 310)}
 

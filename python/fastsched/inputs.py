@@ -46,8 +46,8 @@ def check_length(num_tokens: int, max_tokens: int, max_model_len: int) -> None:
     if max_tokens == 0 and num_tokens >= max_model_len:
         # A prefill-only request (S20) computes its last prompt token too, which needs room.
         raise ContextLengthError(
-            f"the prompt ({num_tokens} tokens) of a request with max_tokens 0 must be shorter than max_model_len "
-            f"({max_model_len})"
+            f"the prompt ({num_tokens} tokens) of a request with max_tokens 0 must be shorter than "
+            f"max_model_len ({max_model_len})"
         )
     if num_tokens + max_tokens > max_model_len:
         raise ContextLengthError(

@@ -44,7 +44,8 @@ def llm(tiny_model_dir: Path) -> LLM:
     return make_llm(tiny_model_dir)
 
 
-def assert_matches(prompt_logprobs, prompt: list[int], ref: torch.Tensor, k: int, first_scored: int = 1) -> None:
+def assert_matches(prompt_logprobs, prompt: list[int], ref: torch.Tensor, k: int,
+                   first_scored: int = 1) -> None:
     """Entry ``i`` scores ``prompt[i]`` with the logits of position ``i - 1``; the entries
     before ``first_scored`` are None."""
     assert len(prompt_logprobs) == len(prompt)

@@ -46,7 +46,8 @@ def url(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mode
     port = free_port()
     server = loop.call(serve_frontend(llm, "127.0.0.1", port))
     try:
-        yield loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, load_tokenizer(str(tiny_model_dir))))
+        tokenizer = load_tokenizer(str(tiny_model_dir))
+        yield loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, tokenizer))
     finally:
         loop.stop_stack([server], [llm])
         teardown(engines)
@@ -113,8 +114,8 @@ def test_vllms_prompt_logprobs_field_on_both_endpoints(url, offline) -> None:
             assert abs(entry["logprob"] - expected[i][int(t)].logprob) < TOLERANCE
             assert entry["rank"] == expected[i][int(t)].rank
     chat = httpx.post(url + "/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0,
-    }, timeout=60).json()
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "prompt_logprobs": 0}, timeout=60).json()
     assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
 
 
@@ -128,11 +129,14 @@ def test_streamed_echo_logprobs_start_with_the_prompt(client) -> None:
 
 
 @pytest.mark.parametrize("path, body, message", [
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens must be at least 1 (0 only with echo)"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0},
+     "max_tokens must be at least 1 (0 only with echo)"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
      "max_tokens must be at least 1"),
-    ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 21, "max_tokens": 0}, "logprobs must be in"),
-    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21"),
+    ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 21, "max_tokens": 0},
+     "logprobs must be in"),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21},
+     "prompt_logprobs must be in [0, 20], got 21"),
 ])
 def test_out_of_bounds_requests_are_400_naming_the_field(url, path: str, body: dict, message: str) -> None:
     response = httpx.post(url + path, json={"model": MODEL, **body}, timeout=60)
@@ -149,7 +153,8 @@ def test_lm_evaluation_harness_local_completions_loglikelihood(url, offline, tin
                              tokenizer_backend="huggingface", tokenized_requests=True, max_retries=1)
     pairs = [("def hello(world):", " return world"), ("The quick brown fox", " jumps over"),
              ("1, 2, 3,", " 4")]
-    requests = [Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(pairs)]
+    requests = [Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i)
+                for i, pair in enumerate(pairs)]
     results = lm.loglikelihood(requests)
     assert len(results) == len(pairs)
     tokenizer = load_tokenizer(str(tiny_model_dir))

@@ -42,7 +42,8 @@ from fastsched.engine.kv_connector.identity import store_identity
 from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
 from fastsched.engine.step_time_meter import StepTimeMeter
-from fastsched.engine.protocol import EngineCoreOutput, EngineCoreRequest, OutputBatch, PauseState, pause_state
+from fastsched.engine.protocol import (EngineCoreOutput, EngineCoreRequest, OutputBatch, PauseState,
+                                       pause_state)
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_outputs import StepOutputs
 from fastsched.engine.start_up_heap import freeze_start_up_heap
@@ -217,7 +218,7 @@ class EngineCore:
                 raise ValueError("structured_outputs cannot be used by a streaming-input session")
             grammar = self.structured.compile(params.structured_outputs)
         if params.prompt_logprobs is not None and (request.streaming or self.tp_group is not None):
-            raise ValueError("prompt_logprobs cannot be used by a streaming-input session or with tensor parallelism")
+            raise ValueError("prompt_logprobs is not implemented with streaming input or tensor parallelism")
         # A constrained request ends where its grammar does, by the EOS the grammar then forces.
         ignore_eos = params.ignore_eos and grammar is None
         eos = None if ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]

@@ -82,7 +82,8 @@ class OutputBatch:
             logprobs={i: o.new_logprobs for i, o in enumerate(outputs) if o.new_logprobs is not None},
             errors={i: o.error for i, o in enumerate(outputs) if o.error is not None},
             segment_ends={i for i, o in enumerate(outputs) if o.segment_ended},
-            prompt_logprobs={i: o.prompt_logprobs for i, o in enumerate(outputs) if o.prompt_logprobs is not None},
+            prompt_logprobs={i: o.prompt_logprobs for i, o in enumerate(outputs)
+                             if o.prompt_logprobs is not None},
         )
 
     def __len__(self) -> int:
@@ -127,7 +128,8 @@ class OutputBatch:
         )
 
     def _has_extras(self) -> bool:
-        return bool(self.stop_reasons or self.logprobs or self.errors or self.segment_ends or self.prompt_logprobs)
+        return bool(self.stop_reasons or self.logprobs or self.errors or self.segment_ends
+                    or self.prompt_logprobs)
 
 
 def select_csr(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -82,12 +82,13 @@ class StepOutputs:
             c.watch[handle] = True
             self.num_scoring += 1
 
-    def plan_prompt_logprobs(self, so: _core.SchedulerOutput, prompt_lens: np.ndarray) -> PromptLogprobsPlan | None:
+    def plan_prompt_logprobs(self, so: _core.SchedulerOutput,
+                             prompt_lens: np.ndarray) -> PromptLogprobsPlan | None:
         """The rows of step ``so`` that score prompt tokens (``prompt_lens``: its requests')."""
         if not self.num_scoring or not len(so):
             return None
-        return plan_prompt_logprobs(so.req_handles, so.num_computed_tokens, so.num_scheduled_tokens.astype(np.int64),
-                                    prompt_lens, self.columns.prompt_logprobs[so.req_handles],
+        return plan_prompt_logprobs(so.req_handles, so.num_computed_tokens,
+                                    so.num_scheduled_tokens.astype(np.int64), prompt_lens, self.columns.prompt_logprobs[so.req_handles],
                                     self.scheduler.token_ids)
 
     def _return_prompt_logprobs(self, batch: OutputBatch, row: int, handle: int, returned: bool) -> None:

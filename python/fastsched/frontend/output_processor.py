@@ -93,7 +93,8 @@ class OutputProcessor:
             changed[id(c.parent)] = c.parent
         return list(changed.values()), to_abort
 
-    def _prompt_logprobs(self, entries: list[dict[int, tuple[float, int]] | None]) -> list[dict[int, Logprob] | None]:
+    def _prompt_logprobs(self, entries: list[dict[int, tuple[float, int]] | None],
+                         ) -> list[dict[int, Logprob] | None]:
         """The engine's prompt logprobs with decoded tokens (each distinct id decoded once)."""
         decoded: dict[int, str] = {}
 
@@ -102,7 +103,8 @@ class OutputProcessor:
                 decoded[t] = self.tokenizer.decode([t], False)
             return decoded[t]
 
-        return [None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()} for e in entries]
+        return [None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
+                for e in entries]
 
     def _detokenize_each(self, c: _Completion, out: EngineCoreOutput) -> str:
         """Appends a step's tokens one at a time, as if each came in a step of its own, so that

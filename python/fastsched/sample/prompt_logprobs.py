@@ -48,7 +48,8 @@ class PromptLogprobsPlan:
 
     def row_positions(self) -> np.ndarray:
         """Each row's position: row ``r`` scores prompt token ``row_positions()[r] + 1`` of its request."""
-        within = np.arange(len(self.flat_indices)) - np.repeat(np.cumsum(self.counts) - self.counts, self.counts)
+        first_rows = np.cumsum(self.counts) - self.counts
+        within = np.arange(len(self.flat_indices)) - np.repeat(first_rows, self.counts)
         return np.repeat(self.starts, self.counts) + within
 
     def row_handles(self) -> np.ndarray:
@@ -119,7 +120,8 @@ class ScoredPrompts:
 @torch.inference_mode()
 def compute_prompt_logprobs(hidden: torch.Tensor, plan: PromptLogprobsPlan,
                             compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                            chunk: int = PROMPT_LOGPROBS_CHUNK, tap: LogprobsTap | None = None) -> ScoredPrompts:
+                            chunk: int = PROMPT_LOGPROBS_CHUNK,
+                            tap: LogprobsTap | None = None) -> ScoredPrompts:
     """Scores the plan's rows of ``hidden`` (the step's flat hidden states)."""
     device = hidden.device
     index = torch.from_numpy(plan.flat_indices).to(device)
@@ -133,8 +135,9 @@ def compute_prompt_logprobs(hidden: torch.Tensor, plan: PromptLogprobsPlan,
         if tap is not None:
             tap(plan, lo, logprobs)
         parts.append(gather_logprobs(logprobs, targets[lo : lo + chunk], k))
-    return ScoredPrompts(plan, LogprobsTensors(*(torch.cat([getattr(p, name) for p in parts]).cpu() for name in (
-        "sampled_logprobs", "sampled_ranks", "topk_token_ids", "topk_logprobs"))))
+    names = ("sampled_logprobs", "sampled_ranks", "topk_token_ids", "topk_logprobs")
+    joined = (torch.cat([getattr(p, n) for p in parts]).cpu() for n in names)
+    return ScoredPrompts(plan, LogprobsTensors(*joined))
 
 
 class PromptLogprobsStore:

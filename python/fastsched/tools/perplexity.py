@@ -73,7 +73,8 @@ class PerplexityReport:
                 ("Mean ln(PPL/PPL(base))", f"{self.mean_ln_ppl_ratio:+.6f}"),
                 ("Mean KLD", f"{self.mean_kld:.6f} ± {self.mean_kld_stderr:.6f}"),
                 ("99.0% KLD", f"{self.kld_p99:.6f}"),
-                ("Same top p", f"{100 * self.top1_agreement:.3f} ± {100 * self.top1_agreement_stderr:.3f} %"),
+                ("Same top p",
+                 f"{100 * self.top1_agreement:.3f} ± {100 * self.top1_agreement_stderr:.3f} %"),
             ]
         width = max(len(name) for name, _ in rows)
         return "\n".join([head, *(f"{name:<{width}}  {value}" for name, value in rows)])
@@ -193,17 +194,21 @@ def measure(text_path: str, ctx: int, engine_kwargs: dict[str, Any], reference_k
 
 def _describe(kwargs: dict[str, Any]) -> str:
     name = kwargs.get("model") or "embedded"
-    return f"{name}, quantization {kwargs.get('quantization') or 'default'}, dtype {kwargs.get('dtype', 'auto')}"
+    quantization = kwargs.get("quantization") or "default"
+    return f"{name}, quantization {quantization}, dtype {kwargs.get('dtype', 'auto')}"
 
 
-def add_perplexity_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_perplexity_parser(
+    subparsers: argparse._SubParsersAction,  # type: ignore[type-arg]
+) -> argparse.ArgumentParser:
     """Add the ``perplexity`` subcommand to ``subparsers`` and return it."""
     p = subparsers.add_parser(
-        "perplexity", help="perplexity over a text file; with --kl-divergence, KL divergence to an fp32 reference",
+        "perplexity",
+        help="perplexity over a text file; with --kl-divergence, KL divergence to an fp32 reference",
         description="Score a text in windows of --ctx tokens (the second half of each window scored, as "
                     "llama-perplexity does) through the engine, and print perplexity; with --kl-divergence "
-                    "also the KL divergence, its 99th percentile, top-1 agreement and Δppl against a reference "
-                    "run of the same model (default: the same weights dequantized to fp32).")
+                    "also the KL divergence, its 99th percentile, top-1 agreement and Δppl against a "
+                    "reference run of the same model (default: the same weights dequantized to fp32).")
     p.add_argument("file", help="the text file (UTF-8)")
     p.add_argument("--model", default=None, help="the model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per window (default: 512)")
@@ -213,11 +218,13 @@ def add_perplexity_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
                    help="one token per step through the decode path instead of prefill chunks")
     p.add_argument("--kl-divergence", action="store_true", help="compare with the reference run")
     p.add_argument("--reference-model", default=None, help="the reference's model (default: --model)")
-    p.add_argument("--reference-quantization", default="none", help="the reference's --quantization (default: none)")
+    p.add_argument("--reference-quantization", default="none",
+                   help="the reference's --quantization (default: none)")
     p.add_argument("--reference-dtype", default="float32", help="the reference's --dtype (default: float32)")
     p.add_argument("--quantization", "-q", default=None, help="as fastsched serve's")
     p.add_argument("--dtype", default="auto", help="as fastsched serve's (default: auto)")
-    p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: auto, as fastsched serve's)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or cuda:N (default: auto, as fastsched serve's)")
     p.add_argument("--attention-backend", default=None, help="as fastsched serve's")
     p.add_argument("--num-threads", type=int, default=None, help="CPU intra-op threads")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")

@@ -24,7 +24,8 @@ from fastsched.distributed.step_channel import READ_BLOCKS, WRITE_BLOCKS, StepCh
 from fastsched.lora.slots import LoRAManager, LoRAMapping
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, TokenHistories, to_device
-from fastsched.sample.prompt_logprobs import LogprobsTap, PromptLogprobsPlan, ScoredPrompts, compute_prompt_logprobs
+from fastsched.sample.prompt_logprobs import (LogprobsTap, PromptLogprobsPlan, ScoredPrompts,
+                                              compute_prompt_logprobs)
 from fastsched.spec_decode import SpecStep, rejection_sample, verification_logprobs
 from fastsched.structured.bitmask import StepBitmask
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState

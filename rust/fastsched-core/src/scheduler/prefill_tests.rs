@@ -104,7 +104,8 @@ fn s20_prefill_only_under_async_scheduling_is_scheduled_once_per_chunk() {
     let none = ModelRunnerOutput::from_tokens(&[None]);
     assert!(s.update_from_output(&none).unwrap().handles.is_empty());
     let res = s.update_from_output(&none).unwrap();
-    assert_eq!((res.handles.clone(), res.finish_reasons.clone()), (vec![h], vec![FinishReason::Length as u8]));
+    assert_eq!(res.handles, vec![h]);
+    assert_eq!(res.finish_reasons, vec![FinishReason::Length as u8]);
     // The empty third step is in flight too.
     s.update_from_output(&ModelRunnerOutput::from_tokens(&[])).unwrap();
     s.check_invariants().unwrap();
