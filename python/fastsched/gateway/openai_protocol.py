@@ -439,7 +439,7 @@ class ResponseFormatter:
         self.object = "text_completion" if req.kind == "completion" else "chat.completion"
         self.choices: dict[int, _Choice] = {}
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
-        self.prompt_scores = PromptScores(self._token_text, tokenizer.decode)
+        self.prompt_scores = PromptScores(self._token_text, lambda ids: self.tokenizer.decode(ids))
 
     def _token_text(self, lp: Any) -> str:
         return lp.decoded_token if lp.HasField("decoded_token") else self.tokenizer.decode([lp.token_id])
