@@ -119,8 +119,8 @@ def test_a_row_with_an_embedding_and_prompt_logprobs_round_trips() -> None:
         EngineCoreOutput("q", [3], None, prompt_logprobs=prompt),
         EngineCoreOutput("r", [], "length", pooled=vector, prompt_logprobs=prompt),
     ]
-    msg = protocol.decode(protocol.encode(protocol.Outputs(0, OutputBatch.from_outputs(outputs), EngineStats(), [])))
-    got = list(msg.outputs)
+    batch = OutputBatch.from_outputs(outputs)
+    got = list(protocol.decode(protocol.encode(protocol.Outputs(0, batch, EngineStats(), []))).outputs)
     assert [(o.request_id, o.prompt_logprobs) for o in got] == [("p", None), ("q", prompt), ("r", prompt)]
     assert got[1].pooled is None
     for o in (got[0], got[2]):

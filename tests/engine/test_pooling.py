@@ -59,8 +59,9 @@ def run_to_end(core: EngineCore, requests: list[EngineCoreRequest]) -> dict[str,
 def test_s20_a_pooling_request_ends_with_its_embedding_and_no_token(
         tiny_model_dir, reference, random_prompt, async_scheduling, max_num_batched_tokens) -> None:
     core = EngineCore(EngineConfig.from_kwargs(
-        model=str(tiny_model_dir), log_stats_interval=0, dtype="float32", num_gpu_blocks=64, max_model_len=256,
-        max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling))
+        model=str(tiny_model_dir), log_stats_interval=0, dtype="float32", num_gpu_blocks=64,
+        max_model_len=256, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
+        async_scheduling=async_scheduling))
     prompt, other = random_prompt(PROMPT_LEN, seed=3), random_prompt(20, seed=4)
     deltas = run_to_end(core, [
         EngineCoreRequest("embed", prompt, SamplingParams(max_tokens=0), pooling=True),
@@ -80,8 +81,8 @@ def test_s20_a_pooling_request_ends_with_its_embedding_and_no_token(
 def test_s20_pooling_requests_of_one_step_each_get_their_own_embedding(tiny_model_dir, reference,
                                                                         random_prompt) -> None:
     core = EngineCore(EngineConfig.from_kwargs(
-        model=str(tiny_model_dir), log_stats_interval=0, dtype="float32", num_gpu_blocks=64, max_model_len=256,
-        max_num_seqs=8))
+        model=str(tiny_model_dir), log_stats_interval=0, dtype="float32", num_gpu_blocks=64,
+        max_model_len=256, max_num_seqs=8))
     prompts = [random_prompt(n, seed=10 + n) for n in (7, 30, 18)]
     deltas = run_to_end(core, [EngineCoreRequest(f"e{i}", p, SamplingParams(max_tokens=0), pooling=True)
                                for i, p in enumerate(prompts)])

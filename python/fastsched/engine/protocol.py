@@ -283,11 +283,12 @@ class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
             entries = b.logprobs.get(row)
             logprobs = None if entries is None else [[(t, lp, rank) for t, (lp, rank) in e.items()] for e in entries]
             pooled = b.pooled.get(row)
+            pooled_wire = None if pooled is None else pooled.astype("<f4").tobytes()
             prompt = b.prompt_logprobs.get(row)
             prompt_wire = None if prompt is None else [
                 None if e is None else [(t, lp, rank) for t, (lp, rank) in e.items()] for e in prompt]
-            extras.append(OutputExtra(row, b.stop_reasons.get(row), logprobs, b.errors.get(row),
-                                      None if pooled is None else pooled.astype("<f4").tobytes(), prompt_wire))
+            extras.append(OutputExtra(row, b.stop_reasons.get(row), logprobs, b.errors.get(row), pooled_wire,
+                                      prompt_wire))
         return cls(b.request_ids, b.token_offsets.astype("<u4").tobytes(), b.token_ids.astype("<u4").tobytes(),
                    b.finish_reasons.astype(np.uint8).tobytes(), b.num_cached_tokens.astype("<i8").tobytes(),
                    extras, sorted(b.segment_ends))
