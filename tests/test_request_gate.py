@@ -157,3 +157,18 @@ def test_json_routes_refuse_a_body_declared_as_something_else(content_type: str 
         assert info.value.status == 415
     else:
         check_json_content_type(content_type)
+
+
+@pytest.mark.parametrize("params, words", [
+    (SamplingParams(max_tokens=1), "max_tokens 0, got n=1, max_tokens=1"),
+    (SamplingParams(max_tokens=0, n=2), "got n=2"),
+    (SamplingParams(max_tokens=0, logprobs=2), "logprobs"),
+    (SamplingParams(max_tokens=0, prompt_logprobs=3), "prompt_logprobs, got 3"),
+])
+def test_s20_a_pooling_request_is_prefill_only_and_reports_nothing_else(params, words) -> None:
+    gate = _gate()
+    valid = asyncio.run(gate.request_async("e", [5, 6], lambda: SamplingParams(max_tokens=0), pooling=True))
+    assert valid.pooling and valid.params.max_tokens == 0
+    with pytest.raises(ValueError) as info:
+        asyncio.run(gate.request_async("e", [5, 6], lambda: params, pooling=True))
+    assert words in str(info.value)

@@ -64,8 +64,8 @@ def test_defaults_are_vllms() -> None:
 def test_n_and_token_counts_are_validated() -> None:
     with invalid("n must be at least 1, got 0"):
         SamplingParams(n=0)
-    with invalid("max_tokens must be at least 1, got 0"):
-        SamplingParams(max_tokens=0)
+    with invalid("max_tokens must be non-negative, got -1"):
+        SamplingParams(max_tokens=-1)
     with invalid("min_tokens must be non-negative, got -1"):
         SamplingParams(min_tokens=-1)
     with invalid("min_tokens must be less than or equal to max_tokens=4, got 5"):

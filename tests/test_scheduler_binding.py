@@ -818,7 +818,7 @@ def test_config_is_keyword_only():
         pytest.param(dict(prompt_token_ids=[]), "prompt_token_ids must not be empty", id="empty-prompt"),
         pytest.param(dict(prompt_token_ids=[5, -1]), "prompt_token_ids contains -1", id="negative-token"),
         pytest.param(dict(prompt_token_ids=[2**32]), "prompt_token_ids contains 4294967296", id="token-too-large"),
-        pytest.param(dict(max_tokens=0), "max_tokens \\(0\\)", id="max-tokens-0"),
+        pytest.param(dict(max_tokens=0, streaming=True), "max_tokens \\(0\\)", id="max-tokens-0-streaming"),
         pytest.param(dict(max_tokens=-3), "max_tokens \\(-3\\)", id="negative-max-tokens"),
         pytest.param(dict(min_tokens=5, max_tokens=2), "min_tokens \\(5\\).*max_tokens \\(2\\)", id="min-above-max"),
         pytest.param(dict(stop_token_ids=[-7]), "stop_token_ids contains -7", id="negative-stop-token"),
@@ -1030,3 +1030,27 @@ def test_prompt_lengths_and_arrival_times_are_read_from_the_core_by_handle():
     assert sched.arrival_times(handles).tolist() == [11.0, 10.5]
     with pytest.raises(KeyError):
         sched.arrival_times(u32([99]))
+
+
+# --------------------------------------------------------------------------- S19, S20
+
+
+def test_s19_skip_reading_prefix_cache_takes_no_hit_and_leaves_its_blocks_to_others():
+    sched = make_scheduler()
+    tokens = prompt(40)
+    add(sched, "a", prompt_token_ids=tokens, max_tokens=1)
+    drive(sched)
+    add(sched, "b", prompt_token_ids=tokens, max_tokens=1, skip_reading_prefix_cache=True)
+    out = sched.schedule()
+    assert out.num_cached_tokens.tolist() == [0] and out.num_scheduled_tokens.tolist() == [40]
+
+
+def test_s20_prefill_only_finishes_length_capped_with_no_token():
+    sched = make_scheduler()
+    h = add(sched, "p", prompt_token_ids=prompt(20), max_tokens=0)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens.tolist() == [20]
+    eco = sched.update_from_tokens(np.full(1, -1, dtype=np.int64))
+    assert eco.handles.tolist() == [h] and eco.finish_reasons.tolist() == [LENGTH]
+    assert eco.token_offsets.tolist() == [0, 0]
+    assert sched.schedule().finished.tolist() == [h]

@@ -397,11 +397,17 @@ class Scheduler:
         lora_id: int | None = None,
         streaming: bool = False,
         cache_salt: str | None = None,
+        skip_reading_prefix_cache: bool = False,
     ) -> int:
         """Queues a request and returns its handle.
 
+        ``max_tokens == 0`` is a prefill-only request (S20): it ends, length-capped and
+        with no token, in the step that computes its last prompt token.
+        ``skip_reading_prefix_cache`` (S19) gives it no prefix-cache hit and no
+        KV-connector tokens: every position is computed (and still cached for others).
+
         ``ValueError`` (naming the field) for an empty prompt, a token id outside
-        ``[0, 2**32)``, ``max_tokens < 1``, ``min_tokens > max_tokens``, a
+        ``[0, 2**32)``, ``max_tokens < 1`` for a streaming session, ``min_tokens > max_tokens``, a
         non-finite ``arrival_time``, or a ``request_id`` already live. A prompt
         that can never run (``>= max_model_len`` tokens, or more blocks than the
         whole pool) is accepted but finished as ignored at once: it is in the next

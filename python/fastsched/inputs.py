@@ -43,6 +43,12 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, where: str = "pro
 
 
 def check_length(num_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    if max_tokens == 0 and num_tokens >= max_model_len:
+        # A prefill-only request (S20) computes its last prompt token too, which needs room.
+        raise ContextLengthError(
+            f"the prompt ({num_tokens} tokens) of a request with max_tokens 0 must be shorter than "
+            f"max_model_len ({max_model_len})"
+        )
     if num_tokens + max_tokens > max_model_len:
         raise ContextLengthError(
             f"the prompt ({num_tokens} tokens) plus max_tokens ({max_tokens}) is longer than max_model_len "

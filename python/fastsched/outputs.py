@@ -37,6 +37,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int | None = None
     embedding: list[float] | None = None  # a pooling request's (embeddings): its prompt's last hidden state
+    # prompt_logprobs (vLLM's): per prompt token, None for the first; set with the first output.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:

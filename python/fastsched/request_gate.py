@@ -53,7 +53,7 @@ class ValidRequest:
     lora_request: LoRARequest | None = None
     streaming: bool = False  # the opening of a streaming-input session (S15)
     cache_salt: str | None = None  # vLLM's: requests with different salts never share prefix-cache blocks
-    pooling: bool = False  # answers its prompt's embedding (gateway /v1/embeddings): one token, not sent
+    pooling: bool = False  # answers its prompt's embedding (gateway /v1/embeddings): prefill-only (S20)
 
 
 @dataclass(frozen=True)
@@ -208,13 +208,15 @@ class RequestGate:
 
 
 def check_pooling(params: SamplingParams, streaming: bool) -> None:
-    """A pooling request (an embedding) computes its prompt and ends: one completion of one
-    token, which is dropped; nothing that shapes or reports generated tokens."""
-    if params.max_tokens != 1 or params.n != 1:
-        raise ValueError(f"an embedding request asks for one completion of max_tokens 1, got n={params.n}, "
+    """A pooling request (an embedding) is prefill-only (S20): it computes its prompt and ends,
+    one completion of no token; nothing that shapes or reports generated or prompt tokens."""
+    if params.max_tokens != 0 or params.n != 1:
+        raise ValueError(f"an embedding request asks for one completion of max_tokens 0, got n={params.n}, "
                          f"max_tokens={params.max_tokens}")
     if streaming or params.structured_outputs is not None or params.logprobs is not None:
         raise ValueError("an embedding request cannot be a session nor have structured_outputs or logprobs")
+    if params.prompt_logprobs is not None:
+        raise ValueError(f"an embedding request cannot have prompt_logprobs, got {params.prompt_logprobs}")
 
 
 async def run_bounded(pool: concurrent.futures.Executor, timeout: float, what: str, fn: Callable[..., T],

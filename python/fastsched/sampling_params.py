@@ -27,6 +27,11 @@ class SamplingParams:
     ``stop`` accepts a single string, a list or ``None`` and is normalised to a
     list; ``stop_token_ids`` accepts ``None`` likewise.  ``top_k`` of 0 or -1
     disables top-k.  ``logprobs=0`` returns only the sampled token's logprob.
+    ``max_tokens=0`` asks for no output: the request ends once its prompt is computed
+    (S20), e.g. to score it with ``prompt_logprobs``. ``prompt_logprobs=k`` returns, for
+    every prompt token but the first, its logprob and rank and its ``k`` most likely
+    alternatives (vLLM's); it sets ``skip_reading_prefix_cache`` unless that is given, so
+    that no position is taken from the prefix cache unscored (S19).
     ``structured_outputs`` (a :class:`StructuredOutputsParams` or a map of its fields)
     constrains the output to a JSON schema, a regex, a choice or a grammar; the output then
     ends where the grammar does (finish reason ``stop``), even with ``ignore_eos``.
@@ -47,6 +52,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # None: True exactly when prompt_logprobs is set (vLLM's default), decided in __post_init__.
+    skip_reading_prefix_cache: bool | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -58,6 +66,8 @@ class SamplingParams:
         self.stop = stops
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         self._validate()
 
     def _validate(self) -> None:
@@ -77,8 +87,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be non-negative, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
@@ -93,6 +103,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.structured_outputs is not None:
             if self.min_tokens:
                 # min_tokens bans the EOS that a complete grammar leaves as the only token.

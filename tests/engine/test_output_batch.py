@@ -108,3 +108,21 @@ def test_s8_kv_events_round_trip_as_uint64_columns() -> None:
     assert got[0].tolist() == [1, 2**64 - 1] and got[1].tolist() == [7]
     with pytest.raises(ValueError, match="stored must be a whole number of 8-byte values"):
         protocol.KvEvents(0, b"\x01\x02", b"").hashes()
+
+
+def test_a_row_with_an_embedding_and_prompt_logprobs_round_trips() -> None:
+    """OutputExtra's two optional fields (``pooled``, then ``prompt_logprobs``), alone and together."""
+    vector = np.array([0.6, -0.8], dtype=np.float32)
+    prompt = [None, {4: (-0.25, 1)}, {9: (-2.0, 3), 4: (-1.0, 1)}]
+    outputs = [
+        EngineCoreOutput("p", [], "length", pooled=vector),
+        EngineCoreOutput("q", [3], None, prompt_logprobs=prompt),
+        EngineCoreOutput("r", [], "length", pooled=vector, prompt_logprobs=prompt),
+    ]
+    batch = OutputBatch.from_outputs(outputs)
+    got = list(protocol.decode(protocol.encode(protocol.Outputs(0, batch, EngineStats(), []))).outputs)
+    assert [(o.request_id, o.prompt_logprobs) for o in got] == [("p", None), ("q", prompt), ("r", prompt)]
+    assert got[1].pooled is None
+    for o in (got[0], got[2]):
+        assert o.pooled is not None and o.pooled.dtype == np.float32
+        np.testing.assert_array_equal(o.pooled, vector)

@@ -25,7 +25,6 @@ the runner just before N+1's forward pass), then collects N. docs/scheduler.md,
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -42,13 +41,8 @@ from fastsched.engine.kv_connector.identity import store_identity
 from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
 from fastsched.engine.step_time_meter import StepTimeMeter
-from fastsched.engine.protocol import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    OutputBatch,
-    PauseState,
-    pause_state,
-)
+from fastsched.engine.protocol import (EngineCoreOutput, EngineCoreRequest, OutputBatch, PauseState,
+                                       pause_state)
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_outputs import StepOutputs
 from fastsched.engine.start_up_heap import freeze_start_up_heap
@@ -222,6 +216,8 @@ class EngineCore:
                 # Input arriving between segments would go past the matcher, which sees outputs only.
                 raise ValueError("structured_outputs cannot be used by a streaming-input session")
             grammar = self.structured.compile(params.structured_outputs)
+        if params.prompt_logprobs is not None and (request.streaming or self.tp_group is not None):
+            raise ValueError("prompt_logprobs is not implemented with streaming input or tensor parallelism")
         # A constrained request ends where its grammar does, by the EOS the grammar then forces.
         ignore_eos = params.ignore_eos and grammar is None
         eos = None if ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
@@ -242,19 +238,9 @@ class EngineCore:
             lora_id=lora_id,
             streaming=request.streaming,
             cache_salt=request.cache_salt,
+            skip_reading_prefix_cache=bool(params.skip_reading_prefix_cache),
         )
-        c = self._columns
-        c.ensure(handle)
-        c.request_id[handle] = request.request_id
-        c.final_only[handle] = request.final_only
-        c.watch[handle] = not request.final_only or params.logprobs is not None or request.pooling
-        self._outputs.num_final_only += request.final_only
-        c.client[handle] = client
-        c.logprobs[handle] = -1 if params.logprobs is None else params.logprobs
-        c.cached_reported[handle] = False
-        c.first_scheduled_time[handle] = c.first_token_time[handle] = math.nan
-        c.lora_id[handle] = lora_id or 0
-        c.pool[handle] = request.pooling
+        self._outputs.add_request(handle, request, client, lora_id)
         if lora_id is not None and self.lora is not None:
             self.lora.acquire(lora_id)  # its CPU copy stays until the request ends (_prepare)
         generator = make_generator(params.seed, self.runner.device) if params.seed is not None else None
@@ -495,9 +481,9 @@ class EngineCore:
         if np.count_nonzero(so.kinds):
             c.first_scheduled_time[so.req_handles[so.kinds == KIND_NEW]] = launched_wall
         prepared = self.runner.prepare(so, self.scheduler.token_ids, self._row_states.__getitem__)
+        self._outputs.plan_step(so, prompt_lens, prepared)
         # Its token bitmask needs the tokens of the step before it: now, or once that one is collected.
         prepared.bitmask = self.structured.step_bitmask(prepared.sampled_handles, fill_now=first_in_flight)
-        prepared.pool_tokens, prepared.pool_handles = self._outputs.pool_tokens(prepared)
         if self.lora is not None and len(so):
             prepared.lora = self.lora.plan(c.lora_id[so.req_handles], so.num_scheduled_tokens)
         future = None

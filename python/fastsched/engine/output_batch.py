@@ -26,9 +26,12 @@ class EngineCoreOutput:
     error: str | None = None  # why an ignored request could not run
     segment_ended: bool = False  # a streaming session ended a segment: it waits for input (S15)
     pooled: np.ndarray | None = None  # a pooling request's embedding (float32), with its prompt's last step
+    # With the first token (or a prefill-only finish): per prompt token, None for the first.
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
 
 _Logprobs = list[dict[int, tuple[float, int]]]
+_PromptLogprobs = list[dict[int, tuple[float, int]] | None]
 
 
 @dataclass(eq=False)
@@ -54,6 +57,7 @@ class OutputBatch:
     errors: dict[int, str] = field(default_factory=dict)  # row -> why an ignored request could not run
     segment_ends: set[int] = field(default_factory=set)  # rows of sessions that ended a segment (S15)
     pooled: dict[int, np.ndarray] = field(default_factory=dict)  # row -> a pooling request's embedding
+    prompt_logprobs: dict[int, _PromptLogprobs] = field(default_factory=dict)  # row -> per prompt token
 
     @classmethod
     def empty(cls) -> OutputBatch:
@@ -81,6 +85,8 @@ class OutputBatch:
             errors={i: o.error for i, o in enumerate(outputs) if o.error is not None},
             segment_ends={i for i, o in enumerate(outputs) if o.segment_ended},
             pooled={i: o.pooled for i, o in enumerate(outputs) if o.pooled is not None},
+            prompt_logprobs={i: o.prompt_logprobs for i, o in enumerate(outputs)
+                             if o.prompt_logprobs is not None},
         )
 
     def __len__(self) -> int:
@@ -102,6 +108,7 @@ class OutputBatch:
                 self.errors.get(i),
                 i in self.segment_ends,
                 self.pooled.get(i),
+                self.prompt_logprobs.get(i),
             )
 
     def select(self, rows: np.ndarray) -> OutputBatch:
@@ -122,10 +129,12 @@ class OutputBatch:
             errors={new_row[r]: v for r, v in self.errors.items() if r in new_row},
             segment_ends={new_row[r] for r in self.segment_ends if r in new_row},
             pooled={new_row[r]: v for r, v in self.pooled.items() if r in new_row},
+            prompt_logprobs={new_row[r]: v for r, v in self.prompt_logprobs.items() if r in new_row},
         )
 
     def _has_extras(self) -> bool:
-        return bool(self.stop_reasons or self.logprobs or self.errors or self.segment_ends or self.pooled)
+        return bool(self.stop_reasons or self.logprobs or self.errors or self.segment_ends or self.pooled
+                    or self.prompt_logprobs)
 
 
 def select_csr(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -237,7 +237,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=T
     # instead of finishing.
     streaming: bool = False
     # A pooling request (embeddings): the step that completes its prompt reports the last prompt
-    # token's hidden state, L2-normalised (EngineCoreOutput.pooled); max_tokens 1 ends it there.
+    # token's hidden state, L2-normalised (EngineCoreOutput.pooled); it is prefill-only
+    # (max_tokens 0, S20): no token is sampled, and that step's update finishes it.
     pooling: bool = False
 
     def __post_init__(self) -> None:
@@ -256,6 +257,8 @@ class OutputExtra(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     logprobs: list[list[tuple[int, float, int]]] | None  # per new token: [token_id, logprob, rank], ...
     error: str | None  # why an ignored request could not run
     pooled: bytes | None = None  # a pooling request's embedding, little-endian float32
+    # Per prompt token as logprobs' entries, None for the first (prompt_logprobs).
+    prompt_logprobs: list[list[tuple[int, float, int]] | None] | None = None
 
 
 class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -276,12 +279,16 @@ class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
     @classmethod
     def of(cls, b: OutputBatch) -> OutputColumns:
         extras = []
-        for row in sorted({*b.stop_reasons, *b.logprobs, *b.errors, *b.pooled}):
+        for row in sorted({*b.stop_reasons, *b.logprobs, *b.errors, *b.pooled, *b.prompt_logprobs}):
             entries = b.logprobs.get(row)
             logprobs = None if entries is None else [[(t, lp, rank) for t, (lp, rank) in e.items()] for e in entries]
             pooled = b.pooled.get(row)
-            extras.append(OutputExtra(row, b.stop_reasons.get(row), logprobs, b.errors.get(row),
-                                      None if pooled is None else pooled.astype("<f4").tobytes()))
+            pooled_wire = None if pooled is None else pooled.astype("<f4").tobytes()
+            prompt = b.prompt_logprobs.get(row)
+            prompt_wire = None if prompt is None else [
+                None if e is None else [(t, lp, rank) for t, (lp, rank) in e.items()] for e in prompt]
+            extras.append(OutputExtra(row, b.stop_reasons.get(row), logprobs, b.errors.get(row), pooled_wire,
+                                      prompt_wire))
         return cls(b.request_ids, b.token_offsets.astype("<u4").tobytes(), b.token_ids.astype("<u4").tobytes(),
                    b.finish_reasons.astype(np.uint8).tobytes(), b.num_cached_tokens.astype("<i8").tobytes(),
                    extras, sorted(b.segment_ends))
@@ -316,6 +323,9 @@ class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
                 out.new_logprobs = [{t: (lp, rank) for t, lp, rank in entry} for entry in extra.logprobs]
             if extra.pooled is not None:
                 out.pooled = _column(extra.pooled, "<f4", None, "pooled")
+            if extra.prompt_logprobs is not None:
+                out.prompt_logprobs = [None if entry is None else {t: (lp, rank) for t, lp, rank in entry}
+                                       for entry in extra.prompt_logprobs]
         for row in self.segment_ends:
             if row >= n:
                 raise ValueError(f"segment_ends row {row} is out of range")

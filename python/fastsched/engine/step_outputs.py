@@ -5,7 +5,7 @@
 over all rows, Python only for the rows that need something of their own (a first token,
 logprobs, a stop token id, an error, an embedding, a final-only request's whole output). The per-request
 values it needs and the scheduler does not hold live in :class:`RequestColumns`, indexed by
-scheduler handle, written by ``EngineCore.add_request``.
+scheduler handle, written by :meth:`StepOutputs.add_request`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ import torch
 
 from fastsched import _core
 from fastsched.engine.output_batch import OutputBatch, select_csr
+from fastsched.engine.protocol import EngineCoreRequest
 from fastsched.sample import LogprobsTensors
+from fastsched.sample.prompt_logprobs import PromptLogprobsStore, plan_prompt_logprobs
 from fastsched.worker.model_runner import PreparedStep, StepResult
 
 FINISH_STOP = 1
+FINISH_ABORT = 3
 FINISH_IGNORED = 4
 
 
@@ -42,6 +45,7 @@ class RequestColumns:
         self.watch = np.zeros(size, dtype=bool)
         self.client = np.zeros(size, dtype=np.int64)
         self.logprobs = np.full(size, -1, dtype=np.int64)  # -1: none requested
+        self.prompt_logprobs = np.full(size, -1, dtype=np.int64)  # -1: none requested, or returned already
         self.cached_reported = np.zeros(size, dtype=bool)
         self.first_scheduled_time = np.full(size, math.nan)
         self.first_token_time = np.full(size, math.nan)
@@ -68,6 +72,60 @@ class StepOutputs:
         self.eos_set = frozenset(eos_token_ids)  # a stop at one of these reports no stop token id
         self.columns = RequestColumns()
         self.num_final_only = 0  # live final-only requests: while there are none, no row is filtered
+        self.prompt_store = PromptLogprobsStore()
+        self.num_scoring = 0  # live requests whose prompt logprobs are not returned yet
+
+    def add_request(self, handle: int, request: EngineCoreRequest, client: int, lora_id: int | None) -> None:
+        """A new request's columns (``EngineCore.add_request``, once the scheduler gave it ``handle``)."""
+        params = request.params
+        c = self.columns
+        c.ensure(handle)
+        c.request_id[handle] = request.request_id
+        c.final_only[handle] = request.final_only
+        c.watch[handle] = not request.final_only or params.logprobs is not None
+        self.num_final_only += request.final_only
+        c.client[handle] = client
+        c.logprobs[handle] = -1 if params.logprobs is None else params.logprobs
+        c.cached_reported[handle] = False
+        c.first_scheduled_time[handle] = c.first_token_time[handle] = math.nan
+        c.lora_id[handle] = lora_id or 0
+        c.pool[handle] = request.pooling
+        k = params.prompt_logprobs
+        c.prompt_logprobs[handle] = -1 if k is None else k
+        self.prompt_store.drop(handle)  # a handle reused after an abandoned step
+        if k is not None:
+            c.watch[handle] = True
+            self.num_scoring += 1
+
+    def plan_step(self, so: _core.SchedulerOutput, prompt_lens: np.ndarray, step: PreparedStep) -> None:
+        """What step ``so`` computes beyond its samples (``prompt_lens``: its requests'): the rows
+        that score prompt tokens (prompt_logprobs) and the pooling requests' last prompt tokens."""
+        if not len(so):
+            return
+        computed = so.num_computed_tokens.astype(np.int64)
+        scheduled = so.num_scheduled_tokens.astype(np.int64)
+        if self.num_scoring:
+            step.prompt_logprobs = plan_prompt_logprobs(so.req_handles, computed, scheduled, prompt_lens,
+                                                        self.columns.prompt_logprobs[so.req_handles],
+                                                        self.scheduler.token_ids)
+        # S20: a pooling request is prefill-only, so it is not among the sampled rows: its
+        # embedding is taken in the step that computes its last prompt token.
+        completes = self.columns.pool[so.req_handles] & (computed < prompt_lens) & (
+            computed + scheduled >= prompt_lens)
+        if np.count_nonzero(completes):
+            rows = np.flatnonzero(completes)
+            step.pool_tokens = step.query_start_loc[1:][rows].astype(np.int64) - 1
+            step.pool_handles = so.req_handles[rows]
+
+    def _return_prompt_logprobs(self, batch: OutputBatch, row: int, handle: int, returned: bool) -> None:
+        """Row ``row`` returns its request's prompt logprobs (``returned``) or drops them (an abort)."""
+        self.columns.prompt_logprobs[handle] = -1
+        self.num_scoring -= 1
+        if returned:
+            batch.prompt_logprobs[row] = self.prompt_store.take(
+                handle, int(self.scheduler.num_prompt_tokens(np.array([handle], dtype=np.uint32))[0]))
+        else:
+            self.prompt_store.drop(handle)
 
     def collect(self, eco: _core.EngineCoreOutputs, so: _core.SchedulerOutput, result: StepResult) -> OutputBatch:
         """The step's outputs as an OutputBatch, from the scheduler's arrays: numpy over all
@@ -87,6 +145,9 @@ class StepOutputs:
                 offsets, tokens = select_csr(offsets, tokens, rows)
                 handles, reasons, cached = handles[rows], reasons[rows], cached[rows]
                 segment_ended = segment_ended[rows]
+        if result.prompt_logprobs is not None:
+            for h, start, entries in result.prompt_logprobs.entries():
+                self.prompt_store.add(h, start, entries)
         n = len(handles)
         if not n:
             return OutputBatch.empty()
@@ -102,6 +163,10 @@ class StepOutputs:
         )
         if np.count_nonzero(segment_ended):
             batch.segment_ends = set(np.flatnonzero(segment_ended).tolist())
+        if result.pooled:
+            # The step that computed a pooling request's prompt also finished it (S20).
+            for i in np.flatnonzero(np.isin(handles, list(result.pooled))).tolist():
+                batch.pooled[i] = result.pooled[int(handles[i])]
         watch = c.watch[handles]
         if np.count_nonzero(watch):
             self._collect_watched(batch, handles, np.flatnonzero(watch), cached, so, result)
@@ -123,6 +188,8 @@ class StepOutputs:
                 batch.errors[i] = self.scheduler.ignore_reason(h)
             if c.final_only[h]:
                 batch.num_cached_tokens[i] = cached[i]
+            if c.prompt_logprobs[h] >= 0:  # a prefill-only request (S20), an abort or an ignored prompt
+                self._return_prompt_logprobs(batch, i, h, reasons[i] != FINISH_ABORT)
         if self.num_final_only:
             self._final_only_tokens(batch, handles)
 
@@ -140,6 +207,8 @@ class StepOutputs:
         report = (hit >= 0) & ~c.cached_reported[wh]
         batch.num_cached_tokens[watched[report]] = hit[report]
         c.cached_reported[wh[report]] = True
+        for i in watched[got & (c.prompt_logprobs[wh] >= 0)].tolist():
+            self._return_prompt_logprobs(batch, i, int(handles[i]), True)
         k = c.logprobs[wh]
         wants = (k >= 0) & got
         if np.count_nonzero(wants) and result.logprobs is not None:
@@ -151,21 +220,8 @@ class StepOutputs:
             tokens = batch.token_ids[offsets[rows]].tolist()
             for i, entry in zip(rows.tolist(), _logprobs_entries(result.logprobs, j_of, tokens, k[wants])):
                 batch.logprobs[i] = [entry]
-        if result.pooled:
-            for i, h in zip(watched.tolist(), wh.tolist()):
-                if h in result.pooled:
-                    batch.pooled[i] = result.pooled[h]
-        c.watch[wh] = (k >= 0) | ~c.cached_reported[wh] | np.isnan(c.first_token_time[wh])
-
-    def pool_tokens(self, step: PreparedStep) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """The flat token index of the last prompt token of each pooling request whose prompt
-        ``step`` completes (the ones it samples), and their handles; (None, None) without any."""
-        handles = step.sampled_handles
-        wants = self.columns.pool[handles] if len(handles) else handles
-        if not np.count_nonzero(wants):
-            return None, None
-        ends = step.query_start_loc[1:][step.sampled_positions[wants]]
-        return ends.astype(np.int64) - 1, handles[wants]
+        c.watch[wh] = (k >= 0) | (c.prompt_logprobs[wh] >= 0) | ~c.cached_reported[wh] | np.isnan(
+            c.first_token_time[wh])
 
     def _final_only_tokens(self, batch: OutputBatch, handles: np.ndarray) -> None:
         """Finished final-only rows get all their output tokens (read from the scheduler,

@@ -408,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fastsched.tools.simulate import add_simulate_parser
 
     add_simulate_parser(sub)
+    from fastsched.tools.perplexity import add_perplexity_parser
+
+    add_perplexity_parser(sub)
     from fastsched.tools.top import add_top_parser
 
     add_top_parser(sub)

@@ -77,7 +77,7 @@ _WORD = re.compile(r"[A-Za-z_]+")
 _OPTIONAL_PARAMS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
-    "include_stop_str_in_output", "skip_special_tokens",
+    "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "skip_reading_prefix_cache",
 )
 
 
@@ -122,6 +122,18 @@ def _token_logprob(token_id: int, lp: Any) -> Any:
     return msg
 
 
+def _position_logprobs(token_id: int, position: Mapping[int, Any] | None, num_top: int) -> Any:
+    """One position's logprobs: ``token_id``'s (unset when the position has none) and the top ``num_top``."""
+    entry = pb.PositionLogprobs()
+    if position is None:
+        return entry
+    if token_id in position:
+        entry.sampled.CopyFrom(_token_logprob(token_id, position[token_id]))
+    top = sorted((lp.rank, tid) for tid, lp in position.items() if lp.rank <= num_top)
+    entry.top.extend(_token_logprob(tid, position[tid]) for _, tid in top)
+    return entry
+
+
 class _ResponseStream:
     """Turns the deltas of AsyncLLM's stream into ``GenerateResponse`` messages, and times
     them for the latency histograms (TTFT, inter-token latency, e2e as this frontend sees them),
@@ -137,6 +149,7 @@ class _ResponseStream:
         self.first_token_seen = False
         self.last_token_time: dict[int, float] = {}
         self.usage_sent = False
+        self.prompt_logprobs_sent = False
         self.last: RequestOutput | None = None
 
     def response(self, output: StreamOutput) -> Any | None:
@@ -148,6 +161,11 @@ class _ResponseStream:
             if delta.token_ids:
                 self._observe_tokens(delta.index, len(delta.token_ids), now)
             response.completions.append(self._completion_delta(delta))
+        if output.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            self.prompt_logprobs_sent = True
+            response.prompt_token_ids.extend(output.prompt_token_ids)
+            response.prompt_logprobs.extend(_position_logprobs(t, p, len(p or ()))
+                                            for t, p in zip(output.prompt_token_ids, output.prompt_logprobs))
         if output.finished:
             if output.embedding is not None:
                 response.embedding.extend(output.embedding)
@@ -159,13 +177,8 @@ class _ResponseStream:
     def _completion_delta(self, d: CompletionDelta) -> Any:
         delta = pb.CompletionDelta(index=d.index, token_ids=d.token_ids, text=d.text)
         if d.logprobs is not None and self.num_top_logprobs is not None:
-            for token_id, position in zip(d.token_ids, d.logprobs):
-                entry = pb.PositionLogprobs()
-                if token_id in position:
-                    entry.sampled.CopyFrom(_token_logprob(token_id, position[token_id]))
-                top = sorted((lp.rank, tid) for tid, lp in position.items() if lp.rank <= self.num_top_logprobs)
-                entry.top.extend(_token_logprob(tid, position[tid]) for _, tid in top)
-                delta.logprobs.append(entry)
+            delta.logprobs.extend(_position_logprobs(token_id, position, self.num_top_logprobs)
+                                  for token_id, position in zip(d.token_ids, d.logprobs))
         if d.finish_reason is not None:
             delta.finish_reason = d.finish_reason
             if isinstance(d.stop_reason, str):

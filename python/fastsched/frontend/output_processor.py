@@ -67,6 +67,9 @@ class OutputProcessor:
                 c.parent.num_cached_tokens = out.num_cached_tokens
             if out.pooled is not None:
                 c.parent.embedding = out.pooled.tolist()
+            if out.prompt_logprobs is not None and c.parent.prompt_logprobs is None:
+                # Every one of the n completions computes them; the first to arrive is kept.
+                c.parent.prompt_logprobs = self._prompt_logprobs(out.prompt_logprobs)
             if out.new_logprobs and o.logprobs is not None:
                 for entry in out.new_logprobs:
                     o.logprobs.append(
@@ -91,6 +94,19 @@ class OutputProcessor:
                 del self._completions[out.request_id]
             changed[id(c.parent)] = c.parent
         return list(changed.values()), to_abort
+
+    def _prompt_logprobs(self, entries: list[dict[int, tuple[float, int]] | None],
+                         ) -> list[dict[int, Logprob] | None]:
+        """The engine's prompt logprobs with decoded tokens (each distinct id decoded once)."""
+        decoded: dict[int, str] = {}
+
+        def text(t: int) -> str:
+            if t not in decoded:
+                decoded[t] = self.tokenizer.decode([t], False)
+            return decoded[t]
+
+        return [None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
+                for e in entries]
 
     def _detokenize_each(self, c: _Completion, out: EngineCoreOutput) -> str:
         """Appends a step's tokens one at a time, as if each came in a step of its own, so that

@@ -96,5 +96,5 @@ class RequestStream(RequestHandle[RequestState]):
             metrics = replace(state.metrics)
         return StreamOutput(
             parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, parent.num_cached_tokens,
-            parent.embedding, deltas=deltas, metrics=metrics,
+            parent.embedding, parent.prompt_logprobs, deltas=deltas, metrics=metrics,
         )

@@ -53,7 +53,8 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     if body.get("model") is not None:
         chat["model"] = body["model"]
     if count_only:
-        chat["max_tokens"] = 0
+        # Nothing is generated; chat refuses max_tokens 0, and 1 is the room chat needs anyway.
+        chat["max_tokens"] = 1
     else:
         max_tokens = body.get("max_tokens")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:

@@ -5,7 +5,7 @@ Each input (a string, or a list of token ids; ``input`` may be one or a list of 
 gate and admission as every request: the engine computes its prompt (a prefill, counted by
 the token valves like any other) and answers the hidden state of its last token, L2-normalised
 — vLLM's pooling for a generative model served as an embedding model (``LAST``, normalised).
-No token is generated for the client; the request's KV blocks are freed when it ends (the
+No token is generated (a prefill-only request, S20); the request's KV blocks are freed when it ends (the
 prefix cache may keep them, as any prompt's).
 
 ``encoding_format`` ``float`` (the default) or ``base64`` (little-endian float32, as OpenAI's
@@ -80,8 +80,8 @@ def parse_embeddings(body: dict[str, Any], request_id: str, gateway: GatewayStat
     priority = body.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int) or not INT32[0] <= priority <= INT32[1]:
         raise bad_request(f"priority must be an integer, got {shorten(priority)}", "priority")
-    # The engine's prefill-only request asks for one token: it ends when its prompt is computed.
-    sampling = pb.SamplingParams(max_tokens=1, temperature=0.0)
+    # A prefill-only request (S20, max_tokens 0): it ends when its prompt is computed.
+    sampling = pb.SamplingParams(max_tokens=0)
     parsed = ParsedRequest("completion", inputs, sampling, priority, stream=False, include_usage=False,
                            request_id=request_id, cache_salt=check_cache_salt(body.get("cache_salt")),
                            embed=True)

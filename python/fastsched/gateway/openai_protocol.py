@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from fastsched.gateway import structured, tool_calls
 from fastsched.gateway.chat_template import template_options
+from fastsched.gateway.completions_echo import MIN_LOGPROB as _MIN_LOGPROB
+from fastsched.gateway.completions_echo import PromptScores
 from fastsched.gateway.request_fields import FieldError
 from fastsched.limits import LimitError, RequestLimits, check_cache_salt, check_finite, check_prompt_chars
 from fastsched.model_loader.tokenizer import NoChatTemplateError
@@ -33,8 +35,6 @@ logger = logging.getLogger("fastsched.gateway")
 
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
-# JSON cannot carry -inf; vLLM writes this instead.
-_MIN_LOGPROB = -9999.0
 
 
 class ApiError(Exception):
@@ -195,6 +195,8 @@ def _sampling_params(body: dict, max_tokens: int | None, limits: RequestLimits) 
         msg.seed = seed
     if max_tokens is not None:
         msg.max_tokens = max_tokens
+    if (prompt_logprobs := _get_int(body, "prompt_logprobs")) is not None:  # vLLM's extra field
+        msg.prompt_logprobs = prompt_logprobs
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if (value := _get_float(body, name)) is not None:
             setattr(msg, name, value)
@@ -236,7 +238,7 @@ _SAMPLING_FIELDS = frozenset({
     "model", "stream", "stream_options", "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "include_stop_str_in_output", "skip_special_tokens", "priority", "logprobs",
-    "cache_salt",
+    "cache_salt", "prompt_logprobs",
     "logit_bias",  # refused when used
     *structured.FIELDS,
 })
@@ -313,11 +315,14 @@ def parse_completion(body: dict, request_id: str, limits: RequestLimits | None =
         raise bad_request("best_of other than n is not supported by this server", "best_of")
     echo = bool(_get_bool(body, "echo", False))
     logprobs = _get_int(body, "logprobs")
-    if echo and logprobs is not None:
-        raise bad_request("echo with logprobs (prompt logprobs) is not supported by this server", "echo")
-    sampling = _sampling_params(body, _get_int(body, "max_tokens", 16), limits)
+    max_tokens = _get_int(body, "max_tokens", 16)
+    if max_tokens == 0 and not echo:  # the prompt alone: its echo (and logprobs); vLLM's rule
+        raise bad_request("max_tokens must be at least 1 (0 only with echo), got 0", "max_tokens")
+    sampling = _sampling_params(body, max_tokens, limits)
     if logprobs is not None:
         sampling.logprobs = logprobs
+        if echo and not sampling.HasField("prompt_logprobs"):  # the legacy form scores the echoed prompt
+            sampling.prompt_logprobs = logprobs
     stream, include_usage = _stream_flags(body)
     return ParsedRequest("completion", prompts, sampling, _get_int(body, "priority", 0), stream, include_usage,
                          echo=echo, top_logprobs=logprobs, request_id=request_id, cache_salt=_cache_salt(body))
@@ -377,6 +382,8 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     max_tokens = _get_int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _get_int(body, "max_tokens")
+    if max_tokens == 0:
+        raise bad_request("max_tokens must be at least 1 on /v1/chat/completions, got 0", "max_tokens")
     if max_model_len is not None:
         if max_tokens is None:  # OpenAI's chat default: all the room left
             max_tokens = max(max_model_len - len(prompt_ids), 0)
@@ -438,6 +445,7 @@ class ResponseFormatter:
         self.object = "text_completion" if req.kind == "completion" else "chat.completion"
         self.choices: dict[int, _Choice] = {}
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+        self.prompt_scores = PromptScores(self._token_text, lambda ids: self.tokenizer.decode(ids))
 
     def _token_text(self, lp: Any) -> str:
         return lp.decoded_token if lp.HasField("decoded_token") else self.tokenizer.decode([lp.token_id])
@@ -454,6 +462,7 @@ class ResponseFormatter:
             self.prompt_tokens += resp.usage.prompt_tokens
             self.completion_tokens += resp.usage.completion_tokens
             self.cached_tokens += resp.usage.cached_tokens
+        self.prompt_scores.record(prompt_index, resp)
         entries = []
         for delta in resp.completions:
             index = prompt_index * self.req.n + delta.index
@@ -468,9 +477,12 @@ class ResponseFormatter:
                 choice.finish_reason = delta.finish_reason
                 kind = delta.WhichOneof("stop_reason")
                 choice.stop_reason = getattr(delta, kind) if kind else None
-            logprobs = self._logprobs(choice, delta) if self.req.top_logprobs is not None else None
+            logprobs = self._logprobs(choice, delta, prompt_index if first and self.req.echo else None) \
+                if self.req.top_logprobs is not None else None
             if self.req.kind == "completion":
                 entry = {"index": index, "text": text, "logprobs": logprobs}
+                if first and (scores := self.prompt_scores.vllm_field(prompt_index)) is not None:
+                    entry["prompt_logprobs"] = scores
             else:
                 message = {"role": "assistant", "content": text} if first else {"content": text}
                 if self.req.tool_calling is not None:
@@ -495,7 +507,8 @@ class ResponseFormatter:
         if deltas:
             message["tool_calls"] = deltas
 
-    def _logprobs(self, choice: _Choice, delta: Any) -> dict:
+    def _logprobs(self, choice: _Choice, delta: Any, echo_prompt: int | None = None) -> dict:
+        """``echo_prompt``: a completion's first delta with ``echo``: that prompt's positions come first."""
         if self.req.kind == "chat":
             content = []
             for position in delta.logprobs:
@@ -512,6 +525,10 @@ class ResponseFormatter:
             choice.logprobs.extend(content)
             return {"content": content}
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        if echo_prompt is not None:
+            echoed, choice.text_offset = self.prompt_scores.echo_part(echo_prompt)
+            tokens, token_logprobs, top_logprobs, offsets = (echoed[k] for k in (
+                "tokens", "token_logprobs", "top_logprobs", "text_offset"))
         for position in delta.logprobs:
             token = self._token_text(position.sampled)
             tokens.append(token)
@@ -556,7 +573,8 @@ class ResponseFormatter:
                     logprobs = {key: [v for part in c.logprobs for v in part[key]]
                                 for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
             if self.req.kind == "completion":
-                choice = {"index": index, "text": text, "logprobs": logprobs}
+                choice = {"index": index, "text": text, "logprobs": logprobs,
+                          "prompt_logprobs": self.prompt_scores.vllm_field(index // self.req.n)}
             elif c.tool_calls:
                 choice = {"index": index, "message": {"role": "assistant", "content": c.tool_stream.content,
                                                       "tool_calls": c.tool_calls}, "logprobs": logprobs}
@@ -564,5 +582,8 @@ class ResponseFormatter:
                 choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
             choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             choices.append(choice)
-        return {"id": self.req.request_id, "object": self.object, "created": self.req.created, "model": self.model,
+        body = {"id": self.req.request_id, "object": self.object, "created": self.req.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
+        if self.req.kind == "chat":
+            body["prompt_logprobs"] = self.prompt_scores.vllm_field(0)  # vLLM's place for chat
+        return body

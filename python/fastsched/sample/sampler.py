@@ -426,7 +426,7 @@ class Sampler:
             sampled = random if greedy is None else torch.where(metadata.is_greedy, greedy, random)
 
         k = metadata.max_num_logprobs
-        logprobs = None if k is None else _gather_logprobs(logits.log_softmax(dim=-1), sampled, k)
+        logprobs = None if k is None else gather_logprobs(logits.log_softmax(dim=-1), sampled, k)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -455,7 +455,9 @@ def _argmax(rows: torch.Tensor) -> torch.Tensor:
     return rows.argmax(dim=-1)
 
 
-def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
+    """The logprob and rank of ``sampled`` in each row of ``raw_logprobs`` (rank 1: the most
+    likely; ties count as ahead), and each row's ``k`` most likely tokens."""
     sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))
     topk = raw_logprobs.topk(k, dim=-1)
     return LogprobsTensors(

@@ -14,7 +14,7 @@ import torch
 
 from fastsched._core import SchedulerOutput
 from fastsched.sample import LogprobsTensors, SamplingMetadata
-from fastsched.sample.sampler import _gather_logprobs
+from fastsched.sample.sampler import gather_logprobs
 from fastsched.spec_decode.rejection import Verified
 
 
@@ -69,5 +69,5 @@ def verification_logprobs(logits: torch.Tensor, metadata: SamplingMetadata,
         return None
     emitted = verified.emitted_positions
     last = torch.cumsum(verified.num_accepted + 1, 0) - 1
-    return _gather_logprobs(logits[emitted].log_softmax(dim=-1), verified.token_ids[last],
+    return gather_logprobs(logits[emitted].log_softmax(dim=-1), verified.token_ids[last],
                             metadata.max_num_logprobs)

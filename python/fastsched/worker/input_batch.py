@@ -49,6 +49,8 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)  # reserved positions included
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        # Rows of prefill-only requests (max_tokens 0, S20): they never sample.
+        self.prefill_only = np.zeros(max_num_seqs, dtype=bool)
         # The one reserved position whose token a later step may need before it is written
         # (-1: none), and the index of that token among its step's sampled tokens.
         self.pending_pos = np.full(max_num_seqs, -1, dtype=np.int64)
@@ -119,6 +121,7 @@ class InputBatch:
             self.pending_pos[row] = -1
             state = row_state_of(handle)
             self.num_prompt_tokens[row] = state.num_prompt_tokens
+            self.prefill_only[row] = state.params.max_tokens == 0
             self.sampling.set_row(row, state.params, state.eos_token_ids, state.generator)
             blocks = so.block_ids[offsets[i] : offsets[i + 1]]
             self.block_table[row, : len(blocks)] = blocks

@@ -24,6 +24,8 @@ from fastsched.distributed.step_channel import READ_BLOCKS, WRITE_BLOCKS, StepCh
 from fastsched.lora.slots import LoRAManager, LoRAMapping
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, TokenHistories, to_device
+from fastsched.sample.prompt_logprobs import (LogprobsTap, PromptLogprobsPlan, ScoredPrompts,
+                                              compute_prompt_logprobs)
 from fastsched.spec_decode import SpecStep, rejection_sample, verification_logprobs
 from fastsched.structured.bitmask import StepBitmask
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState
@@ -43,6 +45,7 @@ class StepResult:
     token_offsets: np.ndarray | None = None  # [num_scheduled + 1] (speculative steps)
     num_accepted: np.ndarray | None = None  # drafts accepted per sampled request (speculative steps)
     pooled: dict[int, np.ndarray] | None = None  # handle -> embedding, of the step's pooling requests
+    prompt_logprobs: ScoredPrompts | None = None  # the rows of PreparedStep.prompt_logprobs scored
 
 
 @dataclass
@@ -81,6 +84,8 @@ class PreparedStep:
     # the flat index of each one's last prompt token, and its handle.
     pool_tokens: np.ndarray | None = None
     pool_handles: np.ndarray | None = None
+    # The rows that score prompt tokens (prompt_logprobs; the engine plans them); None: no row does.
+    prompt_logprobs: PromptLogprobsPlan | None = None
 
 
 @dataclass
@@ -93,6 +98,7 @@ class ExecutedStep:
     ready: torch.cuda.Event | None  # None on the CPU: the results are there already
     num_sampled: torch.Tensor | None = None  # tokens per sampled request when drafts were verified
     pooled: torch.Tensor | None = None  # [len(step.pool_tokens), hidden] float32 (copied as ``sampled``)
+    prompt_logprobs: ScoredPrompts | None = None  # on the CPU already
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -157,6 +163,7 @@ class ModelRunner:
         self._on_device = _array_to(device)
         # The tokens sampled by the last step executed, on the device: the next step's placeholders.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
+        self.prompt_logprobs_tap: LogprobsTap | None = None  # see fastsched.sample.prompt_logprobs
 
     def read_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
         """Whole KV blocks, copied to the CPU: [n, layers, 2 (K, V), block_size, kv_heads, head_dim]
@@ -225,8 +232,8 @@ class ModelRunner:
         max_seq_len = int(seq_lens.max(initial=0))
         max_blocks = -(-max_seq_len // bs)
 
-        # Only requests whose prompt is now complete produce a token.
-        sampled_positions = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        # Only requests whose prompt is now complete produce a token, prefill-only ones none (S20).
+        sampled_positions = np.flatnonzero((seq_lens >= batch.num_tokens[rows]) & ~batch.prefill_only[rows])
         sampled_rows = rows[sampled_positions]
         sampling = None
         penalty_rows = penalty_src = _EMPTY
@@ -342,8 +349,16 @@ class ModelRunner:
             # vLLM's pooling of a generative model served for embeddings: the last token's, L2-normalised.
             last = hidden[on_device(step.pool_tokens)].float()
             pooled = torch.nn.functional.normalize(last, dim=-1).to("cpu", non_blocking=True)
+        prompt_lp = None
+        if step.prompt_logprobs is not None:
+            prompt_lp = compute_prompt_logprobs(hidden, step.prompt_logprobs, self.model.compute_logits,
+                                                tap=self.prompt_logprobs_tap)
         executed = self._sample(step, hidden)
-        executed.pooled = pooled
+        executed.pooled, executed.prompt_logprobs = pooled, prompt_lp
+        if pooled is not None and executed.ready is None and self.device.type != "cpu":
+            # A step of prefill-only rows samples nothing (S20): the embeddings' copy needs its own event.
+            executed.ready = torch.cuda.Event()
+            executed.ready.record()
         return executed
 
     def _sample(self, step: PreparedStep, hidden: torch.Tensor) -> ExecutedStep:
@@ -408,8 +423,11 @@ class ModelRunner:
     def fetch(self, executed: ExecutedStep) -> StepResult:
         """Waits for an executed step's results (on a GPU, for the device) and returns them on the host."""
         result = self._fetch(executed)
+        result.prompt_logprobs = executed.prompt_logprobs
         if executed.pooled is not None:
             assert executed.step.pool_handles is not None
+            if executed.ready is not None:
+                executed.ready.synchronize()
             result.pooled = dict(zip(executed.step.pool_handles.tolist(), executed.pooled.numpy()))
         return result
 

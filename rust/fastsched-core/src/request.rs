@@ -93,6 +93,10 @@ pub struct NewRequest {
     /// A streaming-input session (S15): more input may arrive after each
     /// generation segment; it ends when the client closes it.
     pub streaming: bool,
+    /// S19, vLLM's `skip_reading_prefix_cache`: no prefix-cache hit and no
+    /// KV-connector tokens, so every position is computed (prompt logprobs
+    /// need them all); what it computes is still cached for others.
+    pub skip_reading_prefix_cache: bool,
 }
 
 impl NewRequest {
@@ -114,6 +118,7 @@ impl NewRequest {
             lora_id: None,
             cache_salt: None,
             streaming: false,
+            skip_reading_prefix_cache: false,
         }
     }
 
@@ -125,9 +130,11 @@ impl NewRequest {
                 self.request_id
             ));
         }
-        if self.max_tokens == 0 {
+        if self.max_tokens == 0 && self.streaming {
+            // S20: a prefill-only request ends with its prompt; a session's
+            // segments each generate.
             return bad(format!(
-                "request {:?}: max_tokens (0) must be at least 1",
+                "request {:?}: max_tokens (0) must be at least 1 for a streaming session",
                 self.request_id
             ));
         }
@@ -163,13 +170,17 @@ pub struct Progress {
     pub num_output_placeholders: u32,
     /// `num_computed_tokens < num_tokens` as of the last time it was scheduled.
     pub is_prefill_chunk: bool,
+    /// S20: `max_tokens == 0`, a request that ends once its prompt is
+    /// computed and never samples.
+    pub prefill_only: bool,
 }
 
 impl Progress {
     /// A request that has computed nothing yet.
-    pub fn new(num_tokens: usize) -> Self {
+    pub fn new(num_tokens: usize, prefill_only: bool) -> Self {
         Progress {
             num_tokens,
+            prefill_only,
             ..Default::default()
         }
     }
@@ -225,6 +236,8 @@ pub struct Request {
     /// Skipped by the waiting phase (S7) and not admitted since (vLLM's
     /// `deferred_waiting` set; S12 does not count it as capacity-bound).
     pub deferred: bool,
+    /// S19: admissions take no prefix-cache hit and no connector tokens.
+    pub skip_reading_prefix_cache: bool,
     // --- cold ---
     pub request_id: String,
     /// Input that arrived for a streaming session while it was still generating.
@@ -303,6 +316,7 @@ impl Request {
             num_loaded_tokens: 0,
             first_scheduled: false,
             deferred: false,
+            skip_reading_prefix_cache: new.skip_reading_prefix_cache,
             ignore_reason: None,
         };
         req.update_block_hashes(hasher);

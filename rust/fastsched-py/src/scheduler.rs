@@ -58,7 +58,7 @@ impl PyScheduler {
     #[pyo3(signature = (
         request_id, prompt_token_ids, max_tokens, *, min_tokens = 0, eos_token_id = None,
         stop_token_ids = None, ignore_eos = false, priority = 0, arrival_time = 0.0,
-        lora_id = None, streaming = false, cache_salt = None,
+        lora_id = None, streaming = false, cache_salt = None, skip_reading_prefix_cache = false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -75,6 +75,7 @@ impl PyScheduler {
         lora_id: Option<i64>,
         streaming: bool,
         cache_salt: Option<String>,
+        skip_reading_prefix_cache: bool,
     ) -> PyResult<Handle> {
         let new = NewRequest {
             request_id,
@@ -91,6 +92,7 @@ impl PyScheduler {
             lora_id: lora_id.map(|l| to_id("lora_id", l)).transpose()?,
             cache_salt,
             streaming,
+            skip_reading_prefix_cache,
         };
         self.inner.add_request(new).map_err(to_py)
     }

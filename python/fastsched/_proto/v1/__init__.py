@@ -1,3 +1,3 @@
 """Generated from proto/fastsched/v1/generate.proto by `python -m fastsched.proto_gen`; do not edit."""
 
-SOURCE_SHA256 = "3558fb24c42db1e05dbdd1e24c3472f08f97957925f48f6629cdf59524eb3f2e"
+SOURCE_SHA256 = "69504194a3ed74f5b169632157444c3be759d84e25fda582b92ae6cf09549587"

@@ -23,6 +23,10 @@ impl Scheduler {
                 let slot = &self.requests[h as usize];
                 let r = slot.req.as_ref().expect("running handle is live");
                 let in_flight = slot.progress.num_output_placeholders as usize;
+                if slot.progress.prefill_only {
+                    // S20: it runs on while prompt tokens are left to schedule.
+                    return slot.progress.num_computed_tokens < r.num_tokens();
+                }
                 r.num_output_tokens + in_flight < r.max_tokens
                     && r.num_tokens() + in_flight < max_model_len
             })

@@ -16,6 +16,8 @@ mod waiting;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod prefill_tests;
 
 use std::collections::{HashMap, VecDeque};
 
@@ -353,7 +355,7 @@ impl Scheduler {
             }
             None => Box::new(Request::from_new(new, handle, &self.hasher)),
         };
-        self.requests[handle as usize].progress = Progress::new(req.num_tokens());
+        self.requests[handle as usize].progress = Progress::new(req.num_tokens(), req.max_tokens == 0);
         // Room for every output (and its block hash) up front: appending a
         // token never reallocates.
         let room = req

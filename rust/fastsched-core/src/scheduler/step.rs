@@ -191,13 +191,13 @@ impl Scheduler {
 
 /// vLLM's `_update_after_schedule` for one row, done as the row is pushed:
 /// the scheduled tokens count as computed, and a request whose prefill
-/// completes samples a token (under async scheduling, a placeholder for it).
-/// `Scheduler::unschedule` undoes it.
+/// completes samples a token (under async scheduling, a placeholder for it),
+/// unless it is prefill-only (S20). `Scheduler::unschedule` undoes it.
 #[inline]
 pub(super) fn advance(p: &mut Progress, mut row: Scheduled, async_scheduling: bool) -> Scheduled {
     p.num_computed_tokens += row.num_tokens as usize;
     p.is_prefill_chunk = p.num_computed_tokens < p.num_tokens + p.num_output_placeholders as usize;
-    row.samples = !p.is_prefill_chunk;
+    row.samples = !p.is_prefill_chunk && !p.prefill_only;
     if async_scheduling && row.samples {
         p.num_output_placeholders += 1;
     }

@@ -1093,7 +1093,10 @@ fn s4_invalid_requests_are_rejected_naming_the_field() {
     let mut s = sched(4);
     let e = s.add_request(NewRequest::new("e", vec![], 1)).unwrap_err();
     assert!(e.to_string().contains("prompt_token_ids"));
-    let e = s.add_request(NewRequest::new("z", vec![1], 0)).unwrap_err();
+    // max_tokens 0 is a prefill-only request (S20), except for a streaming session.
+    let mut z = NewRequest::new("z", vec![1], 0);
+    z.streaming = true;
+    let e = s.add_request(z).unwrap_err();
     assert!(e.to_string().contains("max_tokens (0)"));
     add(&mut s, "dup", 1, 1);
     assert_eq!(

@@ -4,7 +4,7 @@
 use super::{warm_range, Scheduled, Scheduler, Slot};
 use crate::error::{Error, Result};
 use crate::output::{EngineCoreOutputs, ModelRunnerOutput};
-use crate::request::{Handle, Request, RequestStatus};
+use crate::request::{FinishReason, Handle, Request, RequestStatus};
 
 impl Scheduler {
     // ----------------------------------------------------------------- outputs
@@ -110,6 +110,21 @@ impl Scheduler {
             if req.status == RequestStatus::WaitingForStreamingReq {
                 // S15: its segment ended while this step, scheduled ahead
                 // (async), was in flight: the token lies past the stop.
+                continue;
+            }
+            if p.prefill_only {
+                // S20: the step that computed its last prompt token ends it,
+                // length-capped with no token (even if preempted since: its
+                // positions were all computed).
+                debug_assert!(sampled(j).is_empty(), "a prefill-only row samples nothing");
+                if (row.num_computed_before + row.num_tokens) as usize >= req.num_tokens() {
+                    outs.handles.push(h);
+                    outs.token_offsets.push(outs.token_ids.len() as u32);
+                    outs.num_cached_tokens
+                        .push(req.num_cached_tokens.map_or(-1, |c| c as i64));
+                    ended.push((outs.handles.len() - 1, FinishReason::Length as u8, false));
+                    self.finish_from_output(h, RequestStatus::FinishedLengthCapped);
+                }
                 continue;
             }
             let sampled = sampled(j);

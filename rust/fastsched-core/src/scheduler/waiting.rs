@@ -260,6 +260,9 @@ impl Scheduler {
             return found;
         }
         let req = self.requests[h as usize].req.as_ref().expect("live handle");
+        if req.skip_reading_prefix_cache {
+            return found; // S19: every position is computed
+        }
         found.hit = self.kv.get_computed_blocks(req);
         if let Some(c) = self.connector.as_mut() {
             let (num_external, load_async) =
