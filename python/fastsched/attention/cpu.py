@@ -11,7 +11,8 @@ decoding's greedy equivalence needs. Prefill chunks of ``SDPA_MIN_QUERY_LEN`` ro
 go to torch's SDPA instead (:mod:`fastsched.attention.torch_native`'s per-request path),
 whose blocked GEMMs beat the kernel's per-row loop there; which path a request takes
 depends only on its own query length, so the invariance holds. Query dtypes other than
-float32 and bfloat16 run entirely on the torch backend.
+float32 and bfloat16 run entirely on the torch backend, and so do the layers with a sliding
+window or logit soft-capping (Gemma's), which the kernel does not implement.
 """
 
 from __future__ import annotations
@@ -66,10 +67,13 @@ class CpuBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V at ``slot_mapping``, then attend causally over the cache."""
-        if query.dtype not in cpu_ops.DTYPES or kv_cache.dtype not in cpu_ops.DTYPES:
-            return self._torch.forward(query, key, value, kv_cache, metadata, scale)
+        if (query.dtype not in cpu_ops.DTYPES or kv_cache.dtype not in cpu_ops.DTYPES
+                or sliding_window is not None or logits_soft_cap is not None):
+            return self._torch.forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
         plan = self._step_plan(metadata, kv_cache.shape[2])
         out = torch.empty(query.shape, dtype=query.dtype)
         if plan.num_rows < out.shape[0]:

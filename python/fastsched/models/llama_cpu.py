@@ -10,9 +10,9 @@ It runs the same kernels in the same order as ``LlamaForCausalLM._forward_cpu_bf
 output is bit-equal to that path (tests/models/test_llama_cpu.py), and it applies only
 where that path would run those kernels: bfloat16 activations, every projection an int4 /
 int8 :class:`QuantLinear` on the Rust kernels (with or without a bfloat16 bias, as Qwen2's
-q/k/v), no q/k norm, no tensor parallelism, no LoRA in the step, every request's attention
-on the Rust kernel (no SDPA prefill chunk), and a CPU with the many-row GEMM's AVX-512 BF16.
-Otherwise the model runs layer by layer.
+q/k/v), no q/k norm, sliding window, soft-capping or GeGLU, no tensor parallelism, no LoRA
+in the step, every request's attention on the Rust kernel (no SDPA prefill chunk), and a CPU
+with the many-row GEMM's AVX-512 BF16. Otherwise the model runs layer by layer.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import nn
 
 from fastsched import _core
 from fastsched.kernels import cpu_ops, quant_matmul_cpu
+from fastsched.models.config import GEMMA_ARCHITECTURES
 from fastsched.models.quant_linear import QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,18 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "this CPU lacks the kernels' AVX-512 BF16 GEMM"
     if model.tp is not None:
         return "tensor parallelism"
-    if model.config.qk_norm:
+    config = model.config
+    if config.qk_norm:
         return "per-head q/k norms"
+    if config.architecture in GEMMA_ARCHITECTURES:
+        return "Gemma's (1 + w) norms, post-attention and post-FFN norms"
+    windowed = [i for i, layer in enumerate(model.layers) if layer.self_attn.sliding_window is not None]
+    if windowed:
+        return f"sliding-window attention (layers {windowed[0]}..{windowed[-1]}), which the kernel lacks"
+    if config.attn_logit_softcapping is not None:
+        return "attention logit soft-capping, which the kernel lacks"
+    if config.hidden_act != "silu" or not model.rotary.full_width:
+        return f"the {config.hidden_act} activation or partial rotary embeddings"
     norms = [model.norm.weight] + [n.weight for layer in model.layers
                                    for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in norms):
