@@ -66,14 +66,12 @@ def _quantize_linears(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[t
             yield name, tensor
 
 
-def _all_shards_quantized(bits: dict[str, int], gguf_names: Iterator[str]) -> set[str]:
+def _all_shards_quantized(bits: dict[str, int], hf_names: Iterator[str]) -> set[str]:
     """The parameters whose every checkpoint tensor is quantized with the same bits (so the
     layer becomes a ``QuantLinear``, or the 8-bit embedding a ``QuantEmbedding``, and its
     dense weight is never needed)."""
-    from fastsched.model_loader.gguf import _hf_name
-
     shards: dict[str, list[int]] = {}
-    for name in map(_hf_name, gguf_names):
+    for name in hf_names:
         shards.setdefault(target_parameter(name), []).append(bits.get(name, 0))
     return {t for t, b in shards.items() if b[0] and len(set(b)) == 1 and (
         t.endswith("proj.weight") or t == "lm_head.weight" or (t == "embed_tokens.weight" and b[0] == 8))}
@@ -161,7 +159,7 @@ def load_model(
         weights = (_from_gguf(name, w) for name, w in gguf_file.iter_weights(config, quantization == "gguf"))
         if quantization == "gguf":
             packed = _all_shards_quantized(gguf_file.quantized_tensor_names(),
-                                           (t.name for t in gguf_file.container.tensors))
+                                           (gguf_file.hf_name(t.name) for t in gguf_file.weight_tensors()))
     else:
         config = hf.read_config(path)
         hf.weight_files(path)  # a missing file fails before the model is allocated

@@ -298,7 +298,7 @@ class ModelConfig:
         layer_types: tuple[str, ...] = ()
         scalar = None
         if gemma:
-            layer_types = _window_pattern(num_layers, _GEMMA_WINDOW_PATTERN[architecture])
+            layer_types = gemma_layer_types(architecture, num_layers)
             scalar = hidden_size // num_heads if num_layers == _GEMMA_27B_BLOCKS[arch] else head_dim
             if optional("attention.scale") is not None:
                 scalar = float(optional("attention.scale")) ** -2
@@ -398,6 +398,11 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, floa
     if rope_type == "longrope" and scaling.get("original_max_position_embeddings") is None:
         scaling["original_max_position_embeddings"] = config.get("original_max_position_embeddings")
     return theta, {"rope_type": rope_type, **scaling}, local_theta
+
+
+def gemma_layer_types(architecture: str, num_layers: int) -> tuple[str, ...]:
+    """Gemma's default layer types, the only ones a GGUF file can mean (llama.cpp's pattern)."""
+    return _window_pattern(num_layers, _GEMMA_WINDOW_PATTERN[architecture])
 
 
 def _window_pattern(num_layers: int, pattern: int) -> tuple[str, ...]:
