@@ -117,8 +117,9 @@ class Attention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
-        # The CPU backend reads strided rows; the others are given v contiguous, as before.
-        v = v if backend.name == "cpu" else v.contiguous()
+        # The CPU backend reads strided rows, k's and v's alike (after q/k norms k is a new
+        # tensor, so v is copied too); the others are given v contiguous, as before.
+        v = v if backend.name == "cpu" and k.stride(0) == v.stride(0) else v.contiguous()
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale, **self._backend_options)
         out = out.reshape(num_tokens, self.q_size)
         projected = self.o_proj(out)

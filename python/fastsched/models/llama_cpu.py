@@ -39,10 +39,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if model.tp is not None:
         return "tensor parallelism"
     config = model.config
-    if config.qk_norm:
-        return "per-head q/k norms"
     if config.architecture in GEMMA_ARCHITECTURES:
         return "Gemma's (1 + w) norms, post-attention and post-FFN norms"
+    if config.qk_norm:
+        return "per-head q/k norms"
     windowed = [i for i, layer in enumerate(model.layers) if layer.self_attn.sliding_window is not None]
     if windowed:
         return f"sliding-window attention (layers {windowed[0]}..{windowed[-1]}), which the kernel lacks"
