@@ -12,6 +12,7 @@ dequantized load of the same file.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -88,16 +89,18 @@ def test_logits_match_transformers_in_chunked_prefill_and_decode(arch) -> None:
     for source in (directory, gguf):
         runner = SingleRequestRunner(load_model(source), len(ids))
         split = len(ids) - 8
-        logits = torch.cat([runner.step(ids[:9]), runner.step(ids[9:split]), *(runner.step([t]) for t in ids[split:])])
+        steps = [runner.step(ids[:9]), runner.step(ids[9:split]), *(runner.step([t]) for t in ids[split:])]
+        logits = torch.cat(steps)
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_gguf_config_matches_the_checkpoint_config(arch) -> None:
-    """What llama.cpp's keys carry (windows, layer types, scale, soft-caps, RoPE) reads back as config.json's."""
+    """What llama.cpp's keys carry (windows, layer types, scale, soft-caps, RoPE) reads back
+    as config.json's."""
     name, directory, gguf, _ = arch
-    fields = ("sliding_window", "layer_types", "rope_theta", "rope_local_theta", "rope_scaling", "attention_scale",
-              "attn_logit_softcapping", "final_logit_softcapping", "partial_rotary_factor", "hidden_act",
-              "qk_norm", "tie_word_embeddings", "max_position_embeddings")
+    fields = ("sliding_window", "layer_types", "rope_theta", "rope_local_theta", "rope_scaling",
+              "attention_scale", "attn_logit_softcapping", "final_logit_softcapping", "partial_rotary_factor",
+              "hidden_act", "qk_norm", "tie_word_embeddings", "max_position_embeddings")
     hf_config, gguf_config = load_model_config(directory), load_model_config(gguf)
     for field in fields:
         hf_value, gguf_value = getattr(hf_config, field), getattr(gguf_config, field)
@@ -113,10 +116,12 @@ def test_the_engine_serves_windowed_layers_in_mixed_chunked_batches(arch) -> Non
     name, directory, _, reference = arch
     tokenizer = load_tokenizer(directory)
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [tokenizer.encode(PROMPTS[1][:30])]
-    llm = LLM(str(directory), dtype="float32", max_num_batched_tokens=24, max_num_seqs=4, log_stats_interval=0)
+    llm = LLM(str(directory), dtype="float32", max_num_batched_tokens=24, max_num_seqs=4,
+              log_stats_interval=0)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [_hf_greedy(reference, ids, NEW_TOKENS) for ids in prompts]
+    expected = [_hf_greedy(reference, ids, NEW_TOKENS) for ids in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 def test_gemma2_soft_capping_is_applied(arch) -> None:
@@ -186,8 +191,8 @@ def test_unsupported_gemma_settings_are_named() -> None:
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig(**base, hidden_act="relu")
     with pytest.raises(ValueError, match="short_factor"):
-        ModelConfig(**base, rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0] * 8,
-                                          "original_max_position_embeddings": 32})
+        ModelConfig(**base, rope_scaling={"rope_type": "longrope", "short_factor": [1.0],
+                                          "long_factor": [1.0] * 8, "original_max_position_embeddings": 32})
     hf = {"architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 64}
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
@@ -202,13 +207,16 @@ REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a ti
 @pytest.fixture(scope="module")
 def gemma3_reference(gemma3_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
     """transformers' fp32 model (it dequantizes the file) and its tokenizer, saved as a
-    tokenizer.json directory the engine can read."""
+    tokenizer.json directory the engine can read (with the file's config as config.json)."""
     kwargs = dict(gguf_file=gemma3_gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gemma3_gguf.parent, dtype=torch.float32, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gemma3_gguf.parent, dtype=torch.float32,
+                                                              **kwargs)
     model.generation_config.eos_token_id = None  # 32 tokens each, as ignore_eos does ours
     tokenizer = transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, **kwargs)
     tokenizer_dir = tmp_path_factory.mktemp("gemma3-tokenizer")
     tokenizer.save_pretrained(tokenizer_dir)
+    config = load_model_config(gemma3_gguf).to_hf_config()
+    (tokenizer_dir / "config.json").write_text(json.dumps(config), encoding="utf-8")
     return model.eval(), tokenizer, tokenizer_dir
 
 

@@ -73,7 +73,8 @@ class CpuBackend:
         """Write this step's K/V at ``slot_mapping``, then attend causally over the cache."""
         if (query.dtype not in cpu_ops.DTYPES or kv_cache.dtype not in cpu_ops.DTYPES
                 or sliding_window is not None or logits_soft_cap is not None):
-            return self._torch.forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+            return self._torch.forward(query, key, value, kv_cache, metadata, scale, sliding_window,
+                                       logits_soft_cap)
         plan = self._step_plan(metadata, kv_cache.shape[2])
         out = torch.empty(query.shape, dtype=query.dtype)
         if plan.num_rows < out.shape[0]:

@@ -88,7 +88,8 @@ class FlashInferBackend:
         kind = (sliding_window, logits_soft_cap)
         wrapper = self._wrappers.get(kind)
         if wrapper is None:
-            wrapper = self._wrappers[kind] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+            self._wrappers[kind] = wrapper
         plan_key = (query.shape[1:], kv_cache.shape[2:], query.dtype, kv_cache.dtype, scale)
         if plan_key != self._plan_keys.get(kind):
             self._plan(wrapper, query, kv_cache, metadata, scale, sliding_window, logits_soft_cap)

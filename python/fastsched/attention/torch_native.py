@@ -134,7 +134,8 @@ class TorchNativeBackend:
             fresh = _fresh_prefills(query, key, value, plan.fresh, kv_cache.dtype, scale, cap)
             out.index_copy_(0, plan.fresh.rows, fresh)
         for group in plan.decode_groups:
-            out.index_copy_(0, group.rows, _decode(query.index_select(0, group.rows), kv_cache, group, scale, cap))
+            rows = query.index_select(0, group.rows)
+            out.index_copy_(0, group.rows, _decode(rows, kv_cache, group, scale, cap))
         return out
 
 
@@ -167,8 +168,8 @@ def _plan_step(metadata: AttentionMetadata, kv_cache: torch.Tensor, window: int 
     starts = metadata.query_start_loc.tolist()
     prefills, fresh = [], []
     for i in torch.nonzero(query_lens > 1).flatten().tolist():
-        p = _plan_prefill(starts[i], starts[i + 1], int(metadata.seq_lens[i]), metadata.block_tables[i], block_size,
-                          window)
+        p = _plan_prefill(starts[i], starts[i + 1], int(metadata.seq_lens[i]), metadata.block_tables[i],
+                          block_size, window)
         (fresh if p.blocks is None else prefills).append(p)
     if len(fresh) == 1:  # alone, its own call needs no padding
         prefills, fresh = prefills + fresh, []
@@ -208,7 +209,8 @@ def _plan_fresh_prefills(chunks: list[_Prefill], device: torch.device, window: i
     gather = starts[:, None] + torch.where(within, offsets, 0)
     causal = offsets[None, :] <= offsets[:, None]  # [query, key]
     if window is not None:  # on real query rows only: a padded row keeps key 0 in sight
-        causal = causal & ((offsets[:, None] - offsets[None, :] < window) | (offsets[:, None] >= lens[:, None, None]))
+        in_window = offsets[:, None] - offsets[None, :] < window
+        causal = causal & (in_window | (offsets[:, None] >= lens[:, None, None]))
     mask = causal & within[:, None, :]  # a padded query row still sees the chunk's keys: no empty row
     valid = torch.nonzero(within.flatten()).flatten()
     gather = gather.flatten()

@@ -91,7 +91,7 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer one of LAYER_TYPES (Gemma 2/3)
     rope_local_theta: float | None = None  # RoPE base of the sliding layers when they have their own
-    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (else head_dim's)
+    query_pre_attn_scalar: float | None = None  # scale query_pre_attn_scalar**-0.5 (else head_dim's)
     attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     dtype: str = "float32"  # the checkpoint's own dtype (a torch dtype name), not necessarily the serving dtype
@@ -113,17 +113,19 @@ class ModelConfig:
         if self.rope_scaling is not None:
             self._check_rope_scaling(self.rope_scaling)
         if not 0.0 < self.partial_rotary_factor <= 1.0 or int(self.head_dim * self.partial_rotary_factor) < 2:
-            raise ValueError(f"partial_rotary_factor must be in (0, 1] and rotate at least 2 dims of head_dim "
-                             f"{self.head_dim}, got {self.partial_rotary_factor}")
+            raise ValueError(f"partial_rotary_factor must be in (0, 1] and rotate at least 2 dims of "
+                             f"head_dim {self.head_dim}, got {self.partial_rotary_factor}")
         if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: {list(_ACTIVATIONS)}")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
-            raise ValueError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; "
+                             f"supported: {list(_ACTIVATIONS)}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
         if self.layer_types:
             bad = [t for t in self.layer_types if t not in LAYER_TYPES]
             if len(self.layer_types) != self.num_layers or bad:
-                raise ValueError(f"layer_types must name one of {list(LAYER_TYPES)} for each of the {self.num_layers} "
-                                 f"layers, got {list(self.layer_types)}")
+                raise ValueError(f"layer_types must name one of {list(LAYER_TYPES)} for each of the "
+                                 f"{self.num_layers} layers, got {list(self.layer_types)}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
@@ -154,7 +156,8 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """The factor on q·k: ``query_pre_attn_scalar**-0.5`` where given (Gemma), else ``head_dim**-0.5``."""
+        """The factor on q·k: ``query_pre_attn_scalar**-0.5`` where given (Gemma), else
+        ``head_dim**-0.5``."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
@@ -171,6 +174,7 @@ class ModelConfig:
         num_heads = _required(config, "num_attention_heads")
         num_layers = _required(config, "num_hidden_layers")
         rope_theta, rope_scaling, local_theta = _hf_rope(config)
+        rope_params = config.get("rope_parameters") or {}
         gemma = architecture in GEMMA_ARCHITECTURES
         # Gemma's configs name the activation hidden_activation (hidden_act may be stale there).
         hidden_act = (config.get("hidden_activation") if gemma else None) or config.get("hidden_act", "silu")
@@ -199,7 +203,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             partial_rotary_factor=float(config.get("partial_rotary_factor")
-                                        or (config.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0),
+                                        or rope_params.get("partial_rotary_factor") or 1.0),
             hidden_act=hidden_act,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             attention_bias=is_qwen2 or attention_bias,
@@ -261,7 +265,8 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(
-        cls, metadata: dict[str, Any], tensor_names: set[str], rope_factors: dict[str, list[float]] | None = None
+        cls, metadata: dict[str, Any], tensor_names: set[str],
+        rope_factors: dict[str, list[float]] | None = None,
     ) -> ModelConfig:
         """Build from GGUF key/value metadata (llama.cpp names) and the file's tensor names;
         ``rope_factors``: the values of Phi-3's ``rope_factors_short``/``_long`` tensors.
@@ -326,7 +331,8 @@ class ModelConfig:
             sliding_window=None if optional("attention.sliding_window") is None
             else int(optional("attention.sliding_window")),
             layer_types=layer_types,
-            rope_local_theta=float(optional("rope.freq_base_swa", _GEMMA3_LOCAL_THETA)) if arch == "gemma3" else None,
+            rope_local_theta=(float(optional("rope.freq_base_swa", _GEMMA3_LOCAL_THETA)) if arch == "gemma3"
+                              else None),
             query_pre_attn_scalar=scalar,
             attn_logit_softcapping=optional("attn_logit_softcapping"),
             final_logit_softcapping=optional("final_logit_softcapping"),
@@ -344,14 +350,16 @@ def _gguf_rope_scaling(arch: str, metadata: dict[str, Any], rope_factors: dict[s
         original = metadata.get(f"{arch}.rope.scaling.original_context_length")
         if original is None or set(rope_factors) != {"short_factor", "long_factor"}:
             raise ValueError(f"GGUF LongRoPE needs rope_factors_short, rope_factors_long and "
-                             f"{arch}.rope.scaling.original_context_length; got {sorted(rope_factors)}, {original}")
+                             f"{arch}.rope.scaling.original_context_length; got {sorted(rope_factors)}, "
+                             f"{original}")
         return {"rope_type": "longrope", **rope_factors, "original_max_position_embeddings": int(original),
                 "attention_factor": metadata.get(f"{arch}.rope.scaling.attn_factor")}
     rope_type = metadata.get(f"{arch}.rope.scaling.type", "none")
     if rope_type == "none":
         return None
     if rope_type != "linear":
-        raise ValueError(f"GGUF {arch}.rope.scaling.type {rope_type!r} is not supported; supported: none, linear")
+        raise ValueError(f"GGUF {arch}.rope.scaling.type {rope_type!r} is not supported; "
+                         "supported: none, linear")
     return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
 
 
@@ -383,8 +391,8 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, floa
     if "full_attention" in params:  # transformers 5's per-layer-type layout
         local = dict(params.get("sliding_attention") or {})
         if local.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_parameters.sliding_attention type {local['rope_type']!r} is not supported; "
-                             "only 'default' is")
+            raise ValueError(f"rope_parameters.sliding_attention type {local['rope_type']!r} is not "
+                             "supported; only 'default' is")
         local_theta = float(local.get("rope_theta", local_theta))
         params = dict(params["full_attention"] or {})
     scaling = dict(config.get("rope_scaling") or params)

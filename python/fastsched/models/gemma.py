@@ -57,7 +57,8 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
         self.mlp = MLP(config, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.local_rope = config.layer_types[layer] == "sliding_attention" and config.rope_local_theta is not None
+        sliding = config.layer_types[layer] == "sliding_attention"
+        self.local_rope = sliding and config.rope_local_theta is not None
 
     def forward(
         self,
@@ -101,7 +102,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         hidden = self.embed_tokens(input_ids) if self.tp is None else self._embed_vocab_parallel(input_ids)
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
         global_rope = Rope(*self.rotary(positions, hidden.dtype))
-        local_rope = global_rope if self.local_rotary is None else Rope(*self.local_rotary(positions, hidden.dtype))
+        local_rope = (global_rope if self.local_rotary is None
+                      else Rope(*self.local_rotary(positions, hidden.dtype)))
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             rope = local_rope if layer.local_rope else global_rope
             hidden = layer(hidden, rope, kv_cache, metadata, backend, None if lora is None else lora.layer(i))

@@ -10,8 +10,9 @@ Tokens arrive flattened (``[T]``, requests back to back, prefill chunks and deco
 mixed); attention is the backend's job, everything else is position-wise. q/k/v and
 gate/up are fused into one matmul each; ``load_weights`` packs the checkpoint's
 separate tensors into them (a checkpoint stored fused, Phi-3's, is split first, so
-tensor parallelism and quantized layers see the same shards). With LoRA (``fastsched.lora``) each fused projection's
-output gets its per-token adapter delta added, by the fused parameter's name.
+tensor parallelism and quantized layers see the same shards). With LoRA
+(``fastsched.lora``) each fused projection's output gets its per-token adapter delta
+added, by the fused parameter's name.
 
 Built with a :class:`TensorParallel` (``tp``), each rank holds its shard of every layer
 (:mod:`fastsched.models.tp_shard`) and the layers add the collectives: an all-reduce after

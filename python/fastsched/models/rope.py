@@ -97,11 +97,13 @@ class RotaryEmbedding:
                 self.long_inv_freq = self.long_inv_freq.to(positions.device)
         inv_freq = self.inv_freq[None, :]
         if self.long_inv_freq is not None:
-            inv_freq = torch.where((positions >= self.original_context)[:, None], self.long_inv_freq, inv_freq)
+            long = (positions >= self.original_context)[:, None]
+            inv_freq = torch.where(long, self.long_inv_freq, inv_freq)
         freqs = positions.float()[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, rotary_dim], broadcast over heads
         if self.attention_factor != 1.0:
-            return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+            factor = self.attention_factor
+            return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:

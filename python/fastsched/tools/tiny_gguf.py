@@ -101,7 +101,8 @@ def _write_hyperparameters(writer: object, config: ModelConfig, arch: str) -> No
         import gguf
 
         if scaling["rope_type"] != "linear":
-            raise ValueError(f"GGUF {arch} files carry linear RoPE scaling only, not {scaling['rope_type']!r}")
+            raise ValueError(f"GGUF {arch} files carry linear RoPE scaling only, "
+                             f"not {scaling['rope_type']!r}")
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(scaling["factor"])
 
@@ -110,7 +111,8 @@ def _write_tokenizer(writer: object, checkpoint: Path, config: ModelConfig) -> N
     """The byte-level BPE ``tokenizer.json`` as llama.cpp's ``gpt2`` tokenizer model."""
     spec = json.loads((checkpoint / "tokenizer.json").read_text(encoding="utf-8"))
     vocab: dict[str, int] = spec["model"]["vocab"]
-    specials = {token["id"]: token["content"] for token in spec.get("added_tokens", []) if token.get("special")}
+    added = spec.get("added_tokens", [])
+    specials = {token["id"]: token["content"] for token in added if token.get("special")}
     tokens = [""] * config.vocab_size
     for token, index in {**vocab, **{v: k for k, v in specials.items()}}.items():
         tokens[index] = token

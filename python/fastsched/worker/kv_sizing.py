@@ -156,9 +156,11 @@ def fit_max_model_len(config: EngineConfig, model_max: int, num_blocks: int) -> 
         bound = (f"the KV cache's {usable_tokens} tokens, below the model's context length {model_max}; "
                  "give the cache more memory for longer requests")
     else:
-        max_model_len, bound = model_max, f"the model's context length (the KV cache holds {usable_tokens} tokens)"
+        max_model_len = model_max
+        bound = f"the model's context length (the KV cache holds {usable_tokens} tokens)"
     logger.info("max_model_len %d: %s", max_model_len, bound)
-    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, usable_tokens / max_model_len)
+    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len,
+                usable_tokens / max_model_len)
     return max_model_len
 
 
