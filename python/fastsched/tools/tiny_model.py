@@ -185,6 +185,8 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
         return (0.0 if gemma else 1.0) + 0.1 * torch.randn(size, generator=generator)
 
     weights = {"model.embed_tokens.weight": torch.randn(config["vocab_size"], hidden, generator=generator)}
+    if gemma:  # scaled up by sqrt(hidden) on the way in: kept small so the layers, not the token, dominate
+        weights["model.embed_tokens.weight"] *= 0.05
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}."
         weights[prefix + "input_layernorm.weight"] = norm(hidden)
@@ -208,7 +210,8 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
         else:
             weights.update({prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up})
         weights[prefix + "mlp.down_proj.weight"] = linear(hidden, inter)
-    weights["model.norm.weight"] = norm(hidden)
+    # Gemma's tied output embedding is as small as its input one: a final norm of 5 spreads the logits.
+    weights["model.norm.weight"] = norm(hidden) + (4.0 if gemma else 0.0)
     if not config["tie_word_embeddings"]:
         weights["lm_head.weight"] = 3.0 * linear(config["vocab_size"], hidden)
     return weights
