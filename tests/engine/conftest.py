@@ -70,7 +70,7 @@ def greedy_reference(tiny_model_dir: Path) -> GreedyReference:
 
 @pytest.fixture(scope="session")
 def gemma3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Gemma 3 (same tokenizer as the tiny model): five sliding-window layers of 16 tokens, one global."""
+    """A tiny Gemma 3 (the tiny model's tokenizer): five sliding-window layers of 16 tokens, one global."""
     return make_tiny_model(tmp_path_factory.mktemp("engine-gemma3") / "model", architecture="gemma3")
 
 

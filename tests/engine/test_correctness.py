@@ -3,9 +3,9 @@ engine does between steps: one big step or chunked prefills, prefix-cache hits o
 none, preemptions and recomputation, either queue policy.
 
 fp32 on CPU, the tiny checkpoint and the tiny Gemma 3 (sliding-window layers of 16 tokens,
-which the prompts, chunks, prefix hits and recomputations all reach past). Prompts are token ids (no tokenizer in the loop)
-of lengths 3..80 with different ``max_tokens``, so requests join and leave the batch
-at different steps. EOS is ignored on both sides so every request runs its full length.
+which the prompts, chunks, prefix hits and recomputations all reach past). Prompts are
+token ids (no tokenizer in the loop) of lengths 3..80 with different ``max_tokens``, so
+requests join and leave the batch at different steps. EOS is ignored on both sides so every request runs its full length.
 """
 
 from __future__ import annotations

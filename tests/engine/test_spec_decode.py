@@ -88,7 +88,8 @@ def test_s17_gemma3_greedy_tokens_with_drafts_match_transformers(
     rows past the window see the same keys as one-token decodes."""
     spec = ngram() if drafter == "ngram" else draft_model(gemma3_model_dir)
     llm = make_llm(gemma3_model_dir, spec, **CONFIGS[config])
-    assert greedy(llm, repetitive_prompts, MAX_TOKENS) == gemma3_greedy_reference(repetitive_prompts, MAX_TOKENS)
+    expected = gemma3_greedy_reference(repetitive_prompts, MAX_TOKENS)
+    assert greedy(llm, repetitive_prompts, MAX_TOKENS) == expected
     counters = llm.engine.spec_counters
     assert counters.num_draft_tokens > 0 and counters.num_accepted_tokens > 0
     if drafter == "draft-model":

@@ -27,6 +27,7 @@ from fastsched.model_loader.weights import load_model
 from fastsched.models.config import ModelConfig
 from fastsched.models.gemma import GemmaForCausalLM
 from fastsched.models.llama_cpu import unsupported_reason
+from fastsched.models.quant_linear import QuantLinear
 from fastsched.tools.tiny_gguf import write_gguf
 from fastsched.tools.tiny_model import make_tiny_model
 from fastsched.worker.kv_sizing import determine_num_blocks, fit_max_model_len
@@ -92,6 +93,19 @@ def test_logits_match_transformers_in_chunked_prefill_and_decode(arch) -> None:
         steps = [runner.step(ids[:9]), runner.step(ids[9:split]), *(runner.step([t]) for t in ids[split:])]
         logits = torch.cat(steps)
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_q8_0_projections_kept_quantized_serve_close_to_their_dequantized_logits(arch, tmp_path) -> None:
+    """Phi-3's fused qkv/gate_up Q8_0 tensors are split by rows into the fused layers' shards,
+    kept 8-bit (``quantization="gguf"``); the logits stay close to the same file dequantized."""
+    name, directory, _, _ = arch
+    gguf = write_gguf(directory, tmp_path / "q8.gguf", q8_0=True)
+    kept = load_model(gguf, quantization="gguf")
+    assert sum(isinstance(m, QuantLinear) for m in kept.modules()) == 4 * kept.config.num_layers
+    ids = load_tokenizer(directory).encode(PROMPTS[1])
+    logits = SingleRequestRunner(kept, len(ids)).step(ids)
+    dense = SingleRequestRunner(load_model(gguf, quantization="none"), len(ids)).step(ids)
+    torch.testing.assert_close(logits, dense, atol=0.1, rtol=0.05)
 
 
 def test_gguf_config_matches_the_checkpoint_config(arch) -> None:

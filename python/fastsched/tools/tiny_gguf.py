@@ -26,9 +26,12 @@ _ARCHES = {arch: name for name, arch in GGUF_ARCHITECTURES.items() if name in ("
 _CONTROL = 3  # llama.cpp's token type of special tokens
 
 
-def write_gguf(checkpoint: str | Path, out_file: str | Path) -> Path:
-    """``checkpoint`` (a single-file safetensors directory) as the GGUF file ``out_file``."""
+def write_gguf(checkpoint: str | Path, out_file: str | Path, *, q8_0: bool = False) -> Path:
+    """``checkpoint`` (a single-file safetensors directory) as the GGUF file ``out_file``;
+    with ``q8_0`` its projection matrices are stored Q8_0 (as llama.cpp's ``--outtype q8_0``
+    stores them), the rest float32."""
     import gguf  # the writer is only needed here
+    from gguf.quants import quantize
 
     checkpoint, out_file = Path(checkpoint), Path(out_file)
     config = hf.read_config(checkpoint)
@@ -45,6 +48,10 @@ def write_gguf(checkpoint: str | Path, out_file: str | Path) -> Path:
         tensor = tensor.astype(np.float32)
         if arch != "phi3" and name.endswith("norm.weight"):
             tensor = tensor + np.float32(1.0)
+        if q8_0 and name.endswith("proj.weight"):
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(_gguf_name(name, to_gguf, globals_), quantize(tensor, q8), raw_dtype=q8)
+            continue
         writer.add_tensor(_gguf_name(name, to_gguf, globals_), tensor)
     if config.rope_scaling is not None and config.rope_scaling["rope_type"] == "longrope":
         for key, tensor_name in (("short_factor", "rope_factors_short.weight"),
@@ -82,7 +89,7 @@ def _write_hyperparameters(writer: object, config: ModelConfig, arch: str) -> No
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(config.rope_theta)
     w.add_vocab_size(config.vocab_size)
-    w.add_file_type(0)  # all float32
+    w.add_file_type(0)  # float32 (the Q8_0 projections of q8_0 files are typed per tensor)
     if config.sliding_window is not None:
         w.add_sliding_window(config.sliding_window)
     if config.attn_logit_softcapping is not None:
