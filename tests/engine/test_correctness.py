@@ -5,7 +5,8 @@ none, preemptions and recomputation, either queue policy.
 fp32 on CPU, the tiny checkpoint and the tiny Gemma 3 (sliding-window layers of 16 tokens,
 which the prompts, chunks, prefix hits and recomputations all reach past). Prompts are
 token ids (no tokenizer in the loop) of lengths 3..80 with different ``max_tokens``, so
-requests join and leave the batch at different steps. EOS is ignored on both sides so every request runs its full length.
+requests join and leave the batch at different steps. EOS is ignored on both sides so
+every request runs its full length.
 """
 
 from __future__ import annotations

@@ -78,3 +78,24 @@ def test_flashinfer_plans_each_kind_of_layer_once_a_step(scenario, close, fake_f
                               logits_soft_cap=cap)
         close(out[:n], s.dense_attention(spans, n, window, cap), torch.bfloat16)
     assert fake_flashinfer.flashinfer.BatchPrefillWithPagedKVCacheWrapper.plans == 2
+
+
+@pytest.mark.parametrize("backend_cls", [TorchNativeBackend] + ([CpuBackend] if cpu_ops.AVAILABLE else []),
+                         ids=lambda c: c.name)
+def test_windowed_layers_read_no_key_before_the_window(scenario, close, backend_cls):
+    """Keys that left every query's window are never gathered: poisoned with NaN (which a
+    masked read would carry into the output, NaN * 0 = NaN), the output stays exact. Decodes
+    read their last ``window`` keys only; a chunk skips the blocks before its first query's window."""
+    s, spans = _step(scenario)
+    for i, (start, end) in enumerate(spans):
+        if start == 0:
+            continue
+        cut = end - WINDOW if end - start == 1 else max(0, start - WINDOW + 1) // s.block_size * s.block_size
+        if cut > 0:
+            s.kv_cache.view(2, -1, s.num_kv_heads, s.head_dim)[:, s.slots(i, 0, cut)] = float("nan")
+    query, key, value, metadata = s.step(spans, fused_qkv=True)
+    backend = backend_cls()
+    backend.prepare(metadata)
+    out = backend.forward(query, key, value, s.kv_cache, metadata, s.scale, sliding_window=WINDOW)
+    n = sum(e - b for b, e in spans)
+    close(out, s.dense_attention(spans, n, WINDOW), torch.float32)

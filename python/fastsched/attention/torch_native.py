@@ -18,10 +18,10 @@ padded key positions; that decides three things:
 
 - one ``index_select`` gathers keys and values together over slot indices
   (advanced indexing takes ~5x as long for the same copy);
-- padding positions read the request's own position 0, which is always
-  written, so every gathered row is finite: a NaN there would survive both
-  the mask and a zero weight (NaN * 0 = NaN), and clearing it would take a
-  pass over the whole gathered tensor;
+- padding positions read the request's own first key position (0, or with a sliding
+  window the window's first), which is always written, so every gathered row is
+  finite: a NaN there would survive both the mask and a zero weight (NaN * 0 = NaN),
+  and clearing it would take a pass over the whole gathered tensor;
 - query heads are grouped by the KV head they read (``[n, H_kv, G, D]``
   against ``[n, H_kv, L, D]``), faster on CPU than ``enable_gqa``.
 
@@ -54,7 +54,8 @@ class _Prefill:
     end: int
     seq_len: int
     blocks: torch.Tensor | None  # [num_blocks] int64; None: no context, attend over this step's K/V
-    mask: torch.Tensor | None  # [query_len, seq_len] bool; None: plain causal
+    mask: torch.Tensor | None  # [query_len, seq_len - first_key] bool; None: plain causal
+    first_key: int = 0  # the first key position read: 0, or the window's first block's start
 
 
 @dataclass
@@ -181,6 +182,7 @@ def _plan_step(metadata: AttentionMetadata, kv_cache: torch.Tensor, window: int 
         for first in range(0, len(decodes), chunk):
             reqs = decodes[first : first + chunk]
             max_len = int(decode_lens[first : first + chunk].max())
+            max_len = max_len if window is None else min(max_len, window)
             groups.append(_plan_decode_group(metadata, reqs, max_len, block_size, window))
     slots = metadata.slot_mapping.long()
     padded = slots < 0
@@ -237,18 +239,25 @@ def _fresh_prefills(
 def _plan_decode_group(
     metadata: AttentionMetadata, reqs: torch.Tensor, max_len: int, block_size: int, window: int | None
 ) -> _DecodeGroup:
+    """The group's gather: keys ``0..max_len`` of each request, or with a window its last
+    ``window`` keys only (``max_len`` is then at most ``window``)."""
     device = reqs.device
     rows = metadata.query_start_loc.index_select(0, reqs).long()
     lens = metadata.seq_lens.index_select(0, reqs).long()
-    blocks = metadata.block_tables.index_select(0, reqs)[:, : -(-max_len // block_size)].long()
-    offsets = torch.arange(block_size, device=device)
-    slots = (blocks[:, :, None] * block_size + offsets).flatten(1)[:, :max_len]  # [n, max_len]
-    key_pos = torch.arange(max_len, device=device)
+    tables = metadata.block_tables.index_select(0, reqs)
+    if window is None:
+        blocks = tables[:, : -(-max_len // block_size)].long()
+        offsets = torch.arange(block_size, device=device)
+        slots = (blocks[:, :, None] * block_size + offsets).flatten(1)[:, :max_len]  # [n, max_len]
+        key_pos = torch.arange(max_len, device=device).expand(len(reqs), max_len)
+    else:
+        first = (lens - window).clamp(min=0)
+        key_pos = first[:, None] + torch.arange(max_len, device=device)  # [n, max_len]
+        in_table = key_pos.clamp(max=tables.shape[1] * block_size - 1)
+        slots = tables.long().gather(1, in_table // block_size) * block_size + in_table % block_size
     valid = key_pos < lens[:, None]
-    # Padding reads the request's own position 0: written, so finite (module docstring).
+    # Padding reads the request's first key position: written, so finite (module docstring).
     slots = torch.where(valid, slots, slots[:, :1])
-    if window is not None:  # keys that left the window are read (written, finite) but masked
-        valid = valid & (key_pos >= lens[:, None] - window)
     return _DecodeGroup(rows, slots.flatten(), valid[:, None, None, :], max_len)
 
 
@@ -260,13 +269,16 @@ def _plan_prefill(start: int, end: int, seq_len: int, block_table: torch.Tensor,
     if context_len == 0 and not windowed:
         return _Prefill(start, end, seq_len, blocks=None, mask=None)
     device = block_table.device
-    key_pos = torch.arange(seq_len, device=device)
+    # With a window, cached blocks wholly before the first query's window are not read.
+    first_block = max(0, context_len - window + 1) // block_size if windowed and context_len else 0
+    first_key = first_block * block_size
+    key_pos = torch.arange(first_key, seq_len, device=device)
     query_pos = context_len + torch.arange(query_len, device=device)
     mask = key_pos[None, :] <= query_pos[:, None]
     if windowed:
         mask = mask & (key_pos[None, :] > query_pos[:, None] - window)
-    blocks = None if context_len == 0 else block_table[: -(-seq_len // block_size)].long()
-    return _Prefill(start, end, seq_len, blocks, mask=mask)
+    blocks = None if context_len == 0 else block_table[first_block : -(-seq_len // block_size)].long()
+    return _Prefill(start, end, seq_len, blocks, mask=mask, first_key=first_key)
 
 
 def _prefill(
@@ -285,7 +297,8 @@ def _prefill(
     else:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         blocks = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, p.blocks)
-        kv = blocks.view(2, -1, num_kv_heads, head_dim)[:, : p.seq_len]  # [2, seq_len, num_kv_heads, head_dim]
+        # [2, seq_len - first_key, num_kv_heads, head_dim]
+        kv = blocks.view(2, -1, num_kv_heads, head_dim)[:, : p.seq_len - p.first_key]
         keys, values = kv[0], kv[1]
     # [num_heads, query_len, head_dim] against [num_kv_heads, seq_len, head_dim]
     out = attend(query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), p.mask, scale, soft_cap)
