@@ -23,6 +23,7 @@ import transformers
 from fastsched import LLM, SamplingParams
 from fastsched.config import EngineConfig
 from fastsched.model_loader import load_model_config, load_tokenizer
+from fastsched.model_loader.export import export_hf
 from fastsched.model_loader.weights import load_model
 from fastsched.models.config import ModelConfig
 from fastsched.models.gemma import GemmaForCausalLM
@@ -124,6 +125,17 @@ def test_gguf_config_matches_the_checkpoint_config(arch) -> None:
         assert gguf_value == hf_value, field
 
 
+def test_export_hf_of_the_gguf_file_gives_transformers_the_same_model(arch, tmp_path) -> None:
+    """``fastsched export-hf``: the GGUF file's config (windows, caps, RoPE) and weights (norms
+    back to Gemma's zero-centred form, Phi-3's fused tensors) as a directory transformers loads."""
+    name, directory, gguf, reference = arch
+    exported = export_hf(gguf, tmp_path / "exported", weights=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    ids = torch.tensor([load_tokenizer(directory).encode(PROMPTS[0])])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_the_engine_serves_windowed_layers_in_mixed_chunked_batches(arch) -> None:
     """``fastsched.LLM`` on the default CPU backend (windowed layers on its torch path), with a
     token budget that chunks every prompt and batches prefills beside decodes."""
@@ -193,6 +205,47 @@ def test_max_model_len_from_the_file_is_cut_to_the_kv_cache_and_says_so(arch, ca
     given = dataclasses.replace(config, max_model_len=2048)
     with pytest.raises(ValueError, match="max_model_len"):
         determine_num_blocks(given, model_config, torch.float32, torch.device("cpu"), 2048)
+
+
+# Checkpoints that transformers 5 itself saves (its config.json layout: nested per-layer-type
+# rope_parameters, explicit layer_types), with what the tiny ones leave out: a
+# query_pre_attn_scalar other than head_dim, Phi-3's partial rotation.
+_TRANSFORMERS_BUILT = {
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        head_dim=32, sliding_window=8, query_pre_attn_scalar=24, sliding_window_pattern=2,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+        head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0)),
+    "phi3-partial-rotary": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        sliding_window=8, pad_token_id=0, partial_rotary_factor=0.5, original_max_position_embeddings=64,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(4)],
+                      "long_factor": [2.0 + 0.1 * i for i in range(4)]})),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_TRANSFORMERS_BUILT))
+def test_checkpoints_saved_by_transformers_match_in_chunked_prefill_and_decode(kind: str, tmp_path: Path
+                                                                               ) -> None:
+    config_cls, model_cls, extra = _TRANSFORMERS_BUILT[kind]
+    torch.manual_seed(0)
+    reference = model_cls(config_cls(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                     max_position_embeddings=512, **extra)).eval()
+    with torch.no_grad():  # randomized norms (Gemma's zero-centred), so a misplaced one shows
+        for name, param in reference.named_parameters():
+            if param.ndim == 1:
+                param.copy_(0.1 * torch.randn_like(param) + (0.0 if kind.startswith("gemma") else 1.0))
+            else:
+                param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+    reference.save_pretrained(tmp_path)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    runner = SingleRequestRunner(load_model(tmp_path), 64)
+    steps = [runner.step(ids[:12]), runner.step(ids[12:24]), *(runner.step([t]) for t in ids[24:])]
+    torch.testing.assert_close(torch.cat(steps), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_unsupported_gemma_settings_are_named() -> None:

@@ -255,6 +255,12 @@ class ModelConfig:
                           final_logit_softcapping=self.final_logit_softcapping)
         if self.rope_local_theta is not None:
             config["rope_local_base_freq"] = self.rope_local_theta
+        if self.architecture == "Phi3ForCausalLM":
+            # transformers' Phi-3 defaults its pad id to 32000, past a smaller vocabulary; the
+            # pad id is no part of this config, and LongRoPE's context is also read top-level.
+            config["pad_token_id"] = None
+            if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+                config["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]
         if self.sliding_window is not None:
             config["sliding_window"] = self.sliding_window
         if self.eos_token_ids:
