@@ -259,8 +259,9 @@ class ModelConfig:
             # transformers' Phi-3 defaults its pad id to 32000, past a smaller vocabulary; the
             # pad id is no part of this config, and LongRoPE's context is also read top-level.
             config["pad_token_id"] = None
-            if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
-                config["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]
+            scaling = self.rope_scaling or {}
+            if scaling.get("rope_type") == "longrope":
+                config["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
         if self.sliding_window is not None:
             config["sliding_window"] = self.sliding_window
         if self.eos_token_ids:
