@@ -218,6 +218,8 @@ _TRANSFORMERS_BUILT = {
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
         head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
         final_logit_softcapping=3.0)),
+    "qwen2-sliding-from-max-window-layers": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        use_sliding_window=True, sliding_window=8, max_window_layers=2)),
     "phi3-partial-rotary": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
         sliding_window=8, pad_token_id=0, partial_rotary_factor=0.5, original_max_position_embeddings=64,
         rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(4)],
@@ -235,7 +237,9 @@ def test_checkpoints_saved_by_transformers_match_in_chunked_prefill_and_decode(k
                                      max_position_embeddings=512, **extra)).eval()
     with torch.no_grad():  # randomized norms (Gemma's zero-centred), so a misplaced one shows
         for name, param in reference.named_parameters():
-            if param.ndim == 1:
+            if name.endswith("bias"):
+                param.copy_(0.5 * torch.randn_like(param))
+            elif param.ndim == 1:
                 param.copy_(0.1 * torch.randn_like(param) + (0.0 if kind.startswith("gemma") else 1.0))
             else:
                 param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)

@@ -182,6 +182,7 @@ class ModelConfig:
             raise ValueError("config.json use_bidirectional_attention (an encoder) is not supported")
         attention_bias = bool(config.get("attention_bias", False))
         is_qwen2 = architecture == "Qwen2ForCausalLM"
+        is_qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
         generation_config = generation_config or {}
         eos = generation_config.get("eos_token_id", config.get("eos_token_id"))
         bos = generation_config.get("bos_token_id", config.get("bos_token_id"))
@@ -189,6 +190,10 @@ class ModelConfig:
         if gemma and not layer_types:
             pattern = config.get("sliding_window_pattern") or _GEMMA_WINDOW_PATTERN[architecture]
             layer_types = _window_pattern(num_layers, pattern)
+        elif is_qwen and not layer_types and _hf_sliding_window(config) is not None:
+            first = config.get("max_window_layers", 28)  # the layers from max_window_layers on slide
+            layer_types = tuple("sliding_attention" if i >= first else "full_attention"
+                                for i in range(num_layers))
         return cls(
             architecture=architecture,
             hidden_size=hidden_size,
