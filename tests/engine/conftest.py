@@ -64,6 +64,22 @@ def random_prompt(vocab_size: int) -> Callable[[int, int], list[int]]:
 
 @pytest.fixture(scope="session")
 def greedy_reference(tiny_model_dir: Path) -> GreedyReference:
+    """``reference(prompts, max_tokens)``: transformers' greedy tokens for each prompt of the tiny model."""
+    return make_greedy_reference(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma 3 (the tiny model's tokenizer): five sliding-window layers of 16 tokens, one global."""
+    return make_tiny_model(tmp_path_factory.mktemp("engine-gemma3") / "model", architecture="gemma3")
+
+
+@pytest.fixture(scope="session")
+def gemma3_greedy_reference(gemma3_model_dir: Path) -> GreedyReference:
+    return make_greedy_reference(gemma3_model_dir)
+
+
+def make_greedy_reference(model_dir: Path) -> GreedyReference:
     """``reference(prompts, max_tokens)``: transformers' greedy tokens for each prompt.
 
     EOS is switched off on transformers' side (compare with ``ignore_eos=True``) so
@@ -72,7 +88,7 @@ def greedy_reference(tiny_model_dir: Path) -> GreedyReference:
     """
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     cache: dict[tuple[tuple[int, ...], int], list[int]] = {}

@@ -2,9 +2,11 @@
 engine does between steps: one big step or chunked prefills, prefix-cache hits or
 none, preemptions and recomputation, either queue policy.
 
-fp32 on CPU, the tiny checkpoint. Prompts are token ids (no tokenizer in the loop)
-of lengths 3..80 with different ``max_tokens``, so requests join and leave the batch
-at different steps. EOS is ignored on both sides so every request runs its full length.
+fp32 on CPU, the tiny checkpoint and the tiny Gemma 3 (sliding-window layers of 16 tokens,
+which the prompts, chunks, prefix hits and recomputations all reach past). Prompts are
+token ids (no tokenizer in the loop) of lengths 3..80 with different ``max_tokens``, so
+requests join and leave the batch at different steps. EOS is ignored on both sides so
+every request runs its full length.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ SUFFIX_MAX_TOKENS = (20, 16, 24, 18)
 # A pool of 8 usable blocks (128 tokens) for requests of up to 80 + 24 tokens: it
 # cannot hold two of the long ones at once, so running requests must be preempted.
 SMALL_POOL = dict(num_gpu_blocks=9, max_model_len=128)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model(request: pytest.FixtureRequest) -> tuple[Path, Callable]:
+    """(checkpoint directory, its transformers greedy reference)."""
+    if request.param == "gemma3":
+        return request.getfixturevalue("gemma3_model_dir"), request.getfixturevalue("gemma3_greedy_reference")
+    return request.getfixturevalue("tiny_model_dir"), request.getfixturevalue("greedy_reference")
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +60,18 @@ def greedy(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]
 
 
 def test_greedy_tokens_match_transformers_with_the_default_config(
-    tiny_model_dir, mixed_prompts, greedy_reference
+    model, mixed_prompts
 ) -> None:
-    llm = make_llm(tiny_model_dir)
+    model_dir, greedy_reference = model
+    llm = make_llm(model_dir)
     assert greedy(llm, mixed_prompts, MAX_TOKENS) == greedy_reference(mixed_prompts, MAX_TOKENS)
 
 
 def test_chunked_prefill_under_a_small_token_budget_gives_the_tokens_of_transformers(
-    tiny_model_dir, mixed_prompts, greedy_reference
+    model, mixed_prompts
 ) -> None:
-    llm = make_llm(tiny_model_dir, max_num_batched_tokens=16, max_num_seqs=16)
+    model_dir, greedy_reference = model
+    llm = make_llm(model_dir, max_num_batched_tokens=16, max_num_seqs=16)
     assert greedy(llm, mixed_prompts, MAX_TOKENS) == greedy_reference(mixed_prompts, MAX_TOKENS)
     # S1: no step computed more than 16 tokens (the last sampled token is never computed).
     computed = sum(PROMPT_LENGTHS) + sum(MAX_TOKENS) - len(PROMPT_LENGTHS)
@@ -67,9 +79,10 @@ def test_chunked_prefill_under_a_small_token_budget_gives_the_tokens_of_transfor
 
 
 def test_s8_prompts_sharing_a_prefix_hit_the_cache_and_give_the_tokens_of_transformers(
-    tiny_model_dir, shared_prefix_prompts, greedy_reference
+    model, shared_prefix_prompts
 ) -> None:
-    llm = make_llm(tiny_model_dir)
+    model_dir, greedy_reference = model
+    llm = make_llm(model_dir)
     expected = greedy_reference(shared_prefix_prompts, SUFFIX_MAX_TOKENS)
     # Same step: blocks are cached when scheduled, so the later prompts hit the first one's prefix.
     assert greedy(llm, shared_prefix_prompts, SUFFIX_MAX_TOKENS) == expected
@@ -82,17 +95,19 @@ def test_s8_prompts_sharing_a_prefix_hit_the_cache_and_give_the_tokens_of_transf
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
 def test_s4_preempted_requests_resume_with_the_tokens_of_transformers(
-    tiny_model_dir, mixed_prompts, greedy_reference, enable_prefix_caching: bool
+    model, mixed_prompts, enable_prefix_caching: bool
 ) -> None:
-    llm = make_llm(tiny_model_dir, **SMALL_POOL, enable_prefix_caching=enable_prefix_caching)
+    model_dir, greedy_reference = model
+    llm = make_llm(model_dir, **SMALL_POOL, enable_prefix_caching=enable_prefix_caching)
     assert greedy(llm, mixed_prompts, MAX_TOKENS) == greedy_reference(mixed_prompts, MAX_TOKENS)
     assert llm.engine.scheduler.stats()["num_preemptions_total"] > 0
 
 
 def test_s8_without_prefix_caching_nothing_hits_and_tokens_match_transformers(
-    tiny_model_dir, shared_prefix_prompts, greedy_reference
+    model, shared_prefix_prompts
 ) -> None:
-    llm = make_llm(tiny_model_dir, enable_prefix_caching=False)
+    model_dir, greedy_reference = model
+    llm = make_llm(model_dir, enable_prefix_caching=False)
     expected = greedy_reference(shared_prefix_prompts, SUFFIX_MAX_TOKENS)
     assert greedy(llm, shared_prefix_prompts, SUFFIX_MAX_TOKENS) == expected
     assert greedy(llm, shared_prefix_prompts, SUFFIX_MAX_TOKENS) == expected
@@ -100,17 +115,19 @@ def test_s8_without_prefix_caching_nothing_hits_and_tokens_match_transformers(
 
 
 def test_s3_priority_policy_preempts_and_gives_the_tokens_of_transformers(
-    tiny_model_dir, mixed_prompts, greedy_reference
+    model, mixed_prompts
 ) -> None:
-    llm = make_llm(tiny_model_dir, **SMALL_POOL, policy="priority")
+    model_dir, greedy_reference = model
+    llm = make_llm(model_dir, **SMALL_POOL, policy="priority")
     assert greedy(llm, mixed_prompts, MAX_TOKENS) == greedy_reference(mixed_prompts, MAX_TOKENS)
     assert llm.engine.scheduler.stats()["num_preemptions_total"] > 0
 
 
 def test_s4_s8_chunking_prefix_hits_and_preemption_together_give_the_tokens_of_transformers(
-    tiny_model_dir, mixed_prompts, shared_prefix_prompts, greedy_reference
+    model, mixed_prompts, shared_prefix_prompts
 ) -> None:
-    llm = make_llm(tiny_model_dir, **SMALL_POOL, max_num_batched_tokens=16, max_num_seqs=16)
+    model_dir, greedy_reference = model
+    llm = make_llm(model_dir, **SMALL_POOL, max_num_batched_tokens=16, max_num_seqs=16)
     prompts = [p for pair in zip(mixed_prompts, shared_prefix_prompts) for p in pair] + mixed_prompts[4:]
     max_tokens = [n for pair in zip(MAX_TOKENS, SUFFIX_MAX_TOKENS) for n in pair] + list(MAX_TOKENS[4:])
     assert greedy(llm, prompts, max_tokens) == greedy_reference(prompts, max_tokens)

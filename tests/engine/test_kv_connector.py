@@ -82,6 +82,17 @@ def test_s7_cold_and_warm_store_give_the_greedy_tokens_of_transformers(
     assert warm.kv_transfer.stats["hits"] == 3
 
 
+def test_s7_gemma3_cold_and_warm_store_give_the_greedy_tokens_of_transformers(
+    gemma3_model_dir, prompts, gemma3_greedy_reference, tmp_path
+) -> None:
+    """Loaded blocks serve the tiny Gemma 3's sliding-window layers (16 tokens) and its global one."""
+    expected = gemma3_greedy_reference(prompts, [MAX_TOKENS] * len(prompts))
+    assert generate(make_core(gemma3_model_dir, tmp_path), prompts) == expected
+    warm = make_core(gemma3_model_dir, tmp_path)
+    assert generate(warm, prompts) == expected
+    assert warm.kv_transfer.stats["blocks_loaded"] == 4 + 2
+
+
 def test_s7_a_4_bit_bf16_engine_saves_and_loads_its_bf16_blocks(tiny_model_dir, prompts, tmp_path) -> None:
     """4-bit weights, bf16 activations and KV: the warm engine loads the blocks the cold one
     saved (bf16 block files) and, from them, generates the cold engine's tokens."""

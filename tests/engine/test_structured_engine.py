@@ -74,6 +74,16 @@ def test_json_schema_outputs_validate_greedy_and_sampled_with_n_3(llm: LLM) -> N
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_gemma3_json_schema_outputs_validate_greedy_and_sampled(gemma3_model_dir: Path) -> None:
+    """The tiny Gemma 3 (tied logits, sliding windows) under a schema: every output validates."""
+    llm = make_llm(gemma3_model_dir, True)
+    results = outputs(llm, ["Describe a box:", "x"], [constrained(), constrained(1.0, n=2, seed=7)])
+    assert len(results) == 3
+    for text, finish_reason in results:
+        assert finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
 def test_async_scheduling_gives_the_constrained_outputs_of_the_sync_loop(llm: LLM, sync_llm: LLM) -> None:
     prompts = ["one", "two two", "three three three"]
     params = [constrained(), constrained(1.0, n=2, seed=3), constrained(structured_outputs={"regex": r"[a-f]{4,9}"})]

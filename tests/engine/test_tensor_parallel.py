@@ -208,6 +208,14 @@ def test_tp2_greedy_tokens_equal_tp1_with_chunking_prefix_hits_and_preemption(
     assert sharded == reference
 
 
+def test_tp2_gemma3_greedy_tokens_equal_tp1_with_chunking_prefix_hits_and_preemption(
+    gemma3_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    """Gemma 3's extra norms and q/k norms are replicated, its sliding windows per head: exact."""
+    reference, sharded = _tp2_against_tp1(gemma3_model_dir, prompts, "none")
+    assert sharded == reference
+
+
 def test_tp2_int4_greedy_tokens_agree_with_tp1_but_for_bf16_rounding_of_partial_sums(
     tiny_model_dir: Path, prompts: list[list[int]]
 ) -> None:

@@ -134,8 +134,11 @@ class PagedScenario:
         )
         return q, k, v, metadata
 
-    def dense_attention(self, spans: list[Span], num_tokens: int) -> torch.Tensor:
-        """The oracle: causal attention from the full sequences in fp64, no cache involved."""
+    def dense_attention(self, spans: list[Span], num_tokens: int, window: int | None = None,
+                        soft_cap: float | None = None) -> torch.Tensor:
+        """The oracle: causal attention from the full sequences in fp64, no cache involved;
+        with ``window`` a query sees its last that many keys, with ``soft_cap`` scores are
+        ``cap * tanh(s / cap)``."""
         group = self.num_heads // self.num_kv_heads
         out = torch.zeros(num_tokens, self.num_heads, self.head_dim, dtype=torch.float64)
         row = 0
@@ -144,7 +147,12 @@ class PagedScenario:
             k = self.keys[i][:end].double().cpu().repeat_interleave(group, dim=1)
             v = self.values[i][:end].double().cpu().repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
-            visible = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+            if soft_cap is not None:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
+            key_pos, query_pos = torch.arange(end)[None, :], torch.arange(start, end)[:, None]
+            visible = key_pos <= query_pos
+            if window is not None:
+                visible &= key_pos > query_pos - window
             probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
             out[row : row + end - start] = torch.einsum("hqk,khd->qhd", probs, v)
             row += end - start

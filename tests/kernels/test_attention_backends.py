@@ -178,6 +178,8 @@ class _FakePrefillWrapper:
         *,
         causal,
         sm_scale,
+        window_left,
+        logits_soft_cap,
         q_data_type,
         kv_data_type,
     ):
@@ -187,6 +189,7 @@ class _FakePrefillWrapper:
         _FakePrefillWrapper.plans += 1
         self.qo, self.kv, self.pages = qo_indptr.tolist(), kv_indptr.tolist(), kv_indices.cpu()
         self.last, self.page_size, self.scale = last_page_len.tolist(), page_size, sm_scale
+        self.window_left, self.soft_cap = window_left, logits_soft_cap
         self.shape = (num_qo_heads, num_kv_heads, head_dim, q_data_type, kv_data_type)
 
     def run(self, q, paged_kv_cache, *, out):
@@ -200,15 +203,17 @@ class _FakePrefillWrapper:
             v = v_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1)
             rows = slice(self.qo[b], self.qo[b + 1])
             q_len = self.qo[b + 1] - self.qo[b]
-            visible = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
-            attn = torch.nn.functional.scaled_dot_product_attention(
-                q[rows].transpose(0, 1).float(),
-                k.float(),
-                v.float(),
-                attn_mask=visible,
-                scale=self.scale,
-                enable_gqa=True,
-            )
+            key_pos, query_pos = torch.arange(kv_len)[None, :], torch.arange(kv_len - q_len, kv_len)[:, None]
+            visible = key_pos <= query_pos
+            if self.window_left >= 0:  # window_left keys before the query's own
+                visible &= key_pos >= query_pos - self.window_left
+            group = q.shape[1] // k.shape[0]
+            scores = q[rows].transpose(0, 1).float() @ k.float().repeat_interleave(group, 0).transpose(1, 2)
+            scores = scores * self.scale
+            if self.soft_cap > 0:
+                scores = self.soft_cap * torch.tanh(scores / self.soft_cap)
+            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+            attn = probs @ v.float().repeat_interleave(group, 0)
             out[rows] = attn.transpose(0, 1).to(out.dtype)
 
 

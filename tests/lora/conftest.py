@@ -36,6 +36,31 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def adapters(base_dir: Path) -> dict[str, LoRARequest]:
+    return make_adapters(base_dir)
+
+
+@pytest.fixture(scope="session")
+def peft_reference(base_dir: Path, adapters: dict[str, LoRARequest]) -> PeftReference:
+    return make_peft_reference(base_dir, adapters)
+
+
+@pytest.fixture(scope="session")
+def gemma3_base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma 3: five sliding-window layers of 16 tokens, one global."""
+    return make_tiny_model(tmp_path_factory.mktemp("lora-gemma3") / "model", architecture="gemma3")
+
+
+@pytest.fixture(scope="session")
+def gemma3_adapters(gemma3_base_dir: Path) -> dict[str, LoRARequest]:
+    return make_adapters(gemma3_base_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma3_peft_reference(gemma3_base_dir: Path, gemma3_adapters: dict[str, LoRARequest]) -> PeftReference:
+    return make_peft_reference(gemma3_base_dir, gemma3_adapters)
+
+
+def make_adapters(base_dir: Path) -> dict[str, LoRARequest]:
     """Two adapters unlike each other: every projection at rank 8 (the largest rank, which
     the tests' max_lora_rank allows), and q/v only at rank 4 with alpha 8 (scaling 2)."""
     root = base_dir.parent
@@ -44,8 +69,7 @@ def adapters(base_dir: Path) -> dict[str, LoRARequest]:
     return {"full": LoRARequest("full", 1, str(full)), "qv": LoRARequest("qv", 2, str(qv))}
 
 
-@pytest.fixture(scope="session")
-def peft_reference(base_dir: Path, adapters: dict[str, LoRARequest]) -> PeftReference:
+def make_peft_reference(base_dir: Path, adapters: dict[str, LoRARequest]) -> PeftReference:
     """``reference(prompt, max_tokens, adapter name or None)``: greedy token ids of
     transformers with the adapter applied by peft (EOS off: compare with ``ignore_eos``)."""
     import peft

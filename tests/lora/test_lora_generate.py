@@ -47,6 +47,23 @@ def test_a_batch_mixing_the_base_model_and_two_adapters_gives_the_tokens_of_peft
         assert out.outputs[0].token_ids == peft_reference(p, GREEDY.max_tokens, name), name
 
 
+def test_gemma3_batch_mixing_the_base_model_and_two_adapters_gives_the_tokens_of_peft(
+    gemma3_base_dir: Path, gemma3_adapters: dict[str, LoRARequest], gemma3_peft_reference: PeftReference
+) -> None:
+    """Gemma 3's layers (sliding windows, q/k norms, post-norms) take the adapters' deltas where
+    peft adds them; chunked so prefill chunks reach past the window."""
+    prompts = [prompt(n, seed) for seed, n in enumerate([9, 40, 70, 17])]
+    names = ["full", None, "qv", "full"]
+    llm = make_llm(gemma3_base_dir, max_num_batched_tokens=48, max_num_seqs=8)
+    requests = [gemma3_adapters[n] if n else None for n in names]
+    outputs = llm.generate(prompts, GREEDY, lora_request=requests, use_tqdm=False)
+    for p, name, out in zip(prompts, names, outputs, strict=True):
+        assert out.outputs[0].token_ids == gemma3_peft_reference(p, GREEDY.max_tokens, name), name
+    # Guards the parity: the adapters change what the base model says.
+    assert any(gemma3_peft_reference(p, 12, None) != gemma3_peft_reference(p, 12, n)
+               for p in prompts for n in ("full", "qv"))
+
+
 def test_adapters_change_the_outputs_of_the_base_model(
     base_dir: Path, adapters: dict[str, LoRARequest], peft_reference: PeftReference
 ) -> None:

@@ -18,6 +18,7 @@ from fastsched.kernels import quant_matmul_cpu
 from fastsched.model_loader.weights import load_model
 from fastsched.models.llama_cpu import CpuDecoderStack, unsupported_reason
 from fastsched.models.quant_linear import copy_weights
+from fastsched.tools.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not quant_matmul_cpu.GEMM_SIMD, reason="the stack needs AVX-512 BF16")
 
@@ -116,7 +117,17 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory):
     return model
 
 
-@pytest.mark.parametrize("name", ["model", "qwen2", "qwen3"])
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory: pytest.TempPathFactory):
+    """A random Phi-3 with a 3-token sliding window on every layer (shorter than the steps'
+    contexts, so the window decides what the rows attend), int4 weights."""
+    model = load_model(make_tiny_model(tmp_path_factory.mktemp("phi3") / "model", architecture="phi3",
+                                       sliding_window=3), dtype=torch.bfloat16, quantization="int4")
+    assert model.layers[0].self_attn.sliding_window == 3
+    return model
+
+
+@pytest.mark.parametrize("name", ["model", "qwen2", "qwen3", "phi3"])
 def test_the_stack_gives_the_layer_by_layer_bits_and_kv_cache(name, request) -> None:
     model = request.getfixturevalue(name)
     assert unsupported_reason(model) is None

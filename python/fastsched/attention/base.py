@@ -87,8 +87,11 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
-        options: AttentionOptions = PLAIN_ATTENTION,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write this step's K/V at ``slot_mapping``, then attend causally over the cache
-        (within the layer's ``options``)."""
+        """Write this step's K/V at ``slot_mapping``, then attend causally over the cache: a
+        query at position p attends the keys in (p - sliding_window, p] when the layer has a
+        window, with scores soft-capped at ``logits_soft_cap`` when it has one
+        (:class:`AttentionOptions` says the same in one value)."""
         ...

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastsched.attention.base import PLAIN_ATTENTION, AttentionMetadata, AttentionOptions
+from fastsched.attention.base import AttentionMetadata, AttentionOptions
 from fastsched.attention.torch_native import TorchNativeBackend, _plan_prefill, _prefill, _Prefill
 from fastsched.kernels import cpu_ops
 
@@ -69,14 +69,15 @@ class CpuBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
-        options: AttentionOptions = PLAIN_ATTENTION,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V at ``slot_mapping``, then attend causally over the cache
-        (within the layer's ``options``)."""
+        (within the layer's ``sliding_window``, scores soft-capped at ``logits_soft_cap``)."""
+        options = AttentionOptions(sliding_window, logits_soft_cap)
         if query.dtype not in cpu_ops.DTYPES or kv_cache.dtype not in cpu_ops.DTYPES:
-            if options.plain:
-                return self._torch.forward(query, key, value, kv_cache, metadata, scale)
-            return self._torch.forward(query, key, value, kv_cache, metadata, scale, options)
+            return self._torch.forward(query, key, value, kv_cache, metadata, scale, sliding_window,
+                                       logits_soft_cap)
         plan = self._step_plan(metadata, kv_cache.shape[2], sdpa=options.plain)
         out = torch.empty(query.shape, dtype=query.dtype)
         if plan.num_rows < out.shape[0]:

@@ -15,6 +15,11 @@ block tables become FlashInfer's CSR form (``paged_kv_indptr``,
 the causal mask to the end of each request's keys, which is our rule that
 query row j sits at position ``seq_len - query_len + j``.
 
+Layers with a sliding window or logit soft-capping (Gemma) are planned apart: one wrapper
+(sharing the workspace) per ``(window, soft cap)`` the step's layers use, planned with
+FlashInfer's ``window_left`` (the keys before the query's own: ``window - 1``) and
+``logits_soft_cap``.
+
 The import is guarded so that importing ``fastsched.attention`` never needs
 flashinfer; ``select_backend`` only builds this backend when it is available.
 """
@@ -48,15 +53,16 @@ class FlashInferBackend:
         if flashinfer is None:
             raise ImportError("the flashinfer attention backend needs the flashinfer package")
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        # One wrapper per (sliding window, soft cap) a layer uses, each with this step's plan key.
+        self._wrappers: dict[tuple[int | None, float | None], object] = {}
+        self._plan_keys: dict[tuple[int | None, float | None], tuple] = {}
         self._metadata: AttentionMetadata | None = None
-        self._plan_key: tuple | None = None
         self._num_tokens = 0
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        """Start a step: the next forward() plans for this metadata."""
+        """Start a step: the next forward() of each kind of layer plans for this metadata."""
         self._metadata = metadata
-        self._plan_key = None
+        self._plan_keys = {}
 
     def forward(
         self,
@@ -66,8 +72,11 @@ class FlashInferBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V at ``slot_mapping``, then attend causally over the cache."""
+        """Write this step's K/V at ``slot_mapping``, then attend causally over the cache
+        (the last ``sliding_window`` keys only; scores soft-capped at ``logits_soft_cap``)."""
         if metadata is not self._metadata:
             raise RuntimeError("FlashInferBackend.prepare() was not called with this step's metadata")
         if query.dtype not in SUPPORTED_DTYPES:
@@ -76,23 +85,31 @@ class FlashInferBackend:
                 "use the triton backend for fp32"
             )
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        kind = (sliding_window, logits_soft_cap)
+        wrapper = self._wrappers.get(kind)
+        if wrapper is None:
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+            self._wrappers[kind] = wrapper
         plan_key = (query.shape[1:], kv_cache.shape[2:], query.dtype, kv_cache.dtype, scale)
-        if plan_key != self._plan_key:
-            self._plan(query, kv_cache, metadata, scale)
-            self._plan_key = plan_key
+        if plan_key != self._plan_keys.get(kind):
+            self._plan(wrapper, query, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+            self._plan_keys[kind] = plan_key
         # Contiguous (the model reshapes it to [T, hidden]); padding rows stay zero.
         out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
         n = self._num_tokens  # rows past query_start_loc[-1] are batch padding
         if n > 0:
-            self._wrapper.run(query[:n].contiguous(), (kv_cache[0], kv_cache[1]), out=out[:n])
+            wrapper.run(query[:n].contiguous(), (kv_cache[0], kv_cache[1]), out=out[:n])
         return out
 
     def _plan(
         self,
+        wrapper: object,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
     ) -> None:
         block_size = kv_cache.shape[2]
         qo_indptr = metadata.query_start_loc.to("cpu", torch.int32)
@@ -114,7 +131,7 @@ class FlashInferBackend:
         page_index = torch.arange(block_tables.shape[1], device=block_tables.device)
         in_use = page_index[None, :] < num_pages.to(block_tables.device)[:, None]
         kv_indices = block_tables[in_use].to(torch.int32)  # row-major: request by request
-        self._wrapper.plan(
+        wrapper.plan(  # type: ignore[attr-defined]
             qo_indptr,
             kv_indptr,
             kv_indices,
@@ -125,6 +142,8 @@ class FlashInferBackend:
             block_size,
             causal=True,
             sm_scale=scale,
+            window_left=-1 if sliding_window is None else sliding_window - 1,
+            logits_soft_cap=logits_soft_cap or 0.0,
             q_data_type=query.dtype,
             kv_data_type=kv_cache.dtype,
         )

@@ -31,8 +31,11 @@ class TritonBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V at ``slot_mapping``, then attend causally over the cache."""
+        """Write this step's K/V at ``slot_mapping``, then attend causally over the cache
+        (the last ``sliding_window`` keys only; scores soft-capped at ``logits_soft_cap``)."""
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
         # Contiguous (the model reshapes it to [T, hidden]); padding rows stay zero.
         out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
@@ -45,4 +48,6 @@ class TritonBackend:
             metadata.max_query_len,
             scale,
             out=out,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )

@@ -59,7 +59,7 @@ from fastsched.models.config import ModelConfig
 from fastsched.sample import make_generator
 from fastsched.spec_decode import SpecDecodingCounters, build_proposer, draft_rows
 from fastsched.worker.input_batch import RowState
-from fastsched.worker.kv_sizing import kv_pool_blocks
+from fastsched.worker.kv_sizing import fit_max_model_len, kv_pool_blocks
 from fastsched.worker.model_runner import ExecutedStep, ModelRunner, PreparedStep, StepResult
 from fastsched.worker.tp_group import start_tensor_parallel
 from fastsched.worker.weight_reload import load_checked, swap_in
@@ -95,12 +95,8 @@ class EngineCore:
         if device.type == "cpu":
             configure_threads(config.num_threads)
         self.model_config: ModelConfig = load_model_config(config.model)
+        # The model's bound; the KV pool may cut it once sized (fit_max_model_len, below).
         self.max_model_len = config.resolve_max_model_len(self.model_config.max_position_embeddings)
-        if self.model_config.sliding_window and self.max_model_len > self.model_config.sliding_window:
-            raise ValueError(
-                f"max_model_len ({self.max_model_len}) exceeds the model's sliding_window "
-                f"({self.model_config.sliding_window}), which no attention backend implements"
-            )
         logger.info("loading model %s (%s, %s, quantization %s)", config.model or "SmolLM2-135M-Instruct (embedded)",
                     dtype, device, config.resolved_quantization)
         # --tensor-parallel-size: the other ranks load their shards while this one loads its own.
@@ -114,6 +110,7 @@ class EngineCore:
             spec, self.model_config, backend, block_size=config.block_size, max_model_len=self.max_model_len,
             device=device, dtype=dtype)
         num_blocks = kv_pool_blocks(model, backend, config, self.model_config, dtype, device, self.max_model_len)
+        self.max_model_len = fit_max_model_len(config, self.max_model_len, num_blocks)
         if self.tp_group is not None:
             self.tp_group.share_num_blocks(num_blocks)
             logger.info("tensor parallel heads: %s", describe_head_split(self.model_config, config.tensor_parallel_size))

@@ -18,6 +18,13 @@ numbered from ``query_start_loc[i] // BLOCK_Q + i``; that start is monotone in
 ``i`` and leaves room for ``cdiv(query_len_i, BLOCK_Q)`` blocks, so the total
 needs no device-to-host sync, and a program finds its request by binary search.
 Programs past a request's last query block exit at once.
+
+With a sliding window (``WINDOW`` > 0, a query sees its last ``WINDOW`` keys) the walk
+starts at the tile holding the first key the block's earliest query sees, and the mask
+also drops keys older than each row's window; a row can then meet a tile in which it
+sees nothing, so the running max is kept finite (a fully masked tile adds zero). With
+logit soft-capping (``SOFT_CAP`` > 0) each score becomes ``cap * tanh(score / cap)``
+before the softmax.
 """
 
 from __future__ import annotations
@@ -72,6 +79,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,7 +118,10 @@ def _paged_attention_kernel(
     qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
 
     kv_end = context_len + tl.minimum(query_len, (q_block + 1) * BLOCK_Q)
-    for kv_start in range(0, kv_end, BLOCK_N):
+    kv_begin = 0
+    if WINDOW > 0:
+        kv_begin = tl.maximum(context_len + q_block * BLOCK_Q - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    for kv_start in range(kv_begin, kv_end, BLOCK_N):
         kv_pos = kv_start + tl.arange(0, BLOCK_N)
         kv_valid = kv_pos < kv_end
         block = tl.load(
@@ -127,11 +139,20 @@ def _paged_attention_kernel(
             mask=kv_valid[None, :] & dim_valid[:, None],
             other=0.0,
         ).to(DOT_DTYPE)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if SOFT_CAP > 0:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+            s = SOFT_CAP * (2.0 * tl.sigmoid(2.0 * s / SOFT_CAP) - 1.0)  # cap * tanh(s / cap)
+            s = s * 1.4426950408889634
+        else:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         causal = (kv_pos[None, :] <= query_pos[:, None]) & kv_valid[None, :]
+        if WINDOW > 0:
+            causal = causal & (kv_pos[None, :] > query_pos[:, None] - WINDOW)
         s = tl.where(causal, s, float("-inf"))
 
         m_new = tl.maximum(m, tl.max(s, 1))
+        if WINDOW > 0:  # a row that has seen no key yet: subtract 0, so exp2(-inf) = 0, not NaN
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
@@ -143,6 +164,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m = m_new
 
+    if WINDOW > 0:  # padding rows past the request's end may have seen no key (l = 0); not stored
+        l = tl.where(l == 0.0, 1.0, l)
     acc = acc / l[:, None]
     tl.store(
         out_ptr + q_token[:, None] * stride_o_token + head[:, None] * stride_o_head + dims[None, :],
@@ -160,8 +183,12 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention for every request of the step; returns ``out``.
+    """Causal paged attention for every request of the step; returns ``out``. With
+    ``sliding_window`` a query sees only its last that many keys; with ``logits_soft_cap``
+    scores are soft-capped (``cap * tanh(s / cap)``).
 
     ``query`` and ``kv_cache`` must share a dtype (fp32, fp16 or bf16); the
     softmax and accumulation are fp32 either way, and fp32 dots run in IEEE
@@ -225,6 +252,8 @@ def paged_attention(
         BLOCK_N=KV_TILE,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        WINDOW=sliding_window or 0,
+        SOFT_CAP=float(logits_soft_cap or 0.0),
         # Gathered K/V tiles carry a 64-bit address per element; with 4 warps
         # the larger tiles spill registers (ptxas, sm_80 and sm_90).
         num_warps=8 if block_m * head_dim_pad >= 4096 else 4,

@@ -71,9 +71,12 @@ def check_gguf_metadata(metadata: dict[str, Any], tensors: Sequence[GGUFTensor])
     by_name = {t.name: t for t in tensors}
     expected = {"hidden": hidden, "ffn": ffn, "q": heads and head_dim and heads * head_dim,
                 "kv": kv_heads and head_dim and kv_heads * head_dim}
+    fused_gate_up = "blk.0.ffn_gate.weight" not in by_name  # Phi-3: ffn_up holds gate and up
     for suffix, dims in _SHAPES.items():
         tensor = by_name.get(f"blk.0.{suffix}")
         want = tuple(expected[d] for d in dims)
+        if suffix == "ffn_up.weight" and fused_gate_up and ffn is not None:
+            want = (2 * ffn, *want[1:])
         if tensor is not None and None not in want and tuple(tensor.shape) != want:
             raise ValueError(f"GGUF tensor blk.0.{suffix} has shape {tuple(tensor.shape)}, but the metadata "
                              f"({arch}.embedding_length, feed_forward_length, attention.*) implies {want}")

@@ -7,7 +7,7 @@ import ctypes
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -73,7 +73,7 @@ _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 def _plan_gguf(
-    bits: dict[str, int], tensors: list[GGUFTensor]
+    bits: dict[str, int], tensors: list[GGUFTensor], hf_name: Callable[[str], str]
 ) -> tuple[set[str], list[tuple[GGUFTensor, int]]]:
     """Which parameters stay quantized, and the bits each tensor is served with (0: dense).
 
@@ -81,12 +81,10 @@ def _plan_gguf(
     it is in a kept format (``bits``, :meth:`GGUFFile.quantized_tensor_names`): then it
     becomes a ``QuantLinear`` / ``QuantEmbedding`` and its dense weight is never allocated.
     Its shards may differ in format: 4-bit if all are (``fuse``), else 8-bit; the embedding is
-    8-bit. A layer with a dense shard is dense."""
-    from fastsched.model_loader.gguf import _hf_name
-
+    8-bit. A layer with a dense shard is dense. ``hf_name``: a tensor's Hugging Face name."""
     shards: dict[str, list[tuple[GGUFTensor, int]]] = {}
     for tensor in tensors:
-        name = _hf_name(tensor.name)
+        name = hf_name(tensor.name)
         shards.setdefault(target_parameter(name), []).append((tensor, bits.get(name, 0)))
     packed, served = set(), []
     for target, group in shards.items():
@@ -213,7 +211,8 @@ def load_model(
         logger.info("%s holds tensors %s; quantization %s", path.name, gguf_file.quantization_types(), quantization)
         weights = (_from_gguf(name, w) for name, w in gguf_file.iter_weights(config, quantization == "gguf"))
         if quantization == "gguf":
-            packed, served = _plan_gguf(gguf_file.quantized_tensor_names(), gguf_file.container.tensors)
+            packed, served = _plan_gguf(gguf_file.quantized_tensor_names(), gguf_file.weight_tensors(),
+                                        gguf_file.hf_name)
             _log_gguf_kept(path, served, dtype)
     else:
         config = hf.read_config(path)

@@ -1,14 +1,18 @@
-"""One decoder for the Llama family: Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2, Qwen3.
+"""One decoder for the Llama family: Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2, Qwen3, Phi-3.
 
 They differ only in switches that ``ModelConfig`` carries (q/k/v bias, o_proj bias,
-per-head q/k RMSNorm, tied embeddings, RoPE scaling), so one implementation keeps
-them numerically identical to ``transformers`` with a single code path to test.
+per-head q/k RMSNorm, tied embeddings, RoPE scaling and partial rotation, sliding
+windows), so one implementation keeps them numerically identical to ``transformers``
+with a single code path to test. Gemma 2/3 (:mod:`fastsched.models.gemma`) reuse its
+attention, MLP and loading with their own layer.
 
 Tokens arrive flattened (``[T]``, requests back to back, prefill chunks and decodes
 mixed); attention is the backend's job, everything else is position-wise. q/k/v and
 gate/up are fused into one matmul each; ``load_weights`` packs the checkpoint's
-separate tensors into them. With LoRA (``fastsched.lora``) each fused projection's
-output gets its per-token adapter delta added, by the fused parameter's name.
+separate tensors into them (a checkpoint stored fused, Phi-3's, is split first, so
+tensor parallelism and quantized layers see the same shards). With LoRA
+(``fastsched.lora``) each fused projection's output gets its per-token adapter delta
+added, by the fused parameter's name.
 
 Built with a :class:`TensorParallel` (``tp``), each rank holds its shard of every layer
 (:mod:`fastsched.models.tp_shard`) and the layers add the collectives: an all-reduce after
@@ -19,9 +23,7 @@ rank 0. Without one (``tp=None``) nothing of that runs.
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,9 +37,15 @@ from fastsched.kernels.quant_matmul import Int4Weight, Int8Weight, fuse
 from fastsched.models.config import ModelConfig
 from fastsched.models.llama_cpu import CpuDecoderStack, llama_stack, unsupported_reason
 from fastsched.models.quant_linear import QuantEmbedding, QuantLinear, replace_linear
-from fastsched.models.tp_shard import local_heads, shard_weight
+from fastsched.models.rope import Rope, RotaryEmbedding, apply_rope
+from fastsched.models.tp_shard import local_heads, shard_weight, weight_rows
+
+__all__ = ["Attention", "LlamaForCausalLM", "MLP", "RMSNorm", "Rope", "RotaryEmbedding", "apply_rope",
+           "target_parameter"]
 
 logger = logging.getLogger(__name__)
+
+Weight = torch.Tensor | Int4Weight | Int8Weight
 
 if TYPE_CHECKING:
     from fastsched.distributed.parallel import TensorParallel
@@ -60,76 +68,12 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies (fp32, CPU), with Llama-3's frequency-dependent scaling:
-    long wavelengths are slowed by ``factor``, short ones kept, the band between blended."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    in_band = ~(wavelen < old_context / high) & ~(wavelen > old_context / low)
-    return torch.where(in_band, blended, scaled)
-
-
-class RotaryEmbedding:
-    """cos/sin tables for the given positions, computed per step (no max-length table to size)."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        # A plain tensor, not a buffer: the model is built on the meta device and a buffer
-        # would come back uninitialized from ``to_empty``.
-        self.inv_freq = rope_inv_freq(config)
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim], broadcast over heads
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """A :class:`Rope` indexing cached ``[len, head_dim]`` tables (CPU), grown (doubling)
-        to cover ``positions``. Rows are built by ``__call__`` itself, in chunks small enough
-        that torch runs each on one thread and fully vectorized, so a table row has the bits
-        the per-step path computes for that position."""
-        cos, sin = self._tables.get(dtype, (None, None))
-        needed = int(positions.max()) + 1 if positions.numel() else 1
-        if cos is None or cos.shape[0] < needed:
-            length = max(1024, 1 << (needed - 1).bit_length())
-            chunks = [self(torch.arange(i, min(i + 256, length)), dtype) for i in range(0, length, 256)]
-            cos = torch.cat([c for c, _ in chunks]).squeeze(1).contiguous()
-            sin = torch.cat([s for _, s in chunks]).squeeze(1).contiguous()
-            self._tables[dtype] = (cos, sin)
-        return Rope(cos, sin, positions.contiguous())
-
-
-@dataclass
-class Rope:
-    """A step's RoPE: per-token ``cos``/``sin`` ``[T, 1, head_dim]`` (``positions`` None),
-    or, for the CPU kernel, ``[len, head_dim]`` tables indexed by ``positions``."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    positions: torch.Tensor | None = None
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on ``[T, heads, head_dim]`` (the Hugging Face layout, not interleaved)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+    """Self-attention of layer ``layer``: its sliding window (if any), the config's logit
+    soft-cap and attention scale go to the backend; ``norm`` builds the q/k norms."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None, layer: int = 0,
+                 norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.tp = tp
         self.num_heads, self.num_kv_heads = (
@@ -137,12 +81,17 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.sliding_window = config.layer_window(layer)
+        # Only what is set goes to the backend, so a layer without either calls it as before.
+        self._backend_options = {k: v for k, v in (("sliding_window", self.sliding_window),
+                                                   ("logits_soft_cap", config.attn_logit_softcapping))
+                                 if v is not None}
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = norm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(config.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
     def forward(
@@ -172,9 +121,11 @@ class Attention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
-        # The CPU backend reads strided rows; the others are given v contiguous, as before.
-        v = v if backend.name == "cpu" else v.contiguous()
-        out = backend.forward(q, k, v, kv_cache, metadata, self.scale).reshape(num_tokens, self.q_size)
+        # The CPU backend reads strided rows, k's and v's alike (after q/k norms k is a new
+        # tensor, so v is copied too); the others are given v contiguous, as before.
+        v = v if backend.name == "cpu" and k.stride(0) == v.stride(0) else v.contiguous()
+        out = backend.forward(q, k, v, kv_cache, metadata, self.scale, **self._backend_options)
+        out = out.reshape(num_tokens, self.q_size)
         projected = self.o_proj(out)
         if lora is not None:
             lora.add("o_proj", out, projected)
@@ -188,6 +139,7 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size // (1 if tp is None else tp.size)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma); else SwiGLU
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None, cpu_bf16: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -197,7 +149,7 @@ class MLP(nn.Module):
             activated = cpu_ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            activated = F.silu(gate) * up
+            activated = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
         out = self.down_proj(activated)
         if lora is not None:
             lora.add("down_proj", activated, out)
@@ -205,10 +157,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, tp)
+        self.self_attn = Attention(config, tp, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp)
 
@@ -257,14 +209,17 @@ _FUSED = {
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow the Hugging Face checkpoint minus its ``model.`` prefix."""
 
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
         vocab_rows = config.vocab_size if tp is None else tp.vocab_range(config.vocab_size)[2]
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(config, tp, i) for i in range(config.num_layers))
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
         # What this rank's KV cache holds per layer (all the model's KV heads without tp).
         self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads
@@ -285,9 +240,12 @@ class LlamaForCausalLM(nn.Module):
         cpu = hidden.device.type == "cpu" and cpu_ops.AVAILABLE and hidden.dtype in cpu_ops.DTYPES
         cpu_bf16 = cpu and hidden.dtype == torch.bfloat16 and self.norm.weight.dtype == torch.bfloat16
         # On the CPU the Rust kernels replace the elementwise torch ops: RoPE (same bits in
-        # float32 and bfloat16) whenever there is no q/k norm; norms (q/k norms too), residual
-        # adds and SiLU (bfloat16 only, see fastsched-kernels' elementwise docs) in bfloat16.
-        rope = (self.rotary.table(positions, hidden.dtype) if cpu_bf16 or (cpu and not self.config.qk_norm)
+        # float32 and bfloat16) whenever there is no q/k norm and it rotates whole heads; norms (q/k
+        # norms too), residual adds and SiLU (bfloat16 only, see fastsched-kernels' elementwise docs)
+        # in bfloat16.
+        cpu_bf16 = cpu_bf16 and self.config.hidden_act == "silu" and self.rotary.full_width
+        rope = (self.rotary.table(positions, hidden.dtype)
+                if self.rotary.full_width and (cpu_bf16 or (cpu and not self.config.qk_norm))
                 else Rope(*self.rotary(positions, hidden.dtype)))
         if cpu_bf16:
             return self._forward_cpu_bf16(hidden, rope, kv_caches, metadata, backend, lora)
@@ -353,12 +311,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, weight.to(hidden.dtype) if weight.dtype != hidden.dtype else weight)
-        if self.tp is None:
-            return logits
-        gathered = self.tp.gather_vocab(logits, self.config.vocab_size)
-        return logits[:, :0] if gathered is None else gathered
+        if self.tp is not None:
+            gathered = self.tp.gather_vocab(logits, self.config.vocab_size)
+            logits = logits[:, :0] if gathered is None else gathered
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Copy Hugging Face-named tensors in, packing q/k/v and gate/up into the fused
         parameters; fails naming any tensor without a place and any tensor never given.
 
@@ -372,7 +331,7 @@ class LlamaForCausalLM(nn.Module):
         device = self.norm.weight.device
         loaded: set[str] = set()
         quantized_shards: dict[str, dict[int, Int4Weight | Int8Weight]] = {}
-        for hf_name, tensor in weights:
+        for hf_name, tensor in self._unfused(weights):
             name = hf_name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
                 continue  # recomputed / shared with embed_tokens
@@ -428,6 +387,21 @@ class LlamaForCausalLM(nn.Module):
             for shard, weight in shards.items():
                 start, size = self._shard_range(fused, shard)
                 params[target].data[start : start + size].copy_(weight.dequantize())
+
+    def _unfused(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+        """The checkpoint's tensors with fused ``qkv_proj`` / ``gate_up_proj`` ones (Phi-3)
+        split into the separate projections (by the full model's sizes, before any sharding)."""
+        c = self.config
+        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        splits = {"qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
+                  "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))}
+        for name, tensor in weights:
+            prefix, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", name, "")
+            if proj not in splits:
+                yield name, tensor
+                continue
+            for part, start, end in splits[proj]:
+                yield f"{prefix}.{part}.{kind}", weight_rows(tensor, start, end)
 
     def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
         """Rows of checkpoint shard ``shard`` in fused parameter ``fused`` (this rank's sizes)."""

@@ -31,6 +31,7 @@ from torch import nn
 from fastsched import _core
 from fastsched.attention.base import PLAIN_ATTENTION, AttentionOptions
 from fastsched.kernels import cpu_ops, quant_matmul_cpu
+from fastsched.models.config import GEMMA_ARCHITECTURES
 from fastsched.models.quant_linear import QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ def llama_layers(model: nn.Module) -> list[StackLayer]:
             scale=attn.scale,
             q_norm=attn.q_norm.weight.detach() if attn.qk_norm else None,
             k_norm=attn.k_norm.weight.detach() if attn.qk_norm else None,
+            attention=AttentionOptions(attn.sliding_window, model.config.attn_logit_softcapping),
         ))
     return layers
 
@@ -104,6 +106,11 @@ def unsupported_reason(model: nn.Module) -> str | None:
     call (None: it can)."""
     if model.tp is not None:
         return "tensor parallelism"
+    config = model.config
+    if config.architecture in GEMMA_ARCHITECTURES:
+        return "Gemma's layers are not described to the stack yet"
+    if config.hidden_act != "silu" or not model.rotary.full_width:
+        return f"the {config.hidden_act} activation or partial rotary embeddings"
     if model.norm.weight.dtype != torch.bfloat16:
         return "weights not bfloat16 on the CPU"
     return layers_unsupported_reason(llama_layers(model), model.norm.weight)

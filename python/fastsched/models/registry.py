@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from fastsched.models.gemma import GemmaForCausalLM
 from fastsched.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -11,6 +12,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 

@@ -76,7 +76,8 @@ def _parts(w: Int4Weight | Int8Weight) -> list[torch.Tensor]:
     return [w.codes, w.scale] + ([w.zero] if w.zero is not None else [])
 
 
-def _rows(w: Weight, start: int, end: int) -> Weight:
+def weight_rows(w: Weight, start: int, end: int) -> Weight:
+    """Rows ``start:end`` of a dense or quantized weight (a quantized one's groups run along rows)."""
     if isinstance(w, (Int4Weight, Int8Weight)):
         return type(w)(*(t[start:end] for t in _parts(w)))
     return w[start:end]
@@ -111,11 +112,11 @@ def shard_weight(name: str, w: Weight, config: ModelConfig, tp: TensorParallel) 
     hd = config.head_dim
     q_heads, kv_heads = head_ranges(config, tp.rank, tp.size)
     if proj == "q_proj":
-        return _rows(w, q_heads.start * hd, q_heads.stop * hd)
+        return weight_rows(w, q_heads.start * hd, q_heads.stop * hd)
     if proj in ("k_proj", "v_proj"):
-        return _rows(w, kv_heads.start * hd, kv_heads.stop * hd)
+        return weight_rows(w, kv_heads.start * hd, kv_heads.stop * hd)
     if proj in ("gate_proj", "up_proj"):
-        return _rows(w, *split_range(config.intermediate_size, tp.rank, tp.size))
+        return weight_rows(w, *split_range(config.intermediate_size, tp.rank, tp.size))
     if proj in ("o_proj", "down_proj"):
         if kind == "bias":
             return w if tp.rank == 0 else torch.zeros_like(w)
@@ -124,5 +125,5 @@ def shard_weight(name: str, w: Weight, config: ModelConfig, tp: TensorParallel) 
         return _columns(name, w, *split_range(config.intermediate_size, tp.rank, tp.size))
     if name in ("embed_tokens.weight", "lm_head.weight"):
         start, end, per_rank = tp.vocab_range(config.vocab_size)
-        return _pad_rows(_rows(w, start, end), per_rank)
+        return _pad_rows(weight_rows(w, start, end), per_rank)
     return w

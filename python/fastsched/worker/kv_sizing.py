@@ -102,8 +102,9 @@ def determine_num_blocks(
     (``profile_peak_bytes``); on CPU it takes ``kv_cache_memory`` bytes (a
     ``gpu_memory_utilization`` set there is warned about: CPU memory is shared with every
     other process, so a fraction of it is no size).  A pool that cannot hold one request of
-    ``max_model_len`` tokens is a start-up error.  Logs count blocks as ``num_gpu_blocks``
-    does everywhere (the null block included).
+    a ``--max-model-len`` the user gave is a start-up error; the model's own context length
+    is instead cut to what fits (:func:`fit_max_model_len`).  Logs count blocks as
+    ``num_gpu_blocks`` does everywhere (the null block included).
     """
     per_block = kv_cache_bytes_per_block(model_config, config.block_size, dtype)
     if config.num_gpu_blocks is not None:
@@ -125,7 +126,7 @@ def determine_num_blocks(
             source += " (the CPU default)"
         _warn_gpu_memory_utilization_on_cpu(config, budget)
     usable_tokens = (num_blocks - 1) * config.block_size
-    if usable_tokens < max_model_len:
+    if usable_tokens < max_model_len and (config.max_model_len is not None or usable_tokens < 2):
         raise ValueError(
             f"the KV cache pool ({num_blocks - 1} blocks x {config.block_size} tokens = {usable_tokens} tokens, "
             f"from {source}) cannot hold one request of max_model_len ({max_model_len}) tokens; "
@@ -139,12 +140,28 @@ def determine_num_blocks(
         (num_blocks - 1) * per_block / 2**30,
         source,
     )
-    logger.info(
-        "Maximum concurrency for %d tokens per request: %.2fx",
-        max_model_len,
-        usable_tokens / max_model_len,
-    )
     return num_blocks
+
+
+def fit_max_model_len(config: EngineConfig, model_max: int, num_blocks: int) -> int:
+    """The engine's ``max_model_len``: ``--max-model-len`` when given (checked against the model
+    and the pool already), else the model's context length (``max_position_embeddings``, a
+    GGUF file's ``<arch>.context_length``) cut to the tokens the KV pool holds; logs which
+    bound applied, and the concurrency that leaves."""
+    usable_tokens = (num_blocks - 1) * config.block_size
+    if config.max_model_len is not None:
+        max_model_len, bound = config.max_model_len, "--max-model-len"
+    elif usable_tokens < model_max:
+        max_model_len = usable_tokens
+        bound = (f"the KV cache's {usable_tokens} tokens, below the model's context length {model_max}; "
+                 "give the cache more memory for longer requests")
+    else:
+        max_model_len = model_max
+        bound = f"the model's context length (the KV cache holds {usable_tokens} tokens)"
+    logger.info("max_model_len %d: %s", max_model_len, bound)
+    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len,
+                usable_tokens / max_model_len)
+    return max_model_len
 
 
 def _warn_gpu_memory_utilization_on_cpu(config: EngineConfig, budget: int) -> None:

@@ -25,7 +25,7 @@ class SimulatedEngine:
 
 def simulated_engine(config: EngineConfig) -> SimulatedEngine:
     from fastsched.model_loader import load_model_config  # reads the config file only
-    from fastsched.worker.kv_sizing import determine_num_blocks
+    from fastsched.worker.kv_sizing import determine_num_blocks, fit_max_model_len
 
     model_config = load_model_config(config.model)
     max_model_len = config.resolve_max_model_len(model_config.max_position_embeddings)
@@ -36,4 +36,5 @@ def simulated_engine(config: EngineConfig) -> SimulatedEngine:
             "(the number an engine logs as `KV blocks=N` when ready) or simulate a CPU engine (--device cpu)"
         )
     num_blocks = determine_num_blocks(config, model_config, config.torch_dtype, device, max_model_len)
+    max_model_len = fit_max_model_len(config, max_model_len, num_blocks)
     return SimulatedEngine(config.scheduler_config(max_model_len, num_blocks), max_model_len, num_blocks)
