@@ -170,15 +170,15 @@ def test_gemma2_soft_capping_is_applied(arch) -> None:
 
 
 def test_the_rust_decoder_stack_declines_what_its_kernels_lack(arch) -> None:
-    """Dense bfloat16 layers are never the stack's; Phi-3's sliding window is (the kernel has
-    windows: tests/models/test_llama_cpu.py checks its bits), so int4 Phi-3 runs in it."""
+    """Dense bfloat16 layers are never the stack's; sliding windows, soft-caps and Gemma's
+    layers are (tests/models/test_llama_cpu.py checks their bits), so int4 models run in it."""
     name, directory, _, _ = arch
     reason = unsupported_reason(load_model(directory, dtype=torch.bfloat16))
     assert reason is not None
-    if "AVX-512" not in reason:  # on a CPU with the kernels, the architecture is what declines
-        assert ("Gemma" in reason) if name.startswith("gemma") else ("is not an int4/int8 layer" in reason)
-        if name == "phi3":
-            assert unsupported_reason(load_model(directory, dtype=torch.bfloat16, quantization="int4")) is None
+    if "AVX-512" not in reason:  # on a CPU with the kernels, the dense layers are what declines
+        assert "is not an int4/int8 layer" in reason
+        assert unsupported_reason(load_model(directory, dtype=torch.bfloat16, quantization="int4")) is None
+        assert "bfloat16" in unsupported_reason(load_model(directory, dtype=torch.float32, quantization="int4"))
 
 
 def test_gemma_models_are_gemma_layers_with_windows_on_the_sliding_ones(arch) -> None:

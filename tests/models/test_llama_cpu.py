@@ -1,8 +1,9 @@
 """The CPU decoder stack (fastsched.models.llama_cpu): the embedded SmolLM2 (4-bit weights,
-bfloat16), a Qwen2 with q/k/v biases and a Qwen3 with per-head q/k norms (both quantized to
-int4 at load) run as one Rust call a step give the same bits as the layer-by-layer path, for
-their hidden states and for what they write into the KV cache, and the stack steps aside
-where it does not apply."""
+bfloat16), a Qwen2 with q/k/v biases, a Qwen3 with per-head q/k norms, a windowed Phi-3 and
+Gemma 2 / Gemma 3 (windows, soft-caps, four ``1 + w`` norms a layer, GeGLU, Gemma 3's local
+RoPE table; all quantized to int4 at load) run as one Rust call a step give the same bits as
+the layer-by-layer path, for their hidden states and for what they write into the KV cache,
+and the stack steps aside where it does not apply."""
 
 from __future__ import annotations
 
@@ -127,7 +128,30 @@ def phi3(tmp_path_factory: pytest.TempPathFactory):
     return model
 
 
-@pytest.mark.parametrize("name", ["model", "qwen2", "qwen3", "phi3"])
+def _tiny_gemma(architecture: str, tmp_path_factory: pytest.TempPathFactory):
+    """A random Gemma with a 5-token window, int4 weights."""
+    directory = make_tiny_model(tmp_path_factory.mktemp(architecture) / "model", architecture=architecture,
+                                sliding_window=5)
+    model = load_model(directory, dtype=torch.bfloat16, quantization="int4")
+    assert model.layers[0].self_attn.sliding_window == 5
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory: pytest.TempPathFactory):
+    """Gemma 2: a window on every other layer, attention soft-capping."""
+    return _tiny_gemma("gemma2", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory):
+    """Gemma 3: a window on five layers of six, q/k norms, the sliding layers' own RoPE base."""
+    model = _tiny_gemma("gemma3", tmp_path_factory)
+    assert model.config.qk_norm and model.local_rotary is not None
+    return model
+
+
+@pytest.mark.parametrize("name", ["model", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_the_stack_gives_the_layer_by_layer_bits_and_kv_cache(name, request) -> None:
     model = request.getfixturevalue(name)
     assert unsupported_reason(model) is None

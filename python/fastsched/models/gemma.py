@@ -23,8 +23,10 @@ import torch
 from torch import nn
 
 from fastsched.attention.base import AttentionBackend, AttentionMetadata
+from fastsched.kernels import cpu_ops
 from fastsched.models.config import ModelConfig
 from fastsched.models.llama import MLP, Attention, LlamaForCausalLM
+from fastsched.models.llama_cpu import CpuDecoderStack, gemma_stack
 from fastsched.models.rope import Rope, RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -46,6 +48,11 @@ class GemmaRMSNorm(nn.Module):
         normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).type_as(x)
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight as the CPU kernels take it: float32 ``1 + w``, which they apply before
+        the one rounding to bfloat16, as :meth:`forward` does."""
+        return 1.0 + self.weight.detach().float()
+
 
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None, layer: int = 0) -> None:
@@ -58,7 +65,8 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
         sliding = config.layer_types[layer] == "sliding_attention"
-        self.local_rope = sliding and config.rope_local_theta is not None
+        # the step's RoPEs: the global one, then (Gemma 3) the sliding layers' own
+        self.rope_table = 1 if sliding and config.rope_local_theta is not None else 0
 
     def forward(
         self,
@@ -73,6 +81,28 @@ class GemmaDecoderLayer(nn.Module):
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden), lora)
         return hidden + self.post_feedforward_layernorm(mlp)
+
+    def forward_cpu_bf16(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        lora: LayerLoRA | None = None,
+    ) -> torch.Tensor:
+        """``forward`` with the CPU kernels, as ``DecoderLayer.forward_cpu_bf16``: adds the
+        previous layer's ``delta`` (its normed MLP output) to ``hidden`` in place and returns
+        this layer's. The output norms run in place, as the decoder stack runs them."""
+        eps = self.input_layernorm.eps
+        normed = cpu_ops.add_rms_norm(hidden, delta, self.input_layernorm.kernel_weight(), eps)
+        attn = self.self_attn(normed, rope, kv_cache, metadata, backend, lora)
+        cpu_ops.rms_norm_heads_(attn, 1, self.post_attention_layernorm.kernel_weight(), eps)
+        normed = cpu_ops.add_rms_norm(hidden, attn, self.pre_feedforward_layernorm.kernel_weight(), eps)
+        mlp = self.mlp(normed, lora, cpu_bf16=True)
+        cpu_ops.rms_norm_heads_(mlp, 1, self.post_feedforward_layernorm.kernel_weight(), eps)
+        return mlp
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -101,10 +131,18 @@ class GemmaForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:  # [T, hidden_size], final-normed
         hidden = self.embed_tokens(input_ids) if self.tp is None else self._embed_vocab_parallel(input_ids)
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
-        global_rope = Rope(*self.rotary(positions, hidden.dtype))
-        local_rope = (global_rope if self.local_rotary is None
-                      else Rope(*self.local_rotary(positions, hidden.dtype)))
+        rotaries = [self.rotary] + ([] if self.local_rotary is None else [self.local_rotary])
+        # bfloat16 on the CPU: the Rust kernels for everything but the matmuls (and, where the
+        # model and the step allow, for those too: the decoder stack)
+        if hidden.device.type == "cpu" and cpu_ops.AVAILABLE and hidden.dtype == torch.bfloat16 and all(
+                r.full_width for r in rotaries):
+            ropes = [r.table(positions, hidden.dtype) for r in rotaries]
+            return self._forward_cpu_bf16(hidden, ropes, kv_caches, metadata, backend, lora)
+        ropes = [Rope(*r(positions, hidden.dtype)) for r in rotaries]
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            rope = local_rope if layer.local_rope else global_rope
-            hidden = layer(hidden, rope, kv_cache, metadata, backend, None if lora is None else lora.layer(i))
+            hidden = layer(hidden, ropes[layer.rope_table], kv_cache, metadata, backend,
+                           None if lora is None else lora.layer(i))
         return self.norm(hidden)
+
+    def _build_cpu_stack(self) -> CpuDecoderStack:
+        return gemma_stack(self)

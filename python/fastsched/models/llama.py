@@ -67,6 +67,10 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight as the CPU kernels take it: bfloat16, so they round as :meth:`forward`."""
+        return self.weight.detach()
+
 
 class Attention(nn.Module):
     """Self-attention of layer ``layer``: its sliding window (if any), the config's logit
@@ -110,8 +114,9 @@ class Attention(nn.Module):
         if rope.positions is not None:  # the CPU kernels, in place on q's and k's heads
             if self.qk_norm:  # bfloat16 only: the table form comes with q/k norms on that path alone
                 q_norm, k_norm = self.q_norm, self.k_norm
-                cpu_ops.rms_norm_heads_(qkv, self.num_heads, q_norm.weight, q_norm.eps)
-                cpu_ops.rms_norm_heads_(qkv[:, self.q_size :], self.num_kv_heads, k_norm.weight, k_norm.eps)
+                cpu_ops.rms_norm_heads_(qkv, self.num_heads, q_norm.kernel_weight(), q_norm.eps)
+                cpu_ops.rms_norm_heads_(qkv[:, self.q_size :], self.num_kv_heads, k_norm.kernel_weight(),
+                                        k_norm.eps)
             cpu_ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope.positions, rope.cos, rope.sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -146,7 +151,7 @@ class MLP(nn.Module):
         if lora is not None:
             lora.add("gate_up_proj", x, gate_up)
         if cpu_bf16:
-            activated = cpu_ops.silu_mul(gate_up)
+            activated = cpu_ops.gelu_tanh_mul(gate_up) if self.gelu else cpu_ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             activated = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
@@ -157,6 +162,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    rope_table = 0  # which of the step's RoPEs rotates this layer (Gemma 3's sliding layers: their own)
+
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -248,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
                 if self.rotary.full_width and (cpu_bf16 or (cpu and not self.config.qk_norm))
                 else Rope(*self.rotary(positions, hidden.dtype)))
         if cpu_bf16:
-            return self._forward_cpu_bf16(hidden, rope, kv_caches, metadata, backend, lora)
+            return self._forward_cpu_bf16(hidden, [rope], kv_caches, metadata, backend, lora)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, rope, kv_cache, metadata, backend, None if lora is None else lora.layer(i))
         return self.norm(hidden)
@@ -256,30 +263,37 @@ class LlamaForCausalLM(nn.Module):
     def _forward_cpu_bf16(
         self,
         hidden: torch.Tensor,
-        rope: Rope,
+        ropes: list[Rope],
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         lora: LoRAStep | None,
     ) -> torch.Tensor:
+        """The layers on the CPU kernels (bfloat16, RoPE tables: ``ropes[layer.rope_table]``
+        rotates a layer), as one stack call where the model and the step allow."""
         hidden = hidden.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
         stack = self._cpu_stack() if lora is None and isinstance(backend, CpuBackend) else None
         kernel_step = None if stack is None else backend.kernel_step(metadata, kv_caches[0].shape[2])
         if stack is not None and kernel_step is not None:
-            assert rope.positions is not None  # the table form, as on every CPU bfloat16 path
-            return stack.forward(hidden, rope.positions, [(rope.cos, rope.sin)], kv_caches, *kernel_step)
+            positions = ropes[0].positions
+            assert positions is not None  # the table form, as on every CPU bfloat16 path
+            return stack.forward(hidden, positions, [(r.cos, r.sin) for r in ropes], kv_caches, *kernel_step)
         delta = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            delta = layer.forward_cpu_bf16(hidden, delta, rope, kv_cache, metadata, backend,
+            delta = layer.forward_cpu_bf16(hidden, delta, ropes[layer.rope_table], kv_cache, metadata, backend,
                                            None if lora is None else lora.layer(i))
-        return cpu_ops.add_rms_norm(hidden, delta, self.norm.weight, self.norm.eps)
+        return cpu_ops.add_rms_norm(hidden, delta, self.norm.kernel_weight(), self.norm.eps)
+
+    def _build_cpu_stack(self) -> CpuDecoderStack:
+        """The stack of a model :func:`unsupported_reason` accepts."""
+        return llama_stack(self)
 
     def _cpu_stack(self) -> CpuDecoderStack | None:
         """The layers as one Rust call (:mod:`fastsched.models.llama_cpu`), built on first use;
         None where the model does not qualify (the reason is logged once)."""
         if self._stack is None:
             reason = unsupported_reason(self)
-            self._stack = reason or llama_stack(self)
+            self._stack = reason or self._build_cpu_stack()
             if reason:
                 logger.info("CPU decoder: layer by layer (%s)", reason)
             else:

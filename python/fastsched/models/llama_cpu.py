@@ -8,12 +8,12 @@ the KV write and paged attention, the activation, residual adds, the final norm)
 in one call.
 
 A model describes its layers as :class:`StackLayer` values: the Llama family through
-:func:`llama_stack`, others (Gemma 2 / 3: output norms, GeGLU, sliding windows with their own
-RoPE table, soft-capped logits, ``1 + w`` norms given as float32) by building them. For the
-Llama family it runs the same kernels in the same order as
-``LlamaForCausalLM._forward_cpu_bf16``, so its output is bit-equal to that path
-(tests/models/test_llama_cpu.py), and it applies only where that path would run those
-kernels: bfloat16 activations, every projection an int4 / int8 :class:`QuantLinear` on the
+:func:`llama_stack`, Gemma 2 / 3 through :func:`gemma_stack` (output norms, GeGLU, sliding
+windows with their own RoPE table, soft-capped attention, ``1 + w`` norms given as float32).
+It runs the same kernels in the same order as ``LlamaForCausalLM._forward_cpu_bf16`` (Gemma's
+layers: ``GemmaDecoderLayer.forward_cpu_bf16``), so its output is bit-equal to that path
+(tests/models/test_llama_cpu.py, tests/models/test_gemma_cpu.py), and it applies only where
+that path would run those kernels: bfloat16 activations, every projection an int4 / int8 :class:`QuantLinear` on the
 Rust kernels (with or without a bfloat16 bias, as Qwen2's q/k/v), no tensor parallelism, no
 LoRA in the step, every request's attention on the Rust kernel (no SDPA prefill chunk), and a
 CPU with the many-row GEMM's AVX-512 BF16. Otherwise the model runs layer by layer.
@@ -31,7 +31,7 @@ from torch import nn
 from fastsched import _core
 from fastsched.attention.base import PLAIN_ATTENTION, AttentionOptions
 from fastsched.kernels import cpu_ops, quant_matmul_cpu
-from fastsched.models.config import GEMMA_ARCHITECTURES
+from fastsched.models.config import GEMMA_ARCHITECTURES, ModelConfig
 from fastsched.models.quant_linear import QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -84,43 +84,71 @@ def layers_unsupported_reason(layers: Sequence[StackLayer], final_norm: torch.Te
     return None
 
 
+def _layer(layer: nn.Module, config: ModelConfig, **options: object) -> StackLayer:
+    """A decoder layer's parts every family shares (the projections, the attention's scale,
+    window and soft-cap, the input norm and q/k norms, as the kernels take them) with the
+    family's ``options``."""
+    attn = layer.self_attn
+    return StackLayer(
+        input_norm=layer.input_layernorm.kernel_weight(),
+        projections=tuple(layer.get_submodule(name) for name in _PROJECTIONS),  # type: ignore[arg-type]
+        scale=attn.scale,
+        q_norm=attn.q_norm.kernel_weight() if attn.qk_norm else None,
+        k_norm=attn.k_norm.kernel_weight() if attn.qk_norm else None,
+        attention=AttentionOptions(attn.sliding_window, config.attn_logit_softcapping),
+        **options,  # type: ignore[arg-type]
+    )
+
+
 def llama_layers(model: nn.Module) -> list[StackLayer]:
     """The layers of a ``fastsched.models.llama.LlamaForCausalLM`` (Llama, Mistral, Qwen2, Qwen3)."""
-    layers = []
-    for layer in model.layers:
-        attn = layer.self_attn
-        layers.append(StackLayer(
-            input_norm=layer.input_layernorm.weight.detach(),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            projections=tuple(layer.get_submodule(name) for name in _PROJECTIONS),  # type: ignore[arg-type]
-            scale=attn.scale,
-            q_norm=attn.q_norm.weight.detach() if attn.qk_norm else None,
-            k_norm=attn.k_norm.weight.detach() if attn.qk_norm else None,
-            attention=AttentionOptions(attn.sliding_window, model.config.attn_logit_softcapping),
-        ))
-    return layers
+    return [_layer(layer, model.config, post_norm=layer.post_attention_layernorm.kernel_weight())
+            for layer in model.layers]
+
+
+def gemma_layers(model: nn.Module) -> list[StackLayer]:
+    """The layers of a ``fastsched.models.gemma.GemmaForCausalLM`` (Gemma 2, Gemma 3): float32
+    ``1 + w`` norms, four a layer, GeGLU, and RoPE table 1 (the local RoPE) on Gemma 3's
+    sliding layers."""
+    return [_layer(layer, model.config, post_norm=layer.pre_feedforward_layernorm.kernel_weight(),
+                   attn_out_norm=layer.post_attention_layernorm.kernel_weight(),
+                   mlp_out_norm=layer.post_feedforward_layernorm.kernel_weight(),
+                   activation="gelu_tanh", rope_table=layer.rope_table)
+            for layer in model.layers]
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
-    """Why ``model`` (a ``fastsched.models.llama.LlamaForCausalLM``) cannot run as one stack
-    call (None: it can)."""
+    """Why ``model`` (a ``fastsched.models.llama.LlamaForCausalLM`` or its Gemma subclass)
+    cannot run as one stack call (None: it can)."""
     if model.tp is not None:
         return "tensor parallelism"
     config = model.config
-    if config.architecture in GEMMA_ARCHITECTURES:
-        return "Gemma's layers are not described to the stack yet"
-    if config.hidden_act != "silu" or not model.rotary.full_width:
+    gemma = config.architecture in GEMMA_ARCHITECTURES
+    rotaries = [model.rotary] + ([model.local_rotary] if gemma and model.local_rotary is not None else [])
+    if config.hidden_act != ("gelu_pytorch_tanh" if gemma else "silu") or not all(r.full_width for r in rotaries):
         return f"the {config.hidden_act} activation or partial rotary embeddings"
     if model.norm.weight.dtype != torch.bfloat16:
         return "weights not bfloat16 on the CPU"
-    return layers_unsupported_reason(llama_layers(model), model.norm.weight)
+    layers = gemma_layers(model) if gemma else llama_layers(model)
+    return layers_unsupported_reason(layers, model.norm.kernel_weight())
 
 
 def llama_stack(model: nn.Module) -> CpuDecoderStack:
     """The stack of a ``LlamaForCausalLM`` for which :func:`unsupported_reason` is None."""
+    return _stack(model, llama_layers(model))
+
+
+def gemma_stack(model: nn.Module) -> CpuDecoderStack:
+    """The stack of a ``GemmaForCausalLM`` for which :func:`unsupported_reason` is None; its
+    ``forward`` takes the global RoPE table, then (Gemma 3) the local one. The embedding
+    scale and the final logit soft-cap stay the model's."""
+    return _stack(model, gemma_layers(model))
+
+
+def _stack(model: nn.Module, layers: list[StackLayer]) -> CpuDecoderStack:
     attn = model.layers[0].self_attn
-    return CpuDecoderStack(llama_layers(model), model.norm.weight.detach(), model.norm.eps,
-                           num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
+    return CpuDecoderStack(layers, model.norm.kernel_weight(), model.norm.eps, num_heads=attn.num_heads,
+                           num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
 
 
 class CpuDecoderStack:
