@@ -35,3 +35,11 @@ def gemma3_gguf(pytestconfig: pytest.Config) -> Path:
 
     cache = Path(pytestconfig.cache.mkdir("gemma3-gguf"))
     return locate(cache)
+
+
+@pytest.fixture(scope="session")
+def gemma3_fp32_llm(gemma3_gguf: Path):
+    """The real Gemma 3 file dequantized, in float32: the reference its quantized paths are held to."""
+    from fastsched import LLM
+
+    return LLM(str(gemma3_gguf), quantization="none", dtype="float32", log_stats_interval=0, max_model_len=128)
