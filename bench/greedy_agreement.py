@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
 import time
@@ -91,7 +90,8 @@ def llamacpp_greedy(model: str, prompts: list[list[int]], tokens: int, threads: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="GGUF file")
     parser.add_argument("--prompts", type=int, default=8, help=f"how many of the {len(PROMPTS)} prompts")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
@@ -102,7 +102,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:  # llama.cpp, in its own interpreter: prompt ids on stdin, tokens on stdout
         prompts = json.loads(sys.stdin.read())
-        print("RESULT " + json.dumps(llamacpp_greedy(args.model, prompts, args.tokens, args.threads)), flush=True)
+        outputs = llamacpp_greedy(args.model, prompts, args.tokens, args.threads)
+        print("RESULT " + json.dumps(outputs), flush=True)
         return
     if not 1 <= args.prompts <= len(PROMPTS):
         raise SystemExit(f"--prompts must be 1..{len(PROMPTS)}, got {args.prompts}")
@@ -121,9 +122,9 @@ def main() -> None:
         fastsched_greedy(args.model, prompts, args.tokens, args.threads), reference)
     results["fastsched_s"] = time.perf_counter() - start
     if args.llamacpp_python is not None:
-        proc = subprocess.run([args.llamacpp_python, __file__, "--model", args.model, "--tokens", str(args.tokens),
-                               "--threads", str(args.threads), "--worker"], input=json.dumps(prompts),
-                              capture_output=True, text=True, env=os.environ)
+        command = [args.llamacpp_python, __file__, "--model", args.model, "--tokens", str(args.tokens),
+                   "--threads", str(args.threads), "--worker"]
+        proc = subprocess.run(command, input=json.dumps(prompts), capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if proc.returncode or line is None:
             raise SystemExit(f"llama.cpp run failed:\n{proc.stderr[-4000:]}")

@@ -13,6 +13,10 @@ What differs from Llama, each as transformers computes it (so fp32 greedy tokens
   ones keeping ``rope_theta`` and its scaling.
 
 The output embedding is tied to the input one (both families).
+
+In bfloat16 on a CPU the layers run on the Rust kernels (``forward_cpu_bf16``), and where the
+projections are int4 / int8 on those kernels as one decoder-stack call a step
+(``fastsched.models.llama_cpu.gemma_stack``), bit-equal to the layer-by-layer kernels.
 """
 
 from __future__ import annotations

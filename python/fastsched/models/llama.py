@@ -280,8 +280,8 @@ class LlamaForCausalLM(nn.Module):
             return stack.forward(hidden, positions, [(r.cos, r.sin) for r in ropes], kv_caches, *kernel_step)
         delta = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            delta = layer.forward_cpu_bf16(hidden, delta, ropes[layer.rope_table], kv_cache, metadata, backend,
-                                           None if lora is None else lora.layer(i))
+            delta = layer.forward_cpu_bf16(hidden, delta, ropes[layer.rope_table], kv_cache, metadata,
+                                           backend, None if lora is None else lora.layer(i))
         return cpu_ops.add_rms_norm(hidden, delta, self.norm.kernel_weight(), self.norm.eps)
 
     def _build_cpu_stack(self) -> CpuDecoderStack:

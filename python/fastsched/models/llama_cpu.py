@@ -12,8 +12,8 @@ A model describes its layers as :class:`StackLayer` values: the Llama family thr
 windows with their own RoPE table, soft-capped attention, ``1 + w`` norms given as float32).
 It runs the same kernels in the same order as ``LlamaForCausalLM._forward_cpu_bf16`` (Gemma's
 layers: ``GemmaDecoderLayer.forward_cpu_bf16``), so its output is bit-equal to that path
-(tests/models/test_llama_cpu.py, tests/models/test_gemma_cpu.py), and it applies only where
-that path would run those kernels: bfloat16 activations, every projection an int4 / int8 :class:`QuantLinear` on the
+(tests/models/test_llama_cpu.py), and it applies only where that path would run those
+kernels: bfloat16 activations, every projection an int4 / int8 :class:`QuantLinear` on the
 Rust kernels (with or without a bfloat16 bias, as Qwen2's q/k/v), no tensor parallelism, no
 LoRA in the step, every request's attention on the Rust kernel (no SDPA prefill chunk), and a
 CPU with the many-row GEMM's AVX-512 BF16. Otherwise the model runs layer by layer.
@@ -125,7 +125,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
     config = model.config
     gemma = config.architecture in GEMMA_ARCHITECTURES
     rotaries = [model.rotary] + ([model.local_rotary] if gemma and model.local_rotary is not None else [])
-    if config.hidden_act != ("gelu_pytorch_tanh" if gemma else "silu") or not all(r.full_width for r in rotaries):
+    activation = "gelu_pytorch_tanh" if gemma else "silu"
+    if config.hidden_act != activation or not all(r.full_width for r in rotaries):
         return f"the {config.hidden_act} activation or partial rotary embeddings"
     if model.norm.weight.dtype != torch.bfloat16:
         return "weights not bfloat16 on the CPU"
