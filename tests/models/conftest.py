@@ -42,4 +42,5 @@ def gemma3_fp32_llm(gemma3_gguf: Path):
     """The real Gemma 3 file dequantized, in float32: the reference its quantized paths are held to."""
     from fastsched import LLM
 
-    return LLM(str(gemma3_gguf), quantization="none", dtype="float32", log_stats_interval=0, max_model_len=128)
+    return LLM(str(gemma3_gguf), quantization="none", dtype="float32", log_stats_interval=0, max_model_len=128,
+               num_gpu_blocks=64)  # a small KV pool: the tests run a few short prompts

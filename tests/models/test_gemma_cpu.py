@@ -82,7 +82,7 @@ def _bench():
 
 def test_real_gemma3_default_path_follows_its_fp32_reference(gemma3_gguf: Path, gemma3_fp32_llm: LLM) -> None:
     bench = _bench()
-    llm = LLM(str(gemma3_gguf), log_stats_interval=0, max_model_len=128)
+    llm = LLM(str(gemma3_gguf), log_stats_interval=0, max_model_len=128, num_gpu_blocks=64)
     prompts = [llm.tokenizer.encode(p) for p in bench.PROMPTS]
     ours = _greedy(llm, prompts)
     if quant_matmul_cpu.GEMM_SIMD and llm.config.torch_dtype == torch.bfloat16:
