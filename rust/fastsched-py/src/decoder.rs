@@ -295,10 +295,10 @@ impl PyCpuDecoder {
                 caches[0].dtype().name()
             )));
         }
-        if caches
-            .first()
-            .is_some_and(|c| c.shape().len() != 5 || c.dim(0) != 2)
-            || h.dim(1) != dims.hidden
+        if caches.first().is_some_and(|c| {
+            c.shape().len() != 5
+                || (c.dim(0), c.dim(3), c.dim(4)) != (2, dims.num_kv_heads, dims.head_dim)
+        }) || h.dim(1) != dims.hidden
             || o.shape() != h.shape()
         {
             return Err(PyValueError::new_err(format!(
