@@ -246,7 +246,15 @@ impl Tensor {
     /// checking that every dim but the first (all if `!strided_rows`) is compact.
     fn geometry(&self, strided_rows: bool) -> PyResult<(usize, usize)> {
         let shape = self.shape();
-        let inner: usize = shape.iter().skip(1).map(|&d| d as usize).product();
+        if shape.contains(&0) {
+            return Ok((0, 0)); // no elements: nothing is read, whatever the strides say
+        }
+        let mut inner = 1usize;
+        for &d in shape.iter().skip(1) {
+            inner = inner.checked_mul(d as usize).ok_or_else(|| {
+                PyValueError::new_err(format!("{} {shape:?} has too many elements", self.name))
+            })?;
+        }
         let rows = shape.first().map_or(1, |&d| d as usize);
         let mut stride = inner;
         if let Some(strides) = self.strides() {
@@ -270,11 +278,12 @@ impl Tensor {
                 want *= d;
             }
         }
-        let span = if rows == 0 || inner == 0 {
-            0
-        } else {
-            (rows - 1) * stride + inner
-        };
+        let span = (rows - 1)
+            .checked_mul(stride)
+            .and_then(|s| s.checked_add(inner))
+            .ok_or_else(|| {
+                PyValueError::new_err(format!("{}'s rows span too much memory", self.name))
+            })?;
         Ok((stride, span))
     }
 
