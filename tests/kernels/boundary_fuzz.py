@@ -72,8 +72,14 @@ def _break(data: st.DataObject, t: torch.Tensor, others: list[torch.Tensor]) -> 
     bad = t.clone()
     if bad.numel() and not bad.is_floating_point() and bad.dtype != torch.bool:
         i = data.draw(st.integers(0, bad.numel() - 1))
-        bad.view(-1)[i] = data.draw(st.integers(-3, int(bad.abs().max()) * 2 + 3))
+        info = torch.iinfo(bad.dtype)
+        bad.view(-1)[i] = max(info.min, min(info.max, data.draw(st.integers(-3, 64))))
     return bad
+
+
+def _seed(data: st.DataObject) -> None:
+    """Seeds torch's generator from the example, so that a failing example replays."""
+    torch.manual_seed(data.draw(st.integers(0, 2**16)))
 
 
 def _call(name: str, fn: Callable[..., Any], args: list[Any], broken: bool) -> None:
@@ -104,7 +110,8 @@ def _fuzz_args(data: st.DataObject, name: str, fn: Callable[..., Any], args: lis
     _call(name, fn, args, broken=False)
     chosen = data.draw(st.sets(st.sampled_from(breakable), min_size=1, max_size=3)) if breakable else set()
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    bad = [(_break(data, a, [o for o in tensors if o is not a]) if i in chosen else a) for i, a in enumerate(args)]
+    bad = [(_break(data, a, [o for o in tensors if o is not a]) if i in chosen else a)
+           for i, a in enumerate(args)]
     _call(name, fn, bad, broken=True)
 
 
@@ -115,6 +122,7 @@ def _tensor_indices(args: list[Any]) -> list[int]:
 @settings(max_examples=EXAMPLES, deadline=None, database=None)
 @given(st.data(), st.integers(0, 4), st.integers(1, 9), st.booleans())
 def fuzz_act_mul(data: st.DataObject, m: int, inner: int, gelu: bool) -> None:
+    _seed(data)
     gate_up = torch.randn(m, 2 * inner).bfloat16()
     args = [gate_up, torch.empty(m, inner, dtype=torch.bfloat16)]
     fn = _core.gelu_tanh_mul_bf16 if gelu else _core.silu_mul_bf16
@@ -124,6 +132,7 @@ def fuzz_act_mul(data: st.DataObject, m: int, inner: int, gelu: bool) -> None:
 @settings(max_examples=EXAMPLES, deadline=None, database=None)
 @given(st.data(), st.integers(0, 4), st.integers(1, 24), st.booleans(), st.booleans())
 def fuzz_add_rms_norm(data: st.DataObject, m: int, n: int, with_delta: bool, f32_weight: bool) -> None:
+    _seed(data)
     weight = torch.rand(n) + 0.5
     args = [torch.randn(m, n).bfloat16(), torch.randn(m, n).bfloat16() if with_delta else None,
             weight if f32_weight else weight.bfloat16(), torch.empty(m, n, dtype=torch.bfloat16), 1e-6]
@@ -133,10 +142,12 @@ def fuzz_add_rms_norm(data: st.DataObject, m: int, n: int, with_delta: bool, f32
 @settings(max_examples=EXAMPLES, deadline=None, database=None)
 @given(st.data(), st.integers(0, 4), st.integers(1, 3), st.integers(1, 4), st.integers(0, 5))
 def fuzz_rms_norm_heads(data: st.DataObject, rows: int, heads: int, half: int, extra: int) -> None:
+    _seed(data)
     d = 2 * half
     fused = torch.randn(rows, heads * d + extra).bfloat16()
     heads_arg = data.draw(st.sampled_from([heads, heads, heads + 1, 2**40]))
-    args = [fused[:, : heads * d + data.draw(st.integers(0, extra))], heads_arg, torch.rand(d).bfloat16(), 1e-6]
+    x = fused[:, : heads * d + data.draw(st.integers(0, extra))]
+    args = [x, heads_arg, torch.rand(d).bfloat16(), 1e-6]
     if heads_arg != heads:
         _call("rms_norm_heads", _core.rms_norm_heads_bf16, args, broken=True)
         return
@@ -146,11 +157,13 @@ def fuzz_rms_norm_heads(data: st.DataObject, rows: int, heads: int, half: int, e
 @settings(max_examples=EXAMPLES, deadline=None, database=None)
 @given(st.data(), st.integers(0, 4), st.integers(1, 3), st.integers(1, 4), st.integers(1, 6), st.booleans())
 def fuzz_rope(data: st.DataObject, rows: int, heads: int, half: int, table_len: int, bf16: bool) -> None:
+    _seed(data)
     d = 2 * half
     dtype = torch.bfloat16 if bf16 else torch.float32
     fused = torch.randn(rows, heads * d + 3).to(dtype)
     positions = torch.randint(0, table_len, (rows,), dtype=torch.int64)
-    dims = data.draw(st.sampled_from([(heads, d), (heads, d), (heads + 1, d), (heads, d + 2), (2**40, 2**40)]))
+    dims = data.draw(st.sampled_from([(heads, d), (heads, d), (heads + 1, d), (heads, d + 2),
+                                      (2**40, 2**40)]))
     args = [fused[:, : heads * d], *dims, positions, torch.randn(table_len, d).to(dtype),
             torch.randn(table_len, d).to(dtype)]
     if dims != (heads, d):
@@ -168,7 +181,7 @@ def _step(data: st.DataObject, block_size: int, num_blocks_extra: int) -> tuple[
     num_blocks = len(lens) * max_blocks + num_blocks_extra
     order = torch.randperm(num_blocks)
     tables = order[: len(lens) * max_blocks].reshape(len(lens), max_blocks).to(torch.int32)
-    qsl = torch.tensor([0] + list(torch.tensor(reqs_q, dtype=torch.int64).cumsum(0).tolist()), dtype=torch.int32)
+    qsl = torch.tensor([0] + torch.tensor(reqs_q, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
     slots = []
     for i, (q, s) in enumerate(zip(reqs_q, seq)):
         for pos in range(s - q, s):
@@ -181,14 +194,16 @@ def _step(data: st.DataObject, block_size: int, num_blocks_extra: int) -> tuple[
 @settings(max_examples=EXAMPLES, deadline=None, database=None)
 @given(st.data(), st.integers(1, 3), st.integers(1, 2), st.integers(1, 2), st.integers(1, 4), st.booleans(),
        st.booleans())
-def fuzz_paged_attention(data: st.DataObject, block_size: int, kv_heads: int, group: int, half: int, bf16: bool,
-                         cache_bf16: bool) -> None:
+def fuzz_paged_attention(data: st.DataObject, block_size: int, kv_heads: int, group: int, half: int,
+                         bf16: bool, cache_bf16: bool) -> None:
+    _seed(data)
     d, heads = 2 * half, kv_heads * group
     step, tokens, num_blocks = _step(data, block_size, data.draw(st.integers(0, 2)))
     dtype = torch.bfloat16 if bf16 else torch.float32
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d).to(dtype)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
-    cache = torch.zeros(2, num_blocks, block_size, kv_heads, d, dtype=torch.bfloat16 if cache_bf16 else torch.float32)
+    cache_dtype = torch.bfloat16 if cache_bf16 else torch.float32
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, d, dtype=cache_dtype)
     args = [q.reshape(tokens, heads, d), k.reshape(tokens, kv_heads, d), v.reshape(tokens, kv_heads, d),
             torch.empty(tokens, heads, d, dtype=dtype), cache, *step, 0.5, None, None]
     _fuzz_args(data, "paged_attention", _core.paged_attention, args, _tensor_indices(args))
@@ -204,13 +219,15 @@ def _weight_tensors(bits: int, n: int, k: int, scale_group: int, zero: bool) -> 
 @given(st.data(), st.sampled_from([(4, 32), (8, 32), (8, 16)]), st.integers(0, 5), st.integers(1, 3),
        st.integers(0, 5), st.booleans())
 def fuzz_quant(data: st.DataObject, kind: tuple[int, int], n: int, kb: int, m: int, bf16: bool) -> None:
+    _seed(data)
     bits, scale_group = kind
     k = 32 * kb
     zero = bits == 4 or data.draw(st.booleans())
     tensors = _weight_tensors(bits, n, k, scale_group, zero)
     new = [bits, scale_group, n, k, *tensors]
     _fuzz_args(data, "QuantWeight", _core.QuantWeight, new, _tensor_indices(new))
-    weight = _core.QuantWeight(bits, scale_group, n, k, *[None if t is None else to_dlpack(t) for t in tensors])
+    capsules = [None if t is None else to_dlpack(t) for t in tensors]
+    weight = _core.QuantWeight(bits, scale_group, n, k, *capsules)
     x = torch.randn(m, k).to(torch.bfloat16 if bf16 else torch.float32)
     call = data.draw(st.sampled_from(["matmul", "gemm", "dequantize"]))
     if call == "matmul":
@@ -252,11 +269,13 @@ def _decoder(layers: int) -> tuple[_core.CpuDecoder, list[Any]]:
 @settings(max_examples=EXAMPLES // 2, deadline=None, database=None)
 @given(st.data(), st.integers(1, 2), st.integers(1, 3))
 def fuzz_decoder_forward(data: st.DataObject, layers: int, block_size: int) -> None:
+    _seed(data)
     stack, _keep = _decoder(layers)
     step, rows, num_blocks = _step(data, block_size, 1)
     table_len = 8
     positions = torch.tensor([p % table_len for p in range(rows)], dtype=torch.int64)
-    caches = [torch.zeros(2, num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers)]
+    caches = [torch.zeros(2, num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+              for _ in range(layers)]
     cos, sin = torch.randn(table_len, HEAD_DIM).bfloat16(), torch.randn(table_len, HEAD_DIM).bfloat16()
     hidden = torch.randn(rows, HIDDEN).bfloat16()
     out = torch.empty_like(hidden)
@@ -270,7 +289,8 @@ def fuzz_decoder_forward(data: st.DataObject, layers: int, block_size: int) -> N
     _fuzz_args(data, "CpuDecoder.forward", forward, fixed, _tensor_indices(fixed))
     # a cache list that is short, of another shape, or a weight's tensor aliasing a cache
     cache_args = data.draw(st.sampled_from([caches[:-1], [c[:, :, :1] for c in caches], [out] * layers]))
-    _call("CpuDecoder.forward caches", forward, [hidden, torch.empty_like(hidden), positions, *step], broken=True)
+    args = [hidden, torch.empty_like(hidden), positions, *step]
+    _call("CpuDecoder.forward caches", forward, args, broken=True)
 
 
 FUZZERS = {f.__name__.removeprefix("fuzz_"): f for f in (fuzz_act_mul, fuzz_add_rms_norm, fuzz_rms_norm_heads,

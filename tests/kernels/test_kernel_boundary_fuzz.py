@@ -32,14 +32,15 @@ def test_random_calls_return_or_raise_and_never_crash(name: str, tmp_path: Path)
     proc = subprocess.run([sys.executable, str(DRIVER), name], env=env, capture_output=True, text=True,
                           timeout=600)
     crashed = f"; last call: {last.read_text()}" if proc.returncode < 0 and last.exists() else ""
-    assert proc.returncode == 0, f"exit {proc.returncode}{crashed}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    output = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"exit {proc.returncode}{crashed}\n{output}"
 
 
 def _step(qsl: list[int], seq_lens: list[int], reqs: list[int], tables: list[list[int]],
           slots: list[int]) -> tuple[torch.Tensor, ...]:
     i32 = torch.int32
-    return (torch.tensor(slots, dtype=torch.int64), torch.tensor(qsl, dtype=i32), torch.tensor(seq_lens, dtype=i32),
-            torch.tensor(tables, dtype=i32), torch.tensor(reqs, dtype=i32))
+    return (torch.tensor(slots, dtype=torch.int64), torch.tensor(qsl, dtype=i32),
+            torch.tensor(seq_lens, dtype=i32), torch.tensor(tables, dtype=i32), torch.tensor(reqs, dtype=i32))
 
 
 def _attend(tokens: int, step: tuple[torch.Tensor, ...], num_blocks: int = 4) -> None:
@@ -118,8 +119,8 @@ def test_a_non_contiguous_output_is_rejected() -> None:
 def test_a_written_tensor_may_not_share_memory_with_another_argument() -> None:
     hidden = torch.randn(2, 8).bfloat16()
     with pytest.raises(ValueError, match="hidden and out share memory"):
-        _core.add_rms_norm_bf16(to_dlpack(hidden), None, to_dlpack(torch.ones(8).bfloat16()), to_dlpack(hidden),
-                                1e-6)
+        _core.add_rms_norm_bf16(to_dlpack(hidden), None, to_dlpack(torch.ones(8).bfloat16()),
+                                to_dlpack(hidden), 1e-6)
     weight = CpuQuantWeight(8, (torch.zeros(1, 32, dtype=torch.int8), torch.rand(1, 1)), 1, 32)
     with pytest.raises(ValueError, match="share memory"):  # out over the weight's own scale
         _core.quant_matmul(weight.rust, to_dlpack(torch.randn(1, 32)), to_dlpack(weight.tensors[1]))
