@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 import torch  # noqa: E402
+from torch.utils.dlpack import to_dlpack  # noqa: E402
 
 from fastsched import _core  # noqa: E402
 from fastsched.kernels.cpu_ops import sync_threads  # noqa: E402
@@ -32,7 +33,7 @@ PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "ml
 def pass_seconds(weights: list[CpuQuantWeight], xs: list[torch.Tensor], outs: list[torch.Tensor]) -> float:
     start = time.perf_counter()
     for w, x, out in zip(weights, xs, outs):
-        _core.quant_matmul(w.spec, x.data_ptr(), True, 1, out.data_ptr())
+        _core.quant_matmul(w.rust, to_dlpack(x), to_dlpack(out))
     return time.perf_counter() - start
 
 

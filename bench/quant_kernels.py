@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.utils.dlpack import to_dlpack
 
 from fastsched import _core
 from fastsched.kernels import quant_matmul_cpu
@@ -38,7 +39,7 @@ def best_us(f: Callable[[], object], inner: int) -> float:
 def dequant_gemm(w: quant_matmul_cpu.CpuQuantWeight, x: torch.Tensor) -> torch.Tensor:
     """The many-row path before the crate's bf16 GEMM: a bf16 temporary per call, torch's GEMM."""
     dense = torch.empty(w.n, w.k, dtype=torch.bfloat16)
-    _core.quant_dequantize_bf16(w.spec, dense.data_ptr())
+    _core.quant_dequantize_bf16(w.rust, to_dlpack(dense))
     return x @ dense.t()
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "set_kernel_threads",
     "kernel_threads",
     "kernel_isa",
+    "QuantWeight",
     "quant_matmul",
     "quant_dequantize_bf16",
     "quant_gemm_simd",
@@ -648,56 +649,58 @@ class BlockHasher:
 def set_kernel_threads(threads: int) -> None: ...
 def kernel_threads() -> int: ...
 def kernel_isa() -> str: ...
-# A weight ``w``: (bits, columns a scale covers, N, K, addresses), ``CpuQuantWeight.spec``.
-def quant_matmul(
-    w: tuple[int, int, int, int, Sequence[int]], x: int, x_bf16: bool, m: int, out: int
-) -> None: ...
-def quant_dequantize_bf16(w: tuple[int, int, int, int, Sequence[int]], out: int) -> None: ...
+# Tensors cross as DLPack capsules (``torch.utils.dlpack.to_dlpack(t)``) or objects with
+# ``__dlpack__``, on the CPU; the binding checks dtype, layout, alignment and aliasing (a
+# written tensor shares memory with nothing else of the call), the kernels lengths and ranges:
+# TypeError for a wrong dtype or object, ValueError for the rest.
+@final
+class QuantWeight:
+    """An int4 / int8 weight ``[N, K]``'s buffers, checked against the shape and held."""
+
+    def __new__(
+        cls, bits: int, scale_group: int, n: int, k: int, data: object, scale: object, zero: object | None = None
+    ) -> QuantWeight:
+        """int4: ``data`` packed ``[N, K/2]`` uint8, ``scale`` and ``zero`` ``[N, K/32]`` float32;
+        int8: ``data`` codes ``[N, K]`` int8, ``scale`` ``[N, K/scale_group]``, ``zero`` optional."""
+    @property
+    def bits(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, int]: ...
+
+def quant_matmul(w: QuantWeight, x: object, out: object) -> None:
+    """``out [M, N]`` (float32) ``= x [M, K]`` (float32 or bfloat16) ``· Wᵀ``."""
+def quant_dequantize_bf16(w: QuantWeight, out: object) -> None:
+    """The weight as bfloat16 ``out [N, K]``."""
 def quant_gemm_simd() -> bool:
     """Whether the many-row bf16 GEMM has its AVX-512 BF16 kernel on this CPU."""
-def quant_gemm_bf16(w: tuple[int, int, int, int, Sequence[int]], x: int, m: int, out: int) -> None:
-    """``out[M, N]`` (float32) ``= x[M, K]`` (bfloat16) ``· Wᵀ`` for an int4/int8 weight ``w``."""
+def quant_gemm_bf16(w: QuantWeight, x: object, out: object) -> None:
+    """``out[M, N]`` (float32) ``= x[M, K]`` (bfloat16) ``· Wᵀ`` by the many-row GEMM."""
 
 # CPU attention and elementwise kernels (rust/fastsched-kernels), called by
-# fastsched.kernels.cpu_ops with raw tensor addresses that it has checked.
+# fastsched.kernels.cpu_ops; sizes come from the tensors' shapes.
 def paged_attention(
-    tensors: Sequence[int],
-    strides: Sequence[int],
-    bf16: bool,
-    cache_bf16: bool,
-    cache_shape: Sequence[int],
-    num_tokens: int,
-    num_heads: int,
-    step: Sequence[int],
-    num_reqs: int,
-    max_blocks: int,
-    num_selected: int,
+    query: object,
+    key: object,
+    value: object,
+    out: object,
+    kv_cache: object,
+    slot_mapping: object,
+    query_start_loc: object,
+    seq_lens: object,
+    block_tables: object,
+    reqs: object,
     scale: float,
-    softcap: float | None,
-    window: int | None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> None: ...
-def add_rms_norm_bf16(
-    hidden: int, delta: int, weight: int, weight_f32: bool, out: int, rows: int, n: int, eps: float
-) -> None: ...
-def rms_norm_heads_bf16(
-    x: int, stride: int, rows: int, heads: int, head_dim: int, weight: int, weight_f32: bool, eps: float
-) -> None: ...
-def rope(
-    x: int,
-    bf16: bool,
-    stride: int,
-    heads: int,
-    head_dim: int,
-    positions: int,
-    rows: int,
-    tables: Sequence[int],
-    table_len: int,
-) -> None: ...
-def silu_mul_bf16(gate_up: int, out: int, rows: int, inner: int) -> None: ...
-def gelu_tanh_mul_bf16(gate_up: int, out: int, rows: int, inner: int) -> None: ...
+def add_rms_norm_bf16(hidden: object, delta: object | None, weight: object, out: object, eps: float) -> None: ...
+def rms_norm_heads_bf16(x: object, heads: int, weight: object, eps: float) -> None: ...
+def rope(x: object, heads: int, head_dim: int, positions: object, cos: object, sin: object) -> None: ...
+def silu_mul_bf16(gate_up: object, out: object) -> None: ...
+def gelu_tanh_mul_bf16(gate_up: object, out: object) -> None: ...
 
 # The decoder stack in one call (rust/fastsched-kernels' decoder), built and called by
-# fastsched.models.llama_cpu with raw tensor addresses that it has checked.
+# fastsched.models.llama_cpu; it holds its weights' tensors.
 @final
 class CpuDecoder:
     """The decoder layers of a Llama-family model with int4/int8 linears, run as one call a step."""
@@ -707,29 +710,26 @@ class CpuDecoder:
         sizes: Sequence[int],
         eps: float,
         dense_min_rows: int,
-        norms: Sequence[Sequence[int]],
-        norms_f32: bool,
-        weights: Sequence[Sequence[tuple[int, int, int, int, Sequence[int]]]],
-        biases: Sequence[Sequence[int]],
-        final_norm: int,
+        norms: Sequence[Sequence[object | None]],
+        weights: Sequence[Sequence[QuantWeight]],
+        biases: Sequence[Sequence[object | None]],
+        final_norm: object,
         options: Sequence[tuple[str, int | None, int, float | None, float]],
     ) -> CpuDecoder:
-        """``norms``: per layer input, post, q, k, attn_out, mlp_out (0: none); ``options``: per
+        """``norms``: per layer input, post, q, k, attn_out, mlp_out (None: none); ``options``: per
         layer activation, sliding window, RoPE table, logit soft-cap, attention scale."""
     def forward(
         self,
-        hidden: int,
-        out: int,
-        rows: int,
-        positions: int,
-        tables: Sequence[tuple[int, int, int]],
-        caches: Sequence[int],
-        cache_bf16: bool,
-        cache_blocks: Sequence[int],
-        step: Sequence[int],
-        num_reqs: int,
-        max_blocks: int,
-        num_selected: int,
+        hidden: object,
+        out: object,
+        positions: object,
+        tables: Sequence[tuple[object, object]],
+        caches: Sequence[object],
+        slot_mapping: object,
+        query_start_loc: object,
+        seq_lens: object,
+        block_tables: object,
+        reqs: object,
         num_rows: int,
     ) -> None:
         """Every layer and the final norm on the bfloat16 residual stream ``hidden`` (updated

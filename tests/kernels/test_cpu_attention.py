@@ -150,7 +150,8 @@ def test_a_sliding_window_and_a_soft_cap_match_the_oracle(scenario, close, optio
     query, key, value, metadata = s.step(spans, fused_qkv=True)
     backend = CpuBackend()
     backend.prepare(metadata)
-    out = backend.forward(query, key, value, s.kv_cache, metadata, s.scale, options)
+    out = backend.forward(query, key, value, s.kv_cache, metadata, s.scale, options.sliding_window,
+                          options.logits_soft_cap)
     close(out, _dense_attention(s, spans, options), dtype)
 
 
@@ -160,7 +161,7 @@ def test_a_window_covering_every_key_gives_plain_attentions_bits(scenario):
     query, key, value, metadata = s.step(spans, fused_qkv=True)
     backend.prepare(metadata)
     wide = backend.forward(query, key, value, s.kv_cache, metadata, s.scale,
-                           AttentionOptions(sliding_window=1 << 20))
+                           sliding_window=1 << 20)
     plain = _forward(CpuBackend(), s, spans)
     short = slice(0, sum(e - b for b, e in spans[:5]))  # the rows before the long (SDPA) chunk
     assert torch.equal(wide[short], plain[short])

@@ -80,7 +80,7 @@ def test_silu_mul_matches_torch_within_one_bf16_step():
 
 
 def test_kernels_name_a_bad_argument():
-    with pytest.raises(ValueError, match="hidden must be"):
+    with pytest.raises(TypeError, match="hidden must be bfloat16; got float32"):
         cpu_ops.add_rms_norm(torch.zeros(2, 8), None, torch.ones(8), 1e-6)
     table = torch.zeros(4, 8)
     with pytest.raises(ValueError, match="positions holds 9"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.dlpack import to_dlpack
 
 from fastsched import _core
 from fastsched.kernels import quant_matmul_cpu
@@ -38,7 +39,7 @@ def _dense_bf16(packed: PackedInt4 | PackedInt8) -> torch.Tensor:
     """The weight as the crate dequantizes it to bf16 (what the old many-row path multiplied)."""
     cpu = packed.cpu
     dense = torch.empty(cpu.n, cpu.k, dtype=torch.bfloat16)
-    _core.quant_dequantize_bf16(cpu.spec, dense.data_ptr())
+    _core.quant_dequantize_bf16(cpu.rust, to_dlpack(dense))
     return dense
 
 

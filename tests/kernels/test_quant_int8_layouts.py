@@ -132,9 +132,9 @@ def test_triton_int8_kernel_equals_dequantize_then_matmul(scale_group: int, with
 
 
 def test_a_row_parallel_shard_slices_scales_per_16_and_zeros_with_their_columns() -> None:
-    from fastsched.models.tp_shard import _columns, _rows
+    from fastsched.models.tp_shard import _columns, weight_rows
 
     weight = _int8(8, 128, 12, 16, True)
     shard = _columns("down_proj", weight, 32, 96)
     assert torch.equal(shard.dequantize(), weight.dequantize()[:, 32:96])
-    assert torch.equal(_rows(weight, 2, 5).dequantize(), weight.dequantize()[2:5])
+    assert torch.equal(weight_rows(weight, 2, 5).dequantize(), weight.dequantize()[2:5])

@@ -31,13 +31,20 @@ from fastsched import LLM, SamplingParams  # noqa: E402
 PROMPTS = [[5, 77, 300, 12, 9, 41], list(range(40, 90))]
 MAX_TOKENS = 12
 EXIT_WITHIN_S = 60.0
+LOOPBACK = "127.0.0.1"
+# Ray turns a loopback bootstrap address into the machine's outward address unless its
+# single-machine mode is on (ray_constants.ENABLE_RAY_CLUSTER false: "use the loopback IP"),
+# so the engine's driver gets it too and every connection of the test stays on 127.0.0.1.
+LOOPBACK_DRIVER = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def _cluster(extra_nodes: int) -> Iterator[tuple[Cluster, list]]:
-    """A head (the engine's node: rank 0's bundle) and ``extra_nodes`` more, one CPU each."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    """A head (the engine's node: rank 0's bundle) and ``extra_nodes`` more, one CPU each, every
+    node on the loopback address (a test's traffic stays on 127.0.0.1)."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                            "node_ip_address": LOOPBACK})
     try:
-        nodes = [cluster.add_node(num_cpus=1) for _ in range(extra_nodes)]
+        nodes = [cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK) for _ in range(extra_nodes)]
         cluster.wait_for_nodes()
         yield cluster, nodes
     finally:
@@ -72,7 +79,7 @@ def _complete(url: str, prompt: list[int]) -> str:
 def _serve(cluster: Cluster, model_dir: Path, log: Path, *flags: str):
     return start_serve(model_dir, log, "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
                        "--ray-placement-strategy", "STRICT_SPREAD", *flags, max_model_len=4096,
-                       env={"RAY_ADDRESS": cluster.address})
+                       env={"RAY_ADDRESS": cluster.address, **LOOPBACK_DRIVER})
 
 
 def _rank_nodes(log: str) -> list[tuple[str, str]]:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from torch.utils.dlpack import to_dlpack
+
 from fastsched import _core
 from fastsched.kernels.cpu_ops import sync_threads
 
@@ -60,13 +62,12 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 
 # The columns an int8 weight's scale may cover: a group, or half of one (GGUF Q6_K).
 SCALE_GROUPS = (GROUP_SIZE, GROUP_SIZE // 2)
-WeightSpec = tuple[int, int, int, int, list[int]]
 
 
 class CpuQuantWeight:
-    """A weight's tensors checked once for the binding (which trusts their addresses), and
-    its matmul: the Rust call directly when eager (a custom op's dispatch costs more than a
-    layer's GEMV), the custom op while ``torch.compile`` traces.
+    """A weight's tensors as the binding's ``QuantWeight`` (which checks them against the
+    shape and holds them), and its matmul: the Rust call directly when eager (a custom op's
+    dispatch costs more than a layer's GEMV), the custom op while ``torch.compile`` traces.
 
     ``tensors``: int4 (packed, scale, zero); int8 (codes, scale) or (codes, scale, zero),
     the scale's shape saying the columns each covers (module docstring)."""
@@ -88,9 +89,7 @@ class CpuQuantWeight:
             _check_tensor(name, t, dtype, shape)
         self.bits, self.tensors, self.n, self.k = bits, tensors, n, k
         self.scale_group = scale_group
-        # What the binding takes for this weight (its ``WeightSpec``): an absent zero is 0.
-        self.spec: WeightSpec = (bits, scale_group, n, k,
-                                 [t.data_ptr() for t in tensors] + [0] * (3 - len(tensors)))
+        self.rust = _core.QuantWeight(bits, scale_group, n, k, *map(to_dlpack, tensors))
 
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``x [M, K] @ Wᵀ -> [M, N]`` in ``out_dtype`` (default ``x``'s). The kernels sum in
@@ -100,29 +99,28 @@ class CpuQuantWeight:
                 return torch.ops.fastsched.int4_matmul(x, *self.tensors).to(out_dtype or x.dtype)
             codes, scale, *zero = self.tensors
             return torch.ops.fastsched.int8_matmul(x, codes, scale, *zero).to(out_dtype or x.dtype)
-        return _matmul(self.spec, x).to(out_dtype or x.dtype)
+        return _matmul(self.rust, x).to(out_dtype or x.dtype)  # the binding checks x's shape
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
-def _matmul(spec: WeightSpec, x: torch.Tensor) -> torch.Tensor:
+def _matmul(weight: _core.QuantWeight, x: torch.Tensor) -> torch.Tensor:
     """``x @ Wᵀ`` as float32 (the dense fallback's bf16 result widened)."""
     sync_threads()
-    m, (n, k) = x.shape[0], spec[2:4]
+    m, (n, k) = x.shape[0], weight.shape
     if m >= DENSE_MIN_ROWS:
         xb = x.to(torch.bfloat16).contiguous()
         if not GEMM_SIMD:
             dense = torch.empty(n, k, dtype=torch.bfloat16)
-            _core.quant_dequantize_bf16(spec, dense.data_ptr())
+            _core.quant_dequantize_bf16(weight, to_dlpack(dense))
             return (xb @ dense.t()).float()
         out = torch.empty(m, n, dtype=torch.float32)
-        _core.quant_gemm_bf16(spec, xb.data_ptr(), m, out.data_ptr())
+        _core.quant_gemm_bf16(weight, to_dlpack(xb), to_dlpack(out))
         return out
     xc = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-    xc = xc.contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
-    _core.quant_matmul(spec, xc.data_ptr(), xc.dtype == torch.bfloat16, m, out.data_ptr())
+    _core.quant_matmul(weight, to_dlpack(xc.contiguous()), to_dlpack(out))
     return out
 
 
@@ -142,7 +140,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype for an int4 weight."""
     weight = CpuQuantWeight(4, (packed, scale, zero), packed.shape[0], packed.shape[1] * 2)
     _check_x(x, weight.k)
-    return _matmul(weight.spec, x).to(x.dtype)
+    return _matmul(weight.rust, x).to(x.dtype)
 
 
 @int4_matmul.register_fake
@@ -156,7 +154,7 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype for an int8 weight."""
     weight = CpuQuantWeight(8, (codes, scale) if zero is None else (codes, scale, zero), *codes.shape)
     _check_x(x, weight.k)
-    return _matmul(weight.spec, x).to(x.dtype)
+    return _matmul(weight.rust, x).to(x.dtype)
 
 
 @int8_matmul.register_fake

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.dlpack import to_dlpack
 
 from fastsched import _core
 from fastsched.attention.base import PLAIN_ATTENTION, AttentionOptions
@@ -153,9 +154,9 @@ def _stack(model: nn.Module, layers: list[StackLayer]) -> CpuDecoderStack:
 
 
 class CpuDecoderStack:
-    """The Rust stack of ``layers``; holds every tensor whose address it gave away. The
-    layers must have passed :func:`layers_unsupported_reason`; shapes are checked by the
-    crate, which fails naming the layer and the part."""
+    """The Rust stack of ``layers``, which holds their tensors (DLPack) and checks them
+    against the model's shape, failing naming the layer and the part. The layers must have
+    passed :func:`layers_unsupported_reason`."""
 
     def __init__(self, layers: Sequence[StackLayer], final_norm: torch.Tensor, eps: float, *, num_heads: int,
                  num_kv_heads: int, head_dim: int) -> None:
@@ -163,27 +164,18 @@ class CpuDecoderStack:
             if layer.activation not in ACTIVATIONS:
                 raise ValueError(f"layer {i}: activation must be one of {ACTIVATIONS}, "
                                  f"got {layer.activation!r}")
-        packed = [[proj.weight_packed for proj in layer.projections] for layer in layers]
-        biases = [[None if p.bias is None else p.bias.detach().contiguous() for p in layer.projections]
-                  for layer in layers]
-        norms = [[None if n is None else n.contiguous() for n in layer.norms()] for layer in layers]
-        final_norm = final_norm.contiguous()
-        self._alive = (packed, biases, norms, final_norm)
         gate_up = layers[0].projections[2].weight_packed.cpu if layers else None
         hidden = final_norm.shape[0]
         self._rust = _core.CpuDecoder(
             [hidden, num_heads, num_kv_heads, head_dim, 0 if gate_up is None else gate_up.n // 2],
             eps, quant_matmul_cpu.DENSE_MIN_ROWS,
-            [[0 if n is None else n.data_ptr() for n in layer] for layer in norms],
-            final_norm.dtype == torch.float32,
-            [[w.cpu.spec for w in layer] for layer in packed],
-            [[0 if b is None else b.data_ptr() for b in layer] for layer in biases],
-            final_norm.data_ptr(),
+            [[_dl(n) for n in layer.norms()] for layer in layers],
+            [[p.weight_packed.cpu.rust for p in layer.projections] for layer in layers],
+            [[_dl(p.bias) for p in layer.projections] for layer in layers],
+            _dl(final_norm),
             [(layer.activation, layer.attention.sliding_window, layer.rope_table,
               layer.attention.logits_soft_cap, layer.scale) for layer in layers],
         )
-        self._hidden, self._kv_heads, self._head_dim = hidden, num_kv_heads, head_dim
-        self._caches: tuple[tuple[int, int], list[int], bool, list[int]] | None = None
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
                 tables: Sequence[tuple[torch.Tensor, torch.Tensor]], kv_caches: list[torch.Tensor],
@@ -194,45 +186,16 @@ class CpuDecoderStack:
         name (``StackLayer.rope_table``), row ``t`` takes row ``positions[t]`` of them. ``step``:
         the attention backend's checked tensors (slot_mapping, query_start_loc, seq_lens,
         block_tables, the requests), which must cover the ``num_rows`` real rows."""
-        if hidden.dtype != torch.bfloat16 or not hidden.is_contiguous():
-            raise ValueError(f"hidden must be a contiguous bfloat16 tensor; got {hidden.dtype}")
-        for i, pair in enumerate(tables):
-            shape = (pair[0].shape[0], self._head_dim)
-            for name, t in zip(("cos", "sin"), pair):
-                if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != shape:
-                    raise ValueError(f"tables[{i}]'s {name} must be a contiguous bfloat16 [len, "
-                                     f"{self._head_dim}] table like its cos; got {t.dtype} {tuple(t.shape)}")
-        cpu_ops.check_step_tensor("positions", positions, torch.int64)
-        rows = hidden.shape[0]
-        if hidden.dim() != 2 or hidden.shape[1] != self._hidden or positions.shape != (rows,) or step[0].shape != (rows,) or not 0 <= num_rows <= rows:
-            raise ValueError(f"hidden {tuple(hidden.shape)}, positions {tuple(positions.shape)}, slot_mapping "
-                             f"{tuple(step[0].shape)} and num_rows {num_rows} do not agree")
-        addresses, cache_bf16, blocks = self._cache_layout(kv_caches)
         out = torch.empty_like(hidden)
-        slots, qsl, seq_lens, block_tables, reqs = step
         cpu_ops.sync_threads()
         self._rust.forward(
-            hidden.data_ptr(), out.data_ptr(), rows, positions.data_ptr(),
-            [(cos.data_ptr(), sin.data_ptr(), cos.shape[0]) for cos, sin in tables], addresses, cache_bf16,
-            blocks, [t.data_ptr() for t in step], seq_lens.shape[0], block_tables.shape[1], reqs.shape[0],
-            num_rows,
+            to_dlpack(hidden), to_dlpack(out), to_dlpack(positions),
+            [(to_dlpack(cos), to_dlpack(sin)) for cos, sin in tables],
+            [to_dlpack(c) for c in kv_caches], *map(to_dlpack, step), num_rows,
         )
         return out
 
-    def _cache_layout(self, kv_caches: list[torch.Tensor]) -> tuple[list[int], bool, list[int]]:
-        """The caches' addresses, dtype and block counts, checked once per list of caches."""
-        key = (id(kv_caches), kv_caches[0].data_ptr() if kv_caches else 0)
-        if self._caches is None or self._caches[0] != key:
-            if len(kv_caches) != self._rust.num_layers:
-                raise ValueError(f"{len(kv_caches)} KV caches for {self._rust.num_layers} layers")
-            first = kv_caches[0]
-            heads = (self._kv_heads, self._head_dim)
-            for c in kv_caches:
-                if (c.dtype not in cpu_ops.DTYPES or c.dtype != first.dtype or c.shape != first.shape
-                        or not c.is_contiguous() or c.device.type != "cpu" or c.dim() != 5 or tuple(c.shape[3:]) != heads):
-                    raise ValueError(f"KV caches must be alike contiguous CPU float32/bfloat16 "
-                                     f"[2, blocks, block_size, {heads[0]}, {heads[1]}] tensors; "
-                                     f"got {c.dtype} {tuple(c.shape)}")
-            self._caches = (key, [c.data_ptr() for c in kv_caches], first.dtype == torch.bfloat16,
-                            [first.shape[1], first.shape[2]])
-        return self._caches[1], self._caches[2], self._caches[3]
+
+def _dl(t: torch.Tensor | None) -> object | None:
+    """A weight as the binding holds it: a DLPack capsule of a contiguous copy if need be."""
+    return None if t is None else to_dlpack(t.detach().contiguous())

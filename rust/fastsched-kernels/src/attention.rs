@@ -369,6 +369,7 @@ pub fn paged_attention(
             }
         }
     }
+    crate::checks::check_distinct_rows(reqs, step.query_start_loc)?; // the tasks write `out` unlocked
     let ctx = Ctx {
         query,
         q_stride,

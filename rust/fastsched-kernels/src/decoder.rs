@@ -142,22 +142,24 @@ impl Kernels {
     }
 }
 
+/// The largest of [`Dims`]' sizes [`validate`] takes.
+pub const MAX_DIM: usize = 1 << 20;
+
 /// Checks that every layer's weights and norms have the shapes `dims` implies, and its
 /// attention options make sense.
 pub fn validate(dims: &Dims, layers: &[Layer], final_norm: NormWeight) -> Result<(), String> {
-    let (h, q, kv, i) = (
-        dims.hidden,
-        dims.q_size(),
-        dims.kv_size(),
-        dims.intermediate,
-    );
+    let (h, i) = (dims.hidden, dims.intermediate);
+    // Products of the dims index the buffers: bounded so that none of them wraps.
+    let sizes = [h, dims.num_heads, dims.num_kv_heads, dims.head_dim, i];
     if h == 0
+        || sizes.iter().any(|&d| d > MAX_DIM)
         || dims.head_dim == 0
         || dims.num_kv_heads == 0
         || !dims.num_heads.is_multiple_of(dims.num_kv_heads)
     {
         return Err(format!("bad dims {dims:?}"));
     }
+    let (q, kv) = (dims.q_size(), dims.kv_size());
     if final_norm.len() != h {
         return Err(format!(
             "final norm has {} elements, hidden is {h}",

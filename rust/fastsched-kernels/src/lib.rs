@@ -46,5 +46,6 @@ pub const GROUP: usize = 32;
 
 // Paged attention and the elementwise ops of a decoder layer (CPU, float32 / bfloat16).
 pub mod attention;
+pub mod checks;
 pub mod decoder;
 pub mod elementwise;

@@ -104,6 +104,9 @@ impl Weight<'_> {
         if k == 0 || k % GROUP != 0 {
             return Err(format!("K = {k} must be a positive multiple of {GROUP}"));
         }
+        if n.checked_mul(k).is_none_or(|nk| nk > isize::MAX as usize) {
+            return Err(format!("[{n}, {k}] is too large a weight"));
+        }
         let kb = k / GROUP;
         let check = |field: &str, len: usize, want: usize| {
             if len == want {
@@ -290,11 +293,11 @@ pub(crate) fn check_call(
 ) -> Result<(usize, usize), String> {
     w.validate()?;
     let (n, k) = w.shape();
-    if xlen != m * k || outlen != m * n {
+    if Some(xlen) != m.checked_mul(k) || Some(outlen) != m.checked_mul(n) {
         return Err(format!(
-            "x has {xlen} elements and out {outlen}, [M={m}, K={k}] x [N={n}] needs {} and {}",
-            m * k,
-            m * n
+            "x has {xlen} elements and out {outlen}, [M={m}, K={k}] x [N={n}] needs {:?} and {:?}",
+            m.checked_mul(k),
+            m.checked_mul(n)
         ));
     }
     Ok((n, k))

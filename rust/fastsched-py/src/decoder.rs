@@ -1,10 +1,14 @@
 //! Binding of fastsched-kernels' decoder stack for `fastsched.models.llama_cpu`.
 //!
-//! As in `kernels`, tensors cross as addresses: the Python owner checks dtypes, shapes and
-//! contiguity once, keeps every weight tensor alive as long as this object, and the step's
-//! tensors for the call. The GIL is released while the stack runs.
+//! As in `kernels`, tensors cross as DLPack capsules ([`crate::dlpack`]): the decoder owns its
+//! norms and biases as [`Tensor`]s and its projections as [`PyQuantWeight`]s, so they live as
+//! long as it does, and re-reads their views each step; the step's tensors are checked as
+//! the ops' are, and no written one may alias anything else of the call (the weights
+//! included). The GIL is released while the stack runs.
 
-use fastsched_kernels::attention::{CacheShape, FloatsMut, Scores, Step};
+use fastsched_kernels::attention::Scores;
+use fastsched_kernels::attention::{CacheShape, FloatsMut};
+use fastsched_kernels::checks::Span;
 use fastsched_kernels::decoder::{
     self, Activation, Attention, Dims, Kernels, Layer, Rope, RopeTable,
 };
@@ -12,7 +16,19 @@ use fastsched_kernels::elementwise::NormWeight;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::kernels::{pool, weight, WeightSpec};
+use crate::dlpack::{check_no_aliasing, Tensor};
+use crate::kernels::{pool, PyQuantWeight};
+use crate::ops::StepTensors;
+
+const NORMS: [&str; 6] = [
+    "input_norm",
+    "post_norm",
+    "q_norm",
+    "k_norm",
+    "attn_out_norm",
+    "mlp_out_norm",
+];
+const BIASES: [&str; 4] = ["qkv_bias", "o_bias", "gate_up_bias", "down_bias"];
 
 /// A layer's options as Python gives them: activation ("silu" or "gelu_tanh"), sliding
 /// window, RoPE table, logit soft-cap, attention scale.
@@ -57,101 +73,91 @@ impl Options {
 #[pyclass(name = "CpuDecoder", module = "fastsched._core", frozen)]
 pub struct PyCpuDecoder {
     dims: Dims,
-    /// Per layer: the RMSNorm weights' addresses, input, post (before the MLP), q, k, attn_out,
-    /// mlp_out (0: none), bfloat16 or (`norms_f32`) float32.
-    norms: Vec<[usize; 6]>,
-    norms_f32: bool,
+    /// Per layer: the RMSNorm weights ([`NORMS`]; None: none), bfloat16 or float32.
+    norms: Vec<[Option<Tensor>; 6]>,
     options: Vec<Options>,
     /// Per layer: q/k/v, o, gate/up, down.
-    weights: Vec<[WeightSpec; 4]>,
-    /// Per layer: the bfloat16 biases of the same four (0: none).
-    biases: Vec<[usize; 4]>,
-    final_norm: usize,
+    weights: Vec<[Py<PyQuantWeight>; 4]>,
+    /// Per layer: the bfloat16 biases of the same four (None: none).
+    biases: Vec<[Option<Tensor>; 4]>,
+    final_norm: Tensor,
+}
+
+/// Takes a layer's optional tensors, named `layers[l].name`.
+fn take_layer<const N: usize>(
+    l: usize,
+    names: [&str; N],
+    objs: [Option<Bound<'_, PyAny>>; N],
+) -> PyResult<[Option<Tensor>; N]> {
+    let mut out = [const { None }; N];
+    for (i, obj) in objs.into_iter().enumerate() {
+        out[i] = Tensor::take_opt(format!("layers[{l}].{}", names[i]), obj.as_ref())?;
+    }
+    Ok(out)
 }
 
 impl PyCpuDecoder {
-    /// # Safety
-    /// As [`Self::layers`].
-    unsafe fn final_norm<'a>(&self) -> NormWeight<'a> {
-        let (addr, h) = (self.final_norm, self.dims.hidden);
-        if self.norms_f32 {
-            NormWeight::F32(std::slice::from_raw_parts(addr as *const f32, h))
-        } else {
-            NormWeight::Bf16(std::slice::from_raw_parts(addr as *const u16, h))
+    /// The crate's view of the layers.
+    fn layers<'a>(&'a self) -> PyResult<Vec<Layer<'a>>> {
+        fn norm(t: &Option<Tensor>) -> PyResult<Option<NormWeight<'_>>> {
+            t.as_ref().map(|t| t.norm_weight()).transpose()
         }
-    }
-
-    /// # Safety
-    /// The addresses are live for `'a` (the owner's contract, module docs).
-    unsafe fn layers<'a>(&self) -> PyResult<Vec<Layer<'a>>> {
-        let (h, d) = (self.dims.hidden, self.dims.head_dim);
-        let f32_weights = self.norms_f32;
-        let norm = |addr: usize, len: usize| {
-            (addr != 0).then(|| {
-                if f32_weights {
-                    NormWeight::F32(std::slice::from_raw_parts(addr as *const f32, len))
-                } else {
-                    NormWeight::Bf16(std::slice::from_raw_parts(addr as *const u16, len))
-                }
-            })
-        };
-        let w = |spec: WeightSpec| weight(spec);
-        let bias = |addr: usize, (_, _, n, _, _): WeightSpec| {
-            (addr != 0).then(|| std::slice::from_raw_parts(addr as *const u16, n))
-        };
-        self.norms
+        let mut layers = Vec::with_capacity(self.norms.len());
+        for (l, ((norms, weights), (biases, opt))) in self
+            .norms
             .iter()
             .zip(&self.weights)
-            .zip(&self.biases)
-            .zip(&self.options)
+            .zip(self.biases.iter().zip(&self.options))
             .enumerate()
-            .map(
-                |(
-                    l,
-                    (
-                        (
-                            (&[input, post, qn, kn, an, mn], &[qkv, o, gate_up, down]),
-                            &[bq, bo, bg, bd],
-                        ),
-                        opt,
-                    ),
-                )| {
-                    let qk_norms = match (norm(qn, d), norm(kn, d)) {
-                        (Some(q), Some(k)) => Some([q, k]),
-                        (None, None) => None,
-                        _ => {
-                            return Err(PyValueError::new_err(format!(
-                                "layer {l}: a q norm and a k norm come together, got one"
-                            )))
-                        }
-                    };
-                    let required = |addr: usize, name: &str| {
-                        norm(addr, h).ok_or_else(|| {
-                            PyValueError::new_err(format!("layer {l}: {name} is required"))
-                        })
-                    };
-                    Ok(Layer {
-                        input_norm: required(input, "input_norm")?,
-                        post_norm: required(post, "post_norm")?,
-                        qk_norms,
-                        out_norms: [norm(an, h), norm(mn, h)],
-                        qkv: w(qkv)?,
-                        o: w(o)?,
-                        gate_up: w(gate_up)?,
-                        down: w(down)?,
-                        biases: [
-                            bias(bq, qkv),
-                            bias(bo, o),
-                            bias(bg, gate_up),
-                            bias(bd, down),
-                        ],
-                        activation: opt.activation,
-                        scores: opt.scores,
-                        rope_table: opt.rope_table,
-                    })
-                },
-            )
-            .collect()
+        {
+            let [input, post, qn, kn, an, mn] = norms;
+            let qk_norms = match (norm(qn)?, norm(kn)?) {
+                (Some(q), Some(k)) => Some([q, k]),
+                (None, None) => None,
+                _ => {
+                    return Err(PyValueError::new_err(format!(
+                        "layer {l}: a q norm and a k norm come together, got one"
+                    )))
+                }
+            };
+            let required = |norm: Option<NormWeight<'a>>, name: &str| {
+                norm.ok_or_else(|| PyValueError::new_err(format!("layer {l}: {name} is required")))
+            };
+            let [qkv, o, gate_up, down] = weights.each_ref().map(|w| w.get().weight());
+            let mut bias = [None; 4];
+            for (b, t) in bias.iter_mut().zip(biases) {
+                *b = t.as_ref().map(|t| t.slice::<u16>()).transpose()?;
+            }
+            layers.push(Layer {
+                input_norm: required(norm(input)?, "input_norm")?,
+                post_norm: required(norm(post)?, "post_norm")?,
+                qk_norms,
+                out_norms: [norm(an)?, norm(mn)?],
+                qkv: qkv?,
+                o: o?,
+                gate_up: gate_up?,
+                down: down?,
+                biases: bias,
+                activation: opt.activation,
+                scores: opt.scores,
+                rope_table: opt.rope_table,
+            });
+        }
+        Ok(layers)
+    }
+
+    /// The bytes every weight, norm and bias spans (read by every step).
+    fn spans(&self) -> impl Iterator<Item = Span<'_>> {
+        let tensors = self
+            .norms
+            .iter()
+            .flatten()
+            .chain(self.biases.iter().flatten())
+            .flatten();
+        tensors
+            .chain(std::iter::once(&self.final_norm))
+            .map(|t| t.span(false, false))
+            .chain(self.weights.iter().flatten().flat_map(|w| w.get().spans()))
     }
 }
 
@@ -159,23 +165,23 @@ impl PyCpuDecoder {
 impl PyCpuDecoder {
     /// `sizes`: hidden, num_heads, num_kv_heads, head_dim, intermediate; `dense_min_rows`:
     /// activation rows from which a linear layer runs the many-row GEMM; `norms`: per layer
-    /// the addresses of the input, post (before the MLP), q, k, attn_out and mlp_out RMSNorm
-    /// weights (0: none; the first two required), all bfloat16, or all float32 if `norms_f32`
-    /// (Gemma's `1 + w`), the final norm too; `biases`: per layer the addresses of the four
-    /// projections' bfloat16 biases (0: none); `options`: per layer the activation ("silu",
-    /// "gelu_tanh"), sliding window, RoPE table, logit soft-cap and attention scale. Fails
-    /// naming the layer and part whose shape or option does not fit.
+    /// the input, post (before the MLP), q, k, attn_out and mlp_out RMSNorm weights (None:
+    /// none; the first two required), bfloat16, or float32 (Gemma's `1 + w`), as the final
+    /// norm; `weights`: per layer the q/k/v, o, gate/up and down [`PyQuantWeight`]s;
+    /// `biases`: per layer their bfloat16 biases (None: none); `options`: per layer the
+    /// activation ("silu", "gelu_tanh"), sliding window, RoPE table, logit soft-cap and
+    /// attention scale. Tensors are DLPack capsules or objects with `__dlpack__`, compact,
+    /// on the CPU. Fails naming the layer and part whose shape or option does not fit.
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
         sizes: [usize; 5],
         eps: f32,
         dense_min_rows: usize,
-        norms: Vec<[usize; 6]>,
-        norms_f32: bool,
-        weights: Vec<[WeightSpec; 4]>,
-        biases: Vec<[usize; 4]>,
-        final_norm: usize,
+        norms: Vec<[Option<Bound<'_, PyAny>>; 6]>,
+        weights: Vec<[Py<PyQuantWeight>; 4]>,
+        biases: Vec<[Option<Bound<'_, PyAny>>; 4]>,
+        final_norm: &Bound<'_, PyAny>,
         options: Vec<LayerOptions>,
     ) -> PyResult<Self> {
         let [hidden, num_heads, num_kv_heads, head_dim, intermediate] = sizes;
@@ -191,13 +197,20 @@ impl PyCpuDecoder {
                 options.len()
             )));
         }
-        if final_norm == 0 {
-            return Err(PyValueError::new_err("final_norm is required"));
-        }
         let options = options
             .into_iter()
             .enumerate()
             .map(|(l, o)| Options::parse(l, o))
+            .collect::<PyResult<Vec<_>>>()?;
+        let norms = norms
+            .into_iter()
+            .enumerate()
+            .map(|(l, n)| take_layer(l, NORMS, n))
+            .collect::<PyResult<Vec<_>>>()?;
+        let biases = biases
+            .into_iter()
+            .enumerate()
+            .map(|(l, b)| take_layer(l, BIASES, b))
             .collect::<PyResult<Vec<_>>>()?;
         let this = PyCpuDecoder {
             dims: Dims {
@@ -210,122 +223,159 @@ impl PyCpuDecoder {
                 dense_min_rows,
             },
             norms,
-            norms_f32,
             options,
             weights,
             biases,
-            final_norm,
+            final_norm: Tensor::take("final_norm", final_norm)?,
         };
-        // SAFETY: the owner's contract (module docs).
-        unsafe {
-            let layers = this.layers()?;
-            decoder::validate(&this.dims, &layers, this.final_norm())
-                .map_err(PyValueError::new_err)?;
-        }
+        decoder::validate(&this.dims, &this.layers()?, this.final_norm.norm_weight()?)
+            .map_err(PyValueError::new_err)?;
         Ok(this)
     }
 
     /// Runs every layer on the bfloat16 residual stream `hidden [rows, hidden]` (updated in
     /// place) and writes the final-normed `out [rows, hidden]`.
     ///
-    /// `positions [rows]` int64 index the bfloat16 RoPE `tables`, per RoPE (cos, sin, len:
-    /// `[len, head_dim]` each; the layers' options name theirs); `caches`: each layer's `[2, num_blocks, block_size, H_kv, D]` cache
-    /// (bfloat16 if `cache_bf16`, else float32); `step`: slot_mapping `[rows]` int64, then
-    /// int32 query_start_loc `[num_reqs + 1]`, seq_lens `[num_reqs]`, block_tables
-    /// `[num_reqs, max_blocks]` and the requests to attend for `[num_selected]`, which own
-    /// every row below `num_rows` (the rest are padding).
+    /// `positions [rows]` int64 index the bfloat16 RoPE `tables`, a `(cos, sin)` pair of
+    /// `[len, head_dim]` tables per RoPE (the layers' options name theirs); `caches`: each
+    /// layer's `[2, num_blocks, block_size, H_kv, D]` cache, all alike (bfloat16 or float32);
+    /// the step's tensors as `paged_attention`'s, the requests attended owning every row
+    /// below `num_rows` (the rest are padding).
+    #[pyo3(signature = (hidden, out, positions, tables, caches, slot_mapping, query_start_loc,
+                        seq_lens, block_tables, reqs, num_rows))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         py: Python<'_>,
-        hidden: usize,
-        out: usize,
-        rows: usize,
-        positions: usize,
-        tables: Vec<(usize, usize, usize)>,
-        caches: Vec<usize>,
-        cache_bf16: bool,
-        cache_blocks: [usize; 2],
-        step: [usize; 5],
-        num_reqs: usize,
-        max_blocks: usize,
-        num_selected: usize,
+        hidden: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        positions: &Bound<'_, PyAny>,
+        tables: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
+        caches: Vec<Bound<'_, PyAny>>,
+        slot_mapping: &Bound<'_, PyAny>,
+        query_start_loc: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        block_tables: &Bound<'_, PyAny>,
+        reqs: &Bound<'_, PyAny>,
         num_rows: usize,
     ) -> PyResult<()> {
-        let pool = pool();
         let dims = self.dims;
-        let [num_blocks, block_size] = cache_blocks;
+        let h = Tensor::take("hidden", hidden)?;
+        let o = Tensor::take("out", out)?;
+        let p = Tensor::take("positions", positions)?;
+        let step =
+            StepTensors::take([slot_mapping, query_start_loc, seq_lens, block_tables, reqs])?;
+        let tables = tables
+            .iter()
+            .enumerate()
+            .map(|(i, (c, s))| {
+                Ok((
+                    Tensor::take(format!("tables[{i}].cos"), c)?,
+                    Tensor::take(format!("tables[{i}].sin"), s)?,
+                ))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let caches = caches
+            .iter()
+            .enumerate()
+            .map(|(l, c)| Tensor::take(format!("caches[{l}]"), c))
+            .collect::<PyResult<Vec<_>>>()?;
+        h.expect_ndim(2)?;
+        p.expect_ndim(1)?;
+        let shape = caches.first().map_or(&[][..], |c| c.shape());
+        if let Some(c) = caches
+            .iter()
+            .find(|c| c.shape() != shape || c.dtype() != caches[0].dtype())
+        {
+            return Err(PyValueError::new_err(format!(
+                "{} is {} {:?}, caches[0] {} {shape:?}: the caches must be alike",
+                c.name(),
+                c.dtype().name(),
+                c.shape(),
+                caches[0].dtype().name()
+            )));
+        }
+        if caches.first().is_some_and(|c| {
+            c.shape().len() != 5
+                || (c.dim(0), c.dim(3), c.dim(4)) != (2, dims.num_kv_heads, dims.head_dim)
+        }) || h.dim(1) != dims.hidden
+            || o.shape() != h.shape()
+        {
+            return Err(PyValueError::new_err(format!(
+                "hidden {:?}, out {:?} and caches[0] {shape:?}: not [rows, {}] twice and \
+                 [2, blocks, block_size, {}, {}]",
+                h.shape(),
+                o.shape(),
+                dims.hidden,
+                dims.num_kv_heads,
+                dims.head_dim
+            )));
+        }
+        let c0 = caches.first();
         let cache_shape = CacheShape {
-            num_blocks,
-            block_size,
+            num_blocks: c0.map_or(0, |c| c.dim(1)),
+            block_size: c0.map_or(0, |c| c.dim(2)),
             num_kv_heads: dims.num_kv_heads,
             head_dim: dims.head_dim,
         };
-        let cache_len = 2 * num_blocks * block_size * dims.num_kv_heads * dims.head_dim;
-        py.detach(|| -> PyResult<()> {
-            // SAFETY: the owner's and the caller's contracts (module docs).
-            unsafe {
-                let layers = self.layers()?;
-                let mut caches: Vec<FloatsMut> = caches
-                    .iter()
-                    .map(|&c| {
-                        if cache_bf16 {
-                            FloatsMut::Bf16(std::slice::from_raw_parts_mut(
-                                c as *mut u16,
-                                cache_len,
-                            ))
-                        } else {
-                            FloatsMut::F32(std::slice::from_raw_parts_mut(c as *mut f32, cache_len))
-                        }
-                    })
-                    .collect();
-                let table = |a: usize, len: usize| {
-                    std::slice::from_raw_parts(a as *const u16, len * dims.head_dim)
-                };
-                let tables: Vec<RopeTable> = tables
-                    .iter()
-                    .map(|&(cos, sin, len)| RopeTable {
-                        cos: table(cos, len),
-                        sin: table(sin, len),
-                    })
-                    .collect();
-                let [slots, qsl, seq_lens, block_tables, reqs] = step;
-                let n = rows * dims.hidden;
-                decoder::forward(
-                    &dims,
-                    &layers,
-                    self.final_norm(),
-                    &mut caches,
-                    std::slice::from_raw_parts_mut(hidden as *mut u16, n),
-                    std::slice::from_raw_parts_mut(out as *mut u16, n),
-                    Rope {
-                        positions: std::slice::from_raw_parts(positions as *const i64, rows),
-                        tables: &tables,
-                    },
-                    Attention {
-                        slot_mapping: std::slice::from_raw_parts(slots as *const i64, rows),
-                        step: Step {
-                            query_start_loc: std::slice::from_raw_parts(
-                                qsl as *const i32,
-                                num_reqs + 1,
-                            ),
-                            seq_lens: std::slice::from_raw_parts(seq_lens as *const i32, num_reqs),
-                            block_tables: std::slice::from_raw_parts(
-                                block_tables as *const i32,
-                                num_reqs * max_blocks,
-                            ),
-                            max_blocks,
-                        },
-                        reqs: std::slice::from_raw_parts(reqs as *const i32, num_selected),
-                        num_rows,
-                        cache_shape,
-                    },
-                    &pool,
-                    Kernels::best(),
-                )
-                .map_err(PyValueError::new_err)
-            }
+        let layers = self.layers()?;
+        let final_norm = self.final_norm.norm_weight()?;
+        let mut cache_views = caches
+            .iter()
+            .map(|c| c.floats_mut())
+            .collect::<PyResult<Vec<FloatsMut>>>()?;
+        let table_views = tables
+            .iter()
+            .map(|(c, s)| {
+                Ok(RopeTable {
+                    cos: c.slice()?,
+                    sin: s.slice()?,
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let hs = h.slice_mut::<u16>()?;
+        let os = o.slice_mut::<u16>()?;
+        let ps = p.slice::<i64>()?;
+        let (view, slots, reqs) = step.views()?;
+        let mut spans: Vec<Span> = self.spans().collect();
+        spans.extend(caches.iter().map(|c| c.span(false, true)));
+        spans.extend(
+            tables
+                .iter()
+                .flat_map(|(c, s)| [c.span(false, false), s.span(false, false)]),
+        );
+        spans.extend([
+            h.span(false, true),
+            o.span(false, true),
+            p.span(false, false),
+        ]);
+        spans.extend(step.spans());
+        check_no_aliasing(&spans)?;
+        let pool = pool();
+        py.detach(|| {
+            decoder::forward(
+                &dims,
+                &layers,
+                final_norm,
+                &mut cache_views,
+                hs,
+                os,
+                Rope {
+                    positions: ps,
+                    tables: &table_views,
+                },
+                Attention {
+                    slot_mapping: slots,
+                    step: view,
+                    reqs,
+                    num_rows,
+                    cache_shape,
+                },
+                &pool,
+                Kernels::best(),
+            )
         })
+        .map_err(PyValueError::new_err)
     }
 
     /// The number of decoder layers.

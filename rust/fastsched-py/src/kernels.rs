@@ -1,15 +1,18 @@
 //! Binding of fastsched-kernels' quantized matmuls for `fastsched.kernels.quant_matmul_cpu`.
 //!
-//! Tensors cross as raw addresses (`tensor.data_ptr()`) with their shapes: the Python
-//! caller owns the checks of dtype, contiguity and size that make them valid (it is the
-//! only caller), and holds the tensors alive for the call. The GIL is released meanwhile.
+//! Tensors cross as DLPack capsules ([`crate::dlpack`]), checked here for dtype, layout and
+//! alignment, their lengths by the crate; the GIL is released while a kernel runs. A weight
+//! is a [`PyQuantWeight`], which owns its buffers for as long as it lives.
 
 use std::sync::{Arc, Mutex};
 
+use fastsched_kernels::checks::Span;
 use fastsched_kernels::pool::Pool;
 use fastsched_kernels::quant::{self, Act, Int4, Int8, Weight};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+
+use crate::dlpack::{check_no_aliasing, DType, Tensor};
 
 static POOL: Mutex<Option<Arc<Pool>>> = Mutex::new(None);
 
@@ -42,92 +45,162 @@ pub fn kernel_isa() -> &'static str {
     }
 }
 
-/// A weight as `fastsched.kernels.quant_matmul_cpu.CpuQuantWeight.spec` gives it: bits (4 or
-/// 8), the columns a scale covers (32, or 16 for int8), N, K, and its buffers' addresses
-/// (int4: packed, scale, zero; int8: codes, scale, zero or 0 for none).
-pub(crate) type WeightSpec = (u8, usize, usize, usize, [usize; 3]);
-
-/// # Safety (of the callers' contract)
-/// Every address points at a live, contiguous buffer of the size the shapes imply.
-pub(crate) unsafe fn weight<'a>(
-    (bits, scale_group, n, k, w): WeightSpec,
-) -> PyResult<Weight<'a>> {
-    let kb = k / fastsched_kernels::GROUP;
-    if bits == 4 && scale_group != fastsched_kernels::GROUP
-        || !quant::SCALE_GROUPS.contains(&scale_group)
-    {
-        return Err(PyValueError::new_err(format!(
-            "scale_group {scale_group} does not fit a {bits}-bit weight"
-        )));
-    }
-    Ok(match bits {
-        4 => Weight::Int4(Int4 {
-            n,
-            k,
-            packed: std::slice::from_raw_parts(w[0] as *const u8, n * k / 2),
-            scale: std::slice::from_raw_parts(w[1] as *const f32, n * kb),
-            zero: std::slice::from_raw_parts(w[2] as *const f32, n * kb),
-        }),
-        8 => Weight::Int8(Int8 {
-            n,
-            k,
-            codes: std::slice::from_raw_parts(w[0] as *const i8, n * k),
-            scale: std::slice::from_raw_parts(w[1] as *const f32, n * (k / scale_group)),
-            zero: (w[2] != 0).then(|| std::slice::from_raw_parts(w[2] as *const f32, n * kb)),
-            scale_group,
-        }),
-        _ => {
-            return Err(PyValueError::new_err(format!(
-                "bits must be 4 or 8, got {bits}"
-            )))
-        }
-    })
+/// An int4 or int8 weight's buffers, checked once against its shape and kept alive with it.
+#[pyclass(name = "QuantWeight", module = "fastsched._core", frozen)]
+pub struct PyQuantWeight {
+    bits: u8,
+    scale_group: usize,
+    n: usize,
+    k: usize,
+    /// int4: packed `[N, K/2]` uint8; int8: codes `[N, K]` int8.
+    data: Tensor,
+    scale: Tensor,
+    zero: Option<Tensor>,
 }
 
-/// `out[M, N] (float32) = x[M, K] · Wᵀ` for the weight `w` ([`WeightSpec`]); `x` float32,
-/// or bfloat16 if `x_bf16`.
+impl PyQuantWeight {
+    /// The crate's view of the weight (its buffers re-read, so nothing is trusted from `new`).
+    pub(crate) fn weight(&self) -> PyResult<Weight<'_>> {
+        let (n, k) = (self.n, self.k);
+        Ok(match &self.zero {
+            Some(zero) if self.bits == 4 => Weight::Int4(Int4 {
+                n,
+                k,
+                packed: self.data.slice()?,
+                scale: self.scale.slice()?,
+                zero: zero.slice()?,
+            }),
+            zero => Weight::Int8(Int8 {
+                n,
+                k,
+                codes: self.data.slice()?,
+                scale: self.scale.slice()?,
+                zero: zero.as_ref().map(|z| z.slice()).transpose()?,
+                scale_group: self.scale_group,
+            }),
+        })
+    }
+
+    /// The bytes its buffers span (read by every call).
+    pub(crate) fn spans(&self) -> impl Iterator<Item = Span<'_>> {
+        [Some(&self.data), Some(&self.scale), self.zero.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|t| t.span(false, false))
+    }
+}
+
+#[pymethods]
+impl PyQuantWeight {
+    /// `W [N, K]`: int4 (`bits` 4) from `data` = packed `[N, K/2]` uint8 (the crate's layout)
+    /// and `scale`, `zero` `[N, K/32]` float32; int8 from `data` = codes `[N, K]` int8,
+    /// `scale` `[N, K/scale_group]` float32 (`scale_group` 32, or 16 as GGUF Q6_K) and
+    /// optionally `zero` `[N, K/32]` float32. Buffers are DLPack capsules or objects with
+    /// `__dlpack__`, compact, on the CPU. Fails naming the buffer that does not fit.
+    #[new]
+    #[pyo3(signature = (bits, scale_group, n, k, data, scale, zero=None))]
+    fn new(
+        bits: u8,
+        scale_group: usize,
+        n: usize,
+        k: usize,
+        data: &Bound<'_, PyAny>,
+        scale: &Bound<'_, PyAny>,
+        zero: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        if !(bits == 4 && scale_group == fastsched_kernels::GROUP
+            || bits == 8 && quant::SCALE_GROUPS.contains(&scale_group))
+        {
+            return Err(PyValueError::new_err(format!(
+                "bits {bits} with scale_group {scale_group}: int4 takes 32, int8 {:?}",
+                quant::SCALE_GROUPS
+            )));
+        }
+        let this = PyQuantWeight {
+            bits,
+            scale_group,
+            n,
+            k,
+            data: Tensor::take(if bits == 4 { "packed" } else { "codes" }, data)?,
+            scale: Tensor::take("scale", scale)?,
+            zero: Tensor::take_opt("zero", zero)?,
+        };
+        if bits == 4 && this.zero.is_none() {
+            return Err(PyValueError::new_err("an int4 weight needs its zero"));
+        }
+        this.weight()?.validate().map_err(PyValueError::new_err)?;
+        Ok(this)
+    }
+
+    #[getter]
+    fn bits(&self) -> u8 {
+        self.bits
+    }
+
+    #[getter]
+    fn shape(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+}
+
+/// `out [M, N]` float32 of an activation `x [M, K]` and the weight's `N`, after checking both
+/// and that `out` aliases nothing the call reads.
+fn rows_out<'a>(
+    w: &'a PyQuantWeight,
+    x: &'a Tensor,
+    out: &'a Tensor,
+) -> PyResult<(Weight<'a>, &'a mut [f32], usize)> {
+    x.expect_ndim(2)?;
+    out.expect_ndim(2)?;
+    let weight = w.weight()?;
+    let out_slice = out.slice_mut::<f32>()?;
+    let mut spans: Vec<Span> = w.spans().collect();
+    spans.extend([x.span(false, false), out.span(false, true)]);
+    check_no_aliasing(&spans)?;
+    Ok((weight, out_slice, x.dim(0)))
+}
+
+/// `out [M, N]` (float32) `= x [M, K] · Wᵀ` for the weight `w`; `x` float32 or bfloat16.
 #[pyfunction]
 pub fn quant_matmul(
     py: Python<'_>,
-    w: WeightSpec,
-    x: usize,
-    x_bf16: bool,
-    m: usize,
-    out: usize,
+    w: &PyQuantWeight,
+    x: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
+    let (x, out) = (Tensor::take("x", x)?, Tensor::take("out", out)?);
+    let act = match x.dtype() {
+        DType::F32 => Act::F32(x.slice()?),
+        DType::Bf16 => Act::Bf16(x.slice()?),
+        other => {
+            return Err(PyTypeError::new_err(format!(
+                "x must be float32 or bfloat16; got {}",
+                other.name()
+            )))
+        }
+    };
+    let (weight, out, m) = rows_out(w, &x, &out)?;
     let pool = pool();
-    let result = py.detach(|| -> PyResult<()> {
-        // SAFETY: the caller's contract (module docs).
-        let (n, k) = (w.2, w.3);
-        let (w, x, out) = unsafe {
-            let w = weight(w)?;
-            let x = if x_bf16 {
-                Act::Bf16(std::slice::from_raw_parts(x as *const u16, m * k))
-            } else {
-                Act::F32(std::slice::from_raw_parts(x as *const f32, m * k))
-            };
-            (w, x, std::slice::from_raw_parts_mut(out as *mut f32, m * n))
-        };
-        quant::matmul(&w, x, m, out, &pool, quant::best_kernel()).map_err(PyValueError::new_err)
-    });
-    result
+    py.detach(|| quant::matmul(&weight, act, m, out, &pool, quant::best_kernel()))
+        .map_err(PyValueError::new_err)
 }
 
-/// Writes the whole weight `w` ([`WeightSpec`]) as bfloat16 `[N, K]` to `out`.
+/// Writes the whole weight `w` as bfloat16 `out [N, K]`.
 #[pyfunction]
-pub fn quant_dequantize_bf16(py: Python<'_>, w: WeightSpec, out: usize) -> PyResult<()> {
+pub fn quant_dequantize_bf16(
+    py: Python<'_>,
+    w: &PyQuantWeight,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let out = Tensor::take("out", out)?;
+    let weight = w.weight()?;
+    let slice = out.slice_mut::<u16>()?;
+    let mut spans: Vec<Span> = w.spans().collect();
+    spans.push(out.span(false, true));
+    check_no_aliasing(&spans)?;
     let pool = pool();
-    py.detach(|| -> PyResult<()> {
-        let (n, k) = (w.2, w.3);
-        // SAFETY: the caller's contract (module docs).
-        let (w, out) = unsafe {
-            (
-                weight(w)?,
-                std::slice::from_raw_parts_mut(out as *mut u16, n * k),
-            )
-        };
-        quant::dequantize_bf16(&w, out, &pool, quant::best_kernel()).map_err(PyValueError::new_err)
-    })
+    py.detach(|| quant::dequantize_bf16(&weight, slice, &pool, quant::best_kernel()))
+        .map_err(PyValueError::new_err)
 }
 
 /// Whether the many-row bf16 GEMM has its SIMD kernel (AVX-512 BF16) on this CPU; without
@@ -137,311 +210,19 @@ pub fn quant_gemm_simd() -> bool {
     quant::gemm::gemm_kernel() != quant::Kernel::Scalar
 }
 
-/// `out[M, N] (float32) = x[M, K] (bfloat16) · Wᵀ` by the many-row bf16 GEMM (the weight
-/// decoded once a call into cache-sized blocks, no `[N, K]` temporary).
+/// `out [M, N]` (float32) `= x [M, K]` (bfloat16) `· Wᵀ` by the many-row bf16 GEMM (the
+/// weight decoded once a call into cache-sized blocks, no `[N, K]` temporary).
 #[pyfunction]
 pub fn quant_gemm_bf16(
     py: Python<'_>,
-    w: WeightSpec,
-    x: usize,
-    m: usize,
-    out: usize,
+    w: &PyQuantWeight,
+    x: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
+    let (x, out) = (Tensor::take("x", x)?, Tensor::take("out", out)?);
+    let act = x.slice::<u16>()?;
+    let (weight, out, m) = rows_out(w, &x, &out)?;
     let pool = pool();
-    py.detach(|| -> PyResult<()> {
-        let (n, k) = (w.2, w.3);
-        // SAFETY: the caller's contract (module docs).
-        let (w, x, out) = unsafe {
-            (
-                weight(w)?,
-                std::slice::from_raw_parts(x as *const u16, m * k),
-                std::slice::from_raw_parts_mut(out as *mut f32, m * n),
-            )
-        };
-        quant::gemm::gemm_bf16(&w, x, m, out, &pool, quant::gemm::gemm_kernel())
-            .map_err(PyValueError::new_err)
-    })
-}
-
-// ---- Paged attention (fastsched_kernels::attention), for fastsched.kernels.cpu_ops ----
-
-use fastsched_kernels::attention::{self, CacheShape, Floats, FloatsMut, Scores, Step};
-
-/// # Safety (of the callers' contract)
-/// `addr` points at a live, contiguous buffer of `len` elements of the given dtype.
-unsafe fn floats<'a>(addr: usize, bf16: bool, len: usize) -> Floats<'a> {
-    if bf16 {
-        Floats::Bf16(std::slice::from_raw_parts(addr as *const u16, len))
-    } else {
-        Floats::F32(std::slice::from_raw_parts(addr as *const f32, len))
-    }
-}
-
-/// # Safety
-/// As [`floats`], and nothing else reads or writes the buffer during the call.
-unsafe fn floats_mut<'a>(addr: usize, bf16: bool, len: usize) -> FloatsMut<'a> {
-    if bf16 {
-        FloatsMut::Bf16(std::slice::from_raw_parts_mut(addr as *mut u16, len))
-    } else {
-        FloatsMut::F32(std::slice::from_raw_parts_mut(addr as *mut f32, len))
-    }
-}
-
-/// Writes a step's keys and values into one layer's paged cache at `slot_mapping`, then
-/// attends for the requests listed in `reqs` (their query rows of `out`).
-///
-/// `tensors`: query `[T, H, D]`, key and value `[T, H_kv, D]` (rows `strides` = (query's,
-/// key's and value's) elements apart, each row contiguous), out `[T, H, D]` contiguous (all
-/// of the query's dtype, bfloat16 if `bf16` else float32), kv_cache `[2, num_blocks,
-/// block_size, H_kv, D]` (bfloat16 if `cache_bf16`). `step`: slot_mapping `[T]` int64,
-/// query_start_loc `[B + 1]`, seq_lens `[B]`, block_tables `[B, max_blocks]`, reqs
-/// `[num_selected]`, all int32. `cache_shape`: num_blocks, block_size, H_kv, D. `scale`,
-/// `softcap` and `window`: the layer's scores (the crate's `Scores`).
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-pub fn paged_attention(
-    py: Python<'_>,
-    tensors: [usize; 5],
-    strides: [usize; 2],
-    bf16: bool,
-    cache_bf16: bool,
-    cache_shape: [usize; 4],
-    num_tokens: usize,
-    num_heads: usize,
-    step: [usize; 5],
-    num_reqs: usize,
-    max_blocks: usize,
-    num_selected: usize,
-    scale: f32,
-    softcap: Option<f32>,
-    window: Option<usize>,
-) -> PyResult<()> {
-    let pool = pool();
-    let scores = Scores {
-        scale,
-        softcap,
-        window,
-    };
-    let [num_blocks, block_size, num_kv_heads, head_dim] = cache_shape;
-    let shape = CacheShape {
-        num_blocks,
-        block_size,
-        num_kv_heads,
-        head_dim,
-    };
-    let cache_len = 2 * num_blocks * block_size * num_kv_heads * head_dim;
-    py.detach(|| -> PyResult<()> {
-        // SAFETY: the caller's contract (module docs); the cache is written, then read.
-        unsafe {
-            let [q_stride, kv_stride] = strides;
-            let span = |stride: usize, row: usize| {
-                if num_tokens == 0 {
-                    0
-                } else {
-                    (num_tokens - 1) * stride + row
-                }
-            };
-            let q_len = span(q_stride, num_heads * head_dim);
-            let kv_len = span(kv_stride, num_kv_heads * head_dim);
-            let [q, k, v, out, cache] = tensors;
-            let [slots, qsl, seq_lens, tables, reqs] = step;
-            attention::write_cache(
-                floats(k, bf16, kv_len),
-                floats(v, bf16, kv_len),
-                kv_stride,
-                std::slice::from_raw_parts(slots as *const i64, num_tokens),
-                &mut floats_mut(cache, cache_bf16, cache_len),
-                shape,
-            )
-            .map_err(PyValueError::new_err)?;
-            let step = Step {
-                query_start_loc: std::slice::from_raw_parts(qsl as *const i32, num_reqs + 1),
-                seq_lens: std::slice::from_raw_parts(seq_lens as *const i32, num_reqs),
-                block_tables: std::slice::from_raw_parts(
-                    tables as *const i32,
-                    num_reqs * max_blocks,
-                ),
-                max_blocks,
-            };
-            attention::paged_attention(
-                floats(q, bf16, q_len),
-                q_stride,
-                &mut floats_mut(out, bf16, num_tokens * num_heads * head_dim),
-                num_heads,
-                floats(cache, cache_bf16, cache_len),
-                shape,
-                step,
-                std::slice::from_raw_parts(reqs as *const i32, num_selected),
-                scores,
-                &pool,
-                attention::best_isa(),
-            )
-            .map_err(PyValueError::new_err)
-        }
-    })
-}
-
-// ---- Elementwise ops (fastsched_kernels::elementwise), for fastsched.kernels.cpu_ops ----
-
-use fastsched_kernels::elementwise::{self, NormWeight};
-
-/// # Safety
-/// As [`floats`].
-unsafe fn norm_weight<'a>(addr: usize, f32_weight: bool, len: usize) -> NormWeight<'a> {
-    if f32_weight {
-        NormWeight::F32(std::slice::from_raw_parts(addr as *const f32, len))
-    } else {
-        NormWeight::Bf16(std::slice::from_raw_parts(addr as *const u16, len))
-    }
-}
-
-/// RMSNorm of the bfloat16 residual stream `hidden [M, N]` into `out`, after adding `delta`
-/// to `hidden` in place (`delta` = 0: no add). `weight [N]` bfloat16, or float32 (Gemma's
-/// `1 + w`, one rounding) if `weight_f32`.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm_bf16(
-    py: Python<'_>,
-    hidden: usize,
-    delta: usize,
-    weight: usize,
-    weight_f32: bool,
-    out: usize,
-    rows: usize,
-    n: usize,
-    eps: f32,
-) -> PyResult<()> {
-    py.detach(|| {
-        // SAFETY: the caller's contract (module docs).
-        unsafe {
-            elementwise::add_rms_norm_bf16(
-                std::slice::from_raw_parts_mut(hidden as *mut u16, rows * n),
-                (delta != 0).then(|| std::slice::from_raw_parts(delta as *const u16, rows * n)),
-                norm_weight(weight, weight_f32, n),
-                eps,
-                std::slice::from_raw_parts_mut(out as *mut u16, rows * n),
-            )
-        }
+    py.detach(|| quant::gemm::gemm_bf16(&weight, act, m, out, &pool, quant::gemm::gemm_kernel()))
         .map_err(PyValueError::new_err)
-    })
-}
-
-/// Rotate-half RoPE in place on the first `heads` heads of `head_dim` of each of the
-/// `rows` rows of `x` (`stride` elements apart), by `positions [rows]` (int64) into the
-/// `[table_len, head_dim]` tables `cos` and `sin`; all of `x`'s dtype.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-pub fn rope(
-    py: Python<'_>,
-    x: usize,
-    bf16: bool,
-    stride: usize,
-    heads: usize,
-    head_dim: usize,
-    positions: usize,
-    rows: usize,
-    tables: [usize; 2],
-    table_len: usize,
-) -> PyResult<()> {
-    py.detach(|| {
-        // SAFETY: the caller's contract (module docs).
-        unsafe {
-            let len = if rows == 0 {
-                0
-            } else {
-                (rows - 1) * stride + heads * head_dim
-            };
-            elementwise::rope(
-                &mut floats_mut(x, bf16, len),
-                stride,
-                heads,
-                head_dim,
-                std::slice::from_raw_parts(positions as *const i64, rows),
-                floats(tables[0], bf16, table_len * head_dim),
-                floats(tables[1], bf16, table_len * head_dim),
-            )
-        }
-        .map_err(PyValueError::new_err)
-    })
-}
-
-/// RMSNorm in place on the first `heads` heads of `head_dim` of each of the `rows` rows of
-/// the bfloat16 `x` (`stride` elements apart), one `weight [head_dim]` (as
-/// [`add_rms_norm_bf16`]'s).
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-pub fn rms_norm_heads_bf16(
-    py: Python<'_>,
-    x: usize,
-    stride: usize,
-    rows: usize,
-    heads: usize,
-    head_dim: usize,
-    weight: usize,
-    weight_f32: bool,
-    eps: f32,
-) -> PyResult<()> {
-    py.detach(|| {
-        // SAFETY: the caller's contract (module docs).
-        unsafe {
-            let len = if rows == 0 {
-                0
-            } else {
-                (rows - 1) * stride + heads * head_dim
-            };
-            elementwise::rms_norm_heads_bf16(
-                std::slice::from_raw_parts_mut(x as *mut u16, len),
-                stride,
-                rows,
-                heads,
-                norm_weight(weight, weight_f32, head_dim),
-                eps,
-            )
-        }
-        .map_err(PyValueError::new_err)
-    })
-}
-
-/// `out [M, I] = gelu_tanh(gate) · up` for bfloat16 `gate_up [M, 2I]`.
-#[pyfunction]
-pub fn gelu_tanh_mul_bf16(
-    py: Python<'_>,
-    gate_up: usize,
-    out: usize,
-    rows: usize,
-    inner: usize,
-) -> PyResult<()> {
-    py.detach(|| {
-        // SAFETY: the caller's contract (module docs).
-        unsafe {
-            elementwise::gelu_tanh_mul_bf16(
-                std::slice::from_raw_parts(gate_up as *const u16, rows * 2 * inner),
-                std::slice::from_raw_parts_mut(out as *mut u16, rows * inner),
-                inner,
-            )
-        }
-        .map_err(PyValueError::new_err)
-    })
-}
-
-/// `out [M, I] = silu(gate) · up` for bfloat16 `gate_up [M, 2I]`.
-#[pyfunction]
-pub fn silu_mul_bf16(
-    py: Python<'_>,
-    gate_up: usize,
-    out: usize,
-    rows: usize,
-    inner: usize,
-) -> PyResult<()> {
-    py.detach(|| {
-        // SAFETY: the caller's contract (module docs).
-        unsafe {
-            elementwise::silu_mul_bf16(
-                std::slice::from_raw_parts(gate_up as *const u16, rows * 2 * inner),
-                std::slice::from_raw_parts_mut(out as *mut u16, rows * inner),
-                inner,
-            )
-        }
-        .map_err(PyValueError::new_err)
-    })
 }

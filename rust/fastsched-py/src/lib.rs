@@ -4,9 +4,11 @@
 mod admission;
 mod config;
 mod decoder;
+mod dlpack;
 mod errors;
 mod kernels;
 mod kv;
+mod ops;
 mod output;
 mod scheduler;
 
@@ -64,17 +66,18 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::set_kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::kernel_isa, m)?)?;
+    m.add_class::<kernels::PyQuantWeight>()?;
     m.add_function(wrap_pyfunction!(kernels::quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::quant_dequantize_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::quant_gemm_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::quant_gemm_simd, m)?)?;
     // CPU attention and elementwise kernels.
-    m.add_function(wrap_pyfunction!(kernels::paged_attention, m)?)?;
-    m.add_function(wrap_pyfunction!(kernels::add_rms_norm_bf16, m)?)?;
-    m.add_function(wrap_pyfunction!(kernels::rope, m)?)?;
-    m.add_function(wrap_pyfunction!(kernels::silu_mul_bf16, m)?)?;
-    m.add_function(wrap_pyfunction!(kernels::gelu_tanh_mul_bf16, m)?)?;
-    m.add_function(wrap_pyfunction!(kernels::rms_norm_heads_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::paged_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::add_rms_norm_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::rope, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::silu_mul_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::gelu_tanh_mul_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::rms_norm_heads_bf16, m)?)?;
     m.add_class::<decoder::PyCpuDecoder>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The codes of `SchedulerOutput.kinds` and `EngineCoreOutputs.finish_reasons`,

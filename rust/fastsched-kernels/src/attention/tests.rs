@@ -393,3 +393,25 @@ fn write_cache_skips_padding_slots_and_rounds_to_bf16() {
     .unwrap_err();
     assert!(err.contains("slot_mapping"), "{err}");
 }
+
+#[test]
+fn rejects_a_request_listed_twice() {
+    // two tasks of one request would write its rows of `out` at the same time
+    let c = case(&[(2, 5), (1, 3)], 2, 1, 16, 1);
+    let mut out = vec![0f32; c.query.len()];
+    let err = paged_attention(
+        Floats::F32(&c.query),
+        2 * 16,
+        &mut FloatsMut::F32(&mut out),
+        2,
+        Floats::F32(&c.cache),
+        c.shape,
+        c.step(),
+        &[1, 0, 1],
+        Scores::scaled(0.125),
+        &Pool::new(1),
+        Isa::Scalar,
+    )
+    .unwrap_err();
+    assert!(err.contains("twice"), "{err}");
+}

@@ -569,6 +569,16 @@ fn validate_names_the_layer_and_part_of_a_bad_shape_or_option() {
     ls[1].scores.window = Some(0);
     let err = validate(&dims(16), &ls, fin).unwrap_err();
     assert!(err.contains("layer 1: sliding window"), "{err}");
+    // sizes whose products would wrap (heads x head_dim = 2^64 ≡ 0) are refused before use
+    let huge = Dims {
+        num_heads: 1 << 62,
+        num_kv_heads: 1 << 62,
+        head_dim: 4,
+        ..dims(16)
+    };
+    assert!(validate(&huge, &layers(&m), fin)
+        .unwrap_err()
+        .contains("bad dims"));
 }
 
 #[test]

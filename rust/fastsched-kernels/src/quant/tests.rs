@@ -483,3 +483,27 @@ fn int8_scale_group_and_zero_lengths_are_checked() {
         .contains("zero has 1 elements"));
     assert!(w(32, None).validate().is_ok());
 }
+
+#[test]
+fn a_weight_shape_whose_size_wraps_is_refused() {
+    // n · k = 2^64 would wrap to 0 and match empty buffers
+    let w = Weight::Int8(Int8 {
+        n: 1 << 32,
+        k: 1 << 32,
+        codes: &[],
+        scale: &[],
+        zero: None,
+        scale_group: GROUP,
+    });
+    assert!(w.validate().unwrap_err().contains("too large"));
+    let ok = Weight::Int8(Int8 {
+        n: 1,
+        k: 32,
+        codes: &[0; 32],
+        scale: &[1.0],
+        zero: None,
+        scale_group: GROUP,
+    });
+    let err = check_call(&ok, 0, 0, 1 << 60).unwrap_err(); // m · k would wrap
+    assert!(err.contains("x has 0 elements"), "{err}");
+}
