@@ -143,7 +143,10 @@ fn take_tasks(s: &Shared, generation: u64) {
         // SAFETY: a claimed task of the current generation keeps its job alive (see `Shared`).
         let job = unsafe { (*s.job.get()).unwrap() };
         if let Err(payload) = catch_unwind(AssertUnwindSafe(|| unsafe { (*job)(index as usize) })) {
-            s.panic.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(payload);
+            s.panic
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(payload);
         }
         s.done.fetch_add(1, Ordering::Release);
     }
@@ -232,17 +235,28 @@ mod tests {
                     })
                 }));
                 let message = caught.expect_err("the panic reaches the caller, no hang");
-                let text = message.downcast_ref::<String>().expect("panic!'s formatted message");
-                assert!(text.starts_with("task ") && text.ends_with(" failed"), "{text}");
+                let text = message
+                    .downcast_ref::<String>()
+                    .expect("panic!'s formatted message");
+                assert!(
+                    text.starts_with("task ") && text.ends_with(" failed"),
+                    "{text}"
+                );
                 if threads > 1 {
                     // Every task that does not panic ran before `run` returned.
-                    assert!(ran.load(Ordering::Relaxed) >= 12, "threads {threads} round {round}");
+                    assert!(
+                        ran.load(Ordering::Relaxed) >= 12,
+                        "threads {threads} round {round}"
+                    );
                 }
                 let counts: Vec<AtomicUsize> = (0..16).map(|_| AtomicUsize::new(0)).collect();
                 pool.run(16, &|i| {
                     counts[i].fetch_add(1, Ordering::Relaxed);
                 });
-                assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1), "threads {threads}");
+                assert!(
+                    counts.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+                    "threads {threads}"
+                );
             }
         }
     }

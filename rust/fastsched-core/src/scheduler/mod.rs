@@ -15,9 +15,9 @@ mod update;
 mod waiting;
 
 #[cfg(test)]
-mod tests;
-#[cfg(test)]
 mod prefill_tests;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{HashMap, VecDeque};
 
@@ -355,7 +355,8 @@ impl Scheduler {
             }
             None => Box::new(Request::from_new(new, handle, &self.hasher)),
         };
-        self.requests[handle as usize].progress = Progress::new(req.num_tokens(), req.max_tokens == 0);
+        self.requests[handle as usize].progress =
+            Progress::new(req.num_tokens(), req.max_tokens == 0);
         // Room for every output (and its block hash) up front: appending a
         // token never reallocates.
         let room = req

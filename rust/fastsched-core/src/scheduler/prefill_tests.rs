@@ -29,7 +29,9 @@ fn step(s: &mut Scheduler) -> (SchedulerOutput, EngineCoreOutputs) {
             (!p.is_prefill_chunk && !p.prefill_only).then_some(7)
         })
         .collect();
-    let res = s.update_from_output(&ModelRunnerOutput::from_tokens(&tokens)).unwrap();
+    let res = s
+        .update_from_output(&ModelRunnerOutput::from_tokens(&tokens))
+        .unwrap();
     s.check_invariants().unwrap();
     (out, res)
 }
@@ -50,7 +52,10 @@ fn s19_skip_reading_prefix_cache_gets_no_hit_but_its_blocks_are_cached_for_other
     let (out, _) = step(&mut s);
     let b = s.handle_of("b").unwrap();
     let row = out.req_handles.iter().position(|&h| h == b).unwrap();
-    assert_eq!((out.num_cached_tokens[row], out.num_scheduled_tokens[row]), (0, 9));
+    assert_eq!(
+        (out.num_cached_tokens[row], out.num_scheduled_tokens[row]),
+        (0, 9)
+    );
     // A later reader still hits (a's blocks, or b's duplicates of them).
     s.add_request(NewRequest::new("c", p, 2)).unwrap();
     let (out, _) = step(&mut s);
@@ -65,14 +70,19 @@ fn s19_skip_reading_prefix_cache_takes_no_kv_connector_tokens() {
     s.set_connector(Box::new(TestConnector::new(8, 1, 4)));
     s.add_request(skipping("a", (10..22).collect(), 2)).unwrap();
     let (out, _) = step(&mut s);
-    assert_eq!((out.num_computed_tokens[0], out.num_scheduled_tokens[0]), (0, 12));
+    assert_eq!(
+        (out.num_computed_tokens[0], out.num_scheduled_tokens[0]),
+        (0, 12)
+    );
     assert_eq!(s.stats().prefix_cache.queries, 0, "no lookup at all");
 }
 
 #[test]
 fn s20_prefill_only_ends_length_capped_with_no_token_after_its_last_chunk() {
     let mut s = sched_with(|c| c.max_num_batched_tokens = 8);
-    let h = s.add_request(NewRequest::new("a", (10..30).collect(), 0)).unwrap();
+    let h = s
+        .add_request(NewRequest::new("a", (10..30).collect(), 0))
+        .unwrap();
     let mut chunks = Vec::new();
     loop {
         let (out, res) = step(&mut s);
@@ -85,7 +95,11 @@ fn s20_prefill_only_ends_length_capped_with_no_token_after_its_last_chunk() {
         }
         assert!(chunks.len() < 4, "a 20-token prompt takes 3 chunks of 8");
     }
-    assert_eq!(chunks, vec![8, 8, 4], "all 20 prompt tokens computed, the last one too");
+    assert_eq!(
+        chunks,
+        vec![8, 8, 4],
+        "all 20 prompt tokens computed, the last one too"
+    );
     assert!(s.request(h).is_none() || s.request(h).unwrap().is_finished());
     assert_eq!(s.schedule().finished, vec![h]);
 }
@@ -94,11 +108,19 @@ fn s20_prefill_only_ends_length_capped_with_no_token_after_its_last_chunk() {
 fn s20_prefill_only_under_async_scheduling_is_scheduled_once_per_chunk() {
     let mut s = sched_with(|c| c.max_num_batched_tokens = 8);
     s.set_async_scheduling(true);
-    let h = s.add_request(NewRequest::new("a", (10..22).collect(), 0)).unwrap();
+    let h = s
+        .add_request(NewRequest::new("a", (10..22).collect(), 0))
+        .unwrap();
     let first = s.schedule(); // 8 tokens
     assert!(s.runs_after_in_flight(), "4 prompt tokens are left");
     let second = s.schedule(); // the last 4, while the first chunk is in flight
-    assert_eq!((first.num_scheduled_tokens[0], second.num_scheduled_tokens[0]), (8, 4));
+    assert_eq!(
+        (
+            first.num_scheduled_tokens[0],
+            second.num_scheduled_tokens[0]
+        ),
+        (8, 4)
+    );
     assert!(!s.runs_after_in_flight(), "nothing is left to schedule");
     assert!(s.schedule().req_handles.is_empty(), "no third step for it");
     let none = ModelRunnerOutput::from_tokens(&[None]);
@@ -107,7 +129,8 @@ fn s20_prefill_only_under_async_scheduling_is_scheduled_once_per_chunk() {
     assert_eq!(res.handles, vec![h]);
     assert_eq!(res.finish_reasons, vec![FinishReason::Length as u8]);
     // The empty third step is in flight too.
-    s.update_from_output(&ModelRunnerOutput::from_tokens(&[])).unwrap();
+    s.update_from_output(&ModelRunnerOutput::from_tokens(&[]))
+        .unwrap();
     s.check_invariants().unwrap();
 }
 
