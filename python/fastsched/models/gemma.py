@@ -46,6 +46,8 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size))
         self.eps = eps
+        # ((the weight's storage, its version), 1 + w): see kernel_weight
+        self._kernel_weight: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = x.float()
@@ -54,8 +56,14 @@ class GemmaRMSNorm(nn.Module):
 
     def kernel_weight(self) -> torch.Tensor:
         """The weight as the CPU kernels take it: float32 ``1 + w``, which they apply before
-        the one rounding to bfloat16, as :meth:`forward` does."""
-        return 1.0 + self.weight.detach().float()
+        the one rounding to bfloat16, as :meth:`forward` does. Kept between steps while the
+        parameter is unchanged: same storage, and its version counter, which moves with every
+        in-place write (a weight reload's included)."""
+        weight = self.weight.detach()
+        key = (weight.data_ptr(), weight._version)
+        if self._kernel_weight is None or self._kernel_weight[0] != key:
+            self._kernel_weight = (key, 1.0 + weight.float())
+        return self._kernel_weight[1]
 
 
 class GemmaDecoderLayer(nn.Module):
