@@ -81,7 +81,6 @@ def kv_pool_args(args: argparse.Namespace, block_size: int) -> dict[str, int]:
 
 def run_fastsched(args: argparse.Namespace) -> dict[str, object]:
     rss_stages = {"start": rss_split_mib()}
-    import torch
 
     rss_stages["import torch"] = rss_split_mib()
     sys.path.insert(0, str(ROOT / "python"))
@@ -91,17 +90,28 @@ def run_fastsched(args: argparse.Namespace) -> dict[str, object]:
     rss_stages["engine imports"] = rss_split_mib()
     extra = json.loads(args.fastsched_args)
     start = time.perf_counter()
-    llm = LLM(model=args.model, num_threads=args.threads, log_stats_interval=0,
-              **kv_pool_args(args, extra.get("block_size", EngineConfig.block_size)), **extra)
+    llm = LLM(
+        model=args.model,
+        num_threads=args.threads,
+        log_stats_interval=0,
+        **kv_pool_args(args, extra.get("block_size", EngineConfig.block_size)),
+        **extra,
+    )
     rss_stages["engine built (model, KV pool)"] = rss_split_mib()
-    result: dict[str, object] = {"engine": "fastsched", "load_s": time.perf_counter() - start,
-                                 "dtype": str(llm.config.torch_dtype).removeprefix("torch."),
-                                 "quantization": llm.config.resolved_quantization, "args": extra}
+    result: dict[str, object] = {
+        "engine": "fastsched",
+        "load_s": time.perf_counter() - start,
+        "dtype": str(llm.config.torch_dtype).removeprefix("torch."),
+        "quantization": llm.config.resolved_quantization,
+        "args": extra,
+    }
     kv = llm.engine.runner.kv_caches
     result["kv_pool_mib"] = sum(t.numel() * t.element_size() for t in kv) / 2**20
     prompt = llm.tokenizer.encode(PROMPT)
     if len(prompt) > PROMPT_TOKENS_MAX:
-        raise SystemExit(f"PROMPT is {len(prompt)} tokens; PROMPT_TOKENS_MAX ({PROMPT_TOKENS_MAX}) must be at least that")
+        raise SystemExit(
+            f"PROMPT is {len(prompt)} tokens; PROMPT_TOKENS_MAX ({PROMPT_TOKENS_MAX}) must be at least that"
+        )
 
     def timed(prompts: list[list[int]], max_tokens: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -120,7 +130,9 @@ def run_fastsched(args: argparse.Namespace) -> dict[str, object]:
         result[f"decode_{n}_tok_s"] = runs
     long_prompt = long_prompt_ids(prompt, args.prompt_len)
     # Prefix caching would serve a repeated prompt from the cache: each run's prompt differs in its first token.
-    result["prefill_tok_s"] = [args.prompt_len / timed([[i + 1] + long_prompt[1:]], 1) for i in range(args.repeats)]
+    result["prefill_tok_s"] = [
+        args.prompt_len / timed([[i + 1] + long_prompt[1:]], 1) for i in range(args.repeats)
+    ]
     rss_stages["end"] = rss_split_mib()
     result["rss_stages_mib"] = rss_stages  # [resident, anonymous, file-backed]
     result.update(rss_mib())
@@ -137,13 +149,17 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, object]:
     import numpy as np
 
     start = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=args.model, n_threads=args.threads, n_threads_batch=args.threads,
-                          n_ctx=512, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=args.model, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=512, verbose=False
+    )
     model = llm._model.model
     vocab = llama_cpp.llama_model_get_vocab(model)
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
-    result: dict[str, object] = {"engine": "llama.cpp", "load_s": time.perf_counter() - start,
-                                 "version": llama_cpp.__version__}
+    result: dict[str, object] = {
+        "engine": "llama.cpp",
+        "load_s": time.perf_counter() - start,
+        "version": llama_cpp.__version__,
+    }
     prompt = llm.tokenize(PROMPT.encode(), add_bos=False, special=True)
 
     def new_context(n_seqs: int, n_ctx: int) -> ctypes.c_void_p:
@@ -209,13 +225,32 @@ def llamacpp_python(venv: Path) -> tuple[Path, float]:
     """The venv's interpreter with llama-cpp-python in it, installing it (from its sdist,
     built for this CPU) if missing; returns it and the seconds the install took (0: present)."""
     python = venv / "bin" / "python"
-    if python.exists() and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+    if (
+        python.exists()
+        and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    ):
         return python, 0.0
     start = time.monotonic()
-    print(f"installing {LLAMACPP_REQUIREMENT} into {venv} (builds llama.cpp from source: minutes)...", flush=True)
+    print(
+        f"installing {LLAMACPP_REQUIREMENT} into {venv} (builds llama.cpp from source: minutes)...",
+        flush=True,
+    )
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-binary", "llama-cpp-python", LLAMACPP_REQUIREMENT,
-                    "numpy"], check=True, env={**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"})
+    subprocess.run(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-binary",
+            "llama-cpp-python",
+            LLAMACPP_REQUIREMENT,
+            "numpy",
+        ],
+        check=True,
+        env={**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"},
+    )
     took = time.monotonic() - start
     print(f"installed llama-cpp-python in {took:.0f} s", flush=True)
     return python, took
@@ -237,8 +272,10 @@ def summarize(results: list[dict[str, object]]) -> str:
     medians (fastsched / llama.cpp; RSS too, where lower is better)."""
     keys = [k for k in results[0] if k.endswith("tok_s")] + ["rss_mib"]
     both = len(results) == 2
-    lines = ["| | " + " | ".join(str(r["engine"]) for r in results) + (" | ratio |" if both else " |"),
-             "| --- |" + " ---: |" * (len(results) + both)]
+    lines = [
+        "| | " + " | ".join(str(r["engine"]) for r in results) + (" | ratio |" if both else " |"),
+        "| --- |" + " ---: |" * (len(results) + both),
+    ]
     for key in keys:
         cells = []
         for r in results:
@@ -257,24 +294,40 @@ def summarize(results: list[dict[str, object]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2 Q4_1)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per sequence")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="sequence counts to decode")
+    parser.add_argument(
+        "--batches", type=int, nargs="+", default=[1, 8, 32], help="sequence counts to decode"
+    )
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the prefill run")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement (all reported)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="rounds of the whole bench, the engines alternating (fastsched, llama.cpp, fastsched, "
-                             "...), so that a shared machine's slow minutes fall on both; all runs are reported")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of the whole bench, the engines alternating (fastsched, llama.cpp, fastsched, "
+        "...), so that a shared machine's slow minutes fall on both; all runs are reported",
+    )
     parser.add_argument("--fastsched-args", default="{}", help="JSON of extra LLM(...) arguments")
-    parser.add_argument("--kv-cache-memory", type=int, default=None,
-                        help="fastsched's KV pool in bytes (default: blocks for the largest batch, as llama.cpp's "
-                             "context is sized)")
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="fastsched's KV pool in bytes (default: blocks for the largest batch, as llama.cpp's "
+        "context is sized)",
+    )
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--skip-fastsched", action="store_true", help="llama.cpp alone")
-    parser.add_argument("--llamacpp-venv", type=Path, default=OUT / "llamacpp-venv",
-                        help="virtual environment holding llama-cpp-python (installed there if missing)")
+    parser.add_argument(
+        "--llamacpp-venv",
+        type=Path,
+        default=OUT / "llamacpp-venv",
+        help="virtual environment holding llama-cpp-python (installed there if missing)",
+    )
     parser.add_argument("--json", type=Path, help="write the results there too")
     parser.add_argument("--worker", choices=("fastsched", "llamacpp"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -300,8 +353,9 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     for round_ in tqdm(range(args.rounds), desc="rounds", disable=args.rounds == 1):
         for name, python in engines:
-            proc = subprocess.run([python, __file__, *passthrough, "--worker", name], capture_output=True, text=True,
-                                  env=env)
+            proc = subprocess.run(
+                [python, __file__, *passthrough, "--worker", name], capture_output=True, text=True, env=env
+            )
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if proc.returncode or line is None:
                 raise SystemExit(f"{name} run failed (round {round_ + 1}):\n{proc.stderr[-4000:]}")

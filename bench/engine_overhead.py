@@ -55,8 +55,8 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 FIRST_PROMPT_TOKEN = 3  # the tiny model's ids below this are special tokens
 LOGITS_TABLE_ROWS = 257
@@ -254,13 +254,17 @@ def run_engine(args: argparse.Namespace, model_dir: str, null_model: bool) -> di
 
     core = EngineCore(EngineConfig.from_kwargs(**engine_kwargs(args, model_dir)))
     runner = core.runner
-    runner.model = NullModel(runner.model.config, args.fake_forward_ms) if null_model else TimedModel(runner.model)
+    runner.model = (
+        NullModel(runner.model.config, args.fake_forward_ms) if null_model else TimedModel(runner.model)
+    )
     timer = PhaseTimer()
     with instrument(core, timer) as model_time:
         return _time_steps(args, core, timer, model_time)
 
 
-def _time_steps(args: argparse.Namespace, core: Any, timer: PhaseTimer, model_time: Callable[[], float]) -> dict[str, Any]:
+def _time_steps(
+    args: argparse.Namespace, core: Any, timer: PhaseTimer, model_time: Callable[[], float]
+) -> dict[str, Any]:
     from fastsched.engine import protocol
     from fastsched.engine.protocol import EngineCoreRequest, EngineStats
 
@@ -345,25 +349,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--running", type=int, default=256, help="requests in flight")
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=None,
-                        help="tokens per request (default: enough that none finishes while timed)")
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="tokens per request (default: enough that none finishes while timed)",
+    )
     parser.add_argument("--steps", type=int, default=200, help="decode steps timed")
     parser.add_argument("--warmup", type=int, default=20, help="decode steps run before timing")
     parser.add_argument("--fake-forward-ms", type=float, default=0.0, help="the null model's forward pass")
-    parser.add_argument("--sampling", choices=("greedy", "random", "penalties", "logprobs", "structured"),
-                        default="greedy")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="schedule step N+1 while step N's forward pass runs (default: the engine's)")
+    parser.add_argument(
+        "--sampling", choices=("greedy", "random", "penalties", "logprobs", "structured"), default="greedy"
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while step N's forward pass runs (default: the engine's)",
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--vocab-size", type=int, default=1024,
-                        help="the tiny model's vocabulary, i.e. the width of every step's logits (SmolLM2's: 49152)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=1024,
+        help="the tiny model's vocabulary, i.e. the width of every step's logits (SmolLM2's: 49152)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-real-model", action="store_true", help="skip the run on the real tiny model")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="cProfile the timed null-model steps; print the top N functions by own time to stderr")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cProfile the timed null-model steps; print the top N functions by own time to stderr",
+    )
     parser.add_argument("--profile-sort", default="tottime", help="pstats sort key for --profile")
-    parser.add_argument("--llm-generate", action="store_true", help="also time LLM.generate with the null model")
+    parser.add_argument(
+        "--llm-generate", action="store_true", help="also time LLM.generate with the null model"
+    )
     args = parser.parse_args(argv)
     if args.output_len is None:
         # Prefill steps (at most one per budget's worth of prompt tokens) + warm-up + timed + 1.
@@ -378,7 +402,11 @@ def print_table(rows: dict[str, dict[str, Any]]) -> None:
     print("| --- |" + " ---: |" * (len(columns) + 3))
     for name, r in rows.items():
         cells = [f"{r[f'{c}_us_median']:.1f}" for c in columns]
-        print(f"| {name} | " + " | ".join(cells) + f" | {r['host_us_p99']:.1f} | {r['steps_per_s']} | {r['tokens_per_s']} |")
+        print(
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {r['host_us_p99']:.1f} | {r['steps_per_s']} | {r['tokens_per_s']} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="fastsched-overhead-") as tmp:
         model_dir = str(make_tiny_model(Path(tmp) / "tiny", vocab_size=args.vocab_size))
-        rows = {f"null model, forward {args.fake_forward_ms:g} ms": run_engine(args, model_dir, null_model=True)}
+        rows = {
+            f"null model, forward {args.fake_forward_ms:g} ms": run_engine(args, model_dir, null_model=True)
+        }
         if not args.no_real_model:
             rows["real tiny model"] = run_engine(args, model_dir, null_model=False)
         generate = run_llm_generate(args, model_dir) if args.llm_generate else None
@@ -400,8 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_table(rows)
     if generate is not None:
-        print(f"LLM.generate, null model: {generate['tokens']} tokens in {generate['seconds']} s = "
-              f"{generate['tokens_per_s']} tokens/s")
+        print(
+            f"LLM.generate, null model: {generate['tokens']} tokens in {generate['seconds']} s = "
+            f"{generate['tokens_per_s']} tokens/s"
+        )
     null = next(iter(rows.values()))
     summary: dict[str, Any] = {
         "running": args.running,
@@ -416,8 +448,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "real tiny model" in rows:
         real = rows["real tiny model"]
-        summary["real_model"] = {k: real[k] for k in ("step_us_median", "host_us_median", "forward_us_median",
-                                                      "host_us_p99", "tokens_per_s")}
+        summary["real_model"] = {
+            k: real[k]
+            for k in ("step_us_median", "host_us_median", "forward_us_median", "host_us_p99", "tokens_per_s")
+        }
     if generate is not None:
         summary["llm_generate_tokens_per_s"] = generate["tokens_per_s"]
     print(json.dumps(summary))

@@ -19,13 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-import torch  # noqa: E402
-from torch.utils.dlpack import to_dlpack  # noqa: E402
+import torch
+from torch.utils.dlpack import to_dlpack
 
-from fastsched import _core  # noqa: E402
-from fastsched.kernels.cpu_ops import sync_threads  # noqa: E402
-from fastsched.kernels.quant_matmul_cpu import CpuQuantWeight  # noqa: E402
-from fastsched.model_loader.weights import load_model  # noqa: E402
+from fastsched import _core
+from fastsched.kernels.cpu_ops import sync_threads
+from fastsched.kernels.quant_matmul_cpu import CpuQuantWeight
+from fastsched.model_loader.weights import load_model
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -38,16 +38,21 @@ def pass_seconds(weights: list[CpuQuantWeight], xs: list[torch.Tensor], outs: li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (the kernels follow it)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch.set_num_threads (the kernels follow it)"
+    )
     parser.add_argument("--passes", type=int, default=30, help="passes timed (the median is printed)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sync_threads()
     model = load_model(None, dtype=torch.bfloat16, quantization="gguf")
     groups = {
-        "120 layer weights (int4)": [layer.get_submodule(p).weight_packed.cpu for layer in model.layers
-                                     for p in PROJECTIONS],
+        "120 layer weights (int4)": [
+            layer.get_submodule(p).weight_packed.cpu for layer in model.layers for p in PROJECTIONS
+        ],
         "lm_head (int8, tied)": [model.embed_tokens.weight_packed.cpu],
     }
     for name, weights in groups.items():
@@ -57,8 +62,10 @@ def main() -> None:
             pass_seconds(weights, xs, outs)
         seconds = statistics.median(pass_seconds(weights, xs, outs) for _ in range(args.passes))
         nbytes = sum(w.nbytes() for w in weights)
-        print(f"{name}: {nbytes / 1e6:.1f} MB in {seconds * 1e3:.2f} ms = {nbytes / seconds / 1e9:.1f} GB/s "
-              f"({args.threads} threads)")
+        print(
+            f"{name}: {nbytes / 1e6:.1f} MB in {seconds * 1e3:.2f} ms = {nbytes / seconds / 1e9:.1f} GB/s "
+            f"({args.threads} threads)"
+        )
 
 
 if __name__ == "__main__":

@@ -53,19 +53,30 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
     """Mean common prefix with the reference and how many prompts agree on every token."""
     prefixes = [common_prefix(o, r) for o, r in zip(outputs, reference, strict=True)]
-    return {"mean_common_prefix": sum(prefixes) / len(prefixes), "prefixes": prefixes,
-            "all_equal": sum(p == len(r) for p, r in zip(prefixes, reference))}
+    return {
+        "mean_common_prefix": sum(prefixes) / len(prefixes),
+        "prefixes": prefixes,
+        "all_equal": sum(p == len(r) for p, r in zip(prefixes, reference)),
+    }
 
 
-def fastsched_greedy(model: str, prompts: list[list[int]], tokens: int, threads: int, **kwargs: object
-                     ) -> list[list[int]]:
+def fastsched_greedy(
+    model: str, prompts: list[list[int]], tokens: int, threads: int, **kwargs: object
+) -> list[list[int]]:
     from fastsched import LLM, SamplingParams
 
     longest = max(len(p) for p in prompts) + tokens
-    llm = LLM(model, num_threads=threads, log_stats_interval=0, max_model_len=-(-longest // 16) * 16,
-              num_gpu_blocks=len(prompts) * (-(-longest // 16)) + 1, **kwargs)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
-                           use_tqdm=False)
+    llm = LLM(
+        model,
+        num_threads=threads,
+        log_stats_interval=0,
+        max_model_len=-(-longest // 16) * 16,
+        num_gpu_blocks=len(prompts) * (-(-longest // 16)) + 1,
+        **kwargs,
+    )
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False
+    )
     del llm
     gc.collect()
     return [list(o.outputs[0].token_ids) for o in outputs]
@@ -76,8 +87,14 @@ def llamacpp_greedy(model: str, prompts: list[list[int]], tokens: int, threads: 
     import llama_cpp
 
     longest = max(len(p) for p in prompts) + tokens
-    llm = llama_cpp.Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=longest + 8,
-                          logits_all=False, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=model,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=longest + 8,
+        logits_all=False,
+        verbose=False,
+    )
     outputs = []
     for ids in prompts:
         out: list[int] = []
@@ -90,8 +107,9 @@ def llamacpp_greedy(model: str, prompts: list[list[int]], tokens: int, threads: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="GGUF file")
     parser.add_argument("--prompts", type=int, default=8, help=f"how many of the {len(PROMPTS)} prompts")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
@@ -114,16 +132,27 @@ def main() -> None:
     prompts = [tokenizer.encode(p) for p in PROMPTS[: args.prompts]]
     results: dict[str, object] = {"model": args.model, "prompts": args.prompts, "tokens": args.tokens}
     start = time.perf_counter()
-    reference = fastsched_greedy(args.model, prompts, args.tokens, args.threads, quantization="none",
-                                 dtype="float32")
+    reference = fastsched_greedy(
+        args.model, prompts, args.tokens, args.threads, quantization="none", dtype="float32"
+    )
     results["reference_s"] = time.perf_counter() - start
     start = time.perf_counter()
     results["fastsched default (bfloat16, quantized)"] = agreement(
-        fastsched_greedy(args.model, prompts, args.tokens, args.threads), reference)
+        fastsched_greedy(args.model, prompts, args.tokens, args.threads), reference
+    )
     results["fastsched_s"] = time.perf_counter() - start
     if args.llamacpp_python is not None:
-        command = [args.llamacpp_python, __file__, "--model", args.model, "--tokens", str(args.tokens),
-                   "--threads", str(args.threads), "--worker"]
+        command = [
+            args.llamacpp_python,
+            __file__,
+            "--model",
+            args.model,
+            "--tokens",
+            str(args.tokens),
+            "--threads",
+            str(args.threads),
+            "--worker",
+        ]
         proc = subprocess.run(command, input=json.dumps(prompts), capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if proc.returncode or line is None:
@@ -133,8 +162,10 @@ def main() -> None:
     for name in ("fastsched default (bfloat16, quantized)", "llama.cpp"):
         if name in results:
             r = results[name]
-            print(f"{name}: mean common greedy prefix {r['mean_common_prefix']:.2f} / {args.tokens} "
-                  f"({r['all_equal']} of {args.prompts} prompts agree throughout)")
+            print(
+                f"{name}: mean common greedy prefix {r['mean_common_prefix']:.2f} / {args.tokens} "
+                f"({r['all_equal']} of {args.prompts} prompts agree throughout)"
+            )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))

@@ -16,12 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-import torch  # noqa: E402
+import torch
 
-from fastsched.kernels import cpu_ops  # noqa: E402
-from fastsched.kernels.quant_matmul_cpu import CpuQuantWeight  # noqa: E402
-from fastsched.model_loader.weights import load_model  # noqa: E402
-from fastsched.models.llama_cpu import llama_stack  # noqa: E402
+from fastsched.kernels import cpu_ops
+from fastsched.kernels.quant_matmul_cpu import CpuQuantWeight
+from fastsched.model_loader.weights import load_model
+from fastsched.models.llama_cpu import llama_stack
 
 
 def best_us(f: Callable[[], object], number: int) -> float:
@@ -38,8 +38,13 @@ def tiny_calls() -> dict[str, Callable[[], object]]:
     q, k, v = (qkv[:, a:b].view(1, -1, 16) for a, b in ((0, 32), (32, 48), (48, 64)))
     cache = torch.zeros(2, 4, 4, 1, 16, dtype=torch.bfloat16)
     out = torch.empty(1, 2, 16, dtype=torch.bfloat16)
-    step = (torch.tensor([0]), torch.tensor([0, 1], dtype=i32), torch.tensor([1], dtype=i32),
-            torch.tensor([[0]], dtype=i32), torch.tensor([0], dtype=i32))
+    step = (
+        torch.tensor([0]),
+        torch.tensor([0, 1], dtype=i32),
+        torch.tensor([1], dtype=i32),
+        torch.tensor([[0]], dtype=i32),
+        torch.tensor([0], dtype=i32),
+    )
     w8 = CpuQuantWeight(8, (torch.zeros(64, 64, dtype=torch.int8), torch.rand(64, 2)), 64, 64)
     x = torch.randn(1, 64).bfloat16()
     return {
@@ -56,12 +61,18 @@ def stack_call() -> Callable[[], object]:
     model = load_model(None, dtype=torch.bfloat16, quantization="gguf")
     stack = llama_stack(model)
     attn = model.layers[0].self_attn
-    caches = [torch.zeros(2, 64, 16, attn.num_kv_heads, attn.head_dim, dtype=torch.bfloat16)
-              for _ in model.layers]
+    caches = [
+        torch.zeros(2, 64, 16, attn.num_kv_heads, attn.head_dim, dtype=torch.bfloat16) for _ in model.layers
+    ]
     table = torch.randn(256, attn.head_dim).bfloat16()
     i32 = torch.int32
-    step = (torch.empty(0, dtype=torch.int64), torch.zeros(1, dtype=i32), torch.empty(0, dtype=i32),
-            torch.empty(0, 1, dtype=i32), torch.empty(0, dtype=i32))
+    step = (
+        torch.empty(0, dtype=torch.int64),
+        torch.zeros(1, dtype=i32),
+        torch.empty(0, dtype=i32),
+        torch.empty(0, 1, dtype=i32),
+        torch.empty(0, dtype=i32),
+    )
     hidden = torch.empty(0, model.norm.weight.shape[0]).bfloat16()
     positions = torch.empty(0, dtype=torch.int64)
     return lambda: stack.forward(hidden, positions, [(table, table)], caches, step, 0)

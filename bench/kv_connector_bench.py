@@ -35,15 +35,15 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from fastsched import SamplingParams  # noqa: E402
-from fastsched.config import EngineConfig  # noqa: E402
-from fastsched.engine.core import EngineCore  # noqa: E402
-from fastsched.engine.protocol import EngineCoreRequest  # noqa: E402
-from fastsched.model_loader import load_model_config  # noqa: E402
-from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
+from fastsched import SamplingParams
+from fastsched.config import EngineConfig
+from fastsched.engine.core import EngineCore
+from fastsched.engine.protocol import EngineCoreRequest
+from fastsched.model_loader import load_model_config
+from fastsched.tools.tiny_model import make_tiny_model
 
 FIRST_PROMPT_TOKEN = 3  # below: the tiny model's special tokens
 
@@ -77,7 +77,9 @@ def copy_cost(core: EngineCore, num_blocks: int, repeats: int = 20) -> tuple[flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="HF directory, 'embedded' (SmolLM2), default: the tiny model")
+    parser.add_argument(
+        "--model", default=None, help="HF directory, 'embedded' (SmolLM2), default: the tiny model"
+    )
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=16)
@@ -92,37 +94,56 @@ def main() -> None:
             model = None if args.model == "embedded" else args.model
         store = Path(tmp) / "store"
         config = EngineConfig.from_kwargs(
-            model=model, device="cpu", log_stats_interval=0, block_size=args.block_size,
+            model=model,
+            device="cpu",
+            log_stats_interval=0,
+            block_size=args.block_size,
             kv_cache_memory=512 * 2**20,
-            kv_transfer_config={"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-                                "kv_connector_extra_config": {"shared_storage_path": str(store)}})
+            kv_transfer_config={
+                "kv_connector": "SharedStorageConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": str(store)},
+            },
+        )
         rng = random.Random(args.seed)
         vocab_size = load_model_config(model).vocab_size
-        prompts = [[rng.randrange(FIRST_PROMPT_TOKEN, vocab_size) for _ in range(args.prompt_len)]
-                   for _ in range(args.num_prompts)]
+        prompts = [
+            [rng.randrange(FIRST_PROMPT_TOKEN, vocab_size) for _ in range(args.prompt_len)]
+            for _ in range(args.num_prompts)
+        ]
         cold, cold_s = run(config, prompts)
         warm, warm_s = run(config, prompts)
         read_s, write_s = copy_cost(warm, 64)
         block_bytes = next(store.rglob("*.kv")).stat().st_size
         c, w = cold.kv_transfer.stats, warm.kv_transfer.stats
         figures = {
-            "model": args.model or "tiny", "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
-            "block_size": args.block_size, "block_file_bytes": block_bytes,
+            "model": args.model or "tiny",
+            "num_prompts": args.num_prompts,
+            "prompt_len": args.prompt_len,
+            "block_size": args.block_size,
+            "block_file_bytes": block_bytes,
             "cold_tokens_computed": cold.stats.iteration_tokens_sum,
             "warm_tokens_computed": warm.stats.iteration_tokens_sum,
-            "cold_seconds": cold_s, "warm_seconds": warm_s,
-            "blocks_saved": c["blocks_saved"], "blocks_loaded": w["blocks_loaded"],
+            "cold_seconds": cold_s,
+            "warm_seconds": warm_s,
+            "blocks_saved": c["blocks_saved"],
+            "blocks_loaded": w["blocks_loaded"],
             "save_store_us_per_block": 1e6 * c["save_seconds"] / max(c["blocks_saved"], 1),
             "load_store_us_per_block": 1e6 * w["load_seconds"] / max(w["blocks_loaded"], 1),
-            "read_blocks_us_per_block": 1e6 * read_s, "write_blocks_us_per_block": 1e6 * write_s,
+            "read_blocks_us_per_block": 1e6 * read_s,
+            "write_blocks_us_per_block": 1e6 * write_s,
         }
     saving = 1 - figures["warm_tokens_computed"] / figures["cold_tokens_computed"]
     print(f"{'':8} {'tokens computed':>16} {'seconds':>8}")
     print(f"{'cold':8} {figures['cold_tokens_computed']:>16} {cold_s:>8.2f}")
-    print(f"{'warm':8} {figures['warm_tokens_computed']:>16} {warm_s:>8.2f}   prefill saved: {100 * saving:.1f}%")
-    print(f"block file {block_bytes} bytes; per block: save {figures['save_store_us_per_block']:.0f} µs "
-          f"(+ read_blocks {figures['read_blocks_us_per_block']:.0f} µs), load {figures['load_store_us_per_block']:.0f} "
-          f"µs (+ write_blocks {figures['write_blocks_us_per_block']:.0f} µs)")
+    print(
+        f"{'warm':8} {figures['warm_tokens_computed']:>16} {warm_s:>8.2f}   prefill saved: {100 * saving:.1f}%"
+    )
+    print(
+        f"block file {block_bytes} bytes; per block: save {figures['save_store_us_per_block']:.0f} µs "
+        f"(+ read_blocks {figures['read_blocks_us_per_block']:.0f} µs), load {figures['load_store_us_per_block']:.0f} "
+        f"µs (+ write_blocks {figures['write_blocks_us_per_block']:.0f} µs)"
+    )
     print(json.dumps(figures))
 
 

@@ -30,22 +30,37 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from fastsched import LLM, SamplingParams  # noqa: E402
-from fastsched.lora import LoRARequest  # noqa: E402
-from fastsched.tools.tiny_lora import make_tiny_lora  # noqa: E402
-from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
+from fastsched import LLM, SamplingParams
+from fastsched.lora import LoRARequest
+from fastsched.tools.tiny_lora import make_tiny_lora
+from fastsched.tools.tiny_model import make_tiny_model
 
 
 class Config:
     """One engine with ``n`` adapters (request ``i`` uses adapter ``i % n``)."""
 
-    def __init__(self, model: str, adapters: list[LoRARequest], max_loras: int, args: argparse.Namespace) -> None:
-        lora_args = dict(enable_lora=True, max_loras=max_loras, max_lora_rank=args.rank,
-                         max_cpu_loras=max(len(adapters), max_loras)) if adapters else {}
-        self.llm = LLM(model, kv_cache_memory=256 * 1024**2, max_model_len=args.prompt_len + args.output_len + 16,
-                       log_stats_interval=0.0, **lora_args)
+    def __init__(
+        self, model: str, adapters: list[LoRARequest], max_loras: int, args: argparse.Namespace
+    ) -> None:
+        lora_args = (
+            dict(
+                enable_lora=True,
+                max_loras=max_loras,
+                max_lora_rank=args.rank,
+                max_cpu_loras=max(len(adapters), max_loras),
+            )
+            if adapters
+            else {}
+        )
+        self.llm = LLM(
+            model,
+            kv_cache_memory=256 * 1024**2,
+            max_model_len=args.prompt_len + args.output_len + 16,
+            log_stats_interval=0.0,
+            **lora_args,
+        )
         self.loras = [adapters[i % len(adapters)] for i in range(args.num_prompts)] if adapters else None
         self.rates: list[float] = []  # output tokens per wall-clock second
         self.cpu_rates: list[float] = []  # output tokens per second of this process's CPU time
@@ -60,13 +75,17 @@ class Config:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="HF directory (default: the tiny model)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 4, 16])
-    parser.add_argument("--max-loras", type=int, default=None, help="cap max_loras (default: the adapter count)")
+    parser.add_argument(
+        "--max-loras", type=int, default=None, help="cap max_loras (default: the adapter count)"
+    )
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -80,9 +99,12 @@ def main() -> None:
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         configs = {}
         for n in args.adapters:
-            adapters = [LoRARequest(f"a{i}", i + 1, str(make_tiny_lora(model, Path(tmp) / f"a{i}", rank=args.rank,
-                                                                      seed=i)))
-                        for i in range(n)]
+            adapters = [
+                LoRARequest(
+                    f"a{i}", i + 1, str(make_tiny_lora(model, Path(tmp) / f"a{i}", rank=args.rank, seed=i))
+                )
+                for i in range(n)
+            ]
             configs[n] = Config(model, adapters, min(n, args.max_loras or n), args)
             configs[n].run(prompts, params)  # warm-up: adapters read, slots filled
             configs[n].rates.clear()
@@ -94,8 +116,10 @@ def main() -> None:
         figures = {n: statistics.median(c.rates) for n, c in configs.items()}
         cpu_figures = {n: statistics.median(c.cpu_rates) for n, c in configs.items()}
         base = configs.get(0)
-        print("| adapters | max_loras | tokens/s (wall) | runs | vs no LoRA, per round | tokens per CPU-second "
-              "| vs no LoRA |")
+        print(
+            "| adapters | max_loras | tokens/s (wall) | runs | vs no LoRA, per round | tokens per CPU-second "
+            "| vs no LoRA |"
+        )
         print("| ---: | ---: | ---: | --- | ---: | ---: | ---: |")
         for n, config in configs.items():
             runs = "/".join(f"{r:.0f}" for r in config.rates)
@@ -105,7 +129,9 @@ def main() -> None:
                 # The median of the rounds' ratios: a round's configurations ran under a similar load.
                 share = f"{100 * statistics.median(r / b for r, b in zip(config.rates, base.rates)):.0f} %"
                 cpu_share = f"{100 * cpu_figures[n] / cpu_figures[0]:.0f} %"
-            print(f"| {n} | {max_loras} | {figures[n]:.0f} | {runs} | {share} | {cpu_figures[n]:.0f} | {cpu_share} |")
+            print(
+                f"| {n} | {max_loras} | {figures[n]:.0f} | {runs} | {share} | {cpu_figures[n]:.0f} | {cpu_share} |"
+            )
         print(json.dumps({"tokens_per_s": figures, "tokens_per_cpu_s": cpu_figures, **vars(args)}))
 
 

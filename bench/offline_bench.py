@@ -35,9 +35,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import numpy as np
+import torch
+from tqdm.auto import tqdm
 
 # Token ids below this are the tiny model's special tokens; skipping them keeps the
 # prompts ordinary text for any Llama-style vocabulary too.
@@ -83,12 +83,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's own choice)"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="fastsched engine argument")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="fastsched engine argument")
     parser.add_argument("--skip-hf", action="store_true", help="run fastsched only")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="fastsched engine argument (default: the engine's)")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fastsched engine argument (default: the engine's)",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:
         parser.error("need 1 <= --min-prompt-len <= --max-prompt-len")
@@ -118,7 +124,9 @@ def run_fastsched(args: argparse.Namespace, model: str, workload: Workload) -> R
         log_stats_interval=0,
         **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}),
     )
-    llm.generate(workload.prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        workload.prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     _sync(args.device)
     start = time.perf_counter()
@@ -129,7 +137,10 @@ def run_fastsched(args: argparse.Namespace, model: str, workload: Workload) -> R
     if produced != workload.num_output_tokens:
         raise RuntimeError(f"fastsched produced {produced} tokens, {workload.num_output_tokens} requested")
     stats = llm.engine.scheduler.stats()
-    print(f"fastsched: {stats['num_steps']} steps, {stats['num_preemptions_total']} preemptions", file=sys.stderr)
+    print(
+        f"fastsched: {stats['num_steps']} steps, {stats['num_preemptions_total']} preemptions",
+        file=sys.stderr,
+    )
     return Result("fastsched (continuous batching)", seconds, len(outputs), produced, produced)
 
 
@@ -140,7 +151,11 @@ def load_hf_model(args: argparse.Namespace, model: str):
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     directory = path.parent if path.suffix == ".gguf" else path
     dtype = getattr(torch, args.dtype)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs).to(args.device).eval()
+    hf = (
+        transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+        .to(args.device)
+        .eval()
+    )
     hf.generation_config.eos_token_id = None  # ignore EOS, as fastsched does here
     hf.generation_config.pad_token_id = 0
     return hf

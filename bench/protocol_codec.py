@@ -29,8 +29,9 @@ from fastsched.sampling_params import SamplingParams
 def reference_protocol(rev: str) -> types.ModuleType:
     """``engine/protocol.py`` as it was at ``rev``, imported under another name."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.check_output(["git", "-C", str(root), "show", f"{rev}:python/fastsched/engine/protocol.py"],
-                                     text=True)
+    source = subprocess.check_output(
+        ["git", "-C", str(root), "show", f"{rev}:python/fastsched/engine/protocol.py"], text=True
+    )
     module = types.ModuleType(f"protocol_at_{rev}")
     sys.modules[module.__name__] = module
     exec(compile(source, f"{rev}:protocol.py", "exec"), module.__dict__)
@@ -39,7 +40,9 @@ def reference_protocol(rev: str) -> types.ModuleType:
 
 def add_message(p: Any, prompt_len: int) -> Any:
     params = SamplingParams(max_tokens=128, temperature=0.7, top_p=0.9, stop=["\n\n"], seed=1)
-    return p.AddRequest(p.EngineCoreRequest("cmpl-0123456789abcdef-0", list(range(prompt_len)), params, 1.0), 0)
+    return p.AddRequest(
+        p.EngineCoreRequest("cmpl-0123456789abcdef-0", list(range(prompt_len)), params, 1.0), 0
+    )
 
 
 def outputs_message(p: Any, rows: int) -> Any:
@@ -57,8 +60,15 @@ def outputs_message(p: Any, rows: int) -> Any:
     )
     if "handles" in p.OutputBatch.__dataclass_fields__:
         columns["handles"] = np.arange(rows, dtype=np.int64)
-    stats = p.EngineStats(num_running=rows, num_waiting=3, kv_cache_usage=0.4, scan_stops_total={"kv_blocks": 3},
-                          skips_total={"lora": 1}, iteration_tokens=[0] * 14, iteration_tokens_sum=1000)
+    stats = p.EngineStats(
+        num_running=rows,
+        num_waiting=3,
+        kv_cache_usage=0.4,
+        scan_stops_total={"kv_blocks": 3},
+        skips_total={"lora": 1},
+        iteration_tokens=[0] * 14,
+        iteration_tokens_sum=1000,
+    )
     timings = [p.RequestTiming("cmpl-0000000000000000-0", 0.01, 0.02, 0.5)]
     return p.Outputs(0, p.OutputBatch(**columns), stats, timings)
 
@@ -76,7 +86,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the ADD")
     parser.add_argument("--repeat", type=int, default=1000, help="messages per round")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--against", metavar="REV", help="also measure the protocol module of this git revision")
+    parser.add_argument(
+        "--against", metavar="REV", help="also measure the protocol module of this git revision"
+    )
     args = parser.parse_args()
     codecs = {"this tree": protocol}
     if args.against:
@@ -92,8 +104,10 @@ def main() -> None:
                 best[name][0] = min(best[name][0], _seconds(lambda: p.encode(msg), args.repeat))
                 best[name][1] = min(best[name][1], _seconds(lambda: p.decode(data), args.repeat))
         for name, (enc, dec) in best.items():
-            print(f"{kind:8s} {name:12s} encode {enc * 1e6:8.2f} us  decode {dec * 1e6:8.2f} us  "
-                  f"total {(enc + dec) * 1e6:8.2f} us  {len(cases[name][2])} bytes")
+            print(
+                f"{kind:8s} {name:12s} encode {enc * 1e6:8.2f} us  decode {dec * 1e6:8.2f} us  "
+                f"total {(enc + dec) * 1e6:8.2f} us  {len(cases[name][2])} bytes"
+            )
 
 
 if __name__ == "__main__":

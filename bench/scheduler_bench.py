@@ -40,9 +40,9 @@ from dataclasses import dataclass, replace
 # No BLAS here: keep OpenBLAS from starting threads that compete for the cores.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from fastsched import _core  # noqa: E402
+from fastsched import _core
 
 try:
     from tqdm import tqdm
@@ -101,8 +101,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--prefix-caching-hash-algo", choices=("builtin", "sha256"), default="builtin",
-                   help="how block hashes are computed (the engine's flag of the same name)")
+    p.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=("builtin", "sha256"),
+        default="builtin",
+        help="how block hashes are computed (the engine's flag of the same name)",
+    )
     args = p.parse_args(argv)
 
     for name in ("running", "steps", "prompt_len", "output_len", "block_size"):

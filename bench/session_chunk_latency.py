@@ -34,7 +34,9 @@ def session_chunk_s(ws_url: str, headers: dict[str, str], history: list[int], ch
 
 def fresh_request_s(http: httpx.Client, headers: dict[str, str], prompt: list[int]) -> float:
     start = time.perf_counter()
-    r = http.post("/v1/completions", headers=headers, json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    r = http.post(
+        "/v1/completions", headers=headers, json={"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    )
     r.raise_for_status()
     return time.perf_counter() - start
 
@@ -43,7 +45,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--history", type=int, default=1024, help="tokens held by the session before the chunk")
+    parser.add_argument(
+        "--history", type=int, default=1024, help="tokens held by the session before the chunk"
+    )
     parser.add_argument("--chunk", type=int, default=16, help="tokens of the chunk measured")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=49152)
@@ -63,10 +67,15 @@ def main() -> None:
             cold.append(fresh_request_s(http, headers, tokens(args.history + args.chunk)))
             fresh_request_s(http, headers, history)  # its full blocks are now cached
             warm.append(fresh_request_s(http, headers, history + chunk))
-    for name, values in (("session chunk", session), ("fresh request, prefix cached", warm),
-                         ("fresh request, nothing cached", cold)):
-        print(f"{name:32s} median {statistics.median(values) * 1000:8.1f} ms  "
-              f"(history {args.history} + chunk {args.chunk} tokens, {args.repeats} runs)")
+    for name, values in (
+        ("session chunk", session),
+        ("fresh request, prefix cached", warm),
+        ("fresh request, nothing cached", cold),
+    ):
+        print(
+            f"{name:32s} median {statistics.median(values) * 1000:8.1f} ms  "
+            f"(history {args.history} + chunk {args.chunk} tokens, {args.repeats} runs)"
+        )
 
 
 if __name__ == "__main__":

@@ -47,9 +47,13 @@ def prompts_for(llm: LLM, model: str, n: int) -> list:
         rng = random.Random(0)
         vocab = llm.engine.vocab_size
         return [[rng.randrange(3, vocab) for _ in range(12)] * 6 for _ in range(n)]
-    conversations = [[{"role": "user", "content": f"Repeat this text exactly:\n\n{TEXTS[i % len(TEXTS)]}"}]
-                     for i in range(n)]
-    return [llm.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
+    conversations = [
+        [{"role": "user", "content": f"Repeat this text exactly:\n\n{TEXTS[i % len(TEXTS)]}"}]
+        for i in range(n)
+    ]
+    return [
+        llm.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations
+    ]
 
 
 def timed_run(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, int, list[list[int]]]:
@@ -58,46 +62,67 @@ def timed_run(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, i
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    return elapsed, llm.engine.scheduler.stats()["num_steps"] - steps_before, [o.outputs[0].token_ids for o in outputs]
+    return (
+        elapsed,
+        llm.engine.scheduler.stats()["num_steps"] - steps_before,
+        [o.outputs[0].token_ids for o in outputs],
+    )
 
 
-def summary(spec: dict | None, llm: LLM, times: list[float], steps: int, outputs: list[list[int]],
-            repeat: int) -> dict:
+def summary(
+    spec: dict | None, llm: LLM, times: list[float], steps: int, outputs: list[list[int]], repeat: int
+) -> dict:
     tokens = sum(len(t) for t in outputs)
     seconds = statistics.median(times)
     loop = "sync" if spec or not llm.config.async_scheduling else "async"
-    row = {"spec": spec.get("method", "draft_model") if spec else f"none ({loop})",
-           "k": spec["num_speculative_tokens"] if spec else 0, "tokens": tokens, "steps": steps,
-           "tokens_per_step": round(tokens / steps, 2), "median_s": round(seconds, 2),
-           "tokens_per_s": round(tokens / seconds, 1), "runs_s": [round(t, 2) for t in times]}
+    row = {
+        "spec": spec.get("method", "draft_model") if spec else f"none ({loop})",
+        "k": spec["num_speculative_tokens"] if spec else 0,
+        "tokens": tokens,
+        "steps": steps,
+        "tokens_per_step": round(tokens / steps, 2),
+        "median_s": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "runs_s": [round(t, 2) for t in times],
+    }
     c = llm.engine.spec_counters
     if c is not None:  # summed over the repeats; the warm-up's few drafts included
-        row.update(acceptance_rate=round(c.acceptance_rate, 3),
-                   mean_acceptance_length=round(1 + c.num_accepted_tokens / max(c.num_drafts, 1), 2),
-                   accepted_per_pos=[round(n / repeat) for n in c.num_accepted_tokens_per_pos])
+        row.update(
+            acceptance_rate=round(c.acceptance_rate, 3),
+            mean_acceptance_length=round(1 + c.num_accepted_tokens / max(c.num_drafts, 1), 2),
+            accepted_per_pos=[round(n / repeat) for n in c.num_accepted_tokens_per_pos],
+        )
     return row
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", choices=("tiny", "default"), default="tiny")
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per configuration (median reported)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="timed runs per configuration (median reported)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_path = None
     if args.model == "tiny":
         model_path = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
-    specs = [None, None] + [{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                       "prompt_lookup_max": 4} for k in args.k]
+    specs = [None, None] + [
+        {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        for k in args.k
+    ]
     if args.model == "tiny":
         specs.append({"model": model_path, "num_speculative_tokens": args.k[-1]})
     # Without drafts: the default loop (async scheduling) and the synchronous one that speculation uses.
-    llms = [LLM(model=model_path, log_stats_interval=0, speculative_config=spec, async_scheduling=i != 1)
-            for i, spec in enumerate(specs)]
+    llms = [
+        LLM(model=model_path, log_stats_interval=0, speculative_config=spec, async_scheduling=i != 1)
+        for i, spec in enumerate(specs)
+    ]
     prompts = prompts_for(llms[0], args.model, args.num_requests)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.model == "tiny")
     for llm in llms:
@@ -113,8 +138,10 @@ def main() -> None:
     baseline = results[0][1]
     if any(outputs != baseline for _, outputs in results):
         raise SystemExit("greedy outputs differ from the run without drafts")
-    rows = [summary(spec, llm, t, steps, outputs, args.repeat)
-            for spec, llm, t, (steps, outputs) in zip(specs, llms, times, results)]
+    rows = [
+        summary(spec, llm, t, steps, outputs, args.repeat)
+        for spec, llm, t, (steps, outputs) in zip(specs, llms, times, results)
+    ]
     print(json.dumps(rows, indent=1))
 
 

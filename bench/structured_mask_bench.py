@@ -32,8 +32,12 @@ SCHEMA = {
         "name": {"type": "string", "maxLength": 24},
         "kind": {"enum": ["person", "company", "place"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 4},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "integer"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "integer"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "kind", "tags", "address"],
     "additionalProperties": False,
@@ -84,7 +88,9 @@ def run_xgrammar(rows: int, steps: int, seed: int) -> dict[str, float]:
     tokenizer = load_tokenizer(None)
     vocab = tokenizer.vocab_size
     hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
-    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab, stop_token_ids=list(tokenizer.eos_token_ids))
+    info = xgr.TokenizerInfo.from_huggingface(
+        hf_tokenizer, vocab_size=vocab, stop_token_ids=list(tokenizer.eos_token_ids)
+    )
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA))
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
     batch = xgr.BatchGrammarMatcher()
@@ -110,18 +116,31 @@ def run_xgrammar(rows: int, steps: int, seed: int) -> dict[str, float]:
 
 
 def _summary(rows: int, fill_us: list[float], apply_us: list[float]) -> dict[str, float]:
-    return {"rows": rows, "steps": len(fill_us), "fill_us_median": statistics.median(fill_us),
-            "fill_us_p90": float(np.quantile(fill_us, 0.9)), "apply_us_median": statistics.median(apply_us)}
+    return {
+        "rows": rows,
+        "steps": len(fill_us),
+        "fill_us_median": statistics.median(fill_us),
+        "fill_us_p90": float(np.quantile(fill_us, 0.9)),
+        "apply_us_median": statistics.median(apply_us),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[64, 256], help="constrained requests per step")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[64, 256], help="constrained requests per step"
+    )
     parser.add_argument("--steps", type=int, default=60, help="steps measured per row count")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random walks")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the mask application)")
-    parser.add_argument("--engine", choices=["llguidance", "xgrammar"], default="llguidance",
-                        help="grammar engine (xgrammar: not a dependency, install it to compare)")
+    parser.add_argument(
+        "--engine",
+        choices=["llguidance", "xgrammar"],
+        default="llguidance",
+        help="grammar engine (xgrammar: not a dependency, install it to compare)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("| rows | steps | mask fill median µs | fill p90 µs | apply median µs |")
@@ -129,8 +148,10 @@ def main() -> None:
     measure = run_xgrammar if args.engine == "xgrammar" else run
     results = [measure(rows, args.steps, args.seed) for rows in args.rows]
     for r in results:
-        print(f"| {r['rows']} | {r['steps']} | {r['fill_us_median']:.0f} | {r['fill_us_p90']:.0f} | "
-              f"{r['apply_us_median']:.0f} |")
+        print(
+            f"| {r['rows']} | {r['steps']} | {r['fill_us_median']:.0f} | {r['fill_us_p90']:.0f} | "
+            f"{r['apply_us_median']:.0f} |"
+        )
     print(json.dumps(results))
 
 

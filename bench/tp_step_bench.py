@@ -57,13 +57,23 @@ class Timed:
             self.seconds += time.perf_counter() - start
 
 
-def run(model: Path, tp: int, running: int, warmup: int, steps: int,
-        adapters: list[LoRARequest]) -> dict[str, float]:
+def run(
+    model: Path, tp: int, running: int, warmup: int, steps: int, adapters: list[LoRARequest]
+) -> dict[str, float]:
     lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=8) if adapters else {}
-    config = EngineConfig(model=str(model), dtype="float32", tensor_parallel_size=tp, num_threads=1,
-                          async_scheduling=False, num_gpu_blocks=running * 8 + 1, max_num_seqs=running,
-                          max_num_batched_tokens=max(2048, running * 32), log_stats_interval=0, max_model_len=512,
-                          **lora)
+    config = EngineConfig(
+        model=str(model),
+        dtype="float32",
+        tensor_parallel_size=tp,
+        num_threads=1,
+        async_scheduling=False,
+        num_gpu_blocks=running * 8 + 1,
+        max_num_seqs=running,
+        max_num_batched_tokens=max(2048, running * 32),
+        log_stats_interval=0,
+        max_model_len=512,
+        **lora,
+    )
     core = EngineCore(config)
     try:
         inner = core.runner.model
@@ -97,9 +107,15 @@ def run(model: Path, tp: int, running: int, warmup: int, steps: int,
         allreduce = (2 * cfg.num_layers + 1) * running * cfg.hidden_size * elem if tp > 1 else 0
         gather = running * -(-cfg.vocab_size // tp) * elem * (tp - 1)
         host = [s - m for s, m in zip(step_s, model_s, strict=True)]
-        return {"step": statistics.median(step_s), "model": statistics.median(model_s),
-                "host": statistics.median(host), "send": statistics.median(send_s),
-                "input_bytes": input_bytes, "allreduce_bytes": allreduce, "gather_bytes": gather}
+        return {
+            "step": statistics.median(step_s),
+            "model": statistics.median(model_s),
+            "host": statistics.median(host),
+            "send": statistics.median(send_s),
+            "input_bytes": input_bytes,
+            "allreduce_bytes": allreduce,
+            "gather_bytes": gather,
+        }
     finally:
         core.shutdown()
 
@@ -110,27 +126,37 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3, help="TP=1 and TP=2 alternate this many times")
-    parser.add_argument("--lora", type=int, default=0, help="adapters the requests use in turn with the base model")
+    parser.add_argument(
+        "--lora", type=int, default=0, help="adapters the requests use in turn with the base model"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "tiny")
-        adapters = [LoRARequest(f"lora{k}", k, str(make_tiny_lora(model, Path(tmp) / f"lora{k}", rank=8, seed=k)))
-                    for k in range(1, args.lora + 1)]
+        adapters = [
+            LoRARequest(f"lora{k}", k, str(make_tiny_lora(model, Path(tmp) / f"lora{k}", rank=8, seed=k)))
+            for k in range(1, args.lora + 1)
+        ]
         results: dict[int, list[dict[str, float]]] = {1: [], 2: []}
         for _ in range(args.rounds):
             for tp in (1, 2):
                 results[tp].append(run(model, tp, args.running, args.warmup, args.steps, adapters))
-    print(f"running={args.running}, {args.steps} decode steps after {args.warmup} warm-up, {args.rounds} rounds "
-          f"(median of the rounds' medians), {args.lora} LoRA adapters, µs")
+    print(
+        f"running={args.running}, {args.steps} decode steps after {args.warmup} warm-up, {args.rounds} rounds "
+        f"(median of the rounds' medians), {args.lora} LoRA adapters, µs"
+    )
     print("| TP | step | model | host | send | input bytes | all-reduce bytes | gather bytes |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     med = {tp: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for tp, rs in results.items()}
     for tp, m in med.items():
-        print(f"| {tp} | {m['step'] * 1e6:.0f} | {m['model'] * 1e6:.0f} | {m['host'] * 1e6:.0f} | "
-              f"{m['send'] * 1e6:.0f} | {m['input_bytes']:.0f} | {m['allreduce_bytes']:.0f} | {m['gather_bytes']:.0f} |")
-    print(f"TP adds to host per step: {(med[2]['host'] - med[1]['host']) * 1e6:.0f} µs "
-          f"(rounds: {[round((b['host'] - a['host']) * 1e6) for a, b in zip(results[1], results[2], strict=True)]})")
+        print(
+            f"| {tp} | {m['step'] * 1e6:.0f} | {m['model'] * 1e6:.0f} | {m['host'] * 1e6:.0f} | "
+            f"{m['send'] * 1e6:.0f} | {m['input_bytes']:.0f} | {m['allreduce_bytes']:.0f} | {m['gather_bytes']:.0f} |"
+        )
+    print(
+        f"TP adds to host per step: {(med[2]['host'] - med[1]['host']) * 1e6:.0f} µs "
+        f"(rounds: {[round((b['host'] - a['host']) * 1e6) for a, b in zip(results[1], results[2], strict=True)]})"
+    )
     return 0
 
 

@@ -135,7 +135,9 @@ def step(sched: Scheduler, run: Run | None = None, token_fn: TokenFn = fake_toke
         scheduled={rid: int(n) for rid, n in zip(ids, out.num_scheduled_tokens)},
         kinds={rid: int(k) for rid, k in zip(ids, out.kinds)},
         num_computed={rid: int(c) for rid, c in zip(ids, out.num_computed_tokens)},
-        num_cached={rid: int(c) for rid, c, k in zip(ids, out.num_cached_tokens, out.kinds) if k != KIND_CACHED},
+        num_cached={
+            rid: int(c) for rid, c, k in zip(ids, out.num_cached_tokens, out.kinds) if k != KIND_CACHED
+        },
         preempted=sched.request_ids(out.preempted),
         finished=sched.request_ids(out.finished),
         total=out.total_num_scheduled_tokens,
@@ -162,7 +164,9 @@ def step(sched: Scheduler, run: Run | None = None, token_fn: TokenFn = fake_toke
     return rec
 
 
-def drive(sched: Scheduler, token_fn: TokenFn = fake_token, max_steps: int = 500, run: Run | None = None) -> Run:
+def drive(
+    sched: Scheduler, token_fn: TokenFn = fake_token, max_steps: int = 500, run: Run | None = None
+) -> Run:
     """Steps like ``EngineCore``: while ``has_requests()``, at most ``max_steps`` steps.
     Tests that expect every request to end assert ``not sched.has_requests()``."""
     run = run if run is not None else Run()
@@ -173,7 +177,9 @@ def drive(sched: Scheduler, token_fn: TokenFn = fake_token, max_steps: int = 500
     return run
 
 
-def add(sched: Scheduler, request_id: str, num_prompt_tokens: int = 8, max_tokens: int = 4, **kwargs: Any) -> int:
+def add(
+    sched: Scheduler, request_id: str, num_prompt_tokens: int = 8, max_tokens: int = 4, **kwargs: Any
+) -> int:
     """Adds a request with a ``prompt(num_prompt_tokens)`` unless ``prompt_token_ids`` is given."""
     tokens = kwargs.pop("prompt_token_ids") if "prompt_token_ids" in kwargs else prompt(num_prompt_tokens)
     return sched.add_request(request_id, tokens, max_tokens, **kwargs)

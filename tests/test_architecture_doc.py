@@ -30,8 +30,12 @@ _PATH = re.compile(r"[\w./{},-]+/[\w./{},-]*|[\w-]+\.(?:py|rs|pyi|proto|sh|md)(?
 
 @functools.cache
 def _sources() -> dict[Path, str]:
-    files = [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.pyi"), *(ROOT / "rust").rglob("*.rs"),
-             *(ROOT / "proto").rglob("*.proto")]
+    files = [
+        *PACKAGE.rglob("*.py"),
+        *PACKAGE.rglob("*.pyi"),
+        *(ROOT / "rust").rglob("*.rs"),
+        *(ROOT / "proto").rglob("*.proto"),
+    ]
     return {f: f.read_text(encoding="utf-8") for f in files if "target" not in f.parts}
 
 
@@ -89,8 +93,11 @@ def _check_path(span: str) -> str | None:
     if "{" in path:  # kv/{block_pool,prefix_cache}: each one
         head, _, rest = path.partition("{")
         names, _, tail = rest.partition("}")
-        missing = [n for n in names.split(",") if _resolve_path(f"{head}{n}{tail}") is None
-                   and not {n, f"{n}.rs", f"{n}.py"} & _repo_names()]
+        missing = [
+            n
+            for n in names.split(",")
+            if _resolve_path(f"{head}{n}{tail}") is None and not {n, f"{n}.rs", f"{n}.py"} & _repo_names()
+        ]
         return f"{span}: no {', '.join(missing)}" if missing else None
     if "…" in path or path.startswith(("http", "<", "/")):  # an elision, a URL, an HTTP route
         return None
@@ -117,7 +124,9 @@ def _check_name(span: str) -> str | None:
         if not homes:
             return f"{span}: no definition of {owner}"
         if not any(_defines(f, member) for f in homes):
-            return f"{span}: {owner} (in {', '.join(str(f.relative_to(ROOT)) for f in homes)}) has no {member}"
+            return (
+                f"{span}: {owner} (in {', '.join(str(f.relative_to(ROOT)) for f in homes)}) has no {member}"
+            )
         return None
     for part in parts:
         if part.startswith("_") and not part.startswith("__") and not _defined_anywhere(part):

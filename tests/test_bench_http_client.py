@@ -29,8 +29,12 @@ class CountingServer:
                         length = int(value)
                 await reader.readexactly(length)
                 body = json.dumps({"path": line.split()[1].decode()}).encode()
-                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-                             + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                    + b"%x\r\n" % len(body)
+                    + body
+                    + b"\r\n0\r\n\r\n"
+                )
                 await writer.drain()
                 served += 1
                 if served == self.requests_per_connection:

@@ -28,8 +28,14 @@ def _fake_fastsched(tmp_path: Path, body: str) -> Path:
 
 
 def _run(tmp_path: Path, fake: Path, port: int, script: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "-c", f". bench/lib/serve.sh\n{script}"], cwd=REPO, text=True,
-                          capture_output=True, timeout=60, env={**os.environ, "FS": str(fake)})
+    return subprocess.run(
+        ["bash", "-c", f". bench/lib/serve.sh\n{script}"],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "FS": str(fake)},
+    )
 
 
 def test_server_started_answers_and_is_stopped(tmp_path: Path) -> None:
@@ -37,18 +43,25 @@ def test_server_started_answers_and_is_stopped(tmp_path: Path) -> None:
     port = _free_port()
     # A background job of a non-interactive shell starts with SIGINT ignored; `fastsched
     # serve` installs its own handler, and so does the stand-in.
-    server = (f"import signal, http.server, functools; signal.signal(signal.SIGINT, signal.default_int_handler); "
-              f"http.server.ThreadingHTTPServer(('127.0.0.1', {port}), functools.partial("
-              f"http.server.SimpleHTTPRequestHandler, directory='{tmp_path}')).serve_forever()")
+    server = (
+        f"import signal, http.server, functools; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        f"http.server.ThreadingHTTPServer(('127.0.0.1', {port}), functools.partial("
+        f"http.server.SimpleHTTPRequestHandler, directory='{tmp_path}')).serve_forever()"
+    )
     fake = _fake_fastsched(tmp_path, f'exec {sys.executable} -c "{server}"')
     log = tmp_path / "serve.log"
-    done = _run(tmp_path, fake, port, f"""
+    done = _run(
+        tmp_path,
+        fake,
+        port,
+        f"""
 serve_start {log} {port} -- serve --port {port}
 curl -sf http://127.0.0.1:{port}/health
 echo " pid=$SERVER_PID"
 serve_stop
 kill -0 $SERVER_PID 2>/dev/null && echo still-running || echo stopped
-""")
+""",
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ok pid=")
     assert done.stdout.rstrip().endswith("stopped")

@@ -28,10 +28,14 @@ class UsagelessServer:
                 length = int(value)
         self.body = json.loads(await reader.readexactly(length))
         deltas = [{"role": "assistant"}, *({"content": w} for w in self.words)]
-        events = b"".join(b"data: " + json.dumps({"choices": [{"delta": d}]}).encode() + b"\n\n" for d in deltas)
+        events = b"".join(
+            b"data: " + json.dumps({"choices": [{"delta": d}]}).encode() + b"\n\n" for d in deltas
+        )
         events += b"data: [DONE]\n\n"
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n"
-                     b"connection: close\r\n\r\n" % len(events) + events)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % len(events) + events
+        )
         await writer.drain()
         writer.close()
 

@@ -20,17 +20,54 @@ from fastsched.units import parse_bytes, parse_count
 # Flags of `vllm serve` (vLLM 0.33, `vllm serve --help=all`) for concepts fastsched shares.
 # A shared concept must carry vLLM's spelling; fastsched's own older names stay as aliases.
 VLLM_SHARED_SERVE_FLAGS = (
-    "--host", "--port", "--api-key", "--served-model-name", "--disable-access-log", "--data-parallel-size",
-    "--api-server-count", "--model", "--tokenizer", "--dtype", "--seed", "--max-num-seqs", "--max-num-batched-tokens",
-    "--max-model-len", "--long-prefill-token-threshold", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
-    "--scheduling-policy", "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching",
-    "--num-gpu-blocks-override", "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--tensor-parallel-size",
-    "--distributed-executor-backend", "--attention-backend", "--device", "--log-level", "--chat-template",
+    "--host",
+    "--port",
+    "--api-key",
+    "--served-model-name",
+    "--disable-access-log",
+    "--data-parallel-size",
+    "--api-server-count",
+    "--model",
+    "--tokenizer",
+    "--dtype",
+    "--seed",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--max-model-len",
+    "--long-prefill-token-threshold",
+    "--enable-chunked-prefill",
+    "--no-enable-chunked-prefill",
+    "--scheduling-policy",
+    "--block-size",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--num-gpu-blocks-override",
+    "--gpu-memory-utilization",
+    "--kv-cache-memory-bytes",
+    "--tensor-parallel-size",
+    "--distributed-executor-backend",
+    "--attention-backend",
+    "--device",
+    "--log-level",
+    "--chat-template",
     # What a vLLM user types out of habit (issue 28): each works, or warns once when it means nothing here.
-    "--disable-log-requests", "--enable-log-requests", "--uvicorn-log-level", "--disable-uvicorn-access-log",
-    "--enforce-eager", "--kv-cache-dtype", "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser",
+    "--disable-log-requests",
+    "--enable-log-requests",
+    "--uvicorn-log-level",
+    "--disable-uvicorn-access-log",
+    "--enforce-eager",
+    "--kv-cache-dtype",
+    "--trust-remote-code",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
 )
-OLD_SPELLINGS = ("--policy", "--num-gpu-blocks", "--kv-cache-memory", "--no-prefix-caching", "--no-chunked-prefill")
+OLD_SPELLINGS = (
+    "--policy",
+    "--num-gpu-blocks",
+    "--kv-cache-memory",
+    "--no-prefix-caching",
+    "--no-chunked-prefill",
+)
 
 
 def subcommand(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
@@ -57,19 +94,48 @@ def test_serve_takes_vllm_names_for_every_shared_flag():
 def test_older_flag_spellings_still_work_as_aliases():
     flags = option_strings(subcommand(build_parser(), "serve"))
     assert set(OLD_SPELLINGS) <= flags
-    args = parse("serve", "--policy", "priority", "--num-gpu-blocks", "64", "--kv-cache-memory", "8MiB",
-                 "--no-prefix-caching", "--no-chunked-prefill")
+    args = parse(
+        "serve",
+        "--policy",
+        "priority",
+        "--num-gpu-blocks",
+        "64",
+        "--kv-cache-memory",
+        "8MiB",
+        "--no-prefix-caching",
+        "--no-chunked-prefill",
+    )
     assert (args.policy, args.num_gpu_blocks, args.kv_cache_memory) == ("priority", 64, 8 * 2**20)
     assert args.enable_prefix_caching is False and args.enable_chunked_prefill is False
-    vllm = parse("serve", "--scheduling-policy", "priority", "--num-gpu-blocks-override", "64",
-                 "--no-enable-prefix-caching", "--no-enable-chunked-prefill")
+    vllm = parse(
+        "serve",
+        "--scheduling-policy",
+        "priority",
+        "--num-gpu-blocks-override",
+        "64",
+        "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+    )
     assert (vllm.policy, vllm.num_gpu_blocks, vllm.enable_prefix_caching, vllm.enable_chunked_prefill) == (
-        "priority", 64, False, False)
+        "priority",
+        64,
+        False,
+        False,
+    )
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("32k", 32_000), ("32K", 32_768), ("2Ki", 2048), ("1.5k", 1500), ("8192", 8192), ("1m", 10**6), ("1M", 2**20),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("32k", 32_000),
+        ("32K", 32_768),
+        ("2Ki", 2048),
+        ("1.5k", 1500),
+        ("8192", 8192),
+        ("1m", 10**6),
+        ("1M", 2**20),
+    ],
+)
 def test_counts_take_vllm_units(text: str, expected: int):
     assert parse_count(text) == expected
     assert parse("serve", "--max-model-len", text).max_model_len == expected
@@ -99,8 +165,17 @@ def test_engine_defaults_are_the_rust_cores():
     from fastsched._core import SchedulerConfig
 
     core, config = SchedulerConfig(), EngineConfig()
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching", "watermark",
-                 "long_prefill_token_threshold", "prefill_schedule_interval", "enable_chunked_prefill", "policy"):
+    for name in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "enable_prefix_caching",
+        "watermark",
+        "long_prefill_token_threshold",
+        "prefill_schedule_interval",
+        "enable_chunked_prefill",
+        "policy",
+    ):
         assert getattr(config, name) == getattr(core, name), name
 
 
@@ -131,8 +206,9 @@ def test_version_flag_subcommand_and_python_m(capsys: pytest.CaptureFixture[str]
     assert main(["version"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("fastsched ") and _core.__version__ in out
-    result = subprocess.run([sys.executable, "-m", "fastsched", "--version"], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "fastsched", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and result.stdout.strip() == out.strip()
 
 
@@ -147,8 +223,13 @@ def test_export_hf_round_trips_config_and_tokenizer(tmp_path: Path):
     model = make_tiny_model(tmp_path / "tiny", seed=0)
     out = tmp_path / "export"
     assert main(["export-hf", str(out), "--model", str(model), "--weights"]) == 0
-    assert {p.name for p in out.iterdir()} >= {"config.json", "generation_config.json", "tokenizer.json",
-                                               "tokenizer_config.json", "model.safetensors"}
+    assert {p.name for p in out.iterdir()} >= {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    }
     assert load_model_config(out) == load_model_config(model)
     text = "Hello world, the capital of France is Paris."
     original, exported = load_tokenizer(model), load_tokenizer(out)
@@ -164,8 +245,9 @@ def test_export_of_the_embedded_gguf_tokenizes_like_it(tmp_path: Path):
     out = export_tokenizer(None, tmp_path / "smollm2")
     original, exported = load_tokenizer(None), load_tokenizer(out)
     messages = [{"role": "user", "content": "What is 2 + 2? Answer in digits: 12345."}]
-    assert exported.apply_chat_template(messages, add_generation_prompt=True, tokenize=True) == \
-        original.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert exported.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    ) == original.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     assert exported.eos_token_ids == original.eos_token_ids
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
@@ -191,23 +273,38 @@ def test_a_cached_hugging_face_repo_id_resolves_offline(tmp_path: Path, monkeypa
 def test_vllm_flags_without_meaning_here_warn_once(caplog: pytest.LogCaptureFixture):
     from fastsched.entrypoints.vllm_compat import check_vllm_compat_args
 
-    args = parse("serve", "--enforce-eager", "--trust-remote-code", "--disable-log-requests",
-                 "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
-    assert (args.enable_log_requests, args.disable_access_log, args.uvicorn_log_level) == (False, True, "warning")
+    args = parse(
+        "serve",
+        "--enforce-eager",
+        "--trust-remote-code",
+        "--disable-log-requests",
+        "--disable-uvicorn-access-log",
+        "--uvicorn-log-level",
+        "warning",
+    )
+    assert (args.enable_log_requests, args.disable_access_log, args.uvicorn_log_level) == (
+        False,
+        True,
+        "warning",
+    )
     with caplog.at_level("WARNING", logger="fastsched.cli"):
         check_vllm_compat_args(args)
     assert [r.message.split(":")[0] for r in caplog.records] == ["--enforce-eager", "--trust-remote-code"]
     assert parse("generate", "--enforce-eager").enforce_eager  # the offline command takes them too
 
 
-@pytest.mark.parametrize(("argv", "error"), [
-    (("--kv-cache-dtype", "fp8"), "fp8 is not supported"),
-    (("--kv-cache-dtype", "float16"), "give --dtype float16"),
-    (("--enable-auto-tool-choice",), "needs --tool-call-parser"),
-    (("--tool-call-parser", "hermes"), "add --enable-auto-tool-choice"),
-])
-def test_vllm_flags_that_cannot_work_here_are_early_errors(argv: tuple[str, ...], error: str,
-                                                           capsys: pytest.CaptureFixture[str]):
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (("--kv-cache-dtype", "fp8"), "fp8 is not supported"),
+        (("--kv-cache-dtype", "float16"), "give --dtype float16"),
+        (("--enable-auto-tool-choice",), "needs --tool-call-parser"),
+        (("--tool-call-parser", "hermes"), "add --enable-auto-tool-choice"),
+    ],
+)
+def test_vllm_flags_that_cannot_work_here_are_early_errors(
+    argv: tuple[str, ...], error: str, capsys: pytest.CaptureFixture[str]
+):
     assert main(["serve", *argv]) == 2
     assert error in capsys.readouterr().err
 
@@ -215,11 +312,21 @@ def test_vllm_flags_that_cannot_work_here_are_early_errors(argv: tuple[str, ...]
 def test_vllm_flags_that_work_reach_the_server_config(monkeypatch: pytest.MonkeyPatch):
     from fastsched.entrypoints.vllm_compat import check_vllm_compat_args
 
-    args = parse("serve", "--kv-cache-dtype", "bfloat16", "--dtype", "bfloat16", "--enable-auto-tool-choice",
-                 "--tool-call-parser", "llama3_json")
+    args = parse(
+        "serve",
+        "--kv-cache-dtype",
+        "bfloat16",
+        "--dtype",
+        "bfloat16",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "llama3_json",
+    )
     check_vllm_compat_args(args)
     seen = {}
-    monkeypatch.setattr("fastsched.launcher.serve.serve", lambda config: seen.setdefault("config", config) and 0)
+    monkeypatch.setattr(
+        "fastsched.launcher.serve.serve", lambda config: seen.setdefault("config", config) and 0
+    )
     from fastsched.entrypoints.cli import cmd_serve
 
     cmd_serve(args)
@@ -237,15 +344,18 @@ def test_an_unknown_flag_shows_the_commands_usage_and_the_closest_flag(capsys: p
     assert "usage: fastsched bench serve" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, flag", [
-    (["--max-num-seqs", "0"], "--max-num-seqs"),
-    (["--max-num-batched-tokens", "10", "--max-num-seqs", "20"], "--max-num-batched-tokens"),
-    (["--watermark", "2"], "--watermark"),
-    (["--max-num-queued-reqs", "0"], "--max-num-queued-reqs"),
-    (["--ttft-slo", "-1"], "--ttft-slo"),
-    (["--engine-timeout", "0"], "--engine-timeout"),
-    (["--max-n", "0"], "--max-n"),
-])
+@pytest.mark.parametrize(
+    "flags, flag",
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--max-num-batched-tokens", "10", "--max-num-seqs", "20"], "--max-num-batched-tokens"),
+        (["--watermark", "2"], "--watermark"),
+        (["--max-num-queued-reqs", "0"], "--max-num-queued-reqs"),
+        (["--ttft-slo", "-1"], "--ttft-slo"),
+        (["--engine-timeout", "0"], "--engine-timeout"),
+        (["--max-n", "0"], "--max-n"),
+    ],
+)
 def test_serve_refuses_a_bad_setting_before_spawning_anything(flags, flag, monkeypatch, capsys):
     """Issue 28: a setting that needs no model to be judged is refused before any child process
     starts, with one line naming its flag, and a non-zero exit."""
@@ -253,7 +363,9 @@ def test_serve_refuses_a_bad_setting_before_spawning_anything(flags, flag, monke
     from fastsched.launcher import serve as launcher
 
     spawned = []
-    monkeypatch.setattr(launcher, "_spawn", lambda *a, **k: spawned.append(a) or pytest.fail("a child was spawned"))
+    monkeypatch.setattr(
+        launcher, "_spawn", lambda *a, **k: spawned.append(a) or pytest.fail("a child was spawned")
+    )
     assert main(["serve", *flags, "--port", "0", "--grpc-port", "0"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"fastsched: error: {flag}: "), err

@@ -15,7 +15,18 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "engine_overhead.py"
-TINY = ["--running", "6", "--prompt-len", "20", "--steps", "6", "--warmup", "2", "--max-num-batched-tokens", "64"]
+TINY = [
+    "--running",
+    "6",
+    "--prompt-len",
+    "20",
+    "--steps",
+    "6",
+    "--warmup",
+    "2",
+    "--max-num-batched-tokens",
+    "64",
+]
 REQUIRED_KEYS = {
     "host_us_median", "host_us_p99", "step_us_median", "steps_per_s", "tokens_per_s",
     "schedule_us", "prepare_inputs_us", "sample_us", "update_us", "collect_us", "output_us",

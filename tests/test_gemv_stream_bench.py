@@ -16,8 +16,12 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "gemv_stream.py"
 
 @pytest.mark.skipif(not quant_matmul_cpu.AVAILABLE, reason="needs the Rust kernels")
 def test_gemv_stream_reports_the_layers_and_the_lm_head():
-    proc = subprocess.run([sys.executable, str(BENCH), "--threads", "1", "--passes", "1"], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--threads", "1", "--passes", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == ["120 layer weights (int4)", "lm_head (int8, tied)"]

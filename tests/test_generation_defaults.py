@@ -23,8 +23,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_defaults_come_from_generation_config_json(model: Path):
-    assert load_generation_defaults(model) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20,
-                                               "repetition_penalty": 1.1}
+    assert load_generation_defaults(model) == {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "repetition_penalty": 1.1,
+    }
     assert load_generation_defaults(model, "vllm") == {}
     assert load_generation_defaults(None) == {}  # the embedded GGUF carries no general.sampling.* keys
 
@@ -50,6 +54,12 @@ def test_the_offline_llm_uses_them_when_no_params_are_given(model: Path):
 
     llm = LLM(model=str(model), device="cpu", dtype="float32", num_gpu_blocks=64, max_model_len=128)
     assert llm.engine.sampling_defaults["temperature"] == 0.6
-    off = LLM(model=str(model), device="cpu", dtype="float32", num_gpu_blocks=64, max_model_len=128,
-              generation_config="vllm")
+    off = LLM(
+        model=str(model),
+        device="cpu",
+        dtype="float32",
+        num_gpu_blocks=64,
+        max_model_len=128,
+        generation_config="vllm",
+    )
     assert off.engine.sampling_defaults == {}

@@ -11,8 +11,11 @@ from fastsched.config import EngineConfig
 from fastsched.entrypoints.cli import build_parser
 from fastsched.kv_transfer import KVTransferConfig
 
-VLLM_EXAMPLE = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"shared_storage_path": "/mnt/kv"}}
+VLLM_EXAMPLE = {
+    "kv_connector": "SharedStorageConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"shared_storage_path": "/mnt/kv"},
+}
 
 
 def test_the_flag_takes_vllms_json():
@@ -25,23 +28,36 @@ def test_the_flag_takes_vllms_json():
 
 @pytest.mark.parametrize("value", [VLLM_EXAMPLE, json.dumps(VLLM_EXAMPLE), KVTransferConfig(**VLLM_EXAMPLE)])
 def test_the_offline_api_takes_a_dict_json_or_the_config(value):
-    assert EngineConfig.from_kwargs(kv_transfer_config=value).kv_transfer_config == KVTransferConfig(**VLLM_EXAMPLE)
+    assert EngineConfig.from_kwargs(kv_transfer_config=value).kv_transfer_config == KVTransferConfig(
+        **VLLM_EXAMPLE
+    )
 
 
-@pytest.mark.parametrize(("role", "produces", "consumes"), [
-    ("kv_both", True, True), ("kv_producer", True, False), ("kv_consumer", False, True)])
+@pytest.mark.parametrize(
+    ("role", "produces", "consumes"),
+    [("kv_both", True, True), ("kv_producer", True, False), ("kv_consumer", False, True)],
+)
 def test_roles(role, produces, consumes):
     config = KVTransferConfig(**{**VLLM_EXAMPLE, "kv_role": role})
     assert (config.is_producer, config.is_consumer) == (produces, consumes)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"kv_connector": "LMCacheConnectorV1"}, "kv_connector must be one of SharedStorageConnector; got 'LMCache"),
-    ({"kv_role": "kv_sometimes"}, "kv_role must be one of kv_producer, kv_consumer, kv_both; got 'kv_sometimes'"),
-    ({"kv_connector_extra_config": {}}, "shared_storage_path must be a non-empty string"),
-    ({"kv_connector_extra_config": []}, "kv_connector_extra_config must be an object"),
-    ({"kv_buffer_size": 1}, r"unknown fields \['kv_buffer_size'\]"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"kv_connector": "LMCacheConnectorV1"},
+            "kv_connector must be one of SharedStorageConnector; got 'LMCache",
+        ),
+        (
+            {"kv_role": "kv_sometimes"},
+            "kv_role must be one of kv_producer, kv_consumer, kv_both; got 'kv_sometimes'",
+        ),
+        ({"kv_connector_extra_config": {}}, "shared_storage_path must be a non-empty string"),
+        ({"kv_connector_extra_config": []}, "kv_connector_extra_config must be an object"),
+        ({"kv_buffer_size": 1}, r"unknown fields \['kv_buffer_size'\]"),
+    ],
+)
 def test_a_bad_field_is_named(change, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_kwargs(kv_transfer_config={**VLLM_EXAMPLE, **change})

@@ -16,8 +16,23 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastsched"
 # Lowest first. A module may import its own layer and those below it. The root package
 # (``fastsched/__init__.py``) is above everything: it only loads the offline API lazily.
 LAYERS = [
-    ("_core", "sampling_params", "limits", "outputs", "proto_gen", "rpc", "admin", "units", "structured", "process_stats",
-     "json_flags", "speculative_config", "kv_transfer", "config", "cpu_env"),
+    (
+        "_core",
+        "sampling_params",
+        "limits",
+        "outputs",
+        "proto_gen",
+        "rpc",
+        "admin",
+        "units",
+        "structured",
+        "process_stats",
+        "json_flags",
+        "speculative_config",
+        "kv_transfer",
+        "config",
+        "cpu_env",
+    ),
     ("kernels", "sample", "distributed"),
     ("attention",),
     ("models", "lora"),
@@ -105,7 +120,7 @@ def test_no_import_cycles():
         state[module] = 1
         for dep in sorted(graph.get(module, ())):
             if state.get(dep) == 1:
-                cycles.append(path[path.index(dep):] + [dep])
+                cycles.append(path[path.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep, path + [dep])
         state[module] = 2
@@ -116,8 +131,16 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-@pytest.mark.parametrize("package", ["fastsched.frontend", "fastsched.gateway", "fastsched.engine.protocol",
-                                     "fastsched.config", "fastsched.entrypoints.cli"])
+@pytest.mark.parametrize(
+    "package",
+    [
+        "fastsched.frontend",
+        "fastsched.gateway",
+        "fastsched.engine.protocol",
+        "fastsched.config",
+        "fastsched.entrypoints.cli",
+    ],
+)
 def test_process_packages_do_not_import_torch(package: str):
     """A frontend or gateway process never runs the model; neither do flag parsing and the
     wire types. Every module of ``package`` is imported in a fresh interpreter."""

@@ -21,8 +21,24 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_json_against_itself_has_zero_divergence_and_full_agreement(tiny: str, capsys) -> None:
-    code = main(["perplexity", str(TEXT), "--model", tiny, "--ctx", "32", "--dtype", "float32",
-                 "--device", "cpu", "--kl-divergence", "--reference-quantization", "none", "--json"])
+    code = main(
+        [
+            "perplexity",
+            str(TEXT),
+            "--model",
+            tiny,
+            "--ctx",
+            "32",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--kl-divergence",
+            "--reference-quantization",
+            "none",
+            "--json",
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["num_windows"] >= 2 and report["num_scored"] == report["num_windows"] * 15

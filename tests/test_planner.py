@@ -31,8 +31,14 @@ GiB = 2**30
 MiB = 2**20
 
 # The seed's worked example: the load.
-WORKED_LOAD = dict(arrival_rate=20.0, prompt_len=2000, output_len=512, decode_step_time=0.02,
-                   prefill_throughput=20_000.0, ttft_slo=2.0)
+WORKED_LOAD = dict(
+    arrival_rate=20.0,
+    prompt_len=2000,
+    output_len=512,
+    decode_step_time=0.02,
+    prefill_throughput=20_000.0,
+    ttft_slo=2.0,
+)
 # The seed's §8.2 model: 32 layers, 8 KV heads, head dim 128, fp16 KV.
 SEED_MODEL = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
 
@@ -63,8 +69,15 @@ def test_data_parallel_replicas_each_get_a_share_of_the_arrival_rate() -> None:
 
 def test_an_integer_lower_bound_is_not_rounded_past_itself() -> None:
     # 10/s × 100 × 0.01 s + 10/s × 1000 / 10000 = 10 + 1 = 11 exactly, despite float error.
-    p = plan(inputs(arrival_rate=10.0, output_len=100, decode_step_time=0.01, prompt_len=1000,
-                    prefill_throughput=10_000.0))
+    p = plan(
+        inputs(
+            arrival_rate=10.0,
+            output_len=100,
+            decode_step_time=0.01,
+            prompt_len=1000,
+            prefill_throughput=10_000.0,
+        )
+    )
     assert p.required_seqs == 11
 
 
@@ -82,8 +95,18 @@ def test_kv_upper_bound_of_a_small_config_by_hand() -> None:
     # 2 × 2 layers × 2 KV heads × 16 head dim × 4 B (float32) = 512 B per token, 8 KiB per block
     # of 16; 100 + 20 = 120 tokens round up to 8 blocks = 64 KiB; 1 MiB + 8191 B = 128 whole
     # blocks (the partial one does not count) → 128 // 8 = 16 requests.
-    p = plan(inputs(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", prompt_len=100,
-                    output_len=20, kv_memory=MiB + 8191, block_size=16))
+    p = plan(
+        inputs(
+            num_layers=2,
+            num_kv_heads=2,
+            head_dim=16,
+            dtype="float32",
+            prompt_len=100,
+            output_len=20,
+            kv_memory=MiB + 8191,
+            block_size=16,
+        )
+    )
     assert p.kv_bytes_per_token == 512
     assert p.kv_bytes_per_block == 8192
     assert (p.tokens_per_request, p.blocks_per_request) == (120, 8)
@@ -135,13 +158,16 @@ def test_unservable_plan_recommends_running_at_kv_capacity() -> None:
     assert p.max_num_seqs == p.max_num_active_seqs == p.kv_upper_bound
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"data_parallel_size": 2, "kv_memory": 60 * GiB},
-    {"arrival_rate": 0.3, "output_len": 64},
-    {"kv_memory": 78 * GiB},  # 254 fit: the slot rounding (256) is clipped, the headroom (249) is not
-    {"arrival_rate": 200.0, "data_parallel_size": 16, "kv_memory": 40 * GiB},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"data_parallel_size": 2, "kv_memory": 60 * GiB},
+        {"arrival_rate": 0.3, "output_len": 64},
+        {"kv_memory": 78 * GiB},  # 254 fit: the slot rounding (256) is clipped, the headroom (249) is not
+        {"arrival_rate": 200.0, "data_parallel_size": 16, "kv_memory": 40 * GiB},
+    ],
+)
 def test_recommended_max_num_seqs_lies_between_the_bounds(overrides: dict[str, object]) -> None:
     p = plan(inputs(**overrides))
     assert p.servable
@@ -203,22 +229,25 @@ def test_a_ttft_target_shorter_than_one_prefill_is_noted() -> None:
 # ----------------------------------------------------------------- bad inputs
 
 
-@pytest.mark.parametrize(("field", "value", "flag"), [
-    ("arrival_rate", -1.0, "--arrival-rate"),
-    ("arrival_rate", 0.0, "--arrival-rate"),
-    ("arrival_rate", math.nan, "--arrival-rate"),
-    ("prompt_len", -5, "--prompt-len"),
-    ("output_len", 0, "--output-len"),
-    ("decode_step_time", -0.02, "--decode-step-time"),
-    ("prefill_throughput", -20_000.0, "--prefill-throughput"),
-    ("ttft_slo", 0.0, "--ttft-slo"),
-    ("kv_memory", -1, "--kv-memory"),
-    ("data_parallel_size", 0, "--data-parallel-size"),
-    ("block_size", 0, "--block-size"),
-    ("api_server_count", 0, "--api-server-count"),
-    ("dtype", "int8", "--dtype"),
-    ("headroom", 0.5, "--headroom"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "flag"),
+    [
+        ("arrival_rate", -1.0, "--arrival-rate"),
+        ("arrival_rate", 0.0, "--arrival-rate"),
+        ("arrival_rate", math.nan, "--arrival-rate"),
+        ("prompt_len", -5, "--prompt-len"),
+        ("output_len", 0, "--output-len"),
+        ("decode_step_time", -0.02, "--decode-step-time"),
+        ("prefill_throughput", -20_000.0, "--prefill-throughput"),
+        ("ttft_slo", 0.0, "--ttft-slo"),
+        ("kv_memory", -1, "--kv-memory"),
+        ("data_parallel_size", 0, "--data-parallel-size"),
+        ("block_size", 0, "--block-size"),
+        ("api_server_count", 0, "--api-server-count"),
+        ("dtype", "int8", "--dtype"),
+        ("headroom", 0.5, "--headroom"),
+    ],
+)
 def test_bad_input_is_an_error_naming_the_flag(field: str, value: object, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         inputs(**{field: value})
@@ -235,8 +264,17 @@ def test_mean_context_longer_than_the_model_is_an_error() -> None:
 def test_plan_json_round_trips_with_every_field() -> None:
     p = plan(inputs())
     data = json.loads(json.dumps(p.to_dict()))
-    for name in ("concurrency_lower_bound", "kv_upper_bound", "max_num_seqs", "max_num_active_seqs",
-                 "max_num_queued_tokens", "max_num_queued_reqs", "verdict", "status", "servable"):
+    for name in (
+        "concurrency_lower_bound",
+        "kv_upper_bound",
+        "max_num_seqs",
+        "max_num_active_seqs",
+        "max_num_queued_tokens",
+        "max_num_queued_reqs",
+        "verdict",
+        "status",
+        "servable",
+    ):
         assert name in data
     assert {f.name for f in dataclasses.fields(p)} <= set(data)
     assert data["inputs"]["arrival_rate"] == 20.0
@@ -260,8 +298,23 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def worked_argv(model: Path, *extra: str) -> list[str]:
-    return ["--model", str(model), "--arrival-rate", "20", "--prompt-len", "2000", "--output-len", "512",
-            "--decode-step-time", "0.02", "--prefill-throughput", "20000", "--ttft-slo", "2", *extra]
+    return [
+        "--model",
+        str(model),
+        "--arrival-rate",
+        "20",
+        "--prompt-len",
+        "2000",
+        "--output-len",
+        "512",
+        "--decode-step-time",
+        "0.02",
+        "--prefill-throughput",
+        "20000",
+        "--ttft-slo",
+        "2",
+        *extra,
+    ]
 
 
 def test_cli_prints_table_and_verdict_and_exits_0_when_servable(
@@ -274,7 +327,12 @@ def test_cli_prints_table_and_verdict_and_exits_0_when_servable(
     assert "206.80 → 207" in out
     # bfloat16 by default: 2 × 2 layers × 2 KV heads × 16 head dim × 2 B = 256 B per token.
     assert "2 × 2 layers × 2 KV heads × 16 head dim × 2 B" in out
-    for flag in ("--max-num-seqs", "--max-num-active-seqs", "--max-num-queued-tokens", "--max-num-queued-reqs"):
+    for flag in (
+        "--max-num-seqs",
+        "--max-num-active-seqs",
+        "--max-num-queued-tokens",
+        "--max-num-queued-reqs",
+    ):
         assert flag in out
     assert "verdict: servable" in out
 
@@ -294,7 +352,9 @@ def test_cli_json_output_parses_and_reproduces_the_worked_example(
     assert data["max_num_seqs"] == 256
 
 
-def test_cli_exits_1_with_verdict_when_not_servable(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_exits_1_with_verdict_when_not_servable(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # 157 blocks of 4 KiB per request; 100 MiB = 25600 blocks → 163 requests < 207.
     assert run_plan(parse(*worked_argv(tiny_model, "--kv-memory", "100MiB"))) == 1
     out = capsys.readouterr().out
@@ -315,10 +375,21 @@ def test_cli_rejects_an_unreadable_kv_memory(tiny_model: Path, capsys: pytest.Ca
     assert "--kv-memory" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("1024", 1024), ("40GiB", 40 * GiB), ("40gib", 40 * GiB), ("40G", 40 * GiB), ("80GB", 80 * 10**9),
-    ("512MiB", 512 * MiB), ("1.5GiB", 3 * GiB // 2), ("2 TiB", 2 * 2**40), ("64KB", 64_000), ("1e9", 10**9),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1024", 1024),
+        ("40GiB", 40 * GiB),
+        ("40gib", 40 * GiB),
+        ("40G", 40 * GiB),
+        ("80GB", 80 * 10**9),
+        ("512MiB", 512 * MiB),
+        ("1.5GiB", 3 * GiB // 2),
+        ("2 TiB", 2 * 2**40),
+        ("64KB", 64_000),
+        ("1e9", 10**9),
+    ],
+)
 def test_kv_memory_accepts_binary_and_decimal_units(text: str, expected: int) -> None:
     assert parse_bytes(text) == expected
 

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("grpc", reason="grpcio is not installed (the serve extra)")
 pytest.importorskip("grpc_tools", reason="grpcio-tools is not installed (the test extra)")
 
-from fastsched import proto_gen  # noqa: E402
+from fastsched import proto_gen
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,8 +26,13 @@ def _proto() -> Path:
 
 def test_committed_stubs_match_the_proto() -> None:
     """Fails after a .proto change until `python -m fastsched.proto_gen` is run and committed."""
-    out = subprocess.run([sys.executable, "-m", "fastsched.proto_gen", "--check"], capture_output=True, text=True,
-                         cwd=REPO, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "fastsched.proto_gen", "--check"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert proto_gen.is_up_to_date(_proto())
 
@@ -42,14 +47,17 @@ def test_the_check_names_the_stale_files_after_a_proto_change(tmp_path: Path) ->
     # The staged path makes the service module import its messages from inside this package.
     assert "from fastsched._proto.v1 import generate_pb2" in (out / "generate_pb2_grpc.py").read_text()
     text = proto.read_text()
-    proto.write_text(text.replace("message HealthRequest {", "message HealthRequest {\n  string probe_field = 99;", 1))
+    proto.write_text(
+        text.replace("message HealthRequest {", "message HealthRequest {\n  string probe_field = 99;", 1)
+    )
     assert proto.read_text() != text
     assert not proto_gen.is_up_to_date(proto, out)
     assert {"__init__.py", "generate_pb2.py", "generate_pb2.pyi"} <= set(proto_gen.stale_files(proto, out))
 
 
-def test_import_stubs_refuses_stale_stubs_instead_of_regenerating(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_import_stubs_refuses_stale_stubs_instead_of_regenerating(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     changed = tmp_path / proto_gen.PROTO_RELPATH
     changed.parent.mkdir(parents=True)
     changed.write_text(_proto().read_text() + "\n// changed\n")

@@ -10,8 +10,13 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "protocol_codec.py"
 
 
 def test_protocol_bench_prints_a_line_per_hot_message() -> None:
-    proc = subprocess.run([sys.executable, str(BENCH), "--rows", "4", "--prompt-len", "4", "--repeat", "5",
-                           "--rounds", "1"], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--rows", "4", "--prompt-len", "4", "--repeat", "5", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert [line.split()[0] for line in lines] == ["add", "outputs"]

@@ -43,15 +43,23 @@ def test_a_request_comes_out_tokenized_once_and_checked() -> None:
     assert gate.request("r2", [5, 6], SamplingParams(max_tokens=4)).prompt_token_ids == [5, 6]
 
 
-@pytest.mark.parametrize("prompt, params, error, words", [
-    ([], SamplingParams(), ValueError, "at least one token"),
-    ([1, VOCAB], SamplingParams(), ValueError, f"token id {VOCAB} is out of range"),
-    ([1] * 60, SamplingParams(max_tokens=5), ContextLengthError, "max_model_len (64)"),
-    ("x" * 129, SamplingParams(), LimitError, "129 characters"),  # 64 tokens x 2 characters: refused untokenized
-    ("hi", SamplingParams(n=200), LimitError, "--max-n"),
-    ("hi", SamplingParams(stop_token_ids=list(range(129))), LimitError, "--max-stop-token-ids"),
-    ("hi", SamplingParams(stop=["a"] * 33), LimitError, "--max-stop-sequences"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, error, words",
+    [
+        ([], SamplingParams(), ValueError, "at least one token"),
+        ([1, VOCAB], SamplingParams(), ValueError, f"token id {VOCAB} is out of range"),
+        ([1] * 60, SamplingParams(max_tokens=5), ContextLengthError, "max_model_len (64)"),
+        (
+            "x" * 129,
+            SamplingParams(),
+            LimitError,
+            "129 characters",
+        ),  # 64 tokens x 2 characters: refused untokenized
+        ("hi", SamplingParams(n=200), LimitError, "--max-n"),
+        ("hi", SamplingParams(stop_token_ids=list(range(129))), LimitError, "--max-stop-token-ids"),
+        ("hi", SamplingParams(stop=["a"] * 33), LimitError, "--max-stop-sequences"),
+    ],
+)
 def test_the_gate_refuses_naming_the_field(prompt, params, error, words) -> None:
     gate = _gate()
     with pytest.raises(error, match=None) as info:
@@ -76,14 +84,20 @@ def test_an_output_constraint_is_bounded_then_compiled_off_the_event_loop() -> N
         return SamplingParams(structured_outputs={"choice": ["a", "b"]})
 
     async def run() -> tuple[ValidRequest, threading.Thread]:
-        return await gate.request_async("r", "x" * 5000, build, ("choice", ["a", "b"])), threading.current_thread()
+        return await gate.request_async(
+            "r", "x" * 5000, build, ("choice", ["a", "b"])
+        ), threading.current_thread()
 
     gate = _gate(max_model_len=6000, max_structured_outputs_chars=100, max_structured_outputs_choices=3)
     valid, loop_thread = asyncio.run(run())
     assert valid.params.structured_outputs is not None and built and built[0] is not loop_thread
-    assert gate.tokenizer.threads and loop_thread not in gate.tokenizer.threads  # 5000 characters: off the loop
-    for constraint, flag in (("choice", ["a"] * 4), "--max-structured-outputs-choices"), \
-                            (("regex", "a" * 101), "--max-structured-outputs-chars"):
+    assert (
+        gate.tokenizer.threads and loop_thread not in gate.tokenizer.threads
+    )  # 5000 characters: off the loop
+    for constraint, flag in (
+        (("choice", ["a"] * 4), "--max-structured-outputs-choices"),
+        (("regex", "a" * 101), "--max-structured-outputs-chars"),
+    ):
         built.clear()
         with pytest.raises(LimitError, match=flag):
             asyncio.run(gate.request_async("r", "hi", build, constraint))
@@ -134,19 +148,29 @@ def test_cached_tokens_are_reported_only_with_enable_prompt_tokens_details() -> 
     req = ParsedRequest("completion", ["hi"], pb.SamplingParams(), 0, False, False)
     for enabled in (False, True):
         formatter = ResponseFormatter(req, "m", None, enabled)
-        formatter.consume(0, pb.GenerateResponse(usage=pb.Usage(prompt_tokens=40, completion_tokens=1,
-                                                                cached_tokens=32)))
+        formatter.consume(
+            0, pb.GenerateResponse(usage=pb.Usage(prompt_tokens=40, completion_tokens=1, cached_tokens=32))
+        )
         usage = formatter.usage()
         assert ("prompt_tokens_details" in usage) is enabled, usage
         assert not enabled or usage["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
-@pytest.mark.parametrize("content_type, refused", [
-    ("text/plain", True), ("application/x-www-form-urlencoded", True), ("multipart/form-data; boundary=x", True),
-    ("application/json", False), ("application/json; charset=utf-8", False), ("application/merge-patch+json", False),
-    (None, False),
-])
-def test_json_routes_refuse_a_body_declared_as_something_else(content_type: str | None, refused: bool) -> None:
+@pytest.mark.parametrize(
+    "content_type, refused",
+    [
+        ("text/plain", True),
+        ("application/x-www-form-urlencoded", True),
+        ("multipart/form-data; boundary=x", True),
+        ("application/json", False),
+        ("application/json; charset=utf-8", False),
+        ("application/merge-patch+json", False),
+        (None, False),
+    ],
+)
+def test_json_routes_refuse_a_body_declared_as_something_else(
+    content_type: str | None, refused: bool
+) -> None:
     """Issue 22: a JSON body sent as text/plain (which any web page may send without asking)
     was parsed: a page could drive a keyless local server. It is 415 now."""
     from fastsched.gateway.openai_protocol import ApiError, check_json_content_type
@@ -159,12 +183,15 @@ def test_json_routes_refuse_a_body_declared_as_something_else(content_type: str 
         check_json_content_type(content_type)
 
 
-@pytest.mark.parametrize("params, words", [
-    (SamplingParams(max_tokens=1), "max_tokens 0, got n=1, max_tokens=1"),
-    (SamplingParams(max_tokens=0, n=2), "got n=2"),
-    (SamplingParams(max_tokens=0, logprobs=2), "logprobs"),
-    (SamplingParams(max_tokens=0, prompt_logprobs=3), "prompt_logprobs, got 3"),
-])
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        (SamplingParams(max_tokens=1), "max_tokens 0, got n=1, max_tokens=1"),
+        (SamplingParams(max_tokens=0, n=2), "got n=2"),
+        (SamplingParams(max_tokens=0, logprobs=2), "logprobs"),
+        (SamplingParams(max_tokens=0, prompt_logprobs=3), "prompt_logprobs, got 3"),
+    ],
+)
 def test_s20_a_pooling_request_is_prefill_only_and_reports_nothing_else(params, words) -> None:
     gate = _gate()
     valid = asyncio.run(gate.request_async("e", [5, 6], lambda: SamplingParams(max_tokens=0), pooling=True))

@@ -31,8 +31,17 @@ def _state(request_id: str, engine: int, n: int, stop: list[str] | None = None) 
     processor = OutputProcessor(_Tokenizer())  # type: ignore[arg-type]
     for i, child in enumerate(child_ids):
         processor.add_request(child, parent, i, SamplingParams(max_tokens=8, stop=stop))
-    return RequestState(request_id, engine, n, parent, processor, child_ids,
-                        RequestMetrics(time.time(), num_prompt_tokens=2), prefilling=set(child_ids), max_tokens=8)
+    return RequestState(
+        request_id,
+        engine,
+        n,
+        parent,
+        processor,
+        child_ids,
+        RequestMetrics(time.time(), num_prompt_tokens=2),
+        prefilling=set(child_ids),
+        max_tokens=8,
+    )
 
 
 def _outputs(engine: int, *outs: EngineCoreOutput) -> Outputs:
@@ -46,7 +55,9 @@ class _Recorder:
         table.on_added.append(lambda s: self.events.append(("added", s.request_id)))
         table.on_first_token.append(lambda s: self.events.append(("first_token", s.request_id)))
         table.on_child_finished.append(lambda s, i, c, r: self.events.append(("child_finished", c, r)))
-        table.on_finished.append(lambda s, e, counted: self.events.append(("finished", s.request_id, e, counted)))
+        table.on_finished.append(
+            lambda s, e, counted: self.events.append(("finished", s.request_id, e, counted))
+        )
 
 
 def _table() -> tuple[RequestTable, _Recorder]:
@@ -81,8 +92,12 @@ def test_first_token_once_per_child_then_child_finished_and_finished_once() -> N
         table.apply_outputs(1, _outputs(1, EngineCoreOutput("e.r#0", [3]), EngineCoreOutput("e.r#0", [4])))
         table.apply_outputs(1, _outputs(1, EngineCoreOutput("e.r#1", [5], "length")))
         assert state.metrics.ttft is not None and state.prefilling == set()
-        assert rec.events == [("added", "r"), ("first_token", "r"), ("first_token", "r"),
-                              ("child_finished", "e.r#1", "length")]
+        assert rec.events == [
+            ("added", "r"),
+            ("first_token", "r"),
+            ("first_token", "r"),
+            ("child_finished", "e.r#1", "length"),
+        ]
         table.apply_outputs(1, _outputs(1, EngineCoreOutput("e.r#0", [6], "stop")))
         assert rec.events[-2:] == [("child_finished", "e.r#0", "stop"), ("finished", "r", None, True)]
         assert table.in_flight == [0, 0] and state.parent.finished and state.queue.qsize() == 3

@@ -40,8 +40,17 @@ def test_prompt_hashes_are_the_schedulers_own() -> None:
     """S8: the frontend hashes a prompt as the engine's scheduler does: salt, adapter and algorithm."""
     tokens = list(range(1, 11))
     for algo in ("builtin", "sha256"):
-        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4,
-                                          num_gpu_blocks=32, prefix_caching_hash_algo=algo, max_loras=1))
+        sched = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=4,
+                max_num_batched_tokens=64,
+                max_model_len=64,
+                block_size=4,
+                num_gpu_blocks=32,
+                prefix_caching_hash_algo=algo,
+                max_loras=1,
+            )
+        )
         handle = sched.add_request("r", tokens, 1, lora_id=2, cache_salt="s")
         want = sched.block_hashes(handle).tolist()
         assert len(want) == 2
@@ -169,8 +178,14 @@ def test_bad_routing_settings_name_the_field() -> None:
 
 
 def test_prefix_routing_needs_several_engines_and_prefix_caching() -> None:
-    info = ModelInfo(None, "m", 64, 100, block_size=4,
-                     cache_config={"enable_prefix_caching": "True", "prefix_caching_hash_algo": "sha256"})
+    info = ModelInfo(
+        None,
+        "m",
+        64,
+        100,
+        block_size=4,
+        cache_config={"enable_prefix_caching": "True", "prefix_caching_hash_algo": "sha256"},
+    )
     r = router_for(FrontendSettings(), info, 2)
     assert r.policy == "prefix" and r.hasher is not None and r.hasher.block_size == 4
     assert router_for(FrontendSettings(), info, 1).policy == "load"

@@ -79,8 +79,9 @@ def test_temperature_is_validated() -> None:
         SamplingParams(temperature=math.nan)
 
 
-@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                                  "repetition_penalty"])
+@pytest.mark.parametrize(
+    "name", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+)
 @pytest.mark.parametrize("value", [math.inf, -math.inf, 1e300])
 def test_non_finite_or_beyond_float32_floats_are_rejected(name: str, value: float) -> None:
     """Issue 11 defect 7: temperature Infinity or 1e300 used to be accepted (inf in the
@@ -246,7 +247,9 @@ def seeded_tokens(position: int, others: list[SamplingParams]) -> list[int]:
     for step in range(20):
         logits = torch.randn(len(params), vocab)
         logits[position] = torch.randn(vocab, generator=make_generator(100 + step))
-        md = metadata(params, vocab, prompts=[[1, 2, 3]] * len(params), outputs=outputs, generators=generators)
+        md = metadata(
+            params, vocab, prompts=[[1, 2, 3]] * len(params), outputs=outputs, generators=generators
+        )
         for row, token in enumerate(sampler(logits, md).sampled_token_ids.tolist()):
             outputs[row].append(token)
     return outputs[position]
@@ -368,10 +371,14 @@ def test_penalty_histories_of_different_lengths_count_only_their_own_tokens() ->
     rows = RowSamplingParams(4, vocab)
     for row, p in enumerate([penalty, SamplingParams(), penalty, penalty]):
         rows.set_row(row, p, (), None)
-    token_ids = np.array([[1, 2, 2, 7, 7, 7],    # prompt [1], output [2, 2]; 7s past the end
-                          [5, 5, 5, 5, 5, 5],    # not penalized: never read
-                          [3, 4, 4, 4, 6, 0],    # prompt [3, 4], output [4, 4, 6, 0]
-                          [6, 6, 7, 7, 7, 7]])   # prompt [6, 6], no output yet
+    token_ids = np.array(
+        [
+            [1, 2, 2, 7, 7, 7],  # prompt [1], output [2, 2]; 7s past the end
+            [5, 5, 5, 5, 5, 5],  # not penalized: never read
+            [3, 4, 4, 4, 6, 0],  # prompt [3, 4], output [4, 4, 6, 0]
+            [6, 6, 7, 7, 7, 7],
+        ]
+    )  # prompt [6, 6], no output yet
     num_prompt, end = np.array([1, 1, 2, 2]), np.array([3, 6, 6, 2])
 
     def history(used: np.ndarray) -> TokenHistories:
@@ -396,12 +403,16 @@ def test_async_output_tokens_join_the_penalized_rows_histories() -> None:
     """A token known only after the metadata was built (async scheduling) counts as output."""
     vocab = 6
     rows = RowSamplingParams(3, vocab)
-    for row, p in enumerate([SamplingParams(frequency_penalty=1.0), SamplingParams(),
-                             SamplingParams(presence_penalty=0.5)]):
+    for row, p in enumerate(
+        [SamplingParams(frequency_penalty=1.0), SamplingParams(), SamplingParams(presence_penalty=0.5)]
+    ):
         rows.set_row(row, p, (), None)
     history = np.array([[0, 1], [2, 2], [3, 3]])
-    md = rows.gather(np.arange(3), lambda: np.array([1, 1, 1]),
-                     lambda used: TokenHistories(history[used], np.array([1, 1]), np.array([2, 2])))
+    md = rows.gather(
+        np.arange(3),
+        lambda: np.array([1, 1, 1]),
+        lambda used: TokenHistories(history[used], np.array([1, 1]), np.array([2, 2])),
+    )
     md.add_output_tokens(torch.tensor([0, 2]), torch.tensor([1, 5]))
     logits = apply_penalties(torch.zeros(3, vocab), md.penalties)
     assert logits.tolist() == [[0, -2, 0, 0, 0, 0], [0] * 6, [0, 0, 0, -0.5, 0, -0.5]]

@@ -351,7 +351,9 @@ def test_s10_a_waiting_request_that_does_not_fit_never_preempts():
 
 
 def test_s10_without_reserve_full_isl_the_first_chunk_is_enough():
-    sched = make_scheduler(num_gpu_blocks=11, long_prefill_token_threshold=8, scheduler_reserve_full_isl=False)
+    sched = make_scheduler(
+        num_gpu_blocks=11, long_prefill_token_threshold=8, scheduler_reserve_full_isl=False
+    )
     add(sched, "r0", num_prompt_tokens=24, max_tokens=4)
     run = drive(sched, max_steps=1)
     add(sched, "r1", num_prompt_tokens=24, max_tokens=4, prompt_token_ids=prompt(24, 300))
@@ -525,7 +527,9 @@ def test_s13_paused_all_schedules_nothing_and_loses_nothing():
     sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=16)
     handles = {
         "decoding": add(sched, "decoding", max_tokens=5),
-        "prefilling": add(sched, "prefilling", num_prompt_tokens=40, max_tokens=3, prompt_token_ids=prompt(40, 300)),
+        "prefilling": add(
+            sched, "prefilling", num_prompt_tokens=40, max_tokens=3, prompt_token_ids=prompt(40, 300)
+        ),
     }
     run = drive(sched, max_steps=2)
     before = {rid: sched.request_info(h) for rid, h in handles.items()}
@@ -740,7 +744,7 @@ def test_config_none_or_a_left_out_setting_takes_the_core_default():
         "num_lookahead_tokens", "block_size", "num_gpu_blocks", "enable_prefix_caching",
         "scheduler_reserve_full_isl", "watermark", "priority_preemption", "max_preemptions_per_request",
     ]  # fmt: skip
-    default, explicit_none = SchedulerConfig(), SchedulerConfig(**{name: None for name in names})
+    default, explicit_none = SchedulerConfig(), SchedulerConfig(**dict.fromkeys(names))
     assert {n: getattr(default, n) for n in names} == {n: getattr(explicit_none, n) for n in names}
     assert repr(default) == repr(explicit_none)
     cfg = SchedulerConfig(max_num_seqs=8, max_num_active_seqs=None, watermark=0.1, policy="priority")
@@ -782,7 +786,9 @@ def test_config_unknown_policy_is_named():
         pytest.param(dict(watermark=1.5), ["watermark (1.5)"], id="watermark-out-of-range"),
         pytest.param(dict(max_num_seqs=0), ["max_num_seqs (0)"], id="no-slots"),
         pytest.param(dict(block_size=0), ["block_size (0)"], id="zero-block-size"),
-        pytest.param(dict(prefill_schedule_interval=0), ["prefill_schedule_interval (0)"], id="zero-interval"),
+        pytest.param(
+            dict(prefill_schedule_interval=0), ["prefill_schedule_interval (0)"], id="zero-interval"
+        ),
         pytest.param(
             dict(num_speculative_tokens=8192),
             ["num_speculative_tokens (8192)", "max_num_batched_tokens (8192)"],
@@ -817,10 +823,14 @@ def test_config_is_keyword_only():
     [
         pytest.param(dict(prompt_token_ids=[]), "prompt_token_ids must not be empty", id="empty-prompt"),
         pytest.param(dict(prompt_token_ids=[5, -1]), "prompt_token_ids contains -1", id="negative-token"),
-        pytest.param(dict(prompt_token_ids=[2**32]), "prompt_token_ids contains 4294967296", id="token-too-large"),
+        pytest.param(
+            dict(prompt_token_ids=[2**32]), "prompt_token_ids contains 4294967296", id="token-too-large"
+        ),
         pytest.param(dict(max_tokens=0, streaming=True), "max_tokens \\(0\\)", id="max-tokens-0-streaming"),
         pytest.param(dict(max_tokens=-3), "max_tokens \\(-3\\)", id="negative-max-tokens"),
-        pytest.param(dict(min_tokens=5, max_tokens=2), "min_tokens \\(5\\).*max_tokens \\(2\\)", id="min-above-max"),
+        pytest.param(
+            dict(min_tokens=5, max_tokens=2), "min_tokens \\(5\\).*max_tokens \\(2\\)", id="min-above-max"
+        ),
         pytest.param(dict(stop_token_ids=[-7]), "stop_token_ids contains -7", id="negative-stop-token"),
     ],
 )

@@ -25,7 +25,9 @@ def _gate(max_model_len: int = 100, **limits: int) -> RequestGate:
 
 def test_s15_a_chunk_that_could_reach_max_model_len_is_refused_naming_the_sizes() -> None:
     gate = _gate()
-    with pytest.raises(ValueError, match=r"chunk \(6 tokens\) plus max_tokens \(4\).*100 tokens.*max_model_len \(100\)"):
+    with pytest.raises(
+        ValueError, match=r"chunk \(6 tokens\) plus max_tokens \(4\).*100 tokens.*max_model_len \(100\)"
+    ):
         gate.chunk("s", [1] * 6, 4, False, held=90, num_chunks=1)
     chunk = gate.chunk("s", [1] * 5, 4, False, held=90, num_chunks=1)
     state = SessionState(max_tokens_reached=90, num_input_tokens=80)

@@ -22,7 +22,14 @@ from fastsched import SchedulerConfig
 from fastsched.engine.step_trace import StepTracer
 from fastsched.entrypoints.cli import build_parser, main
 from fastsched.tools.bench_report import summarize
-from fastsched.tools.simulator import Simulator, StepCost, TraceRequest, bench_trace, fit_step_cost, load_trace
+from fastsched.tools.simulator import (
+    Simulator,
+    StepCost,
+    TraceRequest,
+    bench_trace,
+    fit_step_cost,
+    load_trace,
+)
 from fastsched.tools.simulator.cost import read_step_trace
 from fastsched.tools.workload import arrival_times, make_requests
 
@@ -30,20 +37,32 @@ COST = StepCost(a=0.010, b=0.001, c=0.002)
 PREFILL_10 = 0.010 + 10 * 0.001 + 0.002  # one 10-token prompt alone
 DECODE_1 = 0.010 + 0.001 + 0.002  # one request decoding alone
 SCHEDULER: dict[str, Any] = dict(
-    max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, block_size=4, num_gpu_blocks=257,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    block_size=4,
+    num_gpu_blocks=257,
 )
 
 
 def simulator(cost: StepCost = COST, **overrides: Any) -> Simulator:
     """A simulator over :data:`SCHEDULER`; admission and latency keywords go to the Simulator."""
-    sim_keys = {"max_num_queued_reqs", "max_num_queued_tokens", "ttft_slo", "tpot_slo", "frontend_latency",
-                "step_tracer"}
+    sim_keys = {
+        "max_num_queued_reqs",
+        "max_num_queued_tokens",
+        "ttft_slo",
+        "tpot_slo",
+        "frontend_latency",
+        "step_tracer",
+    }
     sim_kwargs = {k: v for k, v in overrides.items() if k in sim_keys}
     sched_kwargs = {k: v for k, v in overrides.items() if k not in sim_keys}
     return Simulator(SchedulerConfig(**{**SCHEDULER, **sched_kwargs}), cost, **sim_kwargs)
 
 
-def req(arrival: float, prompt_len: int = 10, output_len: int = 5, priority: int = 0, start: int = 0) -> TraceRequest:
+def req(
+    arrival: float, prompt_len: int = 10, output_len: int = 5, priority: int = 0, start: int = 0
+) -> TraceRequest:
     """Distinct prompts unless ``start`` is shared (no accidental prefix-cache hits)."""
     first = 10 + start if start else 10 + int(arrival * 1000) % 200
     return TraceRequest(arrival, tuple(range(first, first + prompt_len)), output_len, priority)
@@ -137,7 +156,9 @@ def test_max_num_queued_tokens_rejects_until_the_backlog_has_its_first_token() -
     trace = [req(0.0, start=1), req(0.0, start=50), req(PREFILL_10 + 0.001, start=100)]
     run = simulator(max_num_queued_tokens=10).run(trace)
     assert [(r.status, r.reason) for r in run.results] == [
-        (200, None), (503, "max_num_queued_tokens"), (200, None),
+        (200, None),
+        (503, "max_num_queued_tokens"),
+        (200, None),
     ]
 
 
@@ -166,7 +187,11 @@ def test_after_measurement_the_ttft_slo_limit_is_slo_times_the_measured_prefill_
     assert run.results[0].status == 200
     chunk = 0.010 + 16 * 0.001 + 0.002
     assert run.prefill_tokens_per_s == pytest.approx(16 / chunk)  # 571.4 tokens/s
-    assert run.queued_tokens_limit == sim.admission.queued_tokens_limit == math.ceil(1.0 * run.prefill_tokens_per_s)
+    assert (
+        run.queued_tokens_limit
+        == sim.admission.queued_tokens_limit
+        == math.ceil(1.0 * run.prefill_tokens_per_s)
+    )
     assert run.queued_tokens_limit == 572
     # The next burst meets the measured limit: 11 prompts of 50 = 550 <= 572, a 12th would make 600.
     burst = sim.run([req(0.0, prompt_len=50, start=1000 + 60 * k) for k in range(13)], label="burst")
@@ -176,8 +201,13 @@ def test_after_measurement_the_ttft_slo_limit_is_slo_times_the_measured_prefill_
 
 def _goodput(results: list[Any], ttft: float, tpot: float) -> int:
     """Requests answered within both targets (bench serve's TPOT: mean gap after the first token)."""
-    return sum(1 for r in results if r.status == 200 and r.ttft <= ttft
-               and (r.output_tokens < 2 or (r.e2e - r.ttft) / (r.output_tokens - 1) <= tpot))
+    return sum(
+        1
+        for r in results
+        if r.status == 200
+        and r.ttft <= ttft
+        and (r.output_tokens < 2 or (r.e2e - r.ttft) / (r.output_tokens - 1) <= tpot)
+    )
 
 
 def test_a7_the_simulator_runs_the_goodput_valve_and_it_raises_goodput_at_overload() -> None:
@@ -227,8 +257,9 @@ def test_the_generated_trace_is_what_bench_serve_sends_at_that_rate() -> None:
     assert [r.arrival_time for r in trace] == times
     # --random-range-ratio, shared with bench serve: 0 makes every length exact in both.
     exact = bench_trace(5, qps=5.0, prompt_len=64, output_len=16, seed=7, range_ratio=0.0)
-    assert [r.prompt_token_ids for r in exact] == [tuple(b.prompt_token_ids)
-                                                   for b in make_requests(5, 64, 16, 7, (10, 250), 0.0)]
+    assert [r.prompt_token_ids for r in exact] == [
+        tuple(b.prompt_token_ids) for b in make_requests(5, 64, 16, 7, (10, 250), 0.0)
+    ]
     assert {(r.prompt_len, r.output_len) for r in exact} == {(64, 16)}
 
 
@@ -240,7 +271,8 @@ def test_load_trace_reads_lengths_and_priorities_and_sorts_by_arrival(tmp_path: 
     )
     trace = load_trace(path, seed=0)
     assert [(r.arrival_time, r.prompt_len, r.output_len, r.priority) for r in trace] == [
-        (0.5, 4, 1, -1), (1.5, 3, 2, 0),
+        (0.5, 4, 1, -1),
+        (1.5, 3, 2, 0),
     ]
     assert load_trace(path, seed=0) == trace  # prompt ids are seeded
 
@@ -293,16 +325,44 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def simulate_args(tiny_model: Path, *extra: str) -> list[str]:
-    return ["simulate", "--model", str(tiny_model), "--device", "cpu", "--dtype", "float32", "--no-progress",
-            "--step-cost", "0.002", "0.00002", "0.0001", *extra]
+    return [
+        "simulate",
+        "--model",
+        str(tiny_model),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--no-progress",
+        "--step-cost",
+        "0.002",
+        "0.00002",
+        "0.0001",
+        *extra,
+    ]
 
 
-def test_simulate_command_reports_rejections_and_writes_json(tiny_model: Path, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture) -> None:
+def test_simulate_command_reports_rejections_and_writes_json(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "sim.json"
-    argv = simulate_args(tiny_model, "--num-gpu-blocks", "300", "--qps", "inf", "--num-requests", "6",
-                         "--prompt-len", "32", "--output-len", "8", "--max-num-queued-reqs", "2",
-                         "--out", str(out))
+    argv = simulate_args(
+        tiny_model,
+        "--num-gpu-blocks",
+        "300",
+        "--qps",
+        "inf",
+        "--num-requests",
+        "6",
+        "--prompt-len",
+        "32",
+        "--output-len",
+        "8",
+        "--max-num-queued-reqs",
+        "2",
+        "--out",
+        str(out),
+    )
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "max_num_queued_reqs: 4" in printed and "preemptions" in printed
@@ -314,12 +374,31 @@ def test_simulate_command_reports_rejections_and_writes_json(tiny_model: Path, t
     assert result["failed"] == 4 and result["num_errors"] == 0  # vLLM's `failed`: every request not completed
 
 
-def test_simulate_command_applies_ttft_slo_and_reports_its_rejections(tiny_model: Path, tmp_path: Path,
-                                                                      capsys: pytest.CaptureFixture) -> None:
+def test_simulate_command_applies_ttft_slo_and_reports_its_rejections(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "sim.json"
-    argv = simulate_args(tiny_model, "--num-gpu-blocks", "300", "--qps", "inf", "--num-requests", "6",
-                         "--prompt-len", "32", "--output-len", "8", "--max-num-seqs", "4",
-                         "--max-num-batched-tokens", "32", "--ttft-slo", "1", "--out", str(out))
+    argv = simulate_args(
+        tiny_model,
+        "--num-gpu-blocks",
+        "300",
+        "--qps",
+        "inf",
+        "--num-requests",
+        "6",
+        "--prompt-len",
+        "32",
+        "--output-len",
+        "8",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "32",
+        "--ttft-slo",
+        "1",
+        "--out",
+        str(out),
+    )
     assert main(argv) == 0
     assert "ttft_slo limit" in capsys.readouterr().out
     report = json.loads(out.read_text())
@@ -353,8 +432,9 @@ def test_simulate_sizes_the_kv_pool_like_the_engine(tiny_model: Path, tmp_path: 
         (("--qps", "0"), "must be positive"),
     ],
 )
-def test_simulate_command_refuses_contradictory_flags(tiny_model: Path, extra: tuple[str, ...], message: str,
-                                                      capsys: pytest.CaptureFixture) -> None:
+def test_simulate_command_refuses_contradictory_flags(
+    tiny_model: Path, extra: tuple[str, ...], message: str, capsys: pytest.CaptureFixture
+) -> None:
     argv = simulate_args(tiny_model, *extra)
     if not extra:
         argv = argv[: argv.index("--step-cost")]
@@ -369,5 +449,16 @@ def test_simulate_help_explains_every_flag() -> None:
     for action in simulate._actions:
         assert action.help and action.help != argparse.SUPPRESS, f"{action.option_strings} has no help"
     flags = {s for a in simulate._actions for s in a.option_strings}
-    assert {"--trace", "--qps", "--seed", "--cost-model", "--step-cost", "--max-num-queued-reqs",
-            "--max-num-queued-tokens", "--ttft-slo", "--frontend-latency", "--out", "--num-gpu-blocks"} <= flags
+    assert {
+        "--trace",
+        "--qps",
+        "--seed",
+        "--cost-model",
+        "--step-cost",
+        "--max-num-queued-reqs",
+        "--max-num-queued-tokens",
+        "--ttft-slo",
+        "--frontend-latency",
+        "--out",
+        "--num-gpu-blocks",
+    } <= flags

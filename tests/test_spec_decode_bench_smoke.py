@@ -15,9 +15,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_prints_one_row_per_configuration_with_the_same_tokens() -> None:
-    cmd = [sys.executable, str(ROOT / "bench" / "spec_decode_bench.py"), "--model", "tiny", "--num-requests", "2",
-           "--max-tokens", "12", "--repeat", "1", "--k", "2"]
-    env = {"PYTHONPATH": str(ROOT / "python"), "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1", "PATH": "/usr/bin:/bin"}
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "spec_decode_bench.py"),
+        "--model",
+        "tiny",
+        "--num-requests",
+        "2",
+        "--max-tokens",
+        "12",
+        "--repeat",
+        "1",
+        "--k",
+        "2",
+    ]
+    env = {
+        "PYTHONPATH": str(ROOT / "python"),
+        "HF_HUB_OFFLINE": "1",
+        "TQDM_DISABLE": "1",
+        "PATH": "/usr/bin:/bin",
+    }
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(done.stdout)

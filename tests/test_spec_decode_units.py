@@ -35,7 +35,9 @@ def test_greedy_rows_keep_the_longest_matching_prefix_then_the_targets_token() -
     argmax = [2, 4, 1, 5, 3, 0, 1]
     logits = torch.nn.functional.one_hot(torch.tensor(argmax), VOCAB).float() * 5
     drafts = torch.tensor([2, 4, 0, 3])  # row 0: two match, the third does not; row 1: match
-    out = rejection_sample(logits, metadata([SamplingParams(temperature=0)] * 7), torch.tensor([3, 1, 0]), drafts)
+    out = rejection_sample(
+        logits, metadata([SamplingParams(temperature=0)] * 7), torch.tensor([3, 1, 0]), drafts
+    )
     assert out.num_accepted.tolist() == [2, 1, 0]
     assert out.token_ids.tolist() == [2, 4, 1, 3, 0, 1]
 
@@ -43,8 +45,9 @@ def test_greedy_rows_keep_the_longest_matching_prefix_then_the_targets_token() -
 def test_a_placeholder_draft_is_never_accepted() -> None:
     logits = torch.zeros(3, VOCAB)
     logits[:, 0] = 5.0  # the argmax is token 0, which a -1 placeholder is clamped to internally
-    out = rejection_sample(logits, metadata([SamplingParams(temperature=0)] * 3), torch.tensor([2]),
-                           torch.tensor([-1, -1]))
+    out = rejection_sample(
+        logits, metadata([SamplingParams(temperature=0)] * 3), torch.tensor([2]), torch.tensor([-1, -1])
+    )
     assert out.num_accepted.tolist() == [0] and out.token_ids.tolist() == [0]
 
 
@@ -68,10 +71,14 @@ def test_random_rows_emit_tokens_distributed_as_the_target(proposal: str) -> Non
     out = rejection_sample(logits, md, torch.ones(rows, dtype=torch.long), drafts, q, generator)
     starts = torch.cumsum(out.num_accepted + 1, 0) - (out.num_accepted + 1)
     first = out.token_ids[starts]
-    assert chi_square(torch.bincount(first, minlength=VOCAB).float(), p0_logits.softmax(0)) < CHI2_CRITICAL_DF5
+    assert (
+        chi_square(torch.bincount(first, minlength=VOCAB).float(), p0_logits.softmax(0)) < CHI2_CRITICAL_DF5
+    )
     accepted = out.num_accepted == 1
     second = out.token_ids[starts[accepted] + 1]
-    assert chi_square(torch.bincount(second, minlength=VOCAB).float(), p1_logits.softmax(0)) < CHI2_CRITICAL_DF5
+    assert (
+        chi_square(torch.bincount(second, minlength=VOCAB).float(), p1_logits.softmax(0)) < CHI2_CRITICAL_DF5
+    )
     if proposal == "one-hot":  # accepted with probability p(draft)
         assert abs(accepted.float().mean().item() - p0_logits.softmax(0)[3].item()) < 0.02
 
@@ -99,17 +106,25 @@ def test_ngram_lookup_agrees_with_a_brute_force_search() -> None:
 
 
 def test_speculative_config_parses_vllms_json_and_names_bad_fields() -> None:
-    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}')
-    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (
-        "ngram", 4, 5, 5)
+    config = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}'
+    )
+    assert (
+        config.method,
+        config.num_speculative_tokens,
+        config.prompt_lookup_min,
+        config.prompt_lookup_max,
+    ) == ("ngram", 4, 5, 5)
     assert parse_speculative_config({"model": "/m", "num_speculative_tokens": 2}).method == "draft_model"
     for bad, message in [
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
         ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be at least 1"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "draft_tp": 1}', "unsupported fields: draft_tp"),
-        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
-         "prompt_lookup_max (2) must be at least prompt_lookup_min (4)"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+            "prompt_lookup_max (2) must be at least prompt_lookup_min (4)",
+        ),
         ('{"num_speculative_tokens": 2}', "needs a method"),
         ("not json", "not valid JSON"),
     ]:

@@ -28,8 +28,14 @@ def synthetic_steps(n: int = 400, noise: float = 0.0, seed: int = 0) -> np.ndarr
 def write_trace(path: Path, steps: np.ndarray) -> Path:
     with path.open("w") as f:
         for tokens, rows, duration in steps:
-            line = {"time": 0.0, "batched_tokens": int(tokens), "running_reqs": int(rows),
-                    "prefill_tokens": 0, "prefill_reqs": 0, "duration_s": float(duration)}
+            line = {
+                "time": 0.0,
+                "batched_tokens": int(tokens),
+                "running_reqs": int(rows),
+                "prefill_tokens": 0,
+                "prefill_reqs": 0,
+                "duration_s": float(duration),
+            }
             f.write(json.dumps(line) + "\n")
     return path
 
@@ -106,14 +112,18 @@ def test_step_cost_load_names_a_missing_coefficient(tmp_path: Path) -> None:
         StepCost.load(path)
 
 
-def test_fit_step_cost_command_prints_and_writes_the_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_fit_step_cost_command_prints_and_writes_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     trace = write_trace(tmp_path / "steps.jsonl", synthetic_steps())
     out = tmp_path / "cost.json"
     assert main(["bench", "fit-step-cost", str(trace), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "R^2 = 1.0000" in printed and "steps: 400" in printed
     model = json.loads(out.read_text())
-    assert model["a"] == pytest.approx(A) and model["b"] == pytest.approx(B) and model["c"] == pytest.approx(C)
+    assert (
+        model["a"] == pytest.approx(A) and model["b"] == pytest.approx(B) and model["c"] == pytest.approx(C)
+    )
     assert model["num_steps"] == 400 and model["r2"] == pytest.approx(1.0)
     assert model["source"] == str(trace)
     assert StepCost.load(out) == StepCost(model["a"], model["b"], model["c"])

@@ -24,8 +24,12 @@ SCHEMA = {
         "name": {"type": "string", "maxLength": 8},
         "size": {"enum": ["small", "large"]},
         "tags": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
-        "owner": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"],
-                  "additionalProperties": False},
+        "owner": {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}},
+            "required": ["id"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "size", "tags", "owner"],
     "additionalProperties": False,
@@ -74,8 +78,15 @@ def test_a_masked_walk_yields_json_that_validates(manager, tokenizer, seed: int)
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_masked_walk_matches_the_regex_and_the_choices(manager, tokenizer, seed: int):
-    assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", walk(manager, tokenizer, StructuredOutputsParams(regex=r"[0-9]{3}-[a-c]{2}"), seed))
-    assert walk(manager, tokenizer, StructuredOutputsParams(choice=["yes", "no", "maybe"]), seed) in {"yes", "no", "maybe"}
+    assert re.fullmatch(
+        r"[0-9]{3}-[a-c]{2}",
+        walk(manager, tokenizer, StructuredOutputsParams(regex=r"[0-9]{3}-[a-c]{2}"), seed),
+    )
+    assert walk(manager, tokenizer, StructuredOutputsParams(choice=["yes", "no", "maybe"]), seed) in {
+        "yes",
+        "no",
+        "maybe",
+    }
 
 
 def test_json_object_allows_only_an_object_to_start(manager, tokenizer):
@@ -101,23 +112,29 @@ def test_the_bitmask_blocks_exactly_the_forbidden_tokens():
     assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [69]
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({}, "exactly one"),
-    ({"regex": "a", "choice": ["a"]}, "exactly one"),
-    ({"choice": []}, "non-empty list"),
-    ({"choice": ["a", ""]}, "non-empty strings"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "exactly one"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one"),
+        ({"choice": []}, "non-empty list"),
+        ({"choice": ["a", ""]}, "non-empty strings"),
+    ],
+)
 def test_a_constraint_names_exactly_one_kind(kwargs: dict, message: str):
     with pytest.raises(ValueError, match=message):
         StructuredOutputsParams(**kwargs)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"regex": "(["}, "invalid regex"),
-    ({"grammar": "start: undefined_rule"}, "unknown name"),
-    ({"json": "{not json"}, "not valid JSON"),
-    ({"json": {"type": "frobnicate"}}, "frobnicate"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"regex": "(["}, "invalid regex"),
+        ({"grammar": "start: undefined_rule"}, "unknown name"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"json": {"type": "frobnicate"}}, "frobnicate"),
+    ],
+)
 def test_a_constraint_that_cannot_compile_is_refused_with_the_reason(kwargs: dict, message: str):
     with pytest.raises(ValueError, match=message):
         check_compiles(StructuredOutputsParams(**kwargs))
@@ -129,13 +146,15 @@ def test_params_from_a_request_map_reject_unknown_fields():
         StructuredOutputsParams.from_value({"regexp": "a+"})
 
 
-
 def test_a_step_of_tokens_is_accepted_in_parallel_and_a_forbidden_one_raises(manager, tokenizer) -> None:
     grammar = StructuredOutputsParams(choice=["yes", "no"]).grammar_text()
     manager.add("a", grammar)
     manager.add("b", grammar)
     try:
-        yes, no = tokenizer.encode("yes", add_special_tokens=False), tokenizer.encode("no", add_special_tokens=False)
+        yes, no = (
+            tokenizer.encode("yes", add_special_tokens=False),
+            tokenizer.encode("no", add_special_tokens=False),
+        )
         manager.accept_each(["a", "b"], [yes[0], no[0]])
         with pytest.raises(RuntimeError, match="'b' took a token its grammar forbids"):
             manager.accept_each(["a", "b"], [yes[1], yes[1]])

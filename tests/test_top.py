@@ -41,7 +41,9 @@ def labels(old: bool, **extra: str) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(pairs.items())) + "}" if pairs else ""
 
 
-def histogram_lines(name: str, scale: float, counts: tuple[float, ...], total: float, old: bool = False) -> list[str]:
+def histogram_lines(
+    name: str, scale: float, counts: tuple[float, ...], total: float, old: bool = False
+) -> list[str]:
     """A histogram with buckets 0.1, 0.5, 1, 2.5 (times ``scale``) and +Inf; on the current
     page engine 0's, with an empty one of engine 1 beside it (parsing sums them)."""
     bounds = [f"{b * scale:g}" for b in (0.1, 0.5, 1.0, 2.5)] + ["+Inf"]
@@ -50,19 +52,35 @@ def histogram_lines(name: str, scale: float, counts: tuple[float, ...], total: f
         if old and engine == "1":
             continue
         at = {} if old else {"engine": engine}
-        lines += [*(f"{name}_bucket{labels(old, le=le, **at)} {count}"
-                    for le, count in zip(bounds, engine_counts, strict=True)),
-                  f"{name}_count{labels(old, **at)} {engine_counts[-1]}",
-                  f"{name}_sum{labels(old, **at)} {engine_total * scale}"]
+        lines += [
+            *(
+                f"{name}_bucket{labels(old, le=le, **at)} {count}"
+                for le, count in zip(bounds, engine_counts, strict=True)
+            ),
+            f"{name}_count{labels(old, **at)} {engine_counts[-1]}",
+            f"{name}_sum{labels(old, **at)} {engine_total * scale}",
+        ]
     return lines
 
 
-def exposition(*, running: float = 3, waiting: float = 7, kv: float = 0.625, preemptions: float = 4,
-               prompt: float = 1000, generation: float = 500, ttft: tuple[float, ...] = (5, 10, 20, 20, 20),
-               ttft_sum: float = 8.0, rejected: float = 2, kv_blocks_stops: float = 10,
-               no_waiting_stops: float = 50, last_stops: tuple[str, ...] = ("kv_blocks", "no_waiting"),
-               queued_tokens_limit: float | None = None, engine_0_prefill: float | None = None,
-               old: bool = False) -> str:
+def exposition(
+    *,
+    running: float = 3,
+    waiting: float = 7,
+    kv: float = 0.625,
+    preemptions: float = 4,
+    prompt: float = 1000,
+    generation: float = 500,
+    ttft: tuple[float, ...] = (5, 10, 20, 20, 20),
+    ttft_sum: float = 8.0,
+    rejected: float = 2,
+    kv_blocks_stops: float = 10,
+    no_waiting_stops: float = 50,
+    last_stops: tuple[str, ...] = ("kv_blocks", "no_waiting"),
+    queued_tokens_limit: float | None = None,
+    engine_0_prefill: float | None = None,
+    old: bool = False,
+) -> str:
     """A /metrics page shaped like gateway/metrics.py's: two engines,
     ``last_stops[i]`` being engine i's last stop; TTFT counts in buckets 0.1, 0.5, 1, 2.5,
     +Inf, and the same counts for queue time and end-to-end latency in buckets 10 times
@@ -77,20 +95,25 @@ def exposition(*, running: float = 3, waiting: float = 7, kv: float = 0.625, pre
         if old:
             return [f"# TYPE {name} {kind}", f"{name} {value}"]
         one = 1 if split else value
-        return [f"# TYPE {name} {kind}", f"{name}{labels(old, engine='0')} {value - one if split else value}",
-                f"{name}{labels(old, engine='1')} {one}"]
+        return [
+            f"# TYPE {name} {kind}",
+            f"{name}{labels(old, engine='0')} {value - one if split else value}",
+            f"{name}{labels(old, engine='1')} {one}",
+        ]
 
     def stops(gate: str, count: float) -> list[str]:
         if old:
             return [f"fastsched:scheduler_scan_stops_total{labels(old, gate=gate)} {count}"]
-        return [f"fastsched:scheduler_scan_stops_total{labels(old, engine='0', gate=gate)} {count - 1}",
-                f"fastsched:scheduler_scan_stops_total{labels(old, engine='1', gate=gate)} 1"]
+        return [
+            f"fastsched:scheduler_scan_stops_total{labels(old, engine='0', gate=gate)} {count - 1}",
+            f"fastsched:scheduler_scan_stops_total{labels(old, engine='1', gate=gate)} 1",
+        ]
 
     lines = [
         "# TYPE fastsched:admission_rejections_total counter",
-        f'fastsched:admission_rejections_total{labels(old, reason="max_num_queued_reqs")} {rejected}',
-        f'fastsched:admission_rejections_total{labels(old, reason="max_num_queued_tokens")} 0.0',
-        f'fastsched:admission_rejections_total{labels(old, reason="engine_faulted")} 0.0',
+        f"fastsched:admission_rejections_total{labels(old, reason='max_num_queued_reqs')} {rejected}",
+        f"fastsched:admission_rejections_total{labels(old, reason='max_num_queued_tokens')} 0.0",
+        f"fastsched:admission_rejections_total{labels(old, reason='engine_faulted')} 0.0",
         *per_engine("fastsched:num_requests_running", running, "gauge"),
         *per_engine("fastsched:num_requests_waiting", waiting, "gauge"),
         *per_engine("fastsched:kv_cache_usage_perc", kv, "gauge", split=False),
@@ -104,24 +127,40 @@ def exposition(*, running: float = 3, waiting: float = 7, kv: float = 0.625, pre
         *stops("kv_blocks", kv_blocks_stops),
         *stops("no_waiting", no_waiting_stops),
         "# TYPE fastsched:scheduler_last_scan_stop gauge",
-        *(f'fastsched:scheduler_last_scan_stop{labels(old, engine=str(engine), gate=gate)} {float(gate == last)}'
-          for engine, last in enumerate(last_stops) for gate in gates),
+        *(
+            f"fastsched:scheduler_last_scan_stop{labels(old, engine=str(engine), gate=gate)} {float(gate == last)}"
+            for engine, last in enumerate(last_stops)
+            for gate in gates
+        ),
     ]
     if queued_tokens_limit is not None:
-        lines += ["# TYPE fastsched:admission_queued_tokens_limit gauge",
-                  f"fastsched:admission_queued_tokens_limit{labels(old)} {queued_tokens_limit}"]
+        lines += [
+            "# TYPE fastsched:admission_queued_tokens_limit gauge",
+            f"fastsched:admission_queued_tokens_limit{labels(old)} {queued_tokens_limit}",
+        ]
     if engine_0_prefill is not None:
         name = "fastsched:prefill_throughput_tokens_per_" + ("s" if old else "second")
-        lines += [f"# TYPE {name} gauge", f'{name}{labels(old, engine="0")} {engine_0_prefill}']
+        lines += [f"# TYPE {name} gauge", f"{name}{labels(old, engine='0')} {engine_0_prefill}"]
     return "\n".join(lines) + "\n"
 
 
 # Two scrapes 2 s apart: 100 new TTFTs (the worked histogram), 2000 prompt and 600
 # generated tokens, 10 rejections, 40 kv_blocks stops and 10 no_waiting stops.
 BEFORE = exposition()
-AFTER = exposition(running=5, waiting=2, preemptions=6, prompt=3000, generation=1100,
-                   ttft=(15, 70, 115, 120, 120), ttft_sum=60.0, rejected=12, kv_blocks_stops=50,
-                   no_waiting_stops=60, queued_tokens_limit=20000, engine_0_prefill=40000)
+AFTER = exposition(
+    running=5,
+    waiting=2,
+    preemptions=6,
+    prompt=3000,
+    generation=1100,
+    ttft=(15, 70, 115, 120, 120),
+    ttft_sum=60.0,
+    rejected=12,
+    kv_blocks_stops=50,
+    no_waiting_stops=60,
+    queued_tokens_limit=20000,
+    engine_0_prefill=40000,
+)
 
 
 def windowed(before: str = BEFORE, after: str = AFTER, seconds: float = 2.0) -> TopView:
@@ -137,13 +176,17 @@ def test_parse_keys_counters_by_their_name_in_the_text_with_total() -> None:
     assert snapshot.value("fastsched:prompt_tokens_total") == 1000
     assert snapshot.value("fastsched:num_requests_running") == 3
     assert snapshot.by_label("fastsched:admission_rejections_total", "reason") == {
-        "max_num_queued_reqs": 2, "max_num_queued_tokens": 0, "engine_faulted": 0}
+        "max_num_queued_reqs": 2,
+        "max_num_queued_tokens": 0,
+        "engine_faulted": 0,
+    }
 
 
 def test_parse_collects_a_histogram_by_family_name_with_bounds_ascending_and_inf_last() -> None:
     histograms = parse_metrics(BEFORE, taken_at=0.0).histograms
-    assert histograms["fastsched:time_to_first_token_seconds"] == Histogram((0.1, 0.5, 1.0, 2.5, INF),
-                                                                            (5, 10, 20, 20, 20), 8.0)
+    assert histograms["fastsched:time_to_first_token_seconds"] == Histogram(
+        (0.1, 0.5, 1.0, 2.5, INF), (5, 10, 20, 20, 20), 8.0
+    )
     assert histograms["fastsched:e2e_request_latency_seconds"].upper_bounds == (1, 5, 10, 25, INF)
 
 
@@ -202,13 +245,18 @@ def test_rates_are_counter_deltas_over_the_window() -> None:
     assert view.window_s == 2.0
     assert (view.prompt_tokens_per_s, view.generation_tokens_per_s) == (1000, 300)
     assert view.preemptions_per_s == 1
-    assert view.rejections_per_s == {"max_num_queued_reqs": 5, "max_num_queued_tokens": 0, "engine_faulted": 0}
+    assert view.rejections_per_s == {
+        "max_num_queued_reqs": 5,
+        "max_num_queued_tokens": 0,
+        "engine_faulted": 0,
+    }
     assert view.scan_stops_per_s == {"kv_blocks": 20, "no_waiting": 5}
 
 
 def test_rates_after_a_server_restart_count_the_new_counters_from_zero() -> None:
-    restarted = exposition(prompt=400, generation=100, ttft=(1, 2, 2, 2, 2), rejected=0, kv_blocks_stops=0,
-                           no_waiting_stops=8)
+    restarted = exposition(
+        prompt=400, generation=100, ttft=(1, 2, 2, 2, 2), rejected=0, kv_blocks_stops=0, no_waiting_stops=8
+    )
     view = windowed(AFTER, restarted, seconds=4.0)
     assert (view.prompt_tokens_per_s, view.generation_tokens_per_s) == (100, 25)
     assert view.scan_stops_per_s == {"kv_blocks": 0, "no_waiting": 2}
@@ -243,8 +291,13 @@ def test_the_first_scrape_has_gauges_but_no_rates_or_latencies() -> None:
 
 def test_metrics_the_server_does_not_export_are_none_not_errors() -> None:
     view = windowed("", "")
-    assert (view.num_requests_running, view.kv_cache_usage, view.prompt_tokens_per_s, view.ttft,
-            view.queued_tokens_limit) == (None, None, None, None, None)
+    assert (
+        view.num_requests_running,
+        view.kv_cache_usage,
+        view.prompt_tokens_per_s,
+        view.ttft,
+        view.queued_tokens_limit,
+    ) == (None, None, None, None, None)
     assert (view.rejections_per_s, view.scan_stops_per_s, view.engines) == ({}, {}, {})
 
 
@@ -258,8 +311,9 @@ def test_an_engine_before_its_first_step_has_no_last_gate() -> None:
 
 
 def test_every_gate_but_no_waiting_is_limiting() -> None:
-    assert [is_limiting(g) for g in ("no_waiting", "kv_blocks", "token_budget", "active_seqs", "preempted")] \
-        == [False, True, True, True, True]
+    assert [
+        is_limiting(g) for g in ("no_waiting", "kv_blocks", "token_budget", "active_seqs", "preempted")
+    ] == [False, True, True, True, True]
 
 
 def gateway_page(tokens: int, ttft_counts: list[int], stops: int) -> str:
@@ -268,21 +322,40 @@ def gateway_page(tokens: int, ttft_counts: list[int], stops: int) -> str:
     from fastsched.proto_gen import import_stubs
 
     pb, _ = import_stubs()
-    latency = pb.Histogram(upper_bounds=[0.1, 1.0], bucket_counts=ttft_counts, sum=1.0, count=sum(ttft_counts))
-    engine = pb.EngineStats(engine_index=0, num_requests_running=2, num_requests_waiting=1, kv_cache_usage_perc=0.5,
-                            num_preemptions_total=1, prompt_tokens_total=tokens, generation_tokens_total=tokens,
-                            scan_stops_total={"kv_blocks": stops, "no_waiting": 1}, last_scan_stop="kv_blocks")
-    stats = pb.GetStatsResponse(engines=[engine], admission_rejections_total={"max_num_queued_reqs": stops},
-                                request_queue_time_seconds=latency, time_to_first_token_seconds=latency,
-                                inter_token_latency_seconds=latency, e2e_request_latency_seconds=latency)
+    latency = pb.Histogram(
+        upper_bounds=[0.1, 1.0], bucket_counts=ttft_counts, sum=1.0, count=sum(ttft_counts)
+    )
+    engine = pb.EngineStats(
+        engine_index=0,
+        num_requests_running=2,
+        num_requests_waiting=1,
+        kv_cache_usage_perc=0.5,
+        num_preemptions_total=1,
+        prompt_tokens_total=tokens,
+        generation_tokens_total=tokens,
+        scan_stops_total={"kv_blocks": stops, "no_waiting": 1},
+        last_scan_stop="kv_blocks",
+    )
+    stats = pb.GetStatsResponse(
+        engines=[engine],
+        admission_rejections_total={"max_num_queued_reqs": stops},
+        request_queue_time_seconds=latency,
+        time_to_first_token_seconds=latency,
+        inter_token_latency_seconds=latency,
+        e2e_request_latency_seconds=latency,
+    )
     return render([stats]).decode()
 
 
 def test_the_view_finds_every_metric_the_gateway_exports_under_the_names_it_exports() -> None:
     pytest.importorskip("grpc_tools", reason="the gRPC stubs are generated with grpcio-tools")
     view = windowed(gateway_page(100, [1, 0, 0], 3), gateway_page(300, [1, 2, 0], 7))
-    assert (view.num_requests_running, view.num_requests_waiting, view.kv_cache_usage, view.num_preemptions) \
-        == (2, 1, 0.5, 1)
+    assert (
+        view.num_requests_running,
+        view.num_requests_waiting,
+        view.kv_cache_usage,
+        view.num_preemptions,
+    ) == (2, 1, 0.5, 1)
     assert (view.prompt_tokens_per_s, view.generation_tokens_per_s) == (100, 100)
     for latency in (view.ttft, view.queue_time, view.e2e_latency):
         assert latency is not None and latency.count == 2
@@ -293,16 +366,30 @@ def test_the_view_finds_every_metric_the_gateway_exports_under_the_names_it_expo
 
 def test_a_server_from_before_the_vllm_names_gives_the_same_view() -> None:
     before = exposition(old=True)
-    after = exposition(running=5, waiting=2, preemptions=6, prompt=3000, generation=1100,
-                       ttft=(15, 70, 115, 120, 120), ttft_sum=60.0, rejected=12, kv_blocks_stops=50,
-                       no_waiting_stops=60, queued_tokens_limit=20000, engine_0_prefill=40000, old=True)
+    after = exposition(
+        running=5,
+        waiting=2,
+        preemptions=6,
+        prompt=3000,
+        generation=1100,
+        ttft=(15, 70, 115, 120, 120),
+        ttft_sum=60.0,
+        rejected=12,
+        kv_blocks_stops=50,
+        no_waiting_stops=60,
+        queued_tokens_limit=20000,
+        engine_0_prefill=40000,
+        old=True,
+    )
     assert "model_name" not in after and "tokens_per_s{" in after
     assert windowed(before, after) == windowed()
 
 
 def test_kv_cache_usage_is_the_mean_over_engines() -> None:
-    page = ('fastsched:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
-            'fastsched:kv_cache_usage_perc{engine="1",model_name="m"} 0.75\n')
+    page = (
+        'fastsched:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        'fastsched:kv_cache_usage_perc{engine="1",model_name="m"} 0.75\n'
+    )
     assert top_view(parse_metrics(page, taken_at=0.0), None).kv_cache_usage == 0.5
 
 
@@ -317,8 +404,17 @@ def text_of(renderable: object) -> str:
 
 def test_a_frame_shows_the_windowed_numbers_and_marks_the_limiting_gate() -> None:
     frame = text_of(render_view("http://x", 2.0, windowed()))
-    for shown in ("running 5 · waiting 2", "62.5 %", "prompt 1,000.0 tok/s", "generation 300.0 tok/s",
-                  "p50 420 ms · p99 2.20 s", "max_num_queued_reqs 5.0", "20,000 tokens", "kv_blocks 20.0", "40,000"):
+    for shown in (
+        "running 5 · waiting 2",
+        "62.5 %",
+        "prompt 1,000.0 tok/s",
+        "generation 300.0 tok/s",
+        "p50 420 ms · p99 2.20 s",
+        "max_num_queued_reqs 5.0",
+        "20,000 tokens",
+        "kv_blocks 20.0",
+        "40,000",
+    ):
         assert shown in frame
     limiting = [line for line in frame.splitlines() if "limiting" in line]
     assert len(limiting) == 1 and "kv_blocks" in limiting[0]
@@ -398,14 +494,23 @@ def test_once_prints_one_frame_from_two_scrapes(canned: Canned, capsys: pytest.C
     out = capsys.readouterr().out
     # The window's length is wall time, so only what does not depend on it is checked here
     # (the rates are specified above on scrapes with fixed times).
-    for shown in (f"fastsched top · {server.url} ·", "running 5 · waiting 2", "62.5 %", "6 total",
-                  "p50 420 ms · p99 2.20 s  (100 new)", "20,000 tokens", "max_num_queued_reqs", "limiting"):
+    for shown in (
+        f"fastsched top · {server.url} ·",
+        "running 5 · waiting 2",
+        "62.5 %",
+        "6 total",
+        "p50 420 ms · p99 2.20 s  (100 new)",
+        "20,000 tokens",
+        "max_num_queued_reqs",
+        "limiting",
+    ):
         assert shown in out
     assert "prompt – tok/s" not in out
 
 
 def test_once_against_a_server_that_is_not_there_exits_1_naming_the_url(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     url = closed_port_url()
     assert main(["top", "--url", url, "--once", "--interval", "0.01"]) == 1
     captured = capsys.readouterr()
@@ -413,8 +518,9 @@ def test_once_against_a_server_that_is_not_there_exits_1_naming_the_url(
     assert captured.out == ""
 
 
-def test_once_against_a_page_that_is_not_prometheus_text_exits_1(canned: Canned,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_once_against_a_page_that_is_not_prometheus_text_exits_1(
+    canned: Canned, capsys: pytest.CaptureFixture[str]
+) -> None:
     server = canned(["<html><body>a web page</body></html>"])
     assert main(["top", "--url", server.url, "--once", "--interval", "0.01"]) == 1
     assert f"cannot read {server.url}/metrics: ValueError" in capsys.readouterr().err
@@ -451,19 +557,22 @@ def test_help_explains_every_flag() -> None:
 
 def test_routing_decisions_per_second_by_cause_and_each_engines_prefix_hit_rate() -> None:
     """Issue 26: which engine and why (``--routing``), and what it bought per engine."""
+
     def page(prefix: float, load: float) -> str:
-        return ("# TYPE fastsched:routing_decisions_total counter\n"
-                f'fastsched:routing_decisions_total{{cause="prefix",model_name="m"}} {prefix}\n'
-                f'fastsched:routing_decisions_total{{cause="load",model_name="m"}} {load}\n'
-                "# TYPE fastsched:prefix_cache_queries_total counter\n"
-                'fastsched:prefix_cache_queries_total{engine="0",model_name="m"} 400\n'
-                'fastsched:prefix_cache_queries_total{engine="1",model_name="m"} 0\n'
-                "# TYPE fastsched:prefix_cache_hits_total counter\n"
-                'fastsched:prefix_cache_hits_total{engine="0",model_name="m"} 300\n'
-                'fastsched:prefix_cache_hits_total{engine="1",model_name="m"} 0\n'
-                "# TYPE fastsched:scheduler_last_scan_stop gauge\n"
-                'fastsched:scheduler_last_scan_stop{engine="0",gate="no_waiting",model_name="m"} 1\n'
-                'fastsched:scheduler_last_scan_stop{engine="1",gate="no_waiting",model_name="m"} 1\n')
+        return (
+            "# TYPE fastsched:routing_decisions_total counter\n"
+            f'fastsched:routing_decisions_total{{cause="prefix",model_name="m"}} {prefix}\n'
+            f'fastsched:routing_decisions_total{{cause="load",model_name="m"}} {load}\n'
+            "# TYPE fastsched:prefix_cache_queries_total counter\n"
+            'fastsched:prefix_cache_queries_total{engine="0",model_name="m"} 400\n'
+            'fastsched:prefix_cache_queries_total{engine="1",model_name="m"} 0\n'
+            "# TYPE fastsched:prefix_cache_hits_total counter\n"
+            'fastsched:prefix_cache_hits_total{engine="0",model_name="m"} 300\n'
+            'fastsched:prefix_cache_hits_total{engine="1",model_name="m"} 0\n'
+            "# TYPE fastsched:scheduler_last_scan_stop gauge\n"
+            'fastsched:scheduler_last_scan_stop{engine="0",gate="no_waiting",model_name="m"} 1\n'
+            'fastsched:scheduler_last_scan_stop{engine="1",gate="no_waiting",model_name="m"} 1\n'
+        )
 
     view = windowed(page(10, 4), page(30, 8))
     assert view.routing_per_s == {"prefix": 10, "load": 2}

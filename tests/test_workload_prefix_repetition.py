@@ -8,8 +8,21 @@ from fastsched.tools.workload import COMPLETIONS, PrefixRepetition, build_worklo
 
 
 def workload(shape: PrefixRepetition, n: int = 40, seed: int = 0, max_model_len: int | None = None) -> list:
-    return build_workload("prefix_repetition", None, n, 0, 4, seed, (10, 250), 0.0, max_model_len, None, None,
-                          COMPLETIONS, shape)
+    return build_workload(
+        "prefix_repetition",
+        None,
+        n,
+        0,
+        4,
+        seed,
+        (10, 250),
+        0.0,
+        max_model_len,
+        None,
+        None,
+        COMPLETIONS,
+        shape,
+    )
 
 
 def test_every_prompt_is_one_of_the_prefixes_plus_its_own_suffix() -> None:
@@ -24,8 +37,9 @@ def test_every_prompt_is_one_of_the_prefixes_plus_its_own_suffix() -> None:
 def test_the_same_seed_gives_the_same_requests_and_another_seed_other_prefixes() -> None:
     shape = PrefixRepetition(prefix_len=8, suffix_len=2, num_prefixes=2)
     assert [r.prompt_token_ids for r in workload(shape)] == [r.prompt_token_ids for r in workload(shape)]
-    assert {tuple(r.prompt_token_ids[:8]) for r in workload(shape, seed=1)} \
-        != {tuple(r.prompt_token_ids[:8]) for r in workload(shape)}
+    assert {tuple(r.prompt_token_ids[:8]) for r in workload(shape, seed=1)} != {
+        tuple(r.prompt_token_ids[:8]) for r in workload(shape)
+    }
 
 
 def test_a_bad_shape_names_its_flag() -> None:

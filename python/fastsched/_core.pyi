@@ -81,14 +81,23 @@ FINISH_REASONS: dict[int, str]
 _TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 _Policy = Literal["fcfs", "priority"]
 _PauseState = Literal["unpaused", "paused_new", "paused_all"]
-_LiveStatus = Literal["waiting", "waiting_for_remote_kvs", "waiting_for_streaming_req", "running", "preempted"]
+_LiveStatus = Literal[
+    "waiting", "waiting_for_remote_kvs", "waiting_for_streaming_req", "running", "preempted"
+]
 _Status = (
     _LiveStatus
     | Literal["finished_stopped", "finished_length_capped", "finished_aborted", "finished_ignored"]
 )
 
 _ScanStop = Literal[
-    "active_seqs", "token_budget", "kv_blocks", "draft_slots", "paused", "prefill_interval", "no_waiting", "preempted"
+    "active_seqs",
+    "token_budget",
+    "kv_blocks",
+    "draft_slots",
+    "paused",
+    "prefill_interval",
+    "no_waiting",
+    "preempted",
 ]
 _SkipReason = Literal["lora_slots", "remote_kv", "stale_output"]
 
@@ -644,11 +653,13 @@ class BlockHasher:
     ) -> npt.NDArray[np.uint64]:
         """The chained hashes of the full blocks of ``token_ids`` (a partial last block has
         none), from the root of adapter ``lora_id`` and ``cache_salt``."""
+
 # Quantized CPU matmuls (rust/fastsched-kernels), called by fastsched.kernels.quant_matmul_cpu
 # with raw tensor addresses that it has checked.
 def set_kernel_threads(threads: int) -> None: ...
 def kernel_threads() -> int: ...
 def kernel_isa() -> str: ...
+
 # Tensors cross as DLPack capsules (``torch.utils.dlpack.to_dlpack(t)``) or objects with
 # ``__dlpack__``, on the CPU; the binding checks dtype, layout, alignment and aliasing (a
 # written tensor shares memory with nothing else of the call), the kernels lengths and ranges:
@@ -658,7 +669,14 @@ class QuantWeight:
     """An int4 / int8 weight ``[N, K]``'s buffers, checked against the shape and held."""
 
     def __new__(
-        cls, bits: int, scale_group: int, n: int, k: int, data: object, scale: object, zero: object | None = None
+        cls,
+        bits: int,
+        scale_group: int,
+        n: int,
+        k: int,
+        data: object,
+        scale: object,
+        zero: object | None = None,
     ) -> QuantWeight:
         """int4: ``data`` packed ``[N, K/2]`` uint8, ``scale`` and ``zero`` ``[N, K/32]`` float32;
         int8: ``data`` codes ``[N, K]`` int8, ``scale`` ``[N, K/scale_group]``, ``zero`` optional."""
@@ -669,10 +687,13 @@ class QuantWeight:
 
 def quant_matmul(w: QuantWeight, x: object, out: object) -> None:
     """``out [M, N]`` (float32) ``= x [M, K]`` (float32 or bfloat16) ``· Wᵀ``."""
+
 def quant_dequantize_bf16(w: QuantWeight, out: object) -> None:
     """The weight as bfloat16 ``out [N, K]``."""
+
 def quant_gemm_simd() -> bool:
     """Whether the many-row bf16 GEMM has its AVX-512 BF16 kernel on this CPU."""
+
 def quant_gemm_bf16(w: QuantWeight, x: object, out: object) -> None:
     """``out[M, N]`` (float32) ``= x[M, K]`` (bfloat16) ``· Wᵀ`` by the many-row GEMM."""
 
@@ -693,7 +714,9 @@ def paged_attention(
     softcap: float | None = None,
     window: int | None = None,
 ) -> None: ...
-def add_rms_norm_bf16(hidden: object, delta: object | None, weight: object, out: object, eps: float) -> None: ...
+def add_rms_norm_bf16(
+    hidden: object, delta: object | None, weight: object, out: object, eps: float
+) -> None: ...
 def rms_norm_heads_bf16(x: object, heads: int, weight: object, eps: float) -> None: ...
 def rope(x: object, heads: int, head_dim: int, positions: object, cos: object, sin: object) -> None: ...
 def silu_mul_bf16(gate_up: object, out: object) -> None: ...

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 __all__ = ["ADMIN_RPCS", "LORA_RPCS", "AdminSettings", "PathNotAllowedError"]
 
 # The frontends' gRPC methods each switch turns on.
-ADMIN_RPCS = frozenset({"Pause", "Resume", "IsPaused", "ReloadWeights", "ResetPrefixCache", "GetRequestStatus"})
+ADMIN_RPCS = frozenset(
+    {"Pause", "Resume", "IsPaused", "ReloadWeights", "ResetPrefixCache", "GetRequestStatus"}
+)
 LORA_RPCS = frozenset({"LoadLoRAAdapter", "UnloadLoRAAdapter"})
 
 
@@ -50,10 +52,15 @@ class AdminSettings:
     def check_keys(self, api_key: str | None) -> None:
         """``ValueError`` when admin operations are on and only the inference key guards the server:
         they would be open to anyone while inference needs a key."""
-        if (self.enable_admin_api or self.enable_runtime_lora_updating) and api_key is not None \
-                and self.admin_api_key is None:
-            raise ValueError("--enable-admin-api / --enable-runtime-lora-updating with --api-key need "
-                             "--admin-api-key or --admin-api-key-file: the API key never grants admin operations")
+        if (
+            (self.enable_admin_api or self.enable_runtime_lora_updating)
+            and api_key is not None
+            and self.admin_api_key is None
+        ):
+            raise ValueError(
+                "--enable-admin-api / --enable-runtime-lora-updating with --api-key need "
+                "--admin-api-key or --admin-api-key-file: the API key never grants admin operations"
+            )
 
     def enabled(self, rpc: str) -> bool:
         """Whether the gRPC method ``rpc`` is served (every method outside the two sets is)."""
@@ -75,14 +82,17 @@ class AdminSettings:
         resolved = os.path.realpath(path)
         if not self._allowed(resolved):
             raise PathNotAllowedError(
-                f"{field} must lie under one of the server's --allowed-local-paths ({where})", field)
+                f"{field} must lie under one of the server's --allowed-local-paths ({where})", field
+            )
         if os.path.isdir(resolved):
             with os.scandir(resolved) as entries:
                 for entry in entries:
                     if not self._allowed(os.path.realpath(entry.path)):
                         raise PathNotAllowedError(
                             f"{field} holds {entry.name!r}, a link that leaves the server's "
-                            f"--allowed-local-paths ({where})", field)
+                            f"--allowed-local-paths ({where})",
+                            field,
+                        )
         return resolved
 
     def _allowed(self, resolved: str) -> bool:

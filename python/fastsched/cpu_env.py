@@ -57,6 +57,10 @@ def configure_threads(num_threads: int | None) -> int:
         count, source = usable_cpus()
     if torch.get_num_threads() != count:
         torch.set_num_threads(count)
-    logger.info("CPU compute: %d intra-op threads (from %s); native bf16: %s", count, source,
-                "yes" if cpu_has_bf16() else "no")
+    logger.info(
+        "CPU compute: %d intra-op threads (from %s); native bf16: %s",
+        count,
+        source,
+        "yes" if cpu_has_bf16() else "no",
+    )
     return count

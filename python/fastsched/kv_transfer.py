@@ -42,13 +42,19 @@ class KVTransferConfig:
 
     def __post_init__(self) -> None:
         if self.kv_connector not in CONNECTORS:
-            raise ValueError(f"kv_transfer_config.kv_connector must be one of {', '.join(CONNECTORS)}; "
-                             f"got {self.kv_connector!r}")
+            raise ValueError(
+                f"kv_transfer_config.kv_connector must be one of {', '.join(CONNECTORS)}; "
+                f"got {self.kv_connector!r}"
+            )
         if self.kv_role not in ROLES:
-            raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(ROLES)}; got {self.kv_role!r}")
+            raise ValueError(
+                f"kv_transfer_config.kv_role must be one of {', '.join(ROLES)}; got {self.kv_role!r}"
+            )
         if not isinstance(self.kv_connector_extra_config, dict):
-            raise ValueError("kv_transfer_config.kv_connector_extra_config must be an object; "
-                             f"got {self.kv_connector_extra_config!r}")
+            raise ValueError(
+                "kv_transfer_config.kv_connector_extra_config must be an object; "
+                f"got {self.kv_connector_extra_config!r}"
+            )
         extra = self.kv_connector_extra_config
         name = "kv_transfer_config.kv_connector_extra_config"
         unknown = sorted(set(extra) - set(_EXTRA_FIELDS))
@@ -56,8 +62,9 @@ class KVTransferConfig:
             raise ValueError(f"{name} has unknown fields {unknown}; known: {', '.join(_EXTRA_FIELDS)}")
         path = extra.get("shared_storage_path")
         if not isinstance(path, str) or not path:
-            raise ValueError(f"{name}.shared_storage_path must be a non-empty string (the store's directory); "
-                             f"got {path!r}")
+            raise ValueError(
+                f"{name}.shared_storage_path must be a non-empty string (the store's directory); got {path!r}"
+            )
         _max_size(extra.get("max_size", EXTRA_DEFAULTS["max_size"]))
         for key in ("load_timeout_s", "lookup_timeout_s"):
             value = extra.get(key, EXTRA_DEFAULTS[key])
@@ -79,7 +86,9 @@ class KVTransferConfig:
 
     @property
     def lookup_timeout_s(self) -> float:
-        return float(self.kv_connector_extra_config.get("lookup_timeout_s", EXTRA_DEFAULTS["lookup_timeout_s"]))
+        return float(
+            self.kv_connector_extra_config.get("lookup_timeout_s", EXTRA_DEFAULTS["lookup_timeout_s"])
+        )
 
     @property
     def is_producer(self) -> bool:
@@ -118,8 +127,10 @@ class KVTransferConfig:
 
 
 def _max_size(value: object) -> int:
-    bad = ValueError("kv_transfer_config.kv_connector_extra_config.max_size must be a positive number of bytes "
-                     f"or a size such as \"64GiB\"; got {value!r}")
+    bad = ValueError(
+        "kv_transfer_config.kv_connector_extra_config.max_size must be a positive number of bytes "
+        f'or a size such as "64GiB"; got {value!r}'
+    )
     if isinstance(value, str):
         try:
             value = parse_bytes(value)

@@ -48,7 +48,7 @@ def read_process_stats(pid: int | str = "self", proc: str = PROC) -> dict[str, f
         with open(os.path.join(base, "stat"), "rb") as f:
             stat = f.read()
         # Fields after the command name, which is in parentheses and may hold spaces.
-        fields = stat[stat.rindex(b")") + 2:].split()
+        fields = stat[stat.rindex(b")") + 2 :].split()
         ticks = os.sysconf("SC_CLK_TCK")
         stats = {
             "pid": float(os.getpid() if pid == "self" else int(pid)),

@@ -76,7 +76,9 @@ def recorded_digest(output_dir: Path = OUTPUT_DIR) -> str | None:
 
 def is_up_to_date(proto: Path, output_dir: Path = OUTPUT_DIR) -> bool:
     """Whether the stubs in ``output_dir`` exist and were generated from ``proto`` as it is now."""
-    return recorded_digest(output_dir) == digest(proto) and all((output_dir / n).is_file() for n in _GENERATED)
+    return recorded_digest(output_dir) == digest(proto) and all(
+        (output_dir / n).is_file() for n in _GENERATED
+    )
 
 
 def generate(proto: Path, output_dir: Path) -> None:
@@ -85,8 +87,10 @@ def generate(proto: Path, output_dir: Path) -> None:
         import grpc_tools
         from grpc_tools import protoc
     except ImportError as e:
-        raise SystemExit(f"generating the gRPC stubs needs grpcio-tools (the `test` extra: "
-                         f"pip install -r requirements-test.txt): {e}") from e
+        raise SystemExit(
+            f"generating the gRPC stubs needs grpcio-tools (the `test` extra: "
+            f"pip install -r requirements-test.txt): {e}"
+        ) from e
 
     with tempfile.TemporaryDirectory(prefix="fastsched-proto-") as tmp:
         stage, out = Path(tmp, "stage"), Path(tmp, "out")
@@ -95,15 +99,17 @@ def generate(proto: Path, output_dir: Path) -> None:
         out.mkdir()
         shutil.copyfile(proto, staged)
         well_known = Path(grpc_tools.__file__).parent / "_proto"
-        rc = protoc.main([
-            "grpc_tools.protoc",
-            f"-I{stage}",
-            f"-I{well_known}",
-            f"--python_out={out}",
-            f"--pyi_out={out}",
-            f"--grpc_python_out={out}",
-            str(staged.relative_to(stage)),
-        ])
+        rc = protoc.main(
+            [
+                "grpc_tools.protoc",
+                f"-I{stage}",
+                f"-I{well_known}",
+                f"--python_out={out}",
+                f"--pyi_out={out}",
+                f"--grpc_python_out={out}",
+                str(staged.relative_to(stage)),
+            ]
+        )
         if rc != 0:
             raise SystemExit(f"protoc failed (exit {rc}) on {proto}; see its message above")
         produced = out / "fastsched" / "_proto" / "v1"
@@ -115,7 +121,8 @@ def generate(proto: Path, output_dir: Path) -> None:
             shutil.copyfile(produced / name, output_dir / name)
     (output_dir / _INIT).write_text(
         f'"""Generated from proto/{PROTO_RELPATH} by `{REGENERATE}`; do not edit."""\n\n'
-        f'SOURCE_SHA256 = "{digest(proto)}"\n')
+        f'SOURCE_SHA256 = "{digest(proto)}"\n'
+    )
 
 
 def stale_files(proto: Path, output_dir: Path = OUTPUT_DIR) -> list[str]:
@@ -124,8 +131,11 @@ def stale_files(proto: Path, output_dir: Path = OUTPUT_DIR) -> list[str]:
         fresh = Path(tmp, "_proto", "v1")
         generate(proto, fresh)
         names = (_INIT, *_GENERATED)
-        return [n for n in names
-                if not (output_dir / n).is_file() or not filecmp.cmp(fresh / n, output_dir / n, shallow=False)]
+        return [
+            n
+            for n in names
+            if not (output_dir / n).is_file() or not filecmp.cmp(fresh / n, output_dir / n, shallow=False)
+        ]
 
 
 def import_stubs() -> tuple[ModuleType, ModuleType]:
@@ -134,15 +144,22 @@ def import_stubs() -> tuple[ModuleType, ModuleType]:
     if STUB_GRPC_MODULE not in sys.modules:
         proto = find_proto()
         if proto is not None and recorded_digest() != digest(proto):
-            raise ImportError(f"the gRPC stubs in {OUTPUT_DIR} were not generated from {proto} as it is now; "
-                              f"run `{REGENERATE}` and commit the result")
+            raise ImportError(
+                f"the gRPC stubs in {OUTPUT_DIR} were not generated from {proto} as it is now; "
+                f"run `{REGENERATE}` and commit the result"
+            )
     return importlib.import_module(STUB_MODULE), importlib.import_module(STUB_GRPC_MODULE)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fastsched.proto_gen", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true",
-                        help="do not write: exit 1 if the committed stubs differ from a fresh generation")
+    parser = argparse.ArgumentParser(
+        prog="python -m fastsched.proto_gen", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="do not write: exit 1 if the committed stubs differ from a fresh generation",
+    )
     args = parser.parse_args(argv)
     proto = find_proto()
     if proto is None:

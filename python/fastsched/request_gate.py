@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from fastsched.inputs import ContextLengthError, PromptType, TokenizedText, check_length, check_token_ids
-from fastsched.limits import INLINE_TOKENIZE_CHARS, LimitError, RequestLimits, check_cache_salt, check_prompt_chars
+from fastsched.limits import (
+    INLINE_TOKENIZE_CHARS,
+    LimitError,
+    RequestLimits,
+    check_cache_salt,
+    check_prompt_chars,
+)
 from fastsched.lora.request import LoRARequest
 from fastsched.sampling_params import SamplingParams
 
@@ -70,8 +76,9 @@ class RequestGate:
     the most characters one token stands for (the tokenizer's, when it knows), which
     bounds a text before it is tokenized (``fastsched.limits``)."""
 
-    def __init__(self, tokenizer: Encoder, max_model_len: int, vocab_size: int,
-                 limits: RequestLimits | None = None) -> None:
+    def __init__(
+        self, tokenizer: Encoder, max_model_len: int, vocab_size: int, limits: RequestLimits | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -91,7 +98,9 @@ class RequestGate:
         """``LimitError`` when ``text`` has too many characters to fit in ``room`` tokens
         (default ``max_model_len``): refused in O(1), before a tokenizer spends seconds on it."""
         if self.max_token_chars is not None:
-            check_prompt_chars(len(text), self.max_model_len if room is None else room, self.max_token_chars, where)
+            check_prompt_chars(
+                len(text), self.max_model_len if room is None else room, self.max_token_chars, where
+            )
 
     def check_token_ids(self, token_ids: Sequence[int], where: str = "prompt") -> None:
         check_token_ids(token_ids, self.vocab_size, where)
@@ -101,18 +110,33 @@ class RequestGate:
 
     # ------------------------------------------------------------ whole requests
 
-    def request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                lora_request: LoRARequest | None = None, streaming: bool = False,
-                cache_salt: str | None = None) -> ValidRequest:
+    def request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+        streaming: bool = False,
+        cache_salt: str | None = None,
+    ) -> ValidRequest:
         """The request, checked, a text prompt tokenized here (:meth:`request_async` is an
         event loop's way); ``ValueError`` naming the field if it can never run."""
         self.limits.check_request_id(request_id)
         return self._request(request_id, prompt, params, priority, lora_request, streaming, cache_salt)
 
-    async def request_async(self, request_id: str, prompt: PromptType, params: Callable[[], SamplingParams],
-                            constraint: tuple[str, str | Sequence[str]] | None = None, priority: int = 0,
-                            lora_request: LoRARequest | None = None, streaming: bool = False,
-                            cache_salt: str | None = None, pooling: bool = False) -> ValidRequest:
+    async def request_async(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: Callable[[], SamplingParams],
+        constraint: tuple[str, str | Sequence[str]] | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+        streaming: bool = False,
+        cache_salt: str | None = None,
+        pooling: bool = False,
+    ) -> ValidRequest:
         """:meth:`request` for an event loop: ``params`` builds the sampling parameters (which
         compiles an output constraint, ``constraint``: its kind and text or choice list, bounded
         first) and a long prompt is tokenized, both in the worker threads (:meth:`off_loop`)."""
@@ -123,12 +147,21 @@ class RequestGate:
         else:
             built = params()
         prompt = await self.prepare(prompt)
-        return self._request(request_id, prompt, built, priority, lora_request, streaming, cache_salt,
-                             pooling)
+        return self._request(
+            request_id, prompt, built, priority, lora_request, streaming, cache_salt, pooling
+        )
 
-    def _request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
-                 lora_request: LoRARequest | None, streaming: bool, cache_salt: str | None,
-                 pooling: bool = False) -> ValidRequest:
+    def _request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int,
+        lora_request: LoRARequest | None,
+        streaming: bool,
+        cache_salt: str | None,
+        pooling: bool = False,
+    ) -> ValidRequest:
         check_cache_salt(cache_salt)
         self.check_params(params)
         if pooling:
@@ -148,11 +181,13 @@ class RequestGate:
             text, token_ids = None, [int(t) for t in prompt]
         self.check_token_ids(token_ids)
         self.check_length(len(token_ids), params.max_tokens)
-        return ValidRequest(request_id, text, token_ids, params, priority, lora_request, streaming, cache_salt,
-                            pooling)
+        return ValidRequest(
+            request_id, text, token_ids, params, priority, lora_request, streaming, cache_salt, pooling
+        )
 
-    def chunk(self, request_id: str, prompt: PromptType, max_tokens: int, last: bool, *, held: int,
-              num_chunks: int) -> ValidChunk:
+    def chunk(
+        self, request_id: str, prompt: PromptType, max_tokens: int, last: bool, *, held: int, num_chunks: int
+    ) -> ValidChunk:
         """Session ``request_id``'s next chunk. ``held``: the tokens the session may hold once
         what it was sent is served (its input and each segment's max_tokens); ``num_chunks``:
         the chunks it has had, its opening included. A text continues the session: no BOS."""
@@ -172,7 +207,8 @@ class RequestGate:
         if total >= self.max_model_len:
             raise ContextLengthError(
                 f"session {request_id!r}: this chunk ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) could "
-                f"grow the session to {total} tokens, which reaches max_model_len ({self.max_model_len})")
+                f"grow the session to {total} tokens, which reaches max_model_len ({self.max_model_len})"
+            )
         return ValidChunk(token_ids, max_tokens, last)
 
     # ------------------------------------------------------------ off the event loop
@@ -189,8 +225,9 @@ class RequestGate:
             token_ids = await self.off_loop("tokenizing the prompt", self.tokenizer.encode, prompt)
         else:
             self.check_text(prompt, max(self.max_model_len - held, 1), "chunk")
-            token_ids = await self.off_loop("tokenizing the chunk", self.tokenizer.encode, prompt,
-                                            add_special_tokens=False)
+            token_ids = await self.off_loop(
+                "tokenizing the chunk", self.tokenizer.encode, prompt, add_special_tokens=False
+            )
         return TokenizedText(prompt, token_ids)
 
     async def off_loop(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -211,16 +248,19 @@ def check_pooling(params: SamplingParams, streaming: bool) -> None:
     """A pooling request (an embedding) is prefill-only (S20): it computes its prompt and ends,
     one completion of no token; nothing that shapes or reports generated or prompt tokens."""
     if params.max_tokens != 0 or params.n != 1:
-        raise ValueError(f"an embedding request asks for one completion of max_tokens 0, got n={params.n}, "
-                         f"max_tokens={params.max_tokens}")
+        raise ValueError(
+            f"an embedding request asks for one completion of max_tokens 0, got n={params.n}, "
+            f"max_tokens={params.max_tokens}"
+        )
     if streaming or params.structured_outputs is not None or params.logprobs is not None:
         raise ValueError("an embedding request cannot be a session nor have structured_outputs or logprobs")
     if params.prompt_logprobs is not None:
         raise ValueError(f"an embedding request cannot have prompt_logprobs, got {params.prompt_logprobs}")
 
 
-async def run_bounded(pool: concurrent.futures.Executor, timeout: float, what: str, fn: Callable[..., T],
-                      *args: Any) -> T:
+async def run_bounded(
+    pool: concurrent.futures.Executor, timeout: float, what: str, fn: Callable[..., T], *args: Any
+) -> T:
     """``fn(*args)`` in ``pool``, awaited for at most ``timeout`` seconds (``--prepare-timeout``):
     past that a ``LimitError`` naming ``what``, and the thread's result, when it comes, dropped.
     The gate's and the gateway's way to do work that grows with what a client sent."""
@@ -228,5 +268,6 @@ async def run_bounded(pool: concurrent.futures.Executor, timeout: float, what: s
     try:
         return await asyncio.wait_for(future, timeout)
     except TimeoutError:
-        raise LimitError(f"{what} took longer than this server's limit of {timeout:g} s (--prepare-timeout)",
-                         None) from None
+        raise LimitError(
+            f"{what} took longer than this server's limit of {timeout:g} s (--prepare-timeout)", None
+        ) from None

@@ -21,8 +21,9 @@ MESSAGE_SIZE_OPTIONS = [
 ERROR_CODE_KEY = "error-code"
 
 
-def error_metadata(*, param: str | None = None, reason: str | None = None,
-                   code: str | None = None) -> tuple[tuple[str, str], ...]:
+def error_metadata(
+    *, param: str | None = None, reason: str | None = None, code: str | None = None
+) -> tuple[tuple[str, str], ...]:
     """The trailing metadata of a failed call: the request field it is about (``invalid-param``),
     an admission rejection's reason (``rejection-reason``), the error's code (``error-code``)."""
     pairs = ((INVALID_PARAM_KEY, param), (REJECTION_REASON_KEY, reason), (ERROR_CODE_KEY, code))

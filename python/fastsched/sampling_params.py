@@ -73,7 +73,14 @@ class SamplingParams:
     def _validate(self) -> None:
         # Infinity (JSON's 1e400, gRPC doubles) or anything beyond float32 would reach the
         # sampler as inf, where -inf logits (min_tokens, top-k) divided by it become NaN.
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             check_finite(name, getattr(self, name))
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
@@ -108,8 +115,10 @@ class SamplingParams:
         if self.structured_outputs is not None:
             if self.min_tokens:
                 # min_tokens bans the EOS that a complete grammar leaves as the only token.
-                raise ValueError(f"min_tokens must be 0 with structured_outputs (the grammar decides where the "
-                                 f"output ends), got {self.min_tokens}")
+                raise ValueError(
+                    f"min_tokens must be 0 with structured_outputs (the grammar decides where the "
+                    f"output ends), got {self.min_tokens}"
+                )
             check_compiles(self.structured_outputs)
 
     @property

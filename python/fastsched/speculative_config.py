@@ -19,7 +19,9 @@ from typing import Any, Literal
 from fastsched.json_flags import json_object
 
 METHODS = ("ngram", "draft_model")
-_KNOWN_FIELDS = frozenset({"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"})
+_KNOWN_FIELDS = frozenset(
+    {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+)
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,13 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}; got {self.method!r}")
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(METHODS)}; got {self.method!r}"
+            )
         if self.num_speculative_tokens < 1:
             raise ValueError(
-                f"speculative_config.num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+                f"speculative_config.num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}"
+            )
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model is required for a draft model")
         if self.method == "ngram":
@@ -45,10 +50,13 @@ class SpeculativeConfig:
                 raise ValueError("speculative_config.model cannot be set with method 'ngram'")
             if self.prompt_lookup_min < 1:
                 raise ValueError(
-                    f"speculative_config.prompt_lookup_min must be at least 1, got {self.prompt_lookup_min}")
+                    f"speculative_config.prompt_lookup_min must be at least 1, got {self.prompt_lookup_min}"
+                )
             if self.prompt_lookup_max < self.prompt_lookup_min:
-                raise ValueError(f"speculative_config.prompt_lookup_max ({self.prompt_lookup_max}) must be at "
-                                 f"least prompt_lookup_min ({self.prompt_lookup_min})")
+                raise ValueError(
+                    f"speculative_config.prompt_lookup_max ({self.prompt_lookup_max}) must be at "
+                    f"least prompt_lookup_min ({self.prompt_lookup_min})"
+                )
 
 
 def parse_speculative_config(value: str | Mapping[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -62,15 +70,20 @@ def parse_speculative_config(value: str | Mapping[str, Any] | SpeculativeConfig)
         raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
     unknown = sorted(set(value) - _KNOWN_FIELDS)
     if unknown:
-        raise ValueError(f"speculative_config has unsupported fields: {', '.join(unknown)} "
-                         f"(supported: {', '.join(sorted(_KNOWN_FIELDS))})")
+        raise ValueError(
+            f"speculative_config has unsupported fields: {', '.join(unknown)} "
+            f"(supported: {', '.join(sorted(_KNOWN_FIELDS))})"
+        )
     if "num_speculative_tokens" not in value:
         raise ValueError("speculative_config.num_speculative_tokens is required")
     method = value.get("method") or ("draft_model" if value.get("model") else None)
     if method is None:
         raise ValueError("speculative_config needs a method ('ngram') or a draft model ('model')")
-    ints = {name: value[name] for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
-            if name in value}
+    ints = {
+        name: value[name]
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        if name in value
+    }
     for name, v in ints.items():
         if not isinstance(v, int) or isinstance(v, bool):
             raise ValueError(f"speculative_config.{name} must be an integer, got {v!r}")

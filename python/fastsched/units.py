@@ -37,7 +37,9 @@ def _parse(text: str, what: str, bare_binary: bool, examples: str) -> int:
     match = _NUMBER.match(str(text))
     multiplier = _multiplier(match.group(3), bare_binary) if match else None
     if match is None or multiplier is None:
-        raise argparse.ArgumentTypeError(f"expected {what}, optionally with a unit such as {examples}; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected {what}, optionally with a unit such as {examples}; got {text!r}"
+        )
     value = float(match.group(1) + (f"e{match.group(2)}" if match.group(2) else "")) * multiplier
     if value != int(value):
         raise argparse.ArgumentTypeError(f"expected a whole number of {what}, got {text!r} = {value:g}")

@@ -50,7 +50,9 @@ def sample_token(request_id: str, index: int, vocab_size: int, eos: int, stop_at
     return t + 1 if t >= eos else t
 
 
-def draft_tokens(request_id: str, index: int, k: int, vocab_size: int, eos: int, stop_at: int | None) -> list[int]:
+def draft_tokens(
+    request_id: str, index: int, k: int, vocab_size: int, eos: int, stop_at: int | None
+) -> list[int]:
     """The trace's ``fnv1a64-draft-v1`` rule: the ``k`` drafts proposed for ``request_id``
     when it has ``index`` outputs. Three in four are the token the model will sample;
     the others are never it."""
@@ -184,7 +186,9 @@ def replay(trace_path: Path, probe: Callable[[int, Scheduler], None] | None = No
             ids = sched.request_ids(out.req_handles)
             line["preempted"] = sorted(sched.request_ids(out.preempted))
             skipped = sched.request_ids(out.skipped)
-            lora_skipped = sorted(rid for rid, why in zip(skipped, out.skip_reasons) if why == SKIP_LORA_SLOTS)
+            lora_skipped = sorted(
+                rid for rid, why in zip(skipped, out.skip_reasons) if why == SKIP_LORA_SLOTS
+            )
             offsets = [0]
             sampled: list[int] = []
             spec_at = 0
@@ -214,7 +218,9 @@ def replay(trace_path: Path, probe: Callable[[int, Scheduler], None] | None = No
                             spec_padded.append(rid)
                 offsets.append(len(sampled))
             line["total_tokens"] = out.total_num_scheduled_tokens
-            results = sched.update_from_output(np.array(offsets, dtype=np.uint32), np.array(sampled, dtype=np.uint32))
+            results = sched.update_from_output(
+                np.array(offsets, dtype=np.uint32), np.array(sampled, dtype=np.uint32)
+            )
             result_ids = sched.request_ids(results.handles)
             finished = set()
             for i, rid in enumerate(result_ids):
@@ -234,7 +240,9 @@ def replay(trace_path: Path, probe: Callable[[int, Scheduler], None] | None = No
                         continue
                     tr = reqs[rid]
                     handles.append(int(out.req_handles[i]))
-                    proposed.extend(draft_tokens(rid, tr.num_output_tokens, k, vocab_size, tr.eos_token_id, tr.stop_at))
+                    proposed.extend(
+                        draft_tokens(rid, tr.num_output_tokens, k, vocab_size, tr.eos_token_id, tr.stop_at)
+                    )
                     draft_offsets.append(len(proposed))
                 sched.update_draft_token_ids(
                     np.array(handles, dtype=np.uint32),
@@ -257,7 +265,9 @@ def replay(trace_path: Path, probe: Callable[[int, Scheduler], None] | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("trace", type=Path, help="a vllm-diff-trace/1 or /2 JSON file")
     parser.add_argument("--out", type=Path, required=True, help="where to write the decisions (JSONL)")
     args = parser.parse_args(argv)

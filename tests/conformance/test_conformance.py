@@ -30,7 +30,9 @@ V2_KINDS = {"spec", "lora", "pause", "mixed2"}
 
 
 def trace_names(version: int) -> list[str]:
-    return sorted(p.name.removesuffix(".trace.json") for p in (SUITES[version] / "traces").glob("*.trace.json"))
+    return sorted(
+        p.name.removesuffix(".trace.json") for p in (SUITES[version] / "traces").glob("*.trace.json")
+    )
 
 
 CASES = [(version, name) for version in SUITES for name in trace_names(version)]
@@ -58,7 +60,14 @@ def test_replay_matches_vllm_decisions_at_every_step(version: int, name: str, tm
     assert json.loads(lines[0])["header"]["format"] == f"vllm-diff-decisions/{version}"
     ours.write_text("\n".join(lines) + "\n")
     result = subprocess.run(
-        [sys.executable, str(suite / "compare.py"), "--show", "3", str(suite / "traces" / f"{name}.vllm.jsonl"), str(ours)],
+        [
+            sys.executable,
+            str(suite / "compare.py"),
+            "--show",
+            "3",
+            str(suite / "traces" / f"{name}.vllm.jsonl"),
+            str(ours),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

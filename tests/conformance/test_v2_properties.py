@@ -60,7 +60,9 @@ def check_lines(trace: dict, lines: list[str]) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_generated_v2_traces_keep_the_readme_promises_and_replay_deterministically(kind: str, seed: int, tmp_path: Path):
+def test_generated_v2_traces_keep_the_readme_promises_and_replay_deterministically(
+    kind: str, seed: int, tmp_path: Path
+):
     trace = generate(kind, seed)
     path = tmp_path / f"{kind}-s{seed}.trace.json"
     path.write_text(json.dumps(trace))
@@ -142,13 +144,19 @@ def test_s3_interval_preempt_traces_pass_over_no_running_decode_while_budget_is_
             chunks = {rid for rid in start.running if start.is_chunk(rid)}
             preempted = set(line["preempted"])
             if line["total_tokens"] < budget:
-                missed = [r for r in start.running if r not in line["scheduled"] and r not in preempted | chunks]
-                assert not missed, f"seed {seed} step {line['step']}: {missed} passed over; running was {start.running}"
+                missed = [
+                    r for r in start.running if r not in line["scheduled"] and r not in preempted | chunks
+                ]
+                assert not missed, (
+                    f"seed {seed} step {line['step']}: {missed} passed over; running was {start.running}"
+                )
             passed_over_chunk_victims += len((preempted & chunks) - set(line["scheduled"]))
     assert passed_over_chunk_victims >= 20, passed_over_chunk_victims
 
 
-def check_prefill_interval(trace: dict, lines: list[str], starts: dict[int, StepStart]) -> tuple[int, int, bool]:
+def check_prefill_interval(
+    trace: dict, lines: list[str], starts: dict[int, StepStart]
+) -> tuple[int, int, bool]:
     """Replays S12's state machine (Difference 10) beside the decisions and checks
     that no step it holds schedules a running prefill chunk or admits prefill
     work. Prefill work restarts the interval when a running chunk is scheduled,
@@ -176,7 +184,9 @@ def check_prefill_interval(trace: dict, lines: list[str], starts: dict[int, Step
             and any(not start.is_chunk(r) for r in start.running)
         )
         admitted = line["new"] + line["resumed"]
-        prefill_admitted = [r for r in admitted if line["num_cached_tokens"][r] + 1 < start.info[r]["num_tokens"]]
+        prefill_admitted = [
+            r for r in admitted if line["num_cached_tokens"][r] + 1 < start.info[r]["num_tokens"]
+        ]
         prefill_scheduled = any(r in line["scheduled"] for r in chunks)
         if defer:
             held += 1

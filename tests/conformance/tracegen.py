@@ -77,7 +77,9 @@ def generate(kind: str, seed: int, num_steps: int = 120) -> dict[str, Any]:
         elif shape < 0.3:
             tokens = [rng.randrange(VOCAB_SIZE) for _ in range(bs * rng.randint(0, 4) + 1)]  # 16n + 1
         elif shape < 0.45:
-            tokens = shared_prefix[: bs * rng.randint(1, 3)] + [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(1, 40))]
+            tokens = shared_prefix[: bs * rng.randint(1, 3)] + [
+                rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(1, 40))
+            ]
         else:
             tokens = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(1, 150))]
         tokens = tokens[: room - 1]

@@ -13,14 +13,14 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-import random  # noqa: E402
-from collections.abc import Callable, Iterator, Sequence  # noqa: E402
-from pathlib import Path  # noqa: E402
+import random
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
+from fastsched.tools.tiny_model import make_tiny_model
 
 # The tiny model's token ids below this are <|endoftext|>, <|im_start|>, <|im_end|>.
 FIRST_ORDINARY_TOKEN = 3

@@ -37,8 +37,11 @@ def prompts(random_prompt: Callable[[int, int], list[int]]) -> list[list[int]]:
 
 
 def make_core(model_dir: Path, async_scheduling: bool, **engine_args: object) -> EngineCore:
-    return EngineCore(EngineConfig.from_kwargs(model=str(model_dir), log_stats_interval=0,
-                                               async_scheduling=async_scheduling, **engine_args))
+    return EngineCore(
+        EngineConfig.from_kwargs(
+            model=str(model_dir), log_stats_interval=0, async_scheduling=async_scheduling, **engine_args
+        )
+    )
 
 
 class Run:
@@ -81,12 +84,16 @@ def generate(core: EngineCore, prompts: Sequence[Sequence[int]], params: Sequenc
 # --- the same tokens as the synchronous loop and transformers ---------------------------------
 
 
-@pytest.mark.parametrize("engine_args", [
-    {},
-    dict(max_num_batched_tokens=16, max_num_seqs=16),  # chunked prefills beside decodes
-    SMALL_POOL,  # preemptions
-    dict(SMALL_POOL, policy="priority"),
-], ids=["default", "chunked", "preempting", "priority-preempting"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        dict(max_num_batched_tokens=16, max_num_seqs=16),  # chunked prefills beside decodes
+        SMALL_POOL,  # preemptions
+        dict(SMALL_POOL, policy="priority"),
+    ],
+    ids=["default", "chunked", "preempting", "priority-preempting"],
+)
 def test_greedy_tokens_are_those_of_the_sync_loop_and_of_transformers(
     tiny_model_dir, prompts, greedy_reference, engine_args: dict
 ) -> None:
@@ -123,10 +130,14 @@ def test_sampling_that_reads_the_previous_token_is_the_same_as_in_the_sync_loop(
     """Penalties count the placeholder token once it lands; a seeded request draws from
     its own generator once per token; min_tokens counts the placeholder as an output."""
     if kind == "seeded":
-        params = [SamplingParams(temperature=1.0, top_p=0.9, seed=7 + i, max_tokens=n, ignore_eos=True)
-                  for i, n in enumerate(MAX_TOKENS)]
+        params = [
+            SamplingParams(temperature=1.0, top_p=0.9, seed=7 + i, max_tokens=n, ignore_eos=True)
+            for i, n in enumerate(MAX_TOKENS)
+        ]
     elif kind == "penalties":
-        params = [greedy(n, repetition_penalty=1.8, frequency_penalty=1.0, presence_penalty=0.5) for n in MAX_TOKENS]
+        params = [
+            greedy(n, repetition_penalty=1.8, frequency_penalty=1.0, presence_penalty=0.5) for n in MAX_TOKENS
+        ]
     elif kind == "min_tokens":
         params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n - 2) for n in MAX_TOKENS]
     else:
@@ -134,7 +145,9 @@ def test_sampling_that_reads_the_previous_token_is_the_same_as_in_the_sync_loop(
     outputs, logprobs = {}, {}
     for async_scheduling in (True, False):
         run = generate(make_core(tiny_model_dir, async_scheduling), prompts, params)
-        outputs[async_scheduling] = [(run.tokens(str(i)), run.finish_reason(str(i))) for i in range(len(prompts))]
+        outputs[async_scheduling] = [
+            (run.tokens(str(i)), run.finish_reason(str(i))) for i in range(len(prompts))
+        ]
         logprobs[async_scheduling] = [o.new_logprobs for i in range(len(prompts)) for o in run.deltas[str(i)]]
     assert outputs[True] == outputs[False]
     # Same tokens and ranks; the values only as close as the batches' arithmetic (a step's
@@ -186,7 +199,9 @@ def test_a_stop_token_landing_in_step_n_gets_nothing_from_step_n_plus_1(tiny_mod
         assert run.tokens("goes-on") == reference.tokens("1")
 
 
-def test_max_tokens_and_a_stop_end_exactly_while_others_keep_the_next_step_busy(tiny_model_dir, prompts) -> None:
+def test_max_tokens_and_a_stop_end_exactly_while_others_keep_the_next_step_busy(
+    tiny_model_dir, prompts
+) -> None:
     reference = generate(make_core(tiny_model_dir, False), [prompts[2]], [greedy(24)]).tokens("0")
     k = next(j for j in range(4, len(reference)) if reference[j] not in reference[:j])
     run = Run(make_core(tiny_model_dir, True))
@@ -207,10 +222,12 @@ def test_stop_strings_and_aborts_through_llm_give_the_text_of_the_sync_loop(tiny
         llm = LLM(model=str(tiny_model_dir), log_stats_interval=0, async_scheduling=async_scheduling)
         base = llm.generate(["def hello(world):", "import os\n"], greedy(20), use_tqdm=False)
         stops = [o.outputs[0].text[6:9] for o in base]
-        outs = llm.generate(["def hello(world):", "import os\n"], [greedy(20, stop=s) for s in stops],
-                            use_tqdm=False)
-        texts[async_scheduling] = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
-                                   for o in [*base, *outs]]
+        outs = llm.generate(
+            ["def hello(world):", "import os\n"], [greedy(20, stop=s) for s in stops], use_tqdm=False
+        )
+        texts[async_scheduling] = [
+            (o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in [*base, *outs]
+        ]
         assert not llm.engine.has_unfinished_requests()
         assert all(reason == "stop" for _, _, reason in texts[async_scheduling][2:])
     assert texts[True] == texts[False]

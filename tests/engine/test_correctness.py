@@ -59,9 +59,7 @@ def greedy(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_greedy_tokens_match_transformers_with_the_default_config(
-    model, mixed_prompts
-) -> None:
+def test_greedy_tokens_match_transformers_with_the_default_config(model, mixed_prompts) -> None:
     model_dir, greedy_reference = model
     llm = make_llm(model_dir)
     assert greedy(llm, mixed_prompts, MAX_TOKENS) == greedy_reference(mixed_prompts, MAX_TOKENS)
@@ -90,7 +88,9 @@ def test_s8_prompts_sharing_a_prefix_hit_the_cache_and_give_the_tokens_of_transf
     assert first_hits == (len(SUFFIX_LENGTHS) - 1) * SHARED_PREFIX_LEN
     # A later call: every prompt hits its own full blocks, left cached by the first call.
     assert greedy(llm, shared_prefix_prompts, SUFFIX_MAX_TOKENS) == expected
-    assert llm.engine.scheduler.stats()["prefix_cache_hits"] > first_hits + SHARED_PREFIX_LEN * len(SUFFIX_LENGTHS)
+    assert llm.engine.scheduler.stats()["prefix_cache_hits"] > first_hits + SHARED_PREFIX_LEN * len(
+        SUFFIX_LENGTHS
+    )
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
@@ -114,9 +114,7 @@ def test_s8_without_prefix_caching_nothing_hits_and_tokens_match_transformers(
     assert llm.engine.scheduler.stats()["prefix_cache_hits"] == 0
 
 
-def test_s3_priority_policy_preempts_and_gives_the_tokens_of_transformers(
-    model, mixed_prompts
-) -> None:
+def test_s3_priority_policy_preempts_and_gives_the_tokens_of_transformers(model, mixed_prompts) -> None:
     model_dir, greedy_reference = model
     llm = make_llm(model_dir, **SMALL_POOL, policy="priority")
     assert greedy(llm, mixed_prompts, MAX_TOKENS) == greedy_reference(mixed_prompts, MAX_TOKENS)

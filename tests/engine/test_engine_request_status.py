@@ -25,7 +25,9 @@ from fastsched.outputs import CompletionOutput, RequestMetrics  # noqa: E402
 
 
 def make_scheduler(**overrides: int) -> _core.Scheduler:
-    config = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_gpu_blocks=65)
+    config = dict(
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_gpu_blocks=65
+    )
     return _core.Scheduler(_core.SchedulerConfig(**{**config, **overrides}))
 
 
@@ -59,7 +61,8 @@ def test_waiting_requests_report_their_queue_position_and_the_gate_that_held_the
     s = status_of(sched, "a", "b", "c")
     assert s["a"].status == "running"
     assert [(s[r].status, s[r].queue_position, s[r].num_waiting, s[r].blocked_by) for r in "bc"] == [
-        ("waiting", 0, 2, "active_seqs"), ("waiting", 1, 2, "active_seqs"),
+        ("waiting", 0, 2, "active_seqs"),
+        ("waiting", 1, 2, "active_seqs"),
     ]
     assert (s["b"].num_computed_tokens, s["b"].num_blocks, s["b"].num_cached_tokens) == (0, 0, None)
 
@@ -100,27 +103,39 @@ def test_protocol_round_trips_query_and_status() -> None:
     waiting = protocol.EngineRequestStatus("r#1", "waiting", 12, 12, 0, 0, None, 1, -3, 0, 4, 9, "kv_blocks")
     messages = [
         protocol.Query(7, ["r#0", "r#1"], 1),
-        protocol.Status(0, 7, [protocol.EngineRequestStatus("r#0", "running", 20, 12, 8, 20, 4, 0, 0, 2),
-                               waiting, protocol.EngineRequestStatus("r#2", "unknown")]),
+        protocol.Status(
+            0,
+            7,
+            [
+                protocol.EngineRequestStatus("r#0", "running", 20, 12, 8, 20, 4, 0, 0, 2),
+                waiting,
+                protocol.EngineRequestStatus("r#2", "unknown"),
+            ],
+        ),
         protocol.Status(1, 8, []),
     ]
     for msg in messages:
         assert protocol.decode(protocol.encode(msg)) == msg
 
 
-@pytest.mark.parametrize("wire", [
-    msgpack.packb(["query", 1, "r", 0]),  # ids must be an array
-    msgpack.packb(["query", -1, ["r"], 0]),
-    msgpack.packb(["query", 1, [3], 0]),
-    msgpack.packb(["query", 1, ["r"]]),  # a field short
-    msgpack.packb(["status", 0, 1, {"request_id": "r", "status": "waiting"}]),  # statuses must be an array
-    msgpack.packb(["status", 0, 1, [{"request_id": "r"}]]),  # no status
-    msgpack.packb(["status", 0, 1, [{"request_id": "r", "status": "waiting", "evil": 1}]]),
-    msgpack.packb(["status", 0, 1, [{"request_id": "r", "status": "waiting", "queue_position": -1}]]),
-    msgpack.packb(["status", 0, 1, [{"request_id": "r", "status": "waiting", "num_blocks": "3"}]]),
-    msgpack.packb(["status", 0, 1, [{"request_id": "r", "status": "waiting", "blocked_by": 3}]]),
-    msgpack.packb(["status", 0, 1, [{"request_id": "r", "status": 2}]]),
-])
+@pytest.mark.parametrize(
+    "wire",
+    [
+        msgpack.packb(["query", 1, "r", 0]),  # ids must be an array
+        msgpack.packb(["query", -1, ["r"], 0]),
+        msgpack.packb(["query", 1, [3], 0]),
+        msgpack.packb(["query", 1, ["r"]]),  # a field short
+        msgpack.packb(
+            ["status", 0, 1, {"request_id": "r", "status": "waiting"}]
+        ),  # statuses must be an array
+        msgpack.packb(["status", 0, 1, [{"request_id": "r"}]]),  # no status
+        msgpack.packb(["status", 0, 1, [{"request_id": "r", "status": "waiting", "evil": 1}]]),
+        msgpack.packb(["status", 0, 1, [{"request_id": "r", "status": "waiting", "queue_position": -1}]]),
+        msgpack.packb(["status", 0, 1, [{"request_id": "r", "status": "waiting", "num_blocks": "3"}]]),
+        msgpack.packb(["status", 0, 1, [{"request_id": "r", "status": "waiting", "blocked_by": 3}]]),
+        msgpack.packb(["status", 0, 1, [{"request_id": "r", "status": 2}]]),
+    ],
+)
 def test_protocol_rejects_malformed_query_and_status(wire: bytes) -> None:
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(wire)
@@ -149,7 +164,10 @@ def test_history_newer_record_of_an_id_replaces_the_older_and_is_kept_longest() 
 def test_rejected_status_names_the_reason_and_the_message() -> None:
     error = QueueOverflowError("3 requests in flight would exceed max_num_queued_reqs (2)")
     assert rejected_status("r", 1, error, 100.5, 12) == {
-        "request_id": "r", "state": "rejected", "frontend": 1, "reason": "max_num_queued_reqs",
+        "request_id": "r",
+        "state": "rejected",
+        "frontend": 1,
+        "reason": "max_num_queued_reqs",
         "message": "3 requests in flight would exceed max_num_queued_reqs (2)",
         "metrics": {"arrival_time": 100.5, "num_prompt_tokens": 12},
     }
@@ -164,8 +182,14 @@ def test_ended_sequence_without_finish_reason_was_aborted_unless_the_request_fai
         {"index": 0, "state": "finished", "num_output_tokens": 2, "finish_reason": "length"},
         {"index": 1, "state": "finished", "num_output_tokens": 1, "finish_reason": "abort"},
     ]
-    assert aborted["metrics"] == {"arrival_time": 100.0, "queue_time": 0.5, "ttft": 1.0, "e2e": 2.0,
-                                  "num_prompt_tokens": 5, "num_generation_tokens": 3}
+    assert aborted["metrics"] == {
+        "arrival_time": 100.0,
+        "queue_time": 0.5,
+        "ttft": 1.0,
+        "e2e": 2.0,
+        "num_prompt_tokens": 5,
+        "num_generation_tokens": 3,
+    }
     failed = ended_status("r", 0, 1, outputs, metrics, "engine 1 died: its process exited")
     assert failed["message"] == "engine 1 died: its process exited"
     assert "finish_reason" not in failed["sequences"][1]
@@ -185,9 +209,20 @@ def test_in_flight_status_reports_engine_sequences_and_those_a_stop_string_ended
     assert status["state"] == "mixed" and (status["frontend"], status["engine"]) == (0, 1)
     assert status["sequences"] == [
         {"index": 0, "state": "finished", "num_output_tokens": 1, "finish_reason": "stop"},
-        {"index": 1, "state": "waiting", "num_tokens": 6, "num_prompt_tokens": 6, "num_output_tokens": 0,
-         "num_computed_tokens": 0, "num_preemptions": 0, "priority": 0, "num_blocks": 0, "queue_position": 2,
-         "num_waiting": 3, "blocked_by": "token_budget"},
+        {
+            "index": 1,
+            "state": "waiting",
+            "num_tokens": 6,
+            "num_prompt_tokens": 6,
+            "num_output_tokens": 0,
+            "num_computed_tokens": 0,
+            "num_preemptions": 0,
+            "priority": 0,
+            "num_blocks": 0,
+            "queue_position": 2,
+            "num_waiting": 3,
+            "blocked_by": "token_budget",
+        },
     ]
     assert status["metrics"] == {"arrival_time": 1.0, "num_prompt_tokens": 0, "num_generation_tokens": 1}
 

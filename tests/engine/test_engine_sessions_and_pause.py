@@ -24,8 +24,16 @@ GreedyReference = Callable[[Sequence[Sequence[int]], Sequence[int]], list[list[i
 
 
 def make_core(model_dir: Path, async_scheduling: bool, **engine_args: object) -> EngineCore:
-    return EngineCore(EngineConfig.from_kwargs(model=str(model_dir), log_stats_interval=0, device="cpu",
-                                               dtype="float32", async_scheduling=async_scheduling, **engine_args))
+    return EngineCore(
+        EngineConfig.from_kwargs(
+            model=str(model_dir),
+            log_stats_interval=0,
+            device="cpu",
+            dtype="float32",
+            async_scheduling=async_scheduling,
+            **engine_args,
+        )
+    )
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -38,7 +46,9 @@ def run_segment(core: EngineCore, request_id: str) -> list[int]:
     for _ in range(100):
         for out in core.step():
             if out.request_id == request_id:
-                assert out.finish_reason is None, f"the session finished ({out.finish_reason}) instead of waiting"
+                assert out.finish_reason is None, (
+                    f"the session finished ({out.finish_reason}) instead of waiting"
+                )
                 tokens += out.new_token_ids
                 if out.segment_ended:
                     return tokens
@@ -47,8 +57,11 @@ def run_segment(core: EngineCore, request_id: str) -> list[int]:
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_s15_session_segments_match_greedy_on_the_whole_history_and_hold_kv_between_chunks(
-        tiny_model_dir: Path, greedy_reference: GreedyReference, random_prompt: Callable[[int, int], list[int]],
-        async_scheduling: bool) -> None:
+    tiny_model_dir: Path,
+    greedy_reference: GreedyReference,
+    random_prompt: Callable[[int, int], list[int]],
+    async_scheduling: bool,
+) -> None:
     core = make_core(tiny_model_dir, async_scheduling, max_num_seqs=4)
     chunks = [random_prompt(21, seed=1), random_prompt(9, seed=2), random_prompt(17, seed=3)]
     core.add_request(EngineCoreRequest("s", chunks[0], greedy(SEGMENT_TOKENS), streaming=True))
@@ -81,7 +94,8 @@ def test_s15_session_segments_match_greedy_on_the_whole_history_and_hold_kv_betw
 
 
 def test_s15_close_stream_ends_a_waiting_session_and_frees_its_slot(
-        tiny_model_dir: Path, random_prompt: Callable[[int, int], list[int]]) -> None:
+    tiny_model_dir: Path, random_prompt: Callable[[int, int], list[int]]
+) -> None:
     core = make_core(tiny_model_dir, False, max_num_seqs=2)
     core.add_request(EngineCoreRequest("s", random_prompt(10, seed=4), greedy(3), streaming=True))
     run_segment(core, "s")
@@ -109,8 +123,11 @@ def test_s15_stream_input_outside_the_vocabulary_or_empty_is_refused_naming_it(t
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_s13_pause_all_stops_every_request_and_resume_goes_on_with_their_kv(
-        tiny_model_dir: Path, greedy_reference: GreedyReference, random_prompt: Callable[[int, int], list[int]],
-        async_scheduling: bool) -> None:
+    tiny_model_dir: Path,
+    greedy_reference: GreedyReference,
+    random_prompt: Callable[[int, int], list[int]],
+    async_scheduling: bool,
+) -> None:
     core = make_core(tiny_model_dir, async_scheduling)
     prompt = random_prompt(12, seed=5)
     core.add_request(EngineCoreRequest("a", prompt, greedy(8)))
@@ -132,7 +149,8 @@ def test_s13_pause_all_stops_every_request_and_resume_goes_on_with_their_kv(
 
 
 def test_s13_pause_new_finishes_running_requests_and_holds_new_ones(
-        tiny_model_dir: Path, random_prompt: Callable[[int, int], list[int]]) -> None:
+    tiny_model_dir: Path, random_prompt: Callable[[int, int], list[int]]
+) -> None:
     core = make_core(tiny_model_dir, False)
     core.add_request(EngineCoreRequest("running", random_prompt(8, seed=6), greedy(4)))
     core.step()
@@ -150,7 +168,8 @@ def test_s13_pause_new_finishes_running_requests_and_holds_new_ones(
 
 
 def test_s15_s6_session_with_a_request_waiting_behind_it_stays_exact_under_async_scheduling(
-        tiny_model_dir: Path, greedy_reference: GreedyReference, random_prompt: Callable[[int, int], list[int]]) -> None:
+    tiny_model_dir: Path, greedy_reference: GreedyReference, random_prompt: Callable[[int, int], list[int]]
+) -> None:
     """A request waiting behind the session (its active slot, S6) makes the async engine schedule
     the session one step past its segment's end; that step's token must be dropped, and input
     given before that step is collected must not be taken for it."""
@@ -186,7 +205,8 @@ def test_s13_offline_llm_refuses_to_generate_while_paused_and_resumes(tiny_model
 
 
 def test_s13_weights_reload_only_while_paused_all_and_only_weights_that_fit(
-        tiny_model_dir: Path, tmp_path: Path) -> None:
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     from fastsched.engine.core import NotPausedError
 
     core = make_core(tiny_model_dir, False)

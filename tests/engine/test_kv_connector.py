@@ -36,13 +36,28 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def make_core(model_dir: Path, store: Path, async_scheduling: bool = False, extra: dict | None = None,
-              **engine_args: object) -> EngineCore:
-    kv = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-          "kv_connector_extra_config": {"shared_storage_path": str(store), **(extra or {})}}
-    return EngineCore(EngineConfig.from_kwargs(model=str(model_dir), log_stats_interval=0, block_size=BLOCK_SIZE,
-                                               async_scheduling=async_scheduling, kv_transfer_config=kv,
-                                               **engine_args))
+def make_core(
+    model_dir: Path,
+    store: Path,
+    async_scheduling: bool = False,
+    extra: dict | None = None,
+    **engine_args: object,
+) -> EngineCore:
+    kv = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(store), **(extra or {})},
+    }
+    return EngineCore(
+        EngineConfig.from_kwargs(
+            model=str(model_dir),
+            log_stats_interval=0,
+            block_size=BLOCK_SIZE,
+            async_scheduling=async_scheduling,
+            kv_transfer_config=kv,
+            **engine_args,
+        )
+    )
 
 
 def generate(core: EngineCore, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -113,11 +128,14 @@ def test_s7_warm_restart_prefills_only_what_the_store_lacks(tiny_model_dir, prom
     loaded_tokens = (4 + 2) * BLOCK_SIZE
     computed = cold.stats.iteration_tokens_sum, warm.stats.iteration_tokens_sum
     assert computed[1] == computed[0] - loaded_tokens
-    assert warm.scheduler.stats()["prefix_cache_hits"] == 0, "the tokens came from the store, not the local cache"
+    assert warm.scheduler.stats()["prefix_cache_hits"] == 0, (
+        "the tokens came from the store, not the local cache"
+    )
 
 
-def test_s7_two_live_engines_share_a_prefix_through_the_store(tiny_model_dir, random_prompt, greedy_reference,
-                                                             tmp_path) -> None:
+def test_s7_two_live_engines_share_a_prefix_through_the_store(
+    tiny_model_dir, random_prompt, greedy_reference, tmp_path
+) -> None:
     system = random_prompt(48, seed=1)
     first, second = system + random_prompt(9, seed=2), system + random_prompt(12, seed=3)
     a, b = make_core(tiny_model_dir, tmp_path), make_core(tiny_model_dir, tmp_path)
@@ -137,8 +155,9 @@ def generate_one(core: EngineCore, prompt: list[int], max_tokens: int = MAX_TOKE
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped byte", "empty"])
-def test_s7_a_damaged_block_file_is_a_miss_and_is_saved_again(tiny_model_dir, prompts, greedy_reference, tmp_path,
-                                                              damage: str) -> None:
+def test_s7_a_damaged_block_file_is_a_miss_and_is_saved_again(
+    tiny_model_dir, prompts, greedy_reference, tmp_path, damage: str
+) -> None:
     expected = greedy_reference(prompts, [MAX_TOKENS] * len(prompts))
     generate(make_core(tiny_model_dir, tmp_path), prompts)
     victim = next(p for p in block_files(tmp_path) if p.stat().st_size > 0)
@@ -188,13 +207,17 @@ def test_s7_a_slow_load_is_skipped_as_remote_kv_while_other_requests_run(
     assert core.kv_transfer.stats["blocks_loaded"] == 4
 
 
-def test_s7_a_request_aborted_while_loading_leaves_its_load_unused(tiny_model_dir, prompts, tmp_path,
-                                                                  monkeypatch) -> None:
+def test_s7_a_request_aborted_while_loading_leaves_its_load_unused(
+    tiny_model_dir, prompts, tmp_path, monkeypatch
+) -> None:
     generate(make_core(tiny_model_dir, tmp_path), prompts[:1])
     release = threading.Event()
     read_block = SharedStorageConnector._read_block
-    monkeypatch.setattr(SharedStorageConnector, "_read_block",
-                        lambda self, *args: release.wait(timeout=60) and read_block(self, *args))
+    monkeypatch.setattr(
+        SharedStorageConnector,
+        "_read_block",
+        lambda self, *args: release.wait(timeout=60) and read_block(self, *args),
+    )
     core = make_core(tiny_model_dir, tmp_path)
     core.add_request(EngineCoreRequest("stored", prompts[0], greedy()))
     core.step()
@@ -242,8 +265,9 @@ def test_the_store_is_private_to_its_owner(tiny_model_dir, prompts, tmp_path) ->
     assert {stat.S_IMODE(p.stat().st_mode) for p in [*files, identity]} == {0o600}
 
 
-def test_a_symlink_planted_in_the_store_is_not_followed(tiny_model_dir, prompts, greedy_reference,
-                                                        tmp_path) -> None:
+def test_a_symlink_planted_in_the_store_is_not_followed(
+    tiny_model_dir, prompts, greedy_reference, tmp_path
+) -> None:
     """A block path that is a symlink (to a file its owner cannot vouch for) is a miss."""
     expected = greedy_reference(prompts, [MAX_TOKENS] * len(prompts))
     store = tmp_path / "store"
@@ -268,8 +292,9 @@ class _Inline:
         pass
 
 
-def test_a_block_file_is_created_exclusively_and_never_through_a_symlink(tiny_model_dir, random_prompt, tmp_path,
-                                                                        monkeypatch) -> None:
+def test_a_block_file_is_created_exclusively_and_never_through_a_symlink(
+    tiny_model_dir, random_prompt, tmp_path, monkeypatch
+) -> None:
     """Symlinks planted at the temporary names a writer could use (the process and thread
     ids, or a guessed random part) are never written through (``O_EXCL|O_NOFOLLOW``): the
     save fails and their targets are left alone."""
@@ -292,8 +317,9 @@ def test_a_block_file_is_created_exclusively_and_never_through_a_symlink(tiny_mo
     assert core.kv_transfer.stats["blocks_saved"] == 0
 
 
-def test_the_store_keeps_under_max_size_by_evicting_the_least_recently_used(tiny_model_dir, prompts,
-                                                                           greedy_reference, tmp_path) -> None:
+def test_the_store_keeps_under_max_size_by_evicting_the_least_recently_used(
+    tiny_model_dir, prompts, greedy_reference, tmp_path
+) -> None:
     generate(make_core(tiny_model_dir, tmp_path / "sizing"), prompts[:1])
     file_bytes = block_files(tmp_path / "sizing")[0].stat().st_size
     max_size = 4 * file_bytes
@@ -311,7 +337,9 @@ def test_max_size_takes_a_size_with_a_unit_and_refuses_nonsense(tmp_path) -> Non
     from fastsched.kv_transfer import KVTransferConfig
 
     def config(**extra: object) -> KVTransferConfig:
-        return KVTransferConfig("SharedStorageConnector", "kv_both", {"shared_storage_path": str(tmp_path), **extra})
+        return KVTransferConfig(
+            "SharedStorageConnector", "kv_both", {"shared_storage_path": str(tmp_path), **extra}
+        )
 
     assert config().max_size == 64 * 2**30
     assert config(max_size="2GiB").max_size == 2 * 2**30
@@ -341,8 +369,9 @@ def _block_hashes(prompt: list[int], **request: object) -> list[int]:
     return scheduler.block_hashes(scheduler.add_request("r", prompt, 1, **request)).tolist()
 
 
-def test_a_block_whose_tokens_are_not_the_requests_is_a_counted_miss(tiny_model_dir, random_prompt,
-                                                                     greedy_reference, tmp_path) -> None:
+def test_a_block_whose_tokens_are_not_the_requests_is_a_counted_miss(
+    tiny_model_dir, random_prompt, greedy_reference, tmp_path
+) -> None:
     """The store is named by hash, but a hash proves nothing: the token ids stored with a
     block are compared with the request's, as the in-memory prefix cache does."""
     store = tmp_path / "store"
@@ -356,8 +385,9 @@ def test_a_block_whose_tokens_are_not_the_requests_is_a_counted_miss(tiny_model_
     assert warm.kv_transfer.stats["token_mismatches"] == 1
 
 
-def test_a_load_past_a_local_prefix_hit_checks_each_blocks_parent(tiny_model_dir, prompts, greedy_reference,
-                                                                 tmp_path) -> None:
+def test_a_load_past_a_local_prefix_hit_checks_each_blocks_parent(
+    tiny_model_dir, prompts, greedy_reference, tmp_path
+) -> None:
     """Blocks loaded after a local hit are checked against the hash of the block before
     them too (the first block of a prompt has no parent to compare)."""
     generate(make_core(tiny_model_dir, tmp_path), prompts[:1])
@@ -383,15 +413,20 @@ def test_weights_replaced_in_place_do_not_read_the_old_weights_blocks(random_pro
     tokens = generate(new, [prompt])
     assert new.kv_transfer.connector.identity.key != old.kv_transfer.connector.identity.key
     assert new.kv_transfer.stats["blocks_loaded"] == 0
-    plain = EngineCore(EngineConfig.from_kwargs(model=str(model), log_stats_interval=0, block_size=BLOCK_SIZE))
+    plain = EngineCore(
+        EngineConfig.from_kwargs(model=str(model), log_stats_interval=0, block_size=BLOCK_SIZE)
+    )
     assert tokens == generate(plain, [prompt])
     copy = make_core(shutil.copytree(model, tmp_path / "copy"), store)
     generate(copy, [prompt])
-    assert copy.kv_transfer.stats["blocks_loaded"] == 2, "a copy of the same weights elsewhere shares the blocks"
+    assert copy.kv_transfer.stats["blocks_loaded"] == 2, (
+        "a copy of the same weights elsewhere shares the blocks"
+    )
 
 
-def test_a_load_that_takes_too_long_is_given_up_and_computed(tiny_model_dir, prompts, greedy_reference,
-                                                             tmp_path, monkeypatch) -> None:
+def test_a_load_that_takes_too_long_is_given_up_and_computed(
+    tiny_model_dir, prompts, greedy_reference, tmp_path, monkeypatch
+) -> None:
     expected = greedy_reference(prompts[:1], [MAX_TOKENS])
     store = tmp_path / "store"
     generate(make_core(tiny_model_dir, store), prompts[:1])
@@ -412,8 +447,9 @@ def test_a_load_that_takes_too_long_is_given_up_and_computed(tiny_model_dir, pro
     assert core.kv_transfer.stats["blocks_loaded"] == 0
 
 
-def test_a_lookup_that_takes_too_long_is_a_miss(tiny_model_dir, prompts, greedy_reference, tmp_path,
-                                                monkeypatch) -> None:
+def test_a_lookup_that_takes_too_long_is_a_miss(
+    tiny_model_dir, prompts, greedy_reference, tmp_path, monkeypatch
+) -> None:
     expected = greedy_reference(prompts[:1], [MAX_TOKENS])
     store = tmp_path / "store"
     generate(make_core(tiny_model_dir, store), prompts[:1])
@@ -434,8 +470,9 @@ def test_a_lookup_that_takes_too_long_is_a_miss(tiny_model_dir, prompts, greedy_
     assert core.kv_transfer.stats["hits"] == 0
 
 
-def test_saves_a_slow_store_cannot_take_are_dropped_not_queued(tiny_model_dir, prompts, greedy_reference,
-                                                               tmp_path, monkeypatch) -> None:
+def test_saves_a_slow_store_cannot_take_are_dropped_not_queued(
+    tiny_model_dir, prompts, greedy_reference, tmp_path, monkeypatch
+) -> None:
     """Each waiting save holds its blocks' KV in memory: past MAX_PENDING_SAVES they are dropped."""
     from fastsched.engine.kv_connector import shared_storage
 
@@ -446,8 +483,9 @@ def test_saves_a_slow_store_cannot_take_are_dropped_not_queued(tiny_model_dir, p
     assert block_files(tmp_path / "store") == []
 
 
-def test_s8_cache_salt_separates_tenants_in_the_prefix_cache_and_the_store(tiny_model_dir, random_prompt,
-                                                                         greedy_reference, tmp_path) -> None:
+def test_s8_cache_salt_separates_tenants_in_the_prefix_cache_and_the_store(
+    tiny_model_dir, random_prompt, greedy_reference, tmp_path
+) -> None:
     prompt = random_prompt(40, seed=14)
     expected = greedy_reference([prompt], [MAX_TOKENS])
     store = tmp_path / "store"
@@ -471,20 +509,26 @@ def test_s8_cache_salt_separates_tenants_in_the_prefix_cache_and_the_store(tiny_
     core.shutdown()
     warm = make_core(tiny_model_dir, store)
     assert run(warm, "c1", "tenant-c") == 0
-    assert warm.kv_transfer.stats["blocks_loaded"] == 0, "the store does not hand tenant-a's blocks to tenant-c"
+    assert warm.kv_transfer.stats["blocks_loaded"] == 0, (
+        "the store does not hand tenant-a's blocks to tenant-c"
+    )
     assert run(warm, "a3", "tenant-a") == 2 * BLOCK_SIZE
     assert warm.kv_transfer.stats["blocks_loaded"] == 2, "but does to tenant-a"
 
 
-def test_sha256_block_hashes_are_sha256_and_keep_a_store_of_their_own(tiny_model_dir, prompts, greedy_reference,
-                                                                    tmp_path) -> None:
+def test_sha256_block_hashes_are_sha256_and_keep_a_store_of_their_own(
+    tiny_model_dir, prompts, greedy_reference, tmp_path
+) -> None:
     import hashlib
 
     prompt = prompts[0]
-    scheduler = _core.Scheduler(_core.SchedulerConfig(block_size=BLOCK_SIZE, prefix_caching_hash_algo="sha256"))
+    scheduler = _core.Scheduler(
+        _core.SchedulerConfig(block_size=BLOCK_SIZE, prefix_caching_hash_algo="sha256")
+    )
     hashes = scheduler.block_hashes(scheduler.add_request("r", prompt, 1)).tolist()
-    second = hashlib.sha256(struct.pack(f"<QQ{BLOCK_SIZE}I", hashes[0], BLOCK_SIZE,
-                                        *prompt[BLOCK_SIZE : 2 * BLOCK_SIZE])).digest()
+    second = hashlib.sha256(
+        struct.pack(f"<QQ{BLOCK_SIZE}I", hashes[0], BLOCK_SIZE, *prompt[BLOCK_SIZE : 2 * BLOCK_SIZE])
+    ).digest()
     assert hashes[1] == int.from_bytes(second[:8], "little")
     assert hashes != _block_hashes(prompt)
     expected = greedy_reference(prompts, [MAX_TOKENS] * len(prompts))

@@ -11,9 +11,9 @@ import pytest
 from fastsched import LLM, SamplingParams
 
 
-def test_the_progress_bar_shows_input_and_output_tokens_per_second(tiny_model_dir: Path,
-                                                                   capsys: pytest.CaptureFixture[str],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_progress_bar_shows_input_and_output_tokens_per_second(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, max_model_len=128)
     prompts = [[5 + i, 6, 7, 8] for i in range(4)]
@@ -31,11 +31,18 @@ def test_use_tqdm_false_prints_no_bar(tiny_model_dir: Path, capsys: pytest.Captu
     assert capsys.readouterr().err == ""
 
 
-def test_vllm_engine_keywords_are_accepted_as_their_flags_are(tiny_model_dir: Path,
-                                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_vllm_engine_keywords_are_accepted_as_their_flags_are(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level("WARNING", logger="fastsched.cli"):
-        LLM(str(tiny_model_dir), num_gpu_blocks=64, max_model_len=128, enforce_eager=True, trust_remote_code=True,
-            kv_cache_dtype="auto")
+        LLM(
+            str(tiny_model_dir),
+            num_gpu_blocks=64,
+            max_model_len=128,
+            enforce_eager=True,
+            trust_remote_code=True,
+            kv_cache_dtype="auto",
+        )
     assert [r.message.split(":")[0] for r in caplog.records] == ["--enforce-eager", "--trust-remote-code"]
     with pytest.raises(ValueError, match="fp8 is not supported"):
         LLM(str(tiny_model_dir), kv_cache_dtype="fp8")

@@ -57,16 +57,28 @@ def run_to_end(core: EngineCore, requests: list[EngineCoreRequest]) -> dict[str,
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("max_num_batched_tokens", [256, 16])  # one step; three chunks
 def test_s20_a_pooling_request_ends_with_its_embedding_and_no_token(
-        tiny_model_dir, reference, random_prompt, async_scheduling, max_num_batched_tokens) -> None:
-    core = EngineCore(EngineConfig.from_kwargs(
-        model=str(tiny_model_dir), log_stats_interval=0, dtype="float32", num_gpu_blocks=64,
-        max_model_len=256, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
-        async_scheduling=async_scheduling))
+    tiny_model_dir, reference, random_prompt, async_scheduling, max_num_batched_tokens
+) -> None:
+    core = EngineCore(
+        EngineConfig.from_kwargs(
+            model=str(tiny_model_dir),
+            log_stats_interval=0,
+            dtype="float32",
+            num_gpu_blocks=64,
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=max_num_batched_tokens,
+            async_scheduling=async_scheduling,
+        )
+    )
     prompt, other = random_prompt(PROMPT_LEN, seed=3), random_prompt(20, seed=4)
-    deltas = run_to_end(core, [
-        EngineCoreRequest("embed", prompt, SamplingParams(max_tokens=0), pooling=True),
-        EngineCoreRequest("gen", other, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
-    ])
+    deltas = run_to_end(
+        core,
+        [
+            EngineCoreRequest("embed", prompt, SamplingParams(max_tokens=0), pooling=True),
+            EngineCoreRequest("gen", other, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
+        ],
+    )
     embed = deltas["embed"]
     assert [o.finish_reason for o in embed][-1] == "length"
     assert [t for o in embed for t in o.new_token_ids] == []
@@ -78,14 +90,27 @@ def test_s20_a_pooling_request_ends_with_its_embedding_and_no_token(
     core.shutdown()
 
 
-def test_s20_pooling_requests_of_one_step_each_get_their_own_embedding(tiny_model_dir, reference,
-                                                                        random_prompt) -> None:
-    core = EngineCore(EngineConfig.from_kwargs(
-        model=str(tiny_model_dir), log_stats_interval=0, dtype="float32", num_gpu_blocks=64,
-        max_model_len=256, max_num_seqs=8))
+def test_s20_pooling_requests_of_one_step_each_get_their_own_embedding(
+    tiny_model_dir, reference, random_prompt
+) -> None:
+    core = EngineCore(
+        EngineConfig.from_kwargs(
+            model=str(tiny_model_dir),
+            log_stats_interval=0,
+            dtype="float32",
+            num_gpu_blocks=64,
+            max_model_len=256,
+            max_num_seqs=8,
+        )
+    )
     prompts = [random_prompt(n, seed=10 + n) for n in (7, 30, 18)]
-    deltas = run_to_end(core, [EngineCoreRequest(f"e{i}", p, SamplingParams(max_tokens=0), pooling=True)
-                               for i, p in enumerate(prompts)])
+    deltas = run_to_end(
+        core,
+        [
+            EngineCoreRequest(f"e{i}", p, SamplingParams(max_tokens=0), pooling=True)
+            for i, p in enumerate(prompts)
+        ],
+    )
     for i, prompt in enumerate(prompts):
         (out,) = deltas[f"e{i}"]
         assert out.finish_reason == "length" and out.new_token_ids == []

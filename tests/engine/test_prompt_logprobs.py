@@ -35,8 +35,15 @@ def reference(tiny_model_dir: Path):
 
 
 def make_llm(tiny_model_dir: Path, **kwargs: object) -> LLM:
-    return LLM(model=str(tiny_model_dir), num_gpu_blocks=64, max_model_len=256, max_num_seqs=8,
-               log_stats_interval=0, dtype="float32", **kwargs)
+    return LLM(
+        model=str(tiny_model_dir),
+        num_gpu_blocks=64,
+        max_model_len=256,
+        max_num_seqs=8,
+        log_stats_interval=0,
+        dtype="float32",
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +51,9 @@ def llm(tiny_model_dir: Path) -> LLM:
     return make_llm(tiny_model_dir)
 
 
-def assert_matches(prompt_logprobs, prompt: list[int], ref: torch.Tensor, k: int,
-                   first_scored: int = 1) -> None:
+def assert_matches(
+    prompt_logprobs, prompt: list[int], ref: torch.Tensor, k: int, first_scored: int = 1
+) -> None:
     """Entry ``i`` scores ``prompt[i]`` with the logits of position ``i - 1``; the entries
     before ``first_scored`` are None."""
     assert len(prompt_logprobs) == len(prompt)
@@ -86,8 +94,9 @@ def test_s20_max_tokens_0_ends_after_the_prompt_with_no_token(llm, reference, ra
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_s19_prompt_logprobs_skip_a_prefix_cache_hit_and_leave_their_blocks_to_others(llm, reference,
-                                                                                     random_prompt) -> None:
+def test_s19_prompt_logprobs_skip_a_prefix_cache_hit_and_leave_their_blocks_to_others(
+    llm, reference, random_prompt
+) -> None:
     prompt = random_prompt(PROMPT_LEN, seed=13)
     assert run(llm, prompt, SamplingParams(max_tokens=1)).num_cached_tokens == 0  # caches 2 blocks
     scored = run(llm, prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))
@@ -100,12 +109,16 @@ def test_s19_prompt_logprobs_skip_a_prefix_cache_hit_and_leave_their_blocks_to_o
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_prompt_logprobs_over_chunked_prefill_beside_other_requests(tiny_model_dir, reference, random_prompt,
-                                                                    async_scheduling: bool) -> None:
+def test_prompt_logprobs_over_chunked_prefill_beside_other_requests(
+    tiny_model_dir, reference, random_prompt, async_scheduling: bool
+) -> None:
     llm = make_llm(tiny_model_dir, max_num_batched_tokens=16, async_scheduling=async_scheduling)
     prompts = [random_prompt(PROMPT_LEN, seed=14), random_prompt(30, seed=15), random_prompt(20, seed=16)]
-    params = [SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3), SamplingParams(max_tokens=6),
-              SamplingParams(max_tokens=0, prompt_logprobs=1)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3),
+        SamplingParams(max_tokens=6),
+        SamplingParams(max_tokens=0, prompt_logprobs=1),
+    ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert_matches(outs[0].prompt_logprobs, prompts[0], reference(prompts[0]), k=3)
     assert outs[1].prompt_logprobs is None

@@ -26,7 +26,10 @@ PROMPT = "def hello(world):\n    return"
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: Path) -> LLM:
     return LLM(
-        model=str(tiny_model_dir), num_gpu_blocks=NUM_GPU_BLOCKS, max_model_len=MAX_MODEL_LEN, log_stats_interval=0
+        model=str(tiny_model_dir),
+        num_gpu_blocks=NUM_GPU_BLOCKS,
+        max_model_len=MAX_MODEL_LEN,
+        log_stats_interval=0,
     )
 
 
@@ -50,7 +53,9 @@ def assert_nothing_lingers(llm: LLM) -> None:
 # --- seeds and n -----------------------------------------------------------------------------
 
 
-def test_seeded_request_draws_the_same_tokens_alone_and_in_a_batch_of_other_requests(llm, random_prompt) -> None:
+def test_seeded_request_draws_the_same_tokens_alone_and_in_a_batch_of_other_requests(
+    llm, random_prompt
+) -> None:
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     alone = complete(llm, PROMPT, seeded).token_ids
     others = [
@@ -63,7 +68,10 @@ def test_seeded_request_draws_the_same_tokens_alone_and_in_a_batch_of_other_requ
     params = [s for _, s in others[:2]] + [seeded] + [s for _, s in others[2:]]
     in_batch = llm.generate(prompts, params, use_tqdm=False)[2].outputs[0].token_ids
     assert in_batch == alone
-    assert complete(llm, PROMPT, SamplingParams(temperature=1.0, top_p=0.95, seed=1235, max_tokens=16)).token_ids != alone
+    assert (
+        complete(llm, PROMPT, SamplingParams(temperature=1.0, top_p=0.95, seed=1235, max_tokens=16)).token_ids
+        != alone
+    )
     assert_nothing_lingers(llm)
 
 
@@ -133,7 +141,9 @@ def test_s17_min_tokens_holds_back_a_stop_token_greedy_would_emit_first(llm) -> 
 # --- text ------------------------------------------------------------------------------------
 
 
-def test_output_text_is_the_decode_of_its_tokens_even_with_partial_utf8_characters(llm, random_prompt) -> None:
+def test_output_text_is_the_decode_of_its_tokens_even_with_partial_utf8_characters(
+    llm, random_prompt
+) -> None:
     """Text is detokenized incrementally, a few tokens a step; the pieces must add up to
     the decode of the whole output, also where random tokens split UTF-8 characters."""
     prompts = [random_prompt(n, seed=20 + n) for n in (4, 9, 33)]
@@ -165,7 +175,11 @@ def test_a_character_split_over_tokens_is_released_whole_once_its_last_byte_arri
 
 def _gpt2_byte_symbols() -> list[str]:
     """The printable stand-in of each byte in byte-level BPE vocabularies (GPT-2's table)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     symbols, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -257,7 +271,6 @@ def test_s18_requests_ended_by_a_stop_string_leave_nothing_in_the_engine(llm, ra
     outputs = llm.generate(prompts, [greedy(12, stop=s) for s in stops], use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outputs] == ["stop"] * 3
     assert_nothing_lingers(llm)
-
 
 
 def test_s18_an_interrupted_step_aborts_its_requests_and_the_engine_stays_usable(llm, monkeypatch) -> None:

@@ -52,7 +52,9 @@ def reference_tokens(prompt_token_ids: list[list[int]]) -> list[list[int]]:
     ).eval()
     with torch.no_grad():
         return [
-            model.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, do_sample=False)[0, len(ids) :].tolist()
+            model.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, do_sample=False)[
+                0, len(ids) :
+            ].tolist()
             for ids in prompt_token_ids
         ]
 
@@ -60,13 +62,15 @@ def reference_tokens(prompt_token_ids: list[list[int]]) -> list[list[int]]:
 def test_default_model_greedy_tokens_match_transformers_on_the_same_gguf(
     fp32_llm, prompt_token_ids, reference_tokens
 ) -> None:
-    outputs = fp32_llm.generate(prompt_token_ids, SamplingParams(temperature=0, max_tokens=NUM_TOKENS), use_tqdm=False)
+    outputs = fp32_llm.generate(
+        prompt_token_ids, SamplingParams(temperature=0, max_tokens=NUM_TOKENS), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in outputs] == reference_tokens
 
 
 def test_default_model_keeps_its_4_bit_weights_and_computes_in_bf16_where_the_cpu_has_it(llm) -> None:
-    from fastsched.models.quant_linear import QuantLinear
     from fastsched.cpu_env import cpu_has_bf16
+    from fastsched.models.quant_linear import QuantLinear
 
     model = llm.engine.runner.model
     assert llm.config.resolved_quantization == "gguf"
@@ -92,19 +96,35 @@ def test_default_model_answers_a_chat_question(llm) -> None:
 
 def test_structured_outputs_make_smollm2_answer_in_the_schema(llm: LLM) -> None:
     """A real vocabulary (49,152 tokens, GGUF tokenizer) under the grammar: greedy and sampled, n = 3."""
-    schema = {"type": "object", "required": ["city", "country", "population"], "additionalProperties": False,
-              "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"enum": ["France", "Italy"]},
-                             "population": {"type": "integer", "minimum": 0, "maximum": 10**8}}}
+    schema = {
+        "type": "object",
+        "required": ["city", "country", "population"],
+        "additionalProperties": False,
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "country": {"enum": ["France", "Italy"]},
+            "population": {"type": "integer", "minimum": 0, "maximum": 10**8},
+        },
+    }
     question = [{"role": "user", "content": "Give a city in Italy as JSON."}]
-    outputs = llm.chat(question, [SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": schema})],
-                       use_tqdm=False)
-    outputs += llm.chat(question, SamplingParams(temperature=0.8, n=3, seed=1, max_tokens=64,
-                                                 structured_outputs={"json": schema}), use_tqdm=False)
+    outputs = llm.chat(
+        question,
+        [SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": schema})],
+        use_tqdm=False,
+    )
+    outputs += llm.chat(
+        question,
+        SamplingParams(temperature=0.8, n=3, seed=1, max_tokens=64, structured_outputs={"json": schema}),
+        use_tqdm=False,
+    )
     completions = [c for o in outputs for c in o.outputs]
     assert len(completions) == 4
     for c in completions:
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), schema)
-    [answer] = llm.generate(["Is Paris in France? Answer:"], SamplingParams(
-        temperature=0, structured_outputs={"choice": ["yes", "no"]}), use_tqdm=False)
+    [answer] = llm.generate(
+        ["Is Paris in France? Answer:"],
+        SamplingParams(temperature=0, structured_outputs={"choice": ["yes", "no"]}),
+        use_tqdm=False,
+    )
     assert answer.outputs[0].text in {"yes", "no"}

@@ -117,7 +117,9 @@ def test_s1_a_steps_scheduled_tokens_include_its_drafts(tiny_model_dir, random_p
     llm = make_llm(tiny_model_dir, draft_model(tiny_model_dir))
     engine = llm.engine
     prompt = random_prompt(10, seed=7)
-    engine.add_request(EngineCoreRequest("r", prompt, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)))
+    engine.add_request(
+        EngineCoreRequest("r", prompt, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    )
     scheduled, emitted = [], []
     while engine.has_unfinished_requests():
         before = engine.stats.iteration_tokens_sum
@@ -130,25 +132,29 @@ def test_s1_a_steps_scheduled_tokens_include_its_drafts(tiny_model_dir, random_p
     assert emitted[:3] == [1, 1 + K, 1 + K] and not any(emitted[3:])
 
 
-def test_max_tokens_is_exact_when_a_step_accepts_more_than_is_left(tiny_model_dir, random_prompt,
-                                                                   greedy_reference) -> None:
+def test_max_tokens_is_exact_when_a_step_accepts_more_than_is_left(
+    tiny_model_dir, random_prompt, greedy_reference
+) -> None:
     llm = make_llm(tiny_model_dir, draft_model(tiny_model_dir))
     prompt = random_prompt(12, seed=3)
     for max_tokens in (1, 2, 6, 7):  # 1 + 4 + 4 ... cut inside an accepted run
-        (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                              use_tqdm=False)
+        (out,) = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
+        )
         assert out.outputs[0].token_ids == greedy_reference([prompt], [max_tokens])[0]
         assert out.outputs[0].finish_reason == "length"
 
 
-def test_a_stop_token_among_accepted_drafts_ends_the_output_there(tiny_model_dir, random_prompt,
-                                                                   greedy_reference) -> None:
+def test_a_stop_token_among_accepted_drafts_ends_the_output_there(
+    tiny_model_dir, random_prompt, greedy_reference
+) -> None:
     prompt = random_prompt(12, seed=3)
     reference = greedy_reference([prompt], [16])[0]
     j = next(i for i in range(2, 16) if reference[i] not in reference[:i])  # inside a run of K + 1
     llm = make_llm(tiny_model_dir, draft_model(tiny_model_dir))
-    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[reference[j]]),
-                          use_tqdm=False)
+    (out,) = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[reference[j]]), use_tqdm=False
+    )
     assert out.outputs[0].token_ids == reference[: j + 1]
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", reference[j])
     assert not llm.engine.has_unfinished_requests()
@@ -162,20 +168,34 @@ def test_stop_strings_give_the_text_of_the_engine_without_drafts(tiny_model_dir)
         llm = make_llm(tiny_model_dir, spec)
         base = llm.generate(prompts, params, use_tqdm=False)
         stops = [o.outputs[0].text[6:9] for o in base]
-        outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=20, stop=s) for s in stops],
-                            use_tqdm=False)
-        texts.append([(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
-                      for o in [*base, *outs]])
+        outs = llm.generate(
+            prompts, [SamplingParams(temperature=0, max_tokens=20, stop=s) for s in stops], use_tqdm=False
+        )
+        texts.append(
+            [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in [*base, *outs]]
+        )
         assert all(reason == "stop" for _, _, reason in texts[-1][2:])
     assert texts[1] == texts[0] and texts[2] == texts[0]
 
 
-def test_penalties_and_min_tokens_see_the_drafts_before_each_position(tiny_model_dir, repetitive_prompts) -> None:
-    params = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.4,
-                             presence_penalty=0.2, min_tokens=12)] * 3
+def test_penalties_and_min_tokens_see_the_drafts_before_each_position(
+    tiny_model_dir, repetitive_prompts
+) -> None:
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=20,
+            repetition_penalty=1.3,
+            frequency_penalty=0.4,
+            presence_penalty=0.2,
+            min_tokens=12,
+        )
+    ] * 3
     prompts = repetitive_prompts[2:5]
-    expected = [o.outputs[0].token_ids for o in make_llm(tiny_model_dir, None).generate(prompts, params,
-                                                                                        use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in make_llm(tiny_model_dir, None).generate(prompts, params, use_tqdm=False)
+    ]
     for spec in (draft_model(tiny_model_dir), ngram()):
         llm = make_llm(tiny_model_dir, spec)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
@@ -183,9 +203,11 @@ def test_penalties_and_min_tokens_see_the_drafts_before_each_position(tiny_model
 
 def test_random_sampling_and_logprobs_run_with_drafts(tiny_model_dir, repetitive_prompts) -> None:
     llm = make_llm(tiny_model_dir, draft_model(tiny_model_dir))
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=15, ignore_eos=True, seed=1),
-              SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=15, ignore_eos=True, logprobs=2)]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=15, ignore_eos=True, seed=1),
+        SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=15, ignore_eos=True, logprobs=2),
+    ]
     outs = llm.generate(repetitive_prompts[:3], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [15, 15, 15]
     logprobs = outs[2].outputs[0].logprobs
@@ -194,11 +216,15 @@ def test_random_sampling_and_logprobs_run_with_drafts(tiny_model_dir, repetitive
 
 
 def test_the_stats_line_reports_the_acceptance_rate(tiny_model_dir, repetitive_prompts, caplog) -> None:
-    llm = LLM(model=str(tiny_model_dir), log_stats_interval=1e-9, speculative_config=draft_model(tiny_model_dir))
+    llm = LLM(
+        model=str(tiny_model_dir), log_stats_interval=1e-9, speculative_config=draft_model(tiny_model_dir)
+    )
     with caplog.at_level(logging.INFO, logger="fastsched.engine"):
         greedy(llm, repetitive_prompts[:2], [9, 9])
     lines = [r.getMessage() for r in caplog.records if "draft acceptance rate" in r.getMessage()]
-    assert lines and all("draft acceptance rate: 100.0%, mean acceptance length: 4.00" in line for line in lines)
+    assert lines and all(
+        "draft acceptance rate: 100.0%, mean acceptance length: 4.00" in line for line in lines
+    )
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(tiny_model_dir, tmp_path) -> None:
@@ -212,30 +238,46 @@ def test_constrained_requests_beside_speculated_ones_keep_their_grammar(tiny_mod
     """Structured outputs: a constrained request gets no drafts (its mask applies at its one
     emitted position), so its output is the engine's without drafts, next to requests that
     speculate; on dense and on 8-bit weights."""
-    schema = {"type": "object", "properties": {"size": {"enum": ["small", "large"]}}, "required": ["size"],
-              "additionalProperties": False}
-    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema}),
-              SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": r"[a-f]{4,9}"}),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    schema = {
+        "type": "object",
+        "properties": {"size": {"enum": ["small", "large"]}},
+        "required": ["size"],
+        "additionalProperties": False,
+    }
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema}),
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": r"[a-f]{4,9}"}),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    ]
     prompts = ["Describe a box:", "letters", "def main():"]
     texts = []
     for spec in (None, draft_model(tiny_model_dir)):
         llm = make_llm(tiny_model_dir, spec, **WEIGHTS[weights])
-        texts.append([(o.outputs[0].text, o.outputs[0].token_ids) for o in llm.generate(prompts, params,
-                                                                                          use_tqdm=False)])
+        texts.append(
+            [
+                (o.outputs[0].text, o.outputs[0].token_ids)
+                for o in llm.generate(prompts, params, use_tqdm=False)
+            ]
+        )
     assert texts[1] == texts[0]
     assert llm.engine.spec_counters.num_accepted_tokens > 0
 
 
 # The model's weights as served: dense fp32, 4-bit (the int4 kernel, bf16 inside), 4-bit with bf16 activations and KV,
 # 8-bit projections (int8 kernel; fp8 upcast on CPU).
-WEIGHTS = {"fp32": {}, "int4": {"quantization": "int4"}, "int4-bf16": {"quantization": "int4", "dtype": "bfloat16"},
-           "int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"}}
+WEIGHTS = {
+    "fp32": {},
+    "int4": {"quantization": "int4"},
+    "int4-bf16": {"quantization": "int4", "dtype": "bfloat16"},
+    "int8": {"quantization": "int8"},
+    "fp8": {"quantization": "fp8"},
+}
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)
-def test_lora_requests_with_drafts_give_their_adapters_tokens_without(tiny_model_dir, repetitive_prompts,
-                                                                      tmp_path, weights: str) -> None:
+def test_lora_requests_with_drafts_give_their_adapters_tokens_without(
+    tiny_model_dir, repetitive_prompts, tmp_path, weights: str
+) -> None:
     """The drafter knows nothing of adapters; verification runs the target with each row's
     adapter, so a request's greedy tokens are its adapter's, drafts or not; on dense and on
     4-bit weights (LoRA's delta is added to the quantized layer's output)."""
@@ -244,7 +286,9 @@ def test_lora_requests_with_drafts_give_their_adapters_tokens_without(tiny_model
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tokens = []
     for spec in (None, ngram(), draft_model(tiny_model_dir)):
-        llm = make_llm(tiny_model_dir, spec, enable_lora=True, max_loras=2, max_lora_rank=8, **WEIGHTS[weights])
+        llm = make_llm(
+            tiny_model_dir, spec, enable_lora=True, max_loras=2, max_lora_rank=8, **WEIGHTS[weights]
+        )
         prompts = [repetitive_prompts[2], repetitive_prompts[2], repetitive_prompts[3]]
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         tokens.append([o.outputs[0].token_ids for o in outs])

@@ -30,10 +30,22 @@ def test_offline_a_step_lasts_its_call(tmp_path: Path) -> None:
     tracer.on_step(DECODE, 101.0, 101.5)
     tracer.close()
     assert lines(tmp_path / "steps.jsonl") == [
-        {"time": 100.0, "batched_tokens": 40, "running_reqs": 1, "prefill_tokens": 40, "prefill_reqs": 1,
-         "duration_s": 0.25},
-        {"time": 101.0, "batched_tokens": 3, "running_reqs": 3, "prefill_tokens": 0, "prefill_reqs": 0,
-         "duration_s": 0.5},
+        {
+            "time": 100.0,
+            "batched_tokens": 40,
+            "running_reqs": 1,
+            "prefill_tokens": 40,
+            "prefill_reqs": 1,
+            "duration_s": 0.25,
+        },
+        {
+            "time": 101.0,
+            "batched_tokens": 3,
+            "running_reqs": 3,
+            "prefill_tokens": 0,
+            "prefill_reqs": 0,
+            "duration_s": 0.5,
+        },
     ]
 
 
@@ -67,28 +79,44 @@ def test_a_step_without_rows_ends_the_previous_one_and_is_not_recorded(tmp_path:
 
 
 def test_step_shape_tells_prefill_chunks_from_decodes() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
-                                      block_size=4, num_gpu_blocks=64))
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, block_size=4, num_gpu_blocks=64
+        )
+    )
     sched.add_request("decoding", list(range(10, 14)), 8)
     out = sched.schedule()  # its 4-token prompt
     sched.update_from_tokens(np.array([7], dtype=np.int64))
     sched.add_request("long", list(range(20, 50)), 8)
     out = sched.schedule()  # a decode beside a 15-token chunk of the 30-token prompt
     lens = np.array([4 if sched.request_id(int(h)) == "decoding" else 30 for h in out.req_handles])
-    assert StepShape.of(out, lens) == StepShape(batched_tokens=16, running_reqs=2, prefill_tokens=15,
-                                                prefill_reqs=1)
+    assert StepShape.of(out, lens) == StepShape(
+        batched_tokens=16, running_reqs=2, prefill_tokens=15, prefill_reqs=1
+    )
 
 
 def test_an_engine_with_step_trace_writes_one_line_per_step(tiny_model_dir: Path, tmp_path: Path) -> None:
     path = tmp_path / "steps.jsonl"
-    llm = LLM(model=str(tiny_model_dir), device="cpu", dtype="float32", log_stats_interval=0,
-              step_trace=str(path), num_gpu_blocks=64, max_model_len=128)
+    llm = LLM(
+        model=str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        log_stats_interval=0,
+        step_trace=str(path),
+        num_gpu_blocks=64,
+        max_model_len=128,
+    )
     prompts = [[5] * 12, [6] * 20]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert llm.engine.step_tracer is not None
     llm.engine.step_tracer.close()
     steps = lines(path)
-    assert [(s["batched_tokens"], s["running_reqs"], s["prefill_tokens"], s["prefill_reqs"]) for s in steps] == [
-        (32, 2, 32, 2), (2, 2, 0, 0), (2, 2, 0, 0), (2, 2, 0, 0),
+    assert [
+        (s["batched_tokens"], s["running_reqs"], s["prefill_tokens"], s["prefill_reqs"]) for s in steps
+    ] == [
+        (32, 2, 32, 2),
+        (2, 2, 0, 0),
+        (2, 2, 0, 0),
+        (2, 2, 0, 0),
     ]
     assert all(s["duration_s"] >= 0 for s in steps)

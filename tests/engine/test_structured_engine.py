@@ -30,8 +30,12 @@ SCHEMA = {
         "name": {"type": "string", "maxLength": 6},
         "size": {"enum": ["small", "large"]},
         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-        "owner": {"type": "object", "properties": {"admin": {"type": "boolean"}}, "required": ["admin"],
-                  "additionalProperties": False},
+        "owner": {
+            "type": "object",
+            "properties": {"admin": {"type": "boolean"}},
+            "required": ["admin"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "size", "tags", "owner"],
     "additionalProperties": False,
@@ -51,8 +55,12 @@ def make_llm(model_dir: Path, async_scheduling: bool, **engine_args: object) -> 
     return LLM(model=str(model_dir), log_stats_interval=0, async_scheduling=async_scheduling, **engine_args)
 
 
-def outputs(llm: LLM, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list[tuple[str, str]]:
-    return [(c.text, c.finish_reason) for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+def outputs(
+    llm: LLM, prompts: list[str], params: SamplingParams | list[SamplingParams]
+) -> list[tuple[str, str]]:
+    return [
+        (c.text, c.finish_reason) for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs
+    ]
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
@@ -67,7 +75,9 @@ def sync_llm(tiny_model_dir: Path) -> LLM:
 
 def test_json_schema_outputs_validate_greedy_and_sampled_with_n_3(llm: LLM) -> None:
     prompts = ["Describe a box:", "JSON please", "x"]
-    results = outputs(llm, prompts, [constrained(), constrained(1.0, n=3, seed=7), constrained(0.8, top_p=0.9)])
+    results = outputs(
+        llm, prompts, [constrained(), constrained(1.0, n=3, seed=7), constrained(0.8, top_p=0.9)]
+    )
     assert len(results) == 5
     for text, finish_reason in results:
         assert finish_reason == "stop", text
@@ -86,7 +96,11 @@ def test_gemma3_json_schema_outputs_validate_greedy_and_sampled(gemma3_model_dir
 
 def test_async_scheduling_gives_the_constrained_outputs_of_the_sync_loop(llm: LLM, sync_llm: LLM) -> None:
     prompts = ["one", "two two", "three three three"]
-    params = [constrained(), constrained(1.0, n=2, seed=3), constrained(structured_outputs={"regex": r"[a-f]{4,9}"})]
+    params = [
+        constrained(),
+        constrained(1.0, n=2, seed=3),
+        constrained(structured_outputs={"regex": r"[a-f]{4,9}"}),
+    ]
     assert outputs(llm, prompts, params) == outputs(sync_llm, prompts, params)
 
 
@@ -96,7 +110,9 @@ def test_regex_choice_json_object_and_grammar_outputs_match(llm: LLM) -> None:
         constrained(1.0, seed=1, structured_outputs={"regex": r"\d{3}-[a-c]{2}"}),
         constrained(1.0, seed=2, n=3, structured_outputs={"choice": ["yes", "no", "maybe"]}),
         constrained(structured_outputs={"json_object": True}, max_tokens=200),
-        constrained(1.0, seed=4, structured_outputs={"grammar": 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]/'}),
+        constrained(
+            1.0, seed=4, structured_outputs={"grammar": 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]/'}
+        ),
     ]
     (regex, _), *choices, (obj, obj_finish), (expr, _) = outputs(llm, prompts, params)
     assert re.fullmatch(r"\d{3}-[a-c]{2}", regex)
@@ -109,8 +125,9 @@ def test_regex_choice_json_object_and_grammar_outputs_match(llm: LLM) -> None:
 
 
 def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(llm: LLM) -> None:
-    [(text, finish_reason)] = outputs(llm, ["q"], constrained(ignore_eos=True,
-                                                           structured_outputs={"choice": ["alpha", "beta"]}))
+    [(text, finish_reason)] = outputs(
+        llm, ["q"], constrained(ignore_eos=True, structured_outputs={"choice": ["alpha", "beta"]})
+    )
     assert text in {"alpha", "beta"} and finish_reason == "stop"
 
 
@@ -124,15 +141,20 @@ def test_preempted_constrained_requests_get_the_tokens_of_an_unpreempted_run(
     tiny_model_dir: Path, random_prompt: Callable[[int, int], list[int]]
 ) -> None:
     prompts = [random_prompt(n, seed=i) for i, n in enumerate((20, 30, 12, 25))]
-    params = [SamplingParams(temperature=0, max_tokens=80, structured_outputs={"json": SCHEMA}),
-              SamplingParams(temperature=1.0, seed=5, max_tokens=80, structured_outputs={"json": SCHEMA}),
-              SamplingParams(temperature=0, max_tokens=80, structured_outputs={"regex": "[a-z]{60}"}),
-              SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=80, structured_outputs={"json": SCHEMA}),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=80, structured_outputs={"json": SCHEMA}),
+        SamplingParams(temperature=0, max_tokens=80, structured_outputs={"regex": "[a-z]{60}"}),
+        SamplingParams(temperature=0, max_tokens=80, ignore_eos=True),
+    ]
     results = {}
     for async_scheduling in (True, False):
         for pool in (SMALL_POOL, {}):
-            core = EngineCore(EngineConfig.from_kwargs(model=str(tiny_model_dir), log_stats_interval=0,
-                                                       async_scheduling=async_scheduling, **pool))
+            core = EngineCore(
+                EngineConfig.from_kwargs(
+                    model=str(tiny_model_dir), log_stats_interval=0, async_scheduling=async_scheduling, **pool
+                )
+            )
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 core.add_request(EngineCoreRequest(str(i), prompt, p))
             tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
@@ -151,7 +173,9 @@ def test_preempted_constrained_requests_get_the_tokens_of_an_unpreempted_run(
 
 def test_a_grammar_that_does_not_compile_is_a_value_error_naming_it() -> None:
     with pytest.raises(ValueError, match="structured_outputs"):
-        SamplingParams(structured_outputs={"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}})
+        SamplingParams(
+            structured_outputs={"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}
+        )
     with pytest.raises(ValueError, match="structured_outputs"):
         SamplingParams(structured_outputs={"regex": "(unclosed"})
     with pytest.raises(ValueError, match="structured_outputs needs exactly one"):
@@ -177,8 +201,11 @@ def test_structured_outputs_cross_the_engine_wire() -> None:
 def test_a_failing_step_releases_the_forward_thread_waiting_for_a_bitmask(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
 ) -> None:
-    core = EngineCore(EngineConfig.from_kwargs(model=str(tiny_model_dir), log_stats_interval=0,
-                                               async_scheduling=async_scheduling))
+    core = EngineCore(
+        EngineConfig.from_kwargs(
+            model=str(tiny_model_dir), log_stats_interval=0, async_scheduling=async_scheduling
+        )
+    )
     real = core.structured.manager.accept_each
     calls = {"n": 0}
 
@@ -216,4 +243,3 @@ def test_a_grammar_past_the_engines_limits_ends_its_request_and_nothing_else(llm
     assert hostile_finish == "stop" and re.fullmatch("a?", hostile_text), hostile_text
     assert [neighbour] == expected
     assert outputs(llm, ["neighbour"], plain) == expected
-

@@ -94,8 +94,10 @@ def test_fewer_kv_heads_than_ranks_replicates_the_kv_head_each_rank_reads(tiny_m
     assert local_heads(config, _rank(0, 4)) == (1, 1)
     # Ranks 0 and 1 hold query heads 0 and 1, both of which read KV head 0.
     for rank, head in ((0, 0), (1, 0), (2, 1), (3, 1)):
-        assert torch.equal(shard_weight("layers.0.self_attn.k_proj.weight", k, config, _rank(rank, 4)),
-                           k[head * hd:(head + 1) * hd])
+        assert torch.equal(
+            shard_weight("layers.0.self_attn.k_proj.weight", k, config, _rank(rank, 4)),
+            k[head * hd : (head + 1) * hd],
+        )
 
 
 def test_int4_weights_shard_before_packing_and_dequantize_to_the_dense_shards(tiny_model_dir: Path) -> None:
@@ -106,19 +108,25 @@ def test_int4_weights_shard_before_packing_and_dequantize_to_the_dense_shards(ti
         shard = shard_weight("layers.0.mlp.down_proj.weight", quantized, config, _rank(rank, 2))
         assert isinstance(shard, Int4Weight)
         width = config.intermediate_size // 2
-        assert torch.equal(shard.dequantize(), quantized.dequantize()[:, rank * width:(rank + 1) * width])
+        assert torch.equal(shard.dequantize(), quantized.dequantize()[:, rank * width : (rank + 1) * width])
 
 
-def test_int4_row_parallel_shard_not_in_whole_groups_is_refused_naming_the_layer(tiny_model_dir: Path) -> None:
+def test_int4_row_parallel_shard_not_in_whole_groups_is_refused_naming_the_layer(
+    tiny_model_dir: Path,
+) -> None:
     config = load_model_config(tiny_model_dir)  # o_proj is 64 columns wide: 16 per rank at 4 ranks
     weight = Int4Weight.quantize(torch.randn(config.hidden_size, config.num_heads * config.head_dim))
     with pytest.raises(ValueError, match="o_proj.weight.*groups of 32"):
         shard_weight("layers.0.self_attn.o_proj.weight", weight, config, _rank(1, 4))
 
 
-def test_kv_heads_that_neither_split_nor_replicate_evenly_are_refused_naming_the_counts(tiny_model_dir: Path) -> None:
+def test_kv_heads_that_neither_split_nor_replicate_evenly_are_refused_naming_the_counts(
+    tiny_model_dir: Path,
+) -> None:
     config = load_model_config(tiny_model_dir)  # 4 query heads, 2 KV heads: 3 ranks cannot share 2 KV heads
-    with pytest.raises(ValueError, match="4 attention heads and 2 KV heads do not split over tensor_parallel_size 3"):
+    with pytest.raises(
+        ValueError, match="4 attention heads and 2 KV heads do not split over tensor_parallel_size 3"
+    ):
         local_heads(config, _rank(0, 3))
     with pytest.raises(ValueError, match="tensor_parallel_size 8"):  # more ranks than query heads
         local_heads(config, _rank(0, 8))
@@ -133,7 +141,10 @@ def test_smollm2_over_two_ranks_splits_by_whole_kv_groups_unevenly(smollm2_confi
     """Rank 0 holds KV heads 0-1 with the 6 query heads that read them, rank 1 KV head 2 with
     query heads 6-8: the q/k/v rows and o_proj columns tile the weights, in uneven widths."""
     config = smollm2_config
-    assert [head_ranges(config, r, 2) for r in range(2)] == [(range(0, 6), range(0, 2)), (range(6, 9), range(2, 3))]
+    assert [head_ranges(config, r, 2) for r in range(2)] == [
+        (range(6), range(2)),
+        (range(6, 9), range(2, 3)),
+    ]
     assert [local_heads(config, _rank(r, 2)) for r in range(2)] == [(6, 2), (3, 1)]
     assert describe_head_split(config, 2) == "rank 0 q 0-5 kv 0-1; rank 1 q 6-8 kv 2"
     hd, hidden = config.head_dim, config.hidden_size
@@ -143,19 +154,31 @@ def test_smollm2_over_two_ranks_splits_by_whole_kv_groups_unevenly(smollm2_confi
     ks = [shard_weight("layers.0.self_attn.k_proj.weight", k, config, _rank(r, 2)) for r in range(2)]
     os_ = [shard_weight("layers.0.self_attn.o_proj.weight", o, config, _rank(r, 2)) for r in range(2)]
     assert [t.shape[0] for t in qs] == [6 * hd, 3 * hd] and [t.shape[0] for t in ks] == [2 * hd, hd]
-    assert torch.equal(torch.cat(qs), q) and torch.equal(torch.cat(ks), k) and torch.equal(torch.cat(os_, dim=1), o)
+    assert (
+        torch.equal(torch.cat(qs), q)
+        and torch.equal(torch.cat(ks), k)
+        and torch.equal(torch.cat(os_, dim=1), o)
+    )
     quantized = Int4Weight.quantize(o)  # 384 and 192 columns: whole groups of 32
-    shards = [shard_weight("layers.0.self_attn.o_proj.weight", quantized, config, _rank(r, 2)) for r in range(2)]
+    shards = [
+        shard_weight("layers.0.self_attn.o_proj.weight", quantized, config, _rank(r, 2)) for r in range(2)
+    ]
     assert torch.equal(torch.cat([s.dequantize() for s in shards], dim=1), quantized.dequantize())
 
 
-def test_smollm2_replicated_kv_heads_split_their_groups_query_heads_unevenly(smollm2_config: ModelConfig) -> None:
+def test_smollm2_replicated_kv_heads_split_their_groups_query_heads_unevenly(
+    smollm2_config: ModelConfig,
+) -> None:
     """6 ranks over 3 KV heads: each KV head on 2 ranks, its 3 query heads split 2 + 1; 4
     ranks cannot share 3 KV heads equally and are refused naming the counts."""
-    assert [head_ranges(smollm2_config, r, 6) for r in range(2)] == [(range(0, 2), range(0, 1)),
-                                                                       (range(2, 3), range(0, 1))]
+    assert [head_ranges(smollm2_config, r, 6) for r in range(2)] == [
+        (range(2), range(1)),
+        (range(2, 3), range(1)),
+    ]
     assert head_ranges(smollm2_config, 5, 6) == (range(8, 9), range(2, 3))
-    with pytest.raises(ValueError, match="9 attention heads and 3 KV heads do not split over tensor_parallel_size 4"):
+    with pytest.raises(
+        ValueError, match="9 attention heads and 3 KV heads do not split over tensor_parallel_size 4"
+    ):
         local_heads(smollm2_config, _rank(0, 4))
 
 
@@ -164,10 +187,18 @@ def test_data_parallel_engines_take_devices_of_their_own_on_cuda() -> None:
     cuda:N); with Ray only rank 0 is local; too few devices is an error naming them; the CPU
     is every engine's. Computed without a GPU (the device index only names a device)."""
     cuda, cuda2 = torch.device("cuda"), torch.device("cuda:2")
-    assert data_parallel_devices(cuda, 0, 2, device_count=4) == [torch.device("cuda", 0), torch.device("cuda", 1)]
-    assert data_parallel_devices(cuda, 1, 2, device_count=4) == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    assert data_parallel_devices(cuda, 0, 2, device_count=4) == [
+        torch.device("cuda", 0),
+        torch.device("cuda", 1),
+    ]
+    assert data_parallel_devices(cuda, 1, 2, device_count=4) == [
+        torch.device("cuda", 2),
+        torch.device("cuda", 3),
+    ]
     assert data_parallel_devices(cuda2, 1, 1, device_count=4) == [torch.device("cuda", 3)]
-    with pytest.raises(ValueError, match=r"engine 1 with 2 local .* needs cuda:4..cuda:5, but 4 CUDA devices"):
+    with pytest.raises(
+        ValueError, match=r"engine 1 with 2 local .* needs cuda:4..cuda:5, but 4 CUDA devices"
+    ):
         data_parallel_devices(cuda2, 1, 2, device_count=4)
     assert data_parallel_devices(torch.device("cpu"), 1, 2, device_count=0) == [torch.device("cpu")] * 2
 
@@ -180,12 +211,20 @@ def test_a_negative_execute_model_timeout_is_refused_naming_it() -> None:
 # ------------------------------------------------------------------ two gloo ranks
 
 
-def _tp2_against_tp1(model: Path, prompts: list[list[int]], quantization: str) -> tuple[list[list[int]], list[list[int]]]:
+def _tp2_against_tp1(
+    model: Path, prompts: list[list[int]], quantization: str
+) -> tuple[list[list[int]], list[list[int]]]:
     """(TP=1 tokens, TP=2 tokens) under chunked prefill, prefix hits and preemption, each
     checked to have happened; the workers are gone afterwards."""
     max_tokens = [*MAX_TOKENS, 20, 16, 24]
-    args = dict(model=str(model), dtype="float32", quantization=quantization, log_stats_interval=0,
-                num_threads=1, **SMALL_POOL)
+    args = dict(
+        model=str(model),
+        dtype="float32",
+        quantization=quantization,
+        log_stats_interval=0,
+        num_threads=1,
+        **SMALL_POOL,
+    )
     reference = _greedy(LLM(**args), prompts, max_tokens)
     llm = LLM(**args, tensor_parallel_size=2)
     try:
@@ -232,8 +271,13 @@ def test_tp2_int4_greedy_tokens_agree_with_tp1_but_for_bf16_rounding_of_partial_
 
 
 def test_a_killed_worker_fails_the_engine_and_shutdown_leaves_no_worker(tiny_model_dir: Path) -> None:
-    llm = LLM(model=str(tiny_model_dir), dtype="float32", log_stats_interval=0, num_threads=1,
-              tensor_parallel_size=2)
+    llm = LLM(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        log_stats_interval=0,
+        num_threads=1,
+        tensor_parallel_size=2,
+    )
     group = llm.engine.tp_group
     assert group is not None
     (pid,) = group.pids
@@ -254,8 +298,17 @@ SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 
 def _smollm2(quantization: str, tp: int) -> list:
     """Greedy outputs (with the prefill's top-3 logprobs) of the embedded SmolLM2 GGUF, under chunked prefill."""
-    llm = LLM(quantization=quantization, tensor_parallel_size=tp, kv_cache_memory=64 * 2**20, max_model_len=512,
-              log_stats_interval=0, num_threads=1, max_num_batched_tokens=8, max_num_seqs=8, dtype="float32")
+    llm = LLM(
+        quantization=quantization,
+        tensor_parallel_size=tp,
+        kv_cache_memory=64 * 2**20,
+        max_model_len=512,
+        log_stats_interval=0,
+        num_threads=1,
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+        dtype="float32",
+    )
     try:
         greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
         return [o.outputs[0] for o in llm.generate(SMOLLM2_PROMPTS, greedy, use_tqdm=False)]
@@ -275,7 +328,9 @@ def test_smollm2_sharded_dequantized_gives_the_tokens_of_one_rank(smollm2_unshar
     assert [o.token_ids for o in _smollm2("none", tp)] == [o.token_ids for o in smollm2_unsharded]
 
 
-def test_smollm2_4bit_shards_of_uneven_width_load_and_agree_on_the_top_candidates(smollm2_unsharded: list) -> None:
+def test_smollm2_4bit_shards_of_uneven_width_load_and_agree_on_the_top_candidates(
+    smollm2_unsharded: list,
+) -> None:
     """Kept 4-bit (``gguf``, each rank's Int4Weight sliced before packing: o_proj in 384 and
     192 columns), the bf16 rounding of partial sums (see the int4 test above) flips near-ties,
     so what is checked is that the prefill's top-3 candidates are the same tokens."""

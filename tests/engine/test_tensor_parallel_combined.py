@@ -31,9 +31,17 @@ MAX_TOKENS = 6
 
 
 def _core(model_dir: Path, tp: int, **engine_args: object) -> EngineCore:
-    return EngineCore(EngineConfig.from_kwargs(model=str(model_dir), log_stats_interval=0, block_size=BLOCK_SIZE,
-                                               dtype="float32", num_threads=1, tensor_parallel_size=tp,
-                                               **engine_args))
+    return EngineCore(
+        EngineConfig.from_kwargs(
+            model=str(model_dir),
+            log_stats_interval=0,
+            block_size=BLOCK_SIZE,
+            dtype="float32",
+            num_threads=1,
+            tensor_parallel_size=tp,
+            **engine_args,
+        )
+    )
 
 
 def _generate(core: EngineCore, prompts: Sequence[Sequence[int]], prefix: str = "") -> list[list[int]]:
@@ -64,16 +72,21 @@ def other_weights(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     for file in tiny_model_dir.iterdir():
         if file.suffix == ".safetensors":
             tensors = load_file(file)
-            save_file({k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in tensors.items()},
-                      out / file.name)
+            save_file(
+                {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in tensors.items()},
+                out / file.name,
+            )
         elif file.is_file():
             (out / file.name).write_bytes(file.read_bytes())
     return out
 
 
 @pytest.fixture(scope="module")
-def bad_checkpoints(tiny_model_dir: Path, other_weights: Path, tmp_path_factory: pytest.TempPathFactory,
-                    ) -> dict[str, Path]:
+def bad_checkpoints(
+    tiny_model_dir: Path,
+    other_weights: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Path]:
     """Checkpoints a reload must refuse, leaving the old weights: none there; a truncated
     safetensors file (``SafetensorError``, which the engine once did not catch and died of);
     one that only rank 1 fails to load (:func:`rank_1_fails`)."""
@@ -104,12 +117,14 @@ def rank_1_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "    if tp is not None and tp.rank == 1 and 'rank-1-fails' in str(path):\n"
         "        raise KeyError('injected: rank 1 cannot load')\n"
         "    return _load(path, *args, tp=tp, **kwargs)\n"
-        "w.load_model = load_model\n")
+        "w.load_model = load_model\n"
+    )
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{Path(__file__).resolve().parents[2] / 'python'}")
 
 
-def _reload_and_generate(model_dir: Path, other: Path, tp: int, prompts: list[list[int]],
-                         bad: dict[str, Path]) -> list:
+def _reload_and_generate(
+    model_dir: Path, other: Path, tp: int, prompts: list[list[int]], bad: dict[str, Path]
+) -> list:
     core = _core(model_dir, tp)
     try:
         before = _generate(core, prompts, "a")
@@ -135,7 +150,10 @@ def _reload_and_generate(model_dir: Path, other: Path, tp: int, prompts: list[li
 
 
 def test_s13_tp2_reload_gives_the_tokens_of_tp1_after_the_same_reload(
-    tiny_model_dir: Path, other_weights: Path, prompts: list[list[int]], bad_checkpoints: dict[str, Path],
+    tiny_model_dir: Path,
+    other_weights: Path,
+    prompts: list[list[int]],
+    bad_checkpoints: dict[str, Path],
     rank_1_fails: None,
 ) -> None:
     one = _reload_and_generate(tiny_model_dir, other_weights, 1, prompts, bad_checkpoints)
@@ -149,8 +167,11 @@ def test_s13_tp2_reload_gives_the_tokens_of_tp1_after_the_same_reload(
 
 
 def _kv_config(store: Path) -> dict:
-    return {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    return {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+    }
 
 
 def test_each_rank_holds_the_kv_heads_of_its_k_proj_shard(tiny_model_dir: Path) -> None:
@@ -167,9 +188,13 @@ def test_s7_tp2_warm_restart_loads_the_stored_prefixes_and_gives_the_tokens_of_t
     reference = _generate(_core(tiny_model_dir, 1), prompts)
     runs = []
     for _ in ("cold", "warm"):
-        core = _core(tiny_model_dir, 2, kv_transfer_config=_kv_config(tmp_path), async_scheduling=async_scheduling)
+        core = _core(
+            tiny_model_dir, 2, kv_transfer_config=_kv_config(tmp_path), async_scheduling=async_scheduling
+        )
         try:
-            runs.append((_generate(core, prompts), dict(core.kv_transfer.stats), core.runner.block_shards.bytes_moved))
+            runs.append(
+                (_generate(core, prompts), dict(core.kv_transfer.stats), core.runner.block_shards.bytes_moved)
+            )
         finally:
             core.shutdown()
     (cold, cold_stats, cold_bytes), (warm, warm_stats, warm_bytes) = runs

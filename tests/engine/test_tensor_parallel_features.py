@@ -57,18 +57,32 @@ def repetitive_prompts(random_prompt: Callable[[int, int], list[int]]) -> list[l
     return [(random_prompt(max(2, n // 4), seed=i) * 4)[:n] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
-def _run(model_dir: Path, prompts: list[list[int]], spec: dict[str, object] | None,
-         tp: int) -> tuple[list[list[int]], list[str], tuple[int, int]]:
+def _run(
+    model_dir: Path, prompts: list[list[int]], spec: dict[str, object] | None, tp: int
+) -> tuple[list[list[int]], list[str], tuple[int, int]]:
     """(greedy tokens, constrained texts, (drafts, accepted)) of one engine; its workers are stopped."""
-    llm = LLM(model=str(model_dir), dtype="float32", log_stats_interval=0, num_threads=1, speculative_config=spec,
-              tensor_parallel_size=tp, **SMALL_POOL)
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        log_stats_interval=0,
+        num_threads=1,
+        speculative_config=spec,
+        tensor_parallel_size=tp,
+        **SMALL_POOL,
+    )
     try:
         greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        texts = [o.outputs[0].text for o in llm.generate(["Describe a box:", "two two"], CONSTRAINED,
-                                                           use_tqdm=False)]
+        texts = [
+            o.outputs[0].text
+            for o in llm.generate(["Describe a box:", "two two"], CONSTRAINED, use_tqdm=False)
+        ]
         counters = llm.engine.spec_counters
-        return tokens, texts, (0, 0) if counters is None else (counters.num_draft_tokens, counters.num_accepted_tokens)
+        return (
+            tokens,
+            texts,
+            (0, 0) if counters is None else (counters.num_draft_tokens, counters.num_accepted_tokens),
+        )
     finally:
         llm.shutdown()
 
@@ -84,5 +98,7 @@ def test_tp2_drafted_and_constrained_outputs_equal_tp1(
     assert 4 <= len(texts[1]) <= 9 and set(texts[1]) <= set("abcdef")
     if spec is not None:
         assert accepted > 0
-    if drafter == "draft-model":  # the target drafting for itself, unsharded on rank 0: every greedy draft holds
+    if (
+        drafter == "draft-model"
+    ):  # the target drafting for itself, unsharded on rank 0: every greedy draft holds
         assert accepted == drafts

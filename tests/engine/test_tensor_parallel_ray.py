@@ -21,8 +21,14 @@ ray = pytest.importorskip("ray", reason="ray is not installed (the ray extra)")
 
 @pytest.fixture(scope="module")
 def local_ray_cluster() -> Iterator[None]:
-    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     try:
         yield
     finally:
@@ -34,8 +40,16 @@ def test_tp2_on_ray_actors_gives_the_tokens_of_tp1(
 ) -> None:
     prompts = [random_prompt(n, seed=i) for i, n in enumerate((3, 11, 26, 41, 63, 80))]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    args = dict(model=str(tiny_model_dir), dtype="float32", log_stats_interval=0, num_threads=1,
-                num_gpu_blocks=9, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=8)
+    args = dict(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        log_stats_interval=0,
+        num_threads=1,
+        num_gpu_blocks=9,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+    )
     reference = [o.outputs[0].token_ids for o in LLM(**args).generate(prompts, params, use_tqdm=False)]
     llm = LLM(**args, tensor_parallel_size=2, distributed_executor_backend="ray")
     try:
@@ -49,17 +63,29 @@ def test_tp2_on_ray_actors_gives_the_tokens_of_tp1(
 
 
 def test_tp2_on_ray_actors_applies_lora_adapters_as_one_rank_does(
-    local_ray_cluster: None, tiny_model_dir: Path, tmp_path: Path, random_prompt: Callable[[int, int], list[int]]
+    local_ray_cluster: None,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    random_prompt: Callable[[int, int], list[int]],
 ) -> None:
     adapter = LoRARequest("a", 1, str(make_tiny_lora(tiny_model_dir, tmp_path / "lora", rank=8, seed=4)))
     prompts = [random_prompt(n, seed=i) for i, n in enumerate((9, 30, 17))]
     loras = [adapter, None, adapter]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    args = dict(model=str(tiny_model_dir), dtype="float32", log_stats_interval=0, num_threads=1,
-                max_model_len=128, enable_lora=True, max_lora_rank=8)
+    args = dict(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        log_stats_interval=0,
+        num_threads=1,
+        max_model_len=128,
+        enable_lora=True,
+        max_lora_rank=8,
+    )
 
     def generate(llm: LLM) -> list[list[int]]:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras, use_tqdm=False)]
+        return [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        ]
 
     reference = generate(LLM(**args))
     llm = LLM(**args, tensor_parallel_size=2, distributed_executor_backend="ray")

@@ -19,10 +19,13 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_s8_prefix_hits_on_8bit_weights_give_the_tokens_computed_without_the_cache(
-        tiny_model_dir, random_prompt, kind: str) -> None:
+    tiny_model_dir, random_prompt, kind: str
+) -> None:
     prefix = random_prompt(48, 1)
     prompts = [prefix + random_prompt(n, 10 + n) for n in (5, 9, 17)]
-    uncached = LLM(model=str(tiny_model_dir), quantization=kind, enable_prefix_caching=False, log_stats_interval=0)
+    uncached = LLM(
+        model=str(tiny_model_dir), quantization=kind, enable_prefix_caching=False, log_stats_interval=0
+    )
     expected = _greedy(uncached, prompts)
     cached = LLM(model=str(tiny_model_dir), quantization=kind, log_stats_interval=0)
     model = cached.engine.runner.model

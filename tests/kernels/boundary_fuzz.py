@@ -25,8 +25,17 @@ from fastsched import _core
 
 ALLOWED = (ValueError, TypeError)
 EXAMPLES = int(os.environ.get("BOUNDARY_FUZZ_EXAMPLES", "120"))
-DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
-          torch.int64, torch.bool)
+DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
 
 
 def _misaligned(t: torch.Tensor) -> torch.Tensor:
@@ -46,13 +55,24 @@ def _used_capsule(t: torch.Tensor) -> object:
 
 def _break(data: st.DataObject, t: torch.Tensor, others: list[torch.Tensor]) -> Any:
     """A broken stand-in for the tensor argument ``t``."""
-    kind = data.draw(st.sampled_from(["dtype", "shape", "empty", "strided", "misaligned", "capsule", "object",
-                                      "alias", "values"]))
+    kind = data.draw(
+        st.sampled_from(
+            ["dtype", "shape", "empty", "strided", "misaligned", "capsule", "object", "alias", "values"]
+        )
+    )
     if kind == "dtype":
         return t.to(data.draw(st.sampled_from([d for d in DTYPES if d != t.dtype])))
     if kind == "shape":
-        return data.draw(st.sampled_from([t.reshape(-1), t.unsqueeze(0), t[..., :-1] if t.dim() else t,
-                                          torch.cat([t, t]) if t.dim() else t]))
+        return data.draw(
+            st.sampled_from(
+                [
+                    t.reshape(-1),
+                    t.unsqueeze(0),
+                    t[..., :-1] if t.dim() else t,
+                    torch.cat([t, t]) if t.dim() else t,
+                ]
+            )
+        )
     if kind == "empty":
         return t[:0] if t.dim() else t.reshape(0)
     if kind == "strided":
@@ -104,14 +124,17 @@ def _describe(a: Any) -> str:
     return repr(a)[:80]
 
 
-def _fuzz_args(data: st.DataObject, name: str, fn: Callable[..., Any], args: list[Any],
-               breakable: list[int]) -> None:
+def _fuzz_args(
+    data: st.DataObject, name: str, fn: Callable[..., Any], args: list[Any], breakable: list[int]
+) -> None:
     """Calls ``fn`` valid, then with some of the ``breakable`` arguments broken."""
     _call(name, fn, args, broken=False)
     chosen = data.draw(st.sets(st.sampled_from(breakable), min_size=1, max_size=3)) if breakable else set()
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    bad = [(_break(data, a, [o for o in tensors if o is not a]) if i in chosen else a)
-           for i, a in enumerate(args)]
+    bad = [
+        (_break(data, a, [o for o in tensors if o is not a]) if i in chosen else a)
+        for i, a in enumerate(args)
+    ]
     _call(name, fn, bad, broken=True)
 
 
@@ -134,8 +157,13 @@ def fuzz_act_mul(data: st.DataObject, m: int, inner: int, gelu: bool) -> None:
 def fuzz_add_rms_norm(data: st.DataObject, m: int, n: int, with_delta: bool, f32_weight: bool) -> None:
     _seed(data)
     weight = torch.rand(n) + 0.5
-    args = [torch.randn(m, n).bfloat16(), torch.randn(m, n).bfloat16() if with_delta else None,
-            weight if f32_weight else weight.bfloat16(), torch.empty(m, n, dtype=torch.bfloat16), 1e-6]
+    args = [
+        torch.randn(m, n).bfloat16(),
+        torch.randn(m, n).bfloat16() if with_delta else None,
+        weight if f32_weight else weight.bfloat16(),
+        torch.empty(m, n, dtype=torch.bfloat16),
+        1e-6,
+    ]
     _fuzz_args(data, "add_rms_norm", _core.add_rms_norm_bf16, args, _tensor_indices(args))
 
 
@@ -162,10 +190,16 @@ def fuzz_rope(data: st.DataObject, rows: int, heads: int, half: int, table_len: 
     dtype = torch.bfloat16 if bf16 else torch.float32
     fused = torch.randn(rows, heads * d + 3).to(dtype)
     positions = torch.randint(0, table_len, (rows,), dtype=torch.int64)
-    dims = data.draw(st.sampled_from([(heads, d), (heads, d), (heads + 1, d), (heads, d + 2),
-                                      (2**40, 2**40)]))
-    args = [fused[:, : heads * d], *dims, positions, torch.randn(table_len, d).to(dtype),
-            torch.randn(table_len, d).to(dtype)]
+    dims = data.draw(
+        st.sampled_from([(heads, d), (heads, d), (heads + 1, d), (heads, d + 2), (2**40, 2**40)])
+    )
+    args = [
+        fused[:, : heads * d],
+        *dims,
+        positions,
+        torch.randn(table_len, d).to(dtype),
+        torch.randn(table_len, d).to(dtype),
+    ]
     if dims != (heads, d):
         _call("rope", _core.rope, args, broken=True)
         return
@@ -192,10 +226,18 @@ def _step(data: st.DataObject, block_size: int, num_blocks_extra: int) -> tuple[
 
 
 @settings(max_examples=EXAMPLES, deadline=None, database=None)
-@given(st.data(), st.integers(1, 3), st.integers(1, 2), st.integers(1, 2), st.integers(1, 4), st.booleans(),
-       st.booleans())
-def fuzz_paged_attention(data: st.DataObject, block_size: int, kv_heads: int, group: int, half: int,
-                         bf16: bool, cache_bf16: bool) -> None:
+@given(
+    st.data(),
+    st.integers(1, 3),
+    st.integers(1, 2),
+    st.integers(1, 2),
+    st.integers(1, 4),
+    st.booleans(),
+    st.booleans(),
+)
+def fuzz_paged_attention(
+    data: st.DataObject, block_size: int, kv_heads: int, group: int, half: int, bf16: bool, cache_bf16: bool
+) -> None:
     _seed(data)
     d, heads = 2 * half, kv_heads * group
     step, tokens, num_blocks = _step(data, block_size, data.draw(st.integers(0, 2)))
@@ -204,20 +246,38 @@ def fuzz_paged_attention(data: st.DataObject, block_size: int, kv_heads: int, gr
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     cache_dtype = torch.bfloat16 if cache_bf16 else torch.float32
     cache = torch.zeros(2, num_blocks, block_size, kv_heads, d, dtype=cache_dtype)
-    args = [q.reshape(tokens, heads, d), k.reshape(tokens, kv_heads, d), v.reshape(tokens, kv_heads, d),
-            torch.empty(tokens, heads, d, dtype=dtype), cache, *step, 0.5, None, None]
+    args = [
+        q.reshape(tokens, heads, d),
+        k.reshape(tokens, kv_heads, d),
+        v.reshape(tokens, kv_heads, d),
+        torch.empty(tokens, heads, d, dtype=dtype),
+        cache,
+        *step,
+        0.5,
+        None,
+        None,
+    ]
     _fuzz_args(data, "paged_attention", _core.paged_attention, args, _tensor_indices(args))
 
 
 def _weight_tensors(bits: int, n: int, k: int, scale_group: int, zero: bool) -> list[torch.Tensor | None]:
-    data = (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8) if bits == 4
-            else torch.randint(-128, 128, (n, k), dtype=torch.int8))
+    data = (
+        torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+        if bits == 4
+        else torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    )
     return [data, torch.rand(n, k // scale_group) * 0.01, torch.randn(n, k // 32) * 0.01 if zero else None]
 
 
 @settings(max_examples=EXAMPLES, deadline=None, database=None)
-@given(st.data(), st.sampled_from([(4, 32), (8, 32), (8, 16)]), st.integers(0, 5), st.integers(1, 3),
-       st.integers(0, 5), st.booleans())
+@given(
+    st.data(),
+    st.sampled_from([(4, 32), (8, 32), (8, 16)]),
+    st.integers(0, 5),
+    st.integers(1, 3),
+    st.integers(0, 5),
+    st.booleans(),
+)
 def fuzz_quant(data: st.DataObject, kind: tuple[int, int], n: int, kb: int, m: int, bf16: bool) -> None:
     _seed(data)
     bits, scale_group = kind
@@ -246,8 +306,12 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 32, 2, 1, 16, 32
 
 
 def _decoder(layers: int) -> tuple[_core.CpuDecoder, list[Any]]:
-    shapes = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN),
-              (HIDDEN, INTER)]
+    shapes = [
+        ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+        (HIDDEN, HEADS * HEAD_DIM),
+        (2 * INTER, HIDDEN),
+        (HIDDEN, INTER),
+    ]
     keep: list[Any] = []
     weights, norms, biases = [], [], []
     for _ in range(layers):
@@ -257,12 +321,21 @@ def _decoder(layers: int) -> tuple[_core.CpuDecoder, list[Any]]:
             keep.append(ts)
             ws.append(_core.QuantWeight(8, 32, n, k, to_dlpack(ts[0]), to_dlpack(ts[1])))
         weights.append(ws)
-        norms.append([to_dlpack(torch.ones(HIDDEN).bfloat16()), to_dlpack(torch.ones(HIDDEN).bfloat16())]
-                     + [None] * 4)
+        norms.append(
+            [to_dlpack(torch.ones(HIDDEN).bfloat16()), to_dlpack(torch.ones(HIDDEN).bfloat16())] + [None] * 4
+        )
         biases.append([None] * 4)
     options = [("silu", None, 0, None, HEAD_DIM**-0.5)] * layers
-    stack = _core.CpuDecoder([HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER], 1e-6, 16, norms, weights, biases,
-                             to_dlpack(torch.ones(HIDDEN).bfloat16()), options)
+    stack = _core.CpuDecoder(
+        [HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER],
+        1e-6,
+        16,
+        norms,
+        weights,
+        biases,
+        to_dlpack(torch.ones(HIDDEN).bfloat16()),
+        options,
+    )
     return stack, keep
 
 
@@ -274,8 +347,10 @@ def fuzz_decoder_forward(data: st.DataObject, layers: int, block_size: int) -> N
     step, rows, num_blocks = _step(data, block_size, 1)
     table_len = 8
     positions = torch.tensor([p % table_len for p in range(rows)], dtype=torch.int64)
-    caches = [torch.zeros(2, num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
-              for _ in range(layers)]
+    caches = [
+        torch.zeros(2, num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        for _ in range(layers)
+    ]
     cos, sin = torch.randn(table_len, HEAD_DIM).bfloat16(), torch.randn(table_len, HEAD_DIM).bfloat16()
     hidden = torch.randn(rows, HIDDEN).bfloat16()
     out = torch.empty_like(hidden)
@@ -293,9 +368,18 @@ def fuzz_decoder_forward(data: st.DataObject, layers: int, block_size: int) -> N
     _call("CpuDecoder.forward caches", forward, args, broken=True)
 
 
-FUZZERS = {f.__name__.removeprefix("fuzz_"): f for f in (fuzz_act_mul, fuzz_add_rms_norm, fuzz_rms_norm_heads,
-                                                        fuzz_rope, fuzz_paged_attention, fuzz_quant,
-                                                        fuzz_decoder_forward)}
+FUZZERS = {
+    f.__name__.removeprefix("fuzz_"): f
+    for f in (
+        fuzz_act_mul,
+        fuzz_add_rms_norm,
+        fuzz_rms_norm_heads,
+        fuzz_rope,
+        fuzz_paged_attention,
+        fuzz_quant,
+        fuzz_decoder_forward,
+    )
+}
 
 if __name__ == "__main__":
     torch.manual_seed(0)

@@ -16,8 +16,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from fastsched.attention.base import AttentionMetadata  # noqa: E402
-from fastsched.kernels.reference import reshape_and_cache_ref  # noqa: E402
+from fastsched.attention.base import AttentionMetadata
+from fastsched.kernels.reference import reshape_and_cache_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -134,8 +134,9 @@ class PagedScenario:
         )
         return q, k, v, metadata
 
-    def dense_attention(self, spans: list[Span], num_tokens: int, window: int | None = None,
-                        soft_cap: float | None = None) -> torch.Tensor:
+    def dense_attention(
+        self, spans: list[Span], num_tokens: int, window: int | None = None, soft_cap: float | None = None
+    ) -> torch.Tensor:
         """The oracle: causal attention from the full sequences in fp64, no cache involved;
         with ``window`` a query sees its last that many keys, with ``soft_cap`` scores are
         ``cap * tanh(s / cap)``."""

@@ -42,7 +42,11 @@ STEPS = {
     "one_token_prompts_beside_a_long_decode": ([0, 47, 0], [1, 1, 1], {}),
     # whole prompts of different lengths, batched into one padded call, beside a chunk with context and a decode
     "fresh_prompts_batched": ([0, 0, 30, 0, 21, 0], [7, 21, 1, 12, 6, 2], {}),
-    "fresh_prompts_gqa3_block_8": ([0, 0, 0], [9, 17, 3], dict(num_heads=6, num_kv_heads=2, head_dim=40, block_size=8)),
+    "fresh_prompts_gqa3_block_8": (
+        [0, 0, 0],
+        [9, 17, 3],
+        dict(num_heads=6, num_kv_heads=2, head_dim=40, block_size=8),
+    ),
 }
 
 
@@ -60,7 +64,9 @@ def _run_step(backend, scenario, name, dtype, num_padding_tokens=0):
 
 
 @pytest.mark.parametrize("name", STEPS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 def test_torch_native_matches_dense_attention(scenario, close, name, dtype):
     out, expected, n = _run_step(TorchNativeBackend(), scenario, name, dtype)
     close(out[:n], expected, dtype)
@@ -140,7 +146,9 @@ def test_select_backend_picks_the_rust_kernel_on_cpu():
 
 
 def test_select_backend_names_an_unknown_override():
-    with pytest.raises(ValueError, match="unknown attention backend 'cutlass'.*torch, cpu, triton, flashinfer"):
+    with pytest.raises(
+        ValueError, match="unknown attention backend 'cutlass'.*torch, cpu, triton, flashinfer"
+    ):
         select_backend(torch.device("cpu"), "cutlass")
 
 
@@ -269,7 +277,9 @@ def _large_step(scenario, dtype: torch.dtype, head_dim: int):
 
 @needs_cuda
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 def test_triton_backend_matches_torch_native_on_cuda(scenario, close, dtype, head_dim):
     s, spans = _large_step(scenario, dtype, head_dim)
     query, key, value, metadata = s.step(spans, num_padding_tokens=5, fused_qkv=True)

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_attention_backends import STEPS, _run_step
 
 from fastsched.attention import cpu as cpu_backend
 from fastsched.attention.base import AttentionOptions
 from fastsched.attention.cpu import CpuBackend
 from fastsched.attention.torch_native import TorchNativeBackend
 from fastsched.kernels import cpu_ops
-
-from test_attention_backends import STEPS, _run_step
 
 pytestmark = pytest.mark.skipif(not cpu_ops.AVAILABLE, reason="fastsched._core built without paged_attention")
 
@@ -43,16 +42,26 @@ def _forward(backend, s, spans, **kwargs):
 
 
 @pytest.mark.parametrize("name", STEPS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 def test_cpu_backend_matches_dense_attention(scenario, close, name, dtype):
     out, expected, n = _run_step(CpuBackend(), scenario, name, dtype)
     close(out[:n], expected, dtype)
 
 
-@pytest.mark.parametrize("shape", [{}, dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16),
-                                   dict(num_heads=6, num_kv_heads=2, head_dim=40, block_size=8)],
-                         ids=["gqa2", "smollm2_gqa3", "gqa3_head_dim_40_block_8"])
-@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {},
+        dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16),
+        dict(num_heads=6, num_kv_heads=2, head_dim=40, block_size=8),
+    ],
+    ids=["gqa2", "smollm2_gqa3", "gqa3_head_dim_40_block_8"],
+)
+@pytest.mark.parametrize(
+    ("dtype", "atol"), [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)], ids=["fp32", "bf16"]
+)
 def test_cpu_backend_matches_torch_native_on_mixed_rows(scenario, shape, dtype, atol):
     s, spans = _mixed_step(scenario, dtype, **shape)
     expected = _forward(TorchNativeBackend(), s, spans)
@@ -139,10 +148,16 @@ def _dense_attention(s, spans, options: AttentionOptions) -> torch.Tensor:
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("options", [AttentionOptions(sliding_window=1), AttentionOptions(sliding_window=20),
-                                     AttentionOptions(logits_soft_cap=0.5),
-                                     AttentionOptions(sliding_window=7, logits_soft_cap=2.0)],
-                         ids=["window_1", "window_20", "softcap", "window_and_softcap"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        AttentionOptions(sliding_window=1),
+        AttentionOptions(sliding_window=20),
+        AttentionOptions(logits_soft_cap=0.5),
+        AttentionOptions(sliding_window=7, logits_soft_cap=2.0),
+    ],
+    ids=["window_1", "window_20", "softcap", "window_and_softcap"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_sliding_window_and_a_soft_cap_match_the_oracle(scenario, close, options, dtype):
     """Decodes, verifications, chunks with context and the long chunk (on the kernel too)."""
@@ -150,8 +165,9 @@ def test_a_sliding_window_and_a_soft_cap_match_the_oracle(scenario, close, optio
     query, key, value, metadata = s.step(spans, fused_qkv=True)
     backend = CpuBackend()
     backend.prepare(metadata)
-    out = backend.forward(query, key, value, s.kv_cache, metadata, s.scale, options.sliding_window,
-                          options.logits_soft_cap)
+    out = backend.forward(
+        query, key, value, s.kv_cache, metadata, s.scale, options.sliding_window, options.logits_soft_cap
+    )
     close(out, _dense_attention(s, spans, options), dtype)
 
 
@@ -160,16 +176,20 @@ def test_a_window_covering_every_key_gives_plain_attentions_bits(scenario):
     backend = CpuBackend()
     query, key, value, metadata = s.step(spans, fused_qkv=True)
     backend.prepare(metadata)
-    wide = backend.forward(query, key, value, s.kv_cache, metadata, s.scale,
-                           sliding_window=1 << 20)
+    wide = backend.forward(query, key, value, s.kv_cache, metadata, s.scale, sliding_window=1 << 20)
     plain = _forward(CpuBackend(), s, spans)
     short = slice(0, sum(e - b for b, e in spans[:5]))  # the rows before the long (SDPA) chunk
     assert torch.equal(wide[short], plain[short])
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [({"sliding_window": 0}, "sliding_window"),
-                                               ({"logits_soft_cap": 0.0}, "logits_soft_cap"),
-                                               ({"logits_soft_cap": float("inf")}, "logits_soft_cap")])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"sliding_window": 0}, "sliding_window"),
+        ({"logits_soft_cap": 0.0}, "logits_soft_cap"),
+        ({"logits_soft_cap": float("inf")}, "logits_soft_cap"),
+    ],
+)
 def test_attention_options_refuse_what_cannot_work(kwargs, field):
     with pytest.raises(ValueError, match=field):
         AttentionOptions(**kwargs)

@@ -28,13 +28,25 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rope_kernel_gives_apply_ropes_bits_from_a_grown_table(dtype):
-    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=64, intermediate_size=8,
-                         num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
-                         rope_theta=100000.0)
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=10,
+        hidden_size=64,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+    )
     rotary = RotaryEmbedding(config)
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(7, (9 + 2 * 3) * 64, generator=gen).to(dtype)
-    for positions in (torch.tensor([0, 1, 2, 3, 100, 1023, 5]), torch.tensor([4000, 7, 2047, 1, 3999, 0, 64])):
+    for positions in (
+        torch.tensor([0, 1, 2, 3, 100, 1023, 5]),
+        torch.tensor([4000, 7, 2047, 1, 3999, 0, 64]),
+    ):
         rope = rotary.table(positions, dtype)  # the second set grows the table past 1024
         assert rope.cos.shape[0] > int(positions.max())
         cos, sin = rotary(positions, dtype)

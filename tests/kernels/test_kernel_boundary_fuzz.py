@@ -20,7 +20,7 @@ from fastsched.kernels import cpu_ops
 from fastsched.kernels.quant_matmul_cpu import CpuQuantWeight
 
 sys.path.insert(0, str(Path(__file__).parent))
-import boundary_fuzz  # noqa: E402
+import boundary_fuzz
 
 DRIVER = Path(__file__).with_name("boundary_fuzz.py")
 
@@ -29,18 +29,25 @@ DRIVER = Path(__file__).with_name("boundary_fuzz.py")
 def test_random_calls_return_or_raise_and_never_crash(name: str, tmp_path: Path) -> None:
     last = tmp_path / "last_call"
     env = dict(os.environ, BOUNDARY_FUZZ_LAST=str(last), BOUNDARY_FUZZ_EXAMPLES="100")
-    proc = subprocess.run([sys.executable, str(DRIVER), name], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(DRIVER), name], env=env, capture_output=True, text=True, timeout=600
+    )
     crashed = f"; last call: {last.read_text()}" if proc.returncode < 0 and last.exists() else ""
     output = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, f"exit {proc.returncode}{crashed}\n{output}"
 
 
-def _step(qsl: list[int], seq_lens: list[int], reqs: list[int], tables: list[list[int]],
-          slots: list[int]) -> tuple[torch.Tensor, ...]:
+def _step(
+    qsl: list[int], seq_lens: list[int], reqs: list[int], tables: list[list[int]], slots: list[int]
+) -> tuple[torch.Tensor, ...]:
     i32 = torch.int32
-    return (torch.tensor(slots, dtype=torch.int64), torch.tensor(qsl, dtype=i32),
-            torch.tensor(seq_lens, dtype=i32), torch.tensor(tables, dtype=i32), torch.tensor(reqs, dtype=i32))
+    return (
+        torch.tensor(slots, dtype=torch.int64),
+        torch.tensor(qsl, dtype=i32),
+        torch.tensor(seq_lens, dtype=i32),
+        torch.tensor(tables, dtype=i32),
+        torch.tensor(reqs, dtype=i32),
+    )
 
 
 def _attend(tokens: int, step: tuple[torch.Tensor, ...], num_blocks: int = 4) -> None:
@@ -95,8 +102,14 @@ def test_empty_tensors_return_without_touching_their_address() -> None:
     assert empty.data_ptr() == 0
     assert cpu_ops.silu_mul(torch.empty(0, 8, dtype=torch.bfloat16)).shape == (0, 4)
     assert cpu_ops.add_rms_norm(empty, None, torch.ones(8, dtype=torch.bfloat16), 1e-6).shape == (0, 8)
-    cpu_ops.rope_(empty, 1, 8, torch.empty(0, dtype=torch.int64), torch.ones(2, 8).bfloat16(),
-                  torch.ones(2, 8).bfloat16())
+    cpu_ops.rope_(
+        empty,
+        1,
+        8,
+        torch.empty(0, dtype=torch.int64),
+        torch.ones(2, 8).bfloat16(),
+        torch.ones(2, 8).bfloat16(),
+    )
     slots, qsl, seq_lens, _, reqs = _step([0], [], [], [], [])
     _attend(0, (slots, qsl, seq_lens, torch.empty(0, 1, dtype=torch.int32), reqs))
     weight = CpuQuantWeight(8, (torch.zeros(4, 32, dtype=torch.int8), torch.rand(4, 1)), 4, 32)
@@ -119,8 +132,9 @@ def test_a_non_contiguous_output_is_rejected() -> None:
 def test_a_written_tensor_may_not_share_memory_with_another_argument() -> None:
     hidden = torch.randn(2, 8).bfloat16()
     with pytest.raises(ValueError, match="hidden and out share memory"):
-        _core.add_rms_norm_bf16(to_dlpack(hidden), None, to_dlpack(torch.ones(8).bfloat16()),
-                                to_dlpack(hidden), 1e-6)
+        _core.add_rms_norm_bf16(
+            to_dlpack(hidden), None, to_dlpack(torch.ones(8).bfloat16()), to_dlpack(hidden), 1e-6
+        )
     weight = CpuQuantWeight(8, (torch.zeros(1, 32, dtype=torch.int8), torch.rand(1, 1)), 1, 32)
     with pytest.raises(ValueError, match="share memory"):  # out over the weight's own scale
         _core.quant_matmul(weight.rust, to_dlpack(torch.randn(1, 32)), to_dlpack(weight.tensors[1]))
@@ -128,8 +142,14 @@ def test_a_written_tensor_may_not_share_memory_with_another_argument() -> None:
 
 def test_a_wrong_dtype_or_object_is_a_type_error_naming_the_argument() -> None:
     with pytest.raises(TypeError, match="positions must be int64; got int32"):
-        cpu_ops.rope_(torch.zeros(1, 8), 1, 8, torch.tensor([0], dtype=torch.int32), torch.zeros(2, 8),
-                      torch.zeros(2, 8))
+        cpu_ops.rope_(
+            torch.zeros(1, 8),
+            1,
+            8,
+            torch.tensor([0], dtype=torch.int32),
+            torch.zeros(2, 8),
+            torch.zeros(2, 8),
+        )
     with pytest.raises(TypeError, match="gate_up must be a DLPack capsule"):
         _core.silu_mul_bf16([1, 2], to_dlpack(torch.empty(1, 1, dtype=torch.bfloat16)))
 
@@ -147,15 +167,23 @@ def test_the_decoder_owns_the_tensors_it_was_built_from() -> None:
     del keep
     gc.collect()
     hidden = torch.randn(1, boundary_fuzz.HIDDEN).bfloat16()
-    caches = [torch.zeros(2, 2, 2, boundary_fuzz.KV_HEADS, boundary_fuzz.HEAD_DIM, dtype=torch.bfloat16)
-              for _ in range(2)]
+    caches = [
+        torch.zeros(2, 2, 2, boundary_fuzz.KV_HEADS, boundary_fuzz.HEAD_DIM, dtype=torch.bfloat16)
+        for _ in range(2)
+    ]
     table = torch.randn(4, boundary_fuzz.HEAD_DIM).bfloat16()
     step = _step([0, 1], [1], [0], [[0]], [0])
     outs = []
     for _ in range(2):
         out = torch.empty_like(hidden)
-        stack.forward(to_dlpack(hidden.clone()), to_dlpack(out), to_dlpack(torch.zeros(1, dtype=torch.int64)),
-                      [(to_dlpack(table), to_dlpack(table))], [to_dlpack(c) for c in caches],
-                      *map(to_dlpack, step), 1)
+        stack.forward(
+            to_dlpack(hidden.clone()),
+            to_dlpack(out),
+            to_dlpack(torch.zeros(1, dtype=torch.int64)),
+            [(to_dlpack(table), to_dlpack(table))],
+            [to_dlpack(c) for c in caches],
+            *map(to_dlpack, step),
+            1,
+        )
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

@@ -53,15 +53,26 @@ def test_a_step_planned_for_the_triton_kernel_adds_what_the_torch_one_does(tmp_p
 
     base = make_tiny_model(tmp_path / "model", vocab_size=300)
     config = load_model_config(base)
-    requests = [LoRARequest(f"a{i}", i, str(make_tiny_lora(base, tmp_path / f"a{i}", rank=2 * i, seed=i)))
-                for i in (1, 2)]
+    requests = [
+        LoRARequest(f"a{i}", i, str(make_tiny_lora(base, tmp_path / f"a{i}", rank=2 * i, seed=i)))
+        for i in (1, 2)
+    ]
     g = torch.Generator().manual_seed(0)
-    x = {"qkv_proj": torch.randn(5, config.hidden_size, generator=g),
-         "down_proj": torch.randn(5, config.intermediate_size, generator=g)}
+    x = {
+        "qkv_proj": torch.randn(5, config.hidden_size, generator=g),
+        "down_proj": torch.randn(5, config.intermediate_size, generator=g),
+    }
     results = []
     for kernel in ("torch", "triton"):
-        manager = LoRAManager(config, max_loras=2, max_lora_rank=4, max_cpu_loras=2, device=torch.device(DEVICE),
-                              dtype=torch.float32, kernel=kernel)
+        manager = LoRAManager(
+            config,
+            max_loras=2,
+            max_lora_rank=4,
+            max_cpu_loras=2,
+            device=torch.device(DEVICE),
+            dtype=torch.float32,
+            kernel=kernel,
+        )
         for r in requests:
             manager.register(r)
         mapping = manager.plan(np.array([2, 0, 1]), np.array([2, 1, 2]))

@@ -53,8 +53,9 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: Int8Weight) -> None:
 @pytest.mark.parametrize("m", [1, 3, 16, 33])
 @pytest.mark.parametrize(("n", "k"), [(37, 96), (130, 576), (19, 160)])
 @pytest.mark.parametrize(("scale_group", "with_zero"), LAYOUTS)
-def test_every_layout_equals_dequantize_then_matmul(scale_group: int, with_zero: bool, m: int, n: int,
-                                                    k: int) -> None:
+def test_every_layout_equals_dequantize_then_matmul(
+    scale_group: int, with_zero: bool, m: int, n: int, k: int
+) -> None:
     weight = _int8(n, k, n + k + m, scale_group, with_zero)
     packed = PackedInt8(weight, torch.device("cpu"))
     assert packed.kind == "cpu_rust" and packed.cpu.scale_group == scale_group
@@ -74,7 +75,7 @@ def test_a_row_has_the_same_bits_alone_or_in_a_batch(scale_group: int, with_zero
         x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m)).bfloat16()
         batch = packed.matmul(x, torch.float32)
         for r in range(m):
-            padded = x[r:r + 1].expand(m if m >= quant_matmul_cpu.DENSE_MIN_ROWS else 1, -1)
+            padded = x[r : r + 1].expand(m if m >= quant_matmul_cpu.DENSE_MIN_ROWS else 1, -1)
             assert torch.equal(packed.matmul(padded, torch.float32)[0], batch[r]), (m, r)
 
 
@@ -107,8 +108,11 @@ def test_fusing_shards_of_different_formats_keeps_their_weights_exactly() -> Non
     """q Q4_K-like (int4 with zeros), k Q6_K-like (scale per 16), v Q8_0-like: one 8-bit
     weight in the finest layout whose dequantization is the shards' own, bit for bit."""
     gen = torch.Generator().manual_seed(7)
-    q = Int4Weight(torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.uint8),
-                   torch.rand(8, 2, generator=gen), torch.randn(8, 2, generator=gen))
+    q = Int4Weight(
+        torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.uint8),
+        torch.rand(8, 2, generator=gen),
+        torch.randn(8, 2, generator=gen),
+    )
     k, v = _int8(4, 64, 8, 16, False), _int8(4, 64, 9, 32, False)
     fused = fuse([q, k, v])
     assert isinstance(fused, Int8Weight) and fused.scale_group == 16 and fused.zero is not None

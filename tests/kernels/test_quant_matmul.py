@@ -48,8 +48,10 @@ def test_q4_0_blocks_are_scale_times_code_minus_8() -> None:
     blocks = int4_blocks(tensor)
     assert blocks is not None
     np.testing.assert_array_equal(blocks.codes[0], codes)
-    np.testing.assert_array_equal(dequantize_int4(*(torch.from_numpy(b) for b in blocks))[0].numpy(),
-                                  0.5 * (codes.astype(np.float32) - 8))
+    np.testing.assert_array_equal(
+        dequantize_int4(*(torch.from_numpy(b) for b in blocks))[0].numpy(),
+        0.5 * (codes.astype(np.float32) - 8),
+    )
 
 
 def test_triton_int4_kernel_equals_dequantize_then_matmul() -> None:

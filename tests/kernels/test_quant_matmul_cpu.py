@@ -93,14 +93,17 @@ def test_custom_ops_match_the_eager_path_and_have_a_fake() -> None:
     w8 = PackedInt8(_int8(70, 96, seed=9), torch.device("cpu"))
     torch.library.opcheck(torch.ops.fastsched.int8_matmul, (x, *w8.cpu.tensors))
     with torch.device("meta"):
-        out = torch.ops.fastsched.int8_matmul(torch.empty(5, 96), torch.empty(70, 96, dtype=torch.int8),
-                                              torch.empty(70, 3))
+        out = torch.ops.fastsched.int8_matmul(
+            torch.empty(5, 96), torch.empty(70, 96, dtype=torch.int8), torch.empty(70, 3)
+        )
     assert out.shape == (5, 70)
 
 
 def test_the_binding_refuses_tensors_that_do_not_fit_naming_them() -> None:
     w = _int8(16, 64, seed=10)
-    with pytest.raises(ValueError, match="scale must be a contiguous CPU torch.float32 tensor of shape \\(16, 2\\)"):
+    with pytest.raises(
+        ValueError, match="scale must be a contiguous CPU torch.float32 tensor of shape \\(16, 2\\)"
+    ):
         quant_matmul_cpu.CpuQuantWeight(8, (w.codes, w.scale[:, :1].contiguous()), 16, 64)
     with pytest.raises(ValueError, match="x must be a CPU \\[M, 64\\] tensor"):
         torch.ops.fastsched.int8_matmul(torch.randn(2, 32), w.codes, w.scale)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_attention_backends import fake_flashinfer  # noqa: F401  (the fixture, tests/kernels on the path)
 
 from fastsched.attention.cpu import CpuBackend
 from fastsched.attention.torch_native import TorchNativeBackend
 from fastsched.attention.triton import TritonBackend
 from fastsched.kernels import cpu_ops
-from test_attention_backends import fake_flashinfer  # noqa: F401  (the fixture, tests/kernels on the path)
 
 # (context_lens, query_lens): a chunk with context past the window, fresh prompts longer than it
 # (batched), a chunk inside it, decodes beyond it and one inside it.
@@ -38,16 +38,21 @@ def _step(scenario, dtype=torch.float32, **shape):
 
 
 @pytest.mark.parametrize("backend_cls", _backends(), ids=lambda c: c.name)
-@pytest.mark.parametrize(("window", "soft_cap"), [(WINDOW, None), (None, 2.0), (WINDOW, 2.0), (1, None)],
-                         ids=["window", "soft_cap", "both", "window_1"])
-def test_windowed_and_soft_capped_attention_matches_the_dense_oracle(scenario, close, backend_cls, window,
-                                                                     soft_cap):
+@pytest.mark.parametrize(
+    ("window", "soft_cap"),
+    [(WINDOW, None), (None, 2.0), (WINDOW, 2.0), (1, None)],
+    ids=["window", "soft_cap", "both", "window_1"],
+)
+def test_windowed_and_soft_capped_attention_matches_the_dense_oracle(
+    scenario, close, backend_cls, window, soft_cap
+):
     s, spans = _step(scenario)
     query, key, value, metadata = s.step(spans, num_padding_tokens=3, fused_qkv=True)
     backend = backend_cls()
     backend.prepare(metadata)
-    out = backend.forward(query, key, value, s.kv_cache, metadata, s.scale, sliding_window=window,
-                          logits_soft_cap=soft_cap)
+    out = backend.forward(
+        query, key, value, s.kv_cache, metadata, s.scale, sliding_window=window, logits_soft_cap=soft_cap
+    )
     n = sum(e - b for b, e in spans)
     close(out[:n], s.dense_attention(spans, n, window, soft_cap), torch.float32)
     assert torch.all(out[n:] == 0)
@@ -74,14 +79,16 @@ def test_flashinfer_plans_each_kind_of_layer_once_a_step(scenario, close, fake_f
     backend.prepare(metadata)
     n = sum(e - b for b, e in spans)
     for window, cap in [(WINDOW, 2.0), (None, None), (WINDOW, 2.0), (None, None)]:
-        out = backend.forward(query, key, value, s.kv_cache, metadata, s.scale, sliding_window=window,
-                              logits_soft_cap=cap)
+        out = backend.forward(
+            query, key, value, s.kv_cache, metadata, s.scale, sliding_window=window, logits_soft_cap=cap
+        )
         close(out[:n], s.dense_attention(spans, n, window, cap), torch.bfloat16)
     assert fake_flashinfer.flashinfer.BatchPrefillWithPagedKVCacheWrapper.plans == 2
 
 
-@pytest.mark.parametrize("backend_cls", [TorchNativeBackend] + ([CpuBackend] if cpu_ops.AVAILABLE else []),
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "backend_cls", [TorchNativeBackend] + ([CpuBackend] if cpu_ops.AVAILABLE else []), ids=lambda c: c.name
+)
 def test_windowed_layers_read_no_key_before_the_window(scenario, close, backend_cls):
     """Keys that left every query's window are never gathered: poisoned with NaN (which a
     masked read would carry into the output, NaN * 0 = NaN), the output stays exact. Decodes

@@ -8,15 +8,15 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never reach a model hub
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-from collections.abc import Callable, Iterator, Sequence  # noqa: E402
-from pathlib import Path  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from fastsched.lora import LoRARequest  # noqa: E402
-from fastsched.tools.tiny_lora import make_tiny_lora  # noqa: E402
-from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
+from fastsched.lora import LoRARequest
+from fastsched.tools.tiny_lora import make_tiny_lora
+from fastsched.tools.tiny_model import make_tiny_model
 
 PeftReference = Callable[[Sequence[int], int, "str | None"], list[int]]
 
@@ -65,7 +65,9 @@ def make_adapters(base_dir: Path) -> dict[str, LoRARequest]:
     the tests' max_lora_rank allows), and q/v only at rank 4 with alpha 8 (scaling 2)."""
     root = base_dir.parent
     full = make_tiny_lora(base_dir, root / "full", rank=8, seed=1)
-    qv = make_tiny_lora(base_dir, root / "qv", rank=4, seed=2, target_modules=("q_proj", "v_proj"), lora_alpha=8)
+    qv = make_tiny_lora(
+        base_dir, root / "qv", rank=4, seed=2, target_modules=("q_proj", "v_proj"), lora_alpha=8
+    )
     return {"full": LoRARequest("full", 1, str(full)), "qv": LoRARequest("qv", 2, str(qv))}
 
 
@@ -85,8 +87,10 @@ def make_peft_reference(base_dir: Path, adapters: dict[str, LoRARequest]) -> Pef
     @torch.no_grad()
     def generate(prompt: Sequence[int], max_tokens: int) -> list[int]:
         ids = torch.tensor([list(prompt)])
-        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        return out[0, len(prompt) :].tolist()
 
     def reference(prompt: Sequence[int], max_tokens: int, adapter: str | None) -> list[int]:
         key = (tuple(prompt), max_tokens, adapter)

@@ -41,16 +41,24 @@ BAD_FILES: dict[str, Callable[[bytes], bytes]] = {
     "header longer than the file": lambda good: struct.pack("<Q", 1 << 40) + good[8:],
     "padded": lambda good: good + b"\0" * 64,
     "tensor bytes out of the file": lambda good: header(
-        {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
-         {"dtype": "F32", "shape": [8, 64], "data_offsets": [0, 8 * 64 * 4]}}),
-    "not a LoRA tensor": lambda good: header({"lm_head.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})
-    + b"\0" * 4,
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": {
+                "dtype": "F32",
+                "shape": [8, 64],
+                "data_offsets": [0, 8 * 64 * 4],
+            }
+        }
+    ),
+    "not a LoRA tensor": lambda good: (
+        header({"lm_head.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}) + b"\0" * 4
+    ),
 }
 
 
 @pytest.mark.parametrize("damage", list(BAD_FILES))
-def test_the_frontends_check_refuses_a_bad_weights_file(adapters: dict[str, LoRARequest], tmp_path: Path,
-                                                        damage: str) -> None:
+def test_the_frontends_check_refuses_a_bad_weights_file(
+    adapters: dict[str, LoRARequest], tmp_path: Path, damage: str
+) -> None:
     """``/v1/load_lora_adapter`` and ``--lora-modules`` (a 400): the file is opened and its
     header checked, not only found."""
     path = copy_adapter(adapters["full"], tmp_path / "a")
@@ -61,8 +69,9 @@ def test_the_frontends_check_refuses_a_bad_weights_file(adapters: dict[str, LoRA
     assert registry.adapters() == []
 
 
-def test_the_frontends_check_refuses_tensors_of_another_rank(adapters: dict[str, LoRARequest],
-                                                             tmp_path: Path) -> None:
+def test_the_frontends_check_refuses_tensors_of_another_rank(
+    adapters: dict[str, LoRARequest], tmp_path: Path
+) -> None:
     path = copy_adapter(adapters["full"], tmp_path / "a")
     config = json.loads((path / "adapter_config.json").read_text())
     (path / "adapter_config.json").write_text(json.dumps({**config, "r": 4, "lora_alpha": 4}))
@@ -70,12 +79,16 @@ def test_the_frontends_check_refuses_tensors_of_another_rank(adapters: dict[str,
         read_adapter_config(path, max_lora_rank=8)
 
 
-@pytest.mark.parametrize(("config", "message"), [
-    (b"[1, 2]", "adapter_config.json is not a JSON object"),
-    (b"\xff\xfe{", "adapter_config.json is not JSON"),
-])
-def test_a_bad_config_file_is_a_value_error(adapters: dict[str, LoRARequest], tmp_path: Path, config: bytes,
-                                            message: str) -> None:
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (b"[1, 2]", "adapter_config.json is not a JSON object"),
+        (b"\xff\xfe{", "adapter_config.json is not JSON"),
+    ],
+)
+def test_a_bad_config_file_is_a_value_error(
+    adapters: dict[str, LoRARequest], tmp_path: Path, config: bytes, message: str
+) -> None:
     path = copy_adapter(adapters["full"], tmp_path / "a")
     (path / "adapter_config.json").write_bytes(config)
     with pytest.raises(ValueError, match=message):
@@ -83,8 +96,16 @@ def test_a_bad_config_file_is_a_value_error(adapters: dict[str, LoRARequest], tm
 
 
 def make_llm(base_dir: Path, **kwargs: object) -> LLM:
-    return LLM(str(base_dir), enable_lora=True, max_loras=1, max_lora_rank=8, num_gpu_blocks=64, max_model_len=256,
-               log_stats_interval=0.0, **kwargs)
+    return LLM(
+        str(base_dir),
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=8,
+        num_gpu_blocks=64,
+        max_model_len=256,
+        log_stats_interval=0.0,
+        **kwargs,
+    )
 
 
 def test_a_zero_byte_weights_file_fails_its_request_not_the_engine(
@@ -98,7 +119,9 @@ def test_a_zero_byte_weights_file_fails_its_request_not_the_engine(
     assert llm.generate([PROMPT], GREEDY, lora_request=adapters["qv"], use_tqdm=False)[0].finished
 
 
-def test_non_finite_weights_are_refused(base_dir: Path, adapters: dict[str, LoRARequest], tmp_path: Path) -> None:
+def test_non_finite_weights_are_refused(
+    base_dir: Path, adapters: dict[str, LoRARequest], tmp_path: Path
+) -> None:
     path = copy_adapter(adapters["full"], tmp_path / "a")
     tensors = load_file(str(path / WEIGHTS))
     name = next(iter(tensors))
@@ -147,7 +170,8 @@ def test_a_weights_file_that_is_not_safetensors_is_refused_without_quoting_its_b
 
 @pytest.mark.parametrize("damage", ["nan", "inf in bfloat16", "a layer the model lacks", "no lora_B"])
 def test_the_frontend_refuses_an_adapter_every_request_would_fail_on(
-        base_dir: Path, adapters: dict[str, LoRARequest], tmp_path: Path, damage: str) -> None:
+    base_dir: Path, adapters: dict[str, LoRARequest], tmp_path: Path, damage: str
+) -> None:
     """Issue 37: such adapters loaded with 200 and were listed, then failed every request
     that named them. Registering checks them against the served model now (a 400)."""
     from fastsched.model_loader import load_model_config
@@ -168,9 +192,12 @@ def test_the_frontend_refuses_an_adapter_every_request_would_fail_on(
     else:
         del tensors[name.replace("lora_A", "lora_B")]
     save_file(tensors, str(path / WEIGHTS))
-    message = {"nan": "holds NaN or infinite values", "inf in bfloat16": "holds NaN or infinite values",
-               "a layer the model lacks": f"has no place in .*{config.num_layers} layers",
-               "no lora_B": "has no lora_B tensor"}[damage]
+    message = {
+        "nan": "holds NaN or infinite values",
+        "inf in bfloat16": "holds NaN or infinite values",
+        "a layer the model lacks": f"has no place in .*{config.num_layers} layers",
+        "no lora_B": "has no lora_B tensor",
+    }[damage]
     registry = LoRARegistry(max_lora_rank=8, model_config=config)
     with pytest.raises(ValueError, match=message):
         registry.load("bad", str(path))

@@ -42,7 +42,9 @@ def test_a_batch_mixing_the_base_model_and_two_adapters_gives_the_tokens_of_peft
     prompts = [prompt(n, seed) for seed, n in enumerate([9, 40, 150, 17, 70, 5])]
     names = ["full", None, "qv", "qv", "full", None]
     llm = make_llm(base_dir, max_num_batched_tokens=budget, max_num_seqs=8)
-    outputs = llm.generate(prompts, GREEDY, lora_request=[adapters[n] if n else None for n in names], use_tqdm=False)
+    outputs = llm.generate(
+        prompts, GREEDY, lora_request=[adapters[n] if n else None for n in names], use_tqdm=False
+    )
     for p, name, out in zip(prompts, names, outputs, strict=True):
         assert out.outputs[0].token_ids == peft_reference(p, GREEDY.max_tokens, name), name
 
@@ -60,8 +62,11 @@ def test_gemma3_batch_mixing_the_base_model_and_two_adapters_gives_the_tokens_of
     for p, name, out in zip(prompts, names, outputs, strict=True):
         assert out.outputs[0].token_ids == gemma3_peft_reference(p, GREEDY.max_tokens, name), name
     # Guards the parity: the adapters change what the base model says.
-    assert any(gemma3_peft_reference(p, 12, None) != gemma3_peft_reference(p, 12, n)
-               for p in prompts for n in ("full", "qv"))
+    assert any(
+        gemma3_peft_reference(p, 12, None) != gemma3_peft_reference(p, 12, n)
+        for p in prompts
+        for n in ("full", "qv")
+    )
 
 
 def test_adapters_change_the_outputs_of_the_base_model(
@@ -76,8 +81,15 @@ def test_adapters_change_the_outputs_of_the_base_model(
 def test_s7_with_one_lora_slot_the_second_adapters_request_waits_then_runs(
     base_dir: Path, adapters: dict[str, LoRARequest], peft_reference: PeftReference
 ) -> None:
-    config = EngineConfig(model=str(base_dir), enable_lora=True, max_loras=1, max_lora_rank=MAX_RANK,
-                          num_gpu_blocks=64, max_model_len=256, async_scheduling=False)
+    config = EngineConfig(
+        model=str(base_dir),
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=MAX_RANK,
+        num_gpu_blocks=64,
+        max_model_len=256,
+        async_scheduling=False,
+    )
     engine = EngineCore(config)
     prompts = {"a": prompt(10, 1), "b": prompt(10, 2)}
     engine.add_request(EngineCoreRequest("a", prompts["a"], GREEDY, lora_request=adapters["full"]))
@@ -125,7 +137,9 @@ def test_more_adapters_than_slots_and_cpu_copies_are_loaded_again_and_stay_exact
         assert out.outputs[0].token_ids == peft_reference(p, GREEDY.max_tokens, name)
 
 
-def test_an_adapter_without_enable_lora_is_refused_naming_it(base_dir: Path, adapters: dict[str, LoRARequest]) -> None:
+def test_an_adapter_without_enable_lora_is_refused_naming_it(
+    base_dir: Path, adapters: dict[str, LoRARequest]
+) -> None:
     llm = LLM(str(base_dir), num_gpu_blocks=64, max_model_len=256)
     with pytest.raises(ValueError, match="'full'.*enable_lora"):
         llm.generate([prompt(5, 0)], GREEDY, lora_request=adapters["full"], use_tqdm=False)
@@ -141,7 +155,10 @@ def test_an_adapter_of_too_high_a_rank_is_refused_with_the_request(
 
 
 def test_after_a_failed_step_adapters_are_copied_into_their_slots_again(
-    base_dir: Path, adapters: dict[str, LoRARequest], peft_reference: PeftReference, monkeypatch: pytest.MonkeyPatch
+    base_dir: Path,
+    adapters: dict[str, LoRARequest],
+    peft_reference: PeftReference,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The step that would have copied adapter "qv" into its slot fails before the copy;
     the manager must not believe the slot holds it."""

@@ -19,11 +19,24 @@ PROMPT = [(7 * i) % 200 + 3 for i in range(40)]  # two full blocks of 16
 
 
 def run(base_dir: Path, store: Path, lora: LoRARequest) -> tuple[list[int], dict[str, float]]:
-    kv = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-          "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-    core = EngineCore(EngineConfig.from_kwargs(model=str(base_dir), enable_lora=True, max_loras=1, max_lora_rank=8,
-                                               num_gpu_blocks=64, max_model_len=128, log_stats_interval=0,
-                                               async_scheduling=False, kv_transfer_config=kv))
+    kv = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+    }
+    core = EngineCore(
+        EngineConfig.from_kwargs(
+            model=str(base_dir),
+            enable_lora=True,
+            max_loras=1,
+            max_lora_rank=8,
+            num_gpu_blocks=64,
+            max_model_len=128,
+            log_stats_interval=0,
+            async_scheduling=False,
+            kv_transfer_config=kv,
+        )
+    )
     core.add_request(EngineCoreRequest("r", PROMPT, GREEDY, lora_request=lora))
     tokens = []
     while core.has_unfinished_requests():
@@ -32,8 +45,9 @@ def run(base_dir: Path, store: Path, lora: LoRARequest) -> tuple[list[int], dict
     return tokens, core.kv_transfer.stats
 
 
-def test_s7_adapter_requests_neither_save_nor_load(base_dir: Path, adapters: dict[str, LoRARequest],
-                                                    peft_reference: Callable[..., list[int]], tmp_path: Path) -> None:
+def test_s7_adapter_requests_neither_save_nor_load(
+    base_dir: Path, adapters: dict[str, LoRARequest], peft_reference: Callable[..., list[int]], tmp_path: Path
+) -> None:
     first, stats = run(base_dir, tmp_path, adapters["full"])
     assert first == peft_reference(PROMPT, 4, "full")
     assert stats["blocks_saved"] == 0 and not list(tmp_path.rglob("*.kv"))

@@ -20,8 +20,7 @@ import torch
 
 from fastsched import LLM, SamplingParams
 from fastsched.distributed.parallel import TensorParallel
-from fastsched.lora import LoRARequest
-from fastsched.lora import step_wire
+from fastsched.lora import LoRARequest, step_wire
 from fastsched.lora.adapter import load_adapter
 from fastsched.lora.sharding import COLUMN_PARALLEL, local_projection_shapes, shard_adapter
 from fastsched.model_loader import load_model_config
@@ -43,7 +42,9 @@ def _prompt(length: int, seed: int) -> list[int]:
 # ------------------------------------------------------------------ the slices, no process group
 
 
-def test_column_parallel_deltas_of_the_ranks_tile_the_whole_delta(base_dir: Path, adapters: dict[str, LoRARequest]) -> None:
+def test_column_parallel_deltas_of_the_ranks_tile_the_whole_delta(
+    base_dir: Path, adapters: dict[str, LoRARequest]
+) -> None:
     config = load_model_config(base_dir)
     whole = load_adapter(adapters["full"].path, 1, config, MAX_RANK)
     shards = [shard_adapter(whole, config, _rank(r, 2)) for r in range(2)]
@@ -76,7 +77,7 @@ def test_row_parallel_partial_outputs_with_their_deltas_sum_to_the_whole_layer_o
         b_r = shard_weight(f"{prefix}.{module}.bias", bias, config, tp)
         a_r, b_lora = shard_adapter(whole, config, tp).weights[0][module]
         assert torch.equal(b_lora, b), "B is replicated"
-        x_r = x[:, r * (in_features // 2):(r + 1) * (in_features // 2)]
+        x_r = x[:, r * (in_features // 2) : (r + 1) * (in_features // 2)]
         total += x_r @ w_r.T + b_r + x_r @ a_r.T @ b_lora.T
     torch.testing.assert_close(total, expected)
 
@@ -85,7 +86,11 @@ def test_each_projection_is_column_or_row_parallel_like_its_base_layer(base_dir:
     config = load_model_config(base_dir)
     whole, half = local_projection_shapes(config, None), local_projection_shapes(config, _rank(1, 2))
     for module, (in_features, out_features) in whole.items():
-        split = (in_features, out_features // 2) if module in COLUMN_PARALLEL else (in_features // 2, out_features)
+        split = (
+            (in_features, out_features // 2)
+            if module in COLUMN_PARALLEL
+            else (in_features // 2, out_features)
+        )
         assert half[module] == split, module
 
 
@@ -117,9 +122,18 @@ def test_tp2_batch_of_two_adapters_and_the_base_model_gives_the_tokens_of_tp1(
     prompts = [_prompt(n, seed) for seed, n in enumerate([9, 40, 150, 17, 70, 5])]
     names = ["full", None, "qv", "qv", "full", None]
     loras = [adapters[n] if n else None for n in names]
-    args = dict(enable_lora=True, max_loras=max_loras, max_lora_rank=MAX_RANK, num_gpu_blocks=256,
-                max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8, dtype="float32", num_threads=1,
-                log_stats_interval=0)
+    args = dict(
+        enable_lora=True,
+        max_loras=max_loras,
+        max_lora_rank=MAX_RANK,
+        num_gpu_blocks=256,
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        dtype="float32",
+        num_threads=1,
+        log_stats_interval=0,
+    )
     reference = _generate(LLM(str(base_dir), **args), prompts, loras)
     llm = LLM(str(base_dir), tensor_parallel_size=2, **args)
     try:

@@ -32,8 +32,9 @@ def test_bgmv_dense_and_sgmv_add_each_tokens_own_adapter_and_nothing_for_the_bas
     def own(s: int) -> slice:
         return slice(s * k, (s + 1) * k)
 
-    expected = torch.stack([base[t] + (x[t] @ a[:, own(s)] @ b[own(s)] if s >= 0 else 0)
-                            for t, s in enumerate(slots)])
+    expected = torch.stack(
+        [base[t] + (x[t] @ a[:, own(s)] @ b[own(s)] if s >= 0 else 0) for t, s in enumerate(slots)]
+    )
     mask = torch.zeros(7, num_slots * k)
     for t, s in enumerate(slots):
         if s >= 0:
@@ -59,13 +60,16 @@ def test_an_adapter_is_read_with_its_scaling_folded_into_b(base_dir: Path, tmp_p
     torch.testing.assert_close(adapter.weights[1]["o_proj"][1], b * 3.0)
 
 
-@pytest.mark.parametrize(("edit", "message"), [
-    (lambda c: c.update(r=32), "r is 32, more than max_lora_rank"),
-    (lambda c: c.update(target_modules=["lm_head"]), "target_modules names \\['lm_head'\\]"),
-    (lambda c: c.update(use_dora=True), "use_dora is True"),
-    (lambda c: c.update(target_modules="q_proj|v_proj"), "must be a list of module names"),
-    (lambda c: c.update(peft_type="IA3"), "only LORA"),
-])
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c.update(r=32), "r is 32, more than max_lora_rank"),
+        (lambda c: c.update(target_modules=["lm_head"]), "target_modules names \\['lm_head'\\]"),
+        (lambda c: c.update(use_dora=True), "use_dora is True"),
+        (lambda c: c.update(target_modules="q_proj|v_proj"), "must be a list of module names"),
+        (lambda c: c.update(peft_type="IA3"), "only LORA"),
+    ],
+)
 def test_unsupported_adapter_configs_are_refused_naming_the_field(
     base_dir: Path, tmp_path: Path, edit, message: str
 ) -> None:
@@ -92,16 +96,24 @@ def test_a_directory_without_adapter_files_is_refused(tmp_path: Path, base_dir: 
 
 
 def make_manager(base_dir: Path, max_loras: int, max_cpu_loras: int) -> LoRAManager:
-    return LoRAManager(load_model_config(base_dir), max_loras=max_loras, max_lora_rank=8,
-                       max_cpu_loras=max_cpu_loras, device=torch.device("cpu"), dtype=torch.float32)
+    return LoRAManager(
+        load_model_config(base_dir),
+        max_loras=max_loras,
+        max_lora_rank=8,
+        max_cpu_loras=max_cpu_loras,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
 
 
 def test_slots_are_reused_least_recently_used_first_and_never_for_an_adapter_of_the_step(
     base_dir: Path, tmp_path: Path
 ) -> None:
     manager = make_manager(base_dir, max_loras=2, max_cpu_loras=2)
-    requests = [LoRARequest(f"a{i}", i, str(make_tiny_lora(base_dir, tmp_path / f"a{i}", rank=2, seed=i)))
-                for i in (1, 2, 3)]
+    requests = [
+        LoRARequest(f"a{i}", i, str(make_tiny_lora(base_dir, tmp_path / f"a{i}", rank=2, seed=i)))
+        for i in (1, 2, 3)
+    ]
     for request in requests:
         manager.register(request)
     assert manager.cpu_cached == [2, 3], "at most max_cpu_loras idle copies, the oldest evicted"
@@ -112,7 +124,9 @@ def test_slots_are_reused_least_recently_used_first_and_never_for_an_adapter_of_
     one = np.ones(1, dtype=np.int64)
     first = manager.plan(np.array([1, 0, 2]), np.array([1, 1, 1]))
     assert first is not None and first.masks is not None
-    token_slots = [int(np.flatnonzero(row.reshape(2, -1).any(1))[0]) if row.any() else -1 for row in first.masks[1]]
+    token_slots = [
+        int(np.flatnonzero(row.reshape(2, -1).any(1))[0]) if row.any() else -1 for row in first.masks[1]
+    ]
     assert token_slots == [0, -1, 1]
     assert [s for s, _ in first.loads] == [0, 1]
     again = manager.plan(np.array([2]), one)
@@ -135,13 +149,16 @@ def test_one_id_may_not_name_two_adapters(base_dir: Path, tmp_path: Path) -> Non
         manager.register(LoRARequest("b", 1, str(tmp_path / "b")))
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"max_loras": 0}, "max_loras must be at least 1"),
-    ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras \\(2\\) must be at least max_loras \\(4\\)"),
-    ({"lora_modules": ["novalue"]}, "'novalue' must be NAME=PATH"),
-    ({"lora_modules": ["a=/x", "a=/y"]}, "names adapter 'a' twice"),
-    ({"lora_modules": ["a=/x"], "enable_lora": False}, "lora_modules needs enable_lora"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_loras": 0}, "max_loras must be at least 1"),
+        ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras \\(2\\) must be at least max_loras \\(4\\)"),
+        ({"lora_modules": ["novalue"]}, "'novalue' must be NAME=PATH"),
+        ({"lora_modules": ["a=/x", "a=/y"]}, "names adapter 'a' twice"),
+        ({"lora_modules": ["a=/x"], "enable_lora": False}, "lora_modules needs enable_lora"),
+    ],
+)
 def test_bad_lora_settings_are_refused_naming_the_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(**{"enable_lora": True, **kwargs})
@@ -155,7 +172,9 @@ def test_lora_ids_reach_the_scheduler_only_with_enable_lora() -> None:
 def test_the_adapter_travels_in_the_add_message() -> None:
     lora = LoRARequest("sql", 7, "/adapters/sql")
     for adapter in (lora, None):
-        msg = AddRequest(EngineCoreRequest("r", [1, 2], SamplingParams(max_tokens=3), lora_request=adapter), 0)
+        msg = AddRequest(
+            EngineCoreRequest("r", [1, 2], SamplingParams(max_tokens=3), lora_request=adapter), 0
+        )
         assert decode(encode(msg)).request.lora_request == adapter
 
 
@@ -170,12 +189,41 @@ def test_make_tiny_lora_writes_an_adapter_the_engine_and_peft_read(base_dir: Pat
     from fastsched.entrypoints.cli import main
 
     out = tmp_path / "cli"
-    assert main(["make-tiny-lora", str(base_dir), str(out), "--rank", "4", "--seed", "9",
-                 "--target-modules", "q_proj", "down_proj"]) == 0
+    assert (
+        main(
+            [
+                "make-tiny-lora",
+                str(base_dir),
+                str(out),
+                "--rank",
+                "4",
+                "--seed",
+                "9",
+                "--target-modules",
+                "q_proj",
+                "down_proj",
+            ]
+        )
+        == 0
+    )
     adapter = load_adapter(out, 1, load_model_config(base_dir), max_lora_rank=4)
     assert adapter.rank == 4 and adapter.target_modules == {"q_proj", "down_proj"}
     assert all(b.abs().sum() > 0 for layer in adapter.weights for _, b in layer.values()), "B is not zero"
     again = tmp_path / "again"
-    main(["make-tiny-lora", str(base_dir), str(again), "--rank", "4", "--seed", "9",
-          "--target-modules", "q_proj", "down_proj"])
-    assert (out / "adapter_model.safetensors").read_bytes() == (again / "adapter_model.safetensors").read_bytes()
+    main(
+        [
+            "make-tiny-lora",
+            str(base_dir),
+            str(again),
+            "--rank",
+            "4",
+            "--seed",
+            "9",
+            "--target-modules",
+            "q_proj",
+            "down_proj",
+        ]
+    )
+    assert (out / "adapter_model.safetensors").read_bytes() == (
+        again / "adapter_model.safetensors"
+    ).read_bytes()

@@ -8,10 +8,10 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import sys
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
 try:
     import fastsched  # noqa: F401  (installed, e.g. by maturin develop)
@@ -19,7 +19,7 @@ except ImportError:  # running from a bare checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 
-from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
+from fastsched.tools.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -42,5 +42,11 @@ def gemma3_fp32_llm(gemma3_gguf: Path):
     """The real Gemma 3 file dequantized, in float32: the reference its quantized paths are held to."""
     from fastsched import LLM
 
-    return LLM(str(gemma3_gguf), quantization="none", dtype="float32", log_stats_interval=0, max_model_len=128,
-               num_gpu_blocks=64)  # a small KV pool: the tests run a few short prompts
+    return LLM(
+        str(gemma3_gguf),
+        quantization="none",
+        dtype="float32",
+        log_stats_interval=0,
+        max_model_len=128,
+        num_gpu_blocks=64,
+    )  # a small KV pool: the tests run a few short prompts

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from test_models import SingleRequestRunner  # tests/models, on the path as the tests' own directory
 
 from fastsched import LLM, SamplingParams
 from fastsched.config import EngineConfig
@@ -32,7 +33,6 @@ from fastsched.models.quant_linear import QuantLinear
 from fastsched.tools.checkpoint_gguf import write_gguf
 from fastsched.tools.tiny_model import make_tiny_model
 from fastsched.worker.kv_sizing import determine_num_blocks, fit_max_model_len
-from test_models import SingleRequestRunner  # tests/models, on the path as the tests' own directory
 
 ARCHES = ("gemma2", "gemma3", "phi3")
 WINDOW = 16
@@ -46,8 +46,9 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module", params=ARCHES)
 def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """(architecture, HF directory, GGUF file, transformers' model)."""
-    directory = make_tiny_model(tmp_path_factory.mktemp(request.param) / "model", architecture=request.param,
-                                sliding_window=WINDOW)
+    directory = make_tiny_model(
+        tmp_path_factory.mktemp(request.param) / "model", architecture=request.param, sliding_window=WINDOW
+    )
     gguf = write_gguf(directory, directory.parent / "model.gguf")
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     return request.param, directory, gguf, reference
@@ -55,9 +56,10 @@ def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def _hf_greedy(reference: transformers.PreTrainedModel, ids: list[int], new_tokens: int) -> list[int]:
     with torch.no_grad():
-        out = reference.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False)
-    return out[0, len(ids):].tolist()
+        out = reference.generate(
+            torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def _chunked_greedy(model: torch.nn.Module, ids: list[int], new_tokens: int, chunk: int) -> list[int]:
@@ -113,9 +115,21 @@ def test_gguf_config_matches_the_checkpoint_config(arch) -> None:
     """What llama.cpp's keys carry (windows, layer types, scale, soft-caps, RoPE) reads back
     as config.json's."""
     name, directory, gguf, _ = arch
-    fields = ("sliding_window", "layer_types", "rope_theta", "rope_local_theta", "rope_scaling",
-              "attention_scale", "attn_logit_softcapping", "final_logit_softcapping", "partial_rotary_factor",
-              "hidden_act", "qk_norm", "tie_word_embeddings", "max_position_embeddings")
+    fields = (
+        "sliding_window",
+        "layer_types",
+        "rope_theta",
+        "rope_local_theta",
+        "rope_scaling",
+        "attention_scale",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "partial_rotary_factor",
+        "hidden_act",
+        "qk_norm",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    )
     hf_config, gguf_config = load_model_config(directory), load_model_config(gguf)
     for field in fields:
         hf_value, gguf_value = getattr(hf_config, field), getattr(gguf_config, field)
@@ -142,8 +156,9 @@ def test_the_engine_serves_windowed_layers_in_mixed_chunked_batches(arch) -> Non
     name, directory, _, reference = arch
     tokenizer = load_tokenizer(directory)
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [tokenizer.encode(PROMPTS[1][:30])]
-    llm = LLM(str(directory), dtype="float32", max_num_batched_tokens=24, max_num_seqs=4,
-              log_stats_interval=0)
+    llm = LLM(
+        str(directory), dtype="float32", max_num_batched_tokens=24, max_num_seqs=4, log_stats_interval=0
+    )
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     expected = [_hf_greedy(reference, ids, NEW_TOKENS) for ids in prompts]
@@ -178,7 +193,9 @@ def test_the_rust_decoder_stack_declines_what_its_kernels_lack(arch) -> None:
     if "AVX-512" not in reason:  # on a CPU with the kernels, the dense layers are what declines
         assert "is not an int4/int8 layer" in reason
         assert unsupported_reason(load_model(directory, dtype=torch.bfloat16, quantization="int4")) is None
-        assert "bfloat16" in unsupported_reason(load_model(directory, dtype=torch.float32, quantization="int4"))
+        assert "bfloat16" in unsupported_reason(
+            load_model(directory, dtype=torch.float32, quantization="int4")
+        )
 
 
 def test_gemma_models_are_gemma_layers_with_windows_on_the_sliding_ones(arch) -> None:
@@ -215,30 +232,72 @@ def test_max_model_len_from_the_file_is_cut_to_the_kv_cache_and_says_so(arch, ca
 # rope_parameters, explicit layer_types), with what the tiny ones leave out: a
 # query_pre_attn_scalar other than head_dim, Phi-3's partial rotation.
 _TRANSFORMERS_BUILT = {
-    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
-        head_dim=32, sliding_window=8, query_pre_attn_scalar=24, sliding_window_pattern=2,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
-    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
-        head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
-        final_logit_softcapping=3.0)),
-    "qwen2-sliding-from-max-window-layers": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
-        use_sliding_window=True, sliding_window=8, max_window_layers=2)),
-    "phi3-partial-rotary": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
-        sliding_window=8, pad_token_id=0, partial_rotary_factor=0.5, original_max_position_embeddings=64,
-        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(4)],
-                      "long_factor": [2.0 + 0.1 * i for i in range(4)]})),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            sliding_window_pattern=2,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    "qwen2-sliding-from-max-window-layers": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=2),
+    ),
+    "phi3-partial-rotary": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(
+            sliding_window=8,
+            pad_token_id=0,
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=64,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(4)],
+                "long_factor": [2.0 + 0.1 * i for i in range(4)],
+            },
+        ),
+    ),
 }
 
 
 @pytest.mark.parametrize("kind", sorted(_TRANSFORMERS_BUILT))
-def test_checkpoints_saved_by_transformers_match_in_chunked_prefill_and_decode(kind: str, tmp_path: Path
-                                                                               ) -> None:
+def test_checkpoints_saved_by_transformers_match_in_chunked_prefill_and_decode(
+    kind: str, tmp_path: Path
+) -> None:
     config_cls, model_cls, extra = _TRANSFORMERS_BUILT[kind]
     torch.manual_seed(0)
-    reference = model_cls(config_cls(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                     max_position_embeddings=512, **extra)).eval()
+    reference = model_cls(
+        config_cls(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=512,
+            **extra,
+        )
+    ).eval()
     with torch.no_grad():  # randomized norms (Gemma's zero-centred), so a misplaced one shows
         for name, param in reference.named_parameters():
             if name.endswith("bias"):
@@ -257,8 +316,17 @@ def test_checkpoints_saved_by_transformers_match_in_chunked_prefill_and_decode(k
 
 
 def test_unsupported_gemma_settings_are_named() -> None:
-    base = dict(architecture="Gemma3ForCausalLM", hidden_size=64, intermediate_size=128, num_layers=2,
-                num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=64)
+    base = dict(
+        architecture="Gemma3ForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=64,
+    )
     with pytest.raises(ValueError, match="layer_types"):
         ModelConfig(**base, layer_types=("sliding_attention",), sliding_window=4)
     with pytest.raises(ValueError, match="sliding_window"):
@@ -266,10 +334,24 @@ def test_unsupported_gemma_settings_are_named() -> None:
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig(**base, hidden_act="relu")
     with pytest.raises(ValueError, match="short_factor"):
-        ModelConfig(**base, rope_scaling={"rope_type": "longrope", "short_factor": [1.0],
-                                          "long_factor": [1.0] * 8, "original_max_position_embeddings": 32})
-    hf = {"architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 64}
+        ModelConfig(
+            **base,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0],
+                "long_factor": [1.0] * 8,
+                "original_max_position_embeddings": 32,
+            },
+        )
+    hf = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+    }
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         ModelConfig.from_hf_config({**hf, "use_bidirectional_attention": True})
 
@@ -284,8 +366,9 @@ def gemma3_reference(gemma3_gguf: Path, tmp_path_factory: pytest.TempPathFactory
     """transformers' fp32 model (it dequantizes the file) and its tokenizer, saved as a
     tokenizer.json directory the engine can read (with the file's config as config.json)."""
     kwargs = dict(gguf_file=gemma3_gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gemma3_gguf.parent, dtype=torch.float32,
-                                                              **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gemma3_gguf.parent, dtype=torch.float32, **kwargs
+    )
     model.generation_config.eos_token_id = None  # 32 tokens each, as ignore_eos does ours
     tokenizer = transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, **kwargs)
     tokenizer_dir = tmp_path_factory.mktemp("gemma3-tokenizer")
@@ -299,8 +382,13 @@ def test_real_gemma3_270m_gguf_greedy_tokens_match_transformers(gemma3_gguf: Pat
     reference, tokenizer, tokenizer_dir = gemma3_reference
     prompts = [tokenizer(p).input_ids for p in REAL_PROMPTS]
     # The engine's tokenizer only detokenizes here: the prompts go in as token ids.
-    llm = LLM(str(gemma3_gguf), quantization="none", dtype="float32", tokenizer=str(tokenizer_dir),
-              log_stats_interval=0)
+    llm = LLM(
+        str(gemma3_gguf),
+        quantization="none",
+        dtype="float32",
+        tokenizer=str(tokenizer_dir),
+        log_stats_interval=0,
+    )
     assert llm.engine.max_model_len <= 32768  # the file's gemma3.context_length, or what the KV cache holds
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_models import SingleRequestRunner  # tests/models, on the path as the tests' own directory
 
 from fastsched.config import EngineConfig
 from fastsched.model_loader.weights import load_model
 from fastsched.models.channel_quant_linear import ChannelQuantLinear, quantize_per_channel
 from fastsched.models.quant_linear import copy_weights
-from test_models import SingleRequestRunner  # tests/models, on the path as the tests' own directory
 
 KINDS = ("int8", "fp8")
 
@@ -47,12 +47,15 @@ def test_the_layer_computes_with_its_dequantized_weight(kind: str, dtype: torch.
     x = torch.randn(2, 5, 64, generator=g)
     expected = x @ layer.dequantize().t() + linear.bias.float()
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 2**-6}[dtype]
-    torch.testing.assert_close(layer(x.to(dtype)).float(), expected, rtol=tolerance,
-                               atol=tolerance * expected.abs().max().item())
+    torch.testing.assert_close(
+        layer(x.to(dtype)).float(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item()
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_dense_checkpoint_quantized_at_load_stays_close_to_its_fp32_logits(tiny_model_dir, kind: str) -> None:
+def test_a_dense_checkpoint_quantized_at_load_stays_close_to_its_fp32_logits(
+    tiny_model_dir, kind: str
+) -> None:
     """Bound checked: the logits of a 35-token prompt keep a correlation above 0.9995 (int8)
     / 0.998 (fp8) with the fp32 model's, and the greedy (argmax) token agrees at ≥ 90 % of the
     positions (random tiny weights have near-ties, so not at all of them)."""
@@ -97,5 +100,6 @@ def test_on_cuda_the_layer_computes_with_its_dequantized_weight(kind: str) -> No
     x = torch.randn(7, 128, generator=g).cuda()
     expected = x @ layer.dequantize().t()
     tolerance = 2**-6 if layer.kernel == "upcast" else 2**-3
-    torch.testing.assert_close(layer(x.bfloat16()).float(), expected, rtol=tolerance,
-                               atol=tolerance * expected.abs().max().item())
+    torch.testing.assert_close(
+        layer(x.bfloat16()).float(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item()
+    )

@@ -42,16 +42,29 @@ def _model(seed: int) -> tuple[list[StackLayer], torch.Tensor, list[list[torch.T
 
     layers, dense = [], []
     for options, table in OPTIONS:
-        shapes = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM),
-                  (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+        shapes = [
+            ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+            (HIDDEN, HEADS * HEAD_DIM),
+            (2 * INTER, HIDDEN),
+            (HIDDEN, INTER),
+        ]
         weights = [Int4Weight.quantize(torch.randn(n, k, generator=gen) / k**0.5) for n, k in shapes]
         dense.append([w.dequantize(torch.float64) for w in weights])
-        layers.append(StackLayer(
-            input_norm=norm(HIDDEN), post_norm=norm(HIDDEN),
-            projections=tuple(QuantLinear(w, None, torch.device("cpu")) for w in weights),  # type: ignore
-            scale=SCALE, q_norm=norm(HEAD_DIM), k_norm=norm(HEAD_DIM), attn_out_norm=norm(HIDDEN),
-            mlp_out_norm=norm(HIDDEN), activation="gelu_tanh", attention=options, rope_table=table,
-        ))
+        layers.append(
+            StackLayer(
+                input_norm=norm(HIDDEN),
+                post_norm=norm(HIDDEN),
+                projections=tuple(QuantLinear(w, None, torch.device("cpu")) for w in weights),  # type: ignore
+                scale=SCALE,
+                q_norm=norm(HEAD_DIM),
+                k_norm=norm(HEAD_DIM),
+                attn_out_norm=norm(HIDDEN),
+                mlp_out_norm=norm(HIDDEN),
+                activation="gelu_tanh",
+                attention=options,
+                rope_table=table,
+            )
+        )
     return layers, norm(HIDDEN), dense
 
 
@@ -111,7 +124,7 @@ def _reference(layers, final_norm, dense, tables, embedded: torch.Tensor, drop: 
 
 
 def _rel_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    return ((got.double() - want).norm(dim=-1) / want.norm(dim=-1))
+    return (got.double() - want).norm(dim=-1) / want.norm(dim=-1)
 
 
 def test_gemma_style_options_match_a_float64_reference_over_steps() -> None:
@@ -135,9 +148,13 @@ def test_gemma_style_options_match_a_float64_reference_over_steps() -> None:
             seq_lens.append(cached + rows)
         int32 = torch.int32
         metadata = AttentionMetadata(
-            torch.tensor(slots), torch.tensor(qsl, dtype=int32), torch.tensor(seq_lens, dtype=int32),
+            torch.tensor(slots),
+            torch.tensor(qsl, dtype=int32),
+            torch.tensor(seq_lens, dtype=int32),
             torch.tensor([list(range(1 + 4 * i, 5 + 4 * i)) for i in range(2)], dtype=int32),
-            max(r for _, r in step), max(seq_lens))
+            max(r for _, r in step),
+            max(seq_lens),
+        )
         backend = CpuBackend()
         backend.prepare(metadata)
         kernel_step = backend.kernel_step(metadata, BLOCK_SIZE)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from test_models import SingleRequestRunner  # tests/models, on the path as the tests' own directory
 
 from fastsched import LLM, SamplingParams
 from fastsched.attention.cpu import CpuBackend
@@ -29,23 +30,30 @@ from fastsched.kernels import cpu_ops, quant_matmul_cpu
 from fastsched.model_loader.weights import load_model
 from fastsched.models.llama_cpu import CpuDecoderStack
 from fastsched.tools.tiny_model import make_tiny_model
-from test_models import SingleRequestRunner  # tests/models, on the path as the tests' own directory
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(not cpu_ops.AVAILABLE, reason="the Rust CPU kernels are not built")
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_bfloat16_cpu_kernels_are_as_close_to_fp32_transformers_as_its_bfloat16(arch, tmp_path, monkeypatch
-                                                                               ) -> None:
+def test_bfloat16_cpu_kernels_are_as_close_to_fp32_transformers_as_its_bfloat16(
+    arch, tmp_path, monkeypatch
+) -> None:
     directory = make_tiny_model(tmp_path / "model", architecture=arch, sliding_window=16)
     ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         batch = torch.tensor([ids])
-        want = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()(
-            batch).logits[0]
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()(
-            batch).logits[0].float()
+        want = (
+            transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+            .eval()(batch)
+            .logits[0]
+        )
+        theirs = (
+            transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+            .eval()(batch)
+            .logits[0]
+            .float()
+        )
     gelu_calls = []
     gelu = cpu_ops.gelu_tanh_mul
     monkeypatch.setattr(cpu_ops, "gelu_tanh_mul", lambda x: (gelu_calls.append(1), gelu(x))[1])

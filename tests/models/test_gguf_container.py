@@ -53,5 +53,7 @@ def test_whole_tensor_dequantization_equals_gguf_quants(smollm2: Path):
     from fastsched.model_loader.gguf_quants import dequantize
 
     for tensor in GGUFContainer(smollm2).tensors:
-        expected = np.asarray(reference(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(tensor.shape)
+        expected = np.asarray(reference(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(
+            tensor.shape
+        )
         assert np.array_equal(dequantize(tensor), expected), tensor.name

@@ -37,7 +37,9 @@ def _random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.ra
     block_size, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(rows * cols // block_size, block_bytes), dtype=np.uint8)
     for at in FP16_AT[qtype]:  # finite, positive scales of a realistic size
-        blocks[:, at:at + 2] = rng.uniform(1e-3, 0.1, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+        blocks[:, at : at + 2] = (
+            rng.uniform(1e-3, 0.1, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+        )
     return blocks.reshape(rows, -1)
 
 
@@ -50,8 +52,12 @@ def _paired_q6_k(blocks: np.ndarray) -> np.ndarray:
     return out.reshape(blocks.shape)
 
 
-def _write(path: Path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]], arch: str = "llama",
-           metadata: dict | None = None) -> Path:
+def _write(
+    path: Path,
+    tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]],
+    arch: str = "llama",
+    metadata: dict | None = None,
+) -> Path:
     writer = GGUFWriter(path, arch)
     for key, value in (metadata or {}).items():
         if isinstance(value, float):
@@ -68,7 +74,9 @@ def _write(path: Path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType
 
 
 def _expected(tensor) -> np.ndarray:
-    return np.asarray(reference_dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(tensor.shape)
+    return np.asarray(reference_dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(
+        tensor.shape
+    )
 
 
 def _groups(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, centre: int) -> np.ndarray:
@@ -83,7 +91,9 @@ def _groups(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, centr
 def blocks_file(tmp_path_factory: pytest.TempPathFactory) -> dict:
     rng = np.random.default_rng(23)
     rows, cols = 6, 512
-    tensors = {t.name: (_random_blocks(t, rows, cols, rng), t) for t in (*QUANTIZABLE, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
+    tensors = {
+        t.name: (_random_blocks(t, rows, cols, rng), t) for t in (*QUANTIZABLE, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+    }
     tensors["Q6_K_paired"] = (_paired_q6_k(tensors["Q6_K"][0]), Q.Q6_K)
     path = _write(tmp_path_factory.mktemp("kquants") / "blocks.gguf", tensors)
     return {t.name: t for t in GGUFContainer(path).tensors}
@@ -133,21 +143,33 @@ def test_a_llama_gguf_with_q4_k_projections_is_served_4bit_close_to_its_dequanti
     def q4_k(rows: int, cols: int) -> tuple[np.ndarray, GGMLQuantizationType]:
         return (_random_blocks(Q.Q4_K, rows, cols, rng), Q.Q4_K)
 
-    tensors = {"token_embd.weight": dense(vocab, hidden), "output_norm.weight": (np.ones(hidden, np.float32), Q.F32)}
+    tensors = {
+        "token_embd.weight": dense(vocab, hidden),
+        "output_norm.weight": (np.ones(hidden, np.float32), Q.F32),
+    }
     for layer in range(2):
         blk = f"blk.{layer}."
         tensors |= {
             blk + "attn_norm.weight": (np.ones(hidden, np.float32), Q.F32),
             blk + "ffn_norm.weight": (np.ones(hidden, np.float32), Q.F32),
-            blk + "attn_q.weight": q4_k(hidden, hidden), blk + "attn_k.weight": q4_k(hidden // 2, hidden),
-            blk + "attn_v.weight": q4_k(hidden // 2, hidden), blk + "attn_output.weight": q4_k(hidden, hidden),
-            blk + "ffn_gate.weight": q4_k(inter, hidden), blk + "ffn_up.weight": q4_k(inter, hidden),
+            blk + "attn_q.weight": q4_k(hidden, hidden),
+            blk + "attn_k.weight": q4_k(hidden // 2, hidden),
+            blk + "attn_v.weight": q4_k(hidden // 2, hidden),
+            blk + "attn_output.weight": q4_k(hidden, hidden),
+            blk + "ffn_gate.weight": q4_k(inter, hidden),
+            blk + "ffn_up.weight": q4_k(inter, hidden),
             blk + "ffn_down.weight": q4_k(hidden, inter),
         }
-    metadata = {"llama.embedding_length": hidden, "llama.feed_forward_length": inter, "llama.block_count": 2,
-                "llama.attention.head_count": heads, "llama.attention.head_count_kv": heads // 2,
-                "llama.vocab_size": vocab, "llama.context_length": 128,
-                "llama.attention.layer_norm_rms_epsilon": 1e-5}
+    metadata = {
+        "llama.embedding_length": hidden,
+        "llama.feed_forward_length": inter,
+        "llama.block_count": 2,
+        "llama.attention.head_count": heads,
+        "llama.attention.head_count_kv": heads // 2,
+        "llama.vocab_size": vocab,
+        "llama.context_length": 128,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    }
     path = _write(tmp_path / "tiny-q4_k.gguf", tensors, metadata=metadata)
 
     kept = load_model(path, quantization="gguf", dtype=torch.float32)
@@ -169,16 +191,28 @@ PROJECTION_SIZE = 0.0125  # the largest projection weight: a model whose errors 
 # The largest code a format's fp16 scale multiplies, for K-quant blocks of sane magnitude.
 _K_CODE_RANGE = {Q.Q4_K: 63 * 15, Q.Q5_K: 63 * 31, Q.Q6_K: 127 * 32}
 MIXED = {
-    "token_embd": Q.Q6_K, "output": Q.Q5_K,
-    "blk.0.attn_q": Q.Q5_K, "blk.0.attn_k": Q.Q4_K, "blk.0.attn_v": Q.Q6_K, "blk.0.attn_output": Q.Q5_1,
-    "blk.0.ffn_gate": Q.Q4_0, "blk.0.ffn_up": Q.Q8_0, "blk.0.ffn_down": Q.Q6_K,
-    "blk.1.attn_q": Q.Q4_K, "blk.1.attn_k": Q.Q4_K, "blk.1.attn_v": Q.Q4_K, "blk.1.attn_output": Q.Q6_K,
-    "blk.1.ffn_gate": Q.Q5_0, "blk.1.ffn_up": Q.Q4_1, "blk.1.ffn_down": Q.Q4_K,
+    "token_embd": Q.Q6_K,
+    "output": Q.Q5_K,
+    "blk.0.attn_q": Q.Q5_K,
+    "blk.0.attn_k": Q.Q4_K,
+    "blk.0.attn_v": Q.Q6_K,
+    "blk.0.attn_output": Q.Q5_1,
+    "blk.0.ffn_gate": Q.Q4_0,
+    "blk.0.ffn_up": Q.Q8_0,
+    "blk.0.ffn_down": Q.Q6_K,
+    "blk.1.attn_q": Q.Q4_K,
+    "blk.1.attn_k": Q.Q4_K,
+    "blk.1.attn_v": Q.Q4_K,
+    "blk.1.attn_output": Q.Q6_K,
+    "blk.1.ffn_gate": Q.Q5_0,
+    "blk.1.ffn_up": Q.Q4_1,
+    "blk.1.ffn_down": Q.Q4_K,
 }
 
 
-def _sane_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator,
-                 size: float) -> np.ndarray:
+def _sane_blocks(
+    qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator, size: float
+) -> np.ndarray:
     """``[rows, bytes a row]`` of ``qtype`` blocks whose weights are ~``size`` at most (random
     K-quant bytes under fp16 scales sized by the format's largest code)."""
     if qtype in QUANTIZABLE:
@@ -190,7 +224,7 @@ def _sane_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.rand
     for at in FP16_AT[qtype]:
         unit = size / (_K_CODE_RANGE[qtype] if at != 2 else 63)  # dmin multiplies a 6-bit minimum
         scales = rng.uniform(0.5, 1, size=(len(blocks), 1)) * unit
-        blocks[:, at:at + 2] = scales.astype(np.float16).view(np.uint8)
+        blocks[:, at : at + 2] = scales.astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -199,23 +233,37 @@ def _mixed_llama(path: Path, types: dict[str, GGMLQuantizationType]) -> Path:
     shapes = {"token_embd": (VOCAB, HIDDEN), "output": (VOCAB, HIDDEN)}
     for layer in range(2):
         blk = f"blk.{layer}."
-        shapes |= {blk + "attn_q": (HIDDEN, HIDDEN), blk + "attn_k": (HIDDEN // 2, HIDDEN),
-                   blk + "attn_v": (HIDDEN // 2, HIDDEN), blk + "attn_output": (HIDDEN, HIDDEN),
-                   blk + "ffn_gate": (INTER, HIDDEN), blk + "ffn_up": (INTER, HIDDEN),
-                   blk + "ffn_down": (HIDDEN, INTER)}
+        shapes |= {
+            blk + "attn_q": (HIDDEN, HIDDEN),
+            blk + "attn_k": (HIDDEN // 2, HIDDEN),
+            blk + "attn_v": (HIDDEN // 2, HIDDEN),
+            blk + "attn_output": (HIDDEN, HIDDEN),
+            blk + "ffn_gate": (INTER, HIDDEN),
+            blk + "ffn_up": (INTER, HIDDEN),
+            blk + "ffn_down": (HIDDEN, INTER),
+        }
     tensors = {"output_norm.weight": (np.ones(HIDDEN, np.float32), Q.F32)}
     for name, (rows, cols) in shapes.items():
         qtype, size = types[name], PROJECTION_SIZE if name.startswith("blk.") else 0.05
-        data = (rng.standard_normal((rows, cols), dtype=np.float32) * size / 2.5 if qtype == Q.F32
-                else _sane_blocks(qtype, rows, cols, rng, size))
+        data = (
+            rng.standard_normal((rows, cols), dtype=np.float32) * size / 2.5
+            if qtype == Q.F32
+            else _sane_blocks(qtype, rows, cols, rng, size)
+        )
         tensors[name + ".weight"] = (data, qtype)
     for layer in range(2):
         for norm in ("attn_norm", "ffn_norm"):
             tensors[f"blk.{layer}.{norm}.weight"] = (np.ones(HIDDEN, np.float32), Q.F32)
-    metadata = {"llama.embedding_length": HIDDEN, "llama.feed_forward_length": INTER, "llama.block_count": 2,
-                "llama.attention.head_count": HEADS, "llama.attention.head_count_kv": HEADS // 2,
-                "llama.vocab_size": VOCAB, "llama.context_length": 128,
-                "llama.attention.layer_norm_rms_epsilon": 1e-5}
+    metadata = {
+        "llama.embedding_length": HIDDEN,
+        "llama.feed_forward_length": INTER,
+        "llama.block_count": 2,
+        "llama.attention.head_count": HEADS,
+        "llama.attention.head_count_kv": HEADS // 2,
+        "llama.vocab_size": VOCAB,
+        "llama.context_length": 128,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    }
     return _write(path, tensors, metadata=metadata)
 
 
@@ -230,11 +278,18 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
     from fastsched.attention.cpu import CpuBackend
 
     attn, t = model.layers[0].self_attn, len(ids)
-    caches = [torch.zeros(2, 8, 16, attn.num_kv_heads, attn.head_dim, dtype=model.norm.weight.dtype)
-              for _ in model.layers]
-    metadata = AttentionMetadata(torch.arange(t), torch.tensor([0, t], dtype=torch.int32),
-                                 torch.tensor([t], dtype=torch.int32),
-                                 torch.arange(8, dtype=torch.int32)[None], t, t)
+    caches = [
+        torch.zeros(2, 8, 16, attn.num_kv_heads, attn.head_dim, dtype=model.norm.weight.dtype)
+        for _ in model.layers
+    ]
+    metadata = AttentionMetadata(
+        torch.arange(t),
+        torch.tensor([0, t], dtype=torch.int32),
+        torch.tensor([t], dtype=torch.int32),
+        torch.arange(8, dtype=torch.int32)[None],
+        t,
+        t,
+    )
     backend = CpuBackend()
     backend.prepare(metadata)
     with torch.inference_mode():
@@ -255,16 +310,26 @@ def test_a_gguf_with_every_format_mixed_within_layers_loads_with_no_dense_weight
     qkv0 = kept.layers[0].self_attn.qkv_proj.weight_packed  # Q5_K, Q4_K, Q6_K: 8-bit, per 16, zeros
     assert isinstance(qkv0, PackedInt8) and qkv0.cpu.scale_group == 16 and qkv0.zero is not None
     down0 = kept.layers[0].mlp.down_proj.weight_packed
-    for module, ref in [(qkv0, reference.layers[0].self_attn.qkv_proj.weight),
-                        (down0, reference.layers[0].mlp.down_proj.weight),
-                        (kept.lm_head.weight_packed, reference.lm_head.weight),
-                        (kept.embed_tokens.weight_packed, reference.embed_tokens.weight)]:
+    for module, ref in [
+        (qkv0, reference.layers[0].self_attn.qkv_proj.weight),
+        (down0, reference.layers[0].mlp.down_proj.weight),
+        (kept.lm_head.weight_packed, reference.lm_head.weight),
+        (kept.embed_tokens.weight_packed, reference.embed_tokens.weight),
+    ]:
         ours = dequantize_int8(module.codes, module.scale, module.zero)
         torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
     messages = [r.getMessage() for r in caplog.records]
     line = next(m for m in messages if "kept quantized" in m)
-    for part in ("Q4_K 5 tensors", "Q5_K 2 tensors", "Q6_K 4 tensors", "Q8_0 1 tensors", "Q4_0 1 tensors",
-                 "Q4_1 1 tensors", "Q5_0 1 tensors", "Q5_1 1 tensors"):
+    for part in (
+        "Q4_K 5 tensors",
+        "Q5_K 2 tensors",
+        "Q6_K 4 tensors",
+        "Q8_0 1 tensors",
+        "Q4_0 1 tensors",
+        "Q4_1 1 tensors",
+        "Q5_0 1 tensors",
+        "Q5_1 1 tensors",
+    ):
         assert part in line, line
     assert "Q4_K 5 tensors" in line and "(4 int4, 1 int8)" in line  # layer 0's k fused with 8-bit shards
     q6_k_weights = VOCAB * HIDDEN + HIDDEN // 2 * HIDDEN + HIDDEN * INTER + HIDDEN**2

@@ -79,8 +79,9 @@ def pair(request: pytest.FixtureRequest, tiny_files: dict[str, Path]):
 def test_sentencepiece_gguf_ids_equal_transformers(pair, add_special_tokens: bool) -> None:
     ours, theirs = pair
     for text in TEXTS:
-        assert ours.encode(text, add_special_tokens=add_special_tokens) == \
-            theirs.encode(text, add_special_tokens=add_special_tokens), text
+        assert ours.encode(text, add_special_tokens=add_special_tokens) == theirs.encode(
+            text, add_special_tokens=add_special_tokens
+        ), text
 
 
 def test_sentencepiece_gguf_decodes_as_transformers(pair) -> None:
@@ -119,7 +120,7 @@ def _streamed(tokenizer, ids: list[int], skip_special_tokens: bool) -> list[str]
         finished = "length" if i == len(ids) - 1 else None
         processor.process([EngineCoreOutput("r", [token], finish_reason=finished)])
         deltas.append(parent.outputs[0].text)
-    return [b[len(a):] for a, b in zip(["", *deltas], deltas)]
+    return [b[len(a) :] for a, b in zip(["", *deltas], deltas)]
 
 
 def test_incremental_detokenization_equals_whole_decoding(pair) -> None:

@@ -54,9 +54,13 @@ def _step(requests: list[tuple[int, int, int]], padding: int = 0) -> tuple[Atten
     slots += [-1] * padding
     positions += [0] * padding
     metadata = AttentionMetadata(
-        torch.tensor(slots, dtype=torch.int64), torch.tensor(qsl, dtype=torch.int32),
-        torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32),
-        max(r for _, _, r in requests), max(seq_lens))
+        torch.tensor(slots, dtype=torch.int64),
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        torch.tensor(tables, dtype=torch.int32),
+        max(r for _, _, r in requests),
+        max(seq_lens),
+    )
     return metadata, torch.tensor(positions, dtype=torch.int64)
 
 
@@ -82,8 +86,14 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory):
     """A random Qwen2 (q/k/v biases, randomized: transformers' init zeroes them) with int4 weights."""
     path = tmp_path_factory.mktemp("qwen2")
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    config = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
     reference = transformers.Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in reference.named_parameters():
@@ -102,9 +112,15 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory):
     """A random Qwen3 (q/k norms, randomized: transformers' init sets them to ones) with int4 weights."""
     path = tmp_path_factory.mktemp("qwen3")
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      vocab_size=256)
+    config = transformers.Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=256,
+    )
     reference = transformers.Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in reference.named_parameters():
@@ -122,16 +138,20 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory):
 def phi3(tmp_path_factory: pytest.TempPathFactory):
     """A random Phi-3 with a 3-token sliding window on every layer (shorter than the steps'
     contexts, so the window decides what the rows attend), int4 weights."""
-    model = load_model(make_tiny_model(tmp_path_factory.mktemp("phi3") / "model", architecture="phi3",
-                                       sliding_window=3), dtype=torch.bfloat16, quantization="int4")
+    model = load_model(
+        make_tiny_model(tmp_path_factory.mktemp("phi3") / "model", architecture="phi3", sliding_window=3),
+        dtype=torch.bfloat16,
+        quantization="int4",
+    )
     assert model.layers[0].self_attn.sliding_window == 3
     return model
 
 
 def _tiny_gemma(architecture: str, tmp_path_factory: pytest.TempPathFactory):
     """A random Gemma with a 5-token window, int4 weights."""
-    directory = make_tiny_model(tmp_path_factory.mktemp(architecture) / "model", architecture=architecture,
-                                sliding_window=5)
+    directory = make_tiny_model(
+        tmp_path_factory.mktemp(architecture) / "model", architecture=architecture, sliding_window=5
+    )
     model = load_model(directory, dtype=torch.bfloat16, quantization="int4")
     assert model.layers[0].self_attn.sliding_window == 5
     return model

@@ -51,7 +51,8 @@ class SingleRequestRunner:
         num_blocks = -(-max_len // BLOCK_SIZE)
         dtype = model.norm.weight.dtype  # the embedding may be 8-bit (QuantEmbedding)
         self.kv_caches = [
-            torch.zeros(2, num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, dtype=dtype) for _ in range(c.num_layers)
+            torch.zeros(2, num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, dtype=dtype)
+            for _ in range(c.num_layers)
         ]
         self.block_table = torch.arange(num_blocks, dtype=torch.int32)[None, :]
         self.num_computed = 0
@@ -99,7 +100,7 @@ def _hf_logits(model: transformers.PreTrainedModel, ids: list[int]) -> torch.Ten
 @torch.no_grad()
 def _hf_greedy(model: transformers.PreTrainedModel, ids: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 # --- tiny Llama checkpoint -------------------------------------------------------------------
@@ -157,10 +158,14 @@ def test_tiny_tokenizer_matches_transformers(tiny_model_dir: Path) -> None:
     theirs = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     for text in [*TINY_PROMPTS, "<|im_start|>user\nhi<|im_end|>"]:
         assert ours.encode(text) == theirs(text).input_ids
-        assert ours.decode(ours.encode(text)) == theirs.decode(theirs(text).input_ids, skip_special_tokens=True)
+        assert ours.decode(ours.encode(text)) == theirs.decode(
+            theirs(text).input_ids, skip_special_tokens=True
+        )
     rendered = theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert ours.apply_chat_template(CHAT) == rendered
-    assert ours.apply_chat_template(CHAT, tokenize=True) == theirs(rendered, add_special_tokens=False).input_ids
+    assert (
+        ours.apply_chat_template(CHAT, tokenize=True) == theirs(rendered, add_special_tokens=False).input_ids
+    )
     assert ours.eos_token_ids == tuple(load_model_config(tiny_model_dir).eos_token_ids)
     assert ours.eos_token_ids[0] == ours.token_to_id("<|im_end|>")
 
@@ -180,13 +185,20 @@ def test_make_tiny_model_is_deterministic(tmp_path: Path) -> None:
 # --- other architectures, built by transformers itself -----------------------------------------
 
 _COMMON = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
 )
 _ARCHITECTURES = {
     "qwen2-qkv-bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3-qk-norm-tied": (
-        transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32, "tie_word_embeddings": True},
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        {"head_dim": 32, "tie_word_embeddings": True},
     ),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {}),
     "llama3-rope-scaling": (
@@ -195,7 +207,10 @@ _ARCHITECTURES = {
         {
             "rope_theta": 500000.0,
             "rope_scaling": {
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64,
             },
         },
@@ -236,9 +251,18 @@ def test_architecture_logits_match_transformers_prefill_and_decode(kind: str, tm
 
 def test_model_config_reads_transformers_4_and_5_rope_layouts() -> None:
     base = {"architectures": ["LlamaForCausalLM"], **_COMMON}
-    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    old = ModelConfig.from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **llama3}})
-    new = ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **llama3}})
+    llama3 = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    old = ModelConfig.from_hf_config(
+        {**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **llama3}}
+    )
+    new = ModelConfig.from_hf_config(
+        {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **llama3}}
+    )
     assert old == new
     assert old.rope_theta == 5e5 and old.rope_scaling == {"rope_type": "llama3", **llama3}
 
@@ -265,7 +289,10 @@ def smollm2():
 def test_gguf_config_describes_smollm2() -> None:
     config = load_model_config(None)
     assert (config.architecture, config.num_layers, config.num_heads, config.num_kv_heads) == (
-        "LlamaForCausalLM", 30, 9, 3,
+        "LlamaForCausalLM",
+        30,
+        9,
+        3,
     )
     assert config.tie_word_embeddings and config.eos_token_ids == (2,)
 
@@ -310,7 +337,9 @@ def _copy(tiny_model_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
 
 
-def test_unsupported_architecture_names_it_and_the_supported_ones(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_unsupported_architecture_names_it_and_the_supported_ones(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     path = _copy(tiny_model_dir, tmp_path)
     config = json.loads((path / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
@@ -369,7 +398,11 @@ def test_missing_default_model_says_how_to_install(monkeypatch: pytest.MonkeyPat
 def test_unsupported_rope_type_is_named() -> None:
     with pytest.raises(ValueError, match="'yarn'"):
         ModelConfig.from_hf_config(
-            {"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}, **_COMMON}
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+                **_COMMON,
+            }
         )
 
 
@@ -385,7 +418,9 @@ def _perplexity(model: LlamaForCausalLM, ids: list[int]) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_q4_1_kept_quantized_is_within_1_percent_perplexity_of_the_same_weights_in_fp32(smollm2, dtype) -> None:
+def test_q4_1_kept_quantized_is_within_1_percent_perplexity_of_the_same_weights_in_fp32(
+    smollm2, dtype
+) -> None:
     """The embedded Q4_1 file served 4-bit (int4 kernel, bf16 inside it) against the same
     weights dequantized to fp32, on a paragraph the project ships (tests/models/data)."""
     dense, tokenizer, _, _ = smollm2

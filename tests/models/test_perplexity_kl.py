@@ -24,8 +24,14 @@ from fastsched.tools.perplexity import measure, windows
 
 TEXT = str(Path(__file__).parent / "data" / "perplexity.txt")
 CTX = 64
-DEFAULT = {"model": None, "quantization": None, "dtype": "auto", "device": "cpu", "attention_backend": None,
-           "num_threads": None}
+DEFAULT = {
+    "model": None,
+    "quantization": None,
+    "dtype": "auto",
+    "device": "cpu",
+    "attention_backend": None,
+    "num_threads": None,
+}
 REFERENCE = {**DEFAULT, "quantization": "none", "dtype": "float32"}
 BOUNDS = {  # mode: (mean KLD, 99th percentile KLD, top-1 agreement at least)
     "prefill": (0.002, 0.01, 0.95),

@@ -13,20 +13,20 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-import sys  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
 try:
     import fastsched  # noqa: F401  (installed, e.g. by maturin develop)
 except ImportError:  # running from a bare checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
-from engine_stack import Engines, ipc_dir, launch, teardown  # noqa: E402
+from engine_stack import Engines, ipc_dir, launch, teardown
 
-from fastsched.tools.tiny_model import make_tiny_model  # noqa: E402
+from fastsched.tools.tiny_model import make_tiny_model
 
 KV_CACHE_MEMORY = 64 * 1024 * 1024
 
@@ -58,13 +58,17 @@ def engines(engine_config: dict, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture
-def launch_engines(engine_config: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Engines]]:
+def launch_engines(
+    engine_config: dict, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., Engines]]:
     """A factory of engines of a test's own, torn down after it:
     ``launch_engines(num_engines=1, num_frontends=2, **engine_config_overrides)``."""
     started: list[Engines] = []
 
     def factory(num_engines: int = 1, num_frontends: int = 2, **overrides: object) -> Engines:
-        engines = launch({**engine_config, **overrides}, ipc_dir(tmp_path_factory, "ipc"), num_engines, num_frontends)
+        engines = launch(
+            {**engine_config, **overrides}, ipc_dir(tmp_path_factory, "ipc"), num_engines, num_frontends
+        )
         started.append(engines)
         return engines
 
@@ -81,5 +85,9 @@ def oracle(tiny_model_dir: Path):
     from fastsched import LLM
 
     return LLM(
-        str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, log_stats_interval=0.0
+        str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory=KV_CACHE_MEMORY,
+        log_stats_interval=0.0,
     )

@@ -31,12 +31,16 @@ def ipc_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 
 def launch(engine_config: dict, directory: Path, num_engines: int, num_frontends: int) -> Engines:
-    from fastsched.engine.engine_proc import start_engine_process  # needs pyzmq: imported by the tests that use it
+    from fastsched.engine.engine_proc import (
+        start_engine_process,
+    )  # needs pyzmq: imported by the tests that use it
 
     inputs = [f"ipc://{directory}/engine{i}.in" for i in range(num_engines)]
     outputs = [f"ipc://{directory}/frontend{i}.out" for i in range(num_frontends)]
     procs = [
-        start_engine_process(engine_config, i, inputs[i], outputs, torch_num_threads=1, heartbeat_interval=0.5)
+        start_engine_process(
+            engine_config, i, inputs[i], outputs, torch_num_threads=1, heartbeat_interval=0.5
+        )
         for i in range(num_engines)
     ]
     return Engines(inputs, outputs, procs)

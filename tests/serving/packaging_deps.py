@@ -98,6 +98,9 @@ sys.modules.update(dict.fromkeys(%r))
 def blocker_source(allowed: set[str]) -> str:
     """Python source that, run first, makes every module of an installed distribution outside
     ``allowed`` (canonical names) unimportable, as if only ``allowed`` were installed."""
-    blocked = {mod for mod, owners in module_owners().items()
-               if not owners & allowed and mod not in sys.stdlib_module_names and mod != "fastsched"}
+    blocked = {
+        mod
+        for mod, owners in module_owners().items()
+        if not owners & allowed and mod not in sys.stdlib_module_names and mod != "fastsched"
+    }
     return BLOCKER % sorted(blocked)

@@ -20,9 +20,7 @@ import subprocess
 
 import pytest
 
-ACCEPTED_LINT = (
-    "metric names should not contain ':'",
-)
+ACCEPTED_LINT = ("metric names should not contain ':'",)
 ACCEPTED_LINT_OF = {
     "fastsched:iteration_tokens_total": 'non-counter metrics should not have "_total" suffix',
 }
@@ -34,11 +32,15 @@ def promtool() -> str:
     if path is not None:
         return path
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip("promtool is missing and cannot be installed here (needs root and apt-get: "
-                    "`apt-get install prometheus`)")
+        pytest.skip(
+            "promtool is missing and cannot be installed here (needs root and apt-get: "
+            "`apt-get install prometheus`)"
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
-                                                    "prometheus"]):
+    for command in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"],
+    ):
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
         if done.returncode != 0:
             pytest.skip(f"promtool is missing and `{' '.join(command)}` failed: {done.stderr.strip()[-500:]}")
@@ -51,7 +53,9 @@ def promtool() -> str:
 def lint_problems(text: str) -> list[str]:
     """promtool's problems with the page that vLLM's names do not explain; fails the test
     when promtool cannot parse the page at all."""
-    done = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [promtool(), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
     # 0: clean; 3: lint problems only; anything else: the page could not be read.
     assert done.returncode in (0, 3), f"promtool check metrics failed ({done.returncode}): {done.stderr}"
     problems = []

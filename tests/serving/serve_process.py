@@ -77,7 +77,9 @@ class ServeProcess:
 
     @property
     def frontend_pids(self) -> list[int]:
-        return [int(pid) for _, pid in sorted(self._find(r"frontend (\d+) serving gRPC on \S+ \(pid (\d+)\)"))]
+        return [
+            int(pid) for _, pid in sorted(self._find(r"frontend (\d+) serving gRPC on \S+ \(pid (\d+)\)"))
+        ]
 
     @property
     def child_pids(self) -> list[int]:
@@ -122,12 +124,33 @@ class ServeProcess:
         return "\n".join(self.log().splitlines()[-n:])
 
 
-def serve_command(model_dir: Path, port: int, grpc_port: int, *args: str, max_model_len: int = 256) -> list[str]:
+def serve_command(
+    model_dir: Path, port: int, grpc_port: int, *args: str, max_model_len: int = 256
+) -> list[str]:
     return [
-        sys.executable, "-m", "fastsched.entrypoints.cli", "serve",
-        "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
-        "--kv-cache-memory", str(KV_CACHE_MEMORY), "--max-model-len", str(max_model_len), "--torch-num-threads", "1",
-        "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port), *args,
+        sys.executable,
+        "-m",
+        "fastsched.entrypoints.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        str(KV_CACHE_MEMORY),
+        "--max-model-len",
+        str(max_model_len),
+        "--torch-num-threads",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+        *args,
     ]
 
 
@@ -138,25 +161,52 @@ def serve_env() -> dict[str, str]:
     return env
 
 
-def launch(model_dir: Path, log_path: Path, *args: str, api_server_count: int = 1,
-           max_model_len: int = 256, env: dict[str, str] | None = None) -> ServeProcess:
+def launch(
+    model_dir: Path,
+    log_path: Path,
+    *args: str,
+    api_server_count: int = 1,
+    max_model_len: int = 256,
+    env: dict[str, str] | None = None,
+) -> ServeProcess:
     """Starts ``fastsched serve`` without waiting for it; ``env``: extra environment variables."""
     port = free_ports(1)
     grpc_port = free_ports(api_server_count)
-    cmd = serve_command(model_dir, port, grpc_port, "--api-server-count", str(api_server_count), *args,
-                        max_model_len=max_model_len)
+    cmd = serve_command(
+        model_dir,
+        port,
+        grpc_port,
+        "--api-server-count",
+        str(api_server_count),
+        *args,
+        max_model_len=max_model_len,
+    )
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env={**serve_env(), **(env or {})}, start_new_session=True)
-    return ServeProcess(proc, f"http://127.0.0.1:{port}", log_path,
-                        [grpc_port + k for k in range(api_server_count)])
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**serve_env(), **(env or {})},
+            start_new_session=True,
+        )
+    return ServeProcess(
+        proc, f"http://127.0.0.1:{port}", log_path, [grpc_port + k for k in range(api_server_count)]
+    )
 
 
-def start_serve(model_dir: Path, log_path: Path, *args: str, api_server_count: int = 1,
-                max_model_len: int = 256, env: dict[str, str] | None = None) -> ServeProcess:
+def start_serve(
+    model_dir: Path,
+    log_path: Path,
+    *args: str,
+    api_server_count: int = 1,
+    max_model_len: int = 256,
+    env: dict[str, str] | None = None,
+) -> ServeProcess:
     """Starts ``fastsched serve`` and waits until ``/health`` answers 200."""
-    server = launch(model_dir, log_path, *args, api_server_count=api_server_count, max_model_len=max_model_len,
-                    env=env)
+    server = launch(
+        model_dir, log_path, *args, api_server_count=api_server_count, max_model_len=max_model_len, env=env
+    )
     wait_healthy(server)
     return server
 
@@ -170,7 +220,9 @@ def wait_healthy(server: ServeProcess) -> None:
             if server.proc.poll() is not None:
                 raise RuntimeError(f"fastsched serve exited with {server.proc.returncode}:\n{server.tail()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"fastsched serve not healthy after {START_TIMEOUT_S:g} s:\n{server.tail()}")
+                raise RuntimeError(
+                    f"fastsched serve not healthy after {START_TIMEOUT_S:g} s:\n{server.tail()}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 healthy = httpx.get(server.url + "/health", timeout=2, trust_env=False).status_code == 200
                 # The launcher logs "gateway listening" once uvicorn has started; /health may answer first.
@@ -191,6 +243,10 @@ def metric_samples(url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            name = re.sub(r'(?<=[{,])(model_name|engine)="[^"]*",?', "", name).replace(",}", "}").replace("{}", "")
+            name = (
+                re.sub(r'(?<=[{,])(model_name|engine)="[^"]*",?', "", name)
+                .replace(",}", "}")
+                .replace("{}", "")
+            )
             samples[name] = samples.get(name, 0.0) + float(value)
     return samples

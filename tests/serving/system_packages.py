@@ -19,12 +19,19 @@ def require(binary: str, package: str) -> str:
     if path is not None:
         return path
     if shutil.which("apt-get") is None or os.geteuid() != 0:
-        pytest.skip(f"{binary} is not installed and cannot be installed here (needs root and apt-get): "
-                    f"apt-get install {package}")
+        pytest.skip(
+            f"{binary} is not installed and cannot be installed here (needs root and apt-get): "
+            f"apt-get install {package}"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for command in (["apt-get", "install", "-y", "-qq", package], ["apt-get", "update", "-qq"],
-                    ["apt-get", "install", "-y", "-qq", package]):
+    for command in (
+        ["apt-get", "install", "-y", "-qq", package],
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", package],
+    ):
         subprocess.run(command, env=env, capture_output=True, timeout=_APT_TIMEOUT_S)
         if (path := shutil.which(binary)) is not None:
             return path
-    pytest.skip(f"{binary} could not be installed with `apt-get install {package}` (no network or no such package)")
+    pytest.skip(
+        f"{binary} could not be installed with `apt-get install {package}` (no network or no such package)"
+    )

@@ -14,8 +14,15 @@ from fastsched.gateway.access_log import ACCESS_LOGGER, ProbeFilter, quiet_probe
 
 def access_record(path: str) -> logging.LogRecord:
     """A record as uvicorn's access logger makes it."""
-    return logging.LogRecord(ACCESS_LOGGER, logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
-                             ("127.0.0.1:5000", "GET", path, "1.1", 200), None)
+    return logging.LogRecord(
+        ACCESS_LOGGER,
+        logging.INFO,
+        __file__,
+        1,
+        '%s - "%s %s HTTP/%s" %d',
+        ("127.0.0.1:5000", "GET", path, "1.1", 200),
+        None,
+    )
 
 
 @pytest.fixture
@@ -28,7 +35,9 @@ def access_logger() -> Iterator[logging.Logger]:
 
 
 @pytest.mark.parametrize("path", ["/health", "/metrics", "/ping", "/health?verbose=1"])
-def test_probes_are_not_access_logged_unless_uvicorn_logs_at_debug(access_logger: logging.Logger, path: str) -> None:
+def test_probes_are_not_access_logged_unless_uvicorn_logs_at_debug(
+    access_logger: logging.Logger, path: str
+) -> None:
     access_logger.setLevel(logging.INFO)
     assert not ProbeFilter().filter(access_record(path))
     access_logger.setLevel(logging.DEBUG)

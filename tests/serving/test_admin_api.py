@@ -84,17 +84,33 @@ class Stack:
         self.loop = LoopThread()
         self.fake = FakeLLM()
         self.allowed = allowed
-        admin = AdminSettings(enable_admin_api=True, enable_runtime_lora_updating=True, admin_api_key=ADMIN_KEY,
-                              allowed_local_paths=(str(allowed),))
+        admin = AdminSettings(
+            enable_admin_api=True,
+            enable_runtime_lora_updating=True,
+            admin_api_key=ADMIN_KEY,
+            allowed_local_paths=(str(allowed),),
+        )
         self.ports = [free_port(), free_port()]
-        self.servers = [self.loop.call(serve_frontend(self.fake, "127.0.0.1", self.ports[0], api_key=API_KEY,
-                                                      admin=admin)),
-                        self.loop.call(serve_frontend(self.fake, "127.0.0.1", self.ports[1]))]  # admin off
+        self.servers = [
+            self.loop.call(
+                serve_frontend(self.fake, "127.0.0.1", self.ports[0], api_key=API_KEY, admin=admin)
+            ),
+            self.loop.call(serve_frontend(self.fake, "127.0.0.1", self.ports[1])),
+        ]  # admin off
         addr = f"127.0.0.1:{self.ports[0]}"
-        self.default_url = self.loop.start_gateway(create_app([f"127.0.0.1:{self.ports[1]}"], MODEL, tokenizer=None))
-        self.admin_url = self.loop.start_gateway(create_app(
-            [addr], MODEL, tokenizer=None, api_key=API_KEY, admin=admin,
-            sessions=SessionSettings(open_timeout=0.5, allowed_origins=("https://app.example",))))
+        self.default_url = self.loop.start_gateway(
+            create_app([f"127.0.0.1:{self.ports[1]}"], MODEL, tokenizer=None)
+        )
+        self.admin_url = self.loop.start_gateway(
+            create_app(
+                [addr],
+                MODEL,
+                tokenizer=None,
+                api_key=API_KEY,
+                admin=admin,
+                sessions=SessionSettings(open_timeout=0.5, allowed_origins=("https://app.example",)),
+            )
+        )
 
     def stop(self) -> None:
         self.loop.stop_gateways()
@@ -112,28 +128,51 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s.stop()
 
 
-ADMIN_ROUTES = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/reload_weights"),
-                ("GET", "/debug/requests/some-id"), ("POST", "/v1/load_lora_adapter"),
-                ("POST", "/v1/unload_lora_adapter")]
+ADMIN_ROUTES = [
+    ("POST", "/pause"),
+    ("POST", "/resume"),
+    ("GET", "/is_paused"),
+    ("POST", "/reload_weights"),
+    ("GET", "/debug/requests/some-id"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
+]
 
 
 @pytest.mark.parametrize(("method", "path"), ADMIN_ROUTES)
 def test_admin_routes_do_not_exist_unless_enabled(stack: Stack, method: str, path: str) -> None:
-    r = httpx.request(method, stack.default_url + path, json={"path": "/x", "lora_name": "a", "lora_path": "/x"},
-                      timeout=30)
+    r = httpx.request(
+        method, stack.default_url + path, json={"path": "/x", "lora_name": "a", "lora_path": "/x"}, timeout=30
+    )
     assert r.status_code == 404, r.text
     assert stack.fake.calls == []
 
 
-@pytest.mark.parametrize("rpc", ["Pause", "Resume", "IsPaused", "ReloadWeights", "GetRequestStatus",
-                                 "LoadLoRAAdapter", "UnloadLoRAAdapter"])
+@pytest.mark.parametrize(
+    "rpc",
+    [
+        "Pause",
+        "Resume",
+        "IsPaused",
+        "ReloadWeights",
+        "GetRequestStatus",
+        "LoadLoRAAdapter",
+        "UnloadLoRAAdapter",
+    ],
+)
 def test_grpc_admin_methods_are_unimplemented_unless_enabled(stack: Stack, rpc: str) -> None:
-    requests = {"Pause": pb.PauseRequest(mode="all"), "Resume": pb.ResumeRequest(), "IsPaused": pb.IsPausedRequest(),
-                "ReloadWeights": pb.ReloadWeightsRequest(model="/x"),
-                "GetRequestStatus": pb.RequestStatusRequest(request_id="r"),
-                "LoadLoRAAdapter": pb.LoadLoRAAdapterRequest(lora_name="a", lora_path="/x"),
-                "UnloadLoRAAdapter": pb.UnloadLoRAAdapterRequest(lora_name="a")}
-    with grpc.insecure_channel(f"127.0.0.1:{stack.ports[1]}", options=[("grpc.enable_http_proxy", 0)]) as channel:
+    requests = {
+        "Pause": pb.PauseRequest(mode="all"),
+        "Resume": pb.ResumeRequest(),
+        "IsPaused": pb.IsPausedRequest(),
+        "ReloadWeights": pb.ReloadWeightsRequest(model="/x"),
+        "GetRequestStatus": pb.RequestStatusRequest(request_id="r"),
+        "LoadLoRAAdapter": pb.LoadLoRAAdapterRequest(lora_name="a", lora_path="/x"),
+        "UnloadLoRAAdapter": pb.UnloadLoRAAdapterRequest(lora_name="a"),
+    }
+    with grpc.insecure_channel(
+        f"127.0.0.1:{stack.ports[1]}", options=[("grpc.enable_http_proxy", 0)]
+    ) as channel:
         with pytest.raises(grpc.RpcError) as info:
             getattr(pb_grpc.FrontendStub(channel), rpc)(requests[rpc], timeout=10)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "--enable-" in info.value.details()
@@ -154,14 +193,18 @@ def test_admin_routes_take_the_admin_key_and_the_api_key_is_not_it(stack: Stack)
 
 
 def test_grpc_admin_methods_take_the_admin_key(stack: Stack) -> None:
-    with grpc.insecure_channel(f"127.0.0.1:{stack.ports[0]}", options=[("grpc.enable_http_proxy", 0)]) as channel:
+    with grpc.insecure_channel(
+        f"127.0.0.1:{stack.ports[0]}", options=[("grpc.enable_http_proxy", 0)]
+    ) as channel:
         stub = pb_grpc.FrontendStub(channel)
         for metadata in ((), (("authorization", f"Bearer {API_KEY}"),)):
             with pytest.raises(grpc.RpcError) as info:
                 stub.Pause(pb.PauseRequest(mode="all"), timeout=10, metadata=metadata)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert stack.fake.calls == []
-        stub.Pause(pb.PauseRequest(mode="all"), timeout=10, metadata=(("authorization", f"Bearer {ADMIN_KEY}"),))
+        stub.Pause(
+            pb.PauseRequest(mode="all"), timeout=10, metadata=(("authorization", f"Bearer {ADMIN_KEY}"),)
+        )
     assert stack.fake.calls == ["pause all"]
     stack.fake.calls.clear()
 
@@ -170,14 +213,17 @@ def test_grpc_both_key_checks_read_the_first_authorization_entry_only(stack: Sta
     """Issue 37: the admin check accepted any ``authorization`` entry, the API-key check only
     the first; a wrong key then the right one passed one and failed the other. Both read the
     first entry now, as an HTTP server reads the header."""
+
     def auth(*keys: str) -> tuple[tuple[str, str], ...]:
         return tuple(("authorization", f"Bearer {k}") for k in keys)
 
     address, options = f"127.0.0.1:{stack.ports[0]}", [("grpc.enable_http_proxy", 0)]
     with grpc.insecure_channel(address, options=options) as channel:
         stub = pb_grpc.FrontendStub(channel)
-        calls = {"admin": lambda metadata: stub.IsPaused(pb.IsPausedRequest(), timeout=10, metadata=metadata),
-                 "api": lambda metadata: stub.ModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=metadata)}
+        calls = {
+            "admin": lambda metadata: stub.IsPaused(pb.IsPausedRequest(), timeout=10, metadata=metadata),
+            "api": lambda metadata: stub.ModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=metadata),
+        }
         for scope, key in (("admin", ADMIN_KEY), ("api", API_KEY)):
             with pytest.raises(grpc.RpcError) as info:
                 calls[scope](auth("wrong", key))
@@ -188,14 +234,20 @@ def test_grpc_both_key_checks_read_the_first_authorization_entry_only(stack: Sta
 
 def test_admin_routes_guarded_only_by_the_api_key_refuse_to_start() -> None:
     with pytest.raises(ValueError, match="--admin-api-key"):
-        create_app(["127.0.0.1:1"], MODEL, tokenizer=None, api_key=API_KEY,
-                   admin=AdminSettings(enable_admin_api=True))
+        create_app(
+            ["127.0.0.1:1"],
+            MODEL,
+            tokenizer=None,
+            api_key=API_KEY,
+            admin=AdminSettings(enable_admin_api=True),
+        )
     with pytest.raises(ValueError, match="--admin-api-key"):
         ServeConfig(api_key=API_KEY, admin=AdminSettings(enable_runtime_lora_updating=True))
 
 
-def test_a_path_outside_the_allowed_ones_is_403_and_says_nothing_of_whether_it_exists(stack: Stack,
-                                                                                       tmp_path: Path) -> None:
+def test_a_path_outside_the_allowed_ones_is_403_and_says_nothing_of_whether_it_exists(
+    stack: Stack, tmp_path: Path
+) -> None:
     existing = tmp_path / "adapter"
     existing.mkdir()
     (existing / "adapter_config.json").write_text("{}")
@@ -204,18 +256,30 @@ def test_a_path_outside_the_allowed_ones_is_403_and_says_nothing_of_whether_it_e
         os.symlink(existing, escape)
     answers = []
     for path in (existing, tmp_path / "missing", escape, Path("/etc/passwd")):
-        r = httpx.post(stack.admin_url + "/v1/load_lora_adapter", headers=ADMIN, timeout=30,
-                       json={"lora_name": "a", "lora_path": str(path)})
+        r = httpx.post(
+            stack.admin_url + "/v1/load_lora_adapter",
+            headers=ADMIN,
+            timeout=30,
+            json={"lora_name": "a", "lora_path": str(path)},
+        )
         assert r.status_code == 403 and r.json()["error"]["code"] == "path_not_allowed", r.text
         answers.append(r.json())
-        r = httpx.post(stack.admin_url + "/reload_weights", headers=ADMIN, timeout=30, json={"path": str(path)})
+        r = httpx.post(
+            stack.admin_url + "/reload_weights", headers=ADMIN, timeout=30, json={"path": str(path)}
+        )
         assert r.status_code == 403 and r.json()["error"]["param"] == "path", r.text
         answers.append(r.json())
-    assert len({json.dumps(a) for a in answers[::2]}) == 1 and len({json.dumps(a) for a in answers[1::2]}) == 1
+    assert (
+        len({json.dumps(a) for a in answers[::2]}) == 1 and len({json.dumps(a) for a in answers[1::2]}) == 1
+    )
     assert stack.fake.calls == [], "nothing outside reached a frontend"
     # Inside, the frontend is asked.
-    r = httpx.post(stack.admin_url + "/reload_weights", headers=ADMIN, timeout=30,
-                   json={"path": str(stack.allowed / "ckpt")})
+    r = httpx.post(
+        stack.admin_url + "/reload_weights",
+        headers=ADMIN,
+        timeout=30,
+        json={"path": str(stack.allowed / "ckpt")},
+    )
     assert r.status_code == 200 and stack.fake.calls == [f"reload {stack.allowed / 'ckpt'}"]
     stack.fake.calls.clear()
 
@@ -232,8 +296,10 @@ def test_a_file_link_inside_an_allowed_directory_that_leaves_it_is_403(stack: St
     checkpoint = stack.allowed / "linked-checkpoint"
     checkpoint.mkdir()
     os.symlink(secret, checkpoint / "model.safetensors")
-    for route, body in (("/v1/load_lora_adapter", {"lora_name": "linked", "lora_path": str(adapter)}),
-                        ("/reload_weights", {"path": str(checkpoint)})):
+    for route, body in (
+        ("/v1/load_lora_adapter", {"lora_name": "linked", "lora_path": str(adapter)}),
+        ("/reload_weights", {"path": str(checkpoint)}),
+    ):
         r = httpx.post(stack.admin_url + route, headers=ADMIN, timeout=30, json=body)
         assert r.status_code == 403 and r.json()["error"]["code"] == "path_not_allowed", r.text
         assert "a link that leaves" in r.text and str(secret.stat().st_size) not in r.text
@@ -243,10 +309,15 @@ def test_a_file_link_inside_an_allowed_directory_that_leaves_it_is_403(stack: St
 
 
 def test_grpc_load_of_a_path_outside_is_permission_denied(stack: Stack) -> None:
-    with grpc.insecure_channel(f"127.0.0.1:{stack.ports[0]}", options=[("grpc.enable_http_proxy", 0)]) as channel:
+    with grpc.insecure_channel(
+        f"127.0.0.1:{stack.ports[0]}", options=[("grpc.enable_http_proxy", 0)]
+    ) as channel:
         with pytest.raises(grpc.RpcError) as info:
-            pb_grpc.FrontendStub(channel).ReloadWeights(pb.ReloadWeightsRequest(model="/etc"), timeout=10,
-                                                        metadata=(("authorization", f"Bearer {ADMIN_KEY}"),))
+            pb_grpc.FrontendStub(channel).ReloadWeights(
+                pb.ReloadWeightsRequest(model="/etc"),
+                timeout=10,
+                metadata=(("authorization", f"Bearer {ADMIN_KEY}"),),
+            )
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert dict(info.value.trailing_metadata())["error-code"] == "path_not_allowed"
     assert stack.fake.calls == []
@@ -277,7 +348,9 @@ def test_a_grpc_session_that_never_sends_open_is_ended_after_the_open_timeout(st
         never.wait(30)
         yield from ()
 
-    with grpc.insecure_channel(f"127.0.0.1:{stack.ports[1]}", options=[("grpc.enable_http_proxy", 0)]) as channel:
+    with grpc.insecure_channel(
+        f"127.0.0.1:{stack.ports[1]}", options=[("grpc.enable_http_proxy", 0)]
+    ) as channel:
         call = pb_grpc.FrontendStub(channel).GenerateSession(nothing(), timeout=30)
         with pytest.raises(grpc.RpcError) as info:
             next(call)
@@ -285,12 +358,15 @@ def test_a_grpc_session_that_never_sends_open_is_ended_after_the_open_timeout(st
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "open" in info.value.details()
 
 
-@pytest.mark.parametrize(("origin", "allowed"), [
-    ("https://evil.example", False),
-    ("https://app.example", True),  # --allowed-origins
-    (None, True),  # not a browser
-    ("same", True),  # the gateway's own origin
-])
+@pytest.mark.parametrize(
+    ("origin", "allowed"),
+    [
+        ("https://evil.example", False),
+        ("https://app.example", True),  # --allowed-origins
+        (None, True),  # not a browser
+        ("same", True),  # the gateway's own origin
+    ],
+)
 def test_a_websocket_from_another_origin_is_refused(stack: Stack, origin: str | None, allowed: bool) -> None:
     headers = dict(API)
     if origin == "same":
@@ -305,7 +381,9 @@ def test_a_websocket_from_another_origin_is_refused(stack: Stack, origin: str | 
         return
     with ws_connect(ws_url(stack), additional_headers=headers) as ws:
         ws.send(json.dumps({"type": "open", "prompt": [1], "max_tokens": 1}))
-        message = json.loads(ws.recv(timeout=30))  # the fake refuses the session itself: the socket was let in
+        message = json.loads(
+            ws.recv(timeout=30)
+        )  # the fake refuses the session itself: the socket was let in
         assert message["type"] == "error" and "fake" in message["error"]["message"]
 
 
@@ -314,6 +392,8 @@ def test_serve_has_a_session_idle_timeout_and_admin_off_by_default() -> None:
     add_serve_args(parser)
     args = parser.parse_args([])
     assert args.session_idle_timeout == ServeConfig().frontend.session_idle_timeout == 60.0
-    assert ServeConfig().frontend.max_sessions is None  # a quarter of the engines' slots (frontend.session.session_cap)
+    assert (
+        ServeConfig().frontend.max_sessions is None
+    )  # a quarter of the engines' slots (frontend.session.session_cap)
     assert admin_settings(args) == AdminSettings() == ServeConfig().admin
     assert not AdminSettings().enable_admin_api and not AdminSettings().enable_runtime_lora_updating

@@ -96,8 +96,13 @@ def run(coro: Any) -> Any:
 @asynccontextmanager
 async def connect(engines: Engines, frontend: int = 0, **kwargs: Any) -> AsyncIterator[AsyncLLM]:
     others = {k: kwargs.pop(k) for k in ("shared_stats", "engine_procs") if k in kwargs}
-    llm = await AsyncLLM.start(engines.input_addrs, engines.output_addrs[frontend], frontend_index=frontend,
-                               settings=FrontendSettings(ready_timeout=60, **kwargs), **others)
+    llm = await AsyncLLM.start(
+        engines.input_addrs,
+        engines.output_addrs[frontend],
+        frontend_index=frontend,
+        settings=FrontendSettings(ready_timeout=60, **kwargs),
+        **others,
+    )
     try:
         yield llm
     finally:
@@ -128,7 +133,9 @@ def texts(outputs: list) -> list[list[str]]:
 
 
 def test_a1_unhealthy_engine_rejected_only_with_fault_tolerance() -> None:
-    AdmissionController(FrontendSettings(fault_tolerance=False)).check_and_charge("r", 1, 5, engine_healthy=False)
+    AdmissionController(FrontendSettings(fault_tolerance=False)).check_and_charge(
+        "r", 1, 5, engine_healthy=False
+    )
     ac = AdmissionController(FrontendSettings(fault_tolerance=True))
     with pytest.raises(EngineFaultedError) as e:
         ac.check_and_charge("r", 1, 5, engine_healthy=False)
@@ -161,7 +168,9 @@ def test_a3_rejects_when_prefill_backlog_reaches_max_num_queued_tokens() -> None
     ac.mark_first_token("a")  # decoding requests leave the backlog
     assert ac.num_queued_tokens == 30
     ac.check_and_charge("c", 1, 40)  # its own prompt is not counted: 30 + 40 > 50 is admitted
-    with pytest.raises(LimitError, match="max_num_queued_tokens"):  # A4: longer than the limit, never admitted
+    with pytest.raises(
+        LimitError, match="max_num_queued_tokens"
+    ):  # A4: longer than the limit, never admitted
         ac.check_and_charge("d", 1, 51)
     ac.release("b")
     ac.release("c")
@@ -178,7 +187,9 @@ def test_a3_release_before_first_token_removes_its_prompt() -> None:
 
 def test_a4_parent_of_n_is_checked_once_for_n_slots() -> None:
     ac = AdmissionController(FrontendSettings(max_num_queued_reqs=3))
-    with pytest.raises(LimitError, match=r"n is 4, more than max_num_queued_reqs \(3\)"):  # can never fit: a 400
+    with pytest.raises(
+        LimitError, match=r"n is 4, more than max_num_queued_reqs \(3\)"
+    ):  # can never fit: a 400
         ac.check_and_charge("too-big", 4, 5)
     ac.check_and_charge("p", 3, 5)
     assert ac.num_in_flight == 3 and ac.num_requests == 1 and ac.num_queued_tokens == 15
@@ -200,8 +211,14 @@ def test_a5_rejection_leaves_no_trace_but_the_counter() -> None:
         with pytest.raises(QueueOverflowError):
             ac.check_and_charge(f"x{i}", 1, 7)
     assert (ac.num_in_flight, ac.num_queued_tokens, ac.num_requests) == before
-    assert ac.rejections == {"engine_faulted": 0, "max_num_queued_reqs": 3, "max_num_queued_tokens": 0, "ttft_slo": 0,
-                              "slo": 0, "max_sessions": 0}
+    assert ac.rejections == {
+        "engine_faulted": 0,
+        "max_num_queued_reqs": 3,
+        "max_num_queued_tokens": 0,
+        "ttft_slo": 0,
+        "slo": 0,
+        "max_sessions": 0,
+    }
     ac.release("x0")  # never admitted: nothing to give back
     assert ac.num_in_flight == 1
     ac.release("a")
@@ -210,10 +227,12 @@ def test_a5_rejection_leaves_no_trace_but_the_counter() -> None:
 
 def test_a6_two_frontends_sharing_counters_respect_one_global_limit() -> None:
     FakeSharedAdmissionStats.create("a6-test", 2)
-    fe0 = AdmissionController(FrontendSettings(max_num_queued_reqs=3),
-                              shared_stats=FakeSharedAdmissionStats.open("a6-test", 0))
-    fe1 = AdmissionController(FrontendSettings(max_num_queued_reqs=3),
-                              shared_stats=FakeSharedAdmissionStats.open("a6-test", 1))
+    fe0 = AdmissionController(
+        FrontendSettings(max_num_queued_reqs=3), shared_stats=FakeSharedAdmissionStats.open("a6-test", 0)
+    )
+    fe1 = AdmissionController(
+        FrontendSettings(max_num_queued_reqs=3), shared_stats=FakeSharedAdmissionStats.open("a6-test", 1)
+    )
     fe0.check_and_charge("a", 2, 5)
     fe1.check_and_charge("b", 1, 5)
     with pytest.raises(QueueOverflowError):
@@ -231,8 +250,9 @@ def test_a6_racing_frontends_never_overshoot_the_global_limit() -> None:
     FakeSharedAdmissionStats.create("a6-race", 2)
     slot0 = FakeSharedAdmissionStats.open("a6-race", 0)
     fe0 = AdmissionController(FrontendSettings(max_num_queued_reqs=1), shared_stats=slot0)
-    fe1 = AdmissionController(FrontendSettings(max_num_queued_reqs=1),
-                              shared_stats=FakeSharedAdmissionStats.open("a6-race", 1))
+    fe1 = AdmissionController(
+        FrontendSettings(max_num_queued_reqs=1), shared_stats=FakeSharedAdmissionStats.open("a6-race", 1)
+    )
     outcome = {}
 
     def fe1_races() -> None:
@@ -251,8 +271,9 @@ def test_a6_racing_frontends_never_overshoot_the_global_limit() -> None:
 def test_a6_a_new_frontend_resets_its_stale_slot() -> None:
     FakeSharedAdmissionStats.create("a6-stale", 2)
     FakeSharedAdmissionStats.open("a6-stale", 1).set(7)  # left by a crashed predecessor
-    ac = AdmissionController(FrontendSettings(max_num_queued_reqs=1),
-                             shared_stats=FakeSharedAdmissionStats.open("a6-stale", 1))
+    ac = AdmissionController(
+        FrontendSettings(max_num_queued_reqs=1), shared_stats=FakeSharedAdmissionStats.open("a6-stale", 1)
+    )
     ac.check_and_charge("a", 1, 5)
 
 
@@ -264,10 +285,12 @@ def test_a6_real_shared_admission_stats_across_two_controllers() -> None:
     name = f"fastsched-test-{os.getpid()}"
     segment = _core.SharedAdmissionStats.create(name, 2)
     try:
-        fe0 = AdmissionController(FrontendSettings(max_num_queued_reqs=2),
-                                  shared_stats=_core.SharedAdmissionStats.open(name, 0))
-        fe1 = AdmissionController(FrontendSettings(max_num_queued_reqs=2),
-                                  shared_stats=_core.SharedAdmissionStats.open(name, 1))
+        fe0 = AdmissionController(
+            FrontendSettings(max_num_queued_reqs=2), shared_stats=_core.SharedAdmissionStats.open(name, 0)
+        )
+        fe1 = AdmissionController(
+            FrontendSettings(max_num_queued_reqs=2), shared_stats=_core.SharedAdmissionStats.open(name, 1)
+        )
         fe0.check_and_charge("a", 1, 5)
         fe1.check_and_charge("b", 1, 5)
         with pytest.raises(QueueOverflowError):
@@ -291,28 +314,39 @@ def test_protocol_round_trips_every_message() -> None:
         protocol.Abort(["r", "s"]),
         protocol.Ready(0, protocol.ModelInfo("/m", "m", 64, 1000, 16, 9, 4)),
         protocol.Heartbeat(1, protocol.EngineStats(1, 2, 0.25, 3, 4, 5, 6, 7)),
-        protocol.Outputs(0, [EngineCoreOutput("r", [5], "stop", 7, [{5: (-0.5, 1), 9: (-1.5, 2)}], 3)],
-                         protocol.EngineStats(), [protocol.RequestTiming("r", 0.1, 0.2, None)]),
+        protocol.Outputs(
+            0,
+            [EngineCoreOutput("r", [5], "stop", 7, [{5: (-0.5, 1), 9: (-1.5, 2)}], 3)],
+            protocol.EngineStats(),
+            [protocol.RequestTiming("r", 0.1, 0.2, None)],
+        ),
         protocol.Failed(0, "boom"),
     ]
     for msg in messages:
         assert protocol.decode(protocol.encode(msg)) == msg
 
 
-@pytest.mark.parametrize("wire", [
-    b"\xc1",  # not msgpack
-    msgpack.packb(["nope", 1]),
-    msgpack.packb(["abort", "r"]),  # ids must be an array
-    msgpack.packb(["add", ["r", [1], {"n": "two"}, 0.0, 0, False, None, False], 0]),  # wrong-typed sampling value
-    msgpack.packb(["add", ["r", [1], {"evil": 1}, 0.0, 0, False, None, False], 0]),  # unknown field
-    msgpack.packb(["add", ["r", [1], {}, 0.0, 0, False, None, False], -1]),  # negative frontend index
-    msgpack.packb(["add", ["r", [1], {}, 0.0, 0, False, None, False], 0, 7]),  # a field too many
-    msgpack.packb(["add", ["r", ["x"], {}, 0.0, 0, False, None, False], 0]),  # a token that is no int
-    msgpack.packb(["pause", "paused_some", 1, 0]),  # not a pause state
-    msgpack.packb(["add", ["r", [1], {}, 0.0, 0, False, None, 7, False], 0]),  # cache_salt must be a string
-    msgpack.packb(["outputs", 0, [["r", [1], "weird", None, None, None, None]], {}, []]),
-    msgpack.packb(["heartbeat", -1, {}]),
-])
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"\xc1",  # not msgpack
+        msgpack.packb(["nope", 1]),
+        msgpack.packb(["abort", "r"]),  # ids must be an array
+        msgpack.packb(
+            ["add", ["r", [1], {"n": "two"}, 0.0, 0, False, None, False], 0]
+        ),  # wrong-typed sampling value
+        msgpack.packb(["add", ["r", [1], {"evil": 1}, 0.0, 0, False, None, False], 0]),  # unknown field
+        msgpack.packb(["add", ["r", [1], {}, 0.0, 0, False, None, False], -1]),  # negative frontend index
+        msgpack.packb(["add", ["r", [1], {}, 0.0, 0, False, None, False], 0, 7]),  # a field too many
+        msgpack.packb(["add", ["r", ["x"], {}, 0.0, 0, False, None, False], 0]),  # a token that is no int
+        msgpack.packb(["pause", "paused_some", 1, 0]),  # not a pause state
+        msgpack.packb(
+            ["add", ["r", [1], {}, 0.0, 0, False, None, 7, False], 0]
+        ),  # cache_salt must be a string
+        msgpack.packb(["outputs", 0, [["r", [1], "weird", None, None, None, None]], {}, []]),
+        msgpack.packb(["heartbeat", -1, {}]),
+    ],
+)
 def test_protocol_rejects_malformed_messages(wire: bytes) -> None:
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(wire)
@@ -358,7 +392,9 @@ def test_generate_text_and_token_prompts_match_offline_llm(engines: Engines, ora
                 # The deltas add up to the final output; snapshots are cumulative.
                 assert "".join(d.text for o in run_ for d in o.deltas) == final.outputs[0].text
                 assert sum((d.token_ids for o in run_ for d in o.deltas), []) == final.outputs[0].token_ids
-                assert [len(o.outputs[0].token_ids) for o in run_] == sorted(len(o.outputs[0].token_ids) for o in run_)
+                assert [len(o.outputs[0].token_ids) for o in run_] == sorted(
+                    len(o.outputs[0].token_ids) for o in run_
+                )
                 assert final.metrics is not None and final.metrics.ttft is not None
                 assert final.metrics.queue_time is not None and final.metrics.num_generation_tokens == 12
             assert text_run[-1].prompt == PROMPTS[0] and token_run[-1].prompt is None
@@ -382,7 +418,11 @@ def test_n2_fans_out_in_the_frontend(engines: Engines, oracle) -> None:
 
 
 def test_stop_string_ends_the_output_and_aborts_it_in_the_engine(engines: Engines, oracle) -> None:
-    free = oracle.generate(PROMPTS[3], SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)[0].outputs[0].text
+    free = (
+        oracle.generate(PROMPTS[3], SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     stop = free[6:9]
     assert stop and free.index(stop) == 6, f"pick another stop string in {free!r}"
     params = SamplingParams(max_tokens=400, stop=stop, **GREEDY)
@@ -496,7 +536,10 @@ def test_engine_process_speaks_the_protocol(engines: Engines) -> None:
             if any(o.finish_reason for o in msg.outputs):
                 break
         assert len(tokens) == 3 and msg.outputs[-1].finish_reason == "length"
-        assert timings[-1].request_id == "raw-ok" and timings[-1].e2e >= timings[-1].ttft >= timings[-1].queue_time >= 0
+        assert (
+            timings[-1].request_id == "raw-ok"
+            and timings[-1].e2e >= timings[-1].ttft >= timings[-1].queue_time >= 0
+        )
         add("raw-long", [5, 6, 7], 1000)
         receive(protocol.Outputs)
         push.send(protocol.encode(protocol.Abort(["raw-long"])))
@@ -517,7 +560,9 @@ async def burst(llm: AsyncLLM, count: int, prompt: Any, params: SamplingParams) 
         return (await collect(llm, f"b{i}", prompt, params))[-1]
 
     results = await asyncio.gather(*(one(i) for i in range(count)), return_exceptions=True)
-    return [r for r in results if isinstance(r, StreamOutput)], [r for r in results if isinstance(r, BaseException)]
+    return [r for r in results if isinstance(r, StreamOutput)], [
+        r for r in results if isinstance(r, BaseException)
+    ]
 
 
 def test_a2_a5_burst_over_max_num_queued_reqs_is_rejected_and_counted(engines: Engines) -> None:
@@ -525,7 +570,9 @@ def test_a2_a5_burst_over_max_num_queued_reqs_is_rejected_and_counted(engines: E
         async with connect(engines, max_num_queued_reqs=4) as llm:
             done, errors = await burst(llm, 40, PROMPTS[0], SamplingParams(max_tokens=4, **GREEDY))
             assert len(done) == 4 and len(errors) == 36  # a burst never overshoots on one frontend
-            assert all(isinstance(e, QueueOverflowError) and e.reason == "max_num_queued_reqs" for e in errors)
+            assert all(
+                isinstance(e, QueueOverflowError) and e.reason == "max_num_queued_reqs" for e in errors
+            )
             assert all(o.finished and len(o.outputs[0].token_ids) == 4 for o in done)
             s = llm.stats()
             assert s["admission_rejections_total"]["max_num_queued_reqs"] == len(errors)
@@ -542,7 +589,9 @@ def test_a3_burst_over_max_num_queued_tokens_is_rejected(engines: Engines) -> No
         async with connect(engines, max_num_queued_tokens=50) as llm:
             done, errors = await burst(llm, 10, prompt, SamplingParams(max_tokens=3, **GREEDY))
             assert len(done) == 3 and len(errors) == 7
-            assert all(isinstance(e, MaxQueuedTokensError) and e.reason == "max_num_queued_tokens" for e in errors)
+            assert all(
+                isinstance(e, MaxQueuedTokensError) and e.reason == "max_num_queued_tokens" for e in errors
+            )
             assert llm.stats()["admission_rejections_total"]["max_num_queued_tokens"] == 7
             assert llm.stats()["num_queued_tokens"] == 0
 
@@ -666,7 +715,9 @@ def test_outputs_of_unknown_requests_are_aborted(engines: Engines) -> None:
             push = ctx.socket(zmq.PUSH)
             push.connect(engines.input_addrs[1])
             params = SamplingParams(max_tokens=4000, **GREEDY)
-            push.send(protocol.encode(protocol.AddRequest(EngineCoreRequest("left-over", [5, 6, 7], params), 0)))
+            push.send(
+                protocol.encode(protocol.AddRequest(EngineCoreRequest("left-over", [5, 6, 7], params), 0))
+            )
             push.close(linger=1000)
             ctx.term()
             await wait_until(lambda: generated() > before)
@@ -689,7 +740,10 @@ def test_a1_killed_engine_is_noticed_and_new_requests_fail_fast(launch_engines) 
             connect(lone_engine, 1, engine_timeout=1.5) as plain,
         ):
             params = SamplingParams(max_tokens=1000, **GREEDY)
-            in_flight = [ft.generate("long-ft", PROMPTS[0], params), plain.generate("long", PROMPTS[0], params)]
+            in_flight = [
+                ft.generate("long-ft", PROMPTS[0], params),
+                plain.generate("long", PROMPTS[0], params),
+            ]
             first = [await s.__anext__() for s in in_flight]
             assert all(not o.finished for o in first)
             os.kill(lone_engine.procs[0].pid, signal.SIGKILL)
@@ -715,7 +769,9 @@ def test_engine_that_fails_to_start_is_reported_at_once(launch_engines) -> None:
 
     async def body() -> None:
         with pytest.raises(RuntimeError, match="engine 0 failed to start.*does not exist"):
-            await AsyncLLM.start(bad.input_addrs, bad.output_addrs[0], settings=FrontendSettings(ready_timeout=60))
+            await AsyncLLM.start(
+                bad.input_addrs, bad.output_addrs[0], settings=FrontendSettings(ready_timeout=60)
+            )
 
     run(body())
     bad.procs[0].join(10)
@@ -724,7 +780,8 @@ def test_engine_that_fails_to_start_is_reported_at_once(launch_engines) -> None:
 
 def test_engine_exits_when_its_parent_dies(engine_config: dict, tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import multiprocessing, sys, time
         from fastsched.engine import protocol
         from fastsched.engine.engine_proc import start_engine_process
@@ -736,7 +793,8 @@ def test_engine_exits_when_its_parent_dies(engine_config: dict, tmp_path: Path) 
             assert isinstance(protocol.decode(receive.recv_bytes()), protocol.Ready)
             print(proc.pid, flush=True)
             time.sleep(120)
-    """))
+    """)
+    )
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         engine_pid = int(parent.stdout.readline())
@@ -765,6 +823,8 @@ def test_start_fails_clearly_when_an_engine_never_answers(tmp_path) -> None:
 
     async def body() -> None:
         with pytest.raises(TimeoutError, match=r"engine\(s\) \[0\] did not report ready"):
-            await AsyncLLM.start([addr], f"ipc://{tmp_path}/fe.out", settings=FrontendSettings(ready_timeout=0.5))
+            await AsyncLLM.start(
+                [addr], f"ipc://{tmp_path}/fe.out", settings=FrontendSettings(ready_timeout=0.5)
+            )
 
     run(body())

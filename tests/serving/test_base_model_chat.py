@@ -12,23 +12,30 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
+from collections.abc import Iterator
+from pathlib import Path
 
-import httpx  # noqa: E402
-import pytest  # noqa: E402
-from serve_process import ServeProcess, launch, wait_healthy  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+import httpx
+import pytest
+from serve_process import ServeProcess, launch, wait_healthy
+from transformers import AutoTokenizer
 
-from fastsched.entrypoints.cli import main  # noqa: E402
-from fastsched.entrypoints.llm import LLM  # noqa: E402
-from fastsched.sampling_params import SamplingParams  # noqa: E402
-from fastsched.tools.tiny_gguf import make_tiny_gguf  # noqa: E402
+from fastsched.entrypoints.cli import main
+from fastsched.entrypoints.llm import LLM
+from fastsched.sampling_params import SamplingParams
+from fastsched.tools.tiny_gguf import make_tiny_gguf
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 MESSAGES = [{"role": "user", "content": "What is 2 + 2? Answer: 日本語 👍🏽"}]
-TEXTS = ["Hello world", "  two  spaces\tand a tab\n", "naïve café 日本語 👨‍👩‍👧", "<s>x</s> <|user|>hi <tool>"]
+TEXTS = [
+    "Hello world",
+    "  two  spaces\tand a tab\n",
+    "naïve café 日本語 👨‍👩‍👧",
+    "<s>x</s> <|user|>hi <tool>",
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +49,10 @@ def servers(base_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     logs = tmp_path_factory.mktemp("logs")
     template_file = logs / "template.jinja"
     template_file.write_text(TEMPLATE)
-    started = {"plain": launch(base_gguf, logs / "plain.log"),
-               "templated": launch(base_gguf, logs / "templated.log", "--chat-template", str(template_file))}
+    started = {
+        "plain": launch(base_gguf, logs / "plain.log"),
+        "templated": launch(base_gguf, logs / "templated.log", "--chat-template", str(template_file)),
+    }
     try:
         for server in started.values():
             wait_healthy(server)
@@ -64,8 +73,10 @@ def _post(server: ServeProcess, route: str, body: dict) -> httpx.Response:
 
 def test_chat_without_a_chat_template_is_a_400_naming_the_flag(servers: dict[str, ServeProcess]) -> None:
     plain = servers["plain"]
-    for route, body in (("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4}),
-                        ("/tokenize", {"messages": MESSAGES})):
+    for route, body in (
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4}),
+        ("/tokenize", {"messages": MESSAGES}),
+    ):
         response = _post(plain, route, body)
         assert response.status_code == 400, response.text
         error = response.json()["error"]
@@ -74,8 +85,9 @@ def test_chat_without_a_chat_template_is_a_400_naming_the_flag(servers: dict[str
 
 
 def test_completions_work_without_a_chat_template(servers: dict[str, ServeProcess], reference) -> None:
-    response = _post(servers["plain"], "/v1/completions",
-                     {"prompt": "Hello world", "max_tokens": 6, "temperature": 0})
+    response = _post(
+        servers["plain"], "/v1/completions", {"prompt": "Hello world", "max_tokens": 6, "temperature": 0}
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["usage"]["prompt_tokens"] == len(reference.encode("Hello world"))
@@ -90,15 +102,19 @@ def test_tokenize_and_detokenize_give_the_reference_ids(servers: dict[str, Serve
         assert prompt == reference.decode(tokens)
 
 
-def test_serve_chat_template_flag_renders_chat_for_a_base_model(servers: dict[str, ServeProcess],
-                                                                 reference) -> None:
+def test_serve_chat_template_flag_renders_chat_for_a_base_model(
+    servers: dict[str, ServeProcess], reference
+) -> None:
     templated = servers["templated"]
-    expected_text = reference.apply_chat_template(MESSAGES, chat_template=TEMPLATE, tokenize=False,
-                                                  add_generation_prompt=True)
+    expected_text = reference.apply_chat_template(
+        MESSAGES, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
     expected = reference.encode(expected_text, add_special_tokens=False)
     assert expected[:2] == [reference.bos_token_id, reference.convert_tokens_to_ids("<|user|>")]
     assert _post(templated, "/tokenize", {"messages": MESSAGES}).json()["tokens"] == expected
-    response = _post(templated, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 5, "temperature": 0})
+    response = _post(
+        templated, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 5, "temperature": 0}
+    )
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["prompt_tokens"] == len(expected)
 
@@ -108,14 +124,30 @@ def test_llm_chat_takes_a_chat_template(base_gguf: Path, reference, capsys: pyte
     try:
         with pytest.raises(ValueError, match="--chat-template"):
             llm.chat(MESSAGES, use_tqdm=False)
-        out = llm.chat(MESSAGES, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False, chat_template=TEMPLATE)
+        out = llm.chat(
+            MESSAGES, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False, chat_template=TEMPLATE
+        )
     finally:
         llm.shutdown()
-    expected_text = reference.apply_chat_template(MESSAGES, chat_template=TEMPLATE, tokenize=False,
-                                                  add_generation_prompt=True)
+    expected_text = reference.apply_chat_template(
+        MESSAGES, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
     assert out[0].prompt_token_ids == reference.encode(expected_text, add_special_tokens=False)
-    common = ["generate", "--model", str(base_gguf), "--device", "cpu", "--dtype", "float32",
-              "--kv-cache-memory", str(8 * 1024 * 1024), "--max-tokens", "2", "-p", "hi"]
+    common = [
+        "generate",
+        "--model",
+        str(base_gguf),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        str(8 * 1024 * 1024),
+        "--max-tokens",
+        "2",
+        "-p",
+        "hi",
+    ]
     assert main(common) == 2
     assert "--chat-template" in capsys.readouterr().err
     assert main([*common, "--chat-template", TEMPLATE]) == 0

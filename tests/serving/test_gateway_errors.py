@@ -68,8 +68,14 @@ class Stack:
         self.server = self.loop.call(serve_frontend(self.fake, "127.0.0.1", port))
         self.url = self.loop.start_gateway(create_app([self.grpc_addr], MODEL, tokenizer=None))
         # A gateway whose only frontend cannot be reached.
-        self.dead_url = self.loop.start_gateway(create_app([f"127.0.0.1:{free_port()}"], MODEL, tokenizer=None,
-                                                           admin=AdminSettings(enable_admin_api=True)))
+        self.dead_url = self.loop.start_gateway(
+            create_app(
+                [f"127.0.0.1:{free_port()}"],
+                MODEL,
+                tokenizer=None,
+                admin=AdminSettings(enable_admin_api=True),
+            )
+        )
 
     def stop(self) -> None:
         self.loop.stop_gateways()
@@ -107,8 +113,9 @@ def test_a_session_naming_a_model_no_frontend_serves_is_a_404_not_a_500(stack: S
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/sessions"])
-def test_a_rejection_is_the_same_service_unavailable_error_over_http_and_the_websocket(stack: Stack,
-                                                                                       path: str) -> None:
+def test_a_rejection_is_the_same_service_unavailable_error_over_http_and_the_websocket(
+    stack: Stack, path: str
+) -> None:
     stack.fake.refuse = QueueOverflowError("queue full: 8 requests in flight")
     if path == "/v1/sessions":
         error = ws_error(stack, {})
@@ -122,11 +129,15 @@ def test_a_rejection_is_the_same_service_unavailable_error_over_http_and_the_web
 def test_an_admin_call_no_frontend_answers_is_the_same_service_unavailable_error(stack: Stack) -> None:
     r = httpx.post(stack.dead_url + "/pause", timeout=30)
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
-    assert (r.json()["error"]["type"], r.json()["error"]["code"]) == ("service_unavailable_error",
-                                                                      "frontend_unavailable")
+    assert (r.json()["error"]["type"], r.json()["error"]["code"]) == (
+        "service_unavailable_error",
+        "frontend_unavailable",
+    )
 
 
-def test_the_context_length_code_comes_from_the_frontends_structured_details_not_the_text(stack: Stack) -> None:
+def test_the_context_length_code_comes_from_the_frontends_structured_details_not_the_text(
+    stack: Stack,
+) -> None:
     body = {"prompt": [1, 2], "max_tokens": 2}
     # A ValueError whose text happens to name max_model_len is not a context-length error...
     stack.fake.refuse = ValueError("seed: 'max_model_len' is not a seed")
@@ -136,4 +147,3 @@ def test_the_context_length_code_comes_from_the_frontends_structured_details_not
     stack.fake.refuse = ContextLengthError("62 + 8 tokens do not fit in 64")
     r = httpx.post(stack.url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-

@@ -11,13 +11,13 @@ import pytest
 
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
-from fastsched.engine import protocol  # noqa: E402
-from fastsched.engine.step_time_meter import StepTimeFit, StepTimeMeter  # noqa: E402
-from fastsched.frontend.admission import AdmissionController, SloError  # noqa: E402
-from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
-from fastsched.frontend.settings import FrontendSettings  # noqa: E402
-from fastsched.frontend.slo_predictor import SloState, horizon, predict  # noqa: E402
-from fastsched.sampling_params import SamplingParams  # noqa: E402
+from fastsched.engine import protocol
+from fastsched.engine.step_time_meter import StepTimeFit, StepTimeMeter
+from fastsched.frontend.admission import AdmissionController, SloError
+from fastsched.frontend.async_llm import AsyncLLM
+from fastsched.frontend.settings import FrontendSettings
+from fastsched.frontend.slo_predictor import SloState, horizon, predict
+from fastsched.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_stack import Engines
@@ -35,7 +35,9 @@ class Clock:
         return self.now
 
 
-def controller(tpot_slo: float = 0.2, ttft_slo: float | None = None, budget: int = 100) -> tuple[AdmissionController, Clock]:
+def controller(
+    tpot_slo: float = 0.2, ttft_slo: float | None = None, budget: int = 100
+) -> tuple[AdmissionController, Clock]:
     clock = Clock()
     ac = AdmissionController(FrontendSettings(tpot_slo=tpot_slo, ttft_slo=ttft_slo), clock=clock)
     ac.update_step_time(STEP, budget, 1)
@@ -83,20 +85,28 @@ def test_protocol_carries_the_step_time_fit() -> None:
 
 def test_a7_ttft_counts_the_steps_to_drain_the_backlog_beside_the_decodes() -> None:
     # 150 queued + 50 own over 100 - 20 = 80 tokens of room a step: 3 steps carrying 200 + 3 x 20 tokens.
-    state = SloState(num_decoding=20, num_queued_tokens=150, prompt_tokens_per_s=0.0, token_budget=100, step=STEP)
+    state = SloState(
+        num_decoding=20, num_queued_tokens=150, prompt_tokens_per_s=0.0, token_budget=100, step=STEP
+    )
     assert predict(state, 1, 50, horizon_s=2.0).ttft_s == pytest.approx(3 * 0.010 + 0.001 * (200 + 60))
 
 
 def test_a7_tpot_is_the_decode_step_stretched_by_the_prompt_rate() -> None:
     # 100 tok/s admitted + the newcomer's 50 over 2 s = 125 tok/s: prompt takes 12.5 % of the engine.
-    state = SloState(num_decoding=20, num_queued_tokens=0, prompt_tokens_per_s=100.0, token_budget=100, step=STEP)
+    state = SloState(
+        num_decoding=20, num_queued_tokens=0, prompt_tokens_per_s=100.0, token_budget=100, step=STEP
+    )
     assert predict(state, 1, 50, horizon_s=2.0).tpot_s == pytest.approx((0.010 + 0.001 * 21) / (1 - 0.125))
 
 
 def test_a7_predictions_are_unbounded_past_the_engines_capacity() -> None:
-    full = SloState(num_decoding=100, num_queued_tokens=0, prompt_tokens_per_s=0.0, token_budget=100, step=STEP)
+    full = SloState(
+        num_decoding=100, num_queued_tokens=0, prompt_tokens_per_s=0.0, token_budget=100, step=STEP
+    )
     assert predict(full, 1, 10, horizon_s=1.0).ttft_s == math.inf  # decodes fill the whole budget
-    flooded = SloState(num_decoding=1, num_queued_tokens=0, prompt_tokens_per_s=990.0, token_budget=100, step=STEP)
+    flooded = SloState(
+        num_decoding=1, num_queued_tokens=0, prompt_tokens_per_s=990.0, token_budget=100, step=STEP
+    )
     assert predict(flooded, 1, 10, horizon_s=1.0).tpot_s == math.inf  # 1000 prompt tok/s at 1 ms each
 
 
@@ -187,8 +197,11 @@ def test_a7_through_engines_refuses_with_slo_once_the_step_time_is_fitted(launch
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
     async def body() -> None:
-        llm = await AsyncLLM.start(engines.input_addrs, engines.output_addrs[0],
-                                   settings=FrontendSettings(ready_timeout=60, tpot_slo=1e-6))
+        llm = await AsyncLLM.start(
+            engines.input_addrs,
+            engines.output_addrs[0],
+            settings=FrontendSettings(ready_timeout=60, tpot_slo=1e-6),
+        )
         try:
             async for _ in llm.generate("warm", prompt, params):  # 12 steps: enough for a fit
                 pass
@@ -225,8 +238,9 @@ def _stats_with_errors(ttft_errors: list[float]) -> Any:
     h = Histogram(SLO_PREDICTION_ERROR_BUCKETS)
     for e in ttft_errors:
         h.observe(e)
-    return stats_to_proto({"engines": [{"index": 0}], "slo_prediction_error_seconds": {"ttft": h}},
-                          LatencyHistograms())
+    return stats_to_proto(
+        {"engines": [{"index": 0}], "slo_prediction_error_seconds": {"ttft": h}}, LatencyHistograms()
+    )
 
 
 def test_a7_prediction_error_is_exported_with_its_sum_and_count() -> None:
@@ -251,8 +265,9 @@ def test_a7_top_shows_the_mean_prediction_error_over_the_window() -> None:
     from fastsched.tools.top_view import top_view
 
     before = parse_metrics(render([_stats_with_errors([0.3])], "m", own_process=False).decode(), taken_at=0.0)
-    after = parse_metrics(render([_stats_with_errors([0.3, 0.1, 0.2])], "m", own_process=False).decode(),
-                          taken_at=2.0)
+    after = parse_metrics(
+        render([_stats_with_errors([0.3, 0.1, 0.2])], "m", own_process=False).decode(), taken_at=2.0
+    )
     assert top_view(after, before).slo_prediction_error_s == {"ttft": pytest.approx(0.15)}
     assert top_view(after, None).slo_prediction_error_s == {}
 

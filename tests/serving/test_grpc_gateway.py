@@ -50,7 +50,9 @@ VOCAB_SIZE = 1000
 API_KEY = "sk-test-key"
 WORDS = ["Hello", " world", ",", " this", " is", " a", " fake", " model", " talking", "."]
 REJECTIONS = {
-    "max_num_queued_reqs": QueueOverflowError("queue full: 8 requests in flight would exceed max_num_queued_reqs (8)"),
+    "max_num_queued_reqs": QueueOverflowError(
+        "queue full: 8 requests in flight would exceed max_num_queued_reqs (8)"
+    ),
     "max_num_queued_tokens": MaxQueuedTokensError("prefill backlog full: 512 prompt tokens queued"),
     "engine_faulted": EngineFaultedError("the engine is not healthy"),
 }
@@ -70,8 +72,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> str | list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], *, add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str | list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
         text += "<assistant>" if add_generation_prompt else ""
         return self.encode(text) if tokenize else text
@@ -99,17 +102,30 @@ class FakeStream:
         snapshot = await self._snapshots.__anext__()
         deltas = [_delta(c, self._previous[c.index] if self._previous else None) for c in snapshot.outputs]
         self._previous = copy.deepcopy(snapshot.outputs)
-        return StreamOutput(snapshot.request_id, snapshot.prompt, snapshot.prompt_token_ids, snapshot.outputs,
-                            snapshot.num_cached_tokens, deltas=[d for d in deltas if d is not None])
+        return StreamOutput(
+            snapshot.request_id,
+            snapshot.prompt,
+            snapshot.prompt_token_ids,
+            snapshot.outputs,
+            snapshot.num_cached_tokens,
+            deltas=[d for d in deltas if d is not None],
+        )
 
 
 def _delta(now: CompletionOutput, before: CompletionOutput | None) -> CompletionDelta | None:
-    text, tokens, logprobs = (before.text, before.token_ids, before.logprobs or []) if before else ("", [], [])
+    text, tokens, logprobs = (
+        (before.text, before.token_ids, before.logprobs or []) if before else ("", [], [])
+    )
     if before is not None and (now.text, now.token_ids, now.finished) == (text, tokens, before.finished):
         return None
-    return CompletionDelta(now.index, now.text[len(text):], now.token_ids[len(tokens):],
-                           None if now.logprobs is None else now.logprobs[len(logprobs):],
-                           now.finish_reason, now.stop_reason)
+    return CompletionDelta(
+        now.index,
+        now.text[len(text) :],
+        now.token_ids[len(tokens) :],
+        None if now.logprobs is None else now.logprobs[len(logprobs) :],
+        now.finish_reason,
+        now.stop_reason,
+    )
 
 
 class _WordTokenizer:
@@ -128,7 +144,9 @@ class FakeAsyncLLM:
 
     def __init__(self, stats_names: str, journal: list) -> None:
         self.journal = journal  # admitted requests of every fake, in order
-        self.stats_names = stats_names  # "design" (docs/design.md §7 names) or "engine" (AsyncLLM's current names)
+        self.stats_names = (
+            stats_names  # "design" (docs/design.md §7 names) or "engine" (AsyncLLM's current names)
+        )
         self.reject: AdmissionError | None = None
         self.fail: Exception | None = None
         self.healthy = True
@@ -159,10 +177,13 @@ class FakeAsyncLLM:
         self.requests.append((request_id, prompt, params, priority))
         self.journal.append((request_id, prompt, params, priority))
 
-    async def _stream(self, request_id: str, prompt: Any, prompt_ids: list[int],
-                      params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        outputs = [CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
-                   for i in range(params.n)]
+    async def _stream(
+        self, request_id: str, prompt: Any, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        outputs = [
+            CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
+            for i in range(params.n)
+        ]
         try:
             for step in range(params.max_tokens):
                 await asyncio.sleep(self.token_delay)
@@ -174,16 +195,25 @@ class FakeAsyncLLM:
                     c.text += WORDS[w]
                     if c.logprobs is not None:
                         alternative = 100 + (w + 1) % len(WORDS)
-                        c.logprobs.append({100 + w: Logprob(-0.25, 1, WORDS[w]),
-                                           alternative: Logprob(-2.0, 2, WORDS[(w + 1) % len(WORDS)])})
+                        c.logprobs.append(
+                            {
+                                100 + w: Logprob(-0.25, 1, WORDS[w]),
+                                alternative: Logprob(-2.0, 2, WORDS[(w + 1) % len(WORDS)]),
+                            }
+                        )
                     hit = next((s for s in params.stop if s in c.text), None)
                     if hit is not None:
                         c.text = c.text[: c.text.index(hit)]
                         c.finish_reason, c.stop_reason = "stop", hit
                     elif len(c.token_ids) == params.max_tokens:
                         c.finish_reason = "length"
-                snapshot = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
-                                         copy.deepcopy(outputs), num_cached_tokens=0)
+                snapshot = RequestOutput(
+                    request_id,
+                    prompt if isinstance(prompt, str) else None,
+                    prompt_ids,
+                    copy.deepcopy(outputs),
+                    num_cached_tokens=0,
+                )
                 yield snapshot
                 if snapshot.finished:
                     self.finished += 1
@@ -209,30 +239,74 @@ class FakeAsyncLLM:
         """Frontend 0 names things as the current AsyncLLM does, frontend 1 as docs/design.md §7;
         both report engine 1 alike, and frontend 1 holds an older report of engine 0."""
         if self.stats_names == "engine":
-            top = {"num_running": 3, "num_waiting": 3, "kv_cache_usage": 0.5, "num_preemptions_total": 1,
-                   "prompt_tokens_total": 15, "generation_tokens_total": 25, "prefix_cache_queries": 36,
-                   "prefix_cache_hits": 18}
+            top = {
+                "num_running": 3,
+                "num_waiting": 3,
+                "kv_cache_usage": 0.5,
+                "num_preemptions_total": 1,
+                "prompt_tokens_total": 15,
+                "generation_tokens_total": 25,
+                "prefix_cache_queries": 36,
+                "prefix_cache_hits": 18,
+            }
             engines = [ENGINE_0, ENGINE_1]
         else:
-            top = {"num_requests_running": 11, "num_requests_waiting": 11, "kv_cache_usage_perc": 0.8,
-                   "num_preemptions_total": 0, "prompt_tokens_total": 9, "generation_tokens_total": 9,
-                   "prefix_cache_queries_total": 10, "prefix_cache_hits_total": 3}
+            top = {
+                "num_requests_running": 11,
+                "num_requests_waiting": 11,
+                "kv_cache_usage_perc": 0.8,
+                "num_preemptions_total": 0,
+                "prompt_tokens_total": 9,
+                "generation_tokens_total": 9,
+                "prefix_cache_queries_total": 10,
+                "prefix_cache_hits_total": 3,
+            }
             engines = [STALE_ENGINE_0, ENGINE_1_DESIGN_NAMES]
         return {**top, "engines": engines, "admission_rejections_total": dict(self.rejections)}
 
 
-ENGINE_0 = {"index": 0, "num_running": 1, "num_waiting": 1, "kv_cache_usage": 0.25, "num_preemptions_total": 1,
-            "prompt_tokens_total": 10, "generation_tokens_total": 20, "prefix_cache_queries": 30,
-            "prefix_cache_hits": 15}
-ENGINE_1 = {"index": 1, "num_running": 2, "num_waiting": 2, "kv_cache_usage": 0.75, "num_preemptions_total": 0,
-            "prompt_tokens_total": 5, "generation_tokens_total": 5, "prefix_cache_queries": 6, "prefix_cache_hits": 3}
-ENGINE_1_DESIGN_NAMES = {
-    "engine_index": 1, "num_requests_running": 2, "num_requests_waiting": 2, "kv_cache_usage_perc": 0.75,
-    "num_preemptions_total": 0, "prompt_tokens_total": 5, "generation_tokens_total": 5,
-    "prefix_cache_queries_total": 6, "prefix_cache_hits_total": 3,
+ENGINE_0 = {
+    "index": 0,
+    "num_running": 1,
+    "num_waiting": 1,
+    "kv_cache_usage": 0.25,
+    "num_preemptions_total": 1,
+    "prompt_tokens_total": 10,
+    "generation_tokens_total": 20,
+    "prefix_cache_queries": 30,
+    "prefix_cache_hits": 15,
 }
-STALE_ENGINE_0 = {**ENGINE_1_DESIGN_NAMES, "engine_index": 0, "num_requests_running": 9, "num_requests_waiting": 9,
-                  "kv_cache_usage_perc": 0.9, "prompt_tokens_total": 4, "generation_tokens_total": 4}
+ENGINE_1 = {
+    "index": 1,
+    "num_running": 2,
+    "num_waiting": 2,
+    "kv_cache_usage": 0.75,
+    "num_preemptions_total": 0,
+    "prompt_tokens_total": 5,
+    "generation_tokens_total": 5,
+    "prefix_cache_queries": 6,
+    "prefix_cache_hits": 3,
+}
+ENGINE_1_DESIGN_NAMES = {
+    "engine_index": 1,
+    "num_requests_running": 2,
+    "num_requests_waiting": 2,
+    "kv_cache_usage_perc": 0.75,
+    "num_preemptions_total": 0,
+    "prompt_tokens_total": 5,
+    "generation_tokens_total": 5,
+    "prefix_cache_queries_total": 6,
+    "prefix_cache_hits_total": 3,
+}
+STALE_ENGINE_0 = {
+    **ENGINE_1_DESIGN_NAMES,
+    "engine_index": 0,
+    "num_requests_running": 9,
+    "num_requests_waiting": 9,
+    "kv_cache_usage_perc": 0.9,
+    "prompt_tokens_total": 4,
+    "generation_tokens_total": 4,
+}
 
 
 # ------------------------------------------------------------------ servers
@@ -244,15 +318,22 @@ class Servers:
     def __init__(self) -> None:
         self.loop = LoopThread()
         journal: list = []
-        self.fakes = [FakeAsyncLLM(stats_names="engine", journal=journal),
-                      FakeAsyncLLM(stats_names="design", journal=journal)]
+        self.fakes = [
+            FakeAsyncLLM(stats_names="engine", journal=journal),
+            FakeAsyncLLM(stats_names="design", journal=journal),
+        ]
         self.grpc_addrs = [f"127.0.0.1:{free_port()}" for _ in self.fakes]
-        self.grpc_servers = [self.call(serve_frontend(f, "127.0.0.1", int(a.rsplit(":", 1)[1])))
-                             for f, a in zip(self.fakes, self.grpc_addrs)]
+        self.grpc_servers = [
+            self.call(serve_frontend(f, "127.0.0.1", int(a.rsplit(":", 1)[1])))
+            for f, a in zip(self.fakes, self.grpc_addrs)
+        ]
         self.tokenizer = FakeTokenizer()
-        self.url = self.loop.start_gateway(create_app(self.grpc_addrs, MODEL, self.tokenizer,
-                                                      limits=RequestLimits(max_body_bytes=64 * 1024)))
-        self.keyed_url = self.loop.start_gateway(create_app(self.grpc_addrs, MODEL, self.tokenizer, api_key=API_KEY))
+        self.url = self.loop.start_gateway(
+            create_app(self.grpc_addrs, MODEL, self.tokenizer, limits=RequestLimits(max_body_bytes=64 * 1024))
+        )
+        self.keyed_url = self.loop.start_gateway(
+            create_app(self.grpc_addrs, MODEL, self.tokenizer, api_key=API_KEY)
+        )
 
     def call(self, coro: Any) -> Any:
         return self.loop.call(coro)
@@ -337,15 +418,20 @@ def test_chat_applies_the_template_in_the_gateway_and_sends_token_ids(
     assert all_requests(fakes)[-1][1] == prompt_ids
 
 
-def test_chat_without_max_tokens_may_use_all_the_room_left(client: openai.OpenAI, fakes: list[FakeAsyncLLM]) -> None:
+def test_chat_without_max_tokens_may_use_all_the_room_left(
+    client: openai.OpenAI, fakes: list[FakeAsyncLLM]
+) -> None:
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     prompt_len = len("<user>hi<assistant>")
     assert all_requests(fakes)[-1][2].max_tokens == MAX_MODEL_LEN - prompt_len
 
 
 def test_completion_stream_with_include_usage(client: openai.OpenAI) -> None:
-    chunks = list(client.completions.create(model=MODEL, prompt="a b", max_tokens=6, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="a b", max_tokens=6, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == expected_text(6)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -355,8 +441,13 @@ def test_completion_stream_with_include_usage(client: openai.OpenAI) -> None:
 
 
 def test_chat_stream_with_include_usage(client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant"
@@ -380,8 +471,11 @@ def test_n2_returns_two_completions_counted_in_usage(client: openai.OpenAI) -> N
 
 
 def test_n2_streams_both_choices(client: openai.OpenAI) -> None:
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                                 max_tokens=3, n=2, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3, n=2, stream=True
+        )
+    )
     texts = {0: "", 1: ""}
     for chunk in chunks:
         for choice in chunk.choices:
@@ -402,17 +496,45 @@ def test_batched_prompts_number_choices_per_prompt(client: openai.OpenAI) -> Non
     assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 8
 
 
-def test_openai_and_vllm_sampling_fields_reach_the_engine(client: openai.OpenAI, fakes: list[FakeAsyncLLM]) -> None:
+def test_openai_and_vllm_sampling_fields_reach_the_engine(
+    client: openai.OpenAI, fakes: list[FakeAsyncLLM]
+) -> None:
     client.completions.create(
-        model=MODEL, prompt="p", max_tokens=4, temperature=0.5, top_p=0.9, seed=7, stop="zz",
-        presence_penalty=0.5, frequency_penalty=-0.5,
-        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True,
-                    "stop_token_ids": [3, 4], "priority": -2},
+        model=MODEL,
+        prompt="p",
+        max_tokens=4,
+        temperature=0.5,
+        top_p=0.9,
+        seed=7,
+        stop="zz",
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.1,
+            "repetition_penalty": 1.2,
+            "min_tokens": 2,
+            "ignore_eos": True,
+            "stop_token_ids": [3, 4],
+            "priority": -2,
+        },
     )
     _, _, params, priority = all_requests(fakes)[-1]
-    assert params == SamplingParams(max_tokens=4, temperature=0.5, top_p=0.9, seed=7, stop=["zz"],
-                                    presence_penalty=0.5, frequency_penalty=-0.5, top_k=5, min_p=0.1,
-                                    repetition_penalty=1.2, min_tokens=2, ignore_eos=True, stop_token_ids=[3, 4])
+    assert params == SamplingParams(
+        max_tokens=4,
+        temperature=0.5,
+        top_p=0.9,
+        seed=7,
+        stop=["zz"],
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        top_k=5,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        min_tokens=2,
+        ignore_eos=True,
+        stop_token_ids=[3, 4],
+    )
     assert priority == -2
 
 
@@ -426,8 +548,9 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_chat_logprobs_with_top_logprobs(client: openai.OpenAI) -> None:
-    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                         logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True, top_logprobs=2
+    )
     content = out.choices[0].logprobs.content
     assert [c.token for c in content] == ["Hello", " world"]
     assert [t.token for t in content[0].top_logprobs] == ["Hello", " world"]
@@ -459,22 +582,45 @@ def test_errors_body_that_is_not_an_object_is_400(http: httpx.Client) -> None:
     assert_error(http.post("/v1/completions", json=["x"]), 400, None, "object")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", "hot"), ("max_tokens", 1.5), ("n", True), ("stop", 3), ("stream", "yes"), ("seed", "7"),
-    ("stop_token_ids", ["a"]), ("prompt", {"text": "x"}), ("logprobs", "1"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", "hot"),
+        ("max_tokens", 1.5),
+        ("n", True),
+        ("stop", 3),
+        ("stream", "yes"),
+        ("seed", "7"),
+        ("stop_token_ids", ["a"]),
+        ("prompt", {"text": "x"}),
+        ("logprobs", "1"),
+    ],
+)
 def test_errors_wrong_field_type_is_400_naming_the_field(http: httpx.Client, field: str, value: Any) -> None:
     body = {"model": MODEL, "prompt": "x", field: value}
     assert_error(http.post("/v1/completions", json=body), 400, field, field)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -1.0), ("top_p", 1.5), ("top_k", -5), ("min_p", 2.0), ("n", 0), ("max_tokens", 0),
-    ("min_tokens", 99), ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
-    ("logprobs", 50), ("max_tokens", 2**40),
-])
-def test_errors_bad_sampling_value_is_400_naming_the_field(http: httpx.Client, field: str, value: Any,
-                                                       fakes: list[FakeAsyncLLM]) -> None:
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -1.0),
+        ("top_p", 1.5),
+        ("top_k", -5),
+        ("min_p", 2.0),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("min_tokens", 99),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("logprobs", 50),
+        ("max_tokens", 2**40),
+    ],
+)
+def test_errors_bad_sampling_value_is_400_naming_the_field(
+    http: httpx.Client, field: str, value: Any, fakes: list[FakeAsyncLLM]
+) -> None:
     before = len(all_requests(fakes))
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, field: value})
     assert_error(r, 400, field, field)
@@ -487,7 +633,9 @@ def test_errors_bad_chat_messages_is_400(http: httpx.Client) -> None:
     assert_error(http.post("/v1/chat/completions", json=bad_role), 400, "messages", "role")
 
 
-def test_errors_completion_prompt_plus_max_tokens_over_max_model_len_is_400_with_both_numbers(http: httpx.Client) -> None:
+def test_errors_completion_prompt_plus_max_tokens_over_max_model_len_is_400_with_both_numbers(
+    http: httpx.Client,
+) -> None:
     r = http.post("/v1/completions", json={"prompt": "a b c d", "max_tokens": 61})
     error = assert_error(r, 400, None, "4", "61", str(MAX_MODEL_LEN))
     assert error["code"] == "context_length_exceeded"
@@ -498,8 +646,12 @@ def test_errors_token_prompt_over_max_model_len_is_400_with_both_numbers(http: h
     assert_error(r, 400, None, "60", "10", str(MAX_MODEL_LEN))
 
 
-def test_errors_chat_prompt_plus_max_tokens_over_max_model_len_is_400_with_both_numbers(http: httpx.Client) -> None:
-    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 30})
+def test_errors_chat_prompt_plus_max_tokens_over_max_model_len_is_400_with_both_numbers(
+    http: httpx.Client,
+) -> None:
+    r = http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 30}
+    )
     prompt_len = len("<user>" + "x" * 40 + "<assistant>")
     error = assert_error(r, 400, "max_tokens", str(prompt_len), "30", str(MAX_MODEL_LEN))
     assert error["code"] == "context_length_exceeded"
@@ -530,12 +682,15 @@ def test_errors_body_over_the_size_limit_is_413(http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("reason", sorted(REJECTIONS))
-def test_a5_rejection_is_503_with_retry_after_and_the_reason(http: httpx.Client, fakes: list[FakeAsyncLLM],
-                                                            reason: str) -> None:
+def test_a5_rejection_is_503_with_retry_after_and_the_reason(
+    http: httpx.Client, fakes: list[FakeAsyncLLM], reason: str
+) -> None:
     for f in fakes:
         f.reject = REJECTIONS[reason]
-    for path, body in [("/v1/completions", {"prompt": "x"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]:
+    for path, body in [
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ]:
         for stream in (False, True):
             r = http.post(path, json={**body, "stream": stream})
             error = assert_error(r, 503, None, reason)
@@ -562,15 +717,18 @@ def test_a5_rejection_leaves_no_request_in_the_engine(http: httpx.Client, fakes:
     assert sum(len(f.aborts) for f in fakes) == before_aborts
 
 
-def test_a1_engine_dying_mid_request_is_503_engine_faulted(http: httpx.Client, fakes: list[FakeAsyncLLM]) -> None:
+def test_a1_engine_dying_mid_request_is_503_engine_faulted(
+    http: httpx.Client, fakes: list[FakeAsyncLLM]
+) -> None:
     for f in fakes:
         f.fail, f.healthy = RuntimeError("engine 0 died: process exited"), False
     error = assert_error(http.post("/v1/completions", json={"prompt": "x"}), 503)
     assert error["code"] == "engine_faulted"
 
 
-def test_a5_metrics_count_rejections_by_reason(servers: Servers, http: httpx.Client,
-                                               fakes: list[FakeAsyncLLM]) -> None:
+def test_a5_metrics_count_rejections_by_reason(
+    servers: Servers, http: httpx.Client, fakes: list[FakeAsyncLLM]
+) -> None:
     for f in fakes:
         f.reject = REJECTIONS["max_num_queued_reqs"]
     for _ in range(3):
@@ -578,13 +736,20 @@ def test_a5_metrics_count_rejections_by_reason(servers: Servers, http: httpx.Cli
     text = http.get("/metrics").text
     expected = sum(f.rejections["max_num_queued_reqs"] for f in fakes)
     assert expected >= 3
-    assert metrics(text).value("fastsched:admission_rejections_total", reason="max_num_queued_reqs",
-                               model_name=MODEL) == expected
+    assert (
+        metrics(text).value(
+            "fastsched:admission_rejections_total", reason="max_num_queued_reqs", model_name=MODEL
+        )
+        == expected
+    )
 
 
 def metric_samples(text: str) -> dict[str, float]:
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def metrics(text: str) -> Any:
@@ -599,17 +764,28 @@ def test_metrics_metrics_count_each_engine_once_under_design_names(http: httpx.C
     text = http.get("/metrics").text
     m = metrics(text)
     # Both frontends report engines 0 and 1; engine 0's freshest report is frontend 0's.
-    expected = {"num_requests_running": (1, 2), "num_requests_waiting": (1, 2), "kv_cache_usage_perc": (0.25, 0.75),
-                "num_preemptions_total": (1, 0), "prompt_tokens_total": (10, 5), "generation_tokens_total": (20, 5),
-                "prefix_cache_queries_total": (30, 6), "prefix_cache_hits_total": (15, 3)}
+    expected = {
+        "num_requests_running": (1, 2),
+        "num_requests_waiting": (1, 2),
+        "kv_cache_usage_perc": (0.25, 0.75),
+        "num_preemptions_total": (1, 0),
+        "prompt_tokens_total": (10, 5),
+        "generation_tokens_total": (20, 5),
+        "prefix_cache_queries_total": (30, 6),
+        "prefix_cache_hits_total": (15, 3),
+    }
     for name, per_engine in expected.items():
         got = tuple(m.value(f"fastsched:{name}", engine=str(i), model_name=MODEL) for i in (0, 1))
         assert got == per_engine, name
     assert m.value("fastsched:num_requests_running") == 3 and m.mean("fastsched:kv_cache_usage_perc") == 0.5
     for reason in ("max_num_queued_reqs", "max_num_queued_tokens", "engine_faulted"):
         assert m.value("fastsched:admission_rejections_total", reason=reason, model_name=MODEL) is not None
-    for name in ("request_queue_time_seconds", "time_to_first_token_seconds", "inter_token_latency_seconds",
-                 "e2e_request_latency_seconds"):
+    for name in (
+        "request_queue_time_seconds",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+    ):
         assert f"# TYPE fastsched:{name} histogram" in text
         # The fakes do not say which engine served a request: the frontends' totals, under no engine.
         assert f'fastsched:{name}_bucket{{engine="",le="+Inf",model_name="{MODEL}"}}' in text
@@ -624,10 +800,13 @@ def test_metrics_frontends_without_an_engine_breakdown_are_summed() -> None:
 
     def frontend(running: int, usage: float, ttft: list[int]) -> Any:
         return pb.GetStatsResponse(
-            num_requests_running=running, kv_cache_usage_perc=usage, generation_tokens_total=running * 10,
+            num_requests_running=running,
+            kv_cache_usage_perc=usage,
+            generation_tokens_total=running * 10,
             admission_rejections_total={"max_num_queued_reqs": 2},
-            time_to_first_token_seconds=pb.Histogram(upper_bounds=[0.1, 1.0], bucket_counts=ttft, sum=1.5,
-                                                     count=sum(ttft)),
+            time_to_first_token_seconds=pb.Histogram(
+                upper_bounds=[0.1, 1.0], bucket_counts=ttft, sum=1.5, count=sum(ttft)
+            ),
         )
 
     page = render([frontend(2, 0.2, [1, 0, 1]), frontend(3, 0.4, [0, 2, 0])], "m", own_process=False).decode()
@@ -638,27 +817,40 @@ def test_metrics_frontends_without_an_engine_breakdown_are_summed() -> None:
     assert samples['fastsched:kv_cache_usage_perc{engine="",model_name="m"}'] == pytest.approx(0.3)
     assert samples['fastsched:admission_rejections_total{model_name="m",reason="max_num_queued_reqs"}'] == 4
     assert samples['fastsched:admission_rejections_total{model_name="m",reason="engine_faulted"}'] == 0
-    assert [samples[f'fastsched:time_to_first_token_seconds_bucket{{engine="",le="{le}",model_name="m"}}']
-            for le in ("0.1", "1.0", "+Inf")] == [1, 3, 4]
+    assert [
+        samples[f'fastsched:time_to_first_token_seconds_bucket{{engine="",le="{le}",model_name="m"}}']
+        for le in ("0.1", "1.0", "+Inf")
+    ] == [1, 3, 4]
     assert samples['fastsched:time_to_first_token_seconds_sum{engine="",model_name="m"}'] == 3.0
     assert "process_cpu_seconds_total{" not in page  # no process stats sent, none of its own asked for
 
 
 def test_metrics_get_stats_maps_both_namings_and_keeps_the_engine_breakdown(stub: Any) -> None:
-    engine_style, design_style = stub(0).GetStats(pb.GetStatsRequest()), stub(1).GetStats(pb.GetStatsRequest())
-    assert (engine_style.num_requests_running, engine_style.kv_cache_usage_perc,
-            engine_style.prefix_cache_queries_total) == (3, 0.5, 36)
-    assert (design_style.num_requests_running, design_style.kv_cache_usage_perc,
-            design_style.prefix_cache_hits_total) == (11, 0.8, 3)
-    assert [(e.engine_index, e.num_requests_running, e.prefix_cache_hits_total) for e in engine_style.engines] \
-        == [(0, 1, 15), (1, 2, 3)]
+    engine_style, design_style = (
+        stub(0).GetStats(pb.GetStatsRequest()),
+        stub(1).GetStats(pb.GetStatsRequest()),
+    )
+    assert (
+        engine_style.num_requests_running,
+        engine_style.kv_cache_usage_perc,
+        engine_style.prefix_cache_queries_total,
+    ) == (3, 0.5, 36)
+    assert (
+        design_style.num_requests_running,
+        design_style.kv_cache_usage_perc,
+        design_style.prefix_cache_hits_total,
+    ) == (11, 0.8, 3)
+    assert [
+        (e.engine_index, e.num_requests_running, e.prefix_cache_hits_total) for e in engine_style.engines
+    ] == [(0, 1, 15), (1, 2, 3)]
     assert [(e.engine_index, e.num_requests_running) for e in design_style.engines] == [(0, 9), (1, 2)]
     bounds = engine_style.time_to_first_token_seconds.upper_bounds
     assert len(engine_style.time_to_first_token_seconds.bucket_counts) == len(bounds) + 1
 
 
-def test_health_is_200_when_every_frontend_serves_and_503_otherwise(http: httpx.Client,
-                                                                     fakes: list[FakeAsyncLLM]) -> None:
+def test_health_is_200_when_every_frontend_serves_and_503_otherwise(
+    http: httpx.Client, fakes: list[FakeAsyncLLM]
+) -> None:
     assert http.get("/health").status_code == 200
     fakes[1].healthy = False
     r = http.get("/health")
@@ -666,12 +858,16 @@ def test_health_is_200_when_every_frontend_serves_and_503_otherwise(http: httpx.
     assert sorted(r.json()["frontends"].values()) == ["not_serving", "serving"]
 
 
-def test_errors_client_disconnect_mid_stream_aborts_in_the_engine(servers: Servers, fakes: list[FakeAsyncLLM]) -> None:
+def test_errors_client_disconnect_mid_stream_aborts_in_the_engine(
+    servers: Servers, fakes: list[FakeAsyncLLM]
+) -> None:
     for f in fakes:
         f.token_delay = 0.05
     before = len(all_requests(fakes))
     with httpx.Client(base_url=servers.url, timeout=10) as http:
-        with http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 60, "stream": True}) as r:
+        with http.stream(
+            "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 60, "stream": True}
+        ) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
     assert wait_for(lambda: len(all_requests(fakes)) == before + 1)
@@ -679,8 +875,9 @@ def test_errors_client_disconnect_mid_stream_aborts_in_the_engine(servers: Serve
     assert wait_for(lambda: any(request_id in f.aborts for f in fakes)), "the engine never saw the abort"
 
 
-def test_errors_client_disconnect_while_waiting_for_a_full_response_aborts(servers: Servers,
-                                                                       fakes: list[FakeAsyncLLM]) -> None:
+def test_errors_client_disconnect_while_waiting_for_a_full_response_aborts(
+    servers: Servers, fakes: list[FakeAsyncLLM]
+) -> None:
     for f in fakes:
         f.token_delay = 0.05
     before = len(all_requests(fakes))
@@ -698,8 +895,10 @@ def test_unreachable_frontend_is_skipped(servers: Servers, fakes: list[FakeAsync
     async def go() -> list[int]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
-            codes = [(await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})).status_code
-                     for _ in range(3)]
+            codes = [
+                (await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})).status_code
+                for _ in range(3)
+            ]
             codes.append((await http.get("/health")).status_code)
         await app.state.gateway.pool.close()
         return codes
@@ -725,7 +924,9 @@ def stub(servers: Servers) -> Iterator[Any]:
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["frontend-0", "frontend-1"])
-def test_a5_grpc_rejection_is_unavailable_with_the_reason(stub: Any, fakes: list[FakeAsyncLLM], index: int) -> None:
+def test_a5_grpc_rejection_is_unavailable_with_the_reason(
+    stub: Any, fakes: list[FakeAsyncLLM], index: int
+) -> None:
     fakes[index].reject = REJECTIONS["max_num_queued_reqs"]
     with pytest.raises(grpc.RpcError) as info:
         list(stub(index).Generate(pb.GenerateRequest(text="x")))
@@ -742,7 +943,9 @@ def test_errors_grpc_invalid_argument_names_the_field(stub: Any, index: int) -> 
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "top_p" in info.value.details()
     assert ("invalid-param", "top_p") in info.value.trailing_metadata()
-    too_long = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 60), sampling_params=pb.SamplingParams(max_tokens=5))
+    too_long = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[1] * 60), sampling_params=pb.SamplingParams(max_tokens=5)
+    )
     with pytest.raises(grpc.RpcError) as info:
         list(stub(index).Generate(too_long))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "60" in info.value.details()
@@ -755,7 +958,9 @@ def test_errors_grpc_unknown_model_is_not_found(stub: Any) -> None:
 
 
 def test_grpc_stream_carries_deltas_and_final_usage(stub: Any) -> None:
-    request = pb.GenerateRequest(request_id="r1", text="a b", sampling_params=pb.SamplingParams(n=2, max_tokens=3))
+    request = pb.GenerateRequest(
+        request_id="r1", text="a b", sampling_params=pb.SamplingParams(n=2, max_tokens=3)
+    )
     responses = list(stub(0).Generate(request))
     assert all(r.request_id == "r1" for r in responses)
     tokens = {0: [], 1: []}
@@ -769,8 +974,9 @@ def test_grpc_stream_carries_deltas_and_final_usage(stub: Any) -> None:
 
 def test_grpc_cancel_aborts_in_the_engine(stub: Any, fakes: list[FakeAsyncLLM]) -> None:
     fakes[0].token_delay = 0.05
-    call = stub(0).Generate(pb.GenerateRequest(request_id="cancel-me", text="x",
-                                               sampling_params=pb.SamplingParams(max_tokens=60)))
+    call = stub(0).Generate(
+        pb.GenerateRequest(request_id="cancel-me", text="x", sampling_params=pb.SamplingParams(max_tokens=60))
+    )
     next(call)
     call.cancel()
     assert wait_for(lambda: "cancel-me" in fakes[0].aborts)
@@ -793,19 +999,26 @@ def test_stream_with_n_sends_one_choice_per_chunk(servers: Servers) -> None:
     for c in chunks:
         texts[c.choices[0].index] = texts.get(c.choices[0].index, "") + c.choices[0].text
     assert sorted(texts) == [0, 1, 2] and all(texts.values())
-    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
-                                               max_tokens=3, stream=True))
+    chat = list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=3, stream=True
+        )
+    )
     assert chat and all(len(c.choices) == 1 for c in chat)
     assert {c.choices[0].index for c in chat} == {0, 1}
 
 
-@pytest.mark.parametrize(("path", "field", "value"), [
-    ("/v1/chat/completions", "chat_template", "{{ messages }}"),
-    ("/v1/completions", "guided_decoding_backend", "xgrammar"),
-    ("/v1/completions", "frobnicate", 1),
-])
-def test_errors_a_field_the_server_does_not_implement_is_400_naming_it(http: httpx.Client, path: str, field: str,
-                                                                        value: Any) -> None:
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/chat/completions", "chat_template", "{{ messages }}"),
+        ("/v1/completions", "guided_decoding_backend", "xgrammar"),
+        ("/v1/completions", "frobnicate", 1),
+    ],
+)
+def test_errors_a_field_the_server_does_not_implement_is_400_naming_it(
+    http: httpx.Client, path: str, field: str, value: Any
+) -> None:
     """No request field is silently ignored (docs/openai-fields.md)."""
     base = {"model": MODEL, "max_tokens": 2}
     base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
@@ -815,7 +1028,9 @@ def test_errors_a_field_the_server_does_not_implement_is_400_naming_it(http: htt
 
 
 def test_the_user_field_is_accepted_and_ignored(http: httpx.Client) -> None:
-    reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": "u-1"})
+    reply = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": "u-1"}
+    )
     assert reply.status_code == 200, reply.text
 
 

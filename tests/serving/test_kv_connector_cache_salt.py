@@ -28,11 +28,14 @@ def test_the_salt_reaches_the_grpc_request() -> None:
     assert not unsalted.HasField("cache_salt")
 
 
-@pytest.mark.parametrize(("salt", "message"), [
-    ("", "cache_salt must be a non-empty string"),
-    (7, "cache_salt must be a non-empty string"),
-    ("x" * 257, "cache_salt has 257 characters, more than 256"),
-])
+@pytest.mark.parametrize(
+    ("salt", "message"),
+    [
+        ("", "cache_salt must be a non-empty string"),
+        (7, "cache_salt must be a non-empty string"),
+        ("x" * 257, "cache_salt has 257 characters, more than 256"),
+    ],
+)
 def test_a_bad_salt_is_a_400_naming_it(salt: object, message: str) -> None:
     with pytest.raises(ApiError) as error:
         parse_completion({"model": "m", "prompt": "a", "cache_salt": salt}, "r")
@@ -53,10 +56,20 @@ def cached_tokens(url: str, salt: str | None, endpoint: str = "completions") -> 
 
 
 def test_s8_tenants_with_different_salts_share_no_prefix_blocks(tiny_model_dir: Path, tmp_path: Path) -> None:
-    kv = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-          "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "store"), "max_size": "64MiB"}}
-    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--enable-prompt-tokens-details",
-                         "--prefix-caching-hash-algo", "sha256", "--kv-transfer-config", json.dumps(kv))
+    kv = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "store"), "max_size": "64MiB"},
+    }
+    server = start_serve(
+        tiny_model_dir,
+        tmp_path / "serve.log",
+        "--enable-prompt-tokens-details",
+        "--prefix-caching-hash-algo",
+        "sha256",
+        "--kv-transfer-config",
+        json.dumps(kv),
+    )
     try:
         assert cached_tokens(server.url, "tenant-a") == 0
         assert cached_tokens(server.url, "tenant-a") > 0
@@ -64,8 +77,12 @@ def test_s8_tenants_with_different_salts_share_no_prefix_blocks(tiny_model_dir: 
         assert cached_tokens(server.url, None) == 0
         assert cached_tokens(server.url, "tenant-b", "chat/completions") == 0
         assert cached_tokens(server.url, "tenant-b", "chat/completions") > 0
-        bad = httpx.post(f"{server.url}/v1/completions", json={"model": "model", "prompt": "a", "cache_salt": ""},
-                         timeout=60, trust_env=False)
+        bad = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": "model", "prompt": "a", "cache_salt": ""},
+            timeout=60,
+            trust_env=False,
+        )
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
         assert server.terminate() == 0, server.tail()
     finally:

@@ -9,15 +9,16 @@ import pytest
 pytest.importorskip("prometheus_client", reason="prometheus_client is not installed (requirements-serve.txt)")
 pytest.importorskip("grpc_tools", reason="the gRPC stubs are generated with grpcio-tools")
 
-from fastsched.engine import protocol  # noqa: E402
-from fastsched.engine.kv_connector.base import KVConnectorStats  # noqa: E402
-from fastsched.frontend.request_metrics import LatencyHistograms  # noqa: E402
-from fastsched.frontend.stats import stats_to_proto  # noqa: E402
-from fastsched.gateway.metrics import KV_CONNECTOR_COUNTERS, render  # noqa: E402
-from fastsched.tools.metrics_snapshot import parse_metrics  # noqa: E402
+from fastsched.engine import protocol
+from fastsched.engine.kv_connector.base import KVConnectorStats
+from fastsched.frontend.request_metrics import LatencyHistograms
+from fastsched.frontend.stats import stats_to_proto
+from fastsched.gateway.metrics import KV_CONNECTOR_COUNTERS, render
+from fastsched.tools.metrics_snapshot import parse_metrics
 
-COUNTERS = KVConnectorStats(queries=5, hits=3, blocks_loaded=12, blocks_saved=20, load_failures=1,
-                            load_seconds=0.25, save_seconds=0.5).as_dict()
+COUNTERS = KVConnectorStats(
+    queries=5, hits=3, blocks_loaded=12, blocks_saved=20, load_failures=1, load_seconds=0.25, save_seconds=0.5
+).as_dict()
 
 
 def test_every_counter_has_a_metric() -> None:
@@ -29,8 +30,13 @@ def test_engine_counters_reach_metrics_per_engine() -> None:
     # Through the engine's wire format (msgpack) as a heartbeat carries them.
     back = protocol.decode(protocol.encode(protocol.Heartbeat(0, with_connector))).stats
     assert back.kv_connector == COUNTERS
-    engines = [{"index": 0, **msgspec.structs.asdict(back)}, {"index": 1, **msgspec.structs.asdict(protocol.EngineStats())}]
-    page = parse_metrics(render([stats_to_proto({"engines": engines}, LatencyHistograms())], "m").decode(), 0.0)
+    engines = [
+        {"index": 0, **msgspec.structs.asdict(back)},
+        {"index": 1, **msgspec.structs.asdict(protocol.EngineStats())},
+    ]
+    page = parse_metrics(
+        render([stats_to_proto({"engines": engines}, LatencyHistograms())], "m").decode(), 0.0
+    )
     loaded = page.samples["fastsched:kv_connector_blocks_loaded_total"]
     assert [(s.labels["engine"], s.value) for s in loaded] == [("0", 12.0)], "engine 1 has no connector"
     assert page.samples["fastsched:kv_connector_load_seconds_total"][0].value == 0.25

@@ -29,8 +29,11 @@ def complete(url: str) -> str:
 
 
 def serve_once(tiny_model_dir: Path, log: Path, store: Path, saves: bool) -> tuple[str, dict[str, float]]:
-    kv = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-          "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    kv = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+    }
     server = start_serve(tiny_model_dir, log, "--kv-transfer-config", json.dumps(kv))
     try:
         text = complete(server.url)
@@ -57,26 +60,52 @@ def test_s7_a_restarted_server_loads_the_prompt_from_the_store(tiny_model_dir, t
 def engine_value(url: str, name: str, engine: str) -> float:
     """One engine's sample of a family (``metric_samples`` sums the engines)."""
     text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and f'engine="{engine}"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and f'engine="{engine}"' in line
+    )
 
 
 def test_s7_the_engines_of_one_server_share_a_prefix_through_the_store(tiny_model_dir, tmp_path) -> None:
     """Engine 0 computes the prompt alone. Then two requests with its prefix arrive together:
     the router sends one to each engine (``--routing load``: least loaded), and engine 1 loads the prefix from the store."""
-    kv = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-          "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "store")}}
-    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--kv-transfer-config", json.dumps(kv),
-                         "--data-parallel-size", "2", "--routing", "load", max_model_len=2048)
+    kv = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "store")},
+    }
+    server = start_serve(
+        tiny_model_dir,
+        tmp_path / "serve.log",
+        "--kv-transfer-config",
+        json.dumps(kv),
+        "--data-parallel-size",
+        "2",
+        "--routing",
+        "load",
+        max_model_len=2048,
+    )
     try:
         complete(server.url)  # both engines idle: engine 0
         assert wait_for(lambda: engine_value(server.url, SAVED, "0") > 0, timeout=30)
         # Long enough that the first is still decoding when the second is routed.
-        body = {"model": "model", "prompt": PROMPT + "and then?", "max_tokens": 1500, "temperature": 0,
-                "ignore_eos": True}
+        body = {
+            "model": "model",
+            "prompt": PROMPT + "and then?",
+            "max_tokens": 1500,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         with ThreadPoolExecutor(2) as pool:
-            replies = list(pool.map(lambda _: httpx.post(server.url + "/v1/completions", json=body, timeout=120,
-                                                         trust_env=False), range(2)))
+            replies = list(
+                pool.map(
+                    lambda _: httpx.post(
+                        server.url + "/v1/completions", json=body, timeout=120, trust_env=False
+                    ),
+                    range(2),
+                )
+            )
         assert all(r.is_success for r in replies)
         assert replies[0].json()["choices"][0]["text"] == replies[1].json()["choices"][0]["text"]
         loaded = "fastsched:kv_connector_blocks_loaded_total"

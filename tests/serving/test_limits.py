@@ -61,27 +61,51 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(engine_config: dict, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    engines = launch({**engine_config, "max_model_len": MAX_MODEL_LEN}, ipc_dir(tmp_path_factory, "ipc"), 1, 3)
+def stack(
+    engine_config: dict, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    engines = launch(
+        {**engine_config, "max_model_len": MAX_MODEL_LEN}, ipc_dir(tmp_path_factory, "ipc"), 1, 3
+    )
     loop = LoopThread()
     try:
         admission = [{}, {"max_num_queued_reqs": QUEUED_REQS, "max_num_queued_tokens": QUEUED_TOKENS}, {}]
-        llms = [loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[i], frontend_index=i,
-                                         settings=FrontendSettings(ready_timeout=60, limits=LIMITS, **admission[i])))
-                for i in range(3)]
+        llms = [
+            loop.call(
+                AsyncLLM.start(
+                    engines.input_addrs,
+                    engines.output_addrs[i],
+                    frontend_index=i,
+                    settings=FrontendSettings(ready_timeout=60, limits=LIMITS, **admission[i]),
+                )
+            )
+            for i in range(3)
+        ]
         ports = [free_port() for _ in llms]
         # Frontends 0 and 1 serve the admin methods (GetRequestStatus), frontend 2 requires its key.
-        servers = [loop.call(serve_frontend(llm, "127.0.0.1", port, limits=LIMITS,
-                                            api_key=API_KEY if i == 2 else None,
-                                            admin=AdminSettings(enable_admin_api=i != 2)))
-                   for i, (llm, port) in enumerate(zip(llms, ports))]
+        servers = [
+            loop.call(
+                serve_frontend(
+                    llm,
+                    "127.0.0.1",
+                    port,
+                    limits=LIMITS,
+                    api_key=API_KEY if i == 2 else None,
+                    admin=AdminSettings(enable_admin_api=i != 2),
+                )
+            )
+            for i, (llm, port) in enumerate(zip(llms, ports))
+        ]
         addrs = [f"127.0.0.1:{port}" for port in ports]
         tokenizer = load_tokenizer(str(tiny_model_dir))
         urls = [loop.start_gateway(create_app([addrs[i]], MODEL, tokenizer, limits=LIMITS)) for i in range(2)]
-        keyed_url = loop.start_gateway(create_app([addrs[2]], MODEL, tokenizer, api_key=API_KEY, limits=LIMITS))
+        keyed_url = loop.start_gateway(
+            create_app([addrs[2]], MODEL, tokenizer, api_key=API_KEY, limits=LIMITS)
+        )
         try:
-            yield Stack(loop, urls + [keyed_url], addrs[:2], addrs[2], llms,
-                        MAX_MODEL_LEN * tokenizer.max_token_chars)
+            yield Stack(
+                loop, urls + [keyed_url], addrs[:2], addrs[2], llms, MAX_MODEL_LEN * tokenizer.max_token_chars
+            )
         finally:
             loop.stop_gateways()
             for server in servers:
@@ -101,8 +125,10 @@ def http(stack: Stack) -> Iterator[httpx.Client]:
 
 @pytest.fixture
 def stub(stack: Stack) -> Iterator[Any]:
-    channel = grpc.insecure_channel(stack.grpc_addrs[0], options=[("grpc.enable_http_proxy", 0),
-                                                                  ("grpc.max_send_message_length", 64 << 20)])
+    channel = grpc.insecure_channel(
+        stack.grpc_addrs[0],
+        options=[("grpc.enable_http_proxy", 0), ("grpc.max_send_message_length", 64 << 20)],
+    )
     yield pb_grpc.FrontendStub(channel)
     channel.close()
 
@@ -145,25 +171,36 @@ def health_while(stack: Stack, work: Any) -> tuple[Any, list[float]]:
 
 def test_n_above_max_n_is_400_at_once_naming_the_limit(http: httpx.Client, stub: Any) -> None:
     """Issue 11 defect 1: n 2147483647 grew a frontend by gigabytes; now 400 before any work."""
-    error_of(http.post("/v1/completions", json=completion(n=2147483647)), 400, "n", "2147483647", "128", "--max-n")
+    error_of(
+        http.post("/v1/completions", json=completion(n=2147483647)), 400, "n", "2147483647", "128", "--max-n"
+    )
     error_of(http.post("/v1/completions", json=completion(n=20000, best_of=20000)), 400, "best_of", "--max-n")
-    error = grpc_error(stub, pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(n=20000, max_tokens=1)))
+    error = grpc_error(
+        stub, pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(n=20000, max_tokens=1))
+    )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-n" in error.details()
     assert dict(error.trailing_metadata())["invalid-param"] == "n"
 
 
 def test_a4_n_above_max_num_queued_reqs_is_400_not_503(stack: Stack) -> None:
     """A4: a request that can never be admitted is a client error naming the limit."""
-    response = httpx.post(stack.urls[1] + "/v1/completions", json=completion(n=QUEUED_REQS + 1), timeout=30,
-                          trust_env=False)
+    response = httpx.post(
+        stack.urls[1] + "/v1/completions", json=completion(n=QUEUED_REQS + 1), timeout=30, trust_env=False
+    )
     error_of(response, 400, "n", str(QUEUED_REQS + 1), f"max_num_queued_reqs ({QUEUED_REQS})")
-    ok = httpx.post(stack.urls[1] + "/v1/completions", json=completion(n=QUEUED_REQS), timeout=30, trust_env=False)
+    ok = httpx.post(
+        stack.urls[1] + "/v1/completions", json=completion(n=QUEUED_REQS), timeout=30, trust_env=False
+    )
     assert ok.status_code == 200, ok.text
 
 
 def test_a4_prompt_longer_than_max_num_queued_tokens_is_400_not_admitted(stack: Stack) -> None:
-    response = httpx.post(stack.urls[1] + "/v1/completions", json=completion(prompt=list(range(3, 3 + 100))),
-                          timeout=30, trust_env=False)
+    response = httpx.post(
+        stack.urls[1] + "/v1/completions",
+        json=completion(prompt=list(range(3, 3 + 100))),
+        timeout=30,
+        trust_env=False,
+    )
     error_of(response, 400, "prompt", "100 tokens", f"max_num_queued_tokens ({QUEUED_TOKENS})")
     assert stack.llms[1].admission.num_requests == 0
 
@@ -171,16 +208,21 @@ def test_a4_prompt_longer_than_max_num_queued_tokens_is_400_not_admitted(stack: 
 # ------------------------------------------------------------------ defect 2: huge prompts
 
 
-def test_huge_completion_prompt_is_refused_before_tokenizing_while_health_answers(stack: Stack,
-                                                                                  http: httpx.Client) -> None:
+def test_huge_completion_prompt_is_refused_before_tokenizing_while_health_answers(
+    stack: Stack, http: httpx.Client
+) -> None:
     """Issue 11 defect 2: a 15 MB prompt was tokenized on the event loop (~29 s) first."""
     body = completion(prompt="word " * 3_000_000)
-    response, latencies = health_while(stack, lambda: http.post("/v1/completions", json=body, timeout=QUICK_S))
+    response, latencies = health_while(
+        stack, lambda: http.post("/v1/completions", json=body, timeout=QUICK_S)
+    )
     error_of(response, 400, "prompt", "15000000 characters", f"{MAX_MODEL_LEN}")
     assert max(latencies, default=0) < QUICK_S
 
 
-def test_huge_chat_message_is_refused_before_rendering_while_health_answers(stack: Stack, http: httpx.Client) -> None:
+def test_huge_chat_message_is_refused_before_rendering_while_health_answers(
+    stack: Stack, http: httpx.Client
+) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 3_000_000}]}
     response, _ = health_while(stack, lambda: http.post("/v1/chat/completions", json=body, timeout=QUICK_S))
     error_of(response, 400, "messages", "15000000 characters")
@@ -188,12 +230,16 @@ def test_huge_chat_message_is_refused_before_rendering_while_health_answers(stac
 
 def test_huge_grpc_text_is_refused_at_once(stub: Any) -> None:
     """Issue 11 defect 2: a 60 MB text over gRPC took ~97 s and left the frontend at 8 GB."""
-    error = grpc_error(stub, pb.GenerateRequest(text="x" * 60_000_000, sampling_params=pb.SamplingParams(max_tokens=1)))
+    error = grpc_error(
+        stub, pb.GenerateRequest(text="x" * 60_000_000, sampling_params=pb.SamplingParams(max_tokens=1))
+    )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert "60000000 characters" in error.details()
 
 
-def test_long_prompt_within_the_bound_is_tokenized_off_the_event_loop(stack: Stack, http: httpx.Client) -> None:
+def test_long_prompt_within_the_bound_is_tokenized_off_the_event_loop(
+    stack: Stack, http: httpx.Client
+) -> None:
     """Just under the character bound: tokenized (in a worker thread), then judged on tokens."""
     text = "a" * (stack.max_prompt_chars - 10)
     response, _ = health_while(stack, lambda: http.post("/v1/completions", json=completion(prompt=text)))
@@ -207,12 +253,21 @@ def test_long_prompt_within_the_bound_is_tokenized_off_the_event_loop(stack: Sta
 
 def test_too_many_or_too_long_stop_strings_are_400(http: httpx.Client, stub: Any) -> None:
     """Issue 11 defect 4: 10,000 stop strings of 1,000 characters stalled a frontend ~20 s."""
-    error_of(http.post("/v1/completions", json=completion(stop=["x" * 1000] * 10_000)), 400, "stop", "10000", "32",
-             "--max-stop-sequences")
+    error_of(
+        http.post("/v1/completions", json=completion(stop=["x" * 1000] * 10_000)),
+        400,
+        "stop",
+        "10000",
+        "32",
+        "--max-stop-sequences",
+    )
     error_of(http.post("/v1/completions", json=completion(stop=["y" * 1000])), 400, "stop", "1000", "256")
-    error = grpc_error(stub, pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(
-        stop=["z" * 300], max_tokens=1)))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-stop-sequence-length" in error.details()
+    error = grpc_error(
+        stub, pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(stop=["z" * 300], max_tokens=1))
+    )
+    assert (
+        error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-stop-sequence-length" in error.details()
+    )
 
 
 # ------------------------------------------------------------------ defect 5: gRPC auth, request id
@@ -232,8 +287,13 @@ def test_grpc_port_requires_the_api_key_but_health(stack: Stack) -> None:
         good = (("authorization", f"Bearer {API_KEY}"),)
         assert list(stub.Generate(request, timeout=QUICK_S, metadata=good))[-1].usage.completion_tokens == 1
     # The gateway sends its key on: the whole path works with it.
-    response = httpx.post(stack.urls[2] + "/v1/completions", json=completion(),
-                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30, trust_env=False)
+    response = httpx.post(
+        stack.urls[2] + "/v1/completions",
+        json=completion(),
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+        trust_env=False,
+    )
     assert response.status_code == 200, response.text
     assert httpx.get(stack.urls[2] + "/metrics", timeout=30, trust_env=False).status_code == 200
 
@@ -241,8 +301,10 @@ def test_grpc_port_requires_the_api_key_but_health(stack: Stack) -> None:
 def test_grpc_request_id_longer_than_the_limit_is_refused_and_not_remembered(stack: Stack, stub: Any) -> None:
     """Issue 11 defect 5: 1 MB request ids were remembered in the 10,000-entry history."""
     request_id = "r" * 1_000_000
-    error = grpc_error(stub, pb.GenerateRequest(request_id=request_id, text="Hi",
-                                                sampling_params=pb.SamplingParams(max_tokens=1)))
+    error = grpc_error(
+        stub,
+        pb.GenerateRequest(request_id=request_id, text="Hi", sampling_params=pb.SamplingParams(max_tokens=1)),
+    )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-request-id-length" in error.details()
     assert dict(error.trailing_metadata())["invalid-param"] == "request_id"
     assert stack.loop.call(stack.llms[0].request_status(request_id)) is None
@@ -258,8 +320,12 @@ def test_deeply_nested_json_is_400(http: httpx.Client) -> None:
     """Issue 11 defect 6: a RecursionError used to be a 500."""
     for depth in (100, 100_000):
         raw = '{"model": "tiny", "prompt": "Hi", "extra": ' + "[" * depth + "]" * depth + "}"
-        error_of(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
-                 400, None, "--max-json-depth")
+        error_of(
+            http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
+            400,
+            None,
+            "--max-json-depth",
+        )
 
 
 @pytest.mark.parametrize("where", ["prompt", "stop", "messages"])
@@ -271,14 +337,24 @@ def test_lone_surrogate_is_400_naming_the_field(http: httpx.Client, where: str) 
     else:
         raw = json.dumps(completion(**{where: "PLACEHOLDER"})).replace("PLACEHOLDER", "abc\\ud800def")
         path = "/v1/completions"
-    error_of(http.post(path, content=raw, headers={"content-type": "application/json"}), 400, where,
-             "lone surrogate")
+    error_of(
+        http.post(path, content=raw, headers={"content-type": "application/json"}),
+        400,
+        where,
+        "lone surrogate",
+    )
 
 
 def test_too_many_prompts_in_one_request_is_400(http: httpx.Client) -> None:
     """Issue 11 defect 6: ~2,000 prompts in one request ended in 500 CANCELLED."""
-    error_of(http.post("/v1/completions", json=completion(prompt=["Hi"] * 2000)), 400, "prompt", "2000", "128",
-             "--max-prompts-per-request")
+    error_of(
+        http.post("/v1/completions", json=completion(prompt=["Hi"] * 2000)),
+        400,
+        "prompt",
+        "2000",
+        "128",
+        "--max-prompts-per-request",
+    )
 
 
 def test_streams_over_a_frontends_limit_get_a_retryable_answer_never_5xx(stack: Stack, stub: Any) -> None:
@@ -294,8 +370,12 @@ def test_streams_over_a_frontends_limit_get_a_retryable_answer_never_5xx(stack: 
             return e.code()
 
     def post(_: int) -> int:
-        return httpx.post(stack.urls[0] + "/v1/completions", json=completion(max_tokens=64, ignore_eos=True),
-                          timeout=60, trust_env=False).status_code
+        return httpx.post(
+            stack.urls[0] + "/v1/completions",
+            json=completion(max_tokens=64, ignore_eos=True),
+            timeout=60,
+            trust_env=False,
+        ).status_code
 
     with concurrent.futures.ThreadPoolExecutor(40) as pool:
         codes = list(pool.map(call, range(40)))
@@ -319,8 +399,12 @@ def test_non_finite_temperature_is_400(http: httpx.Client, raw: str) -> None:
 
 
 def test_non_finite_temperature_over_grpc_is_invalid_argument(stub: Any) -> None:
-    error = grpc_error(stub, pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(
-        temperature=float("inf"), max_tokens=1)))
+    error = grpc_error(
+        stub,
+        pb.GenerateRequest(
+            text="Hi", sampling_params=pb.SamplingParams(temperature=float("inf"), max_tokens=1)
+        ),
+    )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "finite" in error.details()
 
 
@@ -357,8 +441,10 @@ def test_half_open_connections_are_closed_after_the_header_timeout(stack: Stack)
 def test_a_body_that_never_arrives_is_408(stack: Stack) -> None:
     host, port = stack.urls[0].removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt":'
+        )
         answer = _read_all(sock, LIMITS.body_timeout + 5)
     assert answer.startswith(b"HTTP/1.1 408"), answer
     assert b"--body-timeout" in answer
@@ -404,8 +490,13 @@ def _read_response(sock: socket.socket) -> bytes:
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:")))
+    length = int(
+        next(
+            line.split(b":", 1)[1]
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+    )
     while len(body) < length:
         body += sock.recv(65536)
     return head + b"\r\n\r\n" + body
@@ -417,7 +508,11 @@ def test_kept_alive_connection_serves_a_second_request_and_its_head_is_bounded(s
         sock.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
         first = _read_response(sock)
         assert first.startswith(b"HTTP/1.1 200"), first
-        sock.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (LIMITS.max_header_bytes + 1) + b"\r\n\r\n")
+        sock.sendall(
+            b"GET /version HTTP/1.1\r\nHost: x\r\nX-Big: "
+            + b"b" * (LIMITS.max_header_bytes + 1)
+            + b"\r\n\r\n"
+        )
         answer = _read_all(sock, 5)
     assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
 
@@ -429,22 +524,43 @@ def test_a_huge_choice_list_is_400_before_it_is_compiled(http: httpx.Client, stu
     """Issue 22: one request with a very large `choice` list was compiled on the frontend's
     event loop, which then missed the launcher's liveness deadline: the server died."""
     choices = [f"option {i}" for i in range(100_000)]
-    error_of(http.post("/v1/completions", json=completion(structured_outputs={"choice": choices})), 400,
-             "structured_outputs", "100000 strings", "--max-structured-outputs-choices")
-    error = grpc_error(stub, pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(
-        max_tokens=1, structured_outputs=pb.StructuredOutputs(choice=pb.Choices(values=choices)))))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-structured-outputs-choices" in error.details()
+    error_of(
+        http.post("/v1/completions", json=completion(structured_outputs={"choice": choices})),
+        400,
+        "structured_outputs",
+        "100000 strings",
+        "--max-structured-outputs-choices",
+    )
+    error = grpc_error(
+        stub,
+        pb.GenerateRequest(
+            text="Hi",
+            sampling_params=pb.SamplingParams(
+                max_tokens=1, structured_outputs=pb.StructuredOutputs(choice=pb.Choices(values=choices))
+            ),
+        ),
+    )
+    assert (
+        error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "--max-structured-outputs-choices" in error.details()
+    )
     assert dict(error.trailing_metadata())["invalid-param"] == "structured_outputs"
 
 
 def test_a_huge_regex_is_400_before_it_is_compiled(http: httpx.Client) -> None:
     regex = "(" + "|".join(f"w{i}" for i in range(50_000)) + ")"
-    error_of(http.post("/v1/completions", json=completion(guided_regex=regex)), 400, "structured_outputs",
-             f"{len(regex)} characters", "--max-structured-outputs-chars")
+    error_of(
+        http.post("/v1/completions", json=completion(guided_regex=regex)),
+        400,
+        "structured_outputs",
+        f"{len(regex)} characters",
+        "--max-structured-outputs-chars",
+    )
 
 
-def test_an_output_constraint_is_compiled_off_the_event_loop(stack: Stack, http: httpx.Client,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_output_constraint_is_compiled_off_the_event_loop(
+    stack: Stack, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 22: within the bounds, a constraint still compiles in the request gate's worker
     threads, never on the loop that serves every other request."""
     import threading
@@ -459,7 +575,9 @@ def test_an_output_constraint_is_compiled_off_the_event_loop(stack: Stack, http:
         compiles(params)
 
     monkeypatch.setattr(sampling_params, "check_compiles", recording)
-    response = http.post("/v1/completions", json=completion(structured_outputs={"choice": ["yes", "no", "maybe"]}))
+    response = http.post(
+        "/v1/completions", json=completion(structured_outputs={"choice": ["yes", "no", "maybe"]})
+    )
     assert response.status_code == 200, response.text
     assert threads and stack.loop.thread not in threads
 
@@ -467,26 +585,50 @@ def test_an_output_constraint_is_compiled_off_the_event_loop(stack: Stack, http:
 def test_too_many_stop_token_ids_are_400(http: httpx.Client, stub: Any) -> None:
     """Issue 22: a very long stop_token_ids list was copied per completion on the event loop
     and scanned for every generated token in the scheduler."""
-    error_of(http.post("/v1/completions", json=completion(stop_token_ids=list(range(100)) * 100)), 400,
-             "stop_token_ids", "10000 ids", "--max-stop-token-ids")
-    error = grpc_error(stub, pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(
-        max_tokens=1, stop_token_ids=[1] * 1000)))
+    error_of(
+        http.post("/v1/completions", json=completion(stop_token_ids=list(range(100)) * 100)),
+        400,
+        "stop_token_ids",
+        "10000 ids",
+        "--max-stop-token-ids",
+    )
+    error = grpc_error(
+        stub,
+        pb.GenerateRequest(
+            text="Hi", sampling_params=pb.SamplingParams(max_tokens=1, stop_token_ids=[1] * 1000)
+        ),
+    )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-stop-token-ids" in error.details()
 
 
 def test_too_many_messages_or_tools_are_400(http: httpx.Client) -> None:
     messages = [{"role": "user", "content": "Hi"}] * 2000
-    error_of(http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}), 400, "messages",
-             "2000 messages", "--max-messages")
-    error_of(http.post("/tokenize", json={"model": MODEL, "messages": messages}), 400, "messages", "--max-messages")
-    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
-             for i in range(200)]
-    error_of(http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages[:1], "tools": tools}),
-             400, "tools", "200 tools", "--max-tools")
+    error_of(
+        http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}),
+        400,
+        "messages",
+        "2000 messages",
+        "--max-messages",
+    )
+    error_of(
+        http.post("/tokenize", json={"model": MODEL, "messages": messages}), 400, "messages", "--max-messages"
+    )
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+        for i in range(200)
+    ]
+    error_of(
+        http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages[:1], "tools": tools}),
+        400,
+        "tools",
+        "200 tools",
+        "--max-tools",
+    )
 
 
-def test_a_huge_session_chunk_is_refused_before_it_is_tokenized(stack: Stack, stub: Any,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_huge_session_chunk_is_refused_before_it_is_tokenized(
+    stack: Stack, stub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 22: one ~14 MB session chunk was tokenized on the frontend's event loop before any
     size check (WebSocket sessions reach the frontend as this gRPC GenerateSession)."""
     import threading
@@ -502,7 +644,9 @@ def test_a_huge_session_chunk_is_refused_before_it_is_tokenized(stack: Stack, st
     monkeypatch.setattr(tokenizer, "encode", recording)
 
     def messages() -> Iterator[Any]:
-        yield pb.SessionRequest(open=pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(max_tokens=1)))
+        yield pb.SessionRequest(
+            open=pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(max_tokens=1))
+        )
         yield pb.SessionRequest(chunk=pb.SessionChunk(text="word " * 2_800_000, max_tokens=1))
 
     with pytest.raises(grpc.RpcError) as info:
@@ -513,7 +657,9 @@ def test_a_huge_session_chunk_is_refused_before_it_is_tokenized(stack: Stack, st
 
     # A long chunk within the bound is tokenized, off the event loop.
     def long_chunk() -> Iterator[Any]:
-        yield pb.SessionRequest(open=pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(max_tokens=1)))
+        yield pb.SessionRequest(
+            open=pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(max_tokens=1))
+        )
         yield pb.SessionRequest(chunk=pb.SessionChunk(text="a" * 5000, max_tokens=1))
 
     encoded.clear()
@@ -526,16 +672,26 @@ def test_a_huge_session_chunk_is_refused_before_it_is_tokenized(stack: Stack, st
 def test_a_json_body_sent_as_text_plain_is_415(http: httpx.Client) -> None:
     """Issue 22: any web page may POST text/plain to a local server without asking it first."""
     body = json.dumps(completion())
-    error = error_of(http.post("/v1/completions", content=body, headers={"content-type": "text/plain"}), 415, None,
-                     "application/json")
+    error = error_of(
+        http.post("/v1/completions", content=body, headers={"content-type": "text/plain"}),
+        415,
+        None,
+        "application/json",
+    )
     assert error["code"] == "unsupported_media_type"
-    ok = http.post("/v1/completions", content=body, headers={"content-type": "application/json; charset=utf-8"})
+    ok = http.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json; charset=utf-8"}
+    )
     assert ok.status_code == 200, ok.text
 
 
 def test_a_grpc_request_id_with_a_newline_is_refused(stub: Any) -> None:
     """Issue 22: session and gRPC ids went into the logs as sent, newlines included."""
-    error = grpc_error(stub, pb.GenerateRequest(request_id="r1\nFAKE LOG LINE", text="Hi",
-                                                sampling_params=pb.SamplingParams(max_tokens=1)))
+    error = grpc_error(
+        stub,
+        pb.GenerateRequest(
+            request_id="r1\nFAKE LOG LINE", text="Hi", sampling_params=pb.SamplingParams(max_tokens=1)
+        ),
+    )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(error.trailing_metadata())["invalid-param"] == "request_id"

@@ -38,18 +38,26 @@ def _loopback(address: str) -> bool:
     return (mapped or ip).is_loopback
 
 
-def test_every_process_of_serve_with_tp2_and_dp2_listens_on_loopback_only(tiny_model_dir: Path,
-                                                                          tmp_path: Path) -> None:
-    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
-                         "--data-parallel-size", "2", "--api-server-count", "2")
+def test_every_process_of_serve_with_tp2_and_dp2_listens_on_loopback_only(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    server = start_serve(
+        tiny_model_dir,
+        tmp_path / "serve.log",
+        "--tensor-parallel-size",
+        "2",
+        "--data-parallel-size",
+        "2",
+        "--api-server-count",
+        "2",
+    )
     try:
         sockets = listening(server.proc.pid)
         processes = [pid for pid, found in sockets.items() if found]
         # the gateway, 2 frontends, 2 engines (rank 0: the store and gloo) and their 2 workers (gloo)
         assert len(sockets) >= 1 + 2 + 2 + 2, sockets
         assert len(processes) >= 1 + 2 + 2 + 2, sockets
-        wildcard = {pid: [a for a in found if not _loopback(a[0])]
-                    for pid, found in sockets.items()}
+        wildcard = {pid: [a for a in found if not _loopback(a[0])] for pid, found in sockets.items()}
         assert not any(wildcard.values()), f"listening beyond loopback: {wildcard}"
     finally:
         server.close()

@@ -49,27 +49,53 @@ class Stack:
 @pytest.fixture(scope="module")
 def adapter_dirs(tiny_model_dir: Path) -> dict[str, Path]:
     root = tiny_model_dir.parent
-    return {"one": make_tiny_lora(tiny_model_dir, root / "lora-one", rank=8, seed=1),
-            "two": make_tiny_lora(tiny_model_dir, root / "lora-two", rank=4, seed=2)}
+    return {
+        "one": make_tiny_lora(tiny_model_dir, root / "lora-one", rank=8, seed=1),
+        "two": make_tiny_lora(tiny_model_dir, root / "lora-two", rank=4, seed=2),
+    }
 
 
 @pytest.fixture(scope="module")
-def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
-          adapter_dirs: dict[str, Path]) -> Iterator[Stack]:
-    config = {**engine_config, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
-              "lora_modules": [f"one={adapter_dirs['one']}"]}
+def stack(
+    engine_config: dict,
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model_dir: Path,
+    adapter_dirs: dict[str, Path],
+) -> Iterator[Stack]:
+    config = {
+        **engine_config,
+        "enable_lora": True,
+        "max_loras": 2,
+        "max_lora_rank": 8,
+        "lora_modules": [f"one={adapter_dirs['one']}"],
+    }
     engines = launch(config, ipc_dir(tmp_path_factory, "ipc"), num_engines=1, num_frontends=2)
     loop = LoopThread()
-    llms = [loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[i], frontend_index=i,
-                                     settings=FrontendSettings(ready_timeout=60))) for i in range(2)]
+    llms = [
+        loop.call(
+            AsyncLLM.start(
+                engines.input_addrs,
+                engines.output_addrs[i],
+                frontend_index=i,
+                settings=FrontendSettings(ready_timeout=60),
+            )
+        )
+        for i in range(2)
+    ]
     addrs = [f"127.0.0.1:{free_port()}" for _ in llms]
     # Runtime loads on, behind their own key, of adapters under the fixtures' directory only.
-    admin = AdminSettings(enable_runtime_lora_updating=True, admin_api_key=ADMIN_KEY,
-                          allowed_local_paths=(str(tiny_model_dir.parent),))
-    servers = [loop.call(serve_frontend(llm, "127.0.0.1", int(a.rsplit(":", 1)[1]), api_key=API_KEY, admin=admin))
-               for llm, a in zip(llms, addrs)]
-    url = loop.start_gateway(create_app(addrs, MODEL, load_tokenizer(str(tiny_model_dir)), api_key=API_KEY,
-                                        admin=admin))
+    admin = AdminSettings(
+        enable_runtime_lora_updating=True,
+        admin_api_key=ADMIN_KEY,
+        allowed_local_paths=(str(tiny_model_dir.parent),),
+    )
+    servers = [
+        loop.call(serve_frontend(llm, "127.0.0.1", int(a.rsplit(":", 1)[1]), api_key=API_KEY, admin=admin))
+        for llm, a in zip(llms, addrs)
+    ]
+    url = loop.start_gateway(
+        create_app(addrs, MODEL, load_tokenizer(str(tiny_model_dir)), api_key=API_KEY, admin=admin)
+    )
     try:
         yield Stack(loop, llms, url, adapter_dirs)
     finally:
@@ -79,8 +105,16 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
 
 @pytest.fixture(scope="module")
 def offline(tiny_model_dir: Path) -> LLM:
-    return LLM(str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_memory=64 * 1024 * 1024,
-               enable_lora=True, max_loras=2, max_lora_rank=8, log_stats_interval=0.0)
+    return LLM(
+        str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory=64 * 1024 * 1024,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        log_stats_interval=0.0,
+    )
 
 
 def offline_text(offline: LLM, adapter: LoRARequest | None) -> str:
@@ -89,11 +123,20 @@ def offline_text(offline: LLM, adapter: LoRARequest | None) -> str:
 
 
 def complete(stack: Stack, model: str, **extra: Any) -> httpx.Response:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True, **extra}
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **extra,
+    }
     return httpx.post(f"{stack.url}/v1/completions", json=body, headers=AUTH, timeout=30)
 
 
-def post(stack: Stack, path: str, body: dict[str, Any], headers: dict[str, str] = ADMIN_AUTH) -> httpx.Response:
+def post(
+    stack: Stack, path: str, body: dict[str, Any], headers: dict[str, str] = ADMIN_AUTH
+) -> httpx.Response:
     return httpx.post(f"{stack.url}{path}", json=body, headers=headers, timeout=30)
 
 
@@ -125,7 +168,9 @@ def test_load_and_unload_need_the_admin_key_not_the_api_key(stack: Stack) -> Non
     body = {"lora_name": "two", "lora_path": str(stack.adapters["two"])}
     for headers in ({}, AUTH):
         assert post(stack, "/v1/load_lora_adapter", body, headers=headers).status_code == 401
-        assert post(stack, "/v1/unload_lora_adapter", {"lora_name": "one"}, headers=headers).status_code == 401
+        assert (
+            post(stack, "/v1/unload_lora_adapter", {"lora_name": "one"}, headers=headers).status_code == 401
+        )
 
 
 def test_an_adapter_loaded_over_http_is_served_by_every_frontend_until_unloaded(
@@ -141,16 +186,21 @@ def test_an_adapter_loaded_over_http_is_served_by_every_frontend_until_unloaded(
     again = post(stack, "/v1/load_lora_adapter", body)
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
     response = post(stack, "/v1/unload_lora_adapter", {"lora_name": "two"})
-    assert response.status_code == 200 and response.text == "Success: LoRA adapter 'two' removed successfully."
+    assert (
+        response.status_code == 200 and response.text == "Success: LoRA adapter 'two' removed successfully."
+    )
     assert complete(stack, "two").status_code == 404
     assert post(stack, "/v1/unload_lora_adapter", {"lora_name": "two"}).status_code == 404
 
 
-@pytest.mark.parametrize(("body", "message"), [
-    ({"lora_name": "bad", "lora_path": "{allowed}/does-not-exist"}, "has no adapter_config.json"),
-    ({"lora_name": "", "lora_path": "/x"}, "lora_name must be a non-empty string"),
-    ({"lora_name": "big"}, "lora_path must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"lora_name": "bad", "lora_path": "{allowed}/does-not-exist"}, "has no adapter_config.json"),
+        ({"lora_name": "", "lora_path": "/x"}, "lora_name must be a non-empty string"),
+        ({"lora_name": "big"}, "lora_path must be a non-empty string"),
+    ],
+)
 def test_a_bad_load_is_400_and_changes_nothing(stack: Stack, body: dict[str, Any], message: str) -> None:
     allowed = str(stack.adapters["one"].parent)
     body = {k: v.format(allowed=allowed) for k, v in body.items()}
@@ -170,17 +220,34 @@ def lora_info(stack: Stack) -> dict[str, str] | None:
 
 
 def test_an_adapter_in_use_is_not_unloaded(stack: Stack) -> None:
-    with httpx.stream("POST", f"{stack.url}/v1/completions", headers=AUTH, timeout=60,
-                      json={"model": "one", "prompt": PROMPT, "max_tokens": 2000, "temperature": 0.0,
-                            "ignore_eos": True, "stream": True}) as stream:
+    with httpx.stream(
+        "POST",
+        f"{stack.url}/v1/completions",
+        headers=AUTH,
+        timeout=60,
+        json={
+            "model": "one",
+            "prompt": PROMPT,
+            "max_tokens": 2000,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as stream:
         lines = stream.iter_lines()  # held: a dropped iterator closes the response
         next(lines)  # the request runs
         refused = post(stack, "/v1/unload_lora_adapter", {"lora_name": "one"})
         assert refused.status_code == 409 and "in flight" in refused.json()["error"]["message"]
-        assert wait_for(lambda: lora_info(stack) == {"max_lora": "2", "running_lora_adapters": "one",
-                                                     "waiting_lora_adapters": ""}, timeout=10)
+        assert wait_for(
+            lambda: (
+                lora_info(stack)
+                == {"max_lora": "2", "running_lora_adapters": "one", "waiting_lora_adapters": ""}
+            ),
+            timeout=10,
+        )
     # The stream closed: its request is aborted and the adapter free again.
     assert wait_for(lambda: all(llm.loras.in_use("one") == 0 for llm in stack.llms), timeout=10)
-    assert all(llm.loras is not None and llm.loras.get("one") is not None for llm in stack.llms), \
+    assert all(llm.loras is not None and llm.loras.get("one") is not None for llm in stack.llms), (
         "a refused unload leaves the adapter served by every frontend"
+    )
     assert post(stack, "/v1/unload_lora_adapter", {"lora_name": "one"}).status_code == 200

@@ -17,25 +17,46 @@ import pytest
 pytest.importorskip("prometheus_client", reason="prometheus_client is not installed (requirements-serve.txt)")
 pytest.importorskip("grpc_tools", reason="the gRPC stubs are generated with grpcio-tools")
 
-from promtool import lint_problems  # noqa: E402
+from promtool import lint_problems
 
-from fastsched.engine import protocol  # noqa: E402
-from fastsched.engine.protocol import ITERATION_TOKENS_BUCKETS  # noqa: E402
-from fastsched.engine.stats import StatsLogger  # noqa: E402
-from fastsched.frontend.request_metrics import (  # noqa: E402
+from fastsched.engine import protocol
+from fastsched.engine.protocol import ITERATION_TOKENS_BUCKETS
+from fastsched.engine.stats import StatsLogger
+from fastsched.frontend.request_metrics import (
     EngineRequestMetrics,
     LatencyHistograms,
     build_1_2_5_buckets,
 )
-from fastsched.frontend.stats import stats_to_proto  # noqa: E402
-from fastsched.gateway.metrics import render  # noqa: E402
-from fastsched.process_stats import read_process_stats  # noqa: E402
-from fastsched.tools.metrics_snapshot import parse_metrics  # noqa: E402
+from fastsched.frontend.stats import stats_to_proto
+from fastsched.gateway.metrics import render
+from fastsched.process_stats import read_process_stats
+from fastsched.tools.metrics_snapshot import parse_metrics
 
 MODEL = "served-name"
 VLLM_ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-VLLM_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+VLLM_REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 # ------------------------------------------------------------------ the parts
@@ -51,12 +72,24 @@ def test_phases_of_a_finished_completion_are_vllms() -> None:
     """queue = scheduled - arrival, prefill = first token - scheduled, decode = last token -
     first token, inference = last token - scheduled."""
     m = EngineRequestMetrics(max_model_len=1000)
-    m.observe_finished("length", num_prompt_tokens=7, num_generation_tokens=30, queue_time=0.25, ttft=0.75, end=2.0)
+    m.observe_finished(
+        "length", num_prompt_tokens=7, num_generation_tokens=30, queue_time=0.25, ttft=0.75, end=2.0
+    )
     h = m.histograms
-    assert {name: h[name].sum for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
-                                           "request_decode_time_seconds", "request_inference_time_seconds")} \
-        == {"request_queue_time_seconds": 0.25, "request_prefill_time_seconds": 0.5,
-            "request_decode_time_seconds": 1.25, "request_inference_time_seconds": 1.75}
+    assert {
+        name: h[name].sum
+        for name in (
+            "request_queue_time_seconds",
+            "request_prefill_time_seconds",
+            "request_decode_time_seconds",
+            "request_inference_time_seconds",
+        )
+    } == {
+        "request_queue_time_seconds": 0.25,
+        "request_prefill_time_seconds": 0.5,
+        "request_decode_time_seconds": 1.25,
+        "request_inference_time_seconds": 1.75,
+    }
     assert (h["request_prompt_tokens"].sum, h["request_generation_tokens"].sum) == (7, 30)
     assert h["request_queue_time_seconds"].upper_bounds == VLLM_REQUEST_LATENCY_BUCKETS
     # Aborted while waiting: a success of reason abort, its tokens, no phase it never reached.
@@ -79,21 +112,42 @@ def test_engine_counts_tokens_per_step_in_vllms_buckets_without_objects() -> Non
 
 
 def test_protocol_carries_iteration_tokens_process_and_cache_config() -> None:
-    stats = protocol.EngineStats(iteration_tokens=[1] * (len(ITERATION_TOKENS_BUCKETS) + 1), iteration_tokens_sum=99,
-                                 process={"cpu_seconds_total": 1.5, "pid": 42})
+    stats = protocol.EngineStats(
+        iteration_tokens=[1] * (len(ITERATION_TOKENS_BUCKETS) + 1),
+        iteration_tokens_sum=99,
+        process={"cpu_seconds_total": 1.5, "pid": 42},
+    )
     back = protocol.decode(protocol.encode(protocol.Heartbeat(0, stats))).stats
-    assert (back.iteration_tokens, back.iteration_tokens_sum, back.process) \
-        == (stats.iteration_tokens, 99, {"cpu_seconds_total": 1.5, "pid": 42})
+    assert (back.iteration_tokens, back.iteration_tokens_sum, back.process) == (
+        stats.iteration_tokens,
+        99,
+        {"cpu_seconds_total": 1.5, "pid": 42},
+    )
     info = protocol.ModelInfo("/m", "m", 64, 1000, cache_config={"block_size": "16"})
-    assert protocol.decode(protocol.encode(protocol.Ready(0, info))).model_info.cache_config == {"block_size": "16"}
+    assert protocol.decode(protocol.encode(protocol.Ready(0, info))).model_info.cache_config == {
+        "block_size": "16"
+    }
     import msgpack
 
     for bad in ({"iteration_tokens": [1, 2]}, {"process": {"cpu_seconds_total": "a lot"}}):
         with pytest.raises(protocol.ProtocolError):
             protocol.decode(msgpack.packb(["heartbeat", 0, bad]))
     with pytest.raises(protocol.ProtocolError, match="cache_config"):
-        protocol.decode(msgpack.packb(["ready", 0, {"model": None, "model_name": "m", "max_model_len": 1,
-                                                    "vocab_size": 1, "cache_config": {"block_size": 16}}]))
+        protocol.decode(
+            msgpack.packb(
+                [
+                    "ready",
+                    0,
+                    {
+                        "model": None,
+                        "model_name": "m",
+                        "max_model_len": 1,
+                        "vocab_size": 1,
+                        "cache_config": {"block_size": 16},
+                    },
+                ]
+            )
+        )
 
 
 def test_process_stats_of_this_process() -> None:
@@ -101,7 +155,10 @@ def test_process_stats_of_this_process() -> None:
     if stats is None:
         pytest.skip("no /proc here")
     assert stats["pid"] == os.getpid()
-    assert stats["resident_memory_bytes"] > 1e6 and stats["virtual_memory_bytes"] >= stats["resident_memory_bytes"]
+    assert (
+        stats["resident_memory_bytes"] > 1e6
+        and stats["virtual_memory_bytes"] >= stats["resident_memory_bytes"]
+    )
     assert stats["cpu_seconds_total"] > 0 and 0 < stats["open_fds"] <= stats["max_fds"]
     assert read_process_stats(pid=2**22 + 12345) is None  # no such process
 
@@ -113,18 +170,37 @@ def engine(index: int, tokens: int, steps: int) -> dict[str, Any]:
     """An engine as AsyncLLM's ``stats()`` lists it (the freshest report has more tokens)."""
     iteration = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
     iteration[3] = steps  # le 32
-    return {"index": index, "num_running": 1, "num_waiting": 2, "kv_cache_usage": 0.5, "num_preemptions_total": 0,
-            "prompt_tokens_total": tokens, "generation_tokens_total": tokens, "prefix_cache_queries": 0,
-            "prefix_cache_hits": 0, "scan_stops_total": {"no_waiting": steps}, "last_scan_stop": "no_waiting",
-            "skips_total": {"lora_slots": 0}, "prefill_tokens_per_s": 100.0, "iteration_tokens": iteration,
-            "iteration_tokens_sum": 20 * steps,
-            "spec_decode_num_drafts": steps, "spec_decode_num_draft_tokens": 3 * steps,
-            "spec_decode_num_accepted_tokens": 2 * steps,
-            "spec_decode_num_accepted_tokens_per_pos": [steps, steps, 0] if index == 0 else [],
-            "cache_config": {"block_size": "16", "num_gpu_blocks": "512", "enable_prefix_caching": "True"},
-            "process": {"pid": 1000 + index, "cpu_seconds_total": 2.0, "resident_memory_bytes": 1e8,
-                        "virtual_memory_bytes": 2e8, "start_time_seconds": 1.7e9, "open_fds": 10.0,
-                        "max_fds": 1024.0}}
+    return {
+        "index": index,
+        "num_running": 1,
+        "num_waiting": 2,
+        "kv_cache_usage": 0.5,
+        "num_preemptions_total": 0,
+        "prompt_tokens_total": tokens,
+        "generation_tokens_total": tokens,
+        "prefix_cache_queries": 0,
+        "prefix_cache_hits": 0,
+        "scan_stops_total": {"no_waiting": steps},
+        "last_scan_stop": "no_waiting",
+        "skips_total": {"lora_slots": 0},
+        "prefill_tokens_per_s": 100.0,
+        "iteration_tokens": iteration,
+        "iteration_tokens_sum": 20 * steps,
+        "spec_decode_num_drafts": steps,
+        "spec_decode_num_draft_tokens": 3 * steps,
+        "spec_decode_num_accepted_tokens": 2 * steps,
+        "spec_decode_num_accepted_tokens_per_pos": [steps, steps, 0] if index == 0 else [],
+        "cache_config": {"block_size": "16", "num_gpu_blocks": "512", "enable_prefix_caching": "True"},
+        "process": {
+            "pid": 1000 + index,
+            "cpu_seconds_total": 2.0,
+            "resident_memory_bytes": 1e8,
+            "virtual_memory_bytes": 2e8,
+            "start_time_seconds": 1.7e9,
+            "open_fds": 10.0,
+            "max_fds": 1024.0,
+        },
+    }
 
 
 def frontend(index: int, stale: bool) -> Any:
@@ -140,9 +216,13 @@ def frontend(index: int, stale: bool) -> Any:
     latencies.observe("time_to_first_token_seconds", 0.5, engine=1)
     latencies.observe("inter_token_latency_seconds", 0.02, times=4, engine=0)
     tokens, steps = (10, 3) if stale else (50, 7)
-    stats = {"engines": [engine(0, tokens, steps), engine(1, tokens, steps)], "requests_by_engine": requests,
-             "admission_rejections_total": {"max_num_queued_reqs": 1}, "admission_queued_tokens_limit": 100,
-             "frontend_index": index}
+    stats = {
+        "engines": [engine(0, tokens, steps), engine(1, tokens, steps)],
+        "requests_by_engine": requests,
+        "admission_rejections_total": {"max_num_queued_reqs": 1},
+        "admission_queued_tokens_limit": 100,
+        "frontend_index": index,
+    }
     return stats_to_proto(stats, latencies)
 
 
@@ -163,18 +243,35 @@ def test_every_family_has_model_name_and_engine_level_ones_engine() -> None:
     text = full_page()
     for name in page.histograms:
         bucket_lines = [line for line in text.splitlines() if line.startswith(name + "_bucket{")]
-        assert bucket_lines and all(f'model_name="{MODEL}"' in line and 'engine="' in line for line in bucket_lines)
+        assert bucket_lines and all(
+            f'model_name="{MODEL}"' in line and 'engine="' in line for line in bucket_lines
+        )
 
 
 def test_request_families_add_up_over_frontends_per_engine() -> None:
     page = parse_metrics(full_page(), 0.0)
-    success = {(s.labels["engine"], s.labels["finished_reason"]): s.value
-               for s in page.samples["fastsched:request_success_total"]}
-    assert success == {("0", "stop"): 2, ("0", "length"): 0, ("0", "abort"): 0,
-                       ("1", "stop"): 0, ("1", "length"): 2, ("1", "abort"): 0}
-    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-                 "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens",
-                 "request_params_n", "request_params_max_tokens"):
+    success = {
+        (s.labels["engine"], s.labels["finished_reason"]): s.value
+        for s in page.samples["fastsched:request_success_total"]
+    }
+    assert success == {
+        ("0", "stop"): 2,
+        ("0", "length"): 0,
+        ("0", "abort"): 0,
+        ("1", "stop"): 0,
+        ("1", "length"): 2,
+        ("1", "abort"): 0,
+    }
+    for name in (
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_params_n",
+        "request_params_max_tokens",
+    ):
         assert page.histograms[f"fastsched:{name}"].count == 4, name  # 2 frontends x 2 engines
     assert page.histograms["fastsched:request_prefill_time_seconds"].sum == 4 * 0.5
     prompt = page.histograms["fastsched:request_prompt_tokens"]
@@ -192,8 +289,9 @@ def test_engine_families_take_each_engine_once_from_its_freshest_report() -> Non
     assert (iteration.count, iteration.sum) == (2 * 7, 2 * 7 * 20)  # the fresh reports only
     assert f'fastsched:iteration_tokens_total_bucket{{engine="1",le="32.0",model_name="{MODEL}"}} 7.0' in text
     info = page.samples["fastsched:cache_config_info"]
-    assert [(s.labels["engine"], s.labels["block_size"], s.labels["num_gpu_blocks"], s.value) for s in info] \
-        == [("0", "16", "512", 1.0), ("1", "16", "512", 1.0)]
+    assert [
+        (s.labels["engine"], s.labels["block_size"], s.labels["num_gpu_blocks"], s.value) for s in info
+    ] == [("0", "16", "512", 1.0), ("1", "16", "512", 1.0)]
     assert page.value("fastsched:generation_tokens_total", engine="1") == 50
     assert page.value("fastsched:admission_rejections_total") == 2  # summed over frontends
     assert page.value("fastsched:admission_queued_tokens_limit", model_name=MODEL) == 200
@@ -214,10 +312,24 @@ def test_spec_decode_counters_are_vllms_per_engine_that_speculates() -> None:
 
 def test_process_families_one_series_per_process() -> None:
     page = parse_metrics(full_page(), 0.0)
-    cpu = {(s.labels["process"], s.labels["index"]): s.value for s in page.samples["process_cpu_seconds_total"]}
-    assert set(cpu) == {("gateway", "0"), ("frontend", "0"), ("frontend", "1"), ("engine", "0"), ("engine", "1")}
+    cpu = {
+        (s.labels["process"], s.labels["index"]): s.value for s in page.samples["process_cpu_seconds_total"]
+    }
+    assert set(cpu) == {
+        ("gateway", "0"),
+        ("frontend", "0"),
+        ("frontend", "1"),
+        ("engine", "0"),
+        ("engine", "1"),
+    }
     assert cpu[("engine", "1")] == 2.0
-    for name in ("resident_memory_bytes", "virtual_memory_bytes", "start_time_seconds", "open_fds", "max_fds"):
+    for name in (
+        "resident_memory_bytes",
+        "virtual_memory_bytes",
+        "start_time_seconds",
+        "open_fds",
+        "max_fds",
+    ):
         assert len(page.samples[f"process_{name}"]) == 5, name
 
 
@@ -225,7 +337,9 @@ def test_promtool_accepts_the_page_but_for_vllms_names() -> None:
     """A page with every family filled, per engine and from a frontend with no breakdown
     (engine=""), passes ``promtool check metrics`` except for the lint rules that vLLM's
     own names break (see promtool.py)."""
-    page = render([frontend(0, stale=False), stats_to_proto({"admission_rejections_total": {}},
-                                                            LatencyHistograms())], MODEL).decode()
+    page = render(
+        [frontend(0, stale=False), stats_to_proto({"admission_rejections_total": {}}, LatencyHistograms())],
+        MODEL,
+    ).decode()
     assert 'engine=""' in page and 'engine="1"' in page
     assert lint_problems(page) == []

@@ -41,8 +41,12 @@ SCHEMA = {
         "name": {"type": "string", "maxLength": 6},
         "size": {"enum": ["small", "large"]},
         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-        "owner": {"type": "object", "properties": {"admin": {"type": "boolean"}}, "required": ["admin"],
-                  "additionalProperties": False},
+        "owner": {
+            "type": "object",
+            "properties": {"admin": {"type": "boolean"}},
+            "required": ["admin"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "size", "tags", "owner"],
     "additionalProperties": False,
@@ -53,7 +57,7 @@ MESSAGES = [{"role": "user", "content": "Describe a box as JSON."}]
 
 HERMES_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}. Call one as "
-    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    '<tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
@@ -69,20 +73,36 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
+def stack(
+    engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[Stack]:
     engines = launch(engine_config, ipc_dir(tmp_path_factory, "ipc"), num_engines=1, num_frontends=1)
     loop = LoopThread()
-    llm = loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[0], frontend_index=0,
-                                   settings=FrontendSettings(ready_timeout=60)))
+    llm = loop.call(
+        AsyncLLM.start(
+            engines.input_addrs,
+            engines.output_addrs[0],
+            frontend_index=0,
+            settings=FrontendSettings(ready_timeout=60),
+        )
+    )
     port = free_port()
     server = loop.call(serve_frontend(llm, "127.0.0.1", port))
     hermes = load_tokenizer(str(tiny_model_dir))
     hermes.chat_template = HERMES_TEMPLATE
     try:
-        yield Stack(loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, load_tokenizer(str(tiny_model_dir)))),
-                    loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, hermes)),
-                    loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, load_tokenizer(str(tiny_model_dir)),
-                                                  tool_parser="llama3_json")))
+        yield Stack(
+            loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, load_tokenizer(str(tiny_model_dir)))),
+            loop.start_gateway(create_app([f"127.0.0.1:{port}"], MODEL, hermes)),
+            loop.start_gateway(
+                create_app(
+                    [f"127.0.0.1:{port}"],
+                    MODEL,
+                    load_tokenizer(str(tiny_model_dir)),
+                    tool_parser="llama3_json",
+                )
+            ),
+        )
     finally:
         loop.stop_stack([server], [llm])
         teardown(engines)
@@ -109,8 +129,9 @@ def chat_texts(client: openai.OpenAI, stream: bool, **kwargs: Any) -> list[tuple
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, n=3, seed=11)],
-                         ids=["greedy", "sampled-n3"])
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=1.0, n=3, seed=11)], ids=["greedy", "sampled-n3"]
+)
 def test_json_schema_response_format_validates(client: openai.OpenAI, stream: bool, sampling: dict) -> None:
     results = chat_texts(client, stream, response_format=JSON_SCHEMA_FORMAT, max_tokens=120, **sampling)
     assert len(results) == sampling.get("n", 1)
@@ -120,8 +141,9 @@ def test_json_schema_response_format_validates(client: openai.OpenAI, stream: bo
 
 
 def test_json_object_response_format_gives_an_object_or_a_prefix_of_one(client: openai.OpenAI) -> None:
-    [(text, finish_reason)] = chat_texts(client, False, response_format={"type": "json_object"}, max_tokens=150,
-                                         temperature=0.0)
+    [(text, finish_reason)] = chat_texts(
+        client, False, response_format={"type": "json_object"}, max_tokens=150, temperature=0.0
+    )
     if finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
     else:  # cut by max_tokens: a valid prefix only
@@ -130,12 +152,21 @@ def test_json_object_response_format_gives_an_object_or_a_prefix_of_one(client: 
 
 @pytest.mark.parametrize("field", ["structured_outputs", "guided"])
 def test_completions_regex_choice_and_grammar_match(client: openai.OpenAI, field: str) -> None:
-    constraints = [("regex", r"[0-9]{3}-[a-c]{2}"), ("choice", ["yes", "no", "maybe"]),
-                   ("grammar", 'start: "(" D ("+" D)* ")"\nD: /[0-9]/'), ("json", SCHEMA)]
+    constraints = [
+        ("regex", r"[0-9]{3}-[a-c]{2}"),
+        ("choice", ["yes", "no", "maybe"]),
+        ("grammar", 'start: "(" D ("+" D)* ")"\nD: /[0-9]/'),
+        ("json", SCHEMA),
+    ]
     for kind, value in constraints:
-        body = {"structured_outputs": {kind: value}} if field == "structured_outputs" else {f"guided_{kind}": value}
-        response = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=120, temperature=1.0, n=3,
-                                             seed=5, extra_body=body)
+        body = (
+            {"structured_outputs": {kind: value}}
+            if field == "structured_outputs"
+            else {f"guided_{kind}": value}
+        )
+        response = client.completions.create(
+            model=MODEL, prompt="Answer:", max_tokens=120, temperature=1.0, n=3, seed=5, extra_body=body
+        )
         for choice in response.choices:
             assert choice.finish_reason == "stop", (kind, choice.text)
             if kind == "regex":
@@ -148,16 +179,34 @@ def test_completions_regex_choice_and_grammar_match(client: openai.OpenAI, field
                 jsonschema.validate(json.loads(choice.text), SCHEMA)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": JSON_SCHEMA_FORMAT | {"json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "structured_outputs"),
-    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
-    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"structured_outputs": {"yaml": "a"}}, "structured_outputs"),
-    ({"guided_choice": "yes"}, "guided_choice"),
-], ids=["bad-schema", "bad-regex", "two-constraints", "bad-format-type", "unknown-kind", "choice-not-a-list"])
-def test_a_constraint_that_cannot_work_is_a_400_naming_it(client: openai.OpenAI, body: dict, param: str) -> None:
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {
+                "response_format": JSON_SCHEMA_FORMAT
+                | {"json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+            },
+            "structured_outputs",
+        ),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"structured_outputs": {"yaml": "a"}}, "structured_outputs"),
+        ({"guided_choice": "yes"}, "guided_choice"),
+    ],
+    ids=[
+        "bad-schema",
+        "bad-regex",
+        "two-constraints",
+        "bad-format-type",
+        "unknown-kind",
+        "choice-not-a-list",
+    ],
+)
+def test_a_constraint_that_cannot_work_is_a_400_naming_it(
+    client: openai.OpenAI, body: dict, param: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, extra_body=body)
     assert error.value.body["param"] == param, error.value.body
@@ -165,24 +214,43 @@ def test_a_constraint_that_cannot_work_is_a_400_naming_it(client: openai.OpenAI,
 
 # --- forced tool calls ---------------------------------------------------------------------
 
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer",
-           "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": False}
-CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 5}}, "required": ["zone"],
-         "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Forecast", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "clock", "parameters": CLOCK}}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+CLOCK = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "maxLength": 5}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "description": "Forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "clock", "parameters": CLOCK}},
+]
 SCHEMAS = {"weather": WEATHER, "clock": CLOCK}
 
 
-def tool_call_results(client: openai.OpenAI, stream: bool, **kwargs: Any) -> list[tuple[list[tuple[str, str]], str]]:
+def tool_call_results(
+    client: openai.OpenAI, stream: bool, **kwargs: Any
+) -> list[tuple[list[tuple[str, str]], str]]:
     """([(name, arguments)], finish_reason) per choice, a stream's tool-call deltas joined."""
     if not stream:
         response = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, **kwargs)
-        return [([(t.function.name, t.function.arguments) for t in c.message.tool_calls or []], c.finish_reason)
-                for c in response.choices]
+        return [
+            ([(t.function.name, t.function.arguments) for t in c.message.tool_calls or []], c.finish_reason)
+            for c in response.choices
+        ]
     calls: dict[int, dict[int, list[str]]] = defaultdict(lambda: defaultdict(lambda: ["", ""]))
     reasons: dict[int, str] = {}
-    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, stream=True, **kwargs):
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, stream=True, **kwargs
+    ):
         for c in chunk.choices:
             for t in c.delta.tool_calls or []:
                 call = calls[c.index][t.index]
@@ -194,12 +262,17 @@ def tool_call_results(client: openai.OpenAI, stream: bool, **kwargs: Any) -> lis
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "weather"}}],
-                         ids=["required", "named"])
-def test_forced_tool_calls_validate_against_the_functions_parameters(client: openai.OpenAI, stream: bool,
-                                                                     tool_choice: Any) -> None:
-    results = tool_call_results(client, stream, tool_choice=tool_choice, max_tokens=150, temperature=1.0, n=3,
-                                seed=2)
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "weather"}}],
+    ids=["required", "named"],
+)
+def test_forced_tool_calls_validate_against_the_functions_parameters(
+    client: openai.OpenAI, stream: bool, tool_choice: Any
+) -> None:
+    results = tool_call_results(
+        client, stream, tool_choice=tool_choice, max_tokens=150, temperature=1.0, n=3, seed=2
+    )
     assert len(results) == 3
     for calls, finish_reason in results:
         assert finish_reason == "tool_calls" and calls
@@ -208,13 +281,16 @@ def test_forced_tool_calls_validate_against_the_functions_parameters(client: ope
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tool_choice": "auto"}, "tool_choice"),  # the tiny model's template has no tools
-    ({}, "tool_choice"),  # auto is the default with tools
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"tool_choice": "required", "tools": [{"type": "function"}]}, "tools"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tool_choice": "auto"}, "tool_choice"),  # the tiny model's template has no tools
+        ({}, "tool_choice"),  # auto is the default with tools
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tool_choice": "required", "tools": [{"type": "function"}]}, "tools"),
+    ],
+)
 def test_tool_requests_that_cannot_be_served_are_400s(client: openai.OpenAI, body: dict, param: str) -> None:
     body = {"tools": TOOLS, **body}
     with pytest.raises(openai.BadRequestError) as error:
@@ -226,8 +302,9 @@ def test_tool_choice_auto_with_a_hermes_template_answers_content_when_no_call_is
     """The random model writes no <tool_call> block: its text is content (the parser on real
     calls is tested in tests/serving/test_tool_calls.py)."""
     client = openai.OpenAI(base_url=stack.hermes_url + "/v1", api_key="unused", max_retries=0)
-    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=8,
-                                              temperature=0.0)
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=8, temperature=0.0
+    )
     choice = response.choices[0]
     assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "length"
     assert response.usage.prompt_tokens > 30  # the tools were rendered into the prompt
@@ -240,8 +317,9 @@ def test_tool_choice_auto_is_served_with_a_tool_call_parser(stack: Stack, stream
     client = openai.OpenAI(base_url=stack.parser_url + "/v1", api_key="unused", max_retries=0)
     results = tool_call_results(client, stream, tool_choice="auto", max_tokens=6, temperature=0.0)
     assert results == [([], "length")]
-    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=6,
-                                              temperature=0.0)
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=6, temperature=0.0
+    )
     assert response.choices[0].message.content and response.choices[0].message.tool_calls is None
 
 
@@ -254,21 +332,27 @@ OPEN = [{"role": "user", "content": "Count to three."}, {"role": "assistant", "c
 def test_chat_echo_continues_the_open_final_message(client: openai.OpenAI, stream: bool) -> None:
     body = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
     if stream:
-        chunks = list(client.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=4, temperature=0.0,
-                                                     stream=True, extra_body=body))
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=OPEN, max_tokens=4, temperature=0.0, stream=True, extra_body=body
+            )
+        )
         assert chunks[0].choices[0].delta.content.startswith("One, two,")
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     else:
-        response = client.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=4, temperature=0.0,
-                                                  extra_body=body)
+        response = client.chat.completions.create(
+            model=MODEL, messages=OPEN, max_tokens=4, temperature=0.0, extra_body=body
+        )
         text = response.choices[0].message.content
-    plain = client.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=4, temperature=0.0,
-                                           extra_body={**body, "echo": False})
+    plain = client.chat.completions.create(
+        model=MODEL, messages=OPEN, max_tokens=4, temperature=0.0, extra_body={**body, "echo": False}
+    )
     assert text == "One, two," + plain.choices[0].message.content
 
 
 def test_continue_final_message_and_add_generation_prompt_together_are_a_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=4,
-                                       extra_body={"continue_final_message": True})
+        client.chat.completions.create(
+            model=MODEL, messages=OPEN, max_tokens=4, extra_body={"continue_final_message": True}
+        )
     assert error.value.body["param"] == "continue_final_message"

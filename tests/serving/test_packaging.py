@@ -12,9 +12,16 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
-
-from packaging_deps import (PACKAGE, REPO, blocker_source, canonical, closure, declared, module_owners,
-                            third_party_imports)
+from packaging_deps import (
+    PACKAGE,
+    REPO,
+    blocker_source,
+    canonical,
+    closure,
+    declared,
+    module_owners,
+    third_party_imports,
+)
 
 # Imported although no extra declares it: an accelerator library a user installs for their
 # CUDA version; every import of it is guarded (fastsched runs without it).
@@ -69,7 +76,9 @@ def test_undeclared_optional_imports_are_guarded() -> None:
             continue
         for rel in files:
             text = (PACKAGE / rel).read_text()
-            assert "except ImportError" in text, f"{rel} imports {module} ({UNDECLARED_OPTIONAL[module]}) unguarded"
+            assert "except ImportError" in text, (
+                f"{rel} imports {module} ({UNDECLARED_OPTIONAL[module]}) unguarded"
+            )
 
 
 @pytest.mark.parametrize("extra", [None, *USER_EXTRAS])
@@ -89,15 +98,31 @@ def test_lock_files_pin_what_pyproject_declares() -> None:
                 if canonical(req.name) == "fastsched":
                     continue
                 name = canonical(req.name)
-                assert name in lock, f"{req} ({extra or 'base'}) is missing from its lock file; run scripts/lock.sh"
+                assert name in lock, (
+                    f"{req} ({extra or 'base'}) is missing from its lock file; run scripts/lock.sh"
+                )
                 assert req.specifier.contains(lock[name], prereleases=True), (
-                    f"the lock pins {name}=={lock[name]}, outside {req}; run scripts/lock.sh")
+                    f"the lock pins {name}=={lock[name]}, outside {req}; run scripts/lock.sh"
+                )
     # The test lock is generated with the serve lock as constraints: one version of each package.
     assert {name: test[name] for name in serve} == serve
     assert not set(test) & _lock("requirements-nodeps.txt").keys()
     # The test tools and oracles stay out of what scripts/run.sh installs.
-    assert not {"pytest", "transformers", "accelerate", "peft", "openai", "mypy", "hypothesis",
-                "kubernetes-validate", "jsonschema", "grpcio-tools"} & serve.keys()
+    assert (
+        not {
+            "pytest",
+            "transformers",
+            "accelerate",
+            "peft",
+            "openai",
+            "mypy",
+            "hypothesis",
+            "kubernetes-validate",
+            "jsonschema",
+            "grpcio-tools",
+        }
+        & serve.keys()
+    )
 
 
 def test_scripts_install_their_own_lock() -> None:
@@ -111,8 +136,9 @@ def _run_hidden(allowed: set[str], code: str, tmp_path: Path) -> subprocess.Comp
     script = tmp_path / "probe.py"
     script.write_text(blocker_source(allowed) + code)
     env = {**os.environ, "PYTHONPATH": str(REPO / "python")}
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
 
 
 def test_the_base_install_alone_runs_llm(tmp_path: Path) -> None:

@@ -65,36 +65,78 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
+def stack(
+    engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("pause")
     assert len(str(directory)) < 80, f"ipc directory path too long for unix sockets: {directory}"
     inputs = [f"ipc://{directory}/engine{i}.in" for i in range(2)]
     outputs = [f"ipc://{directory}/frontend{k}.out" for k in range(2)]
     config = {**engine_config, "max_num_seqs": 2, "max_num_active_seqs": 1}
-    procs = [start_engine_process(config, i, inputs[i], outputs, torch_num_threads=1, heartbeat_interval=0.25)
-             for i in range(2)]
+    procs = [
+        start_engine_process(config, i, inputs[i], outputs, torch_num_threads=1, heartbeat_interval=0.25)
+        for i in range(2)
+    ]
     loop = LoopThread()
     llms: list[AsyncLLM] = []
     servers: list[Any] = []
     try:
-        llms.append(loop.call(AsyncLLM.start(inputs, outputs[0], frontend_index=0, settings=FrontendSettings(
-            max_num_queued_reqs=MAX_QUEUED, ready_timeout=60, max_sessions=MAX_SESSIONS))))
-        llms.append(loop.call(AsyncLLM.start(inputs, outputs[1], frontend_index=1, settings=FrontendSettings(
-            ready_timeout=60, session_idle_timeout=IDLE_TIMEOUT_S))))  # the default --max-sessions
+        llms.append(
+            loop.call(
+                AsyncLLM.start(
+                    inputs,
+                    outputs[0],
+                    frontend_index=0,
+                    settings=FrontendSettings(
+                        max_num_queued_reqs=MAX_QUEUED, ready_timeout=60, max_sessions=MAX_SESSIONS
+                    ),
+                )
+            )
+        )
+        llms.append(
+            loop.call(
+                AsyncLLM.start(
+                    inputs,
+                    outputs[1],
+                    frontend_index=1,
+                    settings=FrontendSettings(ready_timeout=60, session_idle_timeout=IDLE_TIMEOUT_S),
+                )
+            )
+        )  # the default --max-sessions
         # Reloads may name the fixtures' checkpoints and the tests' temporary directories only.
         allowed = (str(tmp_path_factory.getbasetemp()), str(tiny_model_dir.parent))
-        keyed_admin = AdminSettings(enable_admin_api=True, admin_api_key=ADMIN_KEY, allowed_local_paths=allowed)
+        keyed_admin = AdminSettings(
+            enable_admin_api=True, admin_api_key=ADMIN_KEY, allowed_local_paths=allowed
+        )
         open_admin = AdminSettings(enable_admin_api=True, allowed_local_paths=allowed)
         grpc_addrs = [f"127.0.0.1:{free_port()}" for _ in llms]
         for k, (llm, addr) in enumerate(zip(llms, grpc_addrs)):
-            servers.append(loop.call(serve_frontend(llm, "127.0.0.1", int(addr.rsplit(":", 1)[1]),
-                                                    api_key=API_KEY if k == 0 else None,
-                                                    admin=keyed_admin if k == 0 else open_admin)))
+            servers.append(
+                loop.call(
+                    serve_frontend(
+                        llm,
+                        "127.0.0.1",
+                        int(addr.rsplit(":", 1)[1]),
+                        api_key=API_KEY if k == 0 else None,
+                        admin=keyed_admin if k == 0 else open_admin,
+                    )
+                )
+            )
         tokenizer = load_tokenizer(str(tiny_model_dir))
         # Gateway 0 reports usage.prompt_tokens_details.cached_tokens (the prefix-cache test reads it).
-        urls = [loop.start_gateway(create_app([grpc_addrs[0]], MODEL, tokenizer, api_key=API_KEY, admin=keyed_admin,
-                                              enable_prompt_tokens_details=True)),
-                loop.start_gateway(create_app([grpc_addrs[1]], MODEL, tokenizer, admin=open_admin))]
+        urls = [
+            loop.start_gateway(
+                create_app(
+                    [grpc_addrs[0]],
+                    MODEL,
+                    tokenizer,
+                    api_key=API_KEY,
+                    admin=keyed_admin,
+                    enable_prompt_tokens_details=True,
+                )
+            ),
+            loop.start_gateway(create_app([grpc_addrs[1]], MODEL, tokenizer, admin=open_admin)),
+        ]
         yield Stack(loop, llms, grpc_addrs, urls)
     finally:
         loop.stop_stack(servers, llms)
@@ -151,7 +193,9 @@ class Streams:
 
     def start(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
         async def run() -> None:
-            stream = self.stack.llms[0].generate(request_id, prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+            stream = self.stack.llms[0].generate(
+                request_id, prompt, SamplingParams(max_tokens=max_tokens, **GREEDY)
+            )
             self.tokens[request_id] = []
             async with stream:
                 async for out in stream:
@@ -208,7 +252,9 @@ def test_s13_pause_all_then_new_over_http_with_requests_in_flight(stack: Stack) 
         streams.start("C", PROMPT_C, 4)
         streams.start("D", PROMPT_C, 4)
         assert sequence(http, "C")["state"] == "waiting" and sequence(http, "D")["state"] == "waiting"
-        over = http.post("/v1/completions", headers=KEY, json={"model": MODEL, "prompt": [5, 6], "max_tokens": 2})
+        over = http.post(
+            "/v1/completions", headers=KEY, json={"model": MODEL, "prompt": [5, 6], "max_tokens": 2}
+        )
         assert over.status_code == 503 and "max_num_queued_reqs" in over.text
 
         # new: running requests go on and finish; waiting ones stay queued.
@@ -248,19 +294,28 @@ class GrpcSession:
                     yield msg
 
             return pb_grpc.FrontendStub(channel).GenerateSession(
-                requests(), metadata=((AUTHORIZATION_KEY, f"Bearer {API_KEY}"),))
+                requests(), metadata=((AUTHORIZATION_KEY, f"Bearer {API_KEY}"),)
+            )
 
         self.call = self.loop.call(open_call())
         params = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        self.send(pb.SessionRequest(open=pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt),
-                                                            sampling_params=params)))
+        self.send(
+            pb.SessionRequest(
+                open=pb.GenerateRequest(
+                    request_id=request_id, token_ids=pb.TokenIds(ids=prompt), sampling_params=params
+                )
+            )
+        )
 
     def send(self, msg: Any) -> None:
         self.loop.loop.call_soon_threadsafe(self.requests.put_nowait, msg)
 
     def chunk(self, token_ids: list[int], max_tokens: int, last: bool = False) -> None:
-        self.send(pb.SessionRequest(chunk=pb.SessionChunk(token_ids=pb.TokenIds(ids=token_ids),
-                                                          max_tokens=max_tokens, last=last)))
+        self.send(
+            pb.SessionRequest(
+                chunk=pb.SessionChunk(token_ids=pb.TokenIds(ids=token_ids), max_tokens=max_tokens, last=last)
+            )
+        )
 
     def segment(self) -> tuple[list[int], Any]:
         """Reads responses up to the end of a segment (or of the session): its tokens and the last response."""
@@ -286,6 +341,7 @@ def reference(stack: Stack, request_id: str, prompt: list[int], max_tokens: int)
 
 async def unauthenticated_session(address: str) -> Any:
     """The status of a GenerateSession call without the API key (its request stream stays open)."""
+
     async def nothing() -> Any:
         await asyncio.Event().wait()
         yield pb.SessionRequest()
@@ -337,7 +393,9 @@ def test_s15_s6_grpc_session_of_three_chunks_holds_its_slot_and_kv_between_them(
             s1.chunk(chunk, 4, last=k == len(chunks) - 1)
             history += chunk
             tokens, last = s1.segment()
-            assert tokens == reference(stack, f"ref-{k}", history, 4), f"segment {k}: the session's KV was lost"
+            assert tokens == reference(stack, f"ref-{k}", history, 4), (
+                f"segment {k}: the session's KV was lost"
+            )
             assert last.segment == k
             history += tokens
         assert last.finish_reason == "length" and not last.segment_ended
@@ -369,8 +427,17 @@ def ws_segment(ws: Any) -> tuple[str, list[dict]]:
 def test_s15_websocket_session_three_chunks_idle_timeout_and_disconnect(stack: Stack) -> None:
     with httpx.Client(base_url=stack.urls[1], timeout=60) as http:
         with ws_connect(ws_url(stack, 1)) as ws:
-            ws.send(json.dumps({"type": "open", "request_id": "ws-1", "prompt": "Once upon a time",
-                                "max_tokens": 3, **GREEDY}))
+            ws.send(
+                json.dumps(
+                    {
+                        "type": "open",
+                        "request_id": "ws-1",
+                        "prompt": "Once upon a time",
+                        "max_tokens": 3,
+                        **GREEDY,
+                    }
+                )
+            )
             for k, chunk in enumerate([None, " there was", " a dragon"]):
                 if chunk is not None:
                     ws.send(json.dumps({"type": "chunk", "prompt": chunk, "max_tokens": 3, "last": k == 2}))
@@ -378,13 +445,19 @@ def test_s15_websocket_session_three_chunks_idle_timeout_and_disconnect(stack: S
                 assert {m["segment"] for m in messages} == {k}
                 assert sum(len(m["token_ids"]) for m in messages) == 3
                 if k < 2:
-                    assert messages[-1]["segment_ended"] and sequence(http, "ws-1")["state"] == \
-                        "waiting_for_streaming_req"
-            assert messages[-1]["finish_reason"] == "length" and messages[-1]["usage"]["completion_tokens"] == 9
+                    assert (
+                        messages[-1]["segment_ended"]
+                        and sequence(http, "ws-1")["state"] == "waiting_for_streaming_req"
+                    )
+            assert (
+                messages[-1]["finish_reason"] == "length" and messages[-1]["usage"]["completion_tokens"] == 9
+            )
 
         # --session-idle-timeout: a session left waiting for input is aborted, its slot and KV freed.
         with ws_connect(ws_url(stack, 1)) as ws:
-            ws.send(json.dumps({"type": "open", "request_id": "ws-idle", "prompt": [7, 8, 9], "max_tokens": 2}))
+            ws.send(
+                json.dumps({"type": "open", "request_id": "ws-idle", "prompt": [7, 8, 9], "max_tokens": 2})
+            )
             ws_segment(ws)
             _, messages = ws_segment(ws)  # nothing sent: the timeout ends it
             assert messages[-1]["finish_reason"] == "abort" and messages[-1]["token_ids"] == []
@@ -416,28 +489,35 @@ def test_s15_websocket_session_three_chunks_idle_timeout_and_disconnect(stack: S
             assert error["type"] == "error" and "last" in error["error"]["message"]
 
 
-
-
 def test_s15_sessions_over_max_sessions_are_refused_with_503_and_retry_after_and_requests_still_run(
-        stack: Stack) -> None:
+    stack: Stack,
+) -> None:
     """Issue 22: with every slot held by sessions, an ordinary request never finished."""
     llm = stack.llms[1]
     assert llm.max_sessions == 1  # the default: 2 engines x max_num_seqs 2, a quarter of it
     assert wait_for(lambda: llm.num_sessions == 0, timeout=30)
     refused_before = llm.admission.rejections["max_sessions"]
     with ws_connect(ws_url(stack, 1)) as held:
-        held.send(json.dumps({"type": "open", "request_id": "ws-held", "prompt": [7, 8, 9], "max_tokens": LONG,
-                              **GREEDY}))
+        held.send(
+            json.dumps(
+                {"type": "open", "request_id": "ws-held", "prompt": [7, 8, 9], "max_tokens": LONG, **GREEDY}
+            )
+        )
         assert json.loads(held.recv(timeout=60))["type"] == "output"  # it runs, holding its slot
         with ws_connect(ws_url(stack, 1)) as ws:
             ws.send(json.dumps({"type": "open", "request_id": "ws-over", "prompt": [7], "max_tokens": 1}))
             error = json.loads(ws.recv(timeout=30))
         assert error["type"] == "error" and error["status"] == 503 and error["retry_after"] == 1, error
-        assert error["error"]["code"] == "max_sessions" and error["error"]["type"] == "service_unavailable_error"
+        assert (
+            error["error"]["code"] == "max_sessions" and error["error"]["type"] == "service_unavailable_error"
+        )
         # A5: counted in admission_rejections_total{reason="max_sessions"} like every 503 of admission.
         assert llm.admission.rejections["max_sessions"] == refused_before + 1
-        r = httpx.post(stack.urls[1] + "/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": [5, 6], "max_tokens": 2, **GREEDY})
+        r = httpx.post(
+            stack.urls[1] + "/v1/completions",
+            timeout=60,
+            json={"model": MODEL, "prompt": [5, 6], "max_tokens": 2, **GREEDY},
+        )
         assert r.status_code == 200, r.text
     assert wait_for(lambda: llm.num_sessions == 0, timeout=30), "a closed session is no longer counted"
 
@@ -461,8 +541,11 @@ def test_s15_a_binary_frame_is_a_400_error_message_and_a_1008_close(stack: Stack
 def test_s15_a_session_takes_a_cache_salt_and_names_a_bad_or_unknown_open_field(stack: Stack) -> None:
     """Issue 37: ``cache_salt`` in an open message answered with protobuf's own error text."""
     with ws_connect(ws_url(stack, 1)) as ws:
-        ws.send(json.dumps({"type": "open", "prompt": [5, 6, 7], "max_tokens": 2, "cache_salt": "tenant-a",
-                            **GREEDY}))
+        ws.send(
+            json.dumps(
+                {"type": "open", "prompt": [5, 6, 7], "max_tokens": 2, "cache_salt": "tenant-a", **GREEDY}
+            )
+        )
         _, messages = ws_segment(ws)
         assert len(messages[-1]["token_ids"]) + sum(len(m["token_ids"]) for m in messages[:-1]) == 2
     for extra, field in (({"cache_salt": ""}, "cache_salt"), ({"temprature": 0.5}, "temprature")):
@@ -473,10 +556,15 @@ def test_s15_a_session_takes_a_cache_salt_and_names_a_bad_or_unknown_open_field(
         assert "Message type" not in error["error"]["message"], "not protobuf's text"
 
 
-def test_s15_a_websocket_message_over_max_body_bytes_closes_the_socket_with_1009(stack: Stack,
-                                                                                 tiny_model_dir: Path) -> None:
-    app = create_app([stack.grpc_addrs[1]], MODEL, load_tokenizer(str(tiny_model_dir)),
-                     limits=RequestLimits(max_body_bytes=4096))
+def test_s15_a_websocket_message_over_max_body_bytes_closes_the_socket_with_1009(
+    stack: Stack, tiny_model_dir: Path
+) -> None:
+    app = create_app(
+        [stack.grpc_addrs[1]],
+        MODEL,
+        load_tokenizer(str(tiny_model_dir)),
+        limits=RequestLimits(max_body_bytes=4096),
+    )
     url = stack.loop.start_gateway(app).replace("http://", "ws://") + "/v1/sessions"
     with ws_connect(url) as ws:
         ws.send(json.dumps({"type": "open", "prompt": [7] * 2000, "max_tokens": 1}))  # ~6 KB
@@ -489,16 +577,26 @@ def test_s15_a_websocket_message_over_max_body_bytes_closes_the_socket_with_1009
 
 
 def test_reset_prefix_cache_is_an_admin_route_after_which_a_prompt_is_computed_afresh(
-        stack: Stack, tiny_model_dir: Path) -> None:
-    plain = stack.loop.start_gateway(create_app([stack.grpc_addrs[0]], MODEL, load_tokenizer(str(tiny_model_dir)),
-                                                api_key=API_KEY))
-    prompt = list(range(300, 340))  # 2 full blocks and a part; sequential requests go to engine 0 (least loaded)
+    stack: Stack, tiny_model_dir: Path
+) -> None:
+    plain = stack.loop.start_gateway(
+        create_app([stack.grpc_addrs[0]], MODEL, load_tokenizer(str(tiny_model_dir)), api_key=API_KEY)
+    )
+    prompt = list(
+        range(300, 340)
+    )  # 2 full blocks and a part; sequential requests go to engine 0 (least loaded)
     with httpx.Client(base_url=plain, timeout=60) as http:
-        assert http.post("/reset_prefix_cache", headers=ADMIN).status_code == 404  # without --enable-admin-api
+        assert (
+            http.post("/reset_prefix_cache", headers=ADMIN).status_code == 404
+        )  # without --enable-admin-api
     with httpx.Client(base_url=stack.urls[0], timeout=120) as http:  # gateway 0 serves the admin routes
+
         def cached_tokens() -> int:
-            r = http.post("/v1/completions", headers=KEY, json={"model": MODEL, "prompt": prompt, "max_tokens": 2,
-                                                               **GREEDY})
+            r = http.post(
+                "/v1/completions",
+                headers=KEY,
+                json={"model": MODEL, "prompt": prompt, "max_tokens": 2, **GREEDY},
+            )
             assert r.status_code == 200, r.text
             return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
@@ -520,16 +618,21 @@ def prefix_cache_hits(http: httpx.Client) -> float:
 
 
 def test_s13_reload_weights_only_while_paused_all_and_it_drops_the_prefix_cache(
-        stack: Stack, tiny_model_dir: Path, tmp_path: Path) -> None:
+    stack: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     from fastsched.tools.tiny_model import make_tiny_model
 
     other = make_tiny_model(tmp_path / "other", seed=1)
     prompt = list(range(100, 140))  # 2 full blocks and a part
 
     with httpx.Client(base_url=stack.urls[0], timeout=120) as http:
+
         def complete() -> str:
-            r = http.post("/v1/completions", headers=KEY, json={"model": MODEL, "prompt": prompt, "max_tokens": 8,
-                                                               **GREEDY})
+            r = http.post(
+                "/v1/completions",
+                headers=KEY,
+                json={"model": MODEL, "prompt": prompt, "max_tokens": 8, **GREEDY},
+            )
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["text"]
 
@@ -565,6 +668,8 @@ def test_a_14_mb_websocket_chunk_is_refused_before_it_is_tokenized(stack: Stack)
         ws_segment(ws)
         ws.send(json.dumps({"type": "chunk", "prompt": "word " * 2_800_000, "max_tokens": 1}))
         error = json.loads(ws.recv(timeout=30))
-        assert error["type"] == "error" and "chunk has 14000000 characters" in error["error"]["message"], error
+        assert error["type"] == "error" and "chunk has 14000000 characters" in error["error"]["message"], (
+            error
+        )
     with httpx.Client(base_url=stack.urls[1], timeout=30) as http:
         assert http.get("/health").status_code == 200

@@ -41,8 +41,14 @@ PROMPT = list(range(40, 75))  # 35 ordinary token ids
 def url(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[str]:
     engines = launch(engine_config, ipc_dir(tmp_path_factory, "ipc"), num_engines=1, num_frontends=1)
     loop = LoopThread()
-    llm = loop.call(AsyncLLM.start(engines.input_addrs, engines.output_addrs[0], frontend_index=0,
-                                   settings=FrontendSettings(ready_timeout=60)))
+    llm = loop.call(
+        AsyncLLM.start(
+            engines.input_addrs,
+            engines.output_addrs[0],
+            frontend_index=0,
+            settings=FrontendSettings(ready_timeout=60),
+        )
+    )
     port = free_port()
     server = loop.call(serve_frontend(llm, "127.0.0.1", port))
     try:
@@ -56,8 +62,12 @@ def url(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mode
 @pytest.fixture(scope="module")
 def offline(engine_config: dict):
     """``offline(prompt, k)``: fastsched.LLM's prompt logprobs (top ``k``) of ``prompt``."""
-    llm = LLM(**{k: v for k, v in engine_config.items() if k != "kv_cache_memory"}, num_gpu_blocks=64,
-              max_model_len=256, max_num_seqs=4)
+    llm = LLM(
+        **{k: v for k, v in engine_config.items() if k != "kv_cache_memory"},
+        num_gpu_blocks=64,
+        max_model_len=256,
+        max_num_seqs=4,
+    )
 
     def run(prompt: list[int], k: int = 1):
         (out,) = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=k), use_tqdm=False)
@@ -89,16 +99,19 @@ def test_echo_logprobs_max_tokens_0_returns_the_prompts_logprobs(client, offline
 
 
 def test_echo_logprobs_with_output_put_the_prompt_first(client, offline) -> None:
-    response = client.completions.create(model=MODEL, prompt=[PROMPT, PROMPT[:10]], echo=True, logprobs=2,
-                                         max_tokens=3, temperature=0)
+    response = client.completions.create(
+        model=MODEL, prompt=[PROMPT, PROMPT[:10]], echo=True, logprobs=2, max_tokens=3, temperature=0
+    )
     for choice, prompt in zip(response.choices, [PROMPT, PROMPT[:10]]):
         lp = choice.logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(prompt) + 3
         assert lp.token_logprobs[0] is None
         expected = offline(prompt, 2)
-        assert all(abs(lp.token_logprobs[i] - expected[i][prompt[i]].logprob) < TOLERANCE
-                   for i in range(1, len(prompt)))
-        assert all(v is not None for v in lp.token_logprobs[len(prompt):])
+        assert all(
+            abs(lp.token_logprobs[i] - expected[i][prompt[i]].logprob) < TOLERANCE
+            for i in range(1, len(prompt))
+        )
+        assert all(v is not None for v in lp.token_logprobs[len(prompt) :])
         assert lp.text_offset == sorted(lp.text_offset)
 
 
@@ -113,31 +126,56 @@ def test_vllms_prompt_logprobs_field_on_both_endpoints(url, offline) -> None:
         for t, entry in got[i].items():
             assert abs(entry["logprob"] - expected[i][int(t)].logprob) < TOLERANCE
             assert entry["rank"] == expected[i][int(t)].rank
-    chat = httpx.post(url + "/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-        "prompt_logprobs": 0}, timeout=60).json()
+    chat = httpx.post(
+        url + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+        },
+        timeout=60,
+    ).json()
     assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
 
 
 def test_streamed_echo_logprobs_start_with_the_prompt(client) -> None:
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=1, max_tokens=2,
-                                            temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, echo=True, logprobs=1, max_tokens=2, temperature=0, stream=True
+        )
+    )
     first = next(c for c in chunks if c.choices)
     assert first.choices[0].logprobs.token_logprobs[0] is None
     tokens = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
     assert len(tokens) == len(PROMPT) + 2
 
 
-@pytest.mark.parametrize("path, body, message", [
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0},
-     "max_tokens must be at least 1 (0 only with echo)"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
-     "max_tokens must be at least 1"),
-    ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 21, "max_tokens": 0},
-     "logprobs must be in"),
-    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21},
-     "prompt_logprobs must be in [0, 20], got 21"),
-])
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        (
+            "/v1/completions",
+            {"prompt": PROMPT, "max_tokens": 0},
+            "max_tokens must be at least 1 (0 only with echo)",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+            "max_tokens must be at least 1",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": PROMPT, "echo": True, "logprobs": 21, "max_tokens": 0},
+            "logprobs must be in",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": PROMPT, "prompt_logprobs": 21},
+            "prompt_logprobs must be in [0, 20], got 21",
+        ),
+    ],
+)
 def test_out_of_bounds_requests_are_400_naming_the_field(url, path: str, body: dict, message: str) -> None:
     response = httpx.post(url + path, json={"model": MODEL, **body}, timeout=60)
     assert response.status_code == 400, response.text
@@ -149,12 +187,22 @@ def test_lm_evaluation_harness_local_completions_loglikelihood(url, offline, tin
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    lm = LocalCompletionsAPI(base_url=url + "/v1/completions", model=MODEL, tokenizer=str(tiny_model_dir),
-                             tokenizer_backend="huggingface", tokenized_requests=True, max_retries=1)
-    pairs = [("def hello(world):", " return world"), ("The quick brown fox", " jumps over"),
-             ("1, 2, 3,", " 4")]
-    requests = [Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i)
-                for i, pair in enumerate(pairs)]
+    lm = LocalCompletionsAPI(
+        base_url=url + "/v1/completions",
+        model=MODEL,
+        tokenizer=str(tiny_model_dir),
+        tokenizer_backend="huggingface",
+        tokenized_requests=True,
+        max_retries=1,
+    )
+    pairs = [
+        ("def hello(world):", " return world"),
+        ("The quick brown fox", " jumps over"),
+        ("1, 2, 3,", " 4"),
+    ]
+    requests = [
+        Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(pairs)
+    ]
     results = lm.loglikelihood(requests)
     assert len(results) == len(pairs)
     tokenizer = load_tokenizer(str(tiny_model_dir))
@@ -162,7 +210,7 @@ def test_lm_evaluation_harness_local_completions_loglikelihood(url, offline, tin
         # lm_eval's split: the whole text tokenized, the context's tokens first.
         ctx = tokenizer.encode(context, add_special_tokens=False)
         whole = tokenizer.encode(context + continuation, add_special_tokens=False)
-        assert whole[:len(ctx)] == ctx
+        assert whole[: len(ctx)] == ctx
         scores = offline(whole)
         expected = [scores[i][whole[i]] for i in range(len(ctx), len(whole))]
         assert math.isclose(logprob, sum(e.logprob for e in expected), abs_tol=1e-4)

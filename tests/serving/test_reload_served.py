@@ -20,8 +20,12 @@ PROMPT = [5, 77, 300, 12, 9, 41]
 
 
 def _complete(url: str) -> str:
-    r = httpx.post(url + "/v1/completions", timeout=120, trust_env=False, json={
-        "model": "model", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=120,
+        trust_env=False,
+        json={"model": "model", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -36,15 +40,27 @@ def _truncated_copy(model_dir: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("flags", [(), ("--enable-fault-tolerance",), ("--tensor-parallel-size", "2")],
-                         ids=["tp1", "fault-tolerance", "tp2"])
+@pytest.mark.parametrize(
+    "flags",
+    [(), ("--enable-fault-tolerance",), ("--tensor-parallel-size", "2")],
+    ids=["tp1", "fault-tolerance", "tp2"],
+)
 def test_s13_a_truncated_checkpoint_is_400_and_the_old_weights_serve_on(
-        tiny_model_dir: Path, tmp_path: Path, flags: tuple[str, ...]) -> None:
+    tiny_model_dir: Path, tmp_path: Path, flags: tuple[str, ...]
+) -> None:
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     bad = _truncated_copy(tiny_model_dir, allowed / "truncated")
-    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--enable-admin-api", "--admin-api-key",
-                         "sk-admin", "--allowed-local-paths", str(allowed), *flags)
+    server = start_serve(
+        tiny_model_dir,
+        tmp_path / "serve.log",
+        "--enable-admin-api",
+        "--admin-api-key",
+        "sk-admin",
+        "--allowed-local-paths",
+        str(allowed),
+        *flags,
+    )
     try:
         before = _complete(server.url)
         engines = server.engine_pids

@@ -26,9 +26,9 @@ pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.tx
 
 from loop_thread import LoopThread, free_port, wait_for  # noqa: E402
 
+from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.engine.engine_proc import start_engine_process, stop_engine_processes  # noqa: E402
 from fastsched.frontend.admission import QueueOverflowError  # noqa: E402
-from fastsched.admin import AdminSettings  # noqa: E402
 from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
 from fastsched.frontend.grpc_server import serve_frontend  # noqa: E402
 from fastsched.frontend.settings import FrontendSettings  # noqa: E402
@@ -60,26 +60,48 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
+def stack(
+    engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("status")
     assert len(str(directory)) < 80, f"ipc directory path too long for unix sockets: {directory}"
     inputs = [f"ipc://{directory}/engine0.in"]
     outputs = [f"ipc://{directory}/frontend{i}.out" for i in range(3)]
-    procs = [start_engine_process({**engine_config, "max_num_seqs": 1}, 0, inputs[0], outputs,
-                                  torch_num_threads=1, heartbeat_interval=0.5)]
+    procs = [
+        start_engine_process(
+            {**engine_config, "max_num_seqs": 1},
+            0,
+            inputs[0],
+            outputs,
+            torch_num_threads=1,
+            heartbeat_interval=0.5,
+        )
+    ]
     loop = LoopThread()
     llms: list[AsyncLLM] = []
     servers: list[Any] = []
     try:
         for i in range(2):
-            llms.append(loop.call(AsyncLLM.start(inputs, outputs[i], frontend_index=i, settings=FrontendSettings(
-                max_num_queued_reqs=1, ready_timeout=60))))
+            llms.append(
+                loop.call(
+                    AsyncLLM.start(
+                        inputs,
+                        outputs[i],
+                        frontend_index=i,
+                        settings=FrontendSettings(max_num_queued_reqs=1, ready_timeout=60),
+                    )
+                )
+            )
         grpc_addrs = [f"127.0.0.1:{free_port()}" for _ in llms]
         for llm, addr in zip(llms, grpc_addrs):
-            servers.append(loop.call(serve_frontend(llm, "127.0.0.1", int(addr.rsplit(":", 1)[1]), admin=ADMIN)))
+            servers.append(
+                loop.call(serve_frontend(llm, "127.0.0.1", int(addr.rsplit(":", 1)[1]), admin=ADMIN))
+            )
         tokenizer = load_tokenizer(str(tiny_model_dir))
         url = loop.start_gateway(create_app(grpc_addrs, MODEL, tokenizer, admin=ADMIN))
-        keyed_url = loop.start_gateway(create_app(grpc_addrs, MODEL, tokenizer, api_key=API_KEY, admin=KEYED_ADMIN))
+        keyed_url = loop.start_gateway(
+            create_app(grpc_addrs, MODEL, tokenizer, api_key=API_KEY, admin=KEYED_ADMIN)
+        )
         yield Stack(loop, inputs, outputs[2], llms, grpc_addrs, url, keyed_url)
     finally:
         loop.stop_stack(servers, llms)
@@ -92,8 +114,12 @@ def stack(engine_config: dict, tmp_path_factory: pytest.TempPathFactory, tiny_mo
 
 @asynccontextmanager
 async def connect(stack: Stack, **kwargs: Any) -> AsyncIterator[AsyncLLM]:
-    llm = await AsyncLLM.start(stack.input_addrs, stack.direct_output_addr, frontend_index=2,
-                               settings=FrontendSettings(ready_timeout=60, **kwargs))
+    llm = await AsyncLLM.start(
+        stack.input_addrs,
+        stack.direct_output_addr,
+        frontend_index=2,
+        settings=FrontendSettings(ready_timeout=60, **kwargs),
+    )
     try:
         yield llm
     finally:
@@ -120,12 +146,24 @@ def test_request_waiting_behind_a_full_engine_reports_its_queue_position_and_gat
             await running.__anext__()  # its first token: it runs
             waiting = llm.generate("next", "import os", SamplingParams(max_tokens=4, **GREEDY))
             status = await status_when(llm, "next", gated)
-            assert (status["request_id"], status["state"], status["frontend"], status["engine"]) == \
-                ("next", "waiting", 2, 0)
+            assert (status["request_id"], status["state"], status["frontend"], status["engine"]) == (
+                "next",
+                "waiting",
+                2,
+                0,
+            )
             (sequence,) = status["sequences"]
-            assert (sequence["state"], sequence["queue_position"], sequence["num_waiting"],
-                    sequence["blocked_by"]) == ("waiting", 0, 1, "active_seqs")
-            assert (sequence["num_computed_tokens"], sequence["num_blocks"], sequence["num_output_tokens"]) == (0, 0, 0)
+            assert (
+                sequence["state"],
+                sequence["queue_position"],
+                sequence["num_waiting"],
+                sequence["blocked_by"],
+            ) == ("waiting", 0, 1, "active_seqs")
+            assert (
+                sequence["num_computed_tokens"],
+                sequence["num_blocks"],
+                sequence["num_output_tokens"],
+            ) == (0, 0, 0)
             assert status["metrics"]["num_generation_tokens"] == 0 and "ttft" not in status["metrics"]
             await running.aclose()
             async for _ in waiting:
@@ -156,7 +194,9 @@ def test_n2_request_reports_each_sequence_where_it_is(stack: Stack) -> None:
         async with connect(stack) as llm:
             stream = llm.generate("pair", "class Queue:", SamplingParams(n=2, max_tokens=LONG, **GREEDY))
             await stream.__anext__()
-            status = await status_when(llm, "pair", lambda s: any(q.get("blocked_by") for q in s["sequences"]))
+            status = await status_when(
+                llm, "pair", lambda s: any(q.get("blocked_by") for q in s["sequences"])
+            )
             assert status["state"] == "mixed"
             assert sorted(q["state"] for q in status["sequences"]) == ["running", "waiting"]
             assert sorted(q["index"] for q in status["sequences"]) == [0, 1]
@@ -172,10 +212,13 @@ def test_finished_and_aborted_requests_are_remembered_with_their_finish_reasons(
                 pass
             status = await llm.request_status("done")
             assert status is not None and (status["state"], status["engine"]) == ("finished", 0)
-            assert status["sequences"] == [{"index": 0, "state": "finished", "num_output_tokens": 4,
-                                            "finish_reason": "length"}]
+            assert status["sequences"] == [
+                {"index": 0, "state": "finished", "num_output_tokens": 4, "finish_reason": "length"}
+            ]
             metrics = status["metrics"]
-            assert metrics["num_generation_tokens"] == 4 and metrics["num_prompt_tokens"] == len(out.prompt_token_ids)
+            assert metrics["num_generation_tokens"] == 4 and metrics["num_prompt_tokens"] == len(
+                out.prompt_token_ids
+            )
             assert metrics["e2e"] >= metrics["ttft"] >= 0 and metrics["queue_time"] >= 0
             stream = llm.generate("gone", "import os", SamplingParams(max_tokens=LONG, **GREEDY))
             await stream.__anext__()
@@ -196,7 +239,10 @@ def test_rejected_request_is_remembered_with_its_reason_and_message(stack: Stack
             status = await llm.request_status("second")
             assert status is not None
             assert {k: status[k] for k in ("request_id", "state", "frontend", "reason", "message")} == {
-                "request_id": "second", "state": "rejected", "frontend": 2, "reason": "max_num_queued_reqs",
+                "request_id": "second",
+                "state": "rejected",
+                "frontend": 2,
+                "reason": "max_num_queued_reqs",
                 "message": str(rejected.value),
             }
             assert "engine" not in status and "sequences" not in status
@@ -249,20 +295,31 @@ def in_flight(stack: Stack, http: httpx.Client) -> Iterator[InFlight]:
 
         def wait_in_line() -> None:
             with httpx.Client(base_url=stack.url, timeout=60) as own:
-                responses.append(own.post("/v1/completions", headers={"X-Request-Id": "mine-wait"},
-                                          json={"model": MODEL, "prompt": "import os", "max_tokens": 4, **GREEDY}))
+                responses.append(
+                    own.post(
+                        "/v1/completions",
+                        headers={"X-Request-Id": "mine-wait"},
+                        json={"model": MODEL, "prompt": "import os", "max_tokens": 4, **GREEDY},
+                    )
+                )
 
         waiter = threading.Thread(target=wait_in_line)
         waiter.start()
-        assert wait_for(lambda: http.get("/debug/requests/mine-wait").status_code == 200
-                        and gated(debug(http, "mine-wait")["prompts"][0]), timeout=30)
+        assert wait_for(
+            lambda: (
+                http.get("/debug/requests/mine-wait").status_code == 200
+                and gated(debug(http, "mine-wait")["prompts"][0])
+            ),
+            timeout=30,
+        )
         yield InFlight("mine-run", "mine-wait", responses)
     waiter.join(60)
     assert responses and responses[0].status_code == 200
 
 
-def test_gateway_finds_a_running_request_by_its_response_id_and_by_its_prompt_id(http: httpx.Client,
-                                                                                   in_flight: InFlight) -> None:
+def test_gateway_finds_a_running_request_by_its_response_id_and_by_its_prompt_id(
+    http: httpx.Client, in_flight: InFlight
+) -> None:
     status = debug(http, in_flight.running_id)
     assert (status["request_id"], status["state"]) == ("mine-run", "running")
     (prompt,) = status["prompts"]
@@ -276,15 +333,22 @@ def test_gateway_reports_the_waiting_request_with_its_gate(http: httpx.Client, i
     status = debug(http, in_flight.waiting_id)
     assert status["state"] == "waiting"
     sequence = status["prompts"][0]["sequences"][0]
-    assert (sequence["queue_position"], sequence["num_waiting"], sequence["blocked_by"]) == (0, 1, "active_seqs")
+    assert (sequence["queue_position"], sequence["num_waiting"], sequence["blocked_by"]) == (
+        0,
+        1,
+        "active_seqs",
+    )
     assert status["prompts"][0]["frontend"] != debug(http, in_flight.running_id)["prompts"][0]["frontend"]
 
 
-def test_gateway_503_carries_x_request_id_and_the_rejection_can_be_looked_up(http: httpx.Client,
-                                                                           in_flight: InFlight) -> None:
+def test_gateway_503_carries_x_request_id_and_the_rejection_can_be_looked_up(
+    http: httpx.Client, in_flight: InFlight
+) -> None:
     body = {"model": MODEL, "prompt": "import sys", "max_tokens": 4}
     r = http.post("/v1/completions", json=body, headers={"X-Request-Id": "mine-rejected"})
-    assert r.status_code == 503 and r.headers["x-request-id"] == "mine-rejected" and "retry-after" in r.headers
+    assert (
+        r.status_code == 503 and r.headers["x-request-id"] == "mine-rejected" and "retry-after" in r.headers
+    )
     status = debug(http, "mine-rejected")
     assert status["state"] == "rejected"
     (prompt,) = status["prompts"]
@@ -295,9 +359,13 @@ def test_gateway_503_carries_x_request_id_and_the_rejection_can_be_looked_up(htt
     assert debug(http, generated.headers["x-request-id"])["state"] == "rejected"
 
 
-def test_gateway_finished_request_is_found_by_the_id_of_its_response(http: httpx.Client, stack: Stack) -> None:
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["import os", "import sys"], "max_tokens": 3,
-                                           **GREEDY})
+def test_gateway_finished_request_is_found_by_the_id_of_its_response(
+    http: httpx.Client, stack: Stack
+) -> None:
+    r = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": ["import os", "import sys"], "max_tokens": 3, **GREEDY},
+    )
     assert r.status_code == 200
     response_id = r.json()["id"]
     assert r.headers["x-request-id"] == response_id and response_id.startswith("cmpl-")
@@ -305,16 +373,19 @@ def test_gateway_finished_request_is_found_by_the_id_of_its_response(http: httpx
     assert status["state"] == "finished"
     assert [p["request_id"] for p in status["prompts"]] == [f"{response_id}-0", f"{response_id}-1"]
     for prompt in status["prompts"]:
-        assert prompt["sequences"] == [{"index": 0, "state": "finished", "num_output_tokens": 3,
-                                        "finish_reason": "length"}]
+        assert prompt["sequences"] == [
+            {"index": 0, "state": "finished", "num_output_tokens": 3, "finish_reason": "length"}
+        ]
         # The gateway prints what the frontend's AsyncLLM says, field for field.
         frontend = stack.llms[prompt["frontend"]]
         assert prompt == stack.loop.call(frontend.request_status(prompt["request_id"]))
 
 
 def test_gateway_chat_response_id_is_found_too(http: httpx.Client) -> None:
-    r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, **GREEDY,
-                                                "messages": [{"role": "user", "content": "hi"}]})
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "max_tokens": 2, **GREEDY, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == r.json()["id"]
     assert r.json()["id"].startswith("chatcmpl-") and debug(http, r.json()["id"])["state"] == "finished"
 
@@ -335,7 +406,9 @@ def test_gateway_invalid_x_request_id_is_400(http: httpx.Client) -> None:
 
 
 def test_gateway_errors_carry_x_request_id(http: httpx.Client) -> None:
-    r = http.post("/v1/completions", json={"model": "other-model", "prompt": "x"}, headers={"X-Request-Id": "mine-404"})
+    r = http.post(
+        "/v1/completions", json={"model": "other-model", "prompt": "x"}, headers={"X-Request-Id": "mine-404"}
+    )
     assert r.status_code == 404 and r.headers["x-request-id"] == "mine-404"
     r = http.post("/v1/chat/completions", content=b"{", headers={"X-Request-Id": "mine-400"})
     assert r.status_code == 400 and r.headers["x-request-id"] == "mine-400"
@@ -345,7 +418,10 @@ def test_gateway_debug_route_needs_the_api_key_when_one_is_set(stack: Stack) -> 
     with httpx.Client(base_url=stack.keyed_url, timeout=30) as keyed:
         assert keyed.get("/debug/requests/anything").status_code == 401
         # /debug/* is an admin route: the API key does not open it, the admin key does.
-        assert keyed.get("/debug/requests/anything", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 401
+        assert (
+            keyed.get("/debug/requests/anything", headers={"Authorization": f"Bearer {API_KEY}"}).status_code
+            == 401
+        )
         authorized = keyed.get("/debug/requests/anything", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         assert authorized.status_code == 404
 
@@ -361,7 +437,9 @@ def test_gateway_answers_503_not_404_when_a_frontend_cannot_be_asked(stack: Stac
     app = create_app([f"127.0.0.1:{free_port()}", stack.grpc_addrs[0]], MODEL, tokenizer=None, admin=ADMIN)
 
     async def go() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gateway"
+        ) as http:
             response = await http.get("/debug/requests/nobody-knows")
         await app.state.gateway.pool.close()
         return response

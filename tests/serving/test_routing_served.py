@@ -15,12 +15,12 @@ import pytest
 
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
-from engine_stack import Engines, ipc_dir, teardown  # noqa: E402
+from engine_stack import Engines, ipc_dir, teardown
 
-from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
-from fastsched.frontend.routing import CAUSE_LOAD, CAUSE_PREFIX  # noqa: E402
-from fastsched.frontend.settings import FrontendSettings  # noqa: E402
-from fastsched.sampling_params import SamplingParams  # noqa: E402
+from fastsched.frontend.async_llm import AsyncLLM
+from fastsched.frontend.routing import CAUSE_LOAD, CAUSE_PREFIX
+from fastsched.frontend.settings import FrontendSettings
+from fastsched.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from fastsched.outputs import RequestOutput
@@ -36,8 +36,18 @@ def event_engines(engine_config: dict, tmp_path_factory: pytest.TempPathFactory)
     directory = ipc_dir(tmp_path_factory, "ipc")
     inputs = [f"ipc://{directory}/engine{i}.in" for i in range(2)]
     outputs = [f"ipc://{directory}/frontend{i}.out" for i in range(2)]
-    procs = [start_engine_process({**engine_config, "block_size": 16}, i, inputs[i], outputs, torch_num_threads=1,
-                                  heartbeat_interval=0.5, kv_events=True) for i in range(2)]
+    procs = [
+        start_engine_process(
+            {**engine_config, "block_size": 16},
+            i,
+            inputs[i],
+            outputs,
+            torch_num_threads=1,
+            heartbeat_interval=0.5,
+            kv_events=True,
+        )
+        for i in range(2)
+    ]
     engines = Engines(inputs, outputs, procs)
     try:
         yield engines
@@ -47,8 +57,12 @@ def event_engines(engine_config: dict, tmp_path_factory: pytest.TempPathFactory)
 
 @asynccontextmanager
 async def frontend(engines: Engines, index: int, **settings: Any) -> AsyncIterator[AsyncLLM]:
-    llm = await AsyncLLM.start(engines.input_addrs, engines.output_addrs[index], frontend_index=index,
-                               settings=FrontendSettings(ready_timeout=60, num_frontends=2, **settings))
+    llm = await AsyncLLM.start(
+        engines.input_addrs,
+        engines.output_addrs[index],
+        frontend_index=index,
+        settings=FrontendSettings(ready_timeout=60, num_frontends=2, **settings),
+    )
     try:
         yield llm
     finally:
@@ -72,7 +86,8 @@ async def until(predicate: Any, what: str) -> None:
 
 
 def test_a_frontend_follows_the_engines_cache_events_to_the_engine_holding_the_prefix(
-        event_engines: Engines) -> None:
+    event_engines: Engines,
+) -> None:
     """Frontend 0 sends the system prompt to engine 1 (engine 0 is busy). Frontend 1 has
     routed nothing yet: by load it would pick engine 0, but engine 1's KV_EVENTS say that
     engine 1 holds the prefix, so it goes there, and is a prefix-cache hit. Once the engines
@@ -86,8 +101,15 @@ def test_a_frontend_follows_the_engines_cache_events_to_the_engine_holding_the_p
             status = await fe0.request_status("first")
             assert status is not None and status["engine"] == 1 and status["routing"].startswith(CAUSE_LOAD)
             assert fe1.router is not None and fe1.router.policy == "prefix"
-            await until(lambda: fe1.router.summary.prefix_blocks(
-                fe1.router.hasher.prompt_hashes(SYSTEM).tolist(), [0, 1])[1] == 4, "engine 1's KV events")
+            await until(
+                lambda: (
+                    fe1.router.summary.prefix_blocks(
+                        fe1.router.hasher.prompt_hashes(SYSTEM).tolist(), [0, 1]
+                    )[1]
+                    == 4
+                ),
+                "engine 1's KV events",
+            )
             second = await complete(fe1, "second", SYSTEM + [21, 22, 23])
             status = await fe1.request_status("second")
             assert status is not None and status["engine"] == 1
@@ -96,8 +118,15 @@ def test_a_frontend_follows_the_engines_cache_events_to_the_engine_holding_the_p
             assert fe1.stats()["routing_decisions_total"][CAUSE_PREFIX] == 1
 
             await fe0.reset_prefix_cache()
-            await until(lambda: fe1.router.summary.prefix_blocks(
-                fe1.router.hasher.prompt_hashes(SYSTEM).tolist(), [0, 1])[1] == 0, "the removal events")
+            await until(
+                lambda: (
+                    fe1.router.summary.prefix_blocks(
+                        fe1.router.hasher.prompt_hashes(SYSTEM).tolist(), [0, 1]
+                    )[1]
+                    == 0
+                ),
+                "the removal events",
+            )
             third = await complete(fe1, "third", SYSTEM + [31])
             status = await fe1.request_status("third")
             assert status is not None and status["routing"].startswith(CAUSE_LOAD)
@@ -115,6 +144,8 @@ def test_load_routing_spreads_a_shared_prefix_over_the_engines(event_engines: En
             async with fe0.generate("a", SYSTEM + [1], SamplingParams(max_tokens=50, **GREEDY)):
                 await complete(fe0, "b", SYSTEM + [2])
                 status = await fe0.request_status("b")
-                assert status is not None and status["engine"] == 1 and status["routing"].startswith(CAUSE_LOAD)
+                assert (
+                    status is not None and status["engine"] == 1 and status["routing"].startswith(CAUSE_LOAD)
+                )
 
     asyncio.run(asyncio.wait_for(body(), 120))

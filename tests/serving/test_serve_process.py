@@ -52,10 +52,18 @@ SLOW_MAX_TOKENS = 2000  # a few seconds per request: in flight for the whole of 
 REJECTED = 'fastsched:admission_rejections_total{reason="%s"}'
 
 
-def _server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str, *args: str,
-            api_server_count: int = 1, max_model_len: int = 256) -> Iterator[ServeProcess]:
+def _server(
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    *args: str,
+    api_server_count: int = 1,
+    max_model_len: int = 256,
+) -> Iterator[ServeProcess]:
     log = tmp_path_factory.mktemp(name) / "serve.log"
-    server = start_serve(tiny_model_dir, log, *args, api_server_count=api_server_count, max_model_len=max_model_len)
+    server = start_serve(
+        tiny_model_dir, log, *args, api_server_count=api_server_count, max_model_len=max_model_len
+    )
     try:
         yield server
     finally:
@@ -67,15 +75,30 @@ def _server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name
 @pytest.fixture(scope="module")
 def queued_reqs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     # The tiny model decodes ~1 ms/token on CPU: "slow" requests need thousands of tokens.
-    yield from _server(tiny_model_dir, tmp_path_factory, "serve-queued-reqs",
-                       "--max-num-queued-reqs", str(QUEUED_REQS), "--enable-admin-api",  # /debug/requests
-                       api_server_count=2, max_model_len=SLOW_MAX_MODEL_LEN)
+    yield from _server(
+        tiny_model_dir,
+        tmp_path_factory,
+        "serve-queued-reqs",
+        "--max-num-queued-reqs",
+        str(QUEUED_REQS),
+        "--enable-admin-api",  # /debug/requests
+        api_server_count=2,
+        max_model_len=SLOW_MAX_MODEL_LEN,
+    )
 
 
 @pytest.fixture(scope="module")
-def queued_tokens_ft(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    yield from _server(tiny_model_dir, tmp_path_factory, "serve-queued-tokens",
-                       "--max-num-queued-tokens", str(QUEUED_TOKENS), "--enable-fault-tolerance")
+def queued_tokens_ft(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServeProcess]:
+    yield from _server(
+        tiny_model_dir,
+        tmp_path_factory,
+        "serve-queued-tokens",
+        "--max-num-queued-tokens",
+        str(QUEUED_TOKENS),
+        "--enable-fault-tolerance",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +107,12 @@ def plain(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def client(server: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(trust_env=False, timeout=60))
+    return openai.OpenAI(
+        base_url=server.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx.Client(trust_env=False, timeout=60),
+    )
 
 
 async def _burst(url: str, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
@@ -118,7 +145,8 @@ def assert_rejections(responses: list[httpx.Response], reason: str, max_tokens: 
 def assert_gone(server: ServeProcess, children: list[int]) -> None:
     """No child outlives the launcher; the ipc directory and the shm segment are removed."""
     assert wait_for(lambda: not any(pid_alive(p) for p in children), timeout=5), (
-        f"orphans: {[p for p in children if pid_alive(p)]}\n{server.tail()}")
+        f"orphans: {[p for p in children if pid_alive(p)]}\n{server.tail()}"
+    )
     assert not server.ipc_dir.exists(), f"ipc directory left: {list(server.ipc_dir.iterdir())}"
     assert not server.shm_path.exists(), f"shared-memory segment left: {server.shm_path}"
 
@@ -154,12 +182,18 @@ def test_serve_metrics_export_every_process_and_pass_promtool(queued_reqs: Serve
     here), and a page promtool accepts but for vLLM's own names."""
     from promtool import lint_problems
 
-    expected = {("gateway", "0")} | {("frontend", str(i)) for i in range(len(queued_reqs.frontend_pids))} \
+    expected = (
+        {("gateway", "0")}
+        | {("frontend", str(i)) for i in range(len(queued_reqs.frontend_pids))}
         | {("engine", str(i)) for i in range(len(queued_reqs.engine_pids))}
+    )
 
     def processes() -> set[tuple[str, str]]:
-        return {tuple(re.findall(r'(?:index|process)="([^"]*)"', key))[::-1]
-                for key in metric_samples(queued_reqs.url) if key.startswith("process_start_time_seconds{")}
+        return {
+            tuple(re.findall(r'(?:index|process)="([^"]*)"', key))[::-1]
+            for key in metric_samples(queued_reqs.url)
+            if key.startswith("process_start_time_seconds{")
+        }
 
     assert len(expected) == 4 and wait_for(lambda: processes() == expected, timeout=10), processes()
     samples = metric_samples(queued_reqs.url)
@@ -172,7 +206,9 @@ def test_serve_completion_and_its_stream_agree(queued_reqs: ServeProcess) -> Non
     c = client(queued_reqs)
     out = c.completions.create(model=MODEL, prompt="def main():", max_tokens=12, **GREEDY)
     assert out.usage.completion_tokens == 12 and out.choices[0].finish_reason == "length"
-    chunks = list(c.completions.create(model=MODEL, prompt="def main():", max_tokens=12, stream=True, **GREEDY))
+    chunks = list(
+        c.completions.create(model=MODEL, prompt="def main():", max_tokens=12, stream=True, **GREEDY)
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == out.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -182,10 +218,19 @@ def test_serve_chat_and_chat_stream(queued_reqs: ServeProcess) -> None:
     messages = [{"role": "user", "content": "Write a queue class."}]
     out = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **GREEDY)
     assert out.choices[0].message.role == "assistant" and out.usage.completion_tokens == 8
-    stream = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, stream=True,
-                                       stream_options={"include_usage": True}, **GREEDY)
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
     chunks = list(stream)
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == out.choices[0].message.content
+    assert (
+        "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        == out.choices[0].message.content
+    )
     assert chunks[-1].usage.completion_tokens == 8
 
 
@@ -211,8 +256,10 @@ def test_serve_a6_two_frontends_share_max_num_queued_reqs(queued_reqs: ServeProc
         for port in queued_reqs.grpc_ports:
             with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.enable_http_proxy", 0)]) as ch:
                 stats = pb_grpc.FrontendStub(ch).GetStats(pb.GetStatsRequest(), timeout=5)
-            out.append(sum(stats.admission_rejections_total.values())
-                       + sum(stats.e2e_request_latency_seconds.bucket_counts))
+            out.append(
+                sum(stats.admission_rejections_total.values())
+                + sum(stats.e2e_request_latency_seconds.bucket_counts)
+            )
         return out
 
     before = received_per_frontend()
@@ -222,11 +269,20 @@ def test_serve_a6_two_frontends_share_max_num_queued_reqs(queued_reqs: ServeProc
     async def scenario() -> list[tuple[int, int]]:
         nonlocal done
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(base_url=queued_reqs.url, timeout=120, limits=limits, trust_env=False) as http:
+        async with httpx.AsyncClient(
+            base_url=queued_reqs.url, timeout=120, limits=limits, trust_env=False
+        ) as http:
 
             async def slow() -> tuple[int, int]:
-                body = {"model": MODEL, "prompt": "class Queue:", "max_tokens": SLOW_MAX_TOKENS, "temperature": 0.0,
-                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                body = {
+                    "model": MODEL,
+                    "prompt": "class Queue:",
+                    "max_tokens": SLOW_MAX_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
                 async with http.stream("POST", "/v1/completions", json=body) as r:
                     events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
                     if r.status_code != 200 or events[-1] != "[DONE]":
@@ -236,9 +292,15 @@ def test_serve_a6_two_frontends_share_max_num_queued_reqs(queued_reqs: ServeProc
             async def watch() -> None:
                 while not done:
                     m = (await http.get("/metrics")).text
-                    in_flight_seen.append(sum(float(line.rsplit(" ", 1)[1]) for line in m.splitlines()
-                                              if line.startswith(("fastsched:num_requests_running",
-                                                                  "fastsched:num_requests_waiting"))))
+                    in_flight_seen.append(
+                        sum(
+                            float(line.rsplit(" ", 1)[1])
+                            for line in m.splitlines()
+                            if line.startswith(
+                                ("fastsched:num_requests_running", "fastsched:num_requests_waiting")
+                            )
+                        )
+                    )
                     await asyncio.sleep(0.05)
 
             watcher = asyncio.create_task(watch())
@@ -268,10 +330,18 @@ def _prompt_status(url: str, request_id: str) -> dict[str, Any]:
     return r.json()["prompts"][0]
 
 
-def test_serve_s18_client_disconnect_mid_stream_aborts_and_frees_the_kv_cache(queued_reqs: ServeProcess) -> None:
+def test_serve_s18_client_disconnect_mid_stream_aborts_and_frees_the_kv_cache(
+    queued_reqs: ServeProcess,
+) -> None:
     url = queued_reqs.url
-    body = {"model": MODEL, "prompt": "class Queue:", "max_tokens": SLOW_MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "class Queue:",
+        "max_tokens": SLOW_MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     # On a loaded machine the engine could finish a request before its first chunk reaches
     # the client; only a disconnect while it still runs tests the abort, so retry if not.
     for attempt in range(3):
@@ -296,13 +366,18 @@ def test_serve_s18_client_disconnect_mid_stream_aborts_and_frees_the_kv_cache(qu
 
     def idle() -> bool:
         m = metric_samples(url)
-        return (m["fastsched:kv_cache_usage_perc"] == 0 and m["fastsched:num_requests_running"] == 0
-                and m["fastsched:num_requests_waiting"] == 0)
+        return (
+            m["fastsched:kv_cache_usage_perc"] == 0
+            and m["fastsched:num_requests_running"] == 0
+            and m["fastsched:num_requests_waiting"] == 0
+        )
 
     assert wait_for(idle, timeout=30), metric_samples(url)
 
 
-def test_serve_ctrl_c_stops_gateway_then_frontends_then_engines_and_cleans_up(queued_reqs: ServeProcess) -> None:
+def test_serve_ctrl_c_stops_gateway_then_frontends_then_engines_and_cleans_up(
+    queued_reqs: ServeProcess,
+) -> None:
     """Ctrl-C in a terminal signals the whole process group: only the launcher acts on
     it, so the order holds (the engine is asked to stop only after the frontends)."""
     children = queued_reqs.child_pids
@@ -312,8 +387,13 @@ def test_serve_ctrl_c_stops_gateway_then_frontends_then_engines_and_cleans_up(qu
     assert time.monotonic() - start < 10
     assert_gone(queued_reqs, children)
     log = queued_reqs.log()
-    steps = ["shutting down (signal)", "gateway stopped", "frontends stopped", "engine 0: stop requested",
-             "engines stopped"]
+    steps = [
+        "shutting down (signal)",
+        "gateway stopped",
+        "frontends stopped",
+        "engine 0: stop requested",
+        "engines stopped",
+    ]
     positions = [log.find(step) for step in steps]
     assert -1 not in positions and positions == sorted(positions), queued_reqs.tail()
     # Issue 37: every Ctrl-C ended with multiprocessing's resource tracker (the group's last
@@ -340,8 +420,16 @@ def _group_alive(pgid: int) -> bool:
 def test_serve_a3_burst_over_max_num_queued_tokens_gets_fast_503s(queued_tokens_ft: ServeProcess) -> None:
     url = queued_tokens_ft.url
     before = metric_samples(url)[REJECTED % "max_num_queued_tokens"]
-    bodies = [{"model": MODEL, "prompt": [10 + (i + j) % 200 for j in range(60)], "max_tokens": 8,
-               "temperature": 0.0, "ignore_eos": True} for i in range(40)]
+    bodies = [
+        {
+            "model": MODEL,
+            "prompt": [10 + (i + j) % 200 for j in range(60)],
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        for i in range(40)
+    ]
     responses = burst(url, bodies)
     num_503 = assert_rejections(responses, "max_num_queued_tokens", max_tokens=8)
     assert 0 < num_503 < 40
@@ -369,7 +457,9 @@ def test_serve_a1_engine_killed_turns_health_and_requests_to_503(queued_tokens_f
         client(queued_tokens_ft).completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert info.value.status_code == 503
     assert metric_samples(url)[REJECTED % "engine_faulted"] >= 2
-    assert queued_tokens_ft.proc.poll() is None  # fault tolerance: the server stays up (restarting the engine)
+    assert (
+        queued_tokens_ft.proc.poll() is None
+    )  # fault tolerance: the server stays up (restarting the engine)
 
 
 def test_serve_sigterm_after_engine_death_still_cleans_up(queued_tokens_ft: ServeProcess) -> None:
@@ -390,8 +480,9 @@ def test_serve_engine_death_without_fault_tolerance_ends_the_launcher(plain: Ser
     assert_gone(plain, children)
 
 
-def test_serve_launcher_killed_children_exit_and_stale_files_are_removed(tiny_model_dir: Path,
-                                                                         tmp_path: Path) -> None:
+def test_serve_launcher_killed_children_exit_and_stale_files_are_removed(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     from fastsched.launcher.serve import remove_stale
 
     server = start_serve(tiny_model_dir, tmp_path / "serve.log")
@@ -423,7 +514,9 @@ def test_serve_child_failing_at_start_up_fails_the_launcher(tiny_model_dir: Path
         server.close()
 
 
-def test_serve_two_instances_with_grpc_port_0_pick_free_ports_and_log_requests(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_serve_two_instances_with_grpc_port_0_pick_free_ports_and_log_requests(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """``--grpc-port 0``: each instance picks free gRPC ports and logs them, so two run side by side."""
     servers = []
     try:
@@ -435,8 +528,12 @@ def test_serve_two_instances_with_grpc_port_0_pick_free_ports_and_log_requests(t
             assert logged, server.tail()
             ports.append(int(logged[0]))
             assert f"frontend 0 serving gRPC on 127.0.0.1:{ports[-1]}" in server.log()
-            reply = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False,
-                               json={"prompt": "Hello", "max_tokens": 2})
+            reply = httpx.post(
+                server.url + "/v1/completions",
+                timeout=60,
+                trust_env=False,
+                json={"prompt": "Hello", "max_tokens": 2},
+            )
             assert reply.status_code == 200, reply.text
         assert ports[0] != ports[1]
         # --enable-log-requests on "a" only, prompts cut to --max-log-len

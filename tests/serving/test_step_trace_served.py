@@ -13,10 +13,10 @@ import pytest
 pytest.importorskip("msgpack", reason="msgpack is not installed (requirements-serve.txt)")
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
-from fastsched.engine.engine_proc import stop_engine_processes  # noqa: E402
-from fastsched.frontend.async_llm import AsyncLLM  # noqa: E402
-from fastsched.frontend.settings import FrontendSettings  # noqa: E402
-from fastsched.sampling_params import SamplingParams  # noqa: E402
+from fastsched.engine.engine_proc import stop_engine_processes
+from fastsched.frontend.async_llm import AsyncLLM
+from fastsched.frontend.settings import FrontendSettings
+from fastsched.sampling_params import SamplingParams
 
 
 def test_a_served_engine_writes_one_line_per_step(launch_engines: Callable, tmp_path: Path) -> None:
@@ -24,8 +24,9 @@ def test_a_served_engine_writes_one_line_per_step(launch_engines: Callable, tmp_
     engines = launch_engines(num_frontends=1, step_trace=str(path))
 
     async def body() -> None:
-        llm = await AsyncLLM.start(engines.input_addrs, engines.output_addrs[0],
-                                   settings=FrontendSettings(ready_timeout=60))
+        llm = await AsyncLLM.start(
+            engines.input_addrs, engines.output_addrs[0], settings=FrontendSettings(ready_timeout=60)
+        )
         try:
             params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
             async for _ in llm.generate("r", [5] * 10, params):
@@ -37,6 +38,8 @@ def test_a_served_engine_writes_one_line_per_step(launch_engines: Callable, tmp_
     assert stop_engine_processes(engines.procs) == [0]
     steps = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(s["batched_tokens"], s["running_reqs"], s["prefill_tokens"]) for s in steps] == [
-        (10, 1, 10), (1, 1, 0), (1, 1, 0),
+        (10, 1, 10),
+        (1, 1, 0),
+        (1, 1, 0),
     ]
     assert all(s["duration_s"] >= 0 for s in steps)

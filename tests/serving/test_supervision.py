@@ -37,16 +37,35 @@ EXIT_WITHIN_S = 30.0  # detection (engine_timeout 2 s + a probe) and an orderly 
 RESTART_WITHIN_S = 90.0  # back-off, a new process importing torch and loading the model, READY
 
 
-def _serve(tiny_model_dir: Path, tmp_path: Path, *args: str, env: dict[str, str] | None = None,
-           max_model_len: int = 256) -> ServeProcess:
-    return start_serve(tiny_model_dir, tmp_path / "serve.log", "--engine-timeout", ENGINE_TIMEOUT, *args, env=env,
-                       max_model_len=max_model_len)
+def _serve(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    max_model_len: int = 256,
+) -> ServeProcess:
+    return start_serve(
+        tiny_model_dir,
+        tmp_path / "serve.log",
+        "--engine-timeout",
+        ENGINE_TIMEOUT,
+        *args,
+        env=env,
+        max_model_len=max_model_len,
+    )
 
 
 @pytest.fixture
 def fault_tolerant(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServeProcess]:
-    server = _serve(tiny_model_dir, tmp_path, "--enable-fault-tolerance", "--max-engine-restarts", "2",
-                    env={"FASTSCHED_API_KEY": KEY}, max_model_len=4096)
+    server = _serve(
+        tiny_model_dir,
+        tmp_path,
+        "--enable-fault-tolerance",
+        "--max-engine-restarts",
+        "2",
+        env={"FASTSCHED_API_KEY": KEY},
+        max_model_len=4096,
+    )
     try:
         yield server
     finally:
@@ -62,20 +81,28 @@ def _health(url: str) -> int:
 
 
 def _complete(url: str, max_tokens: int = 4) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "import os", "max_tokens": max_tokens},
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60, trust_env=False)
+    return httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": "import os", "max_tokens": max_tokens},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+        trust_env=False,
+    )
 
 
 def _wait_restarted(server: ServeProcess, restarts: int) -> float:
     """Seconds until the launcher logs the engine's ``restarts``-th restart and /health is 200."""
     start = time.monotonic()
-    assert wait_for(lambda: server.log().count("engine 0 restarted") >= restarts and _health(server.url) == 200,
-                    timeout=RESTART_WITHIN_S), server.tail()
+    assert wait_for(
+        lambda: server.log().count("engine 0 restarted") >= restarts and _health(server.url) == 200,
+        timeout=RESTART_WITHIN_S,
+    ), server.tail()
     return time.monotonic() - start
 
 
 def test_fault_tolerance_restarts_a_killed_then_a_hung_engine_and_gives_up_after_max_restarts(
-        fault_tolerant: ServeProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    fault_tolerant: ServeProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
     server = fault_tolerant
     assert KEY not in Path(f"/proc/{server.proc.pid}/cmdline").read_text()
     assert _complete(server.url).status_code == 200
@@ -96,13 +123,21 @@ def test_fault_tolerance_restarts_a_killed_then_a_hung_engine_and_gives_up_after
     # is too late) and restarts it.
     engine = server.engine_pids[-1]
     body = {"model": MODEL, "prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60, trust_env=False,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json=body,
+        timeout=60,
+        trust_env=False,
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as r:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         os.kill(engine, signal.SIGSTOP)
-        assert wait_for(lambda: metric_samples(server.url).get("fastsched:num_requests_running", 0.0) == 0,
-                        timeout=EXIT_WITHIN_S), server.tail()
+        assert wait_for(
+            lambda: metric_samples(server.url).get("fastsched:num_requests_running", 0.0) == 0,
+            timeout=EXIT_WITHIN_S,
+        ), server.tail()
         rest = list(lines)
     assert any("engine_faulted" in line for line in rest), rest
     hung_restart_s = _wait_restarted(server, 2)
@@ -115,7 +150,9 @@ def test_fault_tolerance_restarts_a_killed_then_a_hung_engine_and_gives_up_after
     assert samples.get("fastsched:num_requests_running", 0.0) == 0
     assert samples.get("fastsched:kv_cache_usage_perc", 0.0) == 0
     with capsys.disabled():
-        print(f"\nengine restart: {killed_restart_s:.1f} s after SIGKILL, {hung_restart_s:.1f} s after SIGSTOP")
+        print(
+            f"\nengine restart: {killed_restart_s:.1f} s after SIGKILL, {hung_restart_s:.1f} s after SIGSTOP"
+        )
 
     # A third failure is over --max-engine-restarts 2: the server exits non-zero.
     os.kill(server.engine_pids[-1], signal.SIGKILL)
@@ -123,7 +160,9 @@ def test_fault_tolerance_restarts_a_killed_then_a_hung_engine_and_gives_up_after
     assert "--max-engine-restarts" in server.log()
 
 
-def test_hung_engine_without_fault_tolerance_ends_the_server_non_zero(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_hung_engine_without_fault_tolerance_ends_the_server_non_zero(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     server = _serve(tiny_model_dir, tmp_path)
     try:
         children = server.child_pids
@@ -156,13 +195,18 @@ def test_api_key_file_guards_http_and_grpc(tiny_model_dir: Path, tmp_path: Path)
     try:
         assert httpx.get(server.url + "/v1/models", timeout=10, trust_env=False).status_code == 401
         assert _complete(server.url).status_code == 200
-        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_ports[0]}",
-                                   options=[("grpc.enable_http_proxy", 0)]) as channel:
+        with grpc.insecure_channel(
+            f"127.0.0.1:{server.grpc_ports[0]}", options=[("grpc.enable_http_proxy", 0)]
+        ) as channel:
             stub = pb_grpc.FrontendStub(channel)
             with pytest.raises(grpc.RpcError) as info:
                 stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=10,
-                                  metadata=(("authorization", f"Bearer {KEY}"),)).max_model_len == 256
+            assert (
+                stub.ModelInfo(
+                    pb.ModelInfoRequest(), timeout=10, metadata=(("authorization", f"Bearer {KEY}"),)
+                ).max_model_len
+                == 256
+            )
     finally:
         server.close()

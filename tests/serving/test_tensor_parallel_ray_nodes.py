@@ -22,9 +22,9 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (requirement
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
 from loop_thread import wait_for  # noqa: E402
-from test_listening_sockets import listening  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from serve_process import pid_alive, start_serve  # noqa: E402
+from test_listening_sockets import listening  # noqa: E402
 
 from fastsched import LLM, SamplingParams  # noqa: E402
 
@@ -41,8 +41,10 @@ LOOPBACK_DRIVER = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 def _cluster(extra_nodes: int) -> Iterator[tuple[Cluster, list]]:
     """A head (the engine's node: rank 0's bundle) and ``extra_nodes`` more, one CPU each, every
     node on the loopback address (a test's traffic stays on 127.0.0.1)."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                            "node_ip_address": LOOPBACK})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "node_ip_address": LOOPBACK},
+    )
     try:
         nodes = [cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK) for _ in range(extra_nodes)]
         cluster.wait_for_nodes()
@@ -63,23 +65,44 @@ def three_nodes() -> Iterator[tuple[Cluster, list]]:
 
 
 def _offline_texts(model_dir: Path) -> list[str]:
-    offline = LLM(model=str(model_dir), dtype="float32", log_stats_interval=0, num_threads=1,
-                  max_model_len=4096)
+    offline = LLM(
+        model=str(model_dir), dtype="float32", log_stats_interval=0, num_threads=1, max_model_len=4096
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [o.outputs[0].text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
 
 
 def _complete(url: str, prompt: list[int]) -> str:
-    response = httpx.post(url + "/v1/completions", timeout=120, trust_env=False, json={
-        "model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    response = httpx.post(
+        url + "/v1/completions",
+        timeout=120,
+        trust_env=False,
+        json={
+            "model": "model",
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
 
 
 def _serve(cluster: Cluster, model_dir: Path, log: Path, *flags: str):
-    return start_serve(model_dir, log, "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
-                       "--ray-placement-strategy", "STRICT_SPREAD", *flags, max_model_len=4096,
-                       env={"RAY_ADDRESS": cluster.address, **LOOPBACK_DRIVER})
+    return start_serve(
+        model_dir,
+        log,
+        "--tensor-parallel-size",
+        "2",
+        "--distributed-executor-backend",
+        "ray",
+        "--ray-placement-strategy",
+        "STRICT_SPREAD",
+        *flags,
+        max_model_len=4096,
+        env={"RAY_ADDRESS": cluster.address, **LOOPBACK_DRIVER},
+    )
 
 
 def _rank_nodes(log: str) -> list[tuple[str, str]]:
@@ -87,7 +110,8 @@ def _rank_nodes(log: str) -> list[tuple[str, str]]:
 
 
 def test_tp2_over_two_ray_nodes_gives_the_tokens_of_tp1_and_a_lost_node_ends_the_server(
-        two_nodes: tuple[Cluster, object], tiny_model_dir: Path, tmp_path: Path) -> None:
+    two_nodes: tuple[Cluster, object], tiny_model_dir: Path, tmp_path: Path
+) -> None:
     cluster, second = two_nodes
     expected = _offline_texts(tiny_model_dir)
     server = _serve(cluster, tiny_model_dir, tmp_path / "serve.log")
@@ -102,10 +126,17 @@ def test_tp2_over_two_ray_nodes_gives_the_tokens_of_tp1_and_a_lost_node_ends_the
         assert len(own) >= 2, listening(server.proc.pid)
         children = server.child_pids
         events: list[str] = []
-        body = {"model": "model", "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", timeout=EXIT_WITHIN_S, trust_env=False,
-                          json=body) as stream:
+        body = {
+            "model": "model",
+            "prompt": PROMPTS[0],
+            "max_tokens": 4000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", server.url + "/v1/completions", timeout=EXIT_WITHIN_S, trust_env=False, json=body
+        ) as stream:
             lines = stream.iter_lines()
             events += [line for line in (next(lines), next(lines)) if line]
             cluster.remove_node(second, allow_graceful=False)  # rank 1's machine goes away mid-stream
@@ -113,8 +144,11 @@ def test_tp2_over_two_ray_nodes_gives_the_tokens_of_tp1_and_a_lost_node_ends_the
                 events += [line for line in lines if line]
             except httpx.RemoteProtocolError:
                 events.append("connection closed")  # the gateway went away mid-response
-        finished = [json.loads(e[6:])["choices"][0].get("finish_reason") for e in events
-                    if e.startswith("data: {") and '"choices"' in e]
+        finished = [
+            json.loads(e[6:])["choices"][0].get("finish_reason")
+            for e in events
+            if e.startswith("data: {") and '"choices"' in e
+        ]
         assert "length" not in finished, "the stream did not run to its end"
         errors = [e for e in events if '"error"' in e or e == "connection closed"]
         assert errors, events[-3:]  # an error event (then [DONE]), or the connection cut
@@ -127,11 +161,18 @@ def test_tp2_over_two_ray_nodes_gives_the_tokens_of_tp1_and_a_lost_node_ends_the
 
 
 def test_with_fault_tolerance_a_lost_node_restarts_the_engine_with_rank_1_on_another(
-        three_nodes: tuple[Cluster, list], tiny_model_dir: Path, tmp_path: Path) -> None:
+    three_nodes: tuple[Cluster, list], tiny_model_dir: Path, tmp_path: Path
+) -> None:
     cluster, extra = three_nodes
     expected = _offline_texts(tiny_model_dir)
-    server = _serve(cluster, tiny_model_dir, tmp_path / "serve.log", "--enable-fault-tolerance",
-                    "--max-engine-restarts", "1")
+    server = _serve(
+        cluster,
+        tiny_model_dir,
+        tmp_path / "serve.log",
+        "--enable-fault-tolerance",
+        "--max-engine-restarts",
+        "1",
+    )
     try:
         ((head, first),) = _rank_nodes(server.log())
         assert head == cluster.head_node.node_id and first in {n.node_id for n in extra}, server.tail()

@@ -34,20 +34,34 @@ EXIT_WITHIN_S = 30.0
 
 
 def _offline_texts(model_dir: Path, prompts: list[list[int]]) -> list[str]:
-    offline = LLM(model=str(model_dir), dtype="float32", log_stats_interval=0, num_threads=1, max_model_len=256)
+    offline = LLM(
+        model=str(model_dir), dtype="float32", log_stats_interval=0, num_threads=1, max_model_len=256
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
 
 
 def _complete(url: str, prompt: list[int]) -> str:
-    response = httpx.post(url + "/v1/completions", timeout=120, trust_env=False, json={
-        "model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    response = httpx.post(
+        url + "/v1/completions",
+        timeout=120,
+        trust_env=False,
+        json={
+            "model": "model",
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
 
 
 def _worker_pids(log: str) -> list[int]:
-    found = re.findall(r"parallel layout: tensor_parallel_size=2 \(mp; gloo; ranks 1.. pids \[([\d, ]+)\]\)", log)
+    found = re.findall(
+        r"parallel layout: tensor_parallel_size=2 \(mp; gloo; ranks 1.. pids \[([\d, ]+)\]\)", log
+    )
     return [int(p) for p in found[0].split(",")] if found else []
 
 
@@ -55,8 +69,16 @@ def test_tp2_serve_gives_the_unsharded_greedy_tokens_and_a_killed_worker_ends_it
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     expected = _offline_texts(tiny_model_dir, PROMPTS)
-    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
-                         "--max-num-batched-tokens", "16", "--max-num-seqs", "8")
+    server = start_serve(
+        tiny_model_dir,
+        tmp_path / "serve.log",
+        "--tensor-parallel-size",
+        "2",
+        "--max-num-batched-tokens",
+        "16",
+        "--max-num-seqs",
+        "8",
+    )
     try:
         workers = _worker_pids(server.log())
         assert len(workers) == 1, server.tail()
@@ -76,20 +98,47 @@ def test_tp2_serve_gives_the_unsharded_greedy_tokens_and_a_killed_worker_ends_it
 def test_tp2_serve_applies_a_lora_adapter_as_one_rank_does(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The OpenAI ``model`` field names the adapter; the worker reads its slices from the path."""
     adapter = make_tiny_lora(tiny_model_dir, tmp_path / "lora", rank=8, seed=3)
-    offline = LLM(model=str(tiny_model_dir), dtype="float32", log_stats_interval=0, num_threads=1,
-                  max_model_len=256, enable_lora=True, max_lora_rank=8)
+    offline = LLM(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        log_stats_interval=0,
+        num_threads=1,
+        max_model_len=256,
+        enable_lora=True,
+        max_lora_rank=8,
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     lora = LoRARequest("adapter", 1, str(adapter))
-    expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params, lora_request=lora, use_tqdm=False)]
+    expected = [
+        o.outputs[0].text for o in offline.generate(PROMPTS, params, lora_request=lora, use_tqdm=False)
+    ]
     base = [o.outputs[0].text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
     assert expected != base
-    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2", "--enable-lora",
-                         "--max-lora-rank", "8", "--lora-modules", f"adapter={adapter}")
+    server = start_serve(
+        tiny_model_dir,
+        tmp_path / "serve.log",
+        "--tensor-parallel-size",
+        "2",
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        f"adapter={adapter}",
+    )
     try:
         for prompt, text in zip(PROMPTS, expected, strict=True):
-            response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
-                "model": "adapter", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True})
+            response = httpx.post(
+                server.url + "/v1/completions",
+                timeout=60,
+                trust_env=False,
+                json={
+                    "model": "adapter",
+                    "prompt": prompt,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["text"] == text
         assert server.terminate() == 0, server.tail()
@@ -102,15 +151,20 @@ def test_a_hung_worker_ends_the_server_after_the_execute_model_timeout_with_ever
 ) -> None:
     """SIGSTOP leaves the worker alive but silent: the next step's all-reduce waits for it
     until the step watch (``--execute-model-timeout 5``) kills the workers and the engine fails."""
-    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
-                         "--execute-model-timeout", "5")
+    server = start_serve(
+        tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2", "--execute-model-timeout", "5"
+    )
     (worker,) = _worker_pids(server.log())
     try:
         children = server.child_pids
         os.kill(worker, signal.SIGSTOP)
         with pytest.raises(httpx.HTTPError):  # no answer; the server goes away meanwhile
-            response = httpx.post(server.url + "/v1/completions", timeout=EXIT_WITHIN_S, trust_env=False, json={
-                "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+            response = httpx.post(
+                server.url + "/v1/completions",
+                timeout=EXIT_WITHIN_S,
+                trust_env=False,
+                json={"model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0},
+            )
             response.raise_for_status()
         code = server.wait(EXIT_WITHIN_S)
         assert code not in (None, 0), server.tail()
@@ -126,8 +180,17 @@ def test_a_hung_worker_ends_the_server_after_the_execute_model_timeout_with_ever
 def test_with_fault_tolerance_a_killed_worker_restarts_the_engine_with_new_workers(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
-                         "--max-num-seqs", "8", "--enable-fault-tolerance", "--max-engine-restarts", "1")
+    server = start_serve(
+        tiny_model_dir,
+        tmp_path / "serve.log",
+        "--tensor-parallel-size",
+        "2",
+        "--max-num-seqs",
+        "8",
+        "--enable-fault-tolerance",
+        "--max-engine-restarts",
+        "1",
+    )
     try:
         (first,) = _worker_pids(server.log())
         os.kill(first, signal.SIGKILL)
@@ -141,14 +204,27 @@ def test_with_fault_tolerance_a_killed_worker_restarts_the_engine_with_new_worke
 def test_with_fault_tolerance_a_hung_worker_restarts_the_engine_with_new_workers(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    server = start_serve(tiny_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
-                         "--execute-model-timeout", "5", "--enable-fault-tolerance", "--max-engine-restarts", "1")
+    server = start_serve(
+        tiny_model_dir,
+        tmp_path / "serve.log",
+        "--tensor-parallel-size",
+        "2",
+        "--execute-model-timeout",
+        "5",
+        "--enable-fault-tolerance",
+        "--max-engine-restarts",
+        "1",
+    )
     (first,) = _worker_pids(server.log())
     try:
         os.kill(first, signal.SIGSTOP)
         with pytest.raises(httpx.HTTPError):  # the request of the failed step is not retried
-            httpx.post(server.url + "/v1/completions", timeout=EXIT_WITHIN_S, trust_env=False, json={
-                "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}).raise_for_status()
+            httpx.post(
+                server.url + "/v1/completions",
+                timeout=EXIT_WITHIN_S,
+                trust_env=False,
+                json={"model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0},
+            ).raise_for_status()
         second = _restarted_worker(server)
         assert not pid_alive(first) and pid_alive(second)
         _complete_then_stop(server, second)
@@ -161,15 +237,20 @@ def test_with_fault_tolerance_a_hung_worker_restarts_the_engine_with_new_workers
 
 def _restarted_worker(server: ServeProcess) -> int:
     """Waits until the engine has restarted with a new worker and serves; its pid."""
-    assert wait_for(lambda: len(_all_worker_pids(server.log())) == 2 and _healthy(server.url), timeout=90), \
+    assert wait_for(lambda: len(_all_worker_pids(server.log())) == 2 and _healthy(server.url), timeout=90), (
         server.tail()
+    )
     return _all_worker_pids(server.log())[1]
 
 
 def _complete_then_stop(server: ServeProcess, worker: int) -> None:
     """A completion succeeds, then SIGTERM stops the server with every child and ``worker`` gone."""
-    response = httpx.post(server.url + "/v1/completions", timeout=60, trust_env=False, json={
-        "model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+    response = httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        trust_env=False,
+        json={"model": "model", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0},
+    )
     assert response.status_code == 200, response.text
     children = server.child_pids
     assert server.terminate() == 0, server.tail()
@@ -177,8 +258,12 @@ def _complete_then_stop(server: ServeProcess, worker: int) -> None:
 
 
 def _all_worker_pids(log: str) -> list[int]:
-    return [int(p) for p in re.findall(r"parallel layout: tensor_parallel_size=2 \(mp; gloo; ranks 1.. pids \[(\d+)\]\)",
-                                       log)]
+    return [
+        int(p)
+        for p in re.findall(
+            r"parallel layout: tensor_parallel_size=2 \(mp; gloo; ranks 1.. pids \[(\d+)\]\)", log
+        )
+    ]
 
 
 def _healthy(url: str) -> bool:
@@ -191,7 +276,9 @@ def _healthy(url: str) -> bool:
 @pytest.fixture(scope="module")
 def uneven_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """6 query heads over 3 KV heads: over 2 ranks, 4 + 2 query heads and 2 + 1 KV heads."""
-    return make_tiny_model(tmp_path_factory.mktemp("uneven") / "model", hidden_size=96, num_heads=6, num_kv_heads=3)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("uneven") / "model", hidden_size=96, num_heads=6, num_kv_heads=3
+    )
 
 
 def test_dp2_tp2_serve_with_uneven_heads_gives_the_unsharded_tokens_and_sigterm_leaves_no_process(
@@ -201,11 +288,27 @@ def test_dp2_tp2_serve_with_uneven_heads_gives_the_unsharded_tokens_and_sigterm_
     request, whichever engine serves it, gets the greedy tokens of one unsharded model."""
     prompts = [*PROMPTS, [7, 8, 9, 10] * 5, list(range(200, 233))]
     expected = _offline_texts(uneven_model_dir, prompts)
-    server = start_serve(uneven_model_dir, tmp_path / "serve.log", "--tensor-parallel-size", "2",
-                         "--data-parallel-size", "2", "--max-num-batched-tokens", "16", "--max-num-seqs", "8")
+    server = start_serve(
+        uneven_model_dir,
+        tmp_path / "serve.log",
+        "--tensor-parallel-size",
+        "2",
+        "--data-parallel-size",
+        "2",
+        "--max-num-batched-tokens",
+        "16",
+        "--max-num-seqs",
+        "8",
+    )
     try:
-        workers = [int(p) for p in re.findall(r"parallel layout: tensor_parallel_size=2 \(mp; gloo; ranks 1.. "
-                                              r"pids \[(\d+)\]\)", server.log())]
+        workers = [
+            int(p)
+            for p in re.findall(
+                r"parallel layout: tensor_parallel_size=2 \(mp; gloo; ranks 1.. "
+                r"pids \[(\d+)\]\)",
+                server.log(),
+            )
+        ]
         assert len(workers) == 2 and len(set(workers)) == 2, server.tail()
         assert server.log().count("tensor parallel heads: rank 0 q 0-3 kv 0-1; rank 1 q 4-5 kv 2") == 2
         with ThreadPoolExecutor(len(prompts)) as pool:  # in flight together: both engines take some

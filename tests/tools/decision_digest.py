@@ -54,7 +54,14 @@ OUTPUT_FIELDS = (
     "kinds", "num_cached_tokens", "num_spec_tokens", "spec_token_ids", "block_offsets", "block_ids", "preempted",
     "finished", "skipped", "skip_reasons",
 )  # fmt: skip
-RESULT_FIELDS = ("handles", "token_offsets", "token_ids", "finish_reasons", "segment_ended", "num_cached_tokens")
+RESULT_FIELDS = (
+    "handles",
+    "token_offsets",
+    "token_ids",
+    "finish_reasons",
+    "segment_ended",
+    "num_cached_tokens",
+)
 
 
 def fnv1a64(text: str) -> int:
@@ -246,7 +253,9 @@ class Driver:
             res = self.sched.update_from_output(offsets, tokens)
         for i, h in enumerate(res.handles.tolist()):
             rid = self.sched.request_id(h)
-            self.outputs[rid] = self.outputs.get(rid, 0) + int(res.token_offsets[i + 1] - res.token_offsets[i])
+            self.outputs[rid] = self.outputs.get(rid, 0) + int(
+                res.token_offsets[i + 1] - res.token_offsets[i]
+            )
         if self.k > 0 and self.w.drafts_after:
             handles, d_off, d_ids = [], [0], []
             for i, rid in enumerate(rows):
@@ -255,7 +264,9 @@ class Driver:
                     d_ids.extend(drafts_for(rid, self.outputs[rid], self.k))
                     d_off.append(len(d_ids))
             self.sched.update_draft_token_ids(
-                np.array(handles, dtype=np.uint32), np.array(d_off, dtype=np.uint32), np.array(d_ids, dtype=np.uint32)
+                np.array(handles, dtype=np.uint32),
+                np.array(d_off, dtype=np.uint32),
+                np.array(d_ids, dtype=np.uint32),
             )
         self.count("tokens", len(tokens))
         self.count("finished", sum(1 for r in res.finish_reasons.tolist() if r))
@@ -279,7 +290,9 @@ class Driver:
                 self.count("preempted", len(sched["preempted"]))
                 self.count("skipped", len(sched["skipped"] or []))
                 self.count("draft_rows", sum(1 for n in sched["num_spec_tokens"] if n))
-                self.count("padded_rows", sum(1 for n, k in zip(sched["num_spec_tokens"], sched["kinds"]) if n and k))
+                self.count(
+                    "padded_rows", sum(1 for n, k in zip(sched["num_spec_tokens"], sched["kinds"]) if n and k)
+                )
                 self.count("resumed", sum(1 for k in sched["kinds"] if k == 2))
                 self.in_flight.append((out, rows, samples))
                 if not self.w.async_lag or len(self.in_flight) > 1:
@@ -293,7 +306,9 @@ class Driver:
         return step_digests
 
 
-def run_workloads(num_workloads: int, steps: int, seed: int, seen: dict[str, int] | None = None) -> list[dict[str, Any]]:
+def run_workloads(
+    num_workloads: int, steps: int, seed: int, seen: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
     lines = []
     for i in range(num_workloads):
         w = make_workload(seed, i)
@@ -325,7 +340,9 @@ def compare(a_path: Path, b_path: Path) -> int:
     differing = [(x, y) for x, y in zip(a, b) if x["digest"] != y["digest"]]
     for x, y in differing[:5]:
         step = next(i for i, (s, t) in enumerate(zip(x["steps"], y["steps"])) if s != t)
-        print(f"workload {x['workload']}: first differing step {step}; config {x['config']} flags {x['flags']}")
+        print(
+            f"workload {x['workload']}: first differing step {step}; config {x['config']} flags {x['flags']}"
+        )
     print(f"{len(a) - len(differing)}/{len(a)} workloads identical")
     return 1 if differing else 0
 

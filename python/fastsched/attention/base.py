@@ -41,8 +41,14 @@ class AttentionMetadata:
     def from_host(cls, step: Any, on_device: Callable[[Any], torch.Tensor]) -> AttentionMetadata:
         """From a step's host arrays (the runner's prepared step, or a tensor-parallel
         worker's ``StepInputs``), each moved by ``on_device``."""
-        return cls(on_device(step.slot_mapping), on_device(step.query_start_loc), on_device(step.seq_lens),
-                   on_device(step.block_tables), step.max_query_len, step.max_seq_len)
+        return cls(
+            on_device(step.slot_mapping),
+            on_device(step.query_start_loc),
+            on_device(step.seq_lens),
+            on_device(step.block_tables),
+            step.max_query_len,
+            step.max_seq_len,
+        )
 
 
 @dataclass(frozen=True)

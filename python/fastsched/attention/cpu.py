@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from fastsched.attention.base import AttentionMetadata, AttentionOptions
-from fastsched.attention.torch_native import TorchNativeBackend, _plan_prefill, _prefill, _Prefill
+from fastsched.attention.torch_native import TorchNativeBackend, _plan_prefill, _Prefill, _prefill
 from fastsched.kernels import cpu_ops
 
 # Query rows from which a request's chunk goes to SDPA: the kernel was faster up to 128 rows and
@@ -54,7 +54,9 @@ class CpuBackend:
         self._plans = {}
         self._torch.prepare(metadata)
 
-    def kernel_step(self, metadata: AttentionMetadata, block_size: int) -> tuple[tuple[torch.Tensor, ...], int] | None:
+    def kernel_step(
+        self, metadata: AttentionMetadata, block_size: int
+    ) -> tuple[tuple[torch.Tensor, ...], int] | None:
         """This step's checked tensors for the Rust kernel and its number of real query rows,
         if the kernel attends for every request (no prefill chunk goes to SDPA); else None.
         What a caller running the layers in Rust (``fastsched.models.llama_cpu``) passes on."""
@@ -76,14 +78,24 @@ class CpuBackend:
         (within the layer's ``sliding_window``, scores soft-capped at ``logits_soft_cap``)."""
         options = AttentionOptions(sliding_window, logits_soft_cap)
         if query.dtype not in cpu_ops.DTYPES or kv_cache.dtype not in cpu_ops.DTYPES:
-            return self._torch.forward(query, key, value, kv_cache, metadata, scale, sliding_window,
-                                       logits_soft_cap)
+            return self._torch.forward(
+                query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap
+            )
         plan = self._step_plan(metadata, kv_cache.shape[2], sdpa=options.plain)
         out = torch.empty(query.shape, dtype=query.dtype)
         if plan.num_rows < out.shape[0]:
             out[plan.num_rows :].zero_()  # padding rows (the contract: zero)
-        cpu_ops.paged_attention(query, key, value, out, kv_cache, plan.step, scale, options.logits_soft_cap,
-                                options.sliding_window)
+        cpu_ops.paged_attention(
+            query,
+            key,
+            value,
+            out,
+            kv_cache,
+            plan.step,
+            scale,
+            options.logits_soft_cap,
+            options.sliding_window,
+        )
         for p in plan.prefills:
             rows = slice(p.start, p.end)
             out[rows] = _prefill(query[rows], key[rows], value[rows], kv_cache, p, scale)
@@ -105,12 +117,24 @@ def _plan_step(metadata: AttentionMetadata, block_size: int, sdpa: bool) -> _Cpu
     long = query_lens >= SDPA_MIN_QUERY_LEN if sdpa else torch.zeros(query_lens.shape, dtype=torch.bool)
     reqs = torch.nonzero(~long).flatten().to(torch.int32)
     starts = qsl.tolist() if bool(long.any()) else []
-    prefills = [_plan_prefill(starts[i], starts[i + 1], int(metadata.seq_lens[i]), metadata.block_tables[i],
-                              block_size) for i in torch.nonzero(long).flatten().tolist()]
-    step = (metadata.slot_mapping.contiguous(), qsl.contiguous(), metadata.seq_lens.contiguous(),
-            metadata.block_tables.contiguous(), reqs)
-    for name, t, dtype in zip(("slot_mapping", "query_start_loc", "seq_lens", "block_tables", "reqs"), step,
-                              (torch.int64,) + (torch.int32,) * 4):
+    prefills = [
+        _plan_prefill(
+            starts[i], starts[i + 1], int(metadata.seq_lens[i]), metadata.block_tables[i], block_size
+        )
+        for i in torch.nonzero(long).flatten().tolist()
+    ]
+    step = (
+        metadata.slot_mapping.contiguous(),
+        qsl.contiguous(),
+        metadata.seq_lens.contiguous(),
+        metadata.block_tables.contiguous(),
+        reqs,
+    )
+    for name, t, dtype in zip(
+        ("slot_mapping", "query_start_loc", "seq_lens", "block_tables", "reqs"),
+        step,
+        (torch.int64,) + (torch.int32,) * 4,
+    ):
         cpu_ops.check_step_tensor(name, t, dtype)
     if step[3].dim() != 2 or step[3].shape[0] != step[2].shape[0]:
         raise ValueError(f"block_tables must be [num_reqs, max_blocks]; got {tuple(step[3].shape)}")

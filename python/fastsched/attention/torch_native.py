@@ -140,14 +140,21 @@ class TorchNativeBackend:
         return out
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-           scale: float, soft_cap: float | None) -> torch.Tensor:
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None,
+) -> torch.Tensor:
     """``scaled_dot_product_attention`` over ``[..., heads, len, head_dim]`` (query heads a
     multiple of the key heads, each group reading one key head), with the scores soft-capped
     (``cap * tanh(s / cap)``) when ``soft_cap`` is set; ``mask`` None: plain causal (square)."""
     if soft_cap is None:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
-                                              scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
     group = query.shape[-3] // key.shape[-3]
     if group > 1:
         key, value = key.repeat_interleave(group, dim=-3), value.repeat_interleave(group, dim=-3)
@@ -169,8 +176,9 @@ def _plan_step(metadata: AttentionMetadata, kv_cache: torch.Tensor, window: int 
     starts = metadata.query_start_loc.tolist()
     prefills, fresh = [], []
     for i in torch.nonzero(query_lens > 1).flatten().tolist():
-        p = _plan_prefill(starts[i], starts[i + 1], int(metadata.seq_lens[i]), metadata.block_tables[i],
-                          block_size, window)
+        p = _plan_prefill(
+            starts[i], starts[i + 1], int(metadata.seq_lens[i]), metadata.block_tables[i], block_size, window
+        )
         (fresh if p.blocks is None else prefills).append(p)
     if len(fresh) == 1:  # alone, its own call needs no padding
         prefills, fresh = prefills + fresh, []
@@ -188,8 +196,15 @@ def _plan_step(metadata: AttentionMetadata, kv_cache: torch.Tensor, window: int 
     padded = slots < 0
     write_rows = torch.nonzero(~padded).flatten() if bool(padded.any()) else None
     write_slots = slots if write_rows is None else slots.index_select(0, write_rows)
-    return _StepPlan(metadata, block_size, write_slots, write_rows, prefills,
-                     _plan_fresh_prefills(fresh, slots.device, window) if fresh else None, groups)
+    return _StepPlan(
+        metadata,
+        block_size,
+        write_slots,
+        write_rows,
+        prefills,
+        _plan_fresh_prefills(fresh, slots.device, window) if fresh else None,
+        groups,
+    )
 
 
 def _write_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
@@ -231,8 +246,9 @@ def _fresh_prefills(
     def padded(x: torch.Tensor) -> torch.Tensor:  # [n, heads, max_len, head_dim]
         return x.index_select(0, f.gather).view(f.num, f.max_len, *x.shape[1:]).transpose(1, 2)
 
-    out = attend(padded(query), padded(key.to(cache_dtype)), padded(value.to(cache_dtype)), f.mask, scale,
-                 soft_cap)  # [n, num_heads, max_len, head_dim]
+    out = attend(
+        padded(query), padded(key.to(cache_dtype)), padded(value.to(cache_dtype)), f.mask, scale, soft_cap
+    )  # [n, num_heads, max_len, head_dim]
     return out.transpose(1, 2).reshape(f.num * f.max_len, *query.shape[1:]).index_select(0, f.valid)
 
 
@@ -261,8 +277,9 @@ def _plan_decode_group(
     return _DecodeGroup(rows, slots.flatten(), valid[:, None, None, :], max_len)
 
 
-def _plan_prefill(start: int, end: int, seq_len: int, block_table: torch.Tensor, block_size: int,
-                  window: int | None = None) -> _Prefill:
+def _plan_prefill(
+    start: int, end: int, seq_len: int, block_table: torch.Tensor, block_size: int, window: int | None = None
+) -> _Prefill:
     query_len = end - start
     context_len = seq_len - query_len
     windowed = window is not None and window < seq_len

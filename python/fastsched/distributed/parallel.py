@@ -30,8 +30,9 @@ def split_range(total: int, rank: int, size: int, *, uneven: bool = False) -> tu
     return start, start + share + (rank < extra)
 
 
-def data_parallel_devices(device: torch.device, engine_index: int, local_ranks: int,
-                          device_count: int) -> list[torch.device]:
+def data_parallel_devices(
+    device: torch.device, engine_index: int, local_ranks: int, device_count: int
+) -> list[torch.device]:
     """The devices data-parallel engine ``engine_index`` takes on this machine, rank 0's first.
 
     On CUDA engine ``d`` takes the ``local_ranks`` devices from ``d * local_ranks`` on (counted
@@ -42,8 +43,10 @@ def data_parallel_devices(device: torch.device, engine_index: int, local_ranks: 
         return [device] * local_ranks
     first = (device.index or 0) + engine_index * local_ranks
     if first + local_ranks > device_count:
-        raise ValueError(f"data-parallel engine {engine_index} with {local_ranks} local tensor-parallel rank(s) needs "
-                         f"cuda:{first}..cuda:{first + local_ranks - 1}, but {device_count} CUDA devices are visible")
+        raise ValueError(
+            f"data-parallel engine {engine_index} with {local_ranks} local tensor-parallel rank(s) needs "
+            f"cuda:{first}..cuda:{first + local_ranks - 1}, but {device_count} CUDA devices are visible"
+        )
     return [torch.device("cuda", first + r) for r in range(local_ranks)]
 
 

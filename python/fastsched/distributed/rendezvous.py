@@ -57,8 +57,15 @@ def listen(host: str, size: int, timeout: datetime.timedelta) -> tuple[Rendezvou
         sock.bind((host, 0))
         sock.listen(size)
         port = sock.getsockname()[1]
-        store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False,
-                              master_listen_fd=sock.fileno())
+        store = dist.TCPStore(
+            host,
+            port,
+            size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
         sock.detach()  # the store owns the socket now
     rendezvous = Rendezvous(host, port, secrets.token_hex(16))
     return rendezvous, dist.PrefixStore(rendezvous.secret, store)

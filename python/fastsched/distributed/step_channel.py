@@ -79,9 +79,28 @@ class StepChannel:
         max_blocks = step.block_tables.shape[1] if step.block_tables.ndim == 2 else 0
         n_logits = -1 if step.logits_indices is None else len(step.logits_indices)
         n_lora = -1 if step.lora is None else len(step.lora)
-        self._header.copy_(torch.tensor([STEP, t, b, max_blocks, step.max_query_len, step.max_seq_len, n_logits,
-                                         int(step.compute_logits), n_lora]))
-        arrays = [step.positions, step.slot_mapping, step.query_start_loc, step.seq_lens, step.block_tables.ravel()]
+        self._header.copy_(
+            torch.tensor(
+                [
+                    STEP,
+                    t,
+                    b,
+                    max_blocks,
+                    step.max_query_len,
+                    step.max_seq_len,
+                    n_logits,
+                    int(step.compute_logits),
+                    n_lora,
+                ]
+            )
+        )
+        arrays = [
+            step.positions,
+            step.slot_mapping,
+            step.query_start_loc,
+            step.seq_lens,
+            step.block_tables.ravel(),
+        ]
         if step.logits_indices is not None:
             arrays.append(step.logits_indices)
         if step.lora is not None:
@@ -92,9 +111,11 @@ class StepChannel:
         # all-reduce meets the other ranks once they have the step. The tensors stay
         # referenced until the next send waits for these.
         self._pending = (
-            [dist.broadcast(self._header, src=0, group=cpu, async_op=True),
-             dist.broadcast(payload, src=0, group=cpu, async_op=True),
-             dist.broadcast(step.input_ids, src=0, group=self.tp.group, async_op=True)],
+            [
+                dist.broadcast(self._header, src=0, group=cpu, async_op=True),
+                dist.broadcast(payload, src=0, group=cpu, async_op=True),
+                dist.broadcast(step.input_ids, src=0, group=self.tp.group, async_op=True),
+            ],
             (payload, step.input_ids),
         )
         self.bytes_sent += self._header.nbytes + payload.nbytes + step.input_ids.nbytes
@@ -169,7 +190,7 @@ class StepChannel:
         dist.broadcast(input_ids, src=0, group=self.tp.group)
         bounds = np.cumsum([0, t, t, b + 1, b, b * max_blocks, max(n_logits, 0), max(n_lora, 0)])
         a = payload.numpy()
-        parts = [a[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+        parts = [a[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
         return StepInputs(
             input_ids=input_ids,
             positions=parts[0],

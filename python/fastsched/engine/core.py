@@ -37,15 +37,21 @@ import torch
 from fastsched import _core
 from fastsched.attention import select_backend
 from fastsched.config import EngineConfig
+from fastsched.cpu_env import configure_threads
 from fastsched.engine.kv_connector.identity import store_identity
 from fastsched.engine.kv_connector.transfer import KVTransfer, Saves, make_connector
 from fastsched.engine.prefill_meter import PrefillThroughputMeter, prefill_tokens
-from fastsched.engine.step_time_meter import StepTimeMeter
-from fastsched.engine.protocol import (EngineCoreOutput, EngineCoreRequest, OutputBatch, PauseState,
-                                       pause_state)
+from fastsched.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    OutputBatch,
+    PauseState,
+    pause_state,
+)
+from fastsched.engine.start_up_heap import freeze_start_up_heap
 from fastsched.engine.stats import StatsLogger
 from fastsched.engine.step_outputs import StepOutputs
-from fastsched.engine.start_up_heap import freeze_start_up_heap
+from fastsched.engine.step_time_meter import StepTimeMeter
 from fastsched.engine.step_trace import StepShape, StepTracer
 from fastsched.engine.structured_outputs import StructuredOutputs
 from fastsched.inputs import check_prompt
@@ -53,9 +59,8 @@ from fastsched.lora.slots import LoRAManager
 from fastsched.model_loader import load_model_config, load_tokenizer
 from fastsched.model_loader.generation_defaults import load_generation_defaults
 from fastsched.model_loader.weights import load_model
-from fastsched.models.tp_shard import describe_head_split
-from fastsched.cpu_env import configure_threads
 from fastsched.models.config import ModelConfig
+from fastsched.models.tp_shard import describe_head_split
 from fastsched.sample import make_generator
 from fastsched.spec_decode import SpecDecodingCounters, build_proposer, draft_rows
 from fastsched.worker.input_batch import RowState
@@ -97,37 +102,74 @@ class EngineCore:
         self.model_config: ModelConfig = load_model_config(config.model)
         # The model's bound; the KV pool may cut it once sized (fit_max_model_len, below).
         self.max_model_len = config.resolve_max_model_len(self.model_config.max_position_embeddings)
-        logger.info("loading model %s (%s, %s, quantization %s)", config.model or "SmolLM2-135M-Instruct (embedded)",
-                    dtype, device, config.resolved_quantization)
+        logger.info(
+            "loading model %s (%s, %s, quantization %s)",
+            config.model or "SmolLM2-135M-Instruct (embedded)",
+            dtype,
+            device,
+            config.resolved_quantization,
+        )
         # --tensor-parallel-size: the other ranks load their shards while this one loads its own.
-        self.tp_group = None if config.tensor_parallel_size == 1 else start_tensor_parallel(config, device, dtype)
-        model = load_model(config.model, dtype=dtype, device=device, quantization=config.resolved_quantization,
-                           tp=None if self.tp_group is None else self.tp_group.tp)
+        self.tp_group = (
+            None if config.tensor_parallel_size == 1 else start_tensor_parallel(config, device, dtype)
+        )
+        model = load_model(
+            config.model,
+            dtype=dtype,
+            device=device,
+            quantization=config.resolved_quantization,
+            tp=None if self.tp_group is None else self.tp_group.tp,
+        )
         backend = select_backend(device, config.attention_backend)
         spec = config.speculative_config
         # Before KV sizing, so that a draft model's weights are not counted as free memory.
-        self.proposer = None if spec is None else build_proposer(
-            spec, self.model_config, backend, block_size=config.block_size, max_model_len=self.max_model_len,
-            device=device, dtype=dtype)
-        num_blocks = kv_pool_blocks(model, backend, config, self.model_config, dtype, device, self.max_model_len)
+        self.proposer = (
+            None
+            if spec is None
+            else build_proposer(
+                spec,
+                self.model_config,
+                backend,
+                block_size=config.block_size,
+                max_model_len=self.max_model_len,
+                device=device,
+                dtype=dtype,
+            )
+        )
+        num_blocks = kv_pool_blocks(
+            model, backend, config, self.model_config, dtype, device, self.max_model_len
+        )
         self.max_model_len = fit_max_model_len(config, self.max_model_len, num_blocks)
         if self.tp_group is not None:
             self.tp_group.share_num_blocks(num_blocks)
-            logger.info("tensor parallel heads: %s", describe_head_split(self.model_config, config.tensor_parallel_size))
+            logger.info(
+                "tensor parallel heads: %s",
+                describe_head_split(self.model_config, config.tensor_parallel_size),
+            )
         self.lora = None
         if config.enable_lora:
-            self.lora = LoRAManager(self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                                    max_cpu_loras=config.lora_cpu_capacity, device=device, dtype=dtype,
-                                    kernel="triton" if device.type == "cuda" else "torch",
-                                    tp=None if self.tp_group is None else self.tp_group.tp)
+            self.lora = LoRAManager(
+                self.model_config,
+                max_loras=config.max_loras,
+                max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.lora_cpu_capacity,
+                device=device,
+                dtype=dtype,
+                kernel="triton" if device.type == "cuda" else "torch",
+                tp=None if self.tp_group is None else self.tp_group.tp,
+            )
         self.scheduler = _core.Scheduler(config.scheduler_config(self.max_model_len, num_blocks))
         self.spec_counters = None if spec is None else SpecDecodingCounters(spec.num_speculative_tokens)
         # Drafts are proposed from the tokens a step accepts, so the next step cannot be
         # scheduled before they are known (docs/scheduler.md, "Speculative decoding in the engine").
         async_scheduling = config.async_scheduling and spec is None
         if spec is not None:
-            logger.info("speculative decoding: %s, %d tokens per step%s", spec.method, spec.num_speculative_tokens,
-                        "; async scheduling is off" if config.async_scheduling else "")
+            logger.info(
+                "speculative decoding: %s, %d tokens per step%s",
+                spec.method,
+                spec.num_speculative_tokens,
+                "; async scheduling is off" if config.async_scheduling else "",
+            )
         self.runner = ModelRunner(
             model,
             backend,
@@ -156,8 +198,11 @@ class EngineCore:
         tokenizer_eos = tokenizer.eos_token_ids
         self.sampling_defaults = load_generation_defaults(config.model, config.generation_config)
         if self.sampling_defaults:
-            logger.info("sampling defaults from the model's generation config (--generation-config %s): %s",
-                        config.generation_config, self.sampling_defaults)
+            logger.info(
+                "sampling defaults from the model's generation config (--generation-config %s): %s",
+                config.generation_config,
+                self.sampling_defaults,
+            )
         self.eos_token_ids = tuple(dict.fromkeys((*self.model_config.eos_token_ids, *tokenizer_eos)))
         self.vocab_size = self.model_config.vocab_size
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
@@ -174,8 +219,14 @@ class EngineCore:
         logger.info(
             "attention backend: %s; scheduler: policy=%s max_num_seqs=%d max_num_active_seqs=%d "
             "max_num_batched_tokens=%d max_model_len=%d block_size=%d prefix_caching=%s",
-            backend.name, sc.policy, sc.max_num_seqs, sc.max_num_active_seqs, sc.max_num_batched_tokens,
-            sc.max_model_len, sc.block_size, sc.enable_prefix_caching,
+            backend.name,
+            sc.policy,
+            sc.max_num_seqs,
+            sc.max_num_active_seqs,
+            sc.max_num_batched_tokens,
+            sc.max_model_len,
+            sc.block_size,
+            sc.enable_prefix_caching,
         )
         freeze_start_up_heap()
 
@@ -183,14 +234,26 @@ class EngineCore:
         kv_config = self.config.kv_transfer_config
         if kv_config is None:
             return None
-        identity = store_identity(self.config.model, self.model_config, self.config.block_size, dtype,
-                                  self.config.prefix_caching_hash_algo)
-        logger.info("KV connector %s (%s) at %s, store key %s", kv_config.kv_connector, kv_config.kv_role,
-                    kv_config.shared_storage_path, identity.key)
+        identity = store_identity(
+            self.config.model,
+            self.model_config,
+            self.config.block_size,
+            dtype,
+            self.config.prefix_caching_hash_algo,
+        )
+        logger.info(
+            "KV connector %s (%s) at %s, store key %s",
+            kv_config.kv_connector,
+            kv_config.kv_role,
+            kv_config.shared_storage_path,
+            identity.key,
+        )
         # Copies into and out of the KV cache run in forward-pass order: on the forward thread when there is one.
         executor = self._executor
         ordered = (lambda fn: executor.submit(fn)) if executor is not None else (lambda fn: fn())
-        return KVTransfer(kv_config, make_connector(kv_config, identity), self.scheduler, self.runner, ordered)
+        return KVTransfer(
+            kv_config, make_connector(kv_config, identity), self.scheduler, self.runner, ordered
+        )
 
     # ------------------------------------------------------------ requests
 
@@ -256,8 +319,10 @@ class EngineCore:
         if lora is None:
             return None
         if self.lora is None:
-            raise ValueError(f"request {request.request_id!r} names LoRA adapter {lora.name!r} but the engine was "
-                             "started without enable_lora")
+            raise ValueError(
+                f"request {request.request_id!r} names LoRA adapter {lora.name!r} but the engine was "
+                "started without enable_lora"
+            )
         self.lora.register(lora)
         return lora.id
 
@@ -275,8 +340,9 @@ class EngineCore:
         for request_id in request_ids:
             self.scheduler.abort_request(request_id)
 
-    def add_stream_input(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
-                         is_last: bool = False) -> None:
+    def add_stream_input(
+        self, request_id: str, token_ids: Sequence[int], max_tokens: int, is_last: bool = False
+    ) -> None:
         """S15: a streaming session's next segment: ``token_ids`` then up to ``max_tokens``
         generated tokens. ``ValueError`` naming the value for a token id outside the vocabulary,
         an empty input, or input the scheduler refuses (not an open session, growth past
@@ -285,7 +351,9 @@ class EngineCore:
             raise ValueError(f"session {request_id!r}: stream input must hold at least one token")
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"session {request_id!r}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"session {request_id!r}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
         handle = self.scheduler.handle_of(request_id)
         if handle is None:
             raise KeyError(f"no live request {request_id!r}")
@@ -297,7 +365,9 @@ class EngineCore:
             return
         self._apply_stream_input(request_id, token_ids, max_tokens, is_last)
 
-    def _apply_stream_input(self, request_id: str, token_ids: Sequence[int], max_tokens: int, is_last: bool) -> None:
+    def _apply_stream_input(
+        self, request_id: str, token_ids: Sequence[int], max_tokens: int, is_last: bool
+    ) -> None:
         self.scheduler.add_stream_input(request_id, token_ids, max_tokens, is_last)
 
     def _apply_deferred_inputs(self) -> None:
@@ -354,18 +424,26 @@ class EngineCore:
         cause when any rank cannot load or fit the checkpoint (the old weights stay), or with a
         KV connector (its store would serve KV of the old weights)."""
         if self.config.kv_transfer_config is not None:
-            raise ValueError("weights cannot be reloaded with --kv-transfer-config: the KV store's blocks, keyed "
-                             "by the served model, were computed with the old weights")
+            raise ValueError(
+                "weights cannot be reloaded with --kv-transfer-config: the KV store's blocks, keyed "
+                "by the served model, were computed with the old weights"
+            )
         if self.pause_state != "paused_all":
-            raise NotPausedError(f"weights can be reloaded only while paused with mode all; the engine is "
-                               f"{self.pause_state}")
+            raise NotPausedError(
+                f"weights can be reloaded only while paused with mode all; the engine is {self.pause_state}"
+            )
         group = self.tp_group
         if group is not None:
             group.channel.send_reload(model)  # the other ranks load their shards meanwhile
         config, tp = self.config, None if group is None else group.tp
-        new, error = load_checked(model, self.runner.model, dtype=config.torch_dtype,
-                                  device=config.torch_device, quantization=config.resolved_quantization,
-                                  tp=tp)
+        new, error = load_checked(
+            model,
+            self.runner.model,
+            dtype=config.torch_dtype,
+            device=config.torch_device,
+            quantization=config.resolved_quantization,
+            tp=tp,
+        )
         failed = swap_in(self.runner.model, new, error, None if group is None else group.channel)
         if failed is not None:
             raise ValueError(f"the weights of {model} were not loaded, the served ones stay: {failed}")
@@ -393,7 +471,11 @@ class EngineCore:
         ``handles``); NaN where not known yet."""
         handles = np.asarray(handles, dtype=np.uint32)
         c = self._columns
-        return self.scheduler.arrival_times(handles), c.first_scheduled_time[handles], c.first_token_time[handles]
+        return (
+            self.scheduler.arrival_times(handles),
+            c.first_scheduled_time[handles],
+            c.first_token_time[handles],
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._in_flight) or bool(self._deferred_inputs) or self.scheduler.has_requests()
@@ -462,8 +544,9 @@ class EngineCore:
             raise
         self._in_flight.append(step)
 
-    def _prepare(self, so: _core.SchedulerOutput, launched: float, launched_wall: float,
-                 first_in_flight: bool) -> _Step:
+    def _prepare(
+        self, so: _core.SchedulerOutput, launched: float, launched_wall: float, first_in_flight: bool
+    ) -> _Step:
         backlogged = self.scheduler.num_waiting > 0
         c = self._columns
         self.structured.remove(so.finished)
@@ -547,7 +630,9 @@ class EngineCore:
             self.spec_counters.observe(prepared.spec.num_real_drafts, result.num_accepted)
         eco = self.scheduler.update_from_output(offsets.astype(np.uint32), tokens.astype(np.uint32))
         handles = so.req_handles[result.sampled_positions]
-        drafting = (self._columns.logprobs[handles] < 0) & ~np.isin(handles, eco.handles[eco.finish_reasons != 0])
+        drafting = (self._columns.logprobs[handles] < 0) & ~np.isin(
+            handles, eco.handles[eco.finish_reasons != 0]
+        )
         if self.structured.num_constrained:
             drafting &= ~self.structured._is_constrained(handles)
         handles = handles[drafting]

@@ -105,9 +105,15 @@ def run_engine(
         for frontend in range(len(pushes)):
             loop.send(frontend, ready)
         # The process's one ready line (the launcher and frontends log it at DEBUG only).
-        logger.info("engine %d ready (pid %d): model=%s max_model_len=%d vocab_size=%d KV blocks=%d",
-                    engine_index, os.getpid(), info.model_name, info.max_model_len, info.vocab_size,
-                    info.num_gpu_blocks)
+        logger.info(
+            "engine %d ready (pid %d): model=%s max_model_len=%d vocab_size=%d KV blocks=%d",
+            engine_index,
+            os.getpid(),
+            info.model_name,
+            info.max_model_len,
+            info.vocab_size,
+            info.num_gpu_blocks,
+        )
         logger.debug("engine %d: input %s, frontends %s", engine_index, input_addr, list(output_addrs))
         heartbeat = _Heartbeat(ctx, loop, output_addrs, heartbeat_interval)
         heartbeat.start()
@@ -115,7 +121,9 @@ def run_engine(
             loop.run(stop, parent_pid)
         except Exception as e:
             logger.exception("engine %d failed", engine_index)
-            _report_failure(engine_index, f"engine {engine_index} failed: {type(e).__name__}: {e}", pushes, None)
+            _report_failure(
+                engine_index, f"engine {engine_index} failed: {type(e).__name__}: {e}", pushes, None
+            )
             return
         finally:
             heartbeat.stop()
@@ -151,8 +159,9 @@ def _exit_process(code: int) -> None:
     os._exit(code)
 
 
-def _build_engine(engine_config: dict[str, Any], engine_index: int,
-                  torch_num_threads: int | None) -> tuple[EngineCore, ModelInfo]:
+def _build_engine(
+    engine_config: dict[str, Any], engine_index: int, torch_num_threads: int | None
+) -> tuple[EngineCore, ModelInfo]:
     if torch_num_threads is not None and engine_config.get("num_threads") is None:
         # --torch-num-threads (serve's older spelling) is the engine's --num-threads.
         engine_config = {**engine_config, "num_threads": torch_num_threads}
@@ -186,8 +195,10 @@ def _build_engine(engine_config: dict[str, Any], engine_index: int,
 
 def _cache_config(config: EngineConfig, sc: Any, model_config: ModelConfig) -> dict[str, str]:
     """The labels of ``cache_config_info`` (vLLM's names; values as text, as vLLM writes them)."""
-    heads = [head_ranges(model_config, rank, config.tensor_parallel_size)
-             for rank in range(config.tensor_parallel_size)]
+    heads = [
+        head_ranges(model_config, rank, config.tensor_parallel_size)
+        for rank in range(config.tensor_parallel_size)
+    ]
     return {
         "block_size": str(sc.block_size),
         "num_gpu_blocks": str(sc.num_gpu_blocks),
@@ -214,7 +225,9 @@ def _model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def _report_failure(engine_index: int, message: str, pushes: list[zmq.Socket], ready_pipe: Connection | None) -> None:
+def _report_failure(
+    engine_index: int, message: str, pushes: list[zmq.Socket], ready_pipe: Connection | None
+) -> None:
     data = protocol.encode(protocol.Failed(engine_index, message))
     if ready_pipe is not None:
         try:
@@ -303,12 +316,16 @@ class _EngineLoop:
                 self.core.abort_requests(msg.request_ids)
             elif isinstance(msg, protocol.Hello):
                 if msg.frontend_index < len(self.pushes):
-                    self.send(msg.frontend_index, protocol.encode(protocol.Ready(self.engine_index, self.info)))
+                    self.send(
+                        msg.frontend_index, protocol.encode(protocol.Ready(self.engine_index, self.info))
+                    )
             elif isinstance(msg, protocol.Query):
                 if msg.frontend_index < len(self.pushes):
                     statuses = engine_statuses(self.core.scheduler, msg.request_ids)
-                    self.send(msg.frontend_index, protocol.encode(protocol.Status(self.engine_index, msg.query_id,
-                                                                                  statuses)))
+                    self.send(
+                        msg.frontend_index,
+                        protocol.encode(protocol.Status(self.engine_index, msg.query_id, statuses)),
+                    )
             elif isinstance(msg, protocol.Pause):
                 self._pause(msg)
             elif isinstance(msg, protocol.StreamInput):
@@ -320,8 +337,10 @@ class _EngineLoop:
             elif isinstance(msg, protocol.ResetPrefixCache):
                 self.core.reset_prefix_cache()
                 if msg.frontend_index < len(self.pushes):
-                    self.send(msg.frontend_index,
-                              protocol.encode(protocol.PrefixCacheReset(self.engine_index, msg.query_id)))
+                    self.send(
+                        msg.frontend_index,
+                        protocol.encode(protocol.PrefixCacheReset(self.engine_index, msg.query_id)),
+                    )
             else:
                 logger.warning("engine %d: unexpected %s message", self.engine_index, type(msg).__name__)
 
@@ -331,7 +350,10 @@ class _EngineLoop:
         self.latest_stats = self._stats()  # heartbeats from now on carry the new state
         logger.info("engine %d: pause state %s", self.engine_index, msg.state)
         if msg.frontend_index < len(self.pushes):
-            self.send(msg.frontend_index, protocol.encode(protocol.Paused(self.engine_index, msg.query_id, msg.state)))
+            self.send(
+                msg.frontend_index,
+                protocol.encode(protocol.Paused(self.engine_index, msg.query_id, msg.state)),
+            )
 
     def _reload_weights(self, msg: protocol.ReloadWeights) -> None:
         """Answered once loaded (or refused); heartbeats go on from their own thread meanwhile."""
@@ -343,9 +365,13 @@ class _EngineLoop:
         except Exception as e:  # the checkpoint's fault (weight_reload): the old weights serve on
             error = (protocol.RELOAD_INVALID, f"{type(e).__name__}: {e}")
         if error is not None:
-            logger.warning("engine %d: weights from %s not reloaded: %s", self.engine_index, msg.model, error[1])
+            logger.warning(
+                "engine %d: weights from %s not reloaded: %s", self.engine_index, msg.model, error[1]
+            )
         if msg.frontend_index < len(self.pushes):
-            self.send(msg.frontend_index, protocol.encode(protocol.Reloaded(self.engine_index, msg.query_id, error)))
+            self.send(
+                msg.frontend_index, protocol.encode(protocol.Reloaded(self.engine_index, msg.query_id, error))
+            )
 
     def _close_stream(self, msg: protocol.CloseStream) -> None:
         frontend = self.core.client_of(msg.request_id)
@@ -364,13 +390,18 @@ class _EngineLoop:
             self.core.abort_requests([msg.request_id])
             if frontend is not None:
                 out = EngineCoreOutput(msg.request_id, [], "abort", error=str(e))
-                self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, [out], self._stats())))
+                self.send(
+                    frontend, protocol.encode(protocol.Outputs(self.engine_index, [out], self._stats()))
+                )
 
     def _add(self, msg: protocol.AddRequest) -> None:
         request, frontend = msg.request, msg.frontend_index
         if frontend >= len(self.pushes):
             logger.warning(
-                "engine %d: request %s names unknown frontend %d", self.engine_index, request.request_id, frontend
+                "engine %d: request %s names unknown frontend %d",
+                self.engine_index,
+                request.request_id,
+                frontend,
             )
             return
         try:
@@ -394,7 +425,9 @@ class _EngineLoop:
         for frontend in frontends:
             share = batch if len(frontends) == 1 else batch.select(np.flatnonzero(batch.clients == frontend))
             share_timings = [t for i, t in timings.items() if batch.clients[i] == frontend]
-            self.send(frontend, protocol.encode(protocol.Outputs(self.engine_index, share, stats, share_timings)))
+            self.send(
+                frontend, protocol.encode(protocol.Outputs(self.engine_index, share, stats, share_timings))
+            )
 
     def _send_kv_events(self) -> None:
         """The prefix cache's changes since the last call, to every frontend (their routing
@@ -402,8 +435,11 @@ class _EngineLoop:
         earlier than of its first token."""
         stored, removed = self.core.scheduler.take_kv_events()
         if len(stored) or len(removed):
-            data = protocol.encode(protocol.KvEvents(self.engine_index, stored.astype("<u8").tobytes(),
-                                                     removed.astype("<u8").tobytes()))
+            data = protocol.encode(
+                protocol.KvEvents(
+                    self.engine_index, stored.astype("<u8").tobytes(), removed.astype("<u8").tobytes()
+                )
+            )
             for frontend in range(len(self.pushes)):
                 self.send(frontend, data)
 
@@ -452,17 +488,22 @@ class _EngineLoop:
         core = self.core
         if core.lora is None:
             return {}
-        return {"running_lora_adapters": core.lora_adapters_of(core.scheduler.running_handles()),
-                "waiting_lora_adapters": core.lora_adapters_of(core.scheduler.waiting_handles()),
-                "max_lora": core.config.max_loras}
+        return {
+            "running_lora_adapters": core.lora_adapters_of(core.scheduler.running_handles()),
+            "waiting_lora_adapters": core.lora_adapters_of(core.scheduler.waiting_handles()),
+            "max_lora": core.config.max_loras,
+        }
 
     def _spec_decode_stats(self) -> dict[str, object]:
         spec = self.core.spec_counters
         if spec is None:
             return {}
-        return dict(spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
-                    spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-                    spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos))
+        return dict(
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
+        )
 
     def send(self, frontend: int, data: bytes) -> None:
         """Never blocks: a frontend that stopped reading (gone, or stuck) must not stall
@@ -474,7 +515,9 @@ class _EngineLoop:
             if self._dropped[frontend] in (1, 10, 100) or self._dropped[frontend] % 1000 == 0:
                 logger.warning(
                     "engine %d: frontend %d is not reading; %d messages dropped",
-                    self.engine_index, frontend, self._dropped[frontend],
+                    self.engine_index,
+                    frontend,
+                    self._dropped[frontend],
                 )
 
 
@@ -484,7 +527,9 @@ class _Heartbeat(threading.Thread):
     frontends' engine_timeout (a long prefill on CPU) must not read as a dead engine.
     Death of the process stops it; a loop stuck inside a live process is not detected."""
 
-    def __init__(self, ctx: zmq.Context, loop: _EngineLoop, output_addrs: Sequence[str], interval: float) -> None:
+    def __init__(
+        self, ctx: zmq.Context, loop: _EngineLoop, output_addrs: Sequence[str], interval: float
+    ) -> None:
         super().__init__(name=f"fastsched-engine-{loop.engine_index}-heartbeat", daemon=True)
         self._ctx = ctx
         self._loop = loop

@@ -53,7 +53,9 @@ class OutputBatch:
     clients: np.ndarray  # [n] int: the frontend the request came from (engine side only)
     handles: np.ndarray  # [n] int64: the request's scheduler handle, -1 where not known (engine side only)
     stop_reasons: dict[int, int | str] = field(default_factory=dict)  # row -> the stop token id that ended it
-    logprobs: dict[int, _Logprobs] = field(default_factory=dict)  # row -> per new token: id -> (logprob, rank)
+    logprobs: dict[int, _Logprobs] = field(
+        default_factory=dict
+    )  # row -> per new token: id -> (logprob, rank)
     errors: dict[int, str] = field(default_factory=dict)  # row -> why an ignored request could not run
     segment_ends: set[int] = field(default_factory=set)  # rows of sessions that ended a segment (S15)
     pooled: dict[int, np.ndarray] = field(default_factory=dict)  # row -> a pooling request's embedding
@@ -75,8 +77,9 @@ class OutputBatch:
             token_offsets=offsets,
             token_ids=np.array([t for o in outputs for t in o.new_token_ids], dtype=np.int64),
             finish_reasons=np.array([FINISH_CODES.get(o.finish_reason, 0) for o in outputs], dtype=np.uint8),
-            num_cached_tokens=np.array([-1 if o.num_cached_tokens is None else o.num_cached_tokens
-                                        for o in outputs], dtype=np.int64),
+            num_cached_tokens=np.array(
+                [-1 if o.num_cached_tokens is None else o.num_cached_tokens for o in outputs], dtype=np.int64
+            ),
             first_token=np.zeros(n, dtype=bool),
             clients=np.zeros(n, dtype=np.int64),
             handles=np.full(n, -1, dtype=np.int64),
@@ -85,8 +88,9 @@ class OutputBatch:
             errors={i: o.error for i, o in enumerate(outputs) if o.error is not None},
             segment_ends={i for i, o in enumerate(outputs) if o.segment_ended},
             pooled={i: o.pooled for i, o in enumerate(outputs) if o.pooled is not None},
-            prompt_logprobs={i: o.prompt_logprobs for i, o in enumerate(outputs)
-                             if o.prompt_logprobs is not None},
+            prompt_logprobs={
+                i: o.prompt_logprobs for i, o in enumerate(outputs) if o.prompt_logprobs is not None
+            },
         )
 
     def __len__(self) -> int:
@@ -133,8 +137,14 @@ class OutputBatch:
         )
 
     def _has_extras(self) -> bool:
-        return bool(self.stop_reasons or self.logprobs or self.errors or self.segment_ends or self.pooled
-                    or self.prompt_logprobs)
+        return bool(
+            self.stop_reasons
+            or self.logprobs
+            or self.errors
+            or self.segment_ends
+            or self.pooled
+            or self.prompt_logprobs
+        )
 
 
 def select_csr(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

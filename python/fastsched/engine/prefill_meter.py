@@ -29,10 +29,16 @@ MIN_DATA_STEPS = 4
 class PrefillThroughputMeter:
     """Prompt tokens prefilled per second of backlogged step time, over a sliding window."""
 
-    def __init__(self, window_s: float = DEFAULT_WINDOW_S, min_data_s: float = MIN_DATA_S,
-                 min_data_steps: int = MIN_DATA_STEPS) -> None:
+    def __init__(
+        self,
+        window_s: float = DEFAULT_WINDOW_S,
+        min_data_s: float = MIN_DATA_S,
+        min_data_steps: int = MIN_DATA_STEPS,
+    ) -> None:
         if window_s <= 0 or min_data_s < 0 or min_data_s > window_s:
-            raise ValueError(f"need 0 <= min_data_s <= window_s and window_s > 0, got {min_data_s}, {window_s}")
+            raise ValueError(
+                f"need 0 <= min_data_s <= window_s and window_s > 0, got {min_data_s}, {window_s}"
+            )
         self.window_s = window_s
         self.min_data_s = min_data_s
         self.min_data_steps = min_data_steps
@@ -61,7 +67,9 @@ class PrefillThroughputMeter:
         return self._tokens / self._duration
 
 
-def prefill_tokens(num_scheduled: ArrayLike, num_computed: ArrayLike, prompt_lens: ArrayLike) -> tuple[int, bool]:
+def prefill_tokens(
+    num_scheduled: ArrayLike, num_computed: ArrayLike, prompt_lens: ArrayLike
+) -> tuple[int, bool]:
     """Prompt tokens among a step's scheduled tokens (recomputed outputs of a preempted
     request are not prompt: they never were in the admission backlog), and whether a
     scheduled prompt is left unfinished (a chunked prefill: backlog the step could not take).

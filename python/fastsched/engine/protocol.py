@@ -70,7 +70,6 @@ def pause_mode(state: str) -> str | None:
     return None if state == "unpaused" else state.removeprefix("paused_")
 
 
-
 # ------------------------------------------------------------------ the maps inside messages
 
 
@@ -152,8 +151,10 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if len(self.iteration_tokens) not in (0, len(ITERATION_TOKENS_BUCKETS) + 1):
-            raise ValueError(f"stats.iteration_tokens must have {len(ITERATION_TOKENS_BUCKETS) + 1} buckets, "
-                             f"got {len(self.iteration_tokens)}")
+            raise ValueError(
+                f"stats.iteration_tokens must have {len(ITERATION_TOKENS_BUCKETS) + 1} buckets, "
+                f"got {len(self.iteration_tokens)}"
+            )
 
 
 class EngineRequestStatus(msgspec.Struct, forbid_unknown_fields=True):
@@ -281,17 +282,31 @@ class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
         extras = []
         for row in sorted({*b.stop_reasons, *b.logprobs, *b.errors, *b.pooled, *b.prompt_logprobs}):
             entries = b.logprobs.get(row)
-            logprobs = None if entries is None else [[(t, lp, rank) for t, (lp, rank) in e.items()] for e in entries]
+            logprobs = (
+                None if entries is None else [[(t, lp, rank) for t, (lp, rank) in e.items()] for e in entries]
+            )
             pooled = b.pooled.get(row)
             pooled_wire = None if pooled is None else pooled.astype("<f4").tobytes()
             prompt = b.prompt_logprobs.get(row)
-            prompt_wire = None if prompt is None else [
-                None if e is None else [(t, lp, rank) for t, (lp, rank) in e.items()] for e in prompt]
-            extras.append(OutputExtra(row, b.stop_reasons.get(row), logprobs, b.errors.get(row), pooled_wire,
-                                      prompt_wire))
-        return cls(b.request_ids, b.token_offsets.astype("<u4").tobytes(), b.token_ids.astype("<u4").tobytes(),
-                   b.finish_reasons.astype(np.uint8).tobytes(), b.num_cached_tokens.astype("<i8").tobytes(),
-                   extras, sorted(b.segment_ends))
+            prompt_wire = (
+                None
+                if prompt is None
+                else [None if e is None else [(t, lp, rank) for t, (lp, rank) in e.items()] for e in prompt]
+            )
+            extras.append(
+                OutputExtra(
+                    row, b.stop_reasons.get(row), logprobs, b.errors.get(row), pooled_wire, prompt_wire
+                )
+            )
+        return cls(
+            b.request_ids,
+            b.token_offsets.astype("<u4").tobytes(),
+            b.token_ids.astype("<u4").tobytes(),
+            b.finish_reasons.astype(np.uint8).tobytes(),
+            b.num_cached_tokens.astype("<i8").tobytes(),
+            extras,
+            sorted(b.segment_ends),
+        )
 
     def expand(self) -> list[EngineCoreOutput]:
         """One output per row; ``ValueError`` for columns that do not fit together."""
@@ -301,8 +316,11 @@ class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
         tokens = _column(self.token_ids, "<u4", None, "token_ids")
         reasons = _column(self.finish_reasons, "u1", n, "finish_reasons").tolist()
         cached = _column(self.num_cached_tokens, "<i8", n, "num_cached_tokens").tolist()
-        if not (offsets[0] == 0 and bool((np.diff(offsets.astype(np.int64)) >= 0).all())
-                and offsets[-1] == len(tokens)):
+        if not (
+            offsets[0] == 0
+            and bool((np.diff(offsets.astype(np.int64)) >= 0).all())
+            and offsets[-1] == len(tokens)
+        ):
             raise ValueError("token_offsets must start at 0, never decrease and end at len(token_ids)")
         if not all(r == 0 or r in FINISH_REASONS for r in reasons):
             raise ValueError("unknown finish_reason code")
@@ -310,8 +328,12 @@ class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
             raise ValueError("num_cached_tokens must be -1 or non-negative")
         token_list, bounds = tokens.tolist(), offsets.tolist()
         outputs = [
-            EngineCoreOutput(ids[i], token_list[bounds[i] : bounds[i + 1]], FINISH_REASONS.get(reasons[i]),
-                             num_cached_tokens=None if cached[i] < 0 else cached[i])
+            EngineCoreOutput(
+                ids[i],
+                token_list[bounds[i] : bounds[i + 1]],
+                FINISH_REASONS.get(reasons[i]),
+                num_cached_tokens=None if cached[i] < 0 else cached[i],
+            )
             for i in range(n)
         ]
         for extra in self.extras:
@@ -324,8 +346,10 @@ class OutputColumns(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
             if extra.pooled is not None:
                 out.pooled = _column(extra.pooled, "<f4", None, "pooled")
             if extra.prompt_logprobs is not None:
-                out.prompt_logprobs = [None if entry is None else {t: (lp, rank) for t, lp, rank in entry}
-                                       for entry in extra.prompt_logprobs]
+                out.prompt_logprobs = [
+                    None if entry is None else {t: (lp, rank) for t, lp, rank in entry}
+                    for entry in extra.prompt_logprobs
+                ]
         for row in self.segment_ends:
             if row >= n:
                 raise ValueError(f"segment_ends row {row} is out of range")
@@ -500,8 +524,27 @@ class FrontendReady(_Message, tag="frontend_ready"):
     address: str
 
 
-Message = Union[Hello, AddRequest, Abort, Query, Pause, StreamInput, CloseStream, ReloadWeights, ResetPrefixCache,
-                Ready, Heartbeat, KvEvents, Outputs, Failed, Status, Paused, Reloaded, PrefixCacheReset, FrontendReady]
+Message = Union[
+    Hello,
+    AddRequest,
+    Abort,
+    Query,
+    Pause,
+    StreamInput,
+    CloseStream,
+    ReloadWeights,
+    ResetPrefixCache,
+    Ready,
+    Heartbeat,
+    KvEvents,
+    Outputs,
+    Failed,
+    Status,
+    Paused,
+    Reloaded,
+    PrefixCacheReset,
+    FrontendReady,
+]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -29,8 +29,15 @@ def engine_statuses(scheduler: _core.Scheduler, request_ids: Sequence[str]) -> l
             continue
         info = scheduler.request_info(handle)
         status = EngineRequestStatus(
-            request_id, info["status"], info["num_tokens"], info["num_prompt_tokens"], info["num_output_tokens"],
-            info["num_computed_tokens"], info["num_cached_tokens"], info["num_preemptions"], info["priority"],
+            request_id,
+            info["status"],
+            info["num_tokens"],
+            info["num_prompt_tokens"],
+            info["num_output_tokens"],
+            info["num_computed_tokens"],
+            info["num_cached_tokens"],
+            info["num_preemptions"],
+            info["priority"],
             len(info["blocks"]),
         )
         if info["status"] != "running":
@@ -39,6 +46,10 @@ def engine_statuses(scheduler: _core.Scheduler, request_ids: Sequence[str]) -> l
                 stop = scheduler.stats()["last_scan_stop"]
                 blocked_by = None if stop == _NO_GATE else stop
             if handle in waiting:
-                status.queue_position, status.num_waiting, status.blocked_by = waiting[handle], len(waiting), blocked_by
+                status.queue_position, status.num_waiting, status.blocked_by = (
+                    waiting[handle],
+                    len(waiting),
+                    blocked_by,
+                )
         statuses.append(status)
     return statuses

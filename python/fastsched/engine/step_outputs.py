@@ -105,13 +105,21 @@ class StepOutputs:
         computed = so.num_computed_tokens.astype(np.int64)
         scheduled = so.num_scheduled_tokens.astype(np.int64)
         if self.num_scoring:
-            step.prompt_logprobs = plan_prompt_logprobs(so.req_handles, computed, scheduled, prompt_lens,
-                                                        self.columns.prompt_logprobs[so.req_handles],
-                                                        self.scheduler.token_ids)
+            step.prompt_logprobs = plan_prompt_logprobs(
+                so.req_handles,
+                computed,
+                scheduled,
+                prompt_lens,
+                self.columns.prompt_logprobs[so.req_handles],
+                self.scheduler.token_ids,
+            )
         # S20: a pooling request is prefill-only, so it is not among the sampled rows: its
         # embedding is taken in the step that computes its last prompt token.
-        completes = self.columns.pool[so.req_handles] & (computed < prompt_lens) & (
-            computed + scheduled >= prompt_lens)
+        completes = (
+            self.columns.pool[so.req_handles]
+            & (computed < prompt_lens)
+            & (computed + scheduled >= prompt_lens)
+        )
         if np.count_nonzero(completes):
             rows = np.flatnonzero(completes)
             step.pool_tokens = step.query_start_loc[1:][rows].astype(np.int64) - 1
@@ -123,11 +131,14 @@ class StepOutputs:
         self.num_scoring -= 1
         if returned:
             batch.prompt_logprobs[row] = self.prompt_store.take(
-                handle, int(self.scheduler.num_prompt_tokens(np.array([handle], dtype=np.uint32))[0]))
+                handle, int(self.scheduler.num_prompt_tokens(np.array([handle], dtype=np.uint32))[0])
+            )
         else:
             self.prompt_store.drop(handle)
 
-    def collect(self, eco: _core.EngineCoreOutputs, so: _core.SchedulerOutput, result: StepResult) -> OutputBatch:
+    def collect(
+        self, eco: _core.EngineCoreOutputs, so: _core.SchedulerOutput, result: StepResult
+    ) -> OutputBatch:
         """The step's outputs as an OutputBatch, from the scheduler's arrays: numpy over all
         rows, Python only for watched rows (see ``RequestColumns.watch``) and finished ones."""
         handles = eco.handles
@@ -193,8 +204,15 @@ class StepOutputs:
         if self.num_final_only:
             self._final_only_tokens(batch, handles)
 
-    def _collect_watched(self, batch: OutputBatch, handles: np.ndarray, watched: np.ndarray, cached: np.ndarray,
-                         so: _core.SchedulerOutput, result: StepResult) -> None:
+    def _collect_watched(
+        self,
+        batch: OutputBatch,
+        handles: np.ndarray,
+        watched: np.ndarray,
+        cached: np.ndarray,
+        so: _core.SchedulerOutput,
+        result: StepResult,
+    ) -> None:
         """First tokens (their time, the prefix-cache hit reported once) and logprobs."""
         c = self.columns
         wh = handles[watched]
@@ -220,8 +238,12 @@ class StepOutputs:
             tokens = batch.token_ids[offsets[rows]].tolist()
             for i, entry in zip(rows.tolist(), _logprobs_entries(result.logprobs, j_of, tokens, k[wants])):
                 batch.logprobs[i] = [entry]
-        c.watch[wh] = (k >= 0) | (c.prompt_logprobs[wh] >= 0) | ~c.cached_reported[wh] | np.isnan(
-            c.first_token_time[wh])
+        c.watch[wh] = (
+            (k >= 0)
+            | (c.prompt_logprobs[wh] >= 0)
+            | ~c.cached_reported[wh]
+            | np.isnan(c.first_token_time[wh])
+        )
 
     def _final_only_tokens(self, batch: OutputBatch, handles: np.ndarray) -> None:
         """Finished final-only rows get all their output tokens (read from the scheduler,
@@ -232,7 +254,7 @@ class StepOutputs:
         prompt_lens = self.scheduler.num_prompt_tokens(handles).tolist()
         for i, h in enumerate(handles.tolist()):
             if c.final_only[h]:
-                pieces.append(self.scheduler.token_ids(h)[prompt_lens[i]:])
+                pieces.append(self.scheduler.token_ids(h)[prompt_lens[i] :])
             else:
                 pieces.append(batch.token_ids[offsets[i] : offsets[i + 1]])
         batch.token_offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
@@ -240,8 +262,9 @@ class StepOutputs:
         batch.token_ids = np.concatenate(pieces)
 
 
-def _logprobs_entries(lp: LogprobsTensors, rows: np.ndarray, tokens: list[int],
-                      k: np.ndarray) -> list[dict[int, tuple[float, int]]]:
+def _logprobs_entries(
+    lp: LogprobsTensors, rows: np.ndarray, tokens: list[int], k: np.ndarray
+) -> list[dict[int, tuple[float, int]]]:
     """Sampled rows ``rows`` of ``lp``: each one's token (``tokens``) with its (logprob, rank),
     plus its ``k`` most likely tokens'. The tensors are read once, as lists, for all rows."""
     index = torch.from_numpy(rows)

@@ -28,8 +28,10 @@ class StepTimeFit:
 
     def __post_init__(self) -> None:
         if not (self.base_s >= 0 and self.per_token_s >= 0):
-            raise ValueError(f"a step-time fit needs base_s >= 0 and per_token_s >= 0, "
-                             f"got {self.base_s!r}, {self.per_token_s!r}")
+            raise ValueError(
+                f"a step-time fit needs base_s >= 0 and per_token_s >= 0, "
+                f"got {self.base_s!r}, {self.per_token_s!r}"
+            )
 
     def step_time(self, num_tokens: float) -> float:
         """Seconds for a step that schedules ``num_tokens`` tokens."""
@@ -39,9 +41,13 @@ class StepTimeFit:
 class StepTimeMeter:
     """Least-squares fit of step duration on scheduled tokens over the last steps."""
 
-    def __init__(self, window_steps: int = DEFAULT_WINDOW_STEPS, min_data_steps: int = MIN_DATA_STEPS) -> None:
+    def __init__(
+        self, window_steps: int = DEFAULT_WINDOW_STEPS, min_data_steps: int = MIN_DATA_STEPS
+    ) -> None:
         if window_steps < 2 or not 2 <= min_data_steps <= window_steps:
-            raise ValueError(f"need 2 <= min_data_steps <= window_steps, got {min_data_steps}, {window_steps}")
+            raise ValueError(
+                f"need 2 <= min_data_steps <= window_steps, got {min_data_steps}, {window_steps}"
+            )
         self.min_data_steps = min_data_steps
         self._steps: deque[tuple[int, float]] = deque(maxlen=window_steps)
 

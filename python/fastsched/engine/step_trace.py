@@ -55,7 +55,9 @@ class StepShape:
         every other row computes prompt tokens, or recomputes them after a preemption.
         """
         scheduled = so.num_scheduled_tokens.astype(np.int64)
-        decode = (scheduled == 1 + so.num_spec_tokens.astype(np.int64)) & (so.num_computed_tokens >= prompt_lens)
+        decode = (scheduled == 1 + so.num_spec_tokens.astype(np.int64)) & (
+            so.num_computed_tokens >= prompt_lens
+        )
         return cls(
             batched_tokens=int(scheduled.sum()),
             running_reqs=len(scheduled),

@@ -37,8 +37,9 @@ class StructuredOutputs:
     @property
     def manager(self) -> StructuredOutputManager:
         if self._manager is None:
-            self._manager = StructuredOutputManager(self._tokenizer.backend.to_str(), self._vocab_size,
-                                                    self._eos_token_ids)
+            self._manager = StructuredOutputManager(
+                self._tokenizer.backend.to_str(), self._vocab_size, self._eos_token_ids
+            )
         return self._manager
 
     def compile(self, params: StructuredOutputsParams) -> str:

@@ -15,8 +15,8 @@ from fastsched.frontend.output_processor import OutputProcessor
 from fastsched.inputs import PromptType, child_request_ids, engine_requests
 from fastsched.lora.request import LoRARequest
 from fastsched.model_loader import load_tokenizer
-from fastsched.request_gate import RequestGate
 from fastsched.outputs import CompletionOutput, RequestOutput
+from fastsched.request_gate import RequestGate
 from fastsched.sampling_params import SamplingParams
 
 PromptDict = Mapping[str, Any]  # vLLM's TextPrompt / TokensPrompt
@@ -77,8 +77,10 @@ class LLM:
         else:
             lora_list = list(lora_request)
             if len(lora_list) != len(prompt_list):
-                raise ValueError(f"got {len(lora_list)} lora_request for {len(prompt_list)} prompts; "
-                                 "pass one, or one per prompt")
+                raise ValueError(
+                    f"got {len(lora_list)} lora_request for {len(prompt_list)} prompts; "
+                    "pass one, or one per prompt"
+                )
         processor = OutputProcessor(self.tokenizer, stream=False)
         results: list[RequestOutput] = []
         added: list[str] = []
@@ -132,16 +134,24 @@ class LLM:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
-                                               continue_final_message=continue_final_message, tokenize=True,
-                                               chat_template=chat_template,
-                                               **(chat_template_kwargs or {}))
+            self.tokenizer.apply_chat_template(
+                list(conv),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                chat_template=chat_template,
+                **(chat_template_kwargs or {}),
+            )
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add(
-        self, prompt: PromptType | PromptDict, params: SamplingParams, lora: LoRARequest | None, processor: OutputProcessor,
+        self,
+        prompt: PromptType | PromptDict,
+        params: SamplingParams,
+        lora: LoRARequest | None,
+        processor: OutputProcessor,
         added: list[str],
     ) -> RequestOutput:
         request_id = str(next(self._ids))
@@ -166,7 +176,12 @@ class LLM:
     def _run(self, processor: OutputProcessor, num_requests: int, use_tqdm: bool) -> None:
         # Without use_tqdm the bar is off; with it, TQDM_DISABLE still may turn it off (the
         # CLI sets it when stderr is no terminal: a redirected log gets no \r fragments).
-        bar = tqdm(total=num_requests, desc="Processed prompts", unit="req", **({} if use_tqdm else {"disable": True}))
+        bar = tqdm(
+            total=num_requests,
+            desc="Processed prompts",
+            unit="req",
+            **({} if use_tqdm else {"disable": True}),
+        )
         speed = _TokenSpeed()
         done: set[int] = set()
         with bar:
@@ -206,18 +221,20 @@ class _TokenSpeed:
 
     def describe(self, elapsed: float) -> str:
         elapsed = max(elapsed, 1e-9)
-        return (f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
-                f"output: {self.output_tokens / elapsed:.2f} toks/s")
+        return (
+            f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+            f"output: {self.output_tokens / elapsed:.2f} toks/s"
+        )
 
 
 def _as_prompt_list(
-        prompts: PromptType | PromptDict | Sequence[PromptType | PromptDict]) -> list[PromptType | PromptDict]:
+    prompts: PromptType | PromptDict | Sequence[PromptType | PromptDict],
+) -> list[PromptType | PromptDict]:
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return list(prompts)
-
 
 
 def _split_prompt(prompt: PromptType | PromptDict) -> tuple[PromptType, str | None]:
@@ -226,11 +243,15 @@ def _split_prompt(prompt: PromptType | PromptDict) -> tuple[PromptType, str | No
         return prompt, None
     unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt"})
     if unknown:
-        raise ValueError(f"prompt key {unknown[0]!r} is not supported; a prompt dict has 'prompt' or "
-                         "'prompt_token_ids', and optionally 'cache_salt'")
+        raise ValueError(
+            f"prompt key {unknown[0]!r} is not supported; a prompt dict has 'prompt' or "
+            "'prompt_token_ids', and optionally 'cache_salt'"
+        )
     given = [key for key in _PROMPT_KEYS if key in prompt]
     if len(given) != 1:
-        raise ValueError(f"a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids', got {given or 'neither'}")
+        raise ValueError(
+            f"a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids', got {given or 'neither'}"
+        )
     value = prompt[given[0]]
     if given[0] == "prompt" and not isinstance(value, str):
         raise ValueError(f"prompt must be a string, got {type(value).__name__}")

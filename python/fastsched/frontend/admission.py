@@ -141,21 +141,28 @@ class AdmissionController:
     checked once for all of them (A4).
     """
 
-    def __init__(self, settings: FrontendSettings | None = None,
-                 shared_stats: SharedInFlightCounter | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: FrontendSettings | None = None,
+        shared_stats: SharedInFlightCounter | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """``settings``: the frontend's (validated there); its admission fields are used.
         ``clock``: seconds, for A7's prompt rate and prediction errors (the simulator's is virtual)."""
         settings = settings or FrontendSettings()
         self.ttft_slo = settings.ttft_slo
         self.tpot_slo = settings.tpot_slo
         self.clock = clock
-        self.step_time: StepTimeFit | None = None  # A7: the engines' mean fit; None until every one has fitted
+        self.step_time: StepTimeFit | None = (
+            None  # A7: the engines' mean fit; None until every one has fitted
+        )
         self.token_budget = 0  # A7: one engine's max_num_batched_tokens
         self.num_engines = 1
         self._flow = PromptFlow()
         self._num_prefilling = 0  # sequences of this frontend without a first token
-        self.prediction_errors = {target: Histogram(SLO_PREDICTION_ERROR_BUCKETS) for target in ("ttft", "tpot")}
+        self.prediction_errors = {
+            target: Histogram(SLO_PREDICTION_ERROR_BUCKETS) for target in ("ttft", "tpot")
+        }
         self.num_frontends = settings.num_frontends
         self.prefill_tokens_per_s: float | None = None  # the engines' total, as last reported
         self._slo_limit: int | None = None  # this frontend's share; None until the engines report
@@ -174,17 +181,20 @@ class AdmissionController:
 
     # ------------------------------------------------------------ the gates
 
-    def check_and_charge(self, request_id: str, n: int, prompt_len: int, *, engine_healthy: bool = True,
-                         max_tokens: int = 1) -> None:
+    def check_and_charge(
+        self, request_id: str, n: int, prompt_len: int, *, engine_healthy: bool = True, max_tokens: int = 1
+    ) -> None:
         """Admit the request (and charge it) or raise an :class:`AdmissionError` leaving
         no trace but the rejection counter (A5). Never awaits: see the module docstring."""
         # The request gate and the request table have judged these (an id in use, n, the prompt).
         assert request_id not in self._charges and n >= 1 and prompt_len >= 0, (request_id, n, prompt_len)
         self.check_can_ever_fit(n, prompt_len)
         if self.fault_tolerance and not engine_healthy:  # A1
-            self._reject(EngineFaultedError(
-                "the engine is not healthy (fault tolerance is on); retry on another instance"
-            ))
+            self._reject(
+                EngineFaultedError(
+                    "the engine is not healthy (fault tolerance is on); retry on another instance"
+                )
+            )
         shared = self.shared_stats
         if shared is not None:
             shared.add(n)  # increment first, then read the sum: see the module docstring
@@ -193,26 +203,35 @@ class AdmissionController:
                 in_flight = shared.total() - n if shared is not None else self._num_in_flight
                 if in_flight + n > self.max_num_queued_reqs:
                     what = f"{in_flight} requests in flight" + (f" + {n} requested" if n > 1 else "")
-                    self._reject(QueueOverflowError(
-                        f"queue full: {what} would exceed max_num_queued_reqs ({self.max_num_queued_reqs})",
-                        limit=self.max_num_queued_reqs, current=in_flight,
-                    ))
+                    self._reject(
+                        QueueOverflowError(
+                            f"queue full: {what} would exceed max_num_queued_reqs ({self.max_num_queued_reqs})",
+                            limit=self.max_num_queued_reqs,
+                            current=in_flight,
+                        )
+                    )
             if self.max_num_queued_tokens is not None:  # A3
                 queued = self._num_queued_tokens
                 if queued >= self.max_num_queued_tokens:
-                    self._reject(MaxQueuedTokensError(
-                        f"prefill backlog full: {queued} prompt tokens queued reach "
-                        f"max_num_queued_tokens ({self.max_num_queued_tokens})",
-                        limit=self.max_num_queued_tokens, current=queued,
-                    ))
+                    self._reject(
+                        MaxQueuedTokensError(
+                            f"prefill backlog full: {queued} prompt tokens queued reach "
+                            f"max_num_queued_tokens ({self.max_num_queued_tokens})",
+                            limit=self.max_num_queued_tokens,
+                            current=queued,
+                        )
+                    )
             if self.ttft_slo is not None and self._slo_limit is not None:  # the TTFT-SLO valve
                 queued, own = self._num_queued_tokens, n * prompt_len
                 if queued > 0 and queued + own > self._slo_limit:
-                    self._reject(TtftSloError(
-                        f"TTFT target at risk: {queued} prompt tokens queued + {own} requested would exceed "
-                        f"{self._slo_limit} ({self._slo_limit_origin()})",
-                        limit=self._slo_limit, current=queued,
-                    ))
+                    self._reject(
+                        TtftSloError(
+                            f"TTFT target at risk: {queued} prompt tokens queued + {own} requested would exceed "
+                            f"{self._slo_limit} ({self._slo_limit_origin()})",
+                            limit=self._slo_limit,
+                            current=queued,
+                        )
+                    )
             prediction = self._check_slo(n, prompt_len, max_tokens)
         except AdmissionError:
             if shared is not None:
@@ -238,7 +257,8 @@ class AdmissionController:
             num_decoding=round((self._num_in_flight - self._num_prefilling) * scale),
             num_queued_tokens=round(self._num_queued_tokens * scale),
             prompt_tokens_per_s=self._flow.rate(self.clock(), window) * scale,
-            token_budget=self.token_budget, step=self.step_time,
+            token_budget=self.token_budget,
+            step=self.step_time,
         )
         return predict(state, n, prompt_len, window)
 
@@ -263,11 +283,17 @@ class AdmissionController:
         HTTP 400 naming the limit), not a retryable rejection: ``n`` above
         ``max_num_queued_reqs``, or a prompt longer than ``max_num_queued_tokens``."""
         if self.max_num_queued_reqs is not None and n > self.max_num_queued_reqs:
-            raise LimitError(f"n is {n}, more than max_num_queued_reqs ({self.max_num_queued_reqs}): this server "
-                             "never has room for that many sequences of one request", "n")
+            raise LimitError(
+                f"n is {n}, more than max_num_queued_reqs ({self.max_num_queued_reqs}): this server "
+                "never has room for that many sequences of one request",
+                "n",
+            )
         if self.max_num_queued_tokens is not None and prompt_len > self.max_num_queued_tokens:
-            raise LimitError(f"the prompt has {prompt_len} tokens, more than max_num_queued_tokens "
-                             f"({self.max_num_queued_tokens}): this server never admits a prompt that long", "prompt")
+            raise LimitError(
+                f"the prompt has {prompt_len} tokens, more than max_num_queued_tokens "
+                f"({self.max_num_queued_tokens}): this server never admits a prompt that long",
+                "prompt",
+            )
 
     def mark_first_token(self, request_id: str) -> None:
         """One sequence of the request produced its first token: its prompt leaves the
@@ -296,8 +322,12 @@ class AdmissionController:
         if charge is None:
             return
         prediction = charge.prediction
-        if (prediction is not None and math.isfinite(prediction.tpot_s) and charge.first_token_at is not None
-                and num_output_tokens > 1):  # an unbounded prediction (a request let in alone) has no error
+        if (
+            prediction is not None
+            and math.isfinite(prediction.tpot_s)
+            and charge.first_token_at is not None
+            and num_output_tokens > 1
+        ):  # an unbounded prediction (a request let in alone) has no error
             tpot = (self.clock() - charge.first_token_at) / (num_output_tokens - 1)
             self.prediction_errors["tpot"].observe(abs(prediction.tpot_s - tpot))
         self._num_in_flight -= charge.n
@@ -326,8 +356,10 @@ class AdmissionController:
         share = f" / {self.num_frontends} frontends" if self.num_frontends > 1 else ""
         if self.prefill_tokens_per_s is None:
             return f"the floor of {TTFT_SLO_FLOOR_STEPS} scheduler steps{share}, until prefill throughput is measured"
-        return (f"ttft_slo {self.ttft_slo:g} s x measured prefill throughput "
-                f"{self.prefill_tokens_per_s:.0f} tokens/s{share}")
+        return (
+            f"ttft_slo {self.ttft_slo:g} s x measured prefill throughput "
+            f"{self.prefill_tokens_per_s:.0f} tokens/s{share}"
+        )
 
     def _reject(self, error: AdmissionError) -> None:
         self.count_rejection(error)

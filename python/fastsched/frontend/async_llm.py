@@ -104,8 +104,13 @@ class AsyncLLM:
         self.limits = settings.limits
         self.tokenizer: Tokenizer | None = None
         self.gate: RequestGate | None = None  # every request's checks, once the engines have said which model
-        self._client = EngineClient(engine_input_addrs, output_addr, frontend_index=frontend_index,
-                                    engine_procs=engine_procs, engine_timeout=settings.engine_timeout)
+        self._client = EngineClient(
+            engine_input_addrs,
+            output_addr,
+            frontend_index=frontend_index,
+            engine_procs=engine_procs,
+            engine_timeout=settings.engine_timeout,
+        )
         self.output_addr = output_addr
         self._engines = self._client.engines
         self._table = RequestTable(len(self._engines), self._client.abort)
@@ -131,8 +136,9 @@ class AsyncLLM:
         table.on_finished.append(lambda state, error, counted: self._count_session(state, -1))
         table.on_segment_ended.append(self._timer.segment_ended)
         table.on_child_finished.append(self._record_finished)
-        table.on_finished.extend([self._timer.finished, self._record_request, self._remember,
-                                  self._log_finished, self._release])
+        table.on_finished.extend(
+            [self._timer.finished, self._record_request, self._remember, self._log_finished, self._release]
+        )
 
     @classmethod
     async def start(
@@ -154,8 +160,14 @@ class AsyncLLM:
         request logging (``frontend.settings``, validated there; default: all off).
         ``shared_stats``: this frontend's opened ``SharedAdmissionStats`` slot (A6)."""
         settings = settings or FrontendSettings()
-        llm = cls(engine_input_addrs, output_addr, frontend_index=frontend_index, settings=settings,
-                  admission=AdmissionController(settings, shared_stats), engine_procs=engine_procs)
+        llm = cls(
+            engine_input_addrs,
+            output_addr,
+            frontend_index=frontend_index,
+            settings=settings,
+            admission=AdmissionController(settings, shared_stats),
+            engine_procs=engine_procs,
+        )
         try:
             await llm._start(settings.ready_timeout, tokenizer)
         except BaseException:
@@ -178,7 +190,10 @@ class AsyncLLM:
         self._started = True
         logger.info(
             "frontend %d connected to %d engine(s): model=%s max_model_len=%d",
-            self.frontend_index, len(self._engines), first.model_name, first.max_model_len,
+            self.frontend_index,
+            len(self._engines),
+            first.model_name,
+            first.max_model_len,
         )
 
     # ------------------------------------------------------------ requests
@@ -205,15 +220,27 @@ class AsyncLLM:
         does not support. ``lora_request``: the adapter the session runs with, as for :meth:`generate`.
         :class:`SessionLimitError` (an :class:`AdmissionError`) when this frontend's share of
         ``max_sessions`` is open already."""
-        return self.open_session(self._gate().request(request_id, prompt, params or SamplingParams(), priority,
-                                                      lora_request, streaming=True, cache_salt=cache_salt))
+        return self.open_session(
+            self._gate().request(
+                request_id,
+                prompt,
+                params or SamplingParams(),
+                priority,
+                lora_request,
+                streaming=True,
+                cache_salt=cache_salt,
+            )
+        )
 
     def open_session(self, valid: ValidRequest) -> Session:
         """:meth:`session` for a request the gate has let through (``valid.streaming``)."""
         if self.num_sessions >= self.max_sessions:
             error = SessionLimitError(
                 f"{self.num_sessions} sessions are open on this frontend, its share of --max-sessions "
-                f"({self.max_sessions}); retry later", limit=self.max_sessions, current=self.num_sessions)
+                f"({self.max_sessions}); retry later",
+                limit=self.max_sessions,
+                current=self.num_sessions,
+            )
             self._history.add(rejected_status(valid.request_id, self.frontend_index, error, time.time(), 0))
             self.admission.count_rejection(error)
             raise error
@@ -240,8 +267,11 @@ class AsyncLLM:
         child runs with (see :attr:`loras`), None for the base model. ``cache_salt``
         (vLLM's): requests with different salts never share prefix-cache blocks.
         """
-        return self.submit(self._gate().request(request_id, prompt, params or SamplingParams(), priority,
-                                                lora_request, cache_salt=cache_salt))
+        return self.submit(
+            self._gate().request(
+                request_id, prompt, params or SamplingParams(), priority, lora_request, cache_salt=cache_salt
+            )
+        )
 
     def submit(self, valid: ValidRequest) -> RequestStream:
         """:meth:`generate` for a request the gate (:attr:`gate`) has let through: nothing in
@@ -255,7 +285,12 @@ class AsyncLLM:
 
     def _admit(self, valid: ValidRequest) -> RequestState:
         self._check_started()
-        request_id, text, token_ids, params = valid.request_id, valid.prompt, valid.prompt_token_ids, valid.params
+        request_id, text, token_ids, params = (
+            valid.request_id,
+            valid.prompt,
+            valid.prompt_token_ids,
+            valid.params,
+        )
         if request_id in self._table:
             raise ValueError(f"request id {request_id!r} is already in use")
         healthy = self._client.healthy()
@@ -263,22 +298,36 @@ class AsyncLLM:
             raise EngineDeadError(f"no engine is alive ({self._client.dead_reasons()})")
         # Check and charge, then register and send: no await anywhere in between.
         try:
-            self.admission.check_and_charge(request_id, params.n, len(token_ids), engine_healthy=self.is_healthy(),
-                                            max_tokens=params.max_tokens)
+            self.admission.check_and_charge(
+                request_id,
+                params.n,
+                len(token_ids),
+                engine_healthy=self.is_healthy(),
+                max_tokens=params.max_tokens,
+            )
         except AdmissionError as e:
-            self._history.add(rejected_status(request_id, self.frontend_index, e, time.time(), len(token_ids)))
+            self._history.add(
+                rejected_status(request_id, self.frontend_index, e, time.time(), len(token_ids))
+            )
             raise
         assert self.router is not None
         lora_id = None if valid.lora_request is None else valid.lora_request.id
-        decision = self.router.choose(token_ids, [e.index for e in healthy], self._table.in_flight,
-                                      lora_id=lora_id, cache_salt=valid.cache_salt)
+        decision = self.router.choose(
+            token_ids,
+            [e.index for e in healthy],
+            self._table.in_flight,
+            lora_id=lora_id,
+            cache_salt=valid.cache_salt,
+        )
         engine = self._engines[decision.engine]
         state = self._new_state(request_id, text, token_ids, params, engine)
         state.routing = decision
         state.lora_name = None if valid.lora_request is None else valid.lora_request.name
         if self.request_logger is not None:
             self.request_logger.received(request_id, text, token_ids, params, valid.priority)
-        requests = engine_requests(state.child_ids, token_ids, params, state.metrics.arrival_time, valid.priority)
+        requests = engine_requests(
+            state.child_ids, token_ids, params, state.metrics.arrival_time, valid.priority
+        )
         requests[0].pooling = valid.pooling
         if valid.streaming:
             requests[0].streaming = True
@@ -295,18 +344,30 @@ class AsyncLLM:
         return state
 
     def _new_state(
-        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
+        self,
+        request_id: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
         engine: EngineConnection,
     ) -> RequestState:
         assert self.tokenizer is not None
         base = f"{self._id_prefix}{next(self._ids)}:{request_id}"
         child_ids = child_request_ids(base, params.n)
-        parent = RequestOutput(request_id, text, token_ids, [CompletionOutput(index=i) for i in range(params.n)])
+        parent = RequestOutput(
+            request_id, text, token_ids, [CompletionOutput(index=i) for i in range(params.n)]
+        )
         processor = OutputProcessor(self.tokenizer)
         state = RequestState(
-            request_id, engine.index, params.n, parent, processor, child_ids,
+            request_id,
+            engine.index,
+            params.n,
+            parent,
+            processor,
+            child_ids,
             RequestMetrics(time.time(), num_prompt_tokens=len(token_ids)),
-            prefilling=set(child_ids), max_tokens=params.max_tokens,
+            prefilling=set(child_ids),
+            max_tokens=params.max_tokens,
         )
         for i, child_id in enumerate(child_ids):
             processor.add_request(child_id, parent, i, child_params(params, i))
@@ -340,13 +401,21 @@ class AsyncLLM:
         assert session is not None
         if state.done or session.closing:
             raise ValueError(f"session {state.request_id!r} has ended or is closing: it takes no more input")
-        chunk = self._gate().chunk(state.request_id, prompt, max_tokens, last, held=session.max_tokens_reached,
-                                   num_chunks=session.num_chunks)
+        chunk = self._gate().chunk(
+            state.request_id,
+            prompt,
+            max_tokens,
+            last,
+            held=session.max_tokens_reached,
+            num_chunks=session.num_chunks,
+        )
         session.count(len(chunk.token_ids), chunk.max_tokens)
         session.closing = last
         session.stop_idle_timer()
-        self._client.send(state.engine_index,
-                          protocol.StreamInput(state.child_ids[0], chunk.token_ids, chunk.max_tokens, last))
+        self._client.send(
+            state.engine_index,
+            protocol.StreamInput(state.child_ids[0], chunk.token_ids, chunk.max_tokens, last),
+        )
 
     def close_session(self, state: RequestState) -> None:
         """``Session.close``: the engine ends the session once its input is served."""
@@ -363,8 +432,12 @@ class AsyncLLM:
             self.num_sessions += delta
 
     def _expire_session(self, state: Any) -> None:
-        logger.info("frontend %d: session %s waited %g s for input; aborted (--session-idle-timeout)",
-                    self.frontend_index, state.request_id, self.session_idle_timeout)
+        logger.info(
+            "frontend %d: session %s waited %g s for input; aborted (--session-idle-timeout)",
+            self.frontend_index,
+            state.request_id,
+            self.session_idle_timeout,
+        )
         self._table.abort(state)
 
     # ------------------------------------------------------------ table subscribers
@@ -377,8 +450,14 @@ class AsyncLLM:
             return
         if e2e is None:  # ended here (aborted, a stop string) or its last timing is on its way
             e2e = time.time() - state.metrics.arrival_time
-        requests.observe_finished(reason, len(state.parent.prompt_token_ids),
-                                  len(state.parent.outputs[index].token_ids), queue_time, ttft, e2e)
+        requests.observe_finished(
+            reason,
+            len(state.parent.prompt_token_ids),
+            len(state.parent.outputs[index].token_ids),
+            queue_time,
+            ttft,
+            e2e,
+        )
 
     def _record_request(self, state: RequestState, error: str | None, counted: bool) -> None:
         requests = self._engines[state.engine_index].requests
@@ -386,8 +465,19 @@ class AsyncLLM:
             requests.observe_request(state.n, state.max_tokens)
 
     def _remember(self, state: RequestState, error: str | None, counted: bool) -> None:
-        self._history.add(_with_routing(ended_status(state.request_id, self.frontend_index, state.engine_index,
-                                                     state.parent.outputs, state.metrics, error), state))
+        self._history.add(
+            _with_routing(
+                ended_status(
+                    state.request_id,
+                    self.frontend_index,
+                    state.engine_index,
+                    state.parent.outputs,
+                    state.metrics,
+                    error,
+                ),
+                state,
+            )
+        )
 
     def _log_finished(self, state: RequestState, error: str | None, counted: bool) -> None:
         if self.request_logger is not None:
@@ -420,8 +510,10 @@ class AsyncLLM:
         fits = [(e.stats.step_time_base_s, e.stats.step_time_per_token_s) for e in engines]
         fit = None
         if fits and all(b is not None and t is not None for b, t in fits):
-            fit = StepTimeFit(sum(b for b, _ in fits if b is not None) / len(fits),
-                              sum(t for _, t in fits if t is not None) / len(fits))
+            fit = StepTimeFit(
+                sum(b for b, _ in fits if b is not None) / len(fits),
+                sum(t for _, t in fits if t is not None) / len(fits),
+            )
         budget = min((e.info.max_num_batched_tokens for e in engines if e.info is not None), default=0)
         self.admission.update_step_time(fit, budget, len(engines))
 
@@ -433,7 +525,9 @@ class AsyncLLM:
         engines = [e for e in self._engines if e.healthy and e.info is not None]
         rates = [e.stats.prefill_tokens_per_s for e in engines]
         total = None if not rates or None in rates else sum(r for r in rates if r is not None)
-        floor = TTFT_SLO_FLOOR_STEPS * sum(e.info.max_num_batched_tokens for e in engines if e.info is not None)
+        floor = TTFT_SLO_FLOOR_STEPS * sum(
+            e.info.max_num_batched_tokens for e in engines if e.info is not None
+        )
         self.admission.update_prefill_throughput(total, max(1, floor))
 
     def is_healthy(self) -> bool:
@@ -468,8 +562,12 @@ class AsyncLLM:
         RL use of S13, between :meth:`pause` with mode ``all`` and :meth:`resume`. Returns once
         every engine has loaded them. ``RuntimeError`` when an engine is not paused with mode
         ``all``, ``ValueError`` when the weights do not fit, ``TimeoutError`` after ``timeout`` s."""
-        answers = await self._command_all(lambda q: protocol.ReloadWeights(model, q, self.frontend_index), timeout)
-        errors = {index: a.error for index, a in answers.items() if isinstance(a, protocol.Reloaded) and a.error}
+        answers = await self._command_all(
+            lambda q: protocol.ReloadWeights(model, q, self.frontend_index), timeout
+        )
+        errors = {
+            index: a.error for index, a in answers.items() if isinstance(a, protocol.Reloaded) and a.error
+        }
         if errors:
             kinds = {kind for kind, _ in errors.values()}
             detail = "; ".join(f"engine {index}: {message}" for index, (_, message) in sorted(errors.items()))
@@ -478,8 +576,10 @@ class AsyncLLM:
     async def reset_prefix_cache(self, timeout: float | None = None) -> None:
         """Every live engine forgets its cached prefixes (vLLM's ``POST /reset_prefix_cache``);
         returns once each has. ``TimeoutError`` after ``timeout`` s (default: engine_timeout)."""
-        await self._command_all(lambda q: protocol.ResetPrefixCache(q, self.frontend_index),
-                                timeout if timeout is not None else self.engine_timeout)
+        await self._command_all(
+            lambda q: protocol.ResetPrefixCache(q, self.frontend_index),
+            timeout if timeout is not None else self.engine_timeout,
+        )
 
     async def _set_pause_state(self, state: protocol.PauseState) -> None:
         await self._command_all(lambda q: protocol.Pause(state, q, self.frontend_index), self.engine_timeout)
@@ -516,9 +616,18 @@ class AsyncLLM:
                     ) from None
         if state.done:  # it ended (or failed) while the engine answered
             return self._history.get(request_id)
-        status = _with_routing(in_flight_status(request_id, self.frontend_index, state.engine_index,
-                                                state.parent.outputs, state.child_ids,
-                                                {r.request_id: r for r in replies}, state.metrics), state)
+        status = _with_routing(
+            in_flight_status(
+                request_id,
+                self.frontend_index,
+                state.engine_index,
+                state.parent.outputs,
+                state.child_ids,
+                {r.request_id: r for r in replies},
+                state.metrics,
+            ),
+            state,
+        )
         prediction = self.admission.prediction(request_id)  # the goodput valve's (A7)
         if prediction is not None:
             status["slo_prediction"] = prediction.as_dict()
@@ -530,21 +639,37 @@ class AsyncLLM:
         engines = [e for e in self._engines if e.healthy]  # a dead engine's last report is stale
         total = {
             name: sum(getattr(e.stats, name) for e in engines)
-            for name in ("num_running", "num_waiting", "num_preemptions_total", "prefix_cache_queries",
-                         "prefix_cache_hits", "prompt_tokens_total", "generation_tokens_total")
+            for name in (
+                "num_running",
+                "num_waiting",
+                "num_preemptions_total",
+                "prefix_cache_queries",
+                "prefix_cache_hits",
+                "prompt_tokens_total",
+                "generation_tokens_total",
+            )
         }
-        total["kv_cache_usage"] = sum(e.stats.kv_cache_usage for e in engines) / len(engines) if engines else 0.0
+        total["kv_cache_usage"] = (
+            sum(e.stats.kv_cache_usage for e in engines) / len(engines) if engines else 0.0
+        )
         total["engines"] = [
-            {"index": e.index, "healthy": e.healthy, "dead_reason": e.dead_reason,
-             "num_in_flight": self._table.in_flight[e.index],
-             **msgspec.structs.asdict(e.stats if e.healthy else EngineStats()),
-             "process": e.process_stats, "cache_config": dict(e.info.cache_config) if e.info is not None else {}}
+            {
+                "index": e.index,
+                "healthy": e.healthy,
+                "dead_reason": e.dead_reason,
+                "num_in_flight": self._table.in_flight[e.index],
+                **msgspec.structs.asdict(e.stats if e.healthy else EngineStats()),
+                "process": e.process_stats,
+                "cache_config": dict(e.info.cache_config) if e.info is not None else {},
+            }
             for e in self._engines  # dead ones too: they are reported dead, their gauges zero
         ]
         total["requests_by_engine"] = {e.index: e.requests for e in engines if e.requests is not None}
         total["frontend_index"] = self.frontend_index
         total["admission_rejections_total"] = self.admission.rejections
-        total["routing_decisions_total"] = dict(self.router.decisions_total) if self.router is not None else {}
+        total["routing_decisions_total"] = (
+            dict(self.router.decisions_total) if self.router is not None else {}
+        )
         total["num_requests_in_flight"] = self.admission.num_requests
         total["num_sequences_in_flight"] = self.admission.num_in_flight
         total["num_sequences_in_flight_total"] = self.admission.num_in_flight_total

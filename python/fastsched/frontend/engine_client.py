@@ -105,7 +105,9 @@ class EngineClient:
             self._pull.close()
             self._ctx.term()
             self._send_ctx.term()
-            raise OSError(f"frontend {frontend_index} cannot bind its output address {output_addr}: {e}") from e
+            raise OSError(
+                f"frontend {frontend_index} cannot bind its output address {output_addr}: {e}"
+            ) from e
         self.engines: list[EngineConnection] = []
         for i, addr in enumerate(engine_input_addrs):
             push = self._send_ctx.socket(zmq.PUSH)
@@ -138,7 +140,9 @@ class EngineClient:
                     raise RuntimeError(f"engine {e.index} failed before it was ready: {e.dead_reason}")
                 if e.process is not None and not e.process.is_alive():
                     code = getattr(e.process, "exitcode", None)
-                    raise RuntimeError(f"engine {e.index} exited (exit code {code}) before it was ready; see its log")
+                    raise RuntimeError(
+                        f"engine {e.index} exited (exit code {code}) before it was ready; see its log"
+                    )
                 if e.info is None:
                     self._send_bytes(e, hello)
             remaining = deadline - time.monotonic()
@@ -200,7 +204,9 @@ class EngineClient:
                     self._mark_dead(e, f"its process exited (exit code {code})")
                 elif now - e.last_seen > self.engine_timeout:
                     silence = now - e.last_seen
-                    self._mark_dead(e, f"no message for {silence:.1f} s (engine_timeout {self.engine_timeout:g} s)")
+                    self._mark_dead(
+                        e, f"no message for {silence:.1f} s (engine_timeout {self.engine_timeout:g} s)"
+                    )
 
     def _mark_dead(self, engine: EngineConnection, reason: str) -> None:
         if not engine.healthy:
@@ -217,8 +223,13 @@ class EngineClient:
         (``engine_timeout``) marks it dead here; the launcher watches the process."""
         first = next((e.info for e in self.engines if e is not engine and e.info is not None), engine.info)
         if first is not None and not _same_model(info, first):
-            logger.error("frontend %d: restarted engine %d serves %s, not %s; left dead",
-                         self.frontend_index, engine.index, info, first)
+            logger.error(
+                "frontend %d: restarted engine %d serves %s, not %s; left dead",
+                self.frontend_index,
+                engine.index,
+                info,
+                first,
+            )
             return
         engine.healthy, engine.dead_reason, engine.info = True, None, info
         engine.stats, engine.last_seen, engine.process = EngineStats(), time.monotonic(), None
@@ -254,7 +265,9 @@ class EngineClient:
         finally:
             self._queries.pop(query_id, None)
 
-    async def command_all(self, make: Callable[[int], protocol.Message], timeout: float) -> dict[int, protocol.Message]:
+    async def command_all(
+        self, make: Callable[[int], protocol.Message], timeout: float
+    ) -> dict[int, protocol.Message]:
         """Sends ``make(query_id)`` to every live engine; their answers, by engine index.
         ``TimeoutError`` naming an engine that does not answer within ``timeout`` seconds."""
         loop = asyncio.get_running_loop()
@@ -315,8 +328,13 @@ class EngineClient:
             self.on_stats()
         elif isinstance(msg, protocol.Ready):
             if engine.info is None:
-                logger.debug("frontend %d: engine %d ready (model=%s KV blocks=%d)", self.frontend_index, index,
-                             msg.model_info.model_name, msg.model_info.num_gpu_blocks)
+                logger.debug(
+                    "frontend %d: engine %d ready (model=%s KV blocks=%d)",
+                    self.frontend_index,
+                    index,
+                    msg.model_info.model_name,
+                    msg.model_info.num_gpu_blocks,
+                )
             engine.info = msg.model_info
             if engine.requests is None:
                 engine.requests = EngineRequestMetrics(msg.model_info.max_model_len)

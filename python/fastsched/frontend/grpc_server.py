@@ -55,6 +55,7 @@ from fastsched.limits import RequestLimits
 from fastsched.lora.request import LoRARequest
 from fastsched.outputs import RequestOutput
 from fastsched.proto_gen import import_stubs
+from fastsched.request_gate import ValidRequest
 from fastsched.rpc import (
     INVALID_PARAM_KEY,
     MESSAGE_SIZE_OPTIONS,
@@ -63,7 +64,6 @@ from fastsched.rpc import (
     error_metadata,
     metadata_authorization,
 )
-from fastsched.request_gate import ValidRequest
 from fastsched.sampling_params import SamplingParams
 
 pb, pb_grpc = import_stubs()
@@ -72,12 +72,31 @@ logger = logging.getLogger("fastsched.grpc")
 
 
 # Field names an error message may be about, for `invalid-param` (OpenAI's `param`).
-_PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams)) | {"prompt", "priority", "request_id", "model"}
+_PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams)) | {
+    "prompt",
+    "priority",
+    "request_id",
+    "model",
+}
 _WORD = re.compile(r"[A-Za-z_]+")
 _OPTIONAL_PARAMS = (
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "ignore_eos",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
-    "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "skip_reading_prefix_cache",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "prompt_logprobs",
+    "skip_reading_prefix_cache",
 )
 
 
@@ -110,7 +129,11 @@ def model_info_dict(info: Any) -> dict[str, Any]:
     """AsyncLLM's ``model_info()`` (a mapping, or ``protocol.ModelInfo``) as
     ``{"model", "max_model_len", "vocab_size"}``."""
     if isinstance(info, Mapping):
-        return {"model": info["model"], "max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"]}
+        return {
+            "model": info["model"],
+            "max_model_len": info["max_model_len"],
+            "vocab_size": info["vocab_size"],
+        }
     name = getattr(info, "model_name", None) or getattr(info, "model", None) or ""
     return {"model": name, "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}
 
@@ -139,8 +162,14 @@ class _ResponseStream:
     them for the latency histograms (TTFT, inter-token latency, e2e as this frontend sees them),
     per engine (``engine``: the index of the engine serving the request, None if not known)."""
 
-    def __init__(self, request_id: str, num_top_logprobs: int | None, latencies: LatencyHistograms,
-                 engine: int | None = None, embed: bool = False) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        num_top_logprobs: int | None,
+        latencies: LatencyHistograms,
+        engine: int | None = None,
+        embed: bool = False,
+    ) -> None:
         self.request_id = request_id
         self.embed = embed  # an embedding request: its final message carries the embedding, no tokens
         self.num_top_logprobs = num_top_logprobs
@@ -164,8 +193,10 @@ class _ResponseStream:
         if output.prompt_logprobs is not None and not self.prompt_logprobs_sent:
             self.prompt_logprobs_sent = True
             response.prompt_token_ids.extend(output.prompt_token_ids)
-            response.prompt_logprobs.extend(_position_logprobs(t, p, len(p or ()))
-                                            for t, p in zip(output.prompt_token_ids, output.prompt_logprobs))
+            response.prompt_logprobs.extend(
+                _position_logprobs(t, p, len(p or ()))
+                for t, p in zip(output.prompt_token_ids, output.prompt_logprobs)
+            )
         if output.finished:
             if output.embedding is not None:
                 response.embedding.extend(output.embedding)
@@ -177,8 +208,10 @@ class _ResponseStream:
     def _completion_delta(self, d: CompletionDelta) -> Any:
         delta = pb.CompletionDelta(index=d.index, token_ids=d.token_ids, text=d.text)
         if d.logprobs is not None and self.num_top_logprobs is not None:
-            delta.logprobs.extend(_position_logprobs(token_id, position, self.num_top_logprobs)
-                                  for token_id, position in zip(d.token_ids, d.logprobs))
+            delta.logprobs.extend(
+                _position_logprobs(token_id, position, self.num_top_logprobs)
+                for token_id, position in zip(d.token_ids, d.logprobs)
+            )
         if d.finish_reason is not None:
             delta.finish_reason = d.finish_reason
             if isinstance(d.stop_reason, str):
@@ -217,8 +250,9 @@ class _ResponseStream:
 class FrontendServicer(pb_grpc.FrontendServicer):
     """Serves one AsyncLLM (see the module docstring for the error mapping)."""
 
-    def __init__(self, async_llm: Any, limits: RequestLimits | None = None,
-                 admin: AdminSettings | None = None) -> None:
+    def __init__(
+        self, async_llm: Any, limits: RequestLimits | None = None, admin: AdminSettings | None = None
+    ) -> None:
         self.async_llm = async_llm
         self.limits = limits or RequestLimits()
         self.admin = admin or AdminSettings()
@@ -229,8 +263,13 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         async with self._admission(context, request_id):
             valid = await self._validate(request_id, request, streaming=False)
             stream = self.async_llm.submit(valid)
-        responses = _ResponseStream(request_id, valid.params.logprobs, self.latencies,
-                                    getattr(stream, "engine_index", None), embed=valid.pooling)
+        responses = _ResponseStream(
+            request_id,
+            valid.params.logprobs,
+            self.latencies,
+            getattr(stream, "engine_index", None),
+            embed=valid.pooling,
+        )
         try:
             # Leaving this block before the request finished (the client cancelled, the
             # stream broke) aborts it in the engine: no path can forget the abort.
@@ -259,12 +298,16 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         except Exception as e:
             await self._abort_failed(context, request_id, e)
 
-    async def _abort_failed(self, context: grpc.aio.ServicerContext, request_id: str, error: Exception) -> None:
+    async def _abort_failed(
+        self, context: grpc.aio.ServicerContext, request_id: str, error: Exception
+    ) -> None:
         """End the call for a request that failed: UNAVAILABLE ``engine_faulted`` while the
         engine is unhealthy (it died mid-request), INVALID_ARGUMENT for a ``ValueError``
         (e.g. the engine refused the prompt: docs/design.md §4, ignored), else INTERNAL."""
         if not self.async_llm.is_healthy():
-            logger.warning("request %r failed, the engine is not healthy: %s", request_id, error)  # %r: as sent, escaped
+            logger.warning(
+                "request %r failed, the engine is not healthy: %s", request_id, error
+            )  # %r: as sent, escaped
             await self._abort_unavailable(context, ENGINE_FAULTED)
         if isinstance(error, ValueError):
             await self._abort_invalid(context, error)
@@ -282,11 +325,21 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             if kind is not None and kind != "json_object":
                 constraint = (kind, list(so.choice.values) if kind == "choice" else getattr(so, kind))
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-        return await self.async_llm.gate.request_async(request_id, prompt, build_params, constraint,
-                                                       request.priority, lora, streaming, cache_salt,
-                                                       request.embed)
+        return await self.async_llm.gate.request_async(
+            request_id,
+            prompt,
+            build_params,
+            constraint,
+            request.priority,
+            lora,
+            streaming,
+            cache_salt,
+            request.embed,
+        )
 
-    def _parse(self, request: Any) -> tuple[str | list[int], Callable[[], SamplingParams], LoRARequest | None]:
+    def _parse(
+        self, request: Any
+    ) -> tuple[str | list[int], Callable[[], SamplingParams], LoRARequest | None]:
         """The prompt, a builder of the sampling parameters (it may compile a grammar: the gate
         runs it off the event loop) and the adapter a request names."""
         lora = None
@@ -295,14 +348,19 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             loras = self.async_llm.loras
             lora = None if loras is None else loras.get(request.model)
             if request.model != served and lora is None:
-                raise _NotFound(f"The model `{request.model}` does not exist; this frontend serves `{served}`.")
+                raise _NotFound(
+                    f"The model `{request.model}` does not exist; this frontend serves `{served}`."
+                )
         info = self.async_llm.model_info()
         defaults = info.get("sampling_defaults") if isinstance(info, Mapping) else info.sampling_defaults
         kind = request.WhichOneof("input")
         if kind is None:
             raise ValueError("prompt is required: set `text` or `token_ids`")
-        return ((request.text if kind == "text" else list(request.token_ids.ids)),
-                lambda: sampling_params_from_proto(request.sampling_params, defaults), lora)
+        return (
+            (request.text if kind == "text" else list(request.token_ids.ids)),
+            lambda: sampling_params_from_proto(request.sampling_params, defaults),
+            lora,
+        )
 
     @staticmethod
     async def _abort_invalid(context: grpc.aio.ServicerContext, error: ValueError) -> None:
@@ -311,7 +369,9 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             code, param, error_code = grpc.StatusCode.NOT_FOUND, "model", "model_not_found"
         else:
             code = grpc.StatusCode.INVALID_ARGUMENT
-            param = getattr(error, "field", None) or param_named_in(str(error))  # a LimitError knows its field
+            param = getattr(error, "field", None) or param_named_in(
+                str(error)
+            )  # a LimitError knows its field
             error_code = getattr(error, "code", None)  # e.g. context_length_exceeded
         context.set_trailing_metadata(error_metadata(param=param, code=error_code))
         await context.abort(code, str(error))
@@ -330,14 +390,18 @@ class FrontendServicer(pb_grpc.FrontendServicer):
                 first = await anext(aiter(request_iterator), None)
         except TimeoutError:
             context.set_trailing_metadata(error_metadata(param="open", code="session_open_timeout"))
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no `open` message within the session open "
-                                "timeout (--session-open-timeout)")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "no `open` message within the session open timeout (--session-open-timeout)",
+            )
         if first is None or first.WhichOneof("kind") != "open":
             context.set_trailing_metadata(((INVALID_PARAM_KEY, "open"),))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session's first message must be `open`")
         request_id = first.open.request_id or f"session-{uuid.uuid4().hex}"
         async with self._admission(context, request_id):
-            session = self.async_llm.open_session(await self._validate(request_id, first.open, streaming=True))
+            session = self.async_llm.open_session(
+                await self._validate(request_id, first.open, streaming=True)
+            )
         feeder = asyncio.create_task(feed_session(session, request_iterator))
         try:
             async with session:
@@ -391,7 +455,9 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         await self._check_admin(context, "ReloadWeights")
         if not request.model:
             context.set_trailing_metadata(((INVALID_PARAM_KEY, "model"),))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model (the checkpoint to load) is required")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "model (the checkpoint to load) is required"
+            )
         await self._check_path(context, request.model, "model")
         try:
             await self.async_llm.reload_weights(request.model)
@@ -429,7 +495,9 @@ class FrontendServicer(pb_grpc.FrontendServicer):
     async def ListLoRAAdapters(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         loras = self.async_llm.loras
         adapters = [] if loras is None else loras.adapters()
-        return pb.ListLoRAAdaptersResponse(adapters=[pb.LoRAAdapter(name=a.name, path=a.path) for a in adapters])
+        return pb.ListLoRAAdaptersResponse(
+            adapters=[pb.LoRAAdapter(name=a.name, path=a.path) for a in adapters]
+        )
 
     async def LoadLoRAAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._check_admin(context, "LoadLoRAAdapter")
@@ -475,7 +543,9 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         if status is None:
             context.set_trailing_metadata(error_metadata(param="request_id", code="request_not_found"))
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"this frontend does not know request {request.request_id!r}")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"this frontend does not know request {request.request_id!r}"
+            )
         return json_format.ParseDict(status, pb.RequestStatusResponse())
 
 
@@ -495,19 +565,27 @@ async def feed_session(session: Session, request_iterator: Any) -> None:
             elif kind == "close":
                 await session.close()
             else:
-                raise ValueError(f"a session takes `open` once, then `chunk` or `close`; got {kind or 'nothing'}")
+                raise ValueError(
+                    f"a session takes `open` once, then `chunk` or `close`; got {kind or 'nothing'}"
+                )
         await session.close()  # no more input can come
     except ValueError as e:
         session.fail(e)
 
 
 def session_response(out: SessionOutput, session: Session) -> Any:
-    response = pb.SessionResponse(request_id=out.request_id, segment=out.segment, token_ids=out.token_ids,
-                                  text=out.text, segment_ended=out.segment_ended,
-                                  finish_reason=out.finish_reason or "")
+    response = pb.SessionResponse(
+        request_id=out.request_id,
+        segment=out.segment,
+        token_ids=out.token_ids,
+        text=out.text,
+        segment_ended=out.segment_ended,
+        finish_reason=out.finish_reason or "",
+    )
     if out.finished:
-        response.usage.CopyFrom(pb.Usage(prompt_tokens=session.num_input_tokens,
-                                         completion_tokens=session.num_output_tokens))
+        response.usage.CopyFrom(
+            pb.Usage(prompt_tokens=session.num_input_tokens, completion_tokens=session.num_output_tokens)
+        )
     return response
 
 
@@ -541,13 +619,18 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
         self._deny_bidi = grpc.stream_stream_rpc_method_handler(deny_bidi)
 
-    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
-                                handler_call_details: Any) -> Any:
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
+    ) -> Any:
         method = handler_call_details.method
         rpc = method.rsplit("/", 1)[-1]
         # Health is open for probes; admin methods take the admin key instead (FrontendServicer._check_admin).
-        if rpc == "Health" or rpc in ADMIN_RPCS or rpc in LORA_RPCS \
-                or self._authorized(handler_call_details.invocation_metadata or ()):
+        if (
+            rpc == "Health"
+            or rpc in ADMIN_RPCS
+            or rpc in LORA_RPCS
+            or self._authorized(handler_call_details.invocation_metadata or ())
+        ):
             return await continuation(handler_call_details)
         if method.endswith("/GenerateSession"):
             return self._deny_bidi
@@ -558,12 +641,20 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 _UNAUTHENTICATED = "Invalid or missing API key: send metadata `authorization: Bearer <key>`."
-_UNAUTHENTICATED_ADMIN = "Invalid or missing admin API key (--admin-api-key): send metadata `authorization: Bearer <key>`."
+_UNAUTHENTICATED_ADMIN = (
+    "Invalid or missing admin API key (--admin-api-key): send metadata `authorization: Bearer <key>`."
+)
 
 
-async def serve_frontend(async_llm: Any, host: str = "127.0.0.1", port: int = 50051, *,
-                         api_key: str | None = None, limits: RequestLimits | None = None,
-                         admin: AdminSettings | None = None) -> grpc.aio.Server:
+async def serve_frontend(
+    async_llm: Any,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    *,
+    api_key: str | None = None,
+    limits: RequestLimits | None = None,
+    admin: AdminSettings | None = None,
+) -> grpc.aio.Server:
     """Starts a grpc.aio server for ``async_llm`` on ``host:port`` and returns it (stop it
     with ``await server.stop(grace)``). Fails if the port is taken: SO_REUSEPORT is off so
     two frontends can never silently share one port. ``api_key``: required of every call

@@ -53,8 +53,9 @@ class LoRARegistry:
         self._in_use: Counter[str] = Counter()
 
     @classmethod
-    def from_modules(cls, modules: Mapping[str, str], max_lora_rank: int,
-                     model_config: ModelConfig | None = None) -> LoRARegistry:
+    def from_modules(
+        cls, modules: Mapping[str, str], max_lora_rank: int, model_config: ModelConfig | None = None
+    ) -> LoRARegistry:
         registry = cls(max_lora_rank, model_config)
         for name, path in modules.items():
             registry.load(name, path)
@@ -86,8 +87,10 @@ class LoRARegistry:
             raise LoRANotFoundError(f"The lora adapter '{name}' cannot be found.")
         live = self._in_use[name]
         if live:
-            raise LoRAInUseError(f"The lora adapter '{name}' is used by {live} request(s) in flight; "
-                                 "unload it when they are done.")
+            raise LoRAInUseError(
+                f"The lora adapter '{name}' is used by {live} request(s) in flight; "
+                "unload it when they are done."
+            )
         del self._adapters[name]
 
     def in_use(self, name: str) -> int:

@@ -39,7 +39,9 @@ class OutputProcessor:
         self.stream = stream
         self._completions: dict[str, _Completion] = {}
 
-    def add_request(self, engine_request_id: str, parent: RequestOutput, index: int, params: SamplingParams) -> None:
+    def add_request(
+        self, engine_request_id: str, parent: RequestOutput, index: int, params: SamplingParams
+    ) -> None:
         output = parent.outputs[index]
         if params.logprobs is not None:
             output.logprobs = []
@@ -73,14 +75,19 @@ class OutputProcessor:
             if out.new_logprobs and o.logprobs is not None:
                 for entry in out.new_logprobs:
                     o.logprobs.append(
-                        {t: Logprob(lp, rank, self.tokenizer.decode([t], False)) for t, (lp, rank) in entry.items()}
+                        {
+                            t: Logprob(lp, rank, self.tokenizer.decode([t], False))
+                            for t, (lp, rank) in entry.items()
+                        }
                     )
             if one_by_one:
                 c.new_text = self._detokenize_each(c, out)
             elif self.stream or c.params.stop:
                 c.new_text = self._detokenize(c, out.finish_reason is not None)
             elif out.finish_reason is not None:
-                c.new_text = self.tokenizer.decode(o.token_ids, skip_special_tokens=c.params.skip_special_tokens)
+                c.new_text = self.tokenizer.decode(
+                    o.token_ids, skip_special_tokens=c.params.skip_special_tokens
+                )
             if c.stop.stopped:
                 o.finish_reason, o.stop_reason = "stop", c.stop.matched_stop
                 if out.finish_reason is None:
@@ -95,8 +102,10 @@ class OutputProcessor:
             changed[id(c.parent)] = c.parent
         return list(changed.values()), to_abort
 
-    def _prompt_logprobs(self, entries: list[dict[int, tuple[float, int]] | None],
-                         ) -> list[dict[int, Logprob] | None]:
+    def _prompt_logprobs(
+        self,
+        entries: list[dict[int, tuple[float, int]] | None],
+    ) -> list[dict[int, Logprob] | None]:
         """The engine's prompt logprobs with decoded tokens (each distinct id decoded once)."""
         decoded: dict[int, str] = {}
 
@@ -105,8 +114,10 @@ class OutputProcessor:
                 decoded[t] = self.tokenizer.decode([t], False)
             return decoded[t]
 
-        return [None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
-                for e in entries]
+        return [
+            None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
+            for e in entries
+        ]
 
     def _detokenize_each(self, c: _Completion, out: EngineCoreOutput) -> str:
         """Appends a step's tokens one at a time, as if each came in a step of its own, so that

@@ -87,8 +87,10 @@ def run_frontend(spec: FrontendSpec, ready_pipe: Connection) -> None:
     """A frontend process's main: AsyncLLM + gRPC server until SIGTERM or the launcher's
     death. Sends a FrontendReady or a Failed message (``engine.protocol``) on ``ready_pipe``."""
     block_sigint()
-    logging.basicConfig(level=spec.log_level,
-                        format=f"%(asctime)s %(levelname)s [frontend {spec.index}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=spec.log_level,
+        format=f"%(asctime)s %(levelname)s [frontend {spec.index}] %(name)s: %(message)s",
+    )
     sys.exit(asyncio.run(_frontend_main(spec, ready_pipe)))
 
 
@@ -121,10 +123,17 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
                 from fastsched.model_loader import load_tokenizer
 
                 tokenizer = await asyncio.to_thread(load_tokenizer, spec.tokenizer_dir)
-            starting = asyncio.create_task(AsyncLLM.start(
-                spec.engine_input_addrs, spec.output_addr, frontend_index=spec.index, settings=spec.settings,
-                shared_stats=shared, engine_procs=engines, tokenizer=tokenizer,
-            ))
+            starting = asyncio.create_task(
+                AsyncLLM.start(
+                    spec.engine_input_addrs,
+                    spec.output_addr,
+                    frontend_index=spec.index,
+                    settings=spec.settings,
+                    shared_stats=shared,
+                    engine_procs=engines,
+                    tokenizer=tokenizer,
+                )
+            )
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
             stopping.cancel()
@@ -133,8 +142,14 @@ async def _frontend_main(spec: FrontendSpec, ready_pipe: Connection) -> int:
                 await asyncio.gather(starting, return_exceptions=True)
                 return 0
             llm = starting.result()
-            server = await serve_frontend(llm, spec.grpc_host, spec.grpc_port, api_key=spec.api_key,
-                                          limits=spec.settings.limits, admin=spec.admin)
+            server = await serve_frontend(
+                llm,
+                spec.grpc_host,
+                spec.grpc_port,
+                api_key=spec.api_key,
+                limits=spec.settings.limits,
+                admin=spec.admin,
+            )
         except Exception as e:
             logger.error("frontend %d failed to start: %s", spec.index, e)
             with contextlib.suppress(OSError):

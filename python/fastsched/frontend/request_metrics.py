@@ -20,12 +20,74 @@ import bisect
 from collections.abc import Sequence
 
 # vLLM's bucket layouts (vllm/v1/metrics/loggers.py).
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 
 # The latency histograms the gRPC server times (request_queue_time_seconds is AsyncLLM's
@@ -134,8 +196,15 @@ class EngineRequestMetrics:
         self.success = dict.fromkeys(FINISHED_REASONS, 0)
         self.histograms = {name: Histogram(b) for name, b in request_histogram_buckets(max_model_len).items()}
 
-    def observe_finished(self, reason: str | None, num_prompt_tokens: int, num_generation_tokens: int,
-                         queue_time: float | None, ttft: float | None, end: float) -> None:
+    def observe_finished(
+        self,
+        reason: str | None,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        queue_time: float | None,
+        ttft: float | None,
+        end: float,
+    ) -> None:
         """One completion that ended with ``reason``; times in seconds since arrival (the
         engine's ``queue_time`` and ``ttft``, None when it never got that far, and ``end``,
         its last token). vLLM's phases: queue = scheduled − arrival, prefill = first token

@@ -33,6 +33,7 @@ FINISHED = "finished"
 REJECTED = "rejected"
 MIXED = "mixed"  # a request's sequences (or a response's prompts) are in different states
 
+
 class RequestHistory:
     """The last ``capacity`` requests this frontend rejected or ended, by request id; a
     newer record of an id replaces the older one, the oldest record goes first."""
@@ -63,11 +64,16 @@ def combined_state(states: Iterable[str]) -> str:
     return distinct.pop() if len(distinct) == 1 else MIXED
 
 
-def rejected_status(request_id: str, frontend: int, error: AdmissionError, arrival_time: float,
-                    num_prompt_tokens: int) -> dict[str, Any]:
+def rejected_status(
+    request_id: str, frontend: int, error: AdmissionError, arrival_time: float, num_prompt_tokens: int
+) -> dict[str, Any]:
     status = {
-        "request_id": request_id, "state": REJECTED, "frontend": frontend, "reason": error.reason,
-        "message": str(error), "metrics": {"arrival_time": arrival_time, "num_prompt_tokens": num_prompt_tokens},
+        "request_id": request_id,
+        "state": REJECTED,
+        "frontend": frontend,
+        "reason": error.reason,
+        "message": str(error),
+        "metrics": {"arrival_time": arrival_time, "num_prompt_tokens": num_prompt_tokens},
     }
     prediction = getattr(error, "prediction", None)  # the goodput valve's (A7)
     if prediction is not None:
@@ -75,23 +81,42 @@ def rejected_status(request_id: str, frontend: int, error: AdmissionError, arriv
     return status
 
 
-def in_flight_status(request_id: str, frontend: int, engine: int, outputs: Sequence[CompletionOutput],
-                     child_ids: Sequence[str], replies: dict[str, EngineRequestStatus],
-                     metrics: RequestMetrics) -> dict[str, Any]:
+def in_flight_status(
+    request_id: str,
+    frontend: int,
+    engine: int,
+    outputs: Sequence[CompletionOutput],
+    child_ids: Sequence[str],
+    replies: dict[str, EngineRequestStatus],
+    metrics: RequestMetrics,
+) -> dict[str, Any]:
     """``replies``: the engine's answer for the children still live there; the others
     have ended in this frontend (a stop string) and are reported from ``outputs``."""
     sequences = []
     for o, child_id in zip(outputs, child_ids):
         reply = replies.get(child_id)
         sequences.append(_finished_sequence(o) if reply is None else _engine_sequence(o.index, reply))
-    return _with_metrics({
-        "request_id": request_id, "state": combined_state(s["state"] for s in sequences), "frontend": frontend,
-        "engine": engine, "sequences": sequences,
-    }, metrics, outputs)
+    return _with_metrics(
+        {
+            "request_id": request_id,
+            "state": combined_state(s["state"] for s in sequences),
+            "frontend": frontend,
+            "engine": engine,
+            "sequences": sequences,
+        },
+        metrics,
+        outputs,
+    )
 
 
-def ended_status(request_id: str, frontend: int, engine: int, outputs: Sequence[CompletionOutput],
-                 metrics: RequestMetrics, error: str | None) -> dict[str, Any]:
+def ended_status(
+    request_id: str,
+    frontend: int,
+    engine: int,
+    outputs: Sequence[CompletionOutput],
+    metrics: RequestMetrics,
+    error: str | None,
+) -> dict[str, Any]:
     """A request that ended: finished, aborted (a sequence without a finish reason and no
     ``error`` was aborted), ignored by its engine, or failed with ``error`` (its engine died)."""
     sequences = []
@@ -101,10 +126,16 @@ def ended_status(request_id: str, frontend: int, engine: int, outputs: Sequence[
             sequence["finish_reason"] = "abort"
         sequences.append(sequence)
     status: dict[str, Any] = {
-        "request_id": request_id, "state": FINISHED, "frontend": frontend, "engine": engine, "sequences": sequences,
+        "request_id": request_id,
+        "state": FINISHED,
+        "frontend": frontend,
+        "engine": engine,
+        "sequences": sequences,
     }
     ignored = next((o for o in outputs if o.finish_reason == "ignored"), None)
-    message = error or (None if ignored is None else str(ignored.stop_reason or "the engine refused the request"))
+    message = error or (
+        None if ignored is None else str(ignored.stop_reason or "the engine refused the request")
+    )
     if message is not None:
         status["message"] = message
     return _with_metrics(status, metrics, outputs)
@@ -125,8 +156,9 @@ def _engine_sequence(index: int, reply: EngineRequestStatus) -> dict[str, Any]:
     return {"index": index, "state": reply.status, **{k: v for k, v in fields.items() if v is not None}}
 
 
-def _with_metrics(status: dict[str, Any], metrics: RequestMetrics,
-                  outputs: Sequence[CompletionOutput]) -> dict[str, Any]:
+def _with_metrics(
+    status: dict[str, Any], metrics: RequestMetrics, outputs: Sequence[CompletionOutput]
+) -> dict[str, Any]:
     """The tokens generated so far are counted now: ``metrics`` has them only at the end."""
     values = {**vars(metrics), "num_generation_tokens": sum(len(o.token_ids) for o in outputs)}
     status["metrics"] = {k: v for k, v in values.items() if v is not None}

@@ -81,20 +81,39 @@ class RequestStream(RequestHandle[RequestState]):
             text0, tokens0, logprobs0, finished0 = self._sent[i]
             logprobs = o.logprobs
             if len(o.text) != text0 or len(o.token_ids) != tokens0 or o.finished != finished0:
-                deltas.append(CompletionDelta(
-                    o.index, o.text[text0:], o.token_ids[tokens0:],
-                    None if logprobs is None else logprobs[logprobs0:], o.finish_reason, o.stop_reason,
-                ))
+                deltas.append(
+                    CompletionDelta(
+                        o.index,
+                        o.text[text0:],
+                        o.token_ids[tokens0:],
+                        None if logprobs is None else logprobs[logprobs0:],
+                        o.finish_reason,
+                        o.stop_reason,
+                    )
+                )
             self._sent[i] = (len(o.text), len(o.token_ids), len(logprobs or ()), o.finished)
-            outputs.append(CompletionOutput(
-                o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason,
-                None if logprobs is None else list(logprobs),
-            ))
+            outputs.append(
+                CompletionOutput(
+                    o.index,
+                    o.text,
+                    list(o.token_ids),
+                    o.finish_reason,
+                    o.stop_reason,
+                    None if logprobs is None else list(logprobs),
+                )
+            )
         metrics = None
         if parent.finished:
             state.metrics.num_generation_tokens = sum(len(o.token_ids) for o in parent.outputs)
             metrics = replace(state.metrics)
         return StreamOutput(
-            parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, parent.num_cached_tokens,
-            parent.embedding, parent.prompt_logprobs, deltas=deltas, metrics=metrics,
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outputs,
+            parent.num_cached_tokens,
+            parent.embedding,
+            parent.prompt_logprobs,
+            deltas=deltas,
+            metrics=metrics,
         )

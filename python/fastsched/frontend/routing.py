@@ -87,7 +87,7 @@ class PrefixSummary:
     def prefix_blocks(self, hashes: Sequence[int], engines: Iterable[int]) -> dict[int, int]:
         """For each of ``engines``: how many leading blocks of ``hashes`` it holds. The
         hashes that matched become the most recently used."""
-        lengths = {e: 0 for e in engines}
+        lengths = dict.fromkeys(engines, 0)
         live = 0
         for e in lengths:
             live |= 1 << e
@@ -118,8 +118,15 @@ class Router:
         self.summary = PrefixSummary(max_blocks)
         self.decisions_total = dict.fromkeys(ROUTING_CAUSES, 0)
 
-    def choose(self, token_ids: Sequence[int], engines: Sequence[int], in_flight: Sequence[int], *,
-               lora_id: int | None = None, cache_salt: str | None = None) -> RoutingDecision:
+    def choose(
+        self,
+        token_ids: Sequence[int],
+        engines: Sequence[int],
+        in_flight: Sequence[int],
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+    ) -> RoutingDecision:
         """The engine for a prompt among the healthy ``engines`` (not empty), given each
         one's sequences in flight; with ``prefix``, the prompt's blocks are then counted as
         held by the chosen engine."""
@@ -162,8 +169,17 @@ def router_for(settings: FrontendSettings, info: ModelInfo, num_engines: int) ->
     """The frontend's router: ``prefix`` needs more than one engine and the engines' prefix
     caching on; it hashes as they do (their block size and ``--prefix-caching-hash-algo``)."""
     cache = info.cache_config
-    prefix = (settings.routing == "prefix" and num_engines > 1
-              and cache.get("enable_prefix_caching", "True") == "True")
-    hasher = BlockHasher(info.block_size, cache.get("prefix_caching_hash_algo", "builtin")) if prefix else None
-    return Router(settings.routing, hasher, max_blocks=settings.routing_summary_blocks,
-                  load_bound=settings.routing_load_bound)
+    prefix = (
+        settings.routing == "prefix"
+        and num_engines > 1
+        and cache.get("enable_prefix_caching", "True") == "True"
+    )
+    hasher = (
+        BlockHasher(info.block_size, cache.get("prefix_caching_hash_algo", "builtin")) if prefix else None
+    )
+    return Router(
+        settings.routing,
+        hasher,
+        max_blocks=settings.routing_summary_blocks,
+        load_bound=settings.routing_load_bound,
+    )

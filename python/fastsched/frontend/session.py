@@ -28,8 +28,15 @@ from fastsched.frontend.request_handle import RequestHandle
 from fastsched.inputs import PromptType
 from fastsched.outputs import RequestOutput
 
-__all__ = ["Session", "SessionHost", "SessionLimitError", "SessionOutput", "SessionState", "SessionTimer",
-           "session_cap"]
+__all__ = [
+    "Session",
+    "SessionHost",
+    "SessionLimitError",
+    "SessionOutput",
+    "SessionState",
+    "SessionTimer",
+    "session_cap",
+]
 
 
 # The default cap: this share of the engines' max_num_seqs, so that sessions, which hold their
@@ -214,13 +221,20 @@ class Session(RequestHandle[SessionRequest]):
         assert state.session is not None
         segment_ends = state.session.segment_ends
         ended = self._segment < len(segment_ends)
-        tokens, text = segment_ends[self._segment] if ended else (len(completion.token_ids),
-                                                                         len(completion.text))
+        tokens, text = (
+            segment_ends[self._segment] if ended else (len(completion.token_ids), len(completion.text))
+        )
         finish = None if ended else completion.finish_reason
         if not ended and finish is None and tokens == self._sent_tokens:
             return None
-        out = SessionOutput(state.request_id, self._segment, completion.token_ids[self._sent_tokens:tokens],
-                            completion.text[self._sent_text:text], ended, finish)
+        out = SessionOutput(
+            state.request_id,
+            self._segment,
+            completion.token_ids[self._sent_tokens : tokens],
+            completion.text[self._sent_text : text],
+            ended,
+            finish,
+        )
         self._sent_tokens, self._sent_text = tokens, text
         if ended:
             self._segment += 1

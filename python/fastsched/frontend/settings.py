@@ -29,8 +29,9 @@ def _seconds(name: str, value: object, optional: bool = False) -> None:
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive number of seconds{' or None' if optional else ''}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{name} must be a positive number of seconds{' or None' if optional else ''}, got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,12 @@ class FrontendSettings:
     # Seconds a streaming session may wait for input (S15); None: no limit.
     session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S
     max_sessions: int | None = None  # sessions open at once over the server; None: a quarter of max_num_seqs
-    session_open_timeout: float = SESSION_OPEN_TIMEOUT_S  # seconds a gRPC GenerateSession has to send its `open`
-    engine_timeout: float = 5.0  # seconds of silence before an engine (or, for the launcher, a frontend) is hung
+    session_open_timeout: float = (
+        SESSION_OPEN_TIMEOUT_S  # seconds a gRPC GenerateSession has to send its `open`
+    )
+    engine_timeout: float = (
+        5.0  # seconds of silence before an engine (or, for the launcher, a frontend) is hung
+    )
     ready_timeout: float = 300.0  # seconds for the engines to report READY
     limits: RequestLimits = field(default_factory=RequestLimits)
     enable_log_requests: bool = False
@@ -73,9 +78,19 @@ class FrontendSettings:
             raise ValueError(f"max_log_len must be at least 0, got {self.max_log_len}")
         if self.routing not in ("prefix", "load"):
             raise ValueError(f"routing must be 'prefix' or 'load', got {self.routing!r}")
-        if isinstance(self.routing_summary_blocks, bool) or not isinstance(self.routing_summary_blocks, int) \
-                or self.routing_summary_blocks < 1:
-            raise ValueError(f"routing_summary_blocks must be a positive integer, got {self.routing_summary_blocks!r}")
-        if isinstance(self.routing_load_bound, bool) or not isinstance(self.routing_load_bound, int) \
-                or self.routing_load_bound < 0:
-            raise ValueError(f"routing_load_bound must be an integer at least 0, got {self.routing_load_bound!r}")
+        if (
+            isinstance(self.routing_summary_blocks, bool)
+            or not isinstance(self.routing_summary_blocks, int)
+            or self.routing_summary_blocks < 1
+        ):
+            raise ValueError(
+                f"routing_summary_blocks must be a positive integer, got {self.routing_summary_blocks!r}"
+            )
+        if (
+            isinstance(self.routing_load_bound, bool)
+            or not isinstance(self.routing_load_bound, int)
+            or self.routing_load_bound < 0
+        ):
+            raise ValueError(
+                f"routing_load_bound must be an integer at least 0, got {self.routing_load_bound!r}"
+            )

@@ -17,7 +17,12 @@ from typing import Any
 import numpy as np
 
 from fastsched.engine.protocol import ITERATION_TOKENS_BUCKETS
-from fastsched.frontend.request_metrics import LATENCY_BUCKETS, EngineRequestMetrics, Histogram, LatencyHistograms
+from fastsched.frontend.request_metrics import (
+    LATENCY_BUCKETS,
+    EngineRequestMetrics,
+    Histogram,
+    LatencyHistograms,
+)
 from fastsched.process_stats import PROCESS_METRICS, read_process_stats
 from fastsched.proto_gen import import_stubs
 
@@ -54,16 +59,25 @@ def histogram_to_proto(value: Any, upper_bounds: Sequence[float]) -> Any:
         count = int(value.get("count", sum(counts) if counts is not None else 0))
         if counts is None:
             counts = [0] * len(bounds) + [count]
-        return pb.Histogram(upper_bounds=bounds, bucket_counts=[int(c) for c in counts],
-                            sum=float(value.get("sum", 0.0)), count=count)
+        return pb.Histogram(
+            upper_bounds=bounds,
+            bucket_counts=[int(c) for c in counts],
+            sum=float(value.get("sum", 0.0)),
+            count=count,
+        )
     if isinstance(value, (int, float)):
-        return pb.Histogram(upper_bounds=upper_bounds, bucket_counts=[0] * (len(upper_bounds) + 1),
-                            sum=float(value), count=0)
+        return pb.Histogram(
+            upper_bounds=upper_bounds, bucket_counts=[0] * (len(upper_bounds) + 1), sum=float(value), count=0
+        )
     observations = np.asarray(value, dtype=np.float64)
     buckets = np.searchsorted(np.asarray(upper_bounds), observations, side="left")
     counts = np.bincount(buckets, minlength=len(upper_bounds) + 1)
-    return pb.Histogram(upper_bounds=upper_bounds, bucket_counts=counts.tolist(),
-                        sum=float(observations.sum()), count=int(observations.size))
+    return pb.Histogram(
+        upper_bounds=upper_bounds,
+        bucket_counts=counts.tolist(),
+        sum=float(observations.sum()),
+        count=int(observations.size),
+    )
 
 
 def _set_engine_fields(msg: Any, stats: Mapping[str, Any]) -> None:
@@ -86,8 +100,11 @@ def _set_gate_fields(msg: Any, engine: Mapping[str, Any]) -> None:
 
 def _process_proto(msg: Any, stats: Mapping[str, float] | None) -> None:
     if stats:
-        msg.process.CopyFrom(pb.ProcessStats(pid=int(stats.get("pid", 0)),
-                                             **{k: float(stats[k]) for k in PROCESS_METRICS if k in stats}))
+        msg.process.CopyFrom(
+            pb.ProcessStats(
+                pid=int(stats.get("pid", 0)), **{k: float(stats[k]) for k in PROCESS_METRICS if k in stats}
+            )
+        )
 
 
 def _engine_extras(msg: Any, engine: Mapping[str, Any]) -> None:
@@ -95,9 +112,14 @@ def _engine_extras(msg: Any, engine: Mapping[str, Any]) -> None:
     only, like the gates."""
     counts = engine.get("iteration_tokens")
     if counts:
-        msg.iteration_tokens.CopyFrom(pb.Histogram(
-            upper_bounds=ITERATION_TOKENS_BUCKETS, bucket_counts=[int(c) for c in counts],
-            sum=float(engine.get("iteration_tokens_sum", 0)), count=int(sum(counts))))
+        msg.iteration_tokens.CopyFrom(
+            pb.Histogram(
+                upper_bounds=ITERATION_TOKENS_BUCKETS,
+                bucket_counts=[int(c) for c in counts],
+                sum=float(engine.get("iteration_tokens_sum", 0)),
+                count=int(sum(counts)),
+            )
+        )
     for key, value in (engine.get("cache_config") or {}).items():
         msg.cache_config[key] = str(value)
     msg.running_lora_adapters.extend(engine.get("running_lora_adapters") or ())
@@ -107,10 +129,14 @@ def _engine_extras(msg: Any, engine: Mapping[str, Any]) -> None:
         msg.kv_connector[key] = float(value)
     per_pos = engine.get("spec_decode_num_accepted_tokens_per_pos")
     if per_pos:
-        msg.spec_decode.CopyFrom(pb.SpecDecodeStats(
-            num_drafts=int(engine["spec_decode_num_drafts"]), num_draft_tokens=int(engine["spec_decode_num_draft_tokens"]),
-            num_accepted_tokens=int(engine["spec_decode_num_accepted_tokens"]),
-            num_accepted_tokens_per_pos=[int(c) for c in per_pos]))
+        msg.spec_decode.CopyFrom(
+            pb.SpecDecodeStats(
+                num_drafts=int(engine["spec_decode_num_drafts"]),
+                num_draft_tokens=int(engine["spec_decode_num_draft_tokens"]),
+                num_accepted_tokens=int(engine["spec_decode_num_accepted_tokens"]),
+                num_accepted_tokens_per_pos=[int(c) for c in per_pos],
+            )
+        )
     _process_proto(msg, engine.get("process"))
 
 
@@ -175,10 +201,10 @@ def stats_to_proto(stats: Mapping[str, Any], latencies: LatencyHistograms) -> An
                 totals[name].add(h)
     for name, total in totals.items():
         theirs = stats.get(name)
-        getattr(msg, name).CopyFrom(_histogram_proto(total) if theirs is None
-                                    else histogram_to_proto(theirs, total.upper_bounds))
+        getattr(msg, name).CopyFrom(
+            _histogram_proto(total) if theirs is None else histogram_to_proto(theirs, total.upper_bounds)
+        )
     if stats.get("frontend_index") is not None:
         msg.frontend_index = int(stats["frontend_index"])
     _process_proto(msg, read_process_stats())
     return msg
-

@@ -20,14 +20,48 @@ from fastsched.gateway.request_fields import shorten
 
 _PASSED = ("temperature", "top_p", "top_k", "stream")
 # Fields refused when set to anything but null, [] or {} (thinking: unless disabled).
-_REFUSED = ("container", "mcp_servers", "context_management", "diagnostics", "inference_geo", "speed",
-            "user_profile_id", "workspace_id")
+_REFUSED = (
+    "container",
+    "mcp_servers",
+    "context_management",
+    "diagnostics",
+    "inference_geo",
+    "speed",
+    "user_profile_id",
+    "workspace_id",
+)
 # cache_control (top level or on a block) is accepted: the prefix cache keeps every prompt's blocks anyway.
-FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "tools", "tool_choice",
-                    "metadata", "thinking", "service_tier", "output_config", "cache_control", *_PASSED,
-                    *_REFUSED})
-COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
-                          "cache_control", *_REFUSED})
+FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "system",
+        "stop_sequences",
+        "tools",
+        "tool_choice",
+        "metadata",
+        "thinking",
+        "service_tier",
+        "output_config",
+        "cache_control",
+        *_PASSED,
+        *_REFUSED,
+    }
+)
+COUNT_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "output_config",
+        "cache_control",
+        *_REFUSED,
+    }
+)
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
@@ -36,8 +70,11 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     known = COUNT_FIELDS if count_only else FIELDS
     for name in body:
         if name not in known:
-            raise bad_request(f"The request field `{name}` is not supported by this server "
-                              "(see docs/other-apis.md for every field and its status).", name)
+            raise bad_request(
+                f"The request field `{name}` is not supported by this server "
+                "(see docs/other-apis.md for every field and its status).",
+                name,
+            )
     for name in _REFUSED:
         if body.get(name):
             raise bad_request(f"{name} is not supported by this server", name)
@@ -45,8 +82,10 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     if thinking is not None and thinking != {"type": "disabled"}:
         raise bad_request('thinking is not supported by this server (only {"type": "disabled"})', "thinking")
     if body.get("service_tier") not in (None, "auto", "standard_only"):
-        raise bad_request(f"service_tier {shorten(body['service_tier'])} is not supported; allowed: auto, "
-                          "standard_only", "service_tier")
+        raise bad_request(
+            f"service_tier {shorten(body['service_tier'])} is not supported; allowed: auto, standard_only",
+            "service_tier",
+        )
     _check_metadata(body.get("metadata"))
     messages = _system(body.get("system")) + _messages(body.get("messages"))
     chat: dict[str, Any] = {"messages": messages}
@@ -58,8 +97,9 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     else:
         max_tokens = body.get("max_tokens")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise bad_request(f"max_tokens is required: a positive integer, got {shorten(max_tokens)}",
-                              "max_tokens")
+            raise bad_request(
+                f"max_tokens is required: a positive integer, got {shorten(max_tokens)}", "max_tokens"
+            )
         chat["max_tokens"] = max_tokens
         chat.update({k: body[k] for k in _PASSED if body.get(k) is not None})
         if body.get("stop_sequences"):
@@ -87,10 +127,16 @@ def _output_format(config: Any) -> dict[str, Any] | None:
     spec = config.get("format")
     if spec is None:
         return None
-    if (not isinstance(spec, dict) or spec.get("type") != "json_schema"
-            or not isinstance(spec.get("schema"), dict) or set(spec) - {"type", "schema"}):
-        raise bad_request(f'output_config.format must be {{"type": "json_schema", "schema": {{...}}}}, got '
-                          f"{shorten(spec)}", "output_config")
+    if (
+        not isinstance(spec, dict)
+        or spec.get("type") != "json_schema"
+        or not isinstance(spec.get("schema"), dict)
+        or set(spec) - {"type", "schema"}
+    ):
+        raise bad_request(
+            f'output_config.format must be {{"type": "json_schema", "schema": {{...}}}}, got {shorten(spec)}',
+            "output_config",
+        )
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}
 
 
@@ -99,8 +145,11 @@ def _check_metadata(metadata: Any) -> None:
     accepted and unused, as OpenAI's ``user`` is (fastsched keeps no per-user state)."""
     if metadata is None:
         return
-    if (not isinstance(metadata, dict) or set(metadata) - {"user_id"}
-            or not isinstance(metadata.get("user_id"), str | None)):
+    if (
+        not isinstance(metadata, dict)
+        or set(metadata) - {"user_id"}
+        or not isinstance(metadata.get("user_id"), str | None)
+    ):
         raise bad_request(f"metadata may hold only user_id (a string), got {shorten(metadata)}", "metadata")
 
 
@@ -112,8 +161,12 @@ def _text_blocks(value: Any, where: str) -> str:
         raise bad_request(f"{where} must be a string or a list of text blocks, got {shorten(value)}", where)
     texts = []
     for block in value:
-        if (not isinstance(block, dict) or block.get("type") != "text"
-                or not isinstance(block.get("text"), str) or set(block) - {"type", "text", "cache_control"}):
+        if (
+            not isinstance(block, dict)
+            or block.get("type") != "text"
+            or not isinstance(block.get("text"), str)
+            or set(block) - {"type", "text", "cache_control"}
+        ):
             raise bad_request(f"{where}: only text blocks are supported, got {shorten(block)}", where)
         texts.append(block["text"])
     return "".join(texts)
@@ -133,8 +186,11 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ("user", "assistant") or set(message) - {"role", "content"}:
-            raise bad_request(f'messages[{i}] must be {{"role": "user" or "assistant", "content": ...}}, got '
-                              f"{shorten(message)}", "messages")
+            raise bad_request(
+                f'messages[{i}] must be {{"role": "user" or "assistant", "content": ...}}, got '
+                f"{shorten(message)}",
+                "messages",
+            )
         content = message.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
@@ -151,25 +207,43 @@ def _turn(role: str, blocks: list[Any], i: int) -> list[dict[str, Any]]:
         if kind == "text":
             texts.append(_text_blocks([block], "messages"))
         elif kind == "tool_use" and role == "assistant":
-            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
-                    or not isinstance(block.get("input"), dict):
-                raise bad_request(f"messages[{i}]: a tool_use block needs an id, a name and an input object",
-                                  "messages")
-            calls.append({"id": block["id"], "type": "function",
-                          "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
+            if (
+                not isinstance(block.get("id"), str)
+                or not isinstance(block.get("name"), str)
+                or not isinstance(block.get("input"), dict)
+            ):
+                raise bad_request(
+                    f"messages[{i}]: a tool_use block needs an id, a name and an input object", "messages"
+                )
+            calls.append(
+                {
+                    "id": block["id"],
+                    "type": "function",
+                    "function": {"name": block["name"], "arguments": json.dumps(block["input"])},
+                }
+            )
         elif kind == "tool_result" and role == "user":
             if not isinstance(block.get("tool_use_id"), str):
                 raise bad_request(f"messages[{i}]: a tool_result block needs a tool_use_id", "messages")
             if block.get("is_error"):
-                raise bad_request(f"messages[{i}]: tool_result is_error is not supported by this server (the "
-                                  "chat template has no place for it)", "messages")
+                raise bad_request(
+                    f"messages[{i}]: tool_result is_error is not supported by this server (the "
+                    "chat template has no place for it)",
+                    "messages",
+                )
             content = block.get("content", "")
-            results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                            "content": _text_blocks(content, "messages")})
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block["tool_use_id"],
+                    "content": _text_blocks(content, "messages"),
+                }
+            )
         else:
             allowed = "text, tool_use" if role == "assistant" else "text, tool_result"
-            raise bad_request(f"messages[{i}]: {role} content blocks may be {allowed}; got {shorten(block)}",
-                              "messages")
+            raise bad_request(
+                f"messages[{i}]: {role} content blocks may be {allowed}; got {shorten(block)}", "messages"
+            )
     turn = results
     if texts or calls or not results:
         message: dict[str, Any] = {"role": role, "content": "".join(texts)}
@@ -180,10 +254,17 @@ def _turn(role: str, blocks: list[Any], i: int) -> list[dict[str, Any]]:
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:
-    if (not isinstance(tool, dict) or tool.get("type", "custom") != "custom"
-            or not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict)):
-        raise bad_request(f'tools[{i}] must be {{"name": ..., "input_schema": {{...}}}} (client tools only), '
-                          f"got {shorten(tool)}", "tools")
+    if (
+        not isinstance(tool, dict)
+        or tool.get("type", "custom") != "custom"
+        or not isinstance(tool.get("name"), str)
+        or not isinstance(tool.get("input_schema"), dict)
+    ):
+        raise bad_request(
+            f'tools[{i}] must be {{"name": ..., "input_schema": {{...}}}} (client tools only), '
+            f"got {shorten(tool)}",
+            "tools",
+        )
     extra = set(tool) - {"type", "name", "description", "input_schema", "cache_control"}
     if extra:
         raise bad_request(f"tools[{i}] has unknown field(s) {sorted(extra)}", "tools")
@@ -195,13 +276,22 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
 
 def _tool_choice(choice: Any) -> Any:
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if not isinstance(choice, dict) or set(choice) - {"type", "name", "disable_parallel_tool_use"} \
-            or (kind not in _CHOICES and kind != "tool"):
-        raise bad_request('tool_choice must be {"type": "auto" | "any" | "none"} or '
-                          f'{{"type": "tool", "name": ...}}, got {shorten(choice)}', "tool_choice")
+    if (
+        not isinstance(choice, dict)
+        or set(choice) - {"type", "name", "disable_parallel_tool_use"}
+        or (kind not in _CHOICES and kind != "tool")
+    ):
+        raise bad_request(
+            'tool_choice must be {"type": "auto" | "any" | "none"} or '
+            f'{{"type": "tool", "name": ...}}, got {shorten(choice)}',
+            "tool_choice",
+        )
     if choice.get("disable_parallel_tool_use"):
-        raise bad_request("tool_choice.disable_parallel_tool_use is not supported by this server (a forced "
-                          "answer may hold several calls)", "tool_choice")
+        raise bad_request(
+            "tool_choice.disable_parallel_tool_use is not supported by this server (a forced "
+            "answer may hold several calls)",
+            "tool_choice",
+        )
     if kind == "tool":
         if not isinstance(choice.get("name"), str):
             raise bad_request("tool_choice of type tool needs a name", "tool_choice")

@@ -27,13 +27,20 @@ from fastsched.gateway.auth import Handler
 from fastsched.gateway.chat_based import answer, as_api_error, sse
 from fastsched.gateway.openai_protocol import ApiError
 from fastsched.gateway.request_ids import assign_request_id
-from fastsched.limits import LimitError
 from fastsched.gateway.state import GatewayState
+from fastsched.limits import LimitError
 
 # HTTP status -> Anthropic's error type.
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                503: "overloaded_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -96,11 +103,23 @@ class MessagesApi:
         self._next = 0  # the next block's index
         self._calls: dict[int, int] = {}  # chat's tool-call index -> its block's index
 
-    def _message(self, content: list[dict[str, Any]], stop_reason: str | None, stop_sequence: str | None,
-                 output_tokens: int) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens}}
+    def _message(
+        self,
+        content: list[dict[str, Any]],
+        stop_reason: str | None,
+        stop_sequence: str | None,
+        output_tokens: int,
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens},
+        }
 
     def body(self, chat: dict[str, Any]) -> dict[str, Any]:
         choice = chat["choices"][0]
@@ -110,8 +129,14 @@ class MessagesApi:
             content.append({"type": "text", "text": message.get("content") or ""})
         for call in message.get("tool_calls") or []:
             function = call["function"]
-            content.append({"type": "tool_use", "id": _tool_use_id(call["id"]), "name": function["name"],
-                            "input": json.loads(function["arguments"])})
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": _tool_use_id(call["id"]),
+                    "name": function["name"],
+                    "input": json.loads(function["arguments"]),
+                }
+            )
         return self._message(content, *_stop(choice), chat["usage"]["completion_tokens"])
 
     # ---------------------------------------------------------------- the stream
@@ -129,22 +154,29 @@ class MessagesApi:
                 events += self._delta(self._block, {"type": "text_delta", "text": delta["content"]})
             for call in delta.get("tool_calls") or []:
                 if call["index"] not in self._calls:
-                    block = {"type": "tool_use", "id": _tool_use_id(call["id"]),
-                             "name": call["function"]["name"], "input": {}}
+                    block = {
+                        "type": "tool_use",
+                        "id": _tool_use_id(call["id"]),
+                        "name": call["function"]["name"],
+                        "input": {},
+                    }
                     events += self._start_block(block)
                     self._calls[call["index"]] = self._block  # type: ignore[assignment]
                 piece = call.get("function", {}).get("arguments")
                 if piece:
-                    events += self._delta(self._calls[call["index"]],
-                                          {"type": "input_json_delta", "partial_json": piece})
+                    events += self._delta(
+                        self._calls[call["index"]], {"type": "input_json_delta", "partial_json": piece}
+                    )
         return events
 
     def _start_block(self, block: dict[str, Any]) -> str:
         events = self._stop_block()
         self._block, self._open_kind = self._next, block["type"]
         self._next += 1
-        return events + sse("content_block_start", {"type": "content_block_start", "index": self._block,
-                                                    "content_block": block})
+        return events + sse(
+            "content_block_start",
+            {"type": "content_block_start", "index": self._block, "content_block": block},
+        )
 
     @staticmethod
     def _delta(index: int | None, delta: dict[str, Any]) -> str:
@@ -159,11 +191,18 @@ class MessagesApi:
     def stream_end(self, chat: dict[str, Any]) -> str:
         events = self._stop_block()
         stop_reason, stop_sequence = _stop(chat["choices"][0])
-        return (events
-                + sse("message_delta", {"type": "message_delta",
-                                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                        "usage": {"output_tokens": chat["usage"]["completion_tokens"]}})
-                + sse("message_stop", {"type": "message_stop"}))
+        return (
+            events
+            + sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                    "usage": {"output_tokens": chat["usage"]["completion_tokens"]},
+                },
+            )
+            + sse("message_stop", {"type": "message_stop"})
+        )
 
     def stream_error(self, error: ApiError) -> str:
         return sse("error", anthropic_error(error))

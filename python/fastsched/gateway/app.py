@@ -106,10 +106,14 @@ class _EventStream(Response):
         async with ClientWatch(receive):
             streams = await self.gateway.open_all(self.parsed)
             try:
-                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                await send(
+                    {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+                )
                 async for events, last in self.gateway._sse(self.parsed, self.formatter, streams):
                     if events:  # the last always holds [DONE]
-                        await send({"type": "http.response.body", "body": events.encode(), "more_body": not last})
+                        await send(
+                            {"type": "http.response.body", "body": events.encode(), "more_body": not last}
+                        )
             finally:
                 for stream in streams:
                     stream.cancel()
@@ -121,10 +125,19 @@ class Gateway:
     tool_parser: str | None = None  # --tool-call-parser, for tool_choice "auto" (gateway.tool_calls)
     embedding_size: int | None = None  # the embeddings' length, once one was computed (gateway.embeddings)
 
-    def __init__(self, frontend_addrs: Sequence[str], model_name: str | Sequence[str], tokenizer: Any,
-                 api_key: str | None, limits: RequestLimits, retry_after_s: int,
-                 admin: AdminSettings | None = None, sessions: SessionSettings | None = None,
-                 enable_prompt_tokens_details: bool = False, responses_store_size: int = 0) -> None:
+    def __init__(
+        self,
+        frontend_addrs: Sequence[str],
+        model_name: str | Sequence[str],
+        tokenizer: Any,
+        api_key: str | None,
+        limits: RequestLimits,
+        retry_after_s: int,
+        admin: AdminSettings | None = None,
+        sessions: SessionSettings | None = None,
+        enable_prompt_tokens_details: bool = False,
+        responses_store_size: int = 0,
+    ) -> None:
         self.admin = admin or AdminSettings()
         self.admin.check_keys(api_key)
         self.sessions = sessions or SessionSettings()
@@ -140,7 +153,9 @@ class Gateway:
         self.endpoint_counts = EndpointCounts()
         self.loras = LoRAAdmin(self.pool, retry_after_s, self.admin, self.auth.metadata(ADMIN))
         # Chat templates of long bodies are rendered and tokenized here, off the event loop.
-        self._parse_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="fastsched-chat-template")
+        self._parse_pool = concurrent.futures.ThreadPoolExecutor(
+            2, thread_name_prefix="fastsched-chat-template"
+        )
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.limits.max_body_bytes
@@ -156,11 +171,18 @@ class Gateway:
                         raise _body_too_large(limit)
                     chunks.append(chunk)
         except TimeoutError:
-            raise ApiError(408, f"The request body was not received within {self.limits.body_timeout:g} s "
-                                "(--body-timeout).", code="request_timeout", headers={"Connection": "close"}) from None
+            raise ApiError(
+                408,
+                f"The request body was not received within {self.limits.body_timeout:g} s (--body-timeout).",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            ) from None
         except ClientDisconnect:  # an answer nobody reads, not a traceback in the log for each drop
-            raise ApiError(400, "The client closed the connection before sending the whole request body.",
-                           code="client_disconnected") from None
+            raise ApiError(
+                400,
+                "The client closed the connection before sending the whole request body.",
+                code="client_disconnected",
+            ) from None
         return b"".join(chunks)
 
     async def read_json(self, request: Request) -> tuple[dict[str, Any], int]:
@@ -170,8 +192,11 @@ class Gateway:
         try:
             body = json.loads(raw, parse_constant=reject_constant)
         except RecursionError:
-            raise bad_request(f"The request body nests objects and arrays deeper than this server's limit of "
-                              f"{self.limits.max_json_depth} (--max-json-depth).", None) from None
+            raise bad_request(
+                f"The request body nests objects and arrays deeper than this server's limit of "
+                f"{self.limits.max_json_depth} (--max-json-depth).",
+                None,
+            ) from None
         except (ValueError, UnicodeDecodeError) as e:
             raise bad_request(f"The request body is not valid JSON: {e}", None) from e
         if not isinstance(body, dict):
@@ -181,15 +206,21 @@ class Gateway:
         if model is not None and not isinstance(model, str):
             raise bad_request(f"model must be a string, got {model!r}", "model")
         if model is not None and model not in self.model_names and not await self.loras.is_adapter(model):
-            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
         return body, len(raw)
 
     async def completions(self, request: Request) -> Response:
         request_id = assign_request_id(request, "cmpl")
         body, _ = await self.read_json(request)
         info = await self.pool.model_info()
-        parsed = parse_completion(body, request_id, self.limits, info and info["max_model_len"], self.tokenizer)
+        parsed = parse_completion(
+            body, request_id, self.limits, info and info["max_model_len"], self.tokenizer
+        )
         return await self._generate(request, self.with_adapter(parsed, body))
 
     async def chat_completions(self, request: Request) -> Response:
@@ -201,12 +232,24 @@ class Gateway:
         """``parse_chat`` of a chat body (``size``: its request's bytes: a long one is rendered off the
         event loop)."""
         info = await self.pool.model_info()
-        args = (body, self.tokenizer, info and info["max_model_len"], request_id, self.limits, self.tool_parser)
+        args = (
+            body,
+            self.tokenizer,
+            info and info["max_model_len"],
+            request_id,
+            self.limits,
+            self.tool_parser,
+        )
         if size <= INLINE_TOKENIZE_CHARS:
             parsed = parse_chat(*args)
         else:
-            parsed = await run_bounded(self._parse_pool, self.limits.prepare_timeout, "rendering the chat template",
-                                       parse_chat, *args)
+            parsed = await run_bounded(
+                self._parse_pool,
+                self.limits.prepare_timeout,
+                "rendering the chat template",
+                parse_chat,
+                *args,
+            )
         return self.with_adapter(parsed, body)
 
     def with_adapter(self, parsed: ParsedRequest, body: dict[str, Any]) -> ParsedRequest:
@@ -232,8 +275,9 @@ class Gateway:
             raise
 
     async def _generate(self, request: Request, parsed: ParsedRequest) -> Response:
-        formatter = ResponseFormatter(parsed, parsed.lora_name or self.model_name, self.tokenizer,
-                                      self.enable_prompt_tokens_details)
+        formatter = ResponseFormatter(
+            parsed, parsed.lora_name or self.model_name, self.tokenizer, self.enable_prompt_tokens_details
+        )
         if parsed.stream:
             return _EventStream(self, parsed, formatter)
         body = None
@@ -253,8 +297,9 @@ class Gateway:
                 stream.cancel()
         return formatter.final()
 
-    async def _sse(self, parsed: ParsedRequest, formatter: ResponseFormatter,
-                   streams: list[FrontendStream]) -> AsyncIterator[tuple[str, bool]]:
+    async def _sse(
+        self, parsed: ParsedRequest, formatter: ResponseFormatter, streams: list[FrontendStream]
+    ) -> AsyncIterator[tuple[str, bool]]:
         """``(events, last)``: the events of each frontend message, joined; the last item,
         which ends the response, also holds the usage chunk and ``[DONE]``."""
         unfinished = len(streams)
@@ -282,8 +327,9 @@ class Gateway:
         args = (body, self.tokenizer, info and info["max_model_len"], self.limits)
         if size <= INLINE_TOKENIZE_CHARS:
             return JSONResponse(tokenize(*args))
-        return JSONResponse(await run_bounded(self._parse_pool, self.limits.prepare_timeout, "tokenizing", tokenize,
-                                              *args))
+        return JSONResponse(
+            await run_bounded(self._parse_pool, self.limits.prepare_timeout, "tokenizing", tokenize, *args)
+        )
 
     async def detokenize(self, request: Request) -> Response:
         body, _ = await self.read_json(request)
@@ -299,12 +345,29 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         info = await self.pool.model_info() or {}
-        cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "fastsched",
-                  "root": info.get("model", self.model_name), "max_model_len": info.get("max_model_len")}
-                 for name in self.model_names]
-        cards += [{"id": name, "object": "model", "created": self.created, "owned_by": "fastsched", "root": path,
-                   "parent": self.model_name, "max_model_len": info.get("max_model_len")}
-                  for name, path in await self.loras.adapters()]
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "fastsched",
+                "root": info.get("model", self.model_name),
+                "max_model_len": info.get("max_model_len"),
+            }
+            for name in self.model_names
+        ]
+        cards += [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "fastsched",
+                "root": path,
+                "parent": self.model_name,
+                "max_model_len": info.get("max_model_len"),
+            }
+            for name, path in await self.loras.adapters()
+        ]
         return JSONResponse({"object": "list", "data": cards})
 
     async def load_lora_adapter(self, request: Request) -> Response:
@@ -318,12 +381,15 @@ class Gateway:
     async def health(self, request: Request) -> Response:
         frontends = await self.pool.health()
         healthy = all(status == "serving" for status in frontends.values())
-        return JSONResponse({"status": "healthy" if healthy else "unhealthy", "frontends": frontends},
-                            status_code=200 if healthy else 503)
+        return JSONResponse(
+            {"status": "healthy" if healthy else "unhealthy", "frontends": frontends},
+            status_code=200 if healthy else 503,
+        )
 
     async def metrics(self, request: Request) -> Response:
-        body = gateway_metrics.render(await self.pool.stats(), self.model_name,
-                                      extra=self.endpoint_counts.families(self.model_name))
+        body = gateway_metrics.render(
+            await self.pool.stats(), self.model_name, extra=self.endpoint_counts.families(self.model_name)
+        )
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def request_status(self, request: Request) -> Response:
@@ -331,22 +397,35 @@ class Gateway:
         request_id = request.path_params["request_id"]
         prompts = await self._find_prompts(request_id)
         if not prompts:
-            raise ApiError(404, f"No frontend knows request `{request_id}` (never seen, or no longer remembered).",
-                           type="not_found_error", param="request_id", code="request_not_found")
+            raise ApiError(
+                404,
+                f"No frontend knows request `{request_id}` (never seen, or no longer remembered).",
+                type="not_found_error",
+                param="request_id",
+                code="request_not_found",
+            )
         states = {p["state"] for p in prompts}  # as frontend.request_status.combined_state
-        return JSONResponse({"request_id": request_id, "state": states.pop() if len(states) == 1 else "mixed",
-                             "prompts": prompts})
+        return JSONResponse(
+            {
+                "request_id": request_id,
+                "state": states.pop() if len(states) == 1 else "mixed",
+                "prompts": prompts,
+            }
+        )
 
     async def _find_prompts(self, request_id: str) -> list[dict[str, Any]]:
         """``request_id`` itself (a prompt's id), else the prompts of the OpenAI response id
         ``request_id``: ``<id>-0``, ``<id>-1``, ... up to the first one no frontend knows."""
 
         def lookups(start: int) -> list[Awaitable[dict[str, Any] | None]]:
-            return [self.pool.request_status(f"{request_id}-{i}", self.retry_after_s, self.auth.metadata(ADMIN))
-                    for i in range(start, start + _PROMPT_CHUNK)]
+            return [
+                self.pool.request_status(f"{request_id}-{i}", self.retry_after_s, self.auth.metadata(ADMIN))
+                for i in range(start, start + _PROMPT_CHUNK)
+            ]
 
         exact, *chunk = await asyncio.gather(
-            self.pool.request_status(request_id, self.retry_after_s, self.auth.metadata(ADMIN)), *lookups(0))
+            self.pool.request_status(request_id, self.retry_after_s, self.auth.metadata(ADMIN)), *lookups(0)
+        )
         if exact is not None:
             return [exact]
         prompts: list[dict[str, Any]] = []
@@ -359,8 +438,11 @@ class Gateway:
 
 
 def _body_too_large(limit: int) -> ApiError:
-    return ApiError(413, f"The request body exceeds this server's limit of {limit} bytes (--max-body-bytes).",
-                    code="request_too_large")
+    return ApiError(
+        413,
+        f"The request body exceeds this server's limit of {limit} bytes (--max-body-bytes).",
+        code="request_too_large",
+    )
 
 
 class _RequestIdHeader:
@@ -396,8 +478,11 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(ApiError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code,
-                        headers=exc.headers)
+    return JSONResponse(
+        ApiError(exc.status_code, str(exc.detail), type=kind).body(),
+        status_code=exc.status_code,
+        headers=exc.headers,
+    )
 
 
 async def _path_not_allowed(request: Request, exc: Exception) -> Response:
@@ -413,8 +498,10 @@ async def _limit_error(request: Request, exc: Exception) -> Response:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return JSONResponse(ApiError(500, "Internal server error; see the gateway's log.", type="internal_error").body(),
-                        status_code=500)
+    return JSONResponse(
+        ApiError(500, "Internal server error; see the gateway's log.", type="internal_error").body(),
+        status_code=500,
+    )
 
 
 def create_app(
@@ -444,8 +531,18 @@ def create_app(
     ``usage.prompt_tokens_details.cached_tokens`` in responses (vLLM's flag of that name).
     ``responses_store_size``: how many ``/v1/responses`` answers are kept (``gateway.response_store``).
     """
-    gateway = Gateway(frontend_addrs, model_name, tokenizer, api_key, limits or RequestLimits(), retry_after_s,
-                      admin, sessions, enable_prompt_tokens_details, responses_store_size)
+    gateway = Gateway(
+        frontend_addrs,
+        model_name,
+        tokenizer,
+        api_key,
+        limits or RequestLimits(),
+        retry_after_s,
+        admin,
+        sessions,
+        enable_prompt_tokens_details,
+        responses_store_size,
+    )
     gateway.tool_parser = tool_parser
 
     @contextlib.asynccontextmanager
@@ -486,19 +583,32 @@ def create_app(
             Route("/reload_weights", guard(pause.reload_weights, ADMIN), methods=["POST"]),
             Route("/reset_prefix_cache", guard(cache_admin.reset_prefix_cache, ADMIN), methods=["POST"]),
         ]
-    if (gateway.admin.enable_admin_api or gateway.admin.enable_runtime_lora_updating) \
-            and gateway.admin.admin_api_key is None:
-        logger.warning("admin routes are on without --admin-api-key: anyone who reaches the gateway may use them")
-    handlers = {ApiError: _api_error, LimitError: _limit_error, PathNotAllowedError: _path_not_allowed,
-                HTTPException: _http_error, Exception: _internal_error}
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
-                    middleware=[Middleware(_RequestIdHeader),
-                                Middleware(CountEndpoints, gateway.endpoint_counts)])
+    if (
+        gateway.admin.enable_admin_api or gateway.admin.enable_runtime_lora_updating
+    ) and gateway.admin.admin_api_key is None:
+        logger.warning(
+            "admin routes are on without --admin-api-key: anyone who reaches the gateway may use them"
+        )
+    handlers = {
+        ApiError: _api_error,
+        LimitError: _limit_error,
+        PathNotAllowedError: _path_not_allowed,
+        HTTPException: _http_error,
+        Exception: _internal_error,
+    }
+    app = Starlette(
+        routes=routes,
+        exception_handlers=handlers,
+        lifespan=lifespan,
+        middleware=[Middleware(_RequestIdHeader), Middleware(CountEndpoints, gateway.endpoint_counts)],
+    )
     app.state.gateway = gateway
     return app
 
 
-def gateway_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, **uvicorn_kwargs: Any) -> uvicorn.Server:
+def gateway_server(
+    app: Starlette, host: str = "127.0.0.1", port: int = 8000, **uvicorn_kwargs: Any
+) -> uvicorn.Server:
     """A uvicorn server for ``app``: ``await server.serve()`` (or ``server.run()``) runs it,
     ``server.should_exit = True`` stops it. Its HTTP protocol enforces the header limits of
     the app's ``RequestLimits`` (``gateway.http_protocol``), and a WebSocket message (a
@@ -506,5 +616,14 @@ def gateway_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, **
     with code 1009."""
     uvicorn_kwargs.setdefault("log_level", "info")
     limits = app.state.gateway.limits
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, lifespan="on", http=guarded_http_protocol(limits),
-                                         ws_max_size=limits.max_body_bytes, **uvicorn_kwargs))
+    return uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            lifespan="on",
+            http=guarded_http_protocol(limits),
+            ws_max_size=limits.max_body_bytes,
+            **uvicorn_kwargs,
+        )
+    )

@@ -30,8 +30,9 @@ class Auth:
     def __init__(self, api_key: str | None, admin_api_key: str | None = None) -> None:
         self.keys = {API: api_key, ADMIN: admin_api_key}
 
-    def failure(self, headers: Mapping[str, str], scope: str = API,
-                x_api_key: bool = False) -> ApiError | None:
+    def failure(
+        self, headers: Mapping[str, str], scope: str = API, x_api_key: bool = False
+    ) -> ApiError | None:
         """The 401 for a request without the key ``scope`` requires; None when it may pass.
         ``x_api_key``: the key may come as an ``x-api-key`` header too (Anthropic's clients send it so)."""
         key = self.keys[scope]
@@ -40,8 +41,13 @@ class Auth:
         if x_api_key and hmac.compare_digest(headers.get("x-api-key", "").encode(), key.encode()):
             return None
         which = "admin API key (--admin-api-key)" if scope == ADMIN else "API key"
-        return ApiError(401, f"Invalid or missing {which}: send `Authorization: Bearer <key>`.",
-                        type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return ApiError(
+            401,
+            f"Invalid or missing {which}: send `Authorization: Bearer <key>`.",
+            type="authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
     def guard(self, handler: Handler, scope: str = API, x_api_key: bool = False) -> Handler:
         """``handler`` behind the key of ``scope`` (``x_api_key``: see :meth:`failure`)."""

@@ -20,8 +20,9 @@ _CALL_TIMEOUT_S = 10.0  # longer than a frontend's wait for its engines (engine_
 
 async def reset_prefix_cache(request: Request) -> Response:
     gateway = request.app.state.gateway
-    replies = await gateway.pool.each("ResetPrefixCache", pb.ResetPrefixCacheRequest(), _CALL_TIMEOUT_S,
-                                      gateway.auth.metadata(ADMIN))
+    replies = await gateway.pool.each(
+        "ResetPrefixCache", pb.ResetPrefixCacheRequest(), _CALL_TIMEOUT_S, gateway.auth.metadata(ADMIN)
+    )
     failed = [r for r in replies if isinstance(r, BaseException)]
     if failed:
         error = api_error_from_rpc(failed[0], gateway.retry_after_s)

@@ -22,9 +22,9 @@ from starlette.types import Receive, Scope, Send
 
 from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.openai_protocol import ApiError, ParsedRequest, ResponseFormatter
+from fastsched.gateway.state import GatewayState
 from fastsched.gateway.streams import ClientWatch, merge_streams
 from fastsched.limits import LimitError
-from fastsched.gateway.state import GatewayState
 
 
 class ChatBasedApi(Protocol):
@@ -55,11 +55,16 @@ def sse(event: str | None, payload: dict[str, Any]) -> str:
     return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
 
 
-async def answer(gateway: GatewayState, request: Request, parsed: ParsedRequest,
-                 api: ChatBasedApi) -> Response:
+async def answer(
+    gateway: GatewayState, request: Request, parsed: ParsedRequest, api: ChatBasedApi
+) -> Response:
     """Runs a translated chat request and answers it in ``api``'s shape, streamed or whole."""
-    formatter = ResponseFormatter(parsed, parsed.lora_name or gateway.model_name, gateway.tokenizer,
-                                  gateway.enable_prompt_tokens_details)
+    formatter = ResponseFormatter(
+        parsed,
+        parsed.lora_name or gateway.model_name,
+        gateway.tokenizer,
+        gateway.enable_prompt_tokens_details,
+    )
     if parsed.stream:
         return _ApiEventStream(gateway, parsed, formatter, api)
     body = None
@@ -83,8 +88,9 @@ class _ApiEventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, gateway: GatewayState, parsed: ParsedRequest, formatter: ResponseFormatter,
-                 api: ChatBasedApi) -> None:
+    def __init__(
+        self, gateway: GatewayState, parsed: ParsedRequest, formatter: ResponseFormatter, api: ChatBasedApi
+    ) -> None:
         self.gateway, self.parsed, self.formatter, self.api = gateway, parsed, formatter, api
         self.status_code, self.background = 200, None
         self.init_headers({"Cache-Control": "no-cache"})
@@ -103,8 +109,9 @@ class _ApiEventStream(Response):
                     async for prompt_index, resp in merge_streams(streams):
                         events += self.api.stream_events(self.formatter.consume(prompt_index, resp))
                         if events:
-                            await send({"type": "http.response.body", "body": events.encode(),
-                                        "more_body": True})
+                            await send(
+                                {"type": "http.response.body", "body": events.encode(), "more_body": True}
+                            )
                         events = ""
                     events += self.api.stream_end(self.formatter.final())
                 except grpc.aio.AioRpcError as e:

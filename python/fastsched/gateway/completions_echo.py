@@ -26,8 +26,10 @@ def prompt_logprobs_from(resp: Any, token_text: Callable[[Any], str]) -> list[di
             continue
         entry: dict[str, dict[str, Any]] = {}
         for lp in (position.sampled, *position.top):
-            entry.setdefault(str(lp.token_id), {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank,
-                                                "decoded_token": token_text(lp)})
+            entry.setdefault(
+                str(lp.token_id),
+                {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank, "decoded_token": token_text(lp)},
+            )
         out.append(entry)
     return out
 
@@ -74,6 +76,10 @@ class PromptScores:
             top = {self._token_text(lp): max(lp.logprob, MIN_LOGPROB) for lp in position.top}
             top.setdefault(token, value)
             top_logprobs.append(top)
-        part = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": offsets}
+        part = {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
         return part, offset

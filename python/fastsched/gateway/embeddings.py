@@ -29,10 +29,10 @@ from fastsched.gateway.errors import api_error_from_rpc
 from fastsched.gateway.openai_protocol import INT32, ParsedRequest, bad_request, check_fields
 from fastsched.gateway.request_fields import shorten
 from fastsched.gateway.request_ids import assign_request_id
+from fastsched.gateway.state import GatewayState
 from fastsched.gateway.streams import ClientWatch, merge_streams
 from fastsched.limits import check_cache_salt, check_prompt_chars
 from fastsched.proto_gen import import_stubs
-from fastsched.gateway.state import GatewayState
 
 pb, _ = import_stubs()
 
@@ -41,8 +41,11 @@ _FORMATS = ("float", "base64")
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(v, int) and not isinstance(v, bool) and INT32[0] <= v <= INT32[1] for v in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(v, int) and not isinstance(v, bool) and INT32[0] <= v <= INT32[1] for v in value)
+    )
 
 
 def _inputs(value: Any) -> list[str | list[int]]:
@@ -50,12 +53,16 @@ def _inputs(value: Any) -> list[str | list[int]]:
         return [value]
     if isinstance(value, list) and value and all(isinstance(v, str) or _is_token_ids(v) for v in value):
         return list(value)
-    raise bad_request("input must be a string, a list of strings, a list of token ids or a list of lists of "
-                      f"token ids, got {shorten(value)}", "input")
+    raise bad_request(
+        "input must be a string, a list of strings, a list of token ids or a list of lists of "
+        f"token ids, got {shorten(value)}",
+        "input",
+    )
 
 
-def parse_embeddings(body: dict[str, Any], request_id: str, gateway: GatewayState,
-                     max_model_len: int | None) -> tuple[ParsedRequest, str, int | None]:
+def parse_embeddings(
+    body: dict[str, Any], request_id: str, gateway: GatewayState, max_model_len: int | None
+) -> tuple[ParsedRequest, str, int | None]:
     """The request's Generate calls, its ``encoding_format`` and ``dimensions``."""
     check_fields(body, FIELDS)
     inputs = _inputs(body.get("input"))
@@ -69,8 +76,9 @@ def parse_embeddings(body: dict[str, Any], request_id: str, gateway: GatewayStat
                 check_prompt_chars(len(p), max_model_len, max_token_chars, "input")
     encoding = body.get("encoding_format") or "float"
     if encoding not in _FORMATS:
-        raise bad_request(f"encoding_format must be one of {list(_FORMATS)}, got {shorten(encoding)}",
-                          "encoding_format")
+        raise bad_request(
+            f"encoding_format must be one of {list(_FORMATS)}, got {shorten(encoding)}", "encoding_format"
+        )
     dimensions = body.get("dimensions")
     if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)):
         raise bad_request(f"dimensions must be an integer, got {shorten(dimensions)}", "dimensions")
@@ -82,15 +90,26 @@ def parse_embeddings(body: dict[str, Any], request_id: str, gateway: GatewayStat
         raise bad_request(f"priority must be an integer, got {shorten(priority)}", "priority")
     # A prefill-only request (S20, max_tokens 0): it ends when its prompt is computed.
     sampling = pb.SamplingParams(max_tokens=0)
-    parsed = ParsedRequest("completion", inputs, sampling, priority, stream=False, include_usage=False,
-                           request_id=request_id, cache_salt=check_cache_salt(body.get("cache_salt")),
-                           embed=True)
+    parsed = ParsedRequest(
+        "completion",
+        inputs,
+        sampling,
+        priority,
+        stream=False,
+        include_usage=False,
+        request_id=request_id,
+        cache_salt=check_cache_salt(body.get("cache_salt")),
+        embed=True,
+    )
     return parsed, encoding, dimensions
 
 
 def _dimensions_error(dimensions: int, size: int) -> Exception:
-    return bad_request(f"dimensions {dimensions} cannot be honoured: this model's embeddings have {size} "
-                       "dimensions and it was not trained for shortened (Matryoshka) ones", "dimensions")
+    return bad_request(
+        f"dimensions {dimensions} cannot be honoured: this model's embeddings have {size} "
+        "dimensions and it was not trained for shortened (Matryoshka) ones",
+        "dimensions",
+    )
 
 
 def _encode(vector: list[float], encoding: str) -> list[float] | str:
@@ -125,8 +144,17 @@ async def create_embeddings(gateway: GatewayState, request: Request) -> Response
     gateway.embedding_size = size = len(vectors[0])
     if dimensions is not None and dimensions != size:
         raise _dimensions_error(dimensions, size)
-    data = [{"object": "embedding", "index": i, "embedding": _encode(vectors[i], encoding)}
-            for i in range(len(parsed.prompts))]
-    return JSONResponse({"id": request_id, "object": "list", "created": parsed.created,
-                         "model": parsed.lora_name or gateway.model_name, "data": data,
-                         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encode(vectors[i], encoding)}
+        for i in range(len(parsed.prompts))
+    ]
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "list",
+            "created": parsed.created,
+            "model": parsed.lora_name or gateway.model_name,
+            "data": data,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        }
+    )

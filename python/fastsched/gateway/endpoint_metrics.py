@@ -16,8 +16,14 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PREFIX = "fastsched:"
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-             "/v1/messages/count_tokens", "/v1/embeddings")
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/embeddings",
+)
 
 
 class EndpointCounts:
@@ -27,9 +33,11 @@ class EndpointCounts:
         self.counts: Counter[tuple[str, int]] = Counter()
 
     def families(self, model_name: str) -> list[Metric]:
-        family = CounterMetricFamily(PREFIX + "http_requests",
-                                     "HTTP requests answered, by API endpoint and status.",
-                                     labels=["model_name", "endpoint", "status"])
+        family = CounterMetricFamily(
+            PREFIX + "http_requests",
+            "HTTP requests answered, by API endpoint and status.",
+            labels=["model_name", "endpoint", "status"],
+        )
         for (endpoint, status), count in sorted(self.counts.items()):
             family.add_metric([model_name, endpoint, str(status)], count)
         return [family]

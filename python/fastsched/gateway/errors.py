@@ -14,7 +14,13 @@ from fastsched.frontend.admission import ENGINE_FAULTED
 from fastsched.gateway.openai_protocol import ApiError
 from fastsched.rpc import ERROR_CODE_KEY, INVALID_PARAM_KEY, REJECTION_REASON_KEY
 
-__all__ = ["FRONTEND_UNAVAILABLE", "MAX_CONCURRENT_STREAMS", "api_error_from_rpc", "rpc_metadata", "unavailable"]
+__all__ = [
+    "FRONTEND_UNAVAILABLE",
+    "MAX_CONCURRENT_STREAMS",
+    "api_error_from_rpc",
+    "rpc_metadata",
+    "unavailable",
+]
 
 FRONTEND_UNAVAILABLE = "frontend_unavailable"  # the 503 reason when no frontend could be reached
 MAX_CONCURRENT_STREAMS = "max_concurrent_streams"  # the 503 reason when every frontend is at its limit
@@ -45,8 +51,13 @@ def unavailable(reason: str, retry_after_s: int) -> ApiError:
         message = "Every frontend is serving as many calls as it may (max_concurrent_streams)."
     else:
         message = f"The server is overloaded: the request was rejected at admission ({reason})."
-    return ApiError(503, f"{message} Retry after {retry_after_s} s.", type=UNAVAILABLE_TYPE,
-                    code=reason, headers={"Retry-After": str(retry_after_s)})
+    return ApiError(
+        503,
+        f"{message} Retry after {retry_after_s} s.",
+        type=UNAVAILABLE_TYPE,
+        code=reason,
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
 def api_error_from_rpc(error: BaseException, retry_after_s: int) -> ApiError:
@@ -62,12 +73,22 @@ def api_error_from_rpc(error: BaseException, retry_after_s: int) -> ApiError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return unavailable(MAX_CONCURRENT_STREAMS, retry_after_s)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return ApiError(503, f"A frontend did not answer in time: {details} Retry after {retry_after_s} s.",
-                        type=UNAVAILABLE_TYPE, code="frontend_timeout", headers={"Retry-After": str(retry_after_s)})
+        return ApiError(
+            503,
+            f"A frontend did not answer in time: {details} Retry after {retry_after_s} s.",
+            type=UNAVAILABLE_TYPE,
+            code="frontend_timeout",
+            headers={"Retry-After": str(retry_after_s)},
+        )
     if code in _STATUS:
         status, kind = _STATUS[code]
         if status == 404 and metadata.get(ERROR_CODE_KEY) == "model_not_found":
             kind = "invalid_request_error"  # as OpenAI answers an unknown model
-        return ApiError(status, details, type=kind, param=metadata.get(INVALID_PARAM_KEY) or None,
-                        code=metadata.get(ERROR_CODE_KEY) or None)
+        return ApiError(
+            status,
+            details,
+            type=kind,
+            param=metadata.get(INVALID_PARAM_KEY) or None,
+            code=metadata.get(ERROR_CODE_KEY) or None,
+        )
     return ApiError(500, f"the frontend failed: {code.name}: {details}", type="internal_error")

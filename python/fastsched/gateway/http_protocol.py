@@ -60,9 +60,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if self._header_timer is None:
                 self._arm_header_timer()  # a kept-alive connection starts its next request
             if self._head_too_large(data):
-                self._send_error_and_linger(http.HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-                                            f"The request line and headers exceed this server's limit of "
-                                            f"{self.limits.max_header_bytes} bytes (--max-header-bytes).")
+                self._send_error_and_linger(
+                    http.HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                    f"The request line and headers exceed this server's limit of "
+                    f"{self.limits.max_header_bytes} bytes (--max-header-bytes).",
+                )
                 return
         super().data_received(data)
 
@@ -105,9 +107,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if not self._head:  # nothing sent: just close, as for an idle kept-alive connection
             self.transport.close()
             return
-        self._send_error_and_linger(http.HTTPStatus.REQUEST_TIMEOUT,
-                                    f"The request line and headers were not received within "
-                                    f"{self.limits.header_timeout:g} s (--header-timeout).")
+        self._send_error_and_linger(
+            http.HTTPStatus.REQUEST_TIMEOUT,
+            f"The request line and headers were not received within "
+            f"{self.limits.header_timeout:g} s (--header-timeout).",
+        )
 
     def _send_error_and_linger(self, status: int, msg: str) -> None:
         """Answers ``status`` with ``msg`` (plain text), half-closes, and drops what the
@@ -117,8 +121,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         body = msg.encode()
         phrase = http.HTTPStatus(status).phrase
-        head = (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+        head = (
+            f"HTTP/1.1 {status} {phrase}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
         self.transport.write(head.encode() + body)
         self._lingering = True
         if self.transport.can_write_eof():

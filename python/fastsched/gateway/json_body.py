@@ -27,8 +27,11 @@ def check_json(body: Any, max_depth: int, check_strings: bool) -> None:
     while stack:
         value, depth, path = stack.pop()
         if depth > max_depth:
-            raise bad_request(f"The request body nests objects and arrays more than {max_depth} deep (at "
-                              f"{path or 'the top'}): this server's limit (--max-json-depth).", None)
+            raise bad_request(
+                f"The request body nests objects and arrays more than {max_depth} deep (at "
+                f"{path or 'the top'}): this server's limit (--max-json-depth).",
+                None,
+            )
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             if isinstance(item, (dict, list)):
@@ -48,5 +51,8 @@ def _check_unicode(text: str, where: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         field = where.split(".")[0].split("[")[0] or None
-        raise bad_request(f"{where} holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is "
-                          "not valid Unicode text.", field) from None
+        raise bad_request(
+            f"{where} holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is "
+            "not valid Unicode text.",
+            field,
+        ) from None

@@ -23,6 +23,7 @@ from fastsched.proto_gen import import_stubs
 
 pb, _ = import_stubs()
 
+
 def _string_field(body: dict[str, Any], name: str) -> str:
     value = body.get(name)
     if not isinstance(value, str) or not value:
@@ -33,8 +34,13 @@ def _string_field(body: dict[str, Any], name: str) -> str:
 class LoRAAdmin:
     """The adapters of every frontend of ``pool``, through its fan-out (``FrontendPool.each``)."""
 
-    def __init__(self, pool: FrontendPool, retry_after_s: int = 1, admin: AdminSettings | None = None,
-                 admin_metadata: Sequence[tuple[str, str]] | None = None) -> None:
+    def __init__(
+        self,
+        pool: FrontendPool,
+        retry_after_s: int = 1,
+        admin: AdminSettings | None = None,
+        admin_metadata: Sequence[tuple[str, str]] | None = None,
+    ) -> None:
         self.pool = pool
         self.retry_after_s = retry_after_s
         self.admin = admin or AdminSettings()
@@ -56,7 +62,9 @@ class LoRAAdmin:
     async def load(self, body: dict[str, Any]) -> Response:
         name, path = _string_field(body, "lora_name"), _string_field(body, "lora_path")
         self.admin.check_local_path(path, "lora_path")
-        replies = await self._admin_each("LoadLoRAAdapter", pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
+        replies = await self._admin_each(
+            "LoadLoRAAdapter", pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
+        )
         errors = [r for r in replies if isinstance(r, BaseException)]
         if errors:
             if len(errors) < len(replies):
@@ -72,6 +80,8 @@ class LoRAAdmin:
         if errors:
             if len(errors) < len(replies) and path is not None:
                 # Those that unloaded load it again (the others answer that it is loaded).
-                await self._admin_each("LoadLoRAAdapter", pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
+                await self._admin_each(
+                    "LoadLoRAAdapter", pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
+                )
             raise api_error_from_rpc(errors[0], self.retry_after_s)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")

@@ -67,16 +67,25 @@ KV_CONNECTOR_COUNTERS = {
     "hits": ("kv_connector_hits", "Requests that found at least one KV block in the connector's store."),
     "blocks_loaded": ("kv_connector_blocks_loaded", "KV blocks loaded from the connector's store."),
     "blocks_saved": ("kv_connector_blocks_saved", "KV blocks saved to the connector's store."),
-    "load_failures": ("kv_connector_load_failures",
-                      "KV blocks found in the store but missing, corrupt or not the request's when loaded "
-                      "(computed instead)."),
-    "token_mismatches": ("kv_connector_token_mismatches",
-                         "KV blocks in the store whose token ids were not the request's (a miss)."),
+    "load_failures": (
+        "kv_connector_load_failures",
+        "KV blocks found in the store but missing, corrupt or not the request's when loaded "
+        "(computed instead).",
+    ),
+    "token_mismatches": (
+        "kv_connector_token_mismatches",
+        "KV blocks in the store whose token ids were not the request's (a miss).",
+    ),
     "load_timeouts": ("kv_connector_load_timeouts", "KV block loads given up after load_timeout_s."),
     "lookup_timeouts": ("kv_connector_lookup_timeouts", "KV store lookups given up after lookup_timeout_s."),
-    "blocks_evicted": ("kv_connector_blocks_evicted", "KV block files deleted to keep the store under max_size."),
-    "saves_dropped": ("kv_connector_saves_dropped",
-                      "Batches of KV blocks not saved because too many saves were waiting for the store."),
+    "blocks_evicted": (
+        "kv_connector_blocks_evicted",
+        "KV block files deleted to keep the store under max_size.",
+    ),
+    "saves_dropped": (
+        "kv_connector_saves_dropped",
+        "Batches of KV blocks not saved because too many saves were waiting for the store.",
+    ),
     "load_seconds": ("kv_connector_load_seconds", "Seconds spent reading and checking loaded KV blocks."),
     "save_seconds": ("kv_connector_save_seconds", "Seconds spent writing saved KV blocks."),
 }
@@ -89,8 +98,12 @@ NO_ENGINE = ""  # the engine label of a frontend's values that are not broken do
 
 def _progress(engine: Any) -> int:
     """Counters only grow: the report that counted more is the newer one."""
-    return (engine.prompt_tokens_total + engine.generation_tokens_total + engine.num_preemptions_total
-            + engine.prefix_cache_queries_total)
+    return (
+        engine.prompt_tokens_total
+        + engine.generation_tokens_total
+        + engine.num_preemptions_total
+        + engine.prefix_cache_queries_total
+    )
 
 
 def engine_rows(stats: Sequence[Any]) -> list[Any]:
@@ -130,7 +143,7 @@ class _Buckets:
     def add(self, h: Any) -> None:
         for bound, count in zip(h.upper_bounds, h.bucket_counts):
             self.per_bound[bound] = self.per_bound.get(bound, 0) + count
-        self.inf += sum(h.bucket_counts[len(h.upper_bounds):])
+        self.inf += sum(h.bucket_counts[len(h.upper_bounds) :])
         self.sum += h.sum
 
     def buckets(self) -> list[tuple[str, float]]:
@@ -142,8 +155,9 @@ class _Buckets:
         return out
 
 
-def _histogram_family(name: str, doc: str, labels: list[str],
-                      series: dict[tuple[str, ...], _Buckets]) -> HistogramMetricFamily:
+def _histogram_family(
+    name: str, doc: str, labels: list[str], series: dict[tuple[str, ...], _Buckets]
+) -> HistogramMetricFamily:
     family = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
     for values, b in sorted(series.items()):
         family.add_metric(list(values), b.buckets(), b.sum)
@@ -177,9 +191,11 @@ def metric_families(stats: Sequence[Any], model_name: str = "", own_process: boo
 
 def _routing_family(stats: Sequence[Any], m: str) -> Metric:
     """The frontends' engine choices (``frontend.routing``), by cause, summed over them."""
-    routing = CounterMetricFamily(PREFIX + "routing_decisions_total",
-                                  "Engine choices with data parallelism (--routing), by cause.",
-                                  labels=["model_name", "cause"])
+    routing = CounterMetricFamily(
+        PREFIX + "routing_decisions_total",
+        "Engine choices with data parallelism (--routing), by cause.",
+        labels=["model_name", "cause"],
+    )
     by_cause: dict[str, int] = {}
     for s in stats:
         for cause, count in s.routing_decisions_total.items():
@@ -192,8 +208,11 @@ def _routing_family(stats: Sequence[Any], m: str) -> Metric:
 def _admission_families(stats: Sequence[Any], m: str) -> list[Metric]:
     """Admission is the frontends': rejections by reason summed over them, and the TTFT-SLO
     valve's queued-token limit (the frontends' shares summed; absent when the valve is off)."""
-    rejections = CounterMetricFamily(PREFIX + "admission_rejections_total",
-                                     "Requests rejected at admission (A5), by reason.", labels=["model_name", "reason"])
+    rejections = CounterMetricFamily(
+        PREFIX + "admission_rejections_total",
+        "Requests rejected at admission (A5), by reason.",
+        labels=["model_name", "reason"],
+    )
     by_reason = dict.fromkeys(ADMISSION_REASONS, 0)
     for s in stats:
         for reason, count in s.admission_rejections_total.items():
@@ -206,7 +225,8 @@ def _admission_families(stats: Sequence[Any], m: str) -> list[Metric]:
         limit = GaugeMetricFamily(
             PREFIX + "admission_queued_tokens_limit",
             "Queued prompt tokens the TTFT-SLO valve admits: ttft_slo x measured prefill throughput.",
-            labels=["model_name"])
+            labels=["model_name"],
+        )
         limit.add_metric([m], sum(limits))
         families.append(limit)
     errors: dict[tuple[str, ...], _Buckets] = {}
@@ -214,11 +234,15 @@ def _admission_families(stats: Sequence[Any], m: str) -> list[Metric]:
         for target, h in s.slo_prediction_error_seconds.items():
             errors.setdefault((m, target), _Buckets()).add(h)
     if errors:
-        families.append(_histogram_family(
-            "slo_prediction_error_seconds",
-            "How far the goodput valve's (--tpot-slo) predicted TTFT or TPOT of admitted requests was from the "
-            "measured one (absolute), by target.",
-            ["model_name", "target"], errors))
+        families.append(
+            _histogram_family(
+                "slo_prediction_error_seconds",
+                "How far the goodput valve's (--tpot-slo) predicted TTFT or TPOT of admitted requests was from the "
+                "measured one (absolute), by target.",
+                ["model_name", "target"],
+                errors,
+            )
+        )
     return families
 
 
@@ -260,8 +284,11 @@ def _request_families(stats: Sequence[Any], m: str) -> list[Metric]:
         else:
             for name in _LATENCY_HISTOGRAMS:
                 series[name].setdefault((m, NO_ENGINE), _Buckets()).add(getattr(s, name))
-    counter = CounterMetricFamily(PREFIX + "request_success_total", "Count of successfully processed requests.",
-                                  labels=["model_name", "engine", "finished_reason"])
+    counter = CounterMetricFamily(
+        PREFIX + "request_success_total",
+        "Count of successfully processed requests.",
+        labels=["model_name", "engine", "finished_reason"],
+    )
     for (engine, reason), count in sorted(success.items()):
         counter.add_metric([m, engine, reason], count)
     families: list[Metric] = [counter]
@@ -276,15 +303,22 @@ def _iteration_tokens_family(engines: Sequence[Any], m: str) -> Metric:
         if e.iteration_tokens.upper_bounds:
             b = series[(m, str(e.engine_index))] = _Buckets()
             b.add(e.iteration_tokens)
-    return _histogram_family("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                             ["model_name", "engine"], series)
+    return _histogram_family(
+        "iteration_tokens_total",
+        "Histogram of number of tokens per engine_step.",
+        ["model_name", "engine"],
+        series,
+    )
 
 
 def _cache_config_family(engines: Sequence[Any], m: str) -> Metric:
     """vLLM's info-style gauge: value 1, the KV cache configuration in its labels."""
     keys = sorted({k for e in engines for k in e.cache_config})
-    family = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the engine's KV cache configuration.",
-                               labels=["model_name", "engine", *keys])
+    family = GaugeMetricFamily(
+        PREFIX + "cache_config_info",
+        "Information of the engine's KV cache configuration.",
+        labels=["model_name", "engine", *keys],
+    )
     for e in engines:
         if e.cache_config:
             family.add_metric([m, str(e.engine_index), *(e.cache_config.get(k, "") for k in keys)], 1.0)
@@ -294,22 +328,34 @@ def _cache_config_family(engines: Sequence[Any], m: str) -> Metric:
 def _lora_family(engines: Sequence[Any], m: str) -> Metric:
     """vLLM's ``lora_requests_info``: one series per engine serving LoRA, its adapters as
     comma-separated labels, the value the time of this scrape (vLLM: set_to_current_time)."""
-    family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on lora requests.",
-                               labels=["model_name", "engine", "max_lora", "waiting_lora_adapters",
-                                       "running_lora_adapters"])
+    family = GaugeMetricFamily(
+        PREFIX + "lora_requests_info",
+        "Running stats on lora requests.",
+        labels=["model_name", "engine", "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+    )
     now = time.time()
     for e in engines:
         if e.max_lora:
-            family.add_metric([m, str(e.engine_index), str(e.max_lora), ",".join(e.waiting_lora_adapters),
-                               ",".join(e.running_lora_adapters)], now)
+            family.add_metric(
+                [
+                    m,
+                    str(e.engine_index),
+                    str(e.max_lora),
+                    ",".join(e.waiting_lora_adapters),
+                    ",".join(e.running_lora_adapters),
+                ],
+                now,
+            )
     return family
 
 
 def _prefill_throughput_family(engines: Sequence[Any], m: str) -> Metric:
     """The TTFT-SLO valve's input: each engine's measured prefill throughput (once measured)."""
-    throughput = GaugeMetricFamily(PREFIX + "prefill_throughput_tokens_per_second",
-                                   "Prompt tokens each engine prefills per second while requests wait.",
-                                   labels=["model_name", "engine"])
+    throughput = GaugeMetricFamily(
+        PREFIX + "prefill_throughput_tokens_per_second",
+        "Prompt tokens each engine prefills per second while requests wait.",
+        labels=["model_name", "engine"],
+    )
     for e in engines:
         if e.HasField("prefill_tokens_per_s"):
             throughput.add_metric([m, str(e.engine_index)], e.prefill_tokens_per_s)
@@ -319,12 +365,16 @@ def _prefill_throughput_family(engines: Sequence[Any], m: str) -> Metric:
 def _session_families(engines: Sequence[Any], m: str) -> list[Metric]:
     """S13's pause (one series per engine and mode, 1 for the mode in force) and S15's
     sessions holding their slot while they wait for input."""
-    paused = GaugeMetricFamily(PREFIX + "engine_paused",
-                               "1 while the engine is paused in this mode (new: no admissions; all: nothing runs).",
-                               labels=["model_name", "engine", "mode"])
-    waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting_for_streaming_input",
-                                "Streaming-input sessions holding their slot and KV while they wait for input.",
-                                labels=["model_name", "engine"])
+    paused = GaugeMetricFamily(
+        PREFIX + "engine_paused",
+        "1 while the engine is paused in this mode (new: no admissions; all: nothing runs).",
+        labels=["model_name", "engine", "mode"],
+    )
+    waiting = GaugeMetricFamily(
+        PREFIX + "num_requests_waiting_for_streaming_input",
+        "Streaming-input sessions holding their slot and KV while they wait for input.",
+        labels=["model_name", "engine"],
+    )
     for e in engines:
         engine = str(e.engine_index)
         for mode in ("new", "all"):
@@ -351,8 +401,11 @@ def _spec_decode_families(engines: Sequence[Any], m: str) -> list[Metric]:
         for e in speculating:
             family.add_metric([m, str(e.engine_index)], getattr(e.spec_decode, name))
         families.append(family)
-    per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                  "Accepted tokens per draft position.", labels=["model_name", "engine", "position"])
+    per_pos = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        labels=["model_name", "engine", "position"],
+    )
     for e in speculating:
         for position, count in enumerate(e.spec_decode.num_accepted_tokens_per_pos):
             per_pos.add_metric([m, str(e.engine_index), str(position)], count)
@@ -364,13 +417,21 @@ def _gate_families(engines: Sequence[Any], m: str) -> list[Metric]:
     """Which scheduler gate is red, per engine: scan stops and skips, and the last stop as a
     0/1 gauge per gate."""
     labels = ["model_name", "engine"]
-    stops = CounterMetricFamily(PREFIX + "scheduler_scan_stops_total",
-                                "Scheduler steps whose waiting-queue scan stopped at each gate.",
-                                labels=[*labels, "gate"])
-    skips = CounterMetricFamily(PREFIX + "scheduler_skips_total",
-                                "Waiting requests skipped for their own reasons (S7).", labels=[*labels, "reason"])
-    last = GaugeMetricFamily(PREFIX + "scheduler_last_scan_stop",
-                             "1 for the gate that stopped each engine's last scheduler step.", labels=[*labels, "gate"])
+    stops = CounterMetricFamily(
+        PREFIX + "scheduler_scan_stops_total",
+        "Scheduler steps whose waiting-queue scan stopped at each gate.",
+        labels=[*labels, "gate"],
+    )
+    skips = CounterMetricFamily(
+        PREFIX + "scheduler_skips_total",
+        "Waiting requests skipped for their own reasons (S7).",
+        labels=[*labels, "reason"],
+    )
+    last = GaugeMetricFamily(
+        PREFIX + "scheduler_last_scan_stop",
+        "1 for the gate that stopped each engine's last scheduler step.",
+        labels=[*labels, "gate"],
+    )
     for e in engines:
         engine = str(e.engine_index)
         for gate, count in sorted(e.scan_stops_total.items()):
@@ -430,8 +491,9 @@ class _Snapshot:
         return self.families
 
 
-def render(stats: Sequence[Any], model_name: str = "", own_process: bool = True,
-           extra: Iterable[Metric] = ()) -> bytes:
+def render(
+    stats: Sequence[Any], model_name: str = "", own_process: bool = True, extra: Iterable[Metric] = ()
+) -> bytes:
     """The Prometheus text exposition of the frontends' stats, and the gateway's own ``extra`` families."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot([*metric_families(stats, model_name, own_process), *extra]))

@@ -67,8 +67,11 @@ def check_json_content_type(content_type: str | None) -> None:
         return
     media = content_type.split(";", 1)[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        raise ApiError(415, f"Content-Type must be application/json, got {_short(content_type)}.",
-                       code="unsupported_media_type")
+        raise ApiError(
+            415,
+            f"Content-Type must be application/json, got {_short(content_type)}.",
+            code="unsupported_media_type",
+        )
 
 
 def bad_request(message: str, param: str | None, code: str | None = None) -> ApiError:
@@ -80,7 +83,9 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _get_int(body: dict, name: str, default: int | None = None, bounds: tuple[int, int] = INT32) -> int | None:
+def _get_int(
+    body: dict, name: str, default: int | None = None, bounds: tuple[int, int] = INT32
+) -> int | None:
     value = body.get(name)
     if value is None:
         return default
@@ -101,8 +106,9 @@ def _get_float(body: dict, name: str) -> float | None:
         value = float(value)
         check_finite(name, value)
     except (OverflowError, ValueError) as e:  # 1e400 parses as inf; a huge integer overflows
-        raise bad_request(str(e) if isinstance(e, ValueError) else f"{name} is out of range, got {_short(value)}",
-                          name) from None
+        raise bad_request(
+            str(e) if isinstance(e, ValueError) else f"{name} is out of range, got {_short(value)}", name
+        ) from None
     return value
 
 
@@ -138,8 +144,10 @@ def _get_stop(body: dict) -> list[str]:
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(v, int) and not isinstance(v, bool) and INT32[0] <= v <= INT32[1] for v in value
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(v, int) and not isinstance(v, bool) and INT32[0] <= v <= INT32[1] for v in value)
     )
 
 
@@ -170,8 +178,12 @@ class ParsedRequest:
     def grpc_requests(self) -> list[Any]:
         requests = []
         for i, prompt in enumerate(self.prompts):
-            req = pb.GenerateRequest(request_id=f"{self.request_id}-{i}", sampling_params=self.sampling,
-                                     priority=self.priority, model=self.lora_name)
+            req = pb.GenerateRequest(
+                request_id=f"{self.request_id}-{i}",
+                sampling_params=self.sampling,
+                priority=self.priority,
+                model=self.lora_name,
+            )
             if self.cache_salt is not None:
                 req.cache_salt = self.cache_salt
             if self.embed:
@@ -197,7 +209,14 @@ def _sampling_params(body: dict, max_tokens: int | None, limits: RequestLimits) 
         msg.max_tokens = max_tokens
     if (prompt_logprobs := _get_int(body, "prompt_logprobs")) is not None:  # vLLM's extra field
         msg.prompt_logprobs = prompt_logprobs
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         if (value := _get_float(body, name)) is not None:
             setattr(msg, name, value)
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -234,18 +253,47 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 # Every request field each endpoint knows (docs/openai-fields.md lists them with their status).
 # A field outside these is a 400 naming it: nothing a client sends is silently ignored.
-_SAMPLING_FIELDS = frozenset({
-    "model", "stream", "stream_options", "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
-    "min_tokens", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "include_stop_str_in_output", "skip_special_tokens", "priority", "logprobs",
-    "cache_salt", "prompt_logprobs",
-    "logit_bias",  # refused when used
-    *structured.FIELDS,
-})
+_SAMPLING_FIELDS = frozenset(
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "priority",
+        "logprobs",
+        "cache_salt",
+        "prompt_logprobs",
+        "logit_bias",  # refused when used
+        *structured.FIELDS,
+    }
+)
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "add_generation_prompt", "continue_final_message",
-                                  "chat_template_kwargs", "echo", "max_completion_tokens", "top_logprobs", "tools",
-                                  "tool_choice"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "echo",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+}
 # Accepted and ignored: they do not change the output, so refusing them would only break clients.
 # Each is logged once per process.
 IGNORED_FIELDS = {
@@ -264,8 +312,11 @@ def check_fields(body: dict, known: frozenset[str] | set[str]) -> None:
                 _WARNED.add(name)
                 logger.warning("request field %r is accepted and ignored: %s", name, IGNORED_FIELDS[name])
             continue
-        raise bad_request(f"The request field `{name}` is not supported by this server "
-                          "(see docs/openai-fields.md for every field and its status).", name)
+        raise bad_request(
+            f"The request field `{name}` is not supported by this server "
+            "(see docs/openai-fields.md for every field and its status).",
+            name,
+        )
 
 
 def _unsupported(body: dict, name: str) -> None:
@@ -283,8 +334,13 @@ def context_length_error(prompt_len: int, max_tokens: int, max_model_len: int, w
     )
 
 
-def parse_completion(body: dict, request_id: str, limits: RequestLimits | None = None,
-                     max_model_len: int | None = None, tokenizer: Any = None) -> ParsedRequest:
+def parse_completion(
+    body: dict,
+    request_id: str,
+    limits: RequestLimits | None = None,
+    max_model_len: int | None = None,
+    tokenizer: Any = None,
+) -> ParsedRequest:
     """``max_model_len`` and the ``tokenizer`` (its ``max_token_chars``), when known, bound
     each text prompt's length in characters (``fastsched.limits.check_prompt_chars``)."""
     limits = limits or RequestLimits()
@@ -295,12 +351,18 @@ def parse_completion(body: dict, request_id: str, limits: RequestLimits | None =
     elif isinstance(prompt, list) and prompt:
         limits.check_num_prompts(len(prompt))
         if not all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
-            raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
-                              f"lists of token ids, got {_short(prompt)}", "prompt")
+            raise bad_request(
+                "prompt must be a string, a list of strings, a list of token ids or a list of "
+                f"lists of token ids, got {_short(prompt)}",
+                "prompt",
+            )
         prompts = list(prompt)
     else:
-        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
-                          f"lists of token ids, got {_short(prompt)}", "prompt")
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            f"lists of token ids, got {_short(prompt)}",
+            "prompt",
+        )
     max_token_chars = getattr(tokenizer, "max_token_chars", None)
     if max_model_len is not None and max_token_chars is not None:
         for p in prompts:
@@ -324,8 +386,18 @@ def parse_completion(body: dict, request_id: str, limits: RequestLimits | None =
         if echo and not sampling.HasField("prompt_logprobs"):  # the legacy form scores the echoed prompt
             sampling.prompt_logprobs = logprobs
     stream, include_usage = _stream_flags(body)
-    return ParsedRequest("completion", prompts, sampling, _get_int(body, "priority", 0), stream, include_usage,
-                         echo=echo, top_logprobs=logprobs, request_id=request_id, cache_salt=_cache_salt(body))
+    return ParsedRequest(
+        "completion",
+        prompts,
+        sampling,
+        _get_int(body, "priority", 0),
+        stream,
+        include_usage,
+        echo=echo,
+        top_logprobs=logprobs,
+        request_id=request_id,
+        cache_salt=_cache_salt(body),
+    )
 
 
 def _message_content(message: dict, i: int) -> dict:
@@ -335,19 +407,31 @@ def _message_content(message: dict, i: int) -> dict:
     if isinstance(content, list):  # content parts: only text is understood
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content: only text parts are supported, got {_short(part)}",
-                                  "messages")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise bad_request(
+                    f"messages[{i}].content: only text parts are supported, got {_short(part)}", "messages"
+                )
             texts.append(part["text"])
         content = "\n".join(texts)
     elif content is not None and not isinstance(content, str):
-        raise bad_request(f"messages[{i}].content must be a string or a list of parts, got {_short(content)}",
-                          "messages")
+        raise bad_request(
+            f"messages[{i}].content must be a string or a list of parts, got {_short(content)}", "messages"
+        )
     return {**message, "content": content if content is not None else ""}
 
 
-def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id: str,
-               limits: RequestLimits | None = None, tool_parser: str | None = None) -> ParsedRequest:
+def parse_chat(
+    body: dict,
+    tokenizer: Any,
+    max_model_len: int | None,
+    request_id: str,
+    limits: RequestLimits | None = None,
+    tool_parser: str | None = None,
+) -> ParsedRequest:
     """Renders and tokenizes the messages: run it off the event loop for a long body. Their
     text is bounded first, as a completion prompt's (``parse_completion``). ``tool_parser``:
     the server's ``--tool-call-parser`` for ``tool_choice: "auto"``."""
@@ -356,24 +440,30 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
     if isinstance(body.get("tools"), list):
         limits.check_tools(len(body["tools"]))
     try:
-        tool_calling = tool_calls.tool_calling_from_body(body, getattr(tokenizer, "chat_template", None), tool_parser)
+        tool_calling = tool_calls.tool_calling_from_body(
+            body, getattr(tokenizer, "chat_template", None), tool_parser
+        )
         options = template_options(body)
     except FieldError as e:
         raise bad_request(str(e), e.param) from None
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise bad_request(f"messages must be a non-empty list of message objects, got {_short(messages)}",
-                          "messages")
+        raise bad_request(
+            f"messages must be a non-empty list of message objects, got {_short(messages)}", "messages"
+        )
     limits.check_messages(len(messages))
     messages = [_message_content(m, i) for i, m in enumerate(messages)]
     max_token_chars = getattr(tokenizer, "max_token_chars", None)
     if max_model_len is not None and max_token_chars is not None:
-        check_prompt_chars(sum(len(m["content"]) for m in messages), max_model_len, max_token_chars, "messages")
+        check_prompt_chars(
+            sum(len(m["content"]) for m in messages), max_model_len, max_token_chars, "messages"
+        )
     if tool_calling is not None:
         options["tools"] = tool_calling.tools
     try:
-        prompt_ids = list(tokenizer.apply_chat_template(tool_calls.template_messages(messages), tokenize=True,
-                                                        **options))
+        prompt_ids = list(
+            tokenizer.apply_chat_template(tool_calls.template_messages(messages), tokenize=True, **options)
+        )
     except NoChatTemplateError as e:  # a base model: chat needs --chat-template, completions work
         raise bad_request(str(e), "messages") from None
     except Exception as e:  # a template's raise_exception()
@@ -398,19 +488,38 @@ def parse_chat(body: dict, tokenizer: Any, max_model_len: int | None, request_id
         sampling.logprobs = top_logprobs or 0
     if tool_calling is not None and (forced := tool_calling.constraint()) is not None:
         if sampling.HasField("structured_outputs"):
-            raise bad_request(f'tool_choice "{tool_calling.mode}" forces the output\'s shape: it cannot be combined '
-                              "with another output constraint", "tool_choice")
+            raise bad_request(
+                f'tool_choice "{tool_calling.mode}" forces the output\'s shape: it cannot be combined '
+                "with another output constraint",
+                "tool_choice",
+            )
         sampling.structured_outputs.CopyFrom(forced)
-    if tool_calling is not None and tool_calling.mode == "auto" and not sampling.HasField("skip_special_tokens"):
-        sampling.skip_special_tokens = False  # <tool_call>, [TOOL_CALLS]...: special tokens of their vocabularies
+    if (
+        tool_calling is not None
+        and tool_calling.mode == "auto"
+        and not sampling.HasField("skip_special_tokens")
+    ):
+        sampling.skip_special_tokens = (
+            False  # <tool_call>, [TOOL_CALLS]...: special tokens of their vocabularies
+        )
     stream, include_usage = _stream_flags(body)
     echo = bool(_get_bool(body, "echo", False))
     if echo and tool_calling is not None:
         raise bad_request("echo with tools is not supported by this server", "echo")
-    return ParsedRequest("chat", [prompt_ids], sampling, _get_int(body, "priority", 0), stream, include_usage,
-                         echo=echo, chat_echo=_chat_echo(messages, options["add_generation_prompt"]) if echo else "",
-                         top_logprobs=(top_logprobs or 0) if logprobs else None,
-                         request_id=request_id, tool_calling=tool_calling, cache_salt=_cache_salt(body))
+    return ParsedRequest(
+        "chat",
+        [prompt_ids],
+        sampling,
+        _get_int(body, "priority", 0),
+        stream,
+        include_usage,
+        echo=echo,
+        chat_echo=_chat_echo(messages, options["add_generation_prompt"]) if echo else "",
+        top_logprobs=(top_logprobs or 0) if logprobs else None,
+        request_id=request_id,
+        tool_calling=tool_calling,
+        cache_salt=_cache_salt(body),
+    )
 
 
 def _chat_echo(messages: list[dict], add_generation_prompt: bool) -> str:
@@ -425,7 +534,9 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[Any] = field(default_factory=list)  # formatted entries (chat) or raw positions (completion)
+    logprobs: list[Any] = field(
+        default_factory=list
+    )  # formatted entries (chat) or raw positions (completion)
     text_offset: int = 0
     started: bool = False
     tool_stream: tool_calls.ToolCallStream | None = None  # chat with tools
@@ -439,7 +550,9 @@ class ResponseFormatter:
     the choices of a batched prompt.
     """
 
-    def __init__(self, req: ParsedRequest, model: str, tokenizer: Any, prompt_tokens_details: bool = False) -> None:
+    def __init__(
+        self, req: ParsedRequest, model: str, tokenizer: Any, prompt_tokens_details: bool = False
+    ) -> None:
         self.req, self.model, self.tokenizer = req, model, tokenizer
         self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
         self.object = "text_completion" if req.kind == "completion" else "chat.completion"
@@ -477,8 +590,11 @@ class ResponseFormatter:
                 choice.finish_reason = delta.finish_reason
                 kind = delta.WhichOneof("stop_reason")
                 choice.stop_reason = getattr(delta, kind) if kind else None
-            logprobs = self._logprobs(choice, delta, prompt_index if first and self.req.echo else None) \
-                if self.req.top_logprobs is not None else None
+            logprobs = (
+                self._logprobs(choice, delta, prompt_index if first and self.req.echo else None)
+                if self.req.top_logprobs is not None
+                else None
+            )
             if self.req.kind == "completion":
                 entry = {"index": index, "text": text, "logprobs": logprobs}
                 if first and (scores := self.prompt_scores.vllm_field(prompt_index)) is not None:
@@ -513,22 +629,29 @@ class ResponseFormatter:
             content = []
             for position in delta.logprobs:
                 token = self._token_text(position.sampled)
-                content.append({
-                    "token": token, "logprob": max(position.sampled.logprob, _MIN_LOGPROB),
-                    "bytes": list(token.encode()),
-                    "top_logprobs": [
-                        {"token": (t := self._token_text(lp)), "logprob": max(lp.logprob, _MIN_LOGPROB),
-                         "bytes": list(t.encode())}
-                        for lp in position.top
-                    ],
-                })
+                content.append(
+                    {
+                        "token": token,
+                        "logprob": max(position.sampled.logprob, _MIN_LOGPROB),
+                        "bytes": list(token.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": (t := self._token_text(lp)),
+                                "logprob": max(lp.logprob, _MIN_LOGPROB),
+                                "bytes": list(t.encode()),
+                            }
+                            for lp in position.top
+                        ],
+                    }
+                )
             choice.logprobs.extend(content)
             return {"content": content}
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         if echo_prompt is not None:
             echoed, choice.text_offset = self.prompt_scores.echo_part(echo_prompt)
-            tokens, token_logprobs, top_logprobs, offsets = (echoed[k] for k in (
-                "tokens", "token_logprobs", "top_logprobs", "text_offset"))
+            tokens, token_logprobs, top_logprobs, offsets = (
+                echoed[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+            )
         for position in delta.logprobs:
             token = self._token_text(position.sampled)
             tokens.append(token)
@@ -538,21 +661,33 @@ class ResponseFormatter:
             top_logprobs.append(top)
             offsets.append(choice.text_offset)
             choice.text_offset += len(token)
-        part = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": offsets}
+        part = {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
         choice.logprobs.append(part)
         return part
 
     def usage(self) -> dict:
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        usage = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
         if self.prompt_tokens_details and self.cached_tokens:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return usage
 
     def chunk(self, entries: list[dict]) -> dict:
-        body = {"id": self.req.request_id, "object": self.object + ("" if self.req.kind == "completion" else ".chunk"),
-                "created": self.req.created, "model": self.model, "choices": entries}
+        body = {
+            "id": self.req.request_id,
+            "object": self.object + ("" if self.req.kind == "completion" else ".chunk"),
+            "created": self.req.created,
+            "model": self.model,
+            "choices": entries,
+        }
         if self.req.include_usage:
             body["usage"] = None
         return body
@@ -570,20 +705,43 @@ class ResponseFormatter:
                 if self.req.kind == "chat":
                     logprobs = {"content": c.logprobs}
                 else:
-                    logprobs = {key: [v for part in c.logprobs for v in part[key]]
-                                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+                    logprobs = {
+                        key: [v for part in c.logprobs for v in part[key]]
+                        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+                    }
             if self.req.kind == "completion":
-                choice = {"index": index, "text": text, "logprobs": logprobs,
-                          "prompt_logprobs": self.prompt_scores.vllm_field(index // self.req.n)}
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "prompt_logprobs": self.prompt_scores.vllm_field(index // self.req.n),
+                }
             elif c.tool_calls:
-                choice = {"index": index, "message": {"role": "assistant", "content": c.tool_stream.content,
-                                                      "tool_calls": c.tool_calls}, "logprobs": logprobs}
+                choice = {
+                    "index": index,
+                    "message": {
+                        "role": "assistant",
+                        "content": c.tool_stream.content,
+                        "tool_calls": c.tool_calls,
+                    },
+                    "logprobs": logprobs,
+                }
             else:
-                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+                choice = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs,
+                }
             choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             choices.append(choice)
-        body = {"id": self.req.request_id, "object": self.object, "created": self.req.created, "model": self.model,
-                "choices": choices, "usage": self.usage()}
+        body = {
+            "id": self.req.request_id,
+            "object": self.object,
+            "created": self.req.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
         if self.req.kind == "chat":
             body["prompt_logprobs"] = self.prompt_scores.vllm_field(0)  # vLLM's place for chat
         return body

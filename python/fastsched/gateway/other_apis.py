@@ -15,7 +15,6 @@ from fastsched.gateway import anthropic_messages, embeddings, responses
 from fastsched.gateway.auth import API, Handler
 from fastsched.gateway.state import GatewayState
 
-
 GatewayHandler = Callable[[GatewayState, Request], Awaitable[Response]]
 
 

@@ -60,8 +60,9 @@ async def reload_weights(request: Request) -> Response:
     if not isinstance(model, str) or not model:
         raise bad_request("path must name the checkpoint to load (a path the engines can read)", "path")
     gateway.admin.check_local_path(model, "path")
-    replies = await gateway.pool.each("ReloadWeights", pb.ReloadWeightsRequest(model=model), _RELOAD_TIMEOUT_S,
-                                      gateway.auth.metadata(ADMIN))
+    replies = await gateway.pool.each(
+        "ReloadWeights", pb.ReloadWeightsRequest(model=model), _RELOAD_TIMEOUT_S, gateway.auth.metadata(ADMIN)
+    )
     errors = [reply for reply in replies if isinstance(reply, BaseException)]
     if errors:
         error = api_error_from_rpc(errors[0], gateway.retry_after_s)
@@ -78,9 +79,13 @@ async def _call_all(request: Request, rpc: str, message: Any) -> Response:
     gateway = request.app.state.gateway
     pool = gateway.pool
     replies = await pool.each(rpc, message, _CALL_TIMEOUT_S, gateway.auth.metadata(ADMIN))
-    failed = {f.address: _describe(r) for f, r in zip(pool.frontends, replies) if isinstance(r, BaseException)}
+    failed = {
+        f.address: _describe(r) for f, r in zip(pool.frontends, replies) if isinstance(r, BaseException)
+    }
     if failed:
-        error = api_error_from_rpc(next(r for r in replies if isinstance(r, BaseException)), gateway.retry_after_s)
+        error = api_error_from_rpc(
+            next(r for r in replies if isinstance(r, BaseException)), gateway.retry_after_s
+        )
         if error.status >= 500:  # say which frontends could not do it
             error = unavailable(FRONTEND_UNAVAILABLE, gateway.retry_after_s)
             error.message = f"{rpc} failed on frontend(s): {failed}. {error.message}"
@@ -88,8 +93,12 @@ async def _call_all(request: Request, rpc: str, message: Any) -> Response:
     engines: dict[str, str] = {}
     for reply in replies:
         engines.update({str(index): state for index, state in reply.engines.items()})
-    return JSONResponse({"is_paused": any(r.paused for r in replies),
-                         "engines": dict(sorted(engines.items(), key=lambda kv: int(kv[0])))})
+    return JSONResponse(
+        {
+            "is_paused": any(r.paused for r in replies),
+            "engines": dict(sorted(engines.items(), key=lambda kv: int(kv[0]))),
+        }
+    )
 
 
 def _describe(error: BaseException) -> str:

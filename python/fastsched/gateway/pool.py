@@ -146,8 +146,13 @@ class FrontendPool:
         liveness probe: a hung frontend times out, a dead engine shows as ``dead``)."""
         return await self.each("GetStats", pb.GetStatsRequest())
 
-    async def each(self, rpc: str, request: Any, timeout: float = PROBE_TIMEOUT_S,
-                   metadata: Sequence[tuple[str, str]] | None = None) -> list[Any | BaseException]:
+    async def each(
+        self,
+        rpc: str,
+        request: Any,
+        timeout: float = PROBE_TIMEOUT_S,
+        metadata: Sequence[tuple[str, str]] | None = None,
+    ) -> list[Any | BaseException]:
         """The fan-out: ``rpc`` on every frontend at once; each one's reply or the error its call
         ended with, in frontend order. ``metadata``: instead of the API key's (an admin call's)."""
         await self.start()
@@ -160,26 +165,36 @@ class FrontendPool:
         if self._model_info is None:
             for reply in await self.each("ModelInfo", pb.ModelInfoRequest()):
                 if not isinstance(reply, BaseException):
-                    self._model_info = {"model": reply.model, "max_model_len": reply.max_model_len,
-                                        "vocab_size": reply.vocab_size}
+                    self._model_info = {
+                        "model": reply.model,
+                        "max_model_len": reply.max_model_len,
+                        "vocab_size": reply.vocab_size,
+                    }
                     break
         return self._model_info
 
     async def health(self) -> dict[str, str]:
         replies = await self.each("Health", pb.HealthRequest())
         return {
-            f.address: "unreachable" if isinstance(r, BaseException) else pb.ServingStatus.Name(r.status).lower()
+            f.address: "unreachable"
+            if isinstance(r, BaseException)
+            else pb.ServingStatus.Name(r.status).lower()
             for f, r in zip(self.frontends, replies)
         }
 
-    async def request_status(self, request_id: str, retry_after_s: int,
-                             metadata: Sequence[tuple[str, str]] | None = None) -> dict[str, Any] | None:
+    async def request_status(
+        self, request_id: str, retry_after_s: int, metadata: Sequence[tuple[str, str]] | None = None
+    ) -> dict[str, Any] | None:
         """Where ``request_id`` is, from the frontend that knows it (the latest arrival if several
         do: an id reused after a rejection); None when every frontend answers NOT_FOUND."""
-        replies = await self.each("GetRequestStatus", pb.RequestStatusRequest(request_id=request_id),
-                                  STATUS_TIMEOUT_S, metadata)
-        found = [json_format.MessageToDict(r, preserving_proto_field_name=True)
-                 for r in replies if not isinstance(r, BaseException)]
+        replies = await self.each(
+            "GetRequestStatus", pb.RequestStatusRequest(request_id=request_id), STATUS_TIMEOUT_S, metadata
+        )
+        found = [
+            json_format.MessageToDict(r, preserving_proto_field_name=True)
+            for r in replies
+            if not isinstance(r, BaseException)
+        ]
         if found:
             return max(found, key=lambda status: status.get("metrics", {}).get("arrival_time", 0.0))
         for reply in replies:  # a frontend that could not answer might know it: not a 404

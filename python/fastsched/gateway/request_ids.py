@@ -21,7 +21,10 @@ def assign_request_id(request: Request, prefix: str) -> str:
     if request_id is None:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
     elif not _VALID_REQUEST_ID.fullmatch(request_id):
-        raise bad_request("X-Request-Id must be 1 to 128 printable ASCII characters other than '/' and spaces, "
-                          f"got {request_id[:80]!r}", None)
+        raise bad_request(
+            "X-Request-Id must be 1 to 128 printable ASCII characters other than '/' and spaces, "
+            f"got {request_id[:80]!r}",
+            None,
+        )
     request.state.request_id = request_id
     return request_id

@@ -54,9 +54,13 @@ async def retrieve_response(gateway: GatewayState, request: Request) -> Response
 def _usage(chat: dict[str, Any]) -> dict[str, Any]:
     usage = chat["usage"]
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage["total_tokens"]}
+    return {
+        "input_tokens": usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage["total_tokens"],
+    }
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -66,18 +70,25 @@ def _text_part(text: str) -> dict[str, Any]:
 class ResponsesApi:
     """One Responses request's answer (a ``chat_based.ChatBasedApi``)."""
 
-    def __init__(self, gateway: GatewayState, response_id: str, body: dict[str, Any],
-                 request: ResponsesRequest) -> None:
+    def __init__(
+        self, gateway: GatewayState, response_id: str, body: dict[str, Any], request: ResponsesRequest
+    ) -> None:
         self.gateway, self.id, self.request = gateway, response_id, request
         self.store = request.store and gateway.responses_store.enabled
         self.created_at = int(time.time())
         self.echo = {  # the request's settings, as a response reports them
-            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "metadata": request.metadata or {}, "parallel_tool_calls": True,
-            "previous_response_id": body.get("previous_response_id"), "temperature": body.get("temperature"),
-            "top_p": body.get("top_p"), "text": body.get("text") or {"format": {"type": "text"}},
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": request.metadata or {},
+            "parallel_tool_calls": True,
+            "previous_response_id": body.get("previous_response_id"),
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "text": body.get("text") or {"format": {"type": "text"}},
             "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
-            "tools": body.get("tools") or [], "truncation": "disabled", "store": self.store,
+            "tools": body.get("tools") or [],
+            "truncation": "disabled",
+            "store": self.store,
         }
         self.model = body.get("model") or gateway.model_name
         self._sequence = 0
@@ -87,23 +98,51 @@ class ResponsesApi:
 
     # ---------------------------------------------------------------- the whole response
 
-    def _response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
-                  incomplete: bool = False) -> dict[str, Any]:
-        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "model": self.model, "output": output, "usage": usage, **self.echo}
+    def _response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None,
+        incomplete: bool = False,
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "model": self.model,
+            "output": output,
+            "usage": usage,
+            **self.echo,
+        }
 
     def body(self, chat: dict[str, Any]) -> dict[str, Any]:
         choice = chat["choices"][0]
         message = choice["message"]
         output = []
         if message.get("content") or not message.get("tool_calls"):
-            output.append({"type": "message", "id": f"msg_{self.id}", "status": "completed",
-                           "role": "assistant", "content": [_text_part(message.get("content") or "")]})
+            output.append(
+                {
+                    "type": "message",
+                    "id": f"msg_{self.id}",
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [_text_part(message.get("content") or "")],
+                }
+            )
         for call in message.get("tool_calls") or []:
-            output.append({"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
-                           "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                           "status": "completed"})
+            output.append(
+                {
+                    "type": "function_call",
+                    "id": f"fc_{call['id']}",
+                    "call_id": call["id"],
+                    "name": call["function"]["name"],
+                    "arguments": call["function"]["arguments"],
+                    "status": "completed",
+                }
+            )
         return self._finish(chat, output)
 
     def _finish(self, chat: dict[str, Any], output: list[dict[str, Any]]) -> dict[str, Any]:
@@ -128,8 +167,9 @@ class ResponsesApi:
 
     def stream_start(self) -> str:
         opened = self._response("in_progress", [], None)
-        return self._event("response.created", response=opened) + self._event("response.in_progress",
-                                                                                response=opened)
+        return self._event("response.created", response=opened) + self._event(
+            "response.in_progress", response=opened
+        )
 
     def stream_events(self, entries: list[dict[str, Any]]) -> str:
         events = ""
@@ -145,18 +185,35 @@ class ResponsesApi:
         events = ""
         if self._message is None:
             item_id = f"msg_{self.id}-{len(self._items)}"
-            self._message = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant",
-                             "content": [], "text": ""}
+            self._message = {
+                "type": "message",
+                "id": item_id,
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+                "text": "",
+            }
             self._items.append(self._message)
             index = len(self._items) - 1
-            events += self._event("response.output_item.added", output_index=index,
-                                  item=self._public(self._message))
-            events += self._event("response.content_part.added", item_id=item_id, output_index=index,
-                                  content_index=0, part=_text_part(""))
+            events += self._event(
+                "response.output_item.added", output_index=index, item=self._public(self._message)
+            )
+            events += self._event(
+                "response.content_part.added",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                part=_text_part(""),
+            )
         self._message["text"] += text
-        return events + self._event("response.output_text.delta", item_id=self._message["id"],
-                                    output_index=self._items.index(self._message), content_index=0,
-                                    delta=text, logprobs=[])
+        return events + self._event(
+            "response.output_text.delta",
+            item_id=self._message["id"],
+            output_index=self._items.index(self._message),
+            content_index=0,
+            delta=text,
+            logprobs=[],
+        )
 
     def _close_message(self) -> str:
         message, self._message = self._message, None
@@ -164,28 +221,52 @@ class ResponsesApi:
             return ""
         index, text = self._items.index(message), message.pop("text")
         message.update(status="completed", content=[_text_part(text)])
-        return (self._event("response.output_text.done", item_id=message["id"], output_index=index,
-                            content_index=0, text=text, logprobs=[])
-                + self._event("response.content_part.done", item_id=message["id"], output_index=index,
-                              content_index=0, part=_text_part(text))
-                + self._event("response.output_item.done", output_index=index, item=message))
+        return (
+            self._event(
+                "response.output_text.done",
+                item_id=message["id"],
+                output_index=index,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            )
+            + self._event(
+                "response.content_part.done",
+                item_id=message["id"],
+                output_index=index,
+                content_index=0,
+                part=_text_part(text),
+            )
+            + self._event("response.output_item.done", output_index=index, item=message)
+        )
 
     def _call_delta(self, call: dict[str, Any]) -> str:
         events = ""
         item = self._calls.get(call["index"])
         if item is None:  # a new call: its id and name come first
             events += self._close_message()
-            item = {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
-                    "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+            item = {
+                "type": "function_call",
+                "id": f"fc_{call['id']}",
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": "",
+                "status": "in_progress",
+            }
             self._calls[call["index"]] = item
             self._items.append(item)
-            events += self._event("response.output_item.added", output_index=len(self._items) - 1,
-                                  item=dict(item))
+            events += self._event(
+                "response.output_item.added", output_index=len(self._items) - 1, item=dict(item)
+            )
         piece = call.get("function", {}).get("arguments") or ""
         if piece:
             item["arguments"] += piece
-            events += self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                  output_index=self._items.index(item), delta=piece)
+            events += self._event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=self._items.index(item),
+                delta=piece,
+            )
         return events
 
     def stream_end(self, chat: dict[str, Any]) -> str:
@@ -193,8 +274,13 @@ class ResponsesApi:
         for item in self._calls.values():
             index = self._items.index(item)
             item["status"] = "completed"
-            events += self._event("response.function_call_arguments.done", item_id=item["id"],
-                                  output_index=index, name=item["name"], arguments=item["arguments"])
+            events += self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
             events += self._event("response.output_item.done", output_index=index, item=item)
         if not self._items:  # nothing was said: one empty message, as a whole response has
             events += self._text("") + self._close_message()

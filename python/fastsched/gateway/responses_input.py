@@ -19,9 +19,25 @@ from fastsched.gateway.openai_protocol import ApiError, bad_request, check_field
 from fastsched.gateway.request_fields import shorten
 
 # Sampling and scheduling fields passed to the chat request as they are (chat checks them).
-PASSED = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "stop", "ignore_eos", "skip_special_tokens",
-                    "include_stop_str_in_output", "priority", "cache_salt", "stream"})
+PASSED = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "stop",
+        "ignore_eos",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "priority",
+        "cache_salt",
+        "stream",
+    }
+)
 # Fields with only the value that changes nothing accepted (a 400 for any other).
 _ONLY = {
     "parallel_tool_calls": (True,),  # a forced "required" answer may hold several calls
@@ -31,10 +47,32 @@ _ONLY = {
     "top_logprobs": (0,),
 }
 # Fields refused when set to anything but null, [] or {}.
-_REFUSED = ("include", "reasoning", "max_tool_calls", "prompt", "prompt_cache_key", "conversation",
-            "stream_options")
-FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "text", "tools", "tool_choice",
-                    "store", "previous_response_id", "metadata", *PASSED, *_ONLY, *_REFUSED})
+_REFUSED = (
+    "include",
+    "reasoning",
+    "max_tool_calls",
+    "prompt",
+    "prompt_cache_key",
+    "conversation",
+    "stream_options",
+)
+FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "text",
+        "tools",
+        "tool_choice",
+        "store",
+        "previous_response_id",
+        "metadata",
+        *PASSED,
+        *_ONLY,
+        *_REFUSED,
+    }
+)
 # OpenAI's limits on metadata: what a client can make the server echo (and keep, when stored).
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -56,8 +94,11 @@ def to_chat(body: dict[str, Any], previous: list[dict[str, Any]] | None) -> Resp
     check_fields(body, FIELDS)
     for name, allowed in _ONLY.items():
         if body.get(name) is not None and body[name] not in allowed:
-            raise bad_request(f"{name} {shorten(body[name])} is not supported by this server; allowed: "
-                              f"{', '.join(map(repr, allowed))}", name)
+            raise bad_request(
+                f"{name} {shorten(body[name])} is not supported by this server; allowed: "
+                f"{', '.join(map(repr, allowed))}",
+                name,
+            )
     for name in _REFUSED:
         if body.get(name):
             raise bad_request(f"{name} is not supported by this server", name)
@@ -93,8 +134,9 @@ def _input_messages(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise bad_request(f"input must be a string or a non-empty list of items, got {shorten(value)}",
-                          "input")
+        raise bad_request(
+            f"input must be a string or a non-empty list of items, got {shorten(value)}", "input"
+        )
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -108,11 +150,19 @@ def _input_messages(value: Any) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
-                             "content": _string(item, "output", i)})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _string(item, "call_id", i),
+                    "content": _string(item, "output", i),
+                }
+            )
         else:
-            raise bad_request(f"input[{i}] must be a message, a function_call or a function_call_output "
-                              f"item, got {shorten(item)}", "input")
+            raise bad_request(
+                f"input[{i}] must be a message, a function_call or a function_call_output "
+                f"item, got {shorten(item)}",
+                "input",
+            )
     return messages
 
 
@@ -126,21 +176,29 @@ def _string(item: dict[str, Any], name: str, i: int) -> str:
 def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
     role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
     if role is None:
-        raise bad_request(f"input[{i}].role must be one of {sorted(_ROLES)}, got {shorten(item.get('role'))}",
-                          "input")
+        raise bad_request(
+            f"input[{i}].role must be one of {sorted(_ROLES)}, got {shorten(item.get('role'))}", "input"
+        )
     content = item.get("content")
     if isinstance(content, list):
         texts = []
         for part in content:
-            if (not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS
-                    or not isinstance(part.get("text"), str)):
-                raise bad_request(f"input[{i}].content: only text parts ({', '.join(_TEXT_PARTS)}) are "
-                                  f"supported, got {shorten(part)}", "input")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") not in _TEXT_PARTS
+                or not isinstance(part.get("text"), str)
+            ):
+                raise bad_request(
+                    f"input[{i}].content: only text parts ({', '.join(_TEXT_PARTS)}) are "
+                    f"supported, got {shorten(part)}",
+                    "input",
+                )
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
-        raise bad_request(f"input[{i}].content must be a string or a list of text parts, got "
-                          f"{shorten(content)}", "input")
+        raise bad_request(
+            f"input[{i}].content must be a string or a list of text parts, got {shorten(content)}", "input"
+        )
     return {"role": role, "content": content}
 
 
@@ -160,14 +218,19 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     extra = set(spec) - {"type", "name", "schema", "strict", "description"}
     if extra:
         raise bad_request(f"text.format has unknown field(s) {sorted(extra)}", "text")
-    return {"type": "json_schema",
-            "json_schema": {k: spec[k] for k in ("name", "schema", "strict") if k in spec}}
+    return {
+        "type": "json_schema",
+        "json_schema": {k: spec[k] for k in ("name", "schema", "strict") if k in spec},
+    }
 
 
 def _chat_tool(tool: Any, i: int) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-        raise bad_request(f'tools[{i}] must be {{"type": "function", "name": ..., "parameters": ...}} '
-                          f"(function tools only), got {shorten(tool)}", "tools")
+        raise bad_request(
+            f'tools[{i}] must be {{"type": "function", "name": ..., "parameters": ...}} '
+            f"(function tools only), got {shorten(tool)}",
+            "tools",
+        )
     extra = set(tool) - {"type", "name", "description", "parameters", "strict"}
     if extra:
         raise bad_request(f"tools[{i}] has unknown field(s) {sorted(extra)}", "tools")
@@ -180,23 +243,32 @@ def _chat_tool_choice(choice: Any) -> Any:
         return choice  # none, auto, required: chat's names
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}, '
-                      f"got {shorten(choice)}", "tool_choice")
+    raise bad_request(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}, '
+        f"got {shorten(choice)}",
+        "tool_choice",
+    )
 
 
 def _metadata(value: Any) -> dict[str, str] | None:
     if value is None:
         return None
-    if (not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS
-            or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
-            or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in value.items())):
-        raise bad_request(f"metadata must be at most {MAX_METADATA_PAIRS} string pairs, keys of at most "
-                          f"{MAX_METADATA_KEY} characters and values of at most {MAX_METADATA_VALUE}",
-                          "metadata")
+    if (
+        not isinstance(value, dict)
+        or len(value) > MAX_METADATA_PAIRS
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+        or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in value.items())
+    ):
+        raise bad_request(
+            f"metadata must be at most {MAX_METADATA_PAIRS} string pairs, keys of at most "
+            f"{MAX_METADATA_KEY} characters and values of at most {MAX_METADATA_VALUE}",
+            "metadata",
+        )
     return value
 
 
 def not_found(response_id: str, param: str, stored: bool) -> ApiError:
     why = "" if stored else " (this server keeps no responses: --responses-store-size is 0)"
-    return ApiError(404, f"Response with id '{response_id}' not found{why}.", param=param,
-                    code="response_not_found")
+    return ApiError(
+        404, f"Response with id '{response_id}' not found{why}.", param=param, code="response_not_found"
+    )

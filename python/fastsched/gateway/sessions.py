@@ -46,8 +46,9 @@ pb, pb_grpc = import_stubs()
 
 _OPEN_FIELDS = frozenset({"type", "prompt", "request_id", "priority", "model", "cache_salt"})
 # The sampling parameters an open message may carry: SamplingParams' fields, by either JSON name.
-_SAMPLING_FIELDS = frozenset(name for field in pb.SamplingParams.DESCRIPTOR.fields
-                             for name in (field.name, field.json_name))
+_SAMPLING_FIELDS = frozenset(
+    name for field in pb.SamplingParams.DESCRIPTOR.fields for name in (field.name, field.json_name)
+)
 _CHUNK_FIELDS = frozenset({"type", "prompt", "max_tokens", "last"})
 _CLOSE_POLICY, _CLOSE_TRY_AGAIN, _CLOSE_INTERNAL = 1008, 1013, 1011
 
@@ -65,7 +66,9 @@ class SessionSettings:
 
     def __post_init__(self) -> None:
         if not 0 < self.open_timeout < float("inf"):
-            raise ValueError(f"session_open_timeout must be a positive number of seconds, got {self.open_timeout}")
+            raise ValueError(
+                f"session_open_timeout must be a positive number of seconds, got {self.open_timeout}"
+            )
 
     def origin_allowed(self, origin: str | None, host: str | None) -> bool:
         """Same-origin (the Origin's host is the Host the client connected to), listed, or not sent."""
@@ -82,7 +85,9 @@ async def session_websocket(websocket: WebSocket) -> None:
         await websocket.close(code=_CLOSE_POLICY, reason="Origin not allowed (--allowed-origins)")
         return
     if gateway.auth.failure(websocket.headers) is not None:
-        await websocket.close(code=_CLOSE_POLICY, reason="Invalid or missing API key: send Authorization: Bearer")
+        await websocket.close(
+            code=_CLOSE_POLICY, reason="Invalid or missing API key: send Authorization: Bearer"
+        )
         return
     await websocket.accept()
     pool = gateway.pool
@@ -94,8 +99,11 @@ async def session_websocket(websocket: WebSocket) -> None:
             async with asyncio.timeout(settings.open_timeout):
                 first = await _receive(websocket)
         except TimeoutError:
-            raise ApiError(408, f"No open message within {settings.open_timeout:g} s of connecting "
-                                "(--session-open-timeout).", code="session_open_timeout") from None
+            raise ApiError(
+                408,
+                f"No open message within {settings.open_timeout:g} s of connecting (--session-open-timeout).",
+                code="session_open_timeout",
+            ) from None
         opening = open_request(first, gateway.model_names)
         call = frontend.stub.GenerateSession(metadata=pool.metadata)
         frontend.outstanding += 1
@@ -128,11 +136,13 @@ def open_request(message: dict[str, Any], model_names: Sequence[str] = ()) -> An
     ``model`` that is not one of ``model_names`` names a LoRA adapter (the frontend answers
     NOT_FOUND, a 404, for one it does not serve)."""
     if message.get("type") != "open":
-        raise bad_request("a session's first message must be {\"type\": \"open\", ...}", "type")
+        raise bad_request('a session\'s first message must be {"type": "open", ...}', "type")
     model = _field(message, "model", str, "")
-    request = pb.GenerateRequest(request_id=_field(message, "request_id", str, ""),
-                                 priority=_field(message, "priority", int, 0),
-                                 model="" if model in model_names else model)
+    request = pb.GenerateRequest(
+        request_id=_field(message, "request_id", str, ""),
+        priority=_field(message, "priority", int, 0),
+        model="" if model in model_names else model,
+    )
     _set_prompt(request, message.get("prompt"))
     try:
         salt = check_cache_salt(message.get("cache_salt"))
@@ -143,8 +153,11 @@ def open_request(message: dict[str, Any], model_names: Sequence[str] = ()) -> An
     params = {k: v for k, v in message.items() if k not in _OPEN_FIELDS}
     unknown = sorted(set(params) - _SAMPLING_FIELDS)
     if unknown:
-        raise bad_request(f"unknown open fields: {', '.join(unknown)} (an open message takes "
-                          f"{', '.join(sorted(_OPEN_FIELDS))} and the sampling parameters)", unknown[0])
+        raise bad_request(
+            f"unknown open fields: {', '.join(unknown)} (an open message takes "
+            f"{', '.join(sorted(_OPEN_FIELDS))} and the sampling parameters)",
+            unknown[0],
+        )
     try:
         json_format.ParseDict(params, request.sampling_params)
     except json_format.ParseError as e:
@@ -162,7 +175,9 @@ def chunk_request(message: dict[str, Any]) -> Any:
     unknown = sorted(set(message) - _CHUNK_FIELDS)
     if unknown:
         raise bad_request(f"unknown chunk fields: {', '.join(unknown)}", unknown[0])
-    chunk = pb.SessionChunk(max_tokens=_field(message, "max_tokens", int, 16), last=_field(message, "last", bool, False))
+    chunk = pb.SessionChunk(
+        max_tokens=_field(message, "max_tokens", int, 16), last=_field(message, "last", bool, False)
+    )
     _set_prompt(chunk, message.get("prompt"))
     return pb.SessionRequest(chunk=chunk)
 
@@ -217,18 +232,26 @@ async def _receive(websocket: WebSocket) -> dict[str, Any]:
 
 def _output(response: Any) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "type": "output", "request_id": response.request_id, "segment": response.segment, "text": response.text,
-        "token_ids": list(response.token_ids), "segment_ended": response.segment_ended,
+        "type": "output",
+        "request_id": response.request_id,
+        "segment": response.segment,
+        "text": response.text,
+        "token_ids": list(response.token_ids),
+        "segment_ended": response.segment_ended,
         "finish_reason": response.finish_reason or None,
     }
     if response.HasField("usage"):
-        out["usage"] = {"prompt_tokens": response.usage.prompt_tokens,
-                        "completion_tokens": response.usage.completion_tokens}
+        out["usage"] = {
+            "prompt_tokens": response.usage.prompt_tokens,
+            "completion_tokens": response.usage.completion_tokens,
+        }
     return out
 
 
 async def _fail(websocket: WebSocket, error: ApiError) -> None:
-    code = _CLOSE_POLICY if error.status < 500 else _CLOSE_TRY_AGAIN if error.status == 503 else _CLOSE_INTERNAL
+    code = (
+        _CLOSE_POLICY if error.status < 500 else _CLOSE_TRY_AGAIN if error.status == 503 else _CLOSE_INTERNAL
+    )
     try:
         message: dict[str, Any] = {"type": "error", "status": error.status, **error.body()}
         if "Retry-After" in error.headers:  # a WebSocket has no headers left to carry it

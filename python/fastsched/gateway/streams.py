@@ -70,7 +70,9 @@ class ClientWatch:
         self.gone = True
         self._task.cancel()
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> bool:
         self._watcher.cancel()
         if self.gone and exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
             self._task.uncancel()

@@ -19,16 +19,24 @@ from fastsched.model_loader.tokenizer import NoChatTemplateError
 
 _COMMON = {"model"}
 _PROMPT_FIELDS = _COMMON | {"prompt", "add_special_tokens", "return_token_strs"}
-_CHAT_FIELDS = _COMMON | {"messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
-                          "return_token_strs", "chat_template_kwargs"}
+_CHAT_FIELDS = _COMMON | {
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "return_token_strs",
+    "chat_template_kwargs",
+}
 _DETOKENIZE_FIELDS = _COMMON | {"tokens"}
 
 
 def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise bad_request(f"This server does not support the field(s) {unknown} here; supported: {sorted(allowed)}.",
-                          unknown[0])
+        raise bad_request(
+            f"This server does not support the field(s) {unknown} here; supported: {sorted(allowed)}.",
+            unknown[0],
+        )
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -38,7 +46,9 @@ def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def tokenize(body: dict[str, Any], tokenizer: Any, max_model_len: int | None, limits: RequestLimits) -> dict[str, Any]:
+def tokenize(
+    body: dict[str, Any], tokenizer: Any, max_model_len: int | None, limits: RequestLimits
+) -> dict[str, Any]:
     """The ``/tokenize`` response for ``body``: ``count``, ``max_model_len``, ``tokens``,
     ``token_strs`` (with ``return_token_strs``, else null)."""
     if "messages" in body:
@@ -68,8 +78,12 @@ def tokenize(body: dict[str, Any], tokenizer: Any, max_model_len: int | None, li
     else:
         raise bad_request("Give `prompt` (a string) or `messages` (a chat).", "prompt")
     if max_model_len is not None:
-        check_prompt_chars(len(text), max_model_len, tokenizer.max_token_chars,
-                           "messages" if "messages" in body else "prompt")
+        check_prompt_chars(
+            len(text),
+            max_model_len,
+            tokenizer.max_token_chars,
+            "messages" if "messages" in body else "prompt",
+        )
     tokens = tokenizer.encode(text, add_special_tokens=add_special)
     token_strs = None
     if _bool(body, "return_token_strs", False):
@@ -81,7 +95,9 @@ def detokenize(body: dict[str, Any], tokenizer: Any, vocab_size: int | None) -> 
     """The ``/detokenize`` response for ``body``: ``{"prompt": text}``."""
     _check_fields(body, _DETOKENIZE_FIELDS)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
         raise bad_request("tokens must be a list of token ids (integers)", "tokens")
     bound = vocab_size if vocab_size is not None else tokenizer.vocab_size
     bad = next((t for t in tokens if not 0 <= t < bound), None)

@@ -93,10 +93,18 @@ class ToolCalling:
         if self.mode == "named":
             return to_proto("json", self.parameters(self.name), "tools")
         if self.mode == "required":
-            calls = [{"type": "object",
-                      "properties": {"name": {"enum": [t["function"]["name"]]},
-                                     "parameters": self.parameters(t["function"]["name"])},
-                      "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"enum": [t["function"]["name"]]},
+                        "parameters": self.parameters(t["function"]["name"]),
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for t in self.tools
+            ]
             return to_proto("json", {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "tools")
         return None
 
@@ -118,8 +126,11 @@ class ToolCalling:
 
 
 def _call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
-    return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": call_id or f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 @dataclass
@@ -184,7 +195,9 @@ class ToolCallStream:
         return deltas
 
 
-def tool_calling_from_body(body: dict, chat_template: str | None, tool_parser: str | None = None) -> ToolCalling | None:
+def tool_calling_from_body(
+    body: dict, chat_template: str | None, tool_parser: str | None = None
+) -> ToolCalling | None:
     """The request's tool calling, None without tools (or with ``tool_choice`` "none").
     ``tool_parser``: the server's ``--tool-call-parser`` (given with ``--enable-auto-tool-choice``)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
@@ -199,18 +212,24 @@ def tool_calling_from_body(body: dict, chat_template: str | None, tool_parser: s
         if tool_parser is not None:
             return ToolCalling("auto", tools, parser=get_parser(tool_parser))
         if not supports_hermes_tools(chat_template):
-            raise FieldError('tool_choice "auto" (the default with tools) needs a parser of the model\'s tool calls: '
-                             "start the server with --enable-auto-tool-choice --tool-call-parser "
-                             f"{{{','.join(PARSERS)}}}, or send tool_choice \"required\" or a named function, whose "
-                             "calls the grammar forces", "tool_choice")
+            raise FieldError(
+                'tool_choice "auto" (the default with tools) needs a parser of the model\'s tool calls: '
+                "start the server with --enable-auto-tool-choice --tool-call-parser "
+                f'{{{",".join(PARSERS)}}}, or send tool_choice "required" or a named function, whose '
+                "calls the grammar forces",
+                "tool_choice",
+            )
         return ToolCalling("auto", tools)
     if choice == "required":
         return ToolCalling("required", tools)
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
-        raise FieldError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                         f'{{"name": ...}}}}, got {shorten(choice)}', "tool_choice")
+        raise FieldError(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+            f'{{"name": ...}}}}, got {shorten(choice)}',
+            "tool_choice",
+        )
     if name not in {t["function"]["name"] for t in tools}:
         raise FieldError(f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")
     return ToolCalling("named", tools, name)
@@ -221,10 +240,16 @@ def _check_tools(tools: Any) -> None:
         raise FieldError(f"tools must be a list, got {shorten(tools)}", "tools")
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or tool.get("type") != "function" or not isinstance(function.get("name"),
-                                                                                               str):
-            raise FieldError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
-                             f"...}}}}, got {shorten(tool)}", "tools")
+        if (
+            not isinstance(function, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function.get("name"), str)
+        ):
+            raise FieldError(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                f"...}}}}, got {shorten(tool)}",
+                "tools",
+            )
         if not isinstance(function.get("parameters"), dict | None):
             raise FieldError(f"tools[{i}].function.parameters must be a JSON schema (an object)", "tools")
 

@@ -63,14 +63,21 @@ def paged_attention(
     _core.paged_attention(*map(to_dlpack, (query, key, value, out, kv_cache, *step)), scale, softcap, window)
 
 
-def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm(
+    hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     """``hidden += delta`` in place (bfloat16 rounding, as torch's add), then RMSNorm of it:
     ``[M, N]`` bfloat16, contiguous. A bfloat16 ``weight`` rounds as
     ``fastsched.models.llama.RMSNorm`` (``w * bf16(x_hat)``); a float32 one is Gemma's, given
     as ``1 + w``, and rounds once (``bf16(x_hat * w)``, transformers' Gemma RMSNorm)."""
     out = torch.empty_like(hidden)
-    _core.add_rms_norm_bf16(to_dlpack(hidden), None if delta is None else to_dlpack(delta.contiguous()),
-                            to_dlpack(weight), to_dlpack(out), eps)
+    _core.add_rms_norm_bf16(
+        to_dlpack(hidden),
+        None if delta is None else to_dlpack(delta.contiguous()),
+        to_dlpack(weight),
+        to_dlpack(out),
+        eps,
+    )
     return out
 
 
@@ -81,8 +88,9 @@ def rms_norm_heads_(x: torch.Tensor, heads: int, weight: torch.Tensor, eps: floa
     _core.rms_norm_heads_bf16(to_dlpack(x), heads, to_dlpack(weight), eps)
 
 
-def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
-          sin: torch.Tensor) -> None:
+def rope_(
+    x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
     """Rotate-half RoPE in place on the first ``heads * head_dim`` columns of each row of
     ``x [T, W]`` (rows contiguous; q's heads then k's, as a fused QKV projection lays them
     out), row ``t`` by row ``positions[t]`` (int64) of the ``[len, head_dim]`` tables (``x``'s

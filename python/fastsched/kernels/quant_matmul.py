@@ -56,8 +56,10 @@ class Int4Weight:
     def __post_init__(self) -> None:
         n, k = self.codes.shape
         if k % GROUP_SIZE or self.scale.shape != (n, k // GROUP_SIZE) or self.zero.shape != self.scale.shape:
-            raise ValueError(f"int4 weight of shape {(n, k)} needs [N, K/{GROUP_SIZE}] scales and zeros; got "
-                             f"{tuple(self.scale.shape)} and {tuple(self.zero.shape)}")
+            raise ValueError(
+                f"int4 weight of shape {(n, k)} needs [N, K/{GROUP_SIZE}] scales and zeros; got "
+                f"{tuple(self.scale.shape)} and {tuple(self.zero.shape)}"
+            )
 
     @classmethod
     def cat(cls, parts: list[Int4Weight]) -> Int4Weight:
@@ -109,9 +111,11 @@ class Int8Weight:
         zero_fits = self.zero is None or self.zero.shape == (n, groups)
         if self.codes.dtype != torch.int8 or k % GROUP_SIZE or not scales_fit or not zero_fits:
             zero = None if self.zero is None else tuple(self.zero.shape)
-            raise ValueError(f"int8 weight of shape {(n, k)} and dtype {self.codes.dtype} needs int8 codes, "
-                             f"[N, K/{GROUP_SIZE}] or [N, K/{GROUP_SIZE // 2}] scales and "
-                             f"[N, K/{GROUP_SIZE}] zeros or none; got {tuple(self.scale.shape)} and {zero}")
+            raise ValueError(
+                f"int8 weight of shape {(n, k)} and dtype {self.codes.dtype} needs int8 codes, "
+                f"[N, K/{GROUP_SIZE}] or [N, K/{GROUP_SIZE // 2}] scales and "
+                f"[N, K/{GROUP_SIZE}] zeros or none; got {tuple(self.scale.shape)} and {zero}"
+            )
 
     @classmethod
     def from_int4(cls, weight: Int4Weight) -> Int8Weight:
@@ -123,8 +127,11 @@ class Int8Weight:
         """The same weights with a scale per ``scale_group`` columns (only 32 → 16 splits,
         each half its group's scale) and zeros (all 0.0 where there were none); exact."""
         scale = self.scale if scale_group == self.scale_group else self.scale.repeat_interleave(2, dim=1)
-        zeros = self.zero if self.zero is not None or not zero else self.scale.new_zeros(
-            self.codes.shape[0], self.codes.shape[1] // GROUP_SIZE)
+        zeros = (
+            self.zero
+            if self.zero is not None or not zero
+            else self.scale.new_zeros(self.codes.shape[0], self.codes.shape[1] // GROUP_SIZE)
+        )
         return Int8Weight(self.codes, scale, zeros)
 
     @classmethod
@@ -195,8 +202,14 @@ class PackedInt4:
         self.compute_dtype = torch.bfloat16
         if device.type == "cpu" and quant_matmul_cpu.AVAILABLE:
             self.cpu = quant_matmul_cpu.CpuQuantWeight(
-                4, (quant_matmul_cpu.pack_int4(weight.codes), weight.scale.float().contiguous(),
-                    weight.zero.float().contiguous()), *weight.shape)
+                4,
+                (
+                    quant_matmul_cpu.pack_int4(weight.codes),
+                    weight.scale.float().contiguous(),
+                    weight.zero.float().contiguous(),
+                ),
+                *weight.shape,
+            )
             self.kind = "cpu_rust"
         elif device.type == "cuda":
             codes = weight.codes.to(device)
@@ -217,8 +230,11 @@ class PackedInt4:
             out = self.cpu.matmul(x2, out_dtype)
         else:
             xc = x2 if x2.dtype == self.compute_dtype else x2.to(self.compute_dtype)
-            out = int4_matmul_triton(xc, self.packed, self.scale, self.zero) if self.kind == "triton" else (
-                xc @ self.dense.t())
+            out = (
+                int4_matmul_triton(xc, self.packed, self.scale, self.zero)
+                if self.kind == "triton"
+                else (xc @ self.dense.t())
+            )
         return out.to(out_dtype).reshape(*shape[:-1], self.out_features)
 
     def nbytes(self) -> int:
@@ -267,8 +283,11 @@ class PackedInt8:
         """Rows ``ids`` of the weight, dequantized (an embedding lookup)."""
         flat = ids.reshape(-1)
         zero = None if self.zero is None else self.zero[flat]
-        return dequantize_int8(self.codes[flat], self.scale[flat], zero).to(dtype).reshape(
-            *ids.shape, self.in_features)
+        return (
+            dequantize_int8(self.codes[flat], self.scale[flat], zero)
+            .to(dtype)
+            .reshape(*ids.shape, self.in_features)
+        )
 
     def nbytes(self) -> int:
         optional = (self.zero, getattr(self, "dense", None))

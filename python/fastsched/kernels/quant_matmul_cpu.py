@@ -27,7 +27,6 @@ scales ``[N, K/32]`` or ``[N, K/16]`` (GGUF Q6_K's sub-blocks) float32 and optio
 from __future__ import annotations
 
 import torch
-
 from torch.utils.dlpack import to_dlpack
 
 from fastsched import _core
@@ -46,6 +45,7 @@ AVAILABLE = hasattr(_core, "quant_matmul")
 # The many-row GEMM's AVX-512 BF16 kernel; without it (older x86, other ISAs) the weight is
 # dequantized to a bf16 temporary for torch's GEMM instead.
 GEMM_SIMD = AVAILABLE and _core.quant_gemm_simd()
+
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """``codes [N, K]`` (0..15) in the kernels' packed layout (module docstring), ``[N, K/2]`` uint8."""
@@ -75,16 +75,19 @@ class CpuQuantWeight:
     def __init__(self, bits: int, tensors: tuple[torch.Tensor, ...], n: int, k: int) -> None:
         kb = k // GROUP_SIZE
         if bits not in (4, 8) or k % GROUP_SIZE:
-            raise ValueError(f"int{bits} weight [{n}, {k}]: bits must be 4 or 8 and K a multiple of "
-                             f"{GROUP_SIZE}")
+            raise ValueError(
+                f"int{bits} weight [{n}, {k}]: bits must be 4 or 8 and K a multiple of {GROUP_SIZE}"
+            )
         scale_group = GROUP_SIZE
         if bits == 8 and len(tensors) >= 2 and tensors[1].dim() == 2 and tensors[1].shape[1] == 2 * kb:
             scale_group = GROUP_SIZE // 2
         shapes = {"packed": (torch.uint8, (n, k // 2))} if bits == 4 else {"codes": (torch.int8, (n, k))}
         shapes |= {"scale": (torch.float32, (n, k // scale_group)), "zero": (torch.float32, (n, kb))}
         if not (len(tensors) == 3 or (bits == 8 and len(tensors) == 2)):
-            raise ValueError(f"int{bits} weight [{n}, {k}]: {len(tensors)} tensors, expected "
-                             f"{'3' if bits == 4 else '2 or 3'} ({', '.join(shapes)})")
+            raise ValueError(
+                f"int{bits} weight [{n}, {k}]: {len(tensors)} tensors, expected "
+                f"{'3' if bits == 4 else '2 or 3'} ({', '.join(shapes)})"
+            )
         for t, (name, (dtype, shape)) in zip(tensors, shapes.items()):
             _check_tensor(name, t, dtype, shape)
         self.bits, self.tensors, self.n, self.k = bits, tensors, n, k
@@ -126,8 +129,10 @@ def _matmul(weight: _core.QuantWeight, x: torch.Tensor) -> torch.Tensor:
 
 def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor of shape {shape}; got {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device}")
+        raise ValueError(
+            f"{name} must be a contiguous CPU {dtype} tensor of shape {shape}; got {t.dtype} "
+            f"{tuple(t.shape)} on {t.device}"
+        )
 
 
 def _check_x(x: torch.Tensor, k: int) -> None:
@@ -136,7 +141,9 @@ def _check_x(x: torch.Tensor, k: int) -> None:
 
 
 @torch.library.custom_op("fastsched::int4_matmul", mutates_args=())
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def int4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> torch.Tensor:
     """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype for an int4 weight."""
     weight = CpuQuantWeight(4, (packed, scale, zero), packed.shape[0], packed.shape[1] * 2)
     _check_x(x, weight.k)
@@ -149,8 +156,9 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Te
 
 
 @torch.library.custom_op("fastsched::int8_matmul", mutates_args=())
-def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                zero: torch.Tensor | None = None) -> torch.Tensor:
+def int8_matmul(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x [M, K] @ Wᵀ -> [M, N]`` in ``x``'s dtype for an int8 weight."""
     weight = CpuQuantWeight(8, (codes, scale) if zero is None else (codes, scale, zero), *codes.shape)
     _check_x(x, weight.k)
@@ -158,8 +166,9 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 
 
 @int8_matmul.register_fake
-def _(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-      zero: torch.Tensor | None = None) -> torch.Tensor:
+def _(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None
+) -> torch.Tensor:
     return _fake(x, codes.shape[0])
 
 

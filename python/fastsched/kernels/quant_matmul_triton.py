@@ -29,10 +29,22 @@ BLOCK_K = 64
 
 @triton.jit
 def _int4_matmul_kernel(
-    x_ptr, packed_ptr, scale_ptr, zero_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_pn, stride_sn, stride_om,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    packed_ptr,
+    scale_ptr,
+    zero_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_pn,
+    stride_sn,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -45,22 +57,38 @@ def _int4_matmul_kernel(
     for start in range(0, K, BLOCK_K):
         byte = start // 2 + half
         byte_mask = byte < K // 2
-        codes = tl.load(packed_ptr + cols[:, None] * stride_pn + byte[None, :],
-                        mask=col_mask[:, None] & byte_mask[None, :], other=0).to(tl.int32)
+        codes = tl.load(
+            packed_ptr + cols[:, None] * stride_pn + byte[None, :],
+            mask=col_mask[:, None] & byte_mask[None, :],
+            other=0,
+        ).to(tl.int32)
         group = (start + 2 * half) // GROUP  # both columns of a byte are in one group
-        s = tl.load(scale_ptr + cols[:, None] * stride_sn + group[None, :],
-                    mask=col_mask[:, None] & byte_mask[None, :], other=0.0).to(tl.float32)
-        z = tl.load(zero_ptr + cols[:, None] * stride_sn + group[None, :],
-                    mask=col_mask[:, None] & byte_mask[None, :], other=0.0).to(tl.float32)
+        s = tl.load(
+            scale_ptr + cols[:, None] * stride_sn + group[None, :],
+            mask=col_mask[:, None] & byte_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        z = tl.load(
+            zero_ptr + cols[:, None] * stride_sn + group[None, :],
+            mask=col_mask[:, None] & byte_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
         w_even = ((codes & 0xF) - 8).to(tl.float32) * s + z  # [BLOCK_N, BLOCK_K / 2]
         w_odd = ((codes >> 4) - 8).to(tl.float32) * s + z
         x_mask = row_mask[:, None] & byte_mask[None, :]
-        x_even = tl.load(x_ptr + rows[:, None] * stride_xm + (start + 2 * half)[None, :], mask=x_mask, other=0.0)
-        x_odd = tl.load(x_ptr + rows[:, None] * stride_xm + (start + 2 * half + 1)[None, :], mask=x_mask, other=0.0)
+        x_even = tl.load(
+            x_ptr + rows[:, None] * stride_xm + (start + 2 * half)[None, :], mask=x_mask, other=0.0
+        )
+        x_odd = tl.load(
+            x_ptr + rows[:, None] * stride_xm + (start + 2 * half + 1)[None, :], mask=x_mask, other=0.0
+        )
         acc += tl.dot(x_even.to(tl.float32), tl.trans(w_even))
         acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_odd))
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_om + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
 
 
 def int4_matmul(
@@ -70,28 +98,57 @@ def int4_matmul(
     m, k = x.shape
     n = packed.shape[0]
     if packed.shape[1] * 2 != k or scale.shape != (n, k // group_size) or zero.shape != scale.shape:
-        raise ValueError(f"int4 matmul: x {tuple(x.shape)} does not fit packed {tuple(packed.shape)}, "
-                         f"scale {tuple(scale.shape)}, zero {tuple(zero.shape)}")
+        raise ValueError(
+            f"int4 matmul: x {tuple(x.shape)} does not fit packed {tuple(packed.shape)}, "
+            f"scale {tuple(scale.shape)}, zero {tuple(zero.shape)}"
+        )
     if BLOCK_K % group_size and group_size % BLOCK_K:
         raise ValueError(f"group size {group_size} must divide or be divided by BLOCK_K {BLOCK_K}")
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _int4_matmul_kernel[grid](
-        x, packed, scale, zero, out, m, n, k,
-        x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
-        GROUP=group_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        x,
+        packed,
+        scale,
+        zero,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        packed.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        GROUP=group_size,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
     )
     return out
 
 
 @triton.jit
 def _int8_matmul_kernel(
-    x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_cn, stride_sn, stride_zn, stride_om,
-    GROUP: tl.constexpr, SCALE_GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_cn,
+    stride_sn,
+    stride_zn,
+    stride_om,
+    GROUP: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -104,16 +161,23 @@ def _int8_matmul_kernel(
         k = start + tl.arange(0, BLOCK_K)
         w_mask = col_mask[:, None] & (k < K)[None, :]
         c = tl.load(codes_ptr + cols[:, None] * stride_cn + k[None, :], mask=w_mask, other=0).to(tl.float32)
-        s = tl.load(scale_ptr + cols[:, None] * stride_sn + (k // SCALE_GROUP)[None, :], mask=w_mask,
-                    other=0.0)
+        s = tl.load(
+            scale_ptr + cols[:, None] * stride_sn + (k // SCALE_GROUP)[None, :], mask=w_mask, other=0.0
+        )
         w = c * s  # [BLOCK_N, BLOCK_K]
         if HAS_ZERO:
             w += tl.load(zero_ptr + cols[:, None] * stride_zn + (k // GROUP)[None, :], mask=w_mask, other=0.0)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_mask[:, None] & (k < K)[None, :],
-                    other=0.0)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + k[None, :],
+            mask=row_mask[:, None] & (k < K)[None, :],
+            other=0.0,
+        )
         acc += tl.dot(x.to(tl.float32), tl.trans(w))
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_om + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
 
 
 def int8_matmul(
@@ -124,17 +188,38 @@ def int8_matmul(
     m, k = x.shape
     n = codes.shape[0]
     groups = k // group_size
-    if (codes.shape != (n, k) or k % group_size or scale.shape not in ((n, groups), (n, 2 * groups))
-            or (zero is not None and zero.shape != (n, groups))):
-        raise ValueError(f"int8 matmul: x {tuple(x.shape)} does not fit codes {tuple(codes.shape)}, scale "
-                         f"{tuple(scale.shape)}, zero {None if zero is None else tuple(zero.shape)}")
+    if (
+        codes.shape != (n, k)
+        or k % group_size
+        or scale.shape not in ((n, groups), (n, 2 * groups))
+        or (zero is not None and zero.shape != (n, groups))
+    ):
+        raise ValueError(
+            f"int8 matmul: x {tuple(x.shape)} does not fit codes {tuple(codes.shape)}, scale "
+            f"{tuple(scale.shape)}, zero {None if zero is None else tuple(zero.shape)}"
+        )
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _int8_matmul_kernel[grid](
-        x, codes, scale, scale if zero is None else zero, out, m, n, k,
-        x.stride(0), codes.stride(0), scale.stride(0), 0 if zero is None else zero.stride(0), out.stride(0),
-        GROUP=group_size, SCALE_GROUP=k // scale.shape[1], HAS_ZERO=zero is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        x,
+        codes,
+        scale,
+        scale if zero is None else zero,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        codes.stride(0),
+        scale.stride(0),
+        0 if zero is None else zero.stride(0),
+        out.stride(0),
+        GROUP=group_size,
+        SCALE_GROUP=k // scale.shape[1],
+        HAS_ZERO=zero is not None,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
     )
     return out

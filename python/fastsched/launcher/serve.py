@@ -116,8 +116,9 @@ def _engine_main(*args: Any, **kwargs: Any) -> None:
 
 def _spawn(target: Any, name: str, args: tuple, kwargs: dict[str, Any]) -> BaseProcess:
     # Spawned, not forked: torch, gRPC and ZMQ state must not be copied (as engine_proc does).
-    proc = multiprocessing.get_context("spawn").Process(target=target, args=args, kwargs=kwargs, name=name,
-                                                        daemon=True)
+    proc = multiprocessing.get_context("spawn").Process(
+        target=target, args=args, kwargs=kwargs, name=name, daemon=True
+    )
     proc.start()
     return proc
 
@@ -175,10 +176,12 @@ def remove_stale(shm_dir: str = "/dev/shm", tmp_dir: str | None = None) -> list[
     without cleaning up (A6: stale segments are cleaned up); returns what it removed."""
     removed = []
     tmp_dir = tmp_dir or tempfile.gettempdir()
-    candidates = glob.glob(os.path.join(shm_dir, NAME_PREFIX + "*")) + glob.glob(os.path.join(tmp_dir, NAME_PREFIX + "*"))
+    candidates = glob.glob(os.path.join(shm_dir, NAME_PREFIX + "*")) + glob.glob(
+        os.path.join(tmp_dir, NAME_PREFIX + "*")
+    )
     for path in candidates:
         try:
-            pid = int(os.path.basename(path)[len(NAME_PREFIX):].split("-", 1)[0])
+            pid = int(os.path.basename(path)[len(NAME_PREFIX) :].split("-", 1)[0])
         except ValueError:
             continue
         with contextlib.suppress(OSError):
@@ -223,8 +226,10 @@ def _check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise ServeError(f"a gRPC frontend cannot listen on {host}:{port}: the port is in use "
-                                 "(choose another --grpc-port, or 0 for free ports)") from e
+                raise ServeError(
+                    f"a gRPC frontend cannot listen on {host}:{port}: the port is in use "
+                    "(choose another --grpc-port, or 0 for free ports)"
+                ) from e
             raise ServeError(f"a gRPC frontend cannot listen on {host}:{port}: {e}") from e
 
 
@@ -275,8 +280,9 @@ class Launcher:
         for port in self.grpc_ports:
             _check_port_free(c.grpc_host, port)
         self.ipc_dir = tempfile.mkdtemp(prefix=f"{NAME_PREFIX}{os.getpid()}-")  # mode 0700
-        self.shm = SharedAdmissionStats.create(f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(4)}",
-                                               c.api_server_count)
+        self.shm = SharedAdmissionStats.create(
+            f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(4)}", c.api_server_count
+        )
         logger.info("ipc dir %s; shared admission stats %s", self.ipc_dir, self.shm.path)
         engine_inputs = [f"ipc://{self.ipc_dir}/engine{i}.in" for i in range(c.data_parallel_size)]
         frontend_outputs = [f"ipc://{self.ipc_dir}/frontend{k}.out" for k in range(c.api_server_count)]
@@ -287,8 +293,20 @@ class Launcher:
         engine_pids = [e.proc.pid for e in self.engines]
         for k, (addr, port) in enumerate(zip(frontend_outputs, self.grpc_ports)):
             ours_ready, theirs_ready = _ready_pipe()
-            spec = FrontendSpec(k, tuple(engine_inputs), tuple(engine_pids), addr, c.grpc_host, port,
-                                self.shm.name, c.frontend, c.log_level, c.api_key, self.tokenizer_dir, c.admin)
+            spec = FrontendSpec(
+                k,
+                tuple(engine_inputs),
+                tuple(engine_pids),
+                addr,
+                c.grpc_host,
+                port,
+                self.shm.name,
+                c.frontend,
+                c.log_level,
+                c.api_key,
+                self.tokenizer_dir,
+                c.admin,
+            )
             proc = _spawn(run_frontend, f"fastsched-frontend-{k}", (spec, theirs_ready), {})
             theirs_ready.close()
             self.frontends.append(_Child("frontend", k, proc, ours_ready))
@@ -298,10 +316,18 @@ class Launcher:
     def _start_engine(self, i: int) -> _Child:
         c = self.config
         ours_ready, theirs_ready = _ready_pipe()
-        engine_kwargs = {"ready_pipe": theirs_ready, "log_level": c.log_level, "torch_num_threads": c.torch_num_threads,
-                         "kv_events": c.data_parallel_size > 1 and c.frontend.routing == "prefix"}
-        proc = _spawn(_engine_main, f"fastsched-engine-{i}",
-                      (dict(c.engine_config), i, self.engine_inputs[i], self.frontend_outputs), engine_kwargs)
+        engine_kwargs = {
+            "ready_pipe": theirs_ready,
+            "log_level": c.log_level,
+            "torch_num_threads": c.torch_num_threads,
+            "kv_events": c.data_parallel_size > 1 and c.frontend.routing == "prefix",
+        }
+        proc = _spawn(
+            _engine_main,
+            f"fastsched-engine-{i}",
+            (dict(c.engine_config), i, self.engine_inputs[i], self.frontend_outputs),
+            engine_kwargs,
+        )
         theirs_ready.close()
         logger.info("engine %d starting (pid %d)", i, proc.pid)
         return _Child("engine", i, proc, ours_ready)
@@ -320,8 +346,11 @@ class Launcher:
             out = export_tokenizer(source, Path(self.ipc_dir) / "tokenizer")
         except Exception as e:
             raise ServeError(f"cannot read the tokenizer of {source or 'the default model'}: {e}") from e
-        logger.info("tokenizer of %s ready for the frontends in %.1f s", source or "the default model",
-                    time.monotonic() - start)
+        logger.info(
+            "tokenizer of %s ready for the frontends in %.1f s",
+            source or "the default model",
+            time.monotonic() - start,
+        )
         return str(out)
 
     def _wait_ready(self, children: list[_Child], deadline: float) -> None:
@@ -333,7 +362,9 @@ class Launcher:
                 return
             if time.monotonic() > deadline:
                 names = ", ".join(ch.name for ch in waiting)
-                raise ServeError(f"{names} did not report ready within {self.config.frontend.ready_timeout:g} s")
+                raise ServeError(
+                    f"{names} did not report ready within {self.config.frontend.ready_timeout:g} s"
+                )
             handles: list[Any] = [ch.ready_pipe for ch in waiting] + [ch.proc.sentinel for ch in waiting]
             wait_connections(handles, timeout=0.2)
             for ch in waiting:
@@ -351,20 +382,28 @@ class Launcher:
                     if isinstance(msg, protocol.Ready) and ch.kind == "engine":
                         ch.info = msg.model_info
                         logger.debug(  # the engine logs its own ready line
-                            "engine %d ready (pid %d): model=%s max_model_len=%d KV blocks=%d", ch.index,
-                            ch.proc.pid, ch.info.model_name, ch.info.max_model_len, ch.info.num_gpu_blocks,
+                            "engine %d ready (pid %d): model=%s max_model_len=%d KV blocks=%d",
+                            ch.index,
+                            ch.proc.pid,
+                            ch.info.model_name,
+                            ch.info.max_model_len,
+                            ch.info.num_gpu_blocks,
                         )
                         self._mark_ready(ch)
                         continue
                     if isinstance(msg, protocol.FrontendReady) and ch.kind == "frontend":
-                        logger.info("frontend %d serving gRPC on %s (pid %d)", ch.index, msg.address, ch.proc.pid)
+                        logger.info(
+                            "frontend %d serving gRPC on %s (pid %d)", ch.index, msg.address, ch.proc.pid
+                        )
                         self._mark_ready(ch)
                         continue
                     if msg is not None:
                         raise ServeError(f"{ch.name} sent {type(msg).__name__} instead of its ready message")
                 if not ch.proc.is_alive():
-                    raise ServeError(f"{ch.name} exited with code {ch.proc.exitcode} before it was ready; "
-                                     "see its log above")
+                    raise ServeError(
+                        f"{ch.name} exited with code {ch.proc.exitcode} before it was ready; "
+                        "see its log above"
+                    )
 
     @staticmethod
     def _mark_ready(ch: _Child) -> None:
@@ -398,13 +437,27 @@ class Launcher:
             tokenizer.chat_template = c.chat_template
         addrs = [f"{c.grpc_host}:{port}" for port in self.grpc_ports]
         sessions = SessionSettings(c.frontend.session_open_timeout, c.allowed_origins)
-        app = create_app(addrs, c.served_model_name or [info.model_name], tokenizer, api_key=c.api_key,
-                         limits=c.frontend.limits, tool_parser=c.tool_call_parser, admin=c.admin, sessions=sessions,
-                         enable_prompt_tokens_details=c.enable_prompt_tokens_details,
-                         responses_store_size=c.responses_store_size)
-        server = gateway_server(app, c.host, c.port, log_config=None,
-                                log_level=c.uvicorn_log_level or c.log_level.lower(),
-                                access_log=c.access_log, timeout_graceful_shutdown=c.shutdown_timeout)
+        app = create_app(
+            addrs,
+            c.served_model_name or [info.model_name],
+            tokenizer,
+            api_key=c.api_key,
+            limits=c.frontend.limits,
+            tool_parser=c.tool_call_parser,
+            admin=c.admin,
+            sessions=sessions,
+            enable_prompt_tokens_details=c.enable_prompt_tokens_details,
+            responses_store_size=c.responses_store_size,
+        )
+        server = gateway_server(
+            app,
+            c.host,
+            c.port,
+            log_config=None,
+            log_level=c.uvicorn_log_level or c.log_level.lower(),
+            access_log=c.access_log,
+            timeout_graceful_shutdown=c.shutdown_timeout,
+        )
         quiet_probes()
         # The launcher owns SIGINT/SIGTERM (shutdown order, second signal): uvicorn must not take them.
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
@@ -418,8 +471,12 @@ class Launcher:
             while not server.started and not serving.done() and not stop.is_set():
                 await asyncio.sleep(0.02)
             if server.started:
-                logger.info("gateway listening on http://%s:%d (server ready %.1f s after start)", _url_host(c.host),
-                            self.http_sock.getsockname()[1], time.monotonic() - self.started_at)
+                logger.info(
+                    "gateway listening on http://%s:%d (server ready %.1f s after start)",
+                    _url_host(c.host),
+                    self.http_sock.getsockname()[1],
+                    time.monotonic() - self.started_at,
+                )
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
             stopping.cancel()
@@ -455,15 +512,22 @@ class Launcher:
         if not serving.cancelled() and serving.exception() is not None:
             logger.debug("the gateway ended with %r", serving.exception())
 
-    def _on_child_exit(self, loop: asyncio.AbstractEventLoop, ch: _Child, dead: list[_Child],
-                       stop: asyncio.Event) -> None:
+    def _on_child_exit(
+        self, loop: asyncio.AbstractEventLoop, ch: _Child, dead: list[_Child], stop: asyncio.Event
+    ) -> None:
         loop.remove_reader(ch.proc.sentinel)
         ch.proc.join(0)
         logger.error("%s (pid %d) exited unexpectedly with code %s", ch.name, ch.proc.pid, ch.proc.exitcode)
         self._on_child_failed(ch, "its process exited", loop, dead, stop)
 
-    def _on_child_failed(self, ch: _Child, reason: str, loop: asyncio.AbstractEventLoop, dead: list[_Child],
-                         stop: asyncio.Event) -> None:
+    def _on_child_failed(
+        self,
+        ch: _Child,
+        reason: str,
+        loop: asyncio.AbstractEventLoop,
+        dead: list[_Child],
+        stop: asyncio.Event,
+    ) -> None:
         """A child died or hangs: restart it (an engine, with fault tolerance) or end the server."""
         if ch.kind == "engine" and self.config.frontend.fault_tolerance:
             if not ch.restarting:
@@ -479,8 +543,9 @@ class Launcher:
             dead.append(ch)
         stop.set()
 
-    async def _supervise(self, pool: Any, loop: asyncio.AbstractEventLoop, dead: list[_Child],
-                         stop: asyncio.Event) -> None:
+    async def _supervise(
+        self, pool: Any, loop: asyncio.AbstractEventLoop, dead: list[_Child], stop: asyncio.Event
+    ) -> None:
         """The liveness half of supervision (the module docstring): frontends that stop
         answering, engines the frontends report dead."""
         timeout = self.config.frontend.engine_timeout
@@ -495,30 +560,49 @@ class Launcher:
                     for engine in reply.engines:
                         self._on_engine_report(engine, now, loop, dead, stop)
                 elif now - last_answer[ch.index] > timeout and ch.proc.is_alive():
-                    self._on_child_failed(ch, f"no answer to GetStats for {now - last_answer[ch.index]:.1f} s",
-                                          loop, dead, stop)
+                    self._on_child_failed(
+                        ch, f"no answer to GetStats for {now - last_answer[ch.index]:.1f} s", loop, dead, stop
+                    )
 
-    def _on_engine_report(self, report: Any, now: float, loop: asyncio.AbstractEventLoop, dead: list[_Child],
-                          stop: asyncio.Event) -> None:
+    def _on_engine_report(
+        self,
+        report: Any,
+        now: float,
+        loop: asyncio.AbstractEventLoop,
+        dead: list[_Child],
+        stop: asyncio.Event,
+    ) -> None:
         if not report.dead or not 0 <= report.engine_index < len(self.engines):
             return
         ch = self.engines[report.engine_index]
         # Just restarted: frontends may not have read its READY yet when they answered.
         if ch.restarting or now - ch.ready_at < self.config.frontend.engine_timeout:
             return
-        logger.error("%s (pid %d) is reported dead by a frontend: %s", ch.name, ch.proc.pid, report.dead_reason)
+        logger.error(
+            "%s (pid %d) is reported dead by a frontend: %s", ch.name, ch.proc.pid, report.dead_reason
+        )
         loop.remove_reader(ch.proc.sentinel)
         self._on_child_failed(ch, report.dead_reason, loop, dead, stop)
 
-    async def _restart_engine(self, old: _Child, reason: str, loop: asyncio.AbstractEventLoop, dead: list[_Child],
-                              stop: asyncio.Event) -> None:
+    async def _restart_engine(
+        self,
+        old: _Child,
+        reason: str,
+        loop: asyncio.AbstractEventLoop,
+        dead: list[_Child],
+        stop: asyncio.Event,
+    ) -> None:
         """Kill ``old`` if it still runs, start its successor at the same addresses after a
         back-off, and wait for its READY (the frontends get theirs from it directly)."""
         c = self.config
         while True:
             if old.restarts >= c.max_engine_restarts:
-                logger.error("%s failed (%s) after %d restarts (--max-engine-restarts); shutting down",
-                             old.name, reason, old.restarts)
+                logger.error(
+                    "%s failed (%s) after %d restarts (--max-engine-restarts); shutting down",
+                    old.name,
+                    reason,
+                    old.restarts,
+                )
                 old.restarting = False
                 self._on_child_failed_final(old, dead, stop)
                 return
@@ -526,9 +610,14 @@ class Launcher:
                 logger.error("%s (pid %d) is hung (%s); killing it", old.name, old.proc.pid, reason)
                 old.proc.kill()
             await asyncio.to_thread(old.proc.join, STOP_TIMEOUT_S)
-            delay = min(RESTART_BACKOFF_S * 2 ** old.restarts, MAX_RESTART_BACKOFF_S)
-            logger.warning("restarting %s in %g s (restart %d of at most %d)", old.name, delay, old.restarts + 1,
-                           c.max_engine_restarts)
+            delay = min(RESTART_BACKOFF_S * 2**old.restarts, MAX_RESTART_BACKOFF_S)
+            logger.warning(
+                "restarting %s in %g s (restart %d of at most %d)",
+                old.name,
+                delay,
+                old.restarts + 1,
+                c.max_engine_restarts,
+            )
             await asyncio.sleep(delay)
             new = self._start_engine(old.index)
             new.restarts, new.restarting = old.restarts + 1, True
@@ -575,7 +664,11 @@ class Launcher:
             if ch.proc.is_alive():
                 ch.proc.terminate()
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while any(ch.proc.is_alive() for ch in children) and time.monotonic() < deadline and not self.signals.force:
+        while (
+            any(ch.proc.is_alive() for ch in children)
+            and time.monotonic() < deadline
+            and not self.signals.force
+        ):
             wait_connections([ch.proc.sentinel for ch in children if ch.proc.is_alive()], timeout=0.1)
         for ch in children:
             if ch.proc.is_alive():

@@ -40,7 +40,9 @@ class ServeConfig:
     responses_store_size: int = 0  # /v1/responses answers kept for GET and previous_response_id (0: none)
     log_level: str = "INFO"
     uvicorn_log_level: str | None = None  # uvicorn's loggers (None: log_level's); debug logs the probes too
-    tool_call_parser: str | None = None  # tool_choice "auto" (gateway.tool_parsers): --enable-auto-tool-choice
+    tool_call_parser: str | None = (
+        None  # tool_choice "auto" (gateway.tool_parsers): --enable-auto-tool-choice
+    )
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "api_server_count"):
@@ -49,8 +51,10 @@ class ServeConfig:
         if self.torch_num_threads is not None and self.torch_num_threads < 1:
             raise ValueError(f"torch_num_threads must be a positive integer, got {self.torch_num_threads}")
         if self.frontend.num_frontends != self.api_server_count:
-            raise ValueError(f"frontend.num_frontends ({self.frontend.num_frontends}) must equal api_server_count "
-                             f"({self.api_server_count})")
+            raise ValueError(
+                f"frontend.num_frontends ({self.frontend.num_frontends}) must equal api_server_count "
+                f"({self.api_server_count})"
+            )
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be non-negative, got {self.responses_store_size}")
         if self.shutdown_timeout < 0:
@@ -67,7 +71,9 @@ class ServeConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.grpc_port != 0 and not 1 <= self.grpc_port <= 65535 - (self.api_server_count - 1):
-            raise ValueError(f"grpc_port + api_server_count - 1 must be in 1..65535, got grpc_port {self.grpc_port}")
+            raise ValueError(
+                f"grpc_port + api_server_count - 1 must be in 1..65535, got grpc_port {self.grpc_port}"
+            )
         if self.host == self.grpc_host and self.grpc_port != 0 and self.port in self.grpc_ports:
             raise ValueError(f"port ({self.port}) collides with the gRPC ports {self.grpc_ports}")
 

@@ -43,8 +43,9 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def check_adapter_fits(path: str | Path, header: dict[str, dict[str, Any]], rank: int,
-                       config: ModelConfig) -> None:
+def check_adapter_fits(
+    path: str | Path, header: dict[str, dict[str, Any]], rank: int, config: ModelConfig
+) -> None:
     """Every tensor the weights file's ``header`` lists belongs to a layer and a projection of
     the model, with the shape ``rank`` and the model imply, and each projection has both A
     and B; ``ValueError`` naming the tensor otherwise."""
@@ -53,13 +54,17 @@ def check_adapter_fits(path: str | Path, header: dict[str, dict[str, Any]], rank
     for name, info in header.items():
         match = TENSOR_NAME.search(name)
         if match is None or match[2] not in shapes or int(match[1]) >= config.num_layers:
-            raise ValueError(f"LoRA adapter {str(path)!r}: tensor {name} has no place in "
-                             f"{config.architecture} ({config.num_layers} layers)")
+            raise ValueError(
+                f"LoRA adapter {str(path)!r}: tensor {name} has no place in "
+                f"{config.architecture} ({config.num_layers} layers)"
+            )
         in_features, out_features = shapes[match[2]]
         expected = (rank, in_features) if match[3] == "A" else (out_features, rank)
         if tuple(info["shape"]) != expected:
-            raise ValueError(f"LoRA adapter {str(path)!r}: tensor {name} has shape "
-                             f"{tuple(info['shape'])}, expected {expected}")
+            raise ValueError(
+                f"LoRA adapter {str(path)!r}: tensor {name} has shape "
+                f"{tuple(info['shape'])}, expected {expected}"
+            )
         halves.setdefault((int(match[1]), match[2]), set()).add(match[3])
     for (layer, module), pair in sorted(halves.items()):
         if len(pair) != 2:

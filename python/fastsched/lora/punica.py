@@ -23,14 +23,22 @@ import torch
 DENSE_MAX_TOKENS = 128
 
 
-def bgmv_dense(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, out: torch.Tensor) -> None:
+def bgmv_dense(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, out: torch.Tensor
+) -> None:
     """``out[t] += x[t] @ a_s @ b_s`` for each token's slot ``s``, selected by ``mask [T, S*K]``
     (ones on the token's slot's columns, zeros elsewhere)."""
     out.addmm_((x @ a).mul_(mask), b)
 
 
-def sgmv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rank: int, groups: list[tuple[int, torch.Tensor]],
-         out: torch.Tensor) -> None:
+def sgmv(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    rank: int,
+    groups: list[tuple[int, torch.Tensor]],
+    out: torch.Tensor,
+) -> None:
     """Like :func:`bgmv_dense`, with the tokens given as ``(slot, token indices)`` groups
     (``rank``: the ``K`` columns of a slot); tokens in no group (the base model's) are left alone."""
     for slot, rows in groups:

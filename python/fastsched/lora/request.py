@@ -117,8 +117,9 @@ def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
                 raise bad(f"are not a safetensors file: {size} bytes")
             (header_len,) = struct.unpack("<Q", f.read(8))
             if header_len > min(MAX_HEADER_BYTES, size - 8):
-                raise bad("are not a safetensors file: the header length its first 8 bytes give "
-                          "exceeds the file")
+                raise bad(
+                    "are not a safetensors file: the header length its first 8 bytes give exceeds the file"
+                )
             header = json.loads(f.read(header_len))  # errors below never quote the file's bytes
     except OSError as e:
         raise bad(f"cannot be read: {e}") from None
@@ -133,12 +134,21 @@ def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
             raise bad(f"hold tensor {name} with a malformed entry (not an object)")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dtype not in _DTYPE_BYTES:
-            raise bad(f"hold tensor {name} of dtype {dtype!r}; LoRA weights are one of {sorted(_DTYPE_BYTES)}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-                and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise bad(
+                f"hold tensor {name} of dtype {dtype!r}; LoRA weights are one of {sorted(_DTYPE_BYTES)}"
+            )
+        if not (
+            isinstance(shape, list)
+            and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+        ):
             raise bad(f"hold tensor {name} with a malformed entry (shape or data_offsets)")
         if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype] or offsets[0] < 0:
-            raise bad(f"hold tensor {name} whose bytes {offsets} do not match its shape {shape} and dtype {dtype}")
+            raise bad(
+                f"hold tensor {name} whose bytes {offsets} do not match its shape {shape} and dtype {dtype}"
+            )
         spans.append((offsets[0], offsets[1]))
     spans.sort()
     end = 0
@@ -162,9 +172,13 @@ def check_adapter_weights(path: Path, rank: int) -> None:
     for name, info in header.items():
         match = TENSOR_NAME.search(name)
         if match is None or match[2] not in TARGET_MODULES:
-            raise ValueError(f"LoRA adapter weights {str(path)!r}: tensor {name} is not a LoRA tensor of "
-                             f"{list(TARGET_MODULES)}")
+            raise ValueError(
+                f"LoRA adapter weights {str(path)!r}: tensor {name} is not a LoRA tensor of "
+                f"{list(TARGET_MODULES)}"
+            )
         shape = info["shape"]
         if len(shape) != 2 or shape[0 if match[3] == "A" else 1] != rank:
-            raise ValueError(f"LoRA adapter weights {str(path)!r}: tensor {name} has shape {shape}, not that of a "
-                             f"lora_{match[3]} of rank r={rank}")
+            raise ValueError(
+                f"LoRA adapter weights {str(path)!r}: tensor {name} has shape {shape}, not that of a "
+                f"lora_{match[3]} of rank r={rank}"
+            )

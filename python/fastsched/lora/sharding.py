@@ -45,7 +45,9 @@ def local_projection_shapes(config: ModelConfig, tp: TensorParallel | None) -> d
         return shapes
     local = {}
     for module, (in_features, out_features) in shapes.items():
-        shard = shard_weight(_base_name(0, module), torch.empty(out_features, in_features, device="meta"), config, tp)
+        shard = shard_weight(
+            _base_name(0, module), torch.empty(out_features, in_features, device="meta"), config, tp
+        )
         local[module] = (shard.shape[1], shard.shape[0])
     return local
 

@@ -71,10 +71,16 @@ class LoRAMapping:
 class LoRAStep:
     """What the model reads during one forward pass (:meth:`layer` per decoder layer)."""
 
-    def __init__(self, stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], max_lora_rank: int,
-                 masks: dict[int, torch.Tensor] | None, token_slots: torch.Tensor | None,
-                 groups: list[tuple[int, torch.Tensor]] | None, projections: frozenset[str],
-                 bgmv_triton: Callable[..., None] | None) -> None:
+    def __init__(
+        self,
+        stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+        max_lora_rank: int,
+        masks: dict[int, torch.Tensor] | None,
+        token_slots: torch.Tensor | None,
+        groups: list[tuple[int, torch.Tensor]] | None,
+        projections: frozenset[str],
+        bgmv_triton: Callable[..., None] | None,
+    ) -> None:
         self._stacks = stacks
         self._bgmv_triton = bgmv_triton
         self._rank = max_lora_rank
@@ -86,8 +92,9 @@ class LoRAStep:
     def layer(self, index: int) -> LayerLoRA:
         return LayerLoRA(self, self._stacks[index])
 
-    def add_delta(self, projection: str, weights: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                  out: torch.Tensor) -> None:
+    def add_delta(
+        self, projection: str, weights: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, out: torch.Tensor
+    ) -> None:
         a, b = weights
         shards = len(FUSED_PROJECTIONS[projection])
         if self._masks is not None:
@@ -120,9 +127,18 @@ class LoRAManager:
     (:func:`~fastsched.lora.punica.bgmv_dense`) or ``triton``
     (:func:`~fastsched.lora.triton_bgmv.bgmv_triton`, the engine's choice on CUDA)."""
 
-    def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 device: torch.device, dtype: torch.dtype, kernel: str = "torch",
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kernel: str = "torch",
+        tp: TensorParallel | None = None,
+    ) -> None:
         if kernel not in ("torch", "triton"):
             raise ValueError(f"LoRA kernel must be torch or triton, got {kernel!r}")
         self.kernel = kernel
@@ -148,8 +164,10 @@ class LoRAManager:
                 k = len(modules) * max_lora_rank
                 in_features = shapes[modules[0]][0]
                 out_features = sum(shapes[m][1] for m in modules)
-                layer[fused] = (torch.zeros(in_features, max_loras * k, dtype=dtype, device=device),
-                                torch.zeros(max_loras * k, out_features, dtype=dtype, device=device))
+                layer[fused] = (
+                    torch.zeros(in_features, max_loras * k, dtype=dtype, device=device),
+                    torch.zeros(max_loras * k, out_features, dtype=dtype, device=device),
+                )
             self._stacks.append(layer)
         self._requests: dict[int, LoRARequest] = {}
         self._targets: dict[int, frozenset[str]] = {}  # id -> fused projections it changes
@@ -178,8 +196,10 @@ class LoRAManager:
         known = self._requests.get(request.id)
         if known is not None:
             if known.path != request.path:
-                raise ValueError(f"LoRA id {request.id} is adapter {known.name!r} ({known.path}); "
-                                 f"adapter {request.name!r} names {request.path}")
+                raise ValueError(
+                    f"LoRA id {request.id} is adapter {known.name!r} ({known.path}); "
+                    f"adapter {request.name!r} names {request.path}"
+                )
             if request.id in self._cpu:
                 self._cpu.move_to_end(request.id)
                 return
@@ -188,7 +208,8 @@ class LoRAManager:
             adapter = shard_adapter(adapter, self.config, self.tp)
         self._requests[request.id] = request
         self._targets[request.id] = frozenset(
-            fused for fused, modules in FUSED_PROJECTIONS.items() if adapter.target_modules & set(modules))
+            fused for fused, modules in FUSED_PROJECTIONS.items() if adapter.target_modules & set(modules)
+        )
         self._remember(adapter)
 
     def acquire(self, lora_id: int) -> None:
@@ -209,8 +230,10 @@ class LoRAManager:
             return None
         wanted = np.unique(lora_ids[lora_ids > 0]).tolist()
         if len(wanted) > self.max_loras:
-            raise RuntimeError(f"a step uses {len(wanted)} LoRA adapters, more than max_loras ({self.max_loras}); "
-                               "the scheduler's S7 skip should have prevented it")
+            raise RuntimeError(
+                f"a step uses {len(wanted)} LoRA adapters, more than max_loras ({self.max_loras}); "
+                "the scheduler's S7 skip should have prevented it"
+            )
         loads = []
         req_slots = np.full(len(lora_ids), -1, dtype=np.int64)
         for lora_id in wanted:
@@ -225,8 +248,9 @@ class LoRAManager:
         projections = frozenset().union(*(self._targets[i] for i in wanted))
         mapping = self._mapping(loads, token_slots, projections)
         if self.tp is not None:
-            mapping.wire = step_wire.encode([(slot, a.id, self._requests[a.id].path) for slot, a in loads],
-                                            token_slots, projections)
+            mapping.wire = step_wire.encode(
+                [(slot, a.id, self._requests[a.id].path) for slot, a in loads], token_slots, projections
+            )
         return mapping
 
     def follow(self, wire: np.ndarray) -> LoRAMapping:
@@ -240,12 +264,15 @@ class LoRAManager:
             loads.append((slot, self._cpu[lora_id]))
         return self._mapping(loads, plan.token_slots, plan.projections)
 
-    def _mapping(self, loads: list[tuple[int, LoRAAdapter]], token_slots: np.ndarray,
-                 projections: frozenset[str]) -> LoRAMapping:
+    def _mapping(
+        self, loads: list[tuple[int, LoRAAdapter]], token_slots: np.ndarray, projections: frozenset[str]
+    ) -> LoRAMapping:
         """The step's plan in the form its kernel reads (sgmv groups, triton slots or dense masks)."""
         masks = groups = triton_slots = None
         if len(token_slots) > DENSE_MAX_TOKENS:
-            groups = [(int(s), np.flatnonzero(token_slots == s)) for s in np.unique(token_slots[token_slots >= 0])]
+            groups = [
+                (int(s), np.flatnonzero(token_slots == s)) for s in np.unique(token_slots[token_slots >= 0])
+            ]
         elif self.kernel == "triton":
             triton_slots = token_slots
         else:
@@ -268,8 +295,15 @@ class LoRAManager:
             token_slots = torch.from_numpy(mapping.token_slots).to(dev)
         if mapping.groups is not None:
             groups = [(slot, torch.from_numpy(rows).to(dev)) for slot, rows in mapping.groups]
-        return LoRAStep(self._stacks, self.max_lora_rank, masks, token_slots, groups, mapping.projections,
-                        self._bgmv_triton)
+        return LoRAStep(
+            self._stacks,
+            self.max_lora_rank,
+            masks,
+            token_slots,
+            groups,
+            mapping.projections,
+            self._bgmv_triton,
+        )
 
     def forget_slots(self) -> None:
         """Treats every slot as empty, so the next steps copy their adapters in again: after
@@ -287,8 +321,10 @@ class LoRAManager:
     def _cpu_copy(self, lora_id: int) -> LoRAAdapter:
         adapter = self._cpu.get(lora_id)
         if adapter is None:
-            raise RuntimeError(f"LoRA adapter {lora_id} is scheduled without a CPU copy; every request holds "
-                               "its adapter's copy from add_request (acquire) to its end (release)")
+            raise RuntimeError(
+                f"LoRA adapter {lora_id} is scheduled without a CPU copy; every request holds "
+                "its adapter's copy from add_request (acquire) to its end (release)"
+            )
         self._cpu.move_to_end(lora_id)
         return adapter
 

@@ -27,7 +27,9 @@ class WirePlan:
     projections: frozenset[str]
 
 
-def encode(loads: list[tuple[int, int, str]], token_slots: np.ndarray, projections: frozenset[str]) -> np.ndarray:
+def encode(
+    loads: list[tuple[int, int, str]], token_slots: np.ndarray, projections: frozenset[str]
+) -> np.ndarray:
     mask = sum(1 << i for i, name in enumerate(FUSED_NAMES) if name in projections)
     paths = [path.encode() for _, _, path in loads]
     text = b"".join(paths)
@@ -35,8 +37,13 @@ def encode(loads: list[tuple[int, int, str]], token_slots: np.ndarray, projectio
     head = [len(token_slots), mask, len(loads)]
     for (slot, lora_id, _), path in zip(loads, paths):
         head += [slot, lora_id, len(path)]
-    return np.concatenate([np.array(head, dtype=np.int64), np.frombuffer(text, dtype=np.int64),
-                           token_slots.astype(np.int64, copy=False)])
+    return np.concatenate(
+        [
+            np.array(head, dtype=np.int64),
+            np.frombuffer(text, dtype=np.int64),
+            token_slots.astype(np.int64, copy=False),
+        ]
+    )
 
 
 def decode(wire: np.ndarray) -> WirePlan:

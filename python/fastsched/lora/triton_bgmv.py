@@ -53,21 +53,26 @@ def _bgmv_kernel(
         ins = start + tl.arange(0, BLOCK_IN)
         in_mask = ins < in_features
         x = tl.load(x_ptr + token * stride_x + ins, mask=in_mask, other=0.0).to(tl.float32)
-        a = tl.load(a_ptr + ins[:, None] * stride_a + cols[None, :], mask=in_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)
+        a = tl.load(
+            a_ptr + ins[:, None] * stride_a + cols[None, :],
+            mask=in_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
         shrunk += tl.sum(x[:, None] * a, axis=0)
     outs = out_block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     out_mask = outs < out_features
-    b = tl.load(b_ptr + cols[:, None] * stride_b + outs[None, :], mask=k_mask[:, None] & out_mask[None, :],
-                other=0.0).to(tl.float32)
+    b = tl.load(
+        b_ptr + cols[:, None] * stride_b + outs[None, :], mask=k_mask[:, None] & out_mask[None, :], other=0.0
+    ).to(tl.float32)
     delta = tl.sum(shrunk[:, None] * b, axis=0)
     out_offsets = out_ptr + token * stride_out + outs
     previous = tl.load(out_offsets, mask=out_mask, other=0.0).to(tl.float32)
     tl.store(out_offsets, (previous + delta).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def bgmv_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rank: int, token_slots: torch.Tensor,
-                out: torch.Tensor) -> None:
+def bgmv_triton(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rank: int, token_slots: torch.Tensor, out: torch.Tensor
+) -> None:
     """``out[t] += x[t] @ a[:, s*K:(s+1)*K] @ b[s*K:(s+1)*K]`` for ``s = token_slots[t] >= 0``
     (``rank`` is ``K``), in place. ``x``, ``a``, ``b`` and ``out`` need a contiguous last dimension."""
     num_tokens, in_features = x.shape
@@ -79,7 +84,19 @@ def bgmv_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rank: int, to
             raise ValueError(f"bgmv_triton: {name} must have a contiguous last dimension")
     grid = (num_tokens, triton.cdiv(out_features, BLOCK_OUT))
     _bgmv_kernel[grid](
-        x, a, b, token_slots, out, in_features, out_features, rank,
-        x.stride(0), a.stride(0), b.stride(0), out.stride(0),
-        BLOCK_IN=BLOCK_IN, K_PAD=triton.next_power_of_2(rank), BLOCK_OUT=BLOCK_OUT,
+        x,
+        a,
+        b,
+        token_slots,
+        out,
+        in_features,
+        out_features,
+        rank,
+        x.stride(0),
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        BLOCK_IN=BLOCK_IN,
+        K_PAD=triton.next_power_of_2(rank),
+        BLOCK_OUT=BLOCK_OUT,
     )

@@ -38,7 +38,9 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
         return path
     if _looks_like_repo_id(str(model)):
         return _cached_snapshot(str(model))
-    raise FileNotFoundError(f"model path {path} does not exist (expected a checkpoint directory or a .gguf file)")
+    raise FileNotFoundError(
+        f"model path {path} does not exist (expected a checkpoint directory or a .gguf file)"
+    )
 
 
 def _looks_like_repo_id(name: str) -> bool:

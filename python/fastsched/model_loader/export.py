@@ -12,7 +12,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from fastsched.model_loader import hf, is_gguf, load_model_config, load_tokenizer, open_gguf, resolve_model_path
+from fastsched.model_loader import (
+    hf,
+    is_gguf,
+    load_model_config,
+    load_tokenizer,
+    open_gguf,
+    resolve_model_path,
+)
 from fastsched.models.config import ModelConfig
 
 WEIGHTS_FILE = "model.safetensors"
@@ -22,7 +29,9 @@ def generation_config(config: ModelConfig) -> dict[str, Any]:
     """``generation_config.json``: what transformers stops on."""
     out: dict[str, Any] = {}
     if config.eos_token_ids:
-        out["eos_token_id"] = list(config.eos_token_ids) if len(config.eos_token_ids) > 1 else config.eos_token_ids[0]
+        out["eos_token_id"] = (
+            list(config.eos_token_ids) if len(config.eos_token_ids) > 1 else config.eos_token_ids[0]
+        )
     if config.bos_token_id is not None:
         out["bos_token_id"] = config.bos_token_id
     return out
@@ -40,7 +49,9 @@ def export_tokenizer(model: str | os.PathLike[str] | None, out_dir: str | os.Pat
     return out
 
 
-def export_hf(model: str | os.PathLike[str] | None, out_dir: str | os.PathLike[str], *, weights: bool) -> Path:
+def export_hf(
+    model: str | os.PathLike[str] | None, out_dir: str | os.PathLike[str], *, weights: bool
+) -> Path:
     """``export_tokenizer``, plus the weights as one float32 safetensors file when ``weights``."""
     out = export_tokenizer(model, out_dir)
     if not weights:

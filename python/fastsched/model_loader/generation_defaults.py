@@ -31,7 +31,9 @@ _GGUF_KEYS = {
 _INT_FIELDS = {"top_k", "max_tokens"}
 
 
-def load_generation_defaults(model: str | os.PathLike[str] | None, source: str = "auto") -> dict[str, float | int]:
+def load_generation_defaults(
+    model: str | os.PathLike[str] | None, source: str = "auto"
+) -> dict[str, float | int]:
     """The model's sampling defaults as SamplingParams fields. ``source``: ``auto`` (the
     model's own), ``vllm`` (none), or a directory holding a ``generation_config.json``."""
     if source == "vllm":

@@ -48,8 +48,11 @@ _LAYER_NAMES = {
 # norm before the MLP (Llama's post_attention_layernorm), with a norm after attention and one after
 # the MLP; Phi-3 stores q/k/v and gate/up fused.
 _ARCH_LAYER_NAMES = {
-    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma2": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
@@ -57,7 +60,6 @@ _GEMMA = ("gemma2", "gemma3")
 # Phi-3's LongRoPE factors are tensors in a GGUF file: config, not weights.
 ROPE_FACTOR_TENSORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
 
 
 def layer_names(arch: str) -> dict[str, str]:
@@ -79,8 +81,11 @@ class GGUFFile:
 
     def config(self) -> ModelConfig:
         check_gguf_metadata(self.metadata, self.container.tensors)  # before the model is sized from it
-        factors = {ROPE_FACTOR_TENSORS[t.name]: dequantize(t).reshape(-1).tolist()
-                   for t in self.container.tensors if t.name in ROPE_FACTOR_TENSORS}
+        factors = {
+            ROPE_FACTOR_TENSORS[t.name]: dequantize(t).reshape(-1).tolist()
+            for t in self.container.tensors
+            if t.name in ROPE_FACTOR_TENSORS
+        }
         return ModelConfig.from_gguf_metadata(self.metadata, self.tensor_names, factors)
 
     def hf_name(self, gguf_name: str) -> str:
@@ -104,8 +109,11 @@ class GGUFFile:
     def quantized_tensor_names(self) -> dict[str, int]:
         """Hugging Face names of the tensors ``iter_weights(keep_quantized=True)`` keeps
         quantized, with their bits (:data:`gguf_quants.KEPT_BITS`). Reads only the headers' types."""
-        return {self.hf_name(t.name): KEPT_BITS[t.tensor_type] for t in self.weight_tensors()
-                if t.tensor_type in KEPT_BITS and len(t.shape) == 2}
+        return {
+            self.hf_name(t.name): KEPT_BITS[t.tensor_type]
+            for t in self.weight_tensors()
+            if t.tensor_type in KEPT_BITS and len(t.shape) == 2
+        }
 
     def iter_weights(
         self, config: ModelConfig, keep_quantized: bool = False

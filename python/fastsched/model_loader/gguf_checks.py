@@ -47,8 +47,9 @@ def check_gguf_metadata(metadata: dict[str, Any], tensors: Sequence[GGUFTensor])
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DIMENSION:
-            raise ValueError(f"GGUF metadata {full} = {_short(value)} must be an integer in "
-                             f"[1, {MAX_DIMENSION}]")
+            raise ValueError(
+                f"GGUF metadata {full} = {_short(value)} must be an integer in [1, {MAX_DIMENSION}]"
+            )
         return value
 
     layers, hidden, ffn = size("block_count"), size("embedding_length"), size("feed_forward_length")
@@ -57,20 +58,28 @@ def check_gguf_metadata(metadata: dict[str, Any], tensors: Sequence[GGUFTensor])
     size("context_length")
     size("vocab_size")
     if heads is not None and kv_heads is not None and heads % kv_heads:
-        raise ValueError(f"GGUF metadata {arch}.attention.head_count_kv = {kv_heads} does not divide "
-                         f"{arch}.attention.head_count = {heads}")
+        raise ValueError(
+            f"GGUF metadata {arch}.attention.head_count_kv = {kv_heads} does not divide "
+            f"{arch}.attention.head_count = {heads}"
+        )
     head_dim = size("attention.key_length")
     if head_dim is None and heads is not None and hidden is not None:
         if hidden % heads:
-            raise ValueError(f"GGUF metadata {arch}.embedding_length = {hidden} is not a multiple of "
-                             f"{arch}.attention.head_count = {heads} (and no attention.key_length says "
-                             "the head size)")
+            raise ValueError(
+                f"GGUF metadata {arch}.embedding_length = {hidden} is not a multiple of "
+                f"{arch}.attention.head_count = {heads} (and no attention.key_length says "
+                "the head size)"
+            )
         head_dim = hidden // heads
     if layers is not None:
         _check_layers(f"{arch}.block_count", layers, tensors)
     by_name = {t.name: t for t in tensors}
-    expected = {"hidden": hidden, "ffn": ffn, "q": heads and head_dim and heads * head_dim,
-                "kv": kv_heads and head_dim and kv_heads * head_dim}
+    expected = {
+        "hidden": hidden,
+        "ffn": ffn,
+        "q": heads and head_dim and heads * head_dim,
+        "kv": kv_heads and head_dim and kv_heads * head_dim,
+    }
     fused_gate_up = "blk.0.ffn_gate.weight" not in by_name  # Phi-3: ffn_up holds gate and up
     for suffix, dims in _SHAPES.items():
         tensor = by_name.get(f"blk.0.{suffix}")
@@ -78,12 +87,16 @@ def check_gguf_metadata(metadata: dict[str, Any], tensors: Sequence[GGUFTensor])
         if suffix == "ffn_up.weight" and fused_gate_up and ffn is not None:
             want = (2 * ffn, *want[1:])
         if tensor is not None and None not in want and tuple(tensor.shape) != want:
-            raise ValueError(f"GGUF tensor blk.0.{suffix} has shape {tuple(tensor.shape)}, but the metadata "
-                             f"({arch}.embedding_length, feed_forward_length, attention.*) implies {want}")
+            raise ValueError(
+                f"GGUF tensor blk.0.{suffix} has shape {tuple(tensor.shape)}, but the metadata "
+                f"({arch}.embedding_length, feed_forward_length, attention.*) implies {want}"
+            )
     embedding = by_name.get("token_embd.weight")
     if embedding is not None and hidden is not None and embedding.shape[-1] != hidden:
-        raise ValueError(f"GGUF tensor token_embd.weight has {embedding.shape[-1]} columns, but "
-                         f"{arch}.embedding_length = {hidden}")
+        raise ValueError(
+            f"GGUF tensor token_embd.weight has {embedding.shape[-1]} columns, but "
+            f"{arch}.embedding_length = {hidden}"
+        )
 
 
 def _check_layers(field: str, layers: int, tensors: Sequence[GGUFTensor]) -> None:
@@ -94,14 +107,17 @@ def _check_layers(field: str, layers: int, tensors: Sequence[GGUFTensor]) -> Non
         if match is not None:
             per_layer.setdefault(int(match[1]), set()).add(match[2])
     if set(per_layer) != set(range(layers)):
-        raise ValueError(f"GGUF metadata {field} = {layers}, but the file's tensors are of "
-                         f"{len(per_layer)} layers (blk.0 .. blk.{max(per_layer, default=-1)})")
+        raise ValueError(
+            f"GGUF metadata {field} = {layers}, but the file's tensors are of "
+            f"{len(per_layer)} layers (blk.0 .. blk.{max(per_layer, default=-1)})"
+        )
     first = per_layer.get(0, set())
     for index, names in per_layer.items():
         if names != first:
             missing = sorted(first - names) or sorted(names - first)
-            raise ValueError(f"GGUF layer blk.{index} does not hold the tensors of blk.0 "
-                             f"(differs in {missing[:4]})")
+            raise ValueError(
+                f"GGUF layer blk.{index} does not hold the tensors of blk.0 (differs in {missing[:4]})"
+            )
 
 
 def _short(value: Any) -> str:

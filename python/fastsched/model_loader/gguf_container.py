@@ -28,9 +28,13 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 # Tensor types stored unquantized, as numpy dtypes.
 _PLAIN_DTYPES = {
-    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8, GGMLQuantizationType.I16: np.int16,
-    GGMLQuantizationType.I32: np.int32, GGMLQuantizationType.I64: np.int64,
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
 }
 
 
@@ -50,7 +54,9 @@ class _Cursor:
         try:
             (value,) = struct.unpack_from("<" + fmt, self.buffer, self.offset)
         except struct.error:
-            raise ValueError(f"{self.path} is truncated: the GGUF header ends at byte {self.offset}") from None
+            raise ValueError(
+                f"{self.path} is truncated: the GGUF header ends at byte {self.offset}"
+            ) from None
         self.offset += struct.calcsize(fmt)
         return value
 
@@ -58,7 +64,7 @@ class _Cursor:
         size = self.unpack("Q")
         if self.offset + size > len(self.buffer):
             raise ValueError(f"{self.path} is truncated: a string at byte {self.offset} runs past the end")
-        raw = bytes(self.buffer[self.offset:self.offset + size])
+        raw = bytes(self.buffer[self.offset : self.offset + size])
         self.offset += size
         return raw.decode("utf-8", errors="replace")
 
@@ -105,7 +111,9 @@ class GGUFContainer:
             directory.append((name, dims, GGMLQuantizationType(cursor.unpack("I")), cursor.unpack("Q")))
         alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         data_start = -(-cursor.offset // alignment) * alignment
-        self.tensors = [self._tensor(name, dims, kind, data_start + offset) for name, dims, kind, offset in directory]
+        self.tensors = [
+            self._tensor(name, dims, kind, data_start + offset) for name, dims, kind, offset in directory
+        ]
 
     def release_pages(self) -> None:
         """Drops the file's pages from this process's resident set (``MADV_DONTNEED``). Every
@@ -120,8 +128,9 @@ class GGUFContainer:
         shape = tuple(reversed(dims))
         count = math.prod(shape)  # Python's integers: np.prod wraps around past int64
         if kind not in _PLAIN_DTYPES and (not shape or shape[-1] % GGML_QUANT_SIZES[kind][0]):
-            raise ValueError(f"{self.path}: tensor {name} of shape {shape} is not made of whole "
-                             f"{kind.name} blocks")
+            raise ValueError(
+                f"{self.path}: tensor {name} of shape {shape} is not made of whole {kind.name} blocks"
+            )
         if kind in _PLAIN_DTYPES:
             dtype = np.dtype(_PLAIN_DTYPES[kind])
             rows, nbytes = shape, count * dtype.itemsize
@@ -132,5 +141,5 @@ class GGUFContainer:
             nbytes = count // block_size * type_size
         if start + nbytes > len(self._map) or start < 0:
             raise ValueError(f"{self.path} is truncated: tensor {name} ends past the end of the file")
-        data = self._map[start:start + nbytes].view(dtype).reshape(rows)
+        data = self._map[start : start + nbytes].view(dtype).reshape(rows)
         return GGUFTensor(name, kind, shape, data)

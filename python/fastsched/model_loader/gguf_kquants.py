@@ -29,7 +29,7 @@ _SUB = 32  # weights in a group of the target forms
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
     """The fp16 at byte ``at`` of each block, as float32 ``[B, 1]``."""
-    return np.ascontiguousarray(blocks[:, at:at + 2]).view(np.float16).astype(np.float32)
+    return np.ascontiguousarray(blocks[:, at : at + 2]).view(np.float16).astype(np.float32)
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

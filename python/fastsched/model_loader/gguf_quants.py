@@ -26,7 +26,7 @@ from fastsched.model_loader.gguf_container import GGUFTensor
 
 
 def _scale(blocks: np.ndarray, at: int) -> np.ndarray:
-    return np.ascontiguousarray(blocks[:, at:at + 2]).view(np.float16).astype(np.float32)
+    return np.ascontiguousarray(blocks[:, at : at + 2]).view(np.float16).astype(np.float32)
 
 
 def _nibbles(codes: np.ndarray) -> np.ndarray:
@@ -81,7 +81,11 @@ def _q4_0_int4(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _q4_1_int4(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     scale = _scale(blocks, 0)
-    return np.concatenate([blocks[:, 4:] & 0x0F, blocks[:, 4:] >> 4], axis=1), scale, _scale(blocks, 2) + 8 * scale
+    return (
+        np.concatenate([blocks[:, 4:] & 0x0F, blocks[:, 4:] >> 4], axis=1),
+        scale,
+        _scale(blocks, 2) + 8 * scale,
+    )
 
 
 def _q8_0_int8(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
@@ -114,8 +118,11 @@ def _convert(tensor: GGUFTensor, table: dict) -> tuple[np.ndarray, np.ndarray, n
     block_bytes, convert = table[tensor.tensor_type]
     rows, cols = tensor.shape
     codes, scale, zero = convert(np.ascontiguousarray(tensor.data).reshape(-1, block_bytes))
-    return (codes.reshape(rows, cols), scale.reshape(rows, -1),
-            None if zero is None else zero.reshape(rows, cols // 32))
+    return (
+        codes.reshape(rows, cols),
+        scale.reshape(rows, -1),
+        None if zero is None else zero.reshape(rows, cols // 32),
+    )
 
 
 def int4_blocks(tensor: GGUFTensor) -> Int4Blocks | None:
@@ -134,8 +141,8 @@ def int8_blocks(tensor: GGUFTensor) -> Int8Blocks | None:
 # What ``quantized_blocks`` keeps quantized, by format, with its bits: every block of these
 # formats converts exactly (the other formats, Q2_K, Q3_K, the IQ ones..., are dequantized).
 KEPT_BITS = {
-    **{t: 4 for t in _INT4},
-    **{t: 8 for t in _INT8},
+    **dict.fromkeys(_INT4, 4),
+    **dict.fromkeys(_INT8, 8),
 }
 
 

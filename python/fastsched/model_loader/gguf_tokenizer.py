@@ -52,10 +52,12 @@ def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
 
 
 def _split_pre(pattern: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 _BYTE_LEVEL_PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
@@ -75,8 +77,10 @@ def gguf_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     model_type = metadata.get("tokenizer.ggml.model")
     builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
     if model_type not in builders:
-        raise ValueError(f"GGUF tokenizer.ggml.model {model_type!r} is not supported; supported: "
-                         f"{sorted(builders)} (byte-level BPE, SentencePiece)")
+        raise ValueError(
+            f"GGUF tokenizer.ggml.model {model_type!r} is not supported; supported: "
+            f"{sorted(builders)} (byte-level BPE, SentencePiece)"
+        )
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     backend = builders[model_type](metadata, tokens)
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
@@ -88,17 +92,28 @@ def gguf_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     named = {metadata.get(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "unknown", "padding")}
     token_types = metadata.get("tokenizer.ggml.token_type") or [0] * len(tokens)
     typed = list(enumerate(zip(tokens, token_types, strict=True)))
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for i, (t, kind) in typed
-                                if kind == _CONTROL or i in named])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for _, (t, kind) in typed
-                        if kind == _USER_DEFINED and backend.model.token_to_id(t) is not None])
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for i, (t, kind) in typed
+            if kind == _CONTROL or i in named
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for _, (t, kind) in typed
+            if kind == _USER_DEFINED and backend.model.token_to_id(t) is not None
+        ]
+    )
     eot_id = metadata.get("tokenizer.ggml.eot_token_id")  # chat models' end-of-turn, stops generation too
     # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", model_type == "llama")) and bos_id is not None
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
     if add_bos or add_eos:
-        backend.post_processor = _added_around(backend, tokens[bos_id] if add_bos else None,
-                                               tokens[eos_id] if add_eos else None)
+        backend.post_processor = _added_around(
+            backend, tokens[bos_id] if add_bos else None, tokens[eos_id] if add_eos else None
+        )
     return Tokenizer(
         backend,
         eos_token_ids=tuple(dict.fromkeys(i for i in (eos_id, eot_id) if i is not None)),
@@ -111,8 +126,10 @@ def gguf_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
 def _byte_level_bpe(metadata: dict[str, Any], tokens: list[str]) -> tokenizers.Tokenizer:
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in _BYTE_LEVEL_PRE_TOKENIZERS:
-        raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: "
-                         f"{sorted(_BYTE_LEVEL_PRE_TOKENIZERS)}")
+        raise ValueError(
+            f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: "
+            f"{sorted(_BYTE_LEVEL_PRE_TOKENIZERS)}"
+        )
     merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
@@ -133,25 +150,34 @@ def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str]) -> tokenizer
     else:
         ranks = metadata.get("tokenizer.ggml.scores") or []
         if len(ranks) != len(tokens):
-            raise ValueError(f"GGUF tokenizer.ggml.scores has {len(ranks)} entries for {len(tokens)} "
-                             "tokens: a SentencePiece vocabulary needs a score per token")
+            raise ValueError(
+                f"GGUF tokenizer.ggml.scores has {len(ranks)} entries for {len(tokens)} "
+                "tokens: a SentencePiece vocabulary needs a score per token"
+            )
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     vocab = {t: i for i, t in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE(
-        vocab=vocab, merges=_merges_by_score(tokens, vocab, ranks), byte_fallback=True, fuse_unk=True,
-        unk_token=tokens[unk_id] if unk_id is not None else None,
-    ))
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.BPE(
+            vocab=vocab,
+            merges=_merges_by_score(tokens, vocab, ranks),
+            byte_fallback=True,
+            fuse_unk=True,
+            unk_token=tokens[unk_id] if unk_id is not None else None,
+        )
+    )
     space_prefix = not gemma and bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     if architecture == "phi3" and space_prefix:
         # Phi-3's prefix space comes from a normalizer: one before every piece of text, and a
         # text that starts with spaces keeps them all (▁▁▁hi for "  hi").
-        backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE),
-                                                   normalizers.Replace(" ", _SPACE)])
+        backend.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)]
+        )
     elif gemma or architecture == "phi3":
         backend.normalizer = normalizers.Replace(" ", _SPACE)
     else:
         backend.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement=_SPACE, prepend_scheme="first" if space_prefix else "never", split=False)
+            replacement=_SPACE, prepend_scheme="first" if space_prefix else "never", split=False
+        )
     steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if space_prefix:  # the space the encoder put before the text is not the text's
         steps.append(decoders.Strip(" ", 1, 0))

@@ -35,7 +35,8 @@ class NoChatTemplateError(ValueError):
             "this model's tokenizer defines no chat template (a base model has none: no "
             "tokenizer_config.json chat_template, chat_template.jinja or GGUF tokenizer.chat_template), and "
             "none was given: pass one with --chat-template FILE_OR_STRING (LLM.chat: chat_template=...), or "
-            "send a plain-text prompt instead (/v1/completions, generate --raw)")
+            "send a plain-text prompt instead (/v1/completions, generate --raw)"
+        )
 
 
 class Tokenizer:
@@ -66,8 +67,17 @@ class Tokenizer:
         out.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(out / "tokenizer.json"))
         settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
-        settings.update({k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
-                                           ("chat_template", self.chat_template)) if v is not None})
+        settings.update(
+            {
+                k: v
+                for k, v in (
+                    ("bos_token", self.bos_token),
+                    ("eos_token", self.eos_token),
+                    ("chat_template", self.chat_template),
+                )
+                if v is not None
+            }
+        )
         (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
     @property
@@ -143,8 +153,10 @@ class Tokenizer:
         if continue_final_message:
             at = text.rfind(_CONTINUE_MARK.strip())
             if at < 0:
-                raise ValueError("continue_final_message: the chat template does not write the last message's "
-                                 "content, so it cannot be left open")
+                raise ValueError(
+                    "continue_final_message: the chat template does not write the last message's "
+                    "content, so it cannot be left open"
+                )
             text = text[:at] if text.startswith(_CONTINUE_MARK, at) else text[:at].rstrip()
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -153,10 +165,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's own tojson escapes HTML characters, which would change the prompt text.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -167,7 +186,9 @@ def _compiled_template(template: str) -> jinja2.Template:
 
 def _jinja_environment() -> ImmutableSandboxedEnvironment:
     # Chat templates come with downloaded checkpoints: render them sandboxed.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -57,7 +57,9 @@ def _from_gguf(name: str, w: object) -> tuple[str, torch.Tensor | Int4Weight | I
     return name, torch.from_numpy(w)  # type: ignore[arg-type]
 
 
-def _quantize_linears(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+def _quantize_linears(
+    weights: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
     """``--quantization int4``: every projection and lm_head weight whose rows split into
     whole groups, quantized round-to-nearest (:meth:`Int4Weight.quantize`)."""
     for name, tensor in weights:
@@ -118,16 +120,28 @@ def _log_gguf_kept(path: Path, served: list[tuple[GGUFTensor, int]], dtype: torc
         return ", ".join(f"int{b}" if len(widths) == 1 else f"{n} int{b}" for b, n in sorted(widths.items()))
 
     if kept:
-        logger.info("%s: kept quantized %s", path.name, "; ".join(
-            f"{kind} {n} tensors {size / 2**20:.1f} MiB ({as_widths(widths)})"
-            for kind, ((n, size), widths) in sorted(kept.items())))
+        logger.info(
+            "%s: kept quantized %s",
+            path.name,
+            "; ".join(
+                f"{kind} {n} tensors {size / 2**20:.1f} MiB ({as_widths(widths)})"
+                for kind, ((n, size), widths) in sorted(kept.items())
+            ),
+        )
     if dense:
         count, size = sum(n for n, _ in dense.values()), sum(s for _, s in dense.values())
-        parts = ", ".join(f"{kind} {n} tensors ({nbytes / 2**20:.1f} MiB)"
-                          for kind, (n, nbytes) in sorted(dense.items()))
-        logger.warning("%s: %d quantized tensors (%.1f MiB) dequantized to %s (no kept form, or a layer "
-                       "with a dense shard): %s", path.name, count, size / 2**20,
-                       str(dtype).removeprefix("torch."), parts)
+        parts = ", ".join(
+            f"{kind} {n} tensors ({nbytes / 2**20:.1f} MiB)" for kind, (n, nbytes) in sorted(dense.items())
+        )
+        logger.warning(
+            "%s: %d quantized tensors (%.1f MiB) dequantized to %s (no kept form, or a layer "
+            "with a dense shard): %s",
+            path.name,
+            count,
+            size / 2**20,
+            str(dtype).removeprefix("torch."),
+            parts,
+        )
 
 
 class _SkipRandomInit(TorchFunctionMode):
@@ -152,7 +166,9 @@ def _materialize(model: torch.nn.Module, device: torch.device, skip: set[str]) -
         for name, param in list(module._parameters.items()):
             full = f"{module_name}.{name}" if module_name else name
             if param is not None and full not in skip:
-                module._parameters[name] = torch.nn.Parameter(_empty(param, device), requires_grad=param.requires_grad)
+                module._parameters[name] = torch.nn.Parameter(
+                    _empty(param, device), requires_grad=param.requires_grad
+                )
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:
                 module._buffers[name] = _empty(buffer, device)
@@ -182,8 +198,10 @@ def check_quantization(quantization: str | None, path: Path) -> str:
     if quantization == "gguf" and not is_gguf(path):
         raise ValueError(f"quantization 'gguf' needs a .gguf file; {path} is not one (use int4 or none)")
     if quantization in AT_LOAD and is_gguf(path):
-        raise ValueError(f"quantization {quantization!r} quantizes a dense checkpoint; a .gguf file is served "
-                         "with 'gguf' (its own 4-bit tensors) or 'none'")
+        raise ValueError(
+            f"quantization {quantization!r} quantizes a dense checkpoint; a .gguf file is served "
+            "with 'gguf' (its own 4-bit tensors) or 'none'"
+        )
     return quantization
 
 
@@ -208,11 +226,14 @@ def load_model(
     if is_gguf(path):
         gguf_file = open_gguf(path)
         config = gguf_file.config()
-        logger.info("%s holds tensors %s; quantization %s", path.name, gguf_file.quantization_types(), quantization)
+        logger.info(
+            "%s holds tensors %s; quantization %s", path.name, gguf_file.quantization_types(), quantization
+        )
         weights = (_from_gguf(name, w) for name, w in gguf_file.iter_weights(config, quantization == "gguf"))
         if quantization == "gguf":
-            packed, served = _plan_gguf(gguf_file.quantized_tensor_names(), gguf_file.weight_tensors(),
-                                        gguf_file.hf_name)
+            packed, served = _plan_gguf(
+                gguf_file.quantized_tensor_names(), gguf_file.weight_tensors(), gguf_file.hf_name
+            )
             _log_gguf_kept(path, served, dtype)
     else:
         config = hf.read_config(path)
@@ -237,15 +258,26 @@ def _log_loaded(model: torch.nn.Module, path: Path, dtype: torch.dtype, seconds:
     """The start-up line: parameters, which layers are quantized with which kernel, and bytes."""
     packed = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
     channel = [m for m in model.modules() if isinstance(m, ChannelQuantLinear)]
-    num_params = (sum(p.numel() for p in model.parameters())
-                  + sum(m.weight_packed.in_features * m.weight_packed.out_features for m in packed)
-                  + sum(m.in_features * m.out_features for m in channel))
+    num_params = (
+        sum(p.numel() for p in model.parameters())
+        + sum(m.weight_packed.in_features * m.weight_packed.out_features for m in packed)
+        + sum(m.in_features * m.out_features for m in channel)
+    )
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     packed_bytes = sum(m.weight_packed.nbytes() for m in packed)
     packed_bytes += sum(b.numel() * b.element_size() for m in channel for b in m.buffers())
     kernels = sorted({m.weight_packed.kind for m in packed} | {f"{m.kind}:{m.kernel}" for m in channel})
-    logger.info("loaded %s (%.0fM parameters, %d layers with group-quantized weights, %d with per-channel 8-bit, "
-                "kernels %s) in %.1f s: weights %.0f MiB (%.0f MiB quantized, %.0f MiB in %s)", path.name,
-                num_params / 1e6, len(packed), len(channel),
-                ",".join(kernels) or "-", seconds, (dense_bytes + packed_bytes) / 2**20,
-                packed_bytes / 2**20, dense_bytes / 2**20, str(dtype).removeprefix("torch."))
+    logger.info(
+        "loaded %s (%.0fM parameters, %d layers with group-quantized weights, %d with per-channel 8-bit, "
+        "kernels %s) in %.1f s: weights %.0f MiB (%.0f MiB quantized, %.0f MiB in %s)",
+        path.name,
+        num_params / 1e6,
+        len(packed),
+        len(channel),
+        ",".join(kernels) or "-",
+        seconds,
+        (dense_bytes + packed_bytes) / 2**20,
+        packed_bytes / 2**20,
+        dense_bytes / 2**20,
+        str(dtype).removeprefix("torch."),
+    )

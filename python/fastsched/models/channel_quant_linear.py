@@ -48,8 +48,11 @@ def quantize_per_channel(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor,
 
 
 def _fp8_tensor_cores(device: torch.device) -> bool:
-    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+    return (
+        device.type == "cuda"
+        and hasattr(torch, "_scaled_mm")
+        and torch.cuda.get_device_capability(device) >= (8, 9)
+    )
 
 
 class ChannelQuantLinear(nn.Module):
@@ -86,18 +89,23 @@ class ChannelQuantLinear(nn.Module):
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """fp8 × fp8 on tensor cores: activations quantized per token (row-wise scales)."""
-        x_scale = (x.abs().amax(dim=1, keepdim=True).float() / _FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        x_scale = (x.abs().amax(dim=1, keepdim=True).float() / _FP8_MAX).clamp_min(
+            torch.finfo(torch.float32).tiny
+        )
         xq = (x.float() / x_scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
-        return torch._scaled_mm(xq, self.codes.t(), scale_a=x_scale, scale_b=self.scale[None, :],
-                                out_dtype=x.dtype)
+        return torch._scaled_mm(
+            xq, self.codes.t(), scale_a=x_scale, scale_b=self.scale[None, :], out_dtype=x.dtype
+        )
 
     def dequantize(self) -> torch.Tensor:
         """The weight this layer computes with, float32 ``[N, K]`` (tests' reference)."""
         return self.codes.float() * self.scale[:, None]
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}, "
-                f"kernel={self.kernel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}, "
+            f"kernel={self.kernel}"
+        )
 
 
 def quantize_projections(model: nn.Module, kind: str) -> list[ChannelQuantLinear]:

@@ -94,13 +94,23 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # scale query_pre_attn_scalar**-0.5 (else head_dim's)
     attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
-    dtype: str = "float32"  # the checkpoint's own dtype (a torch dtype name), not necessarily the serving dtype
+    dtype: str = (
+        "float32"  # the checkpoint's own dtype (a torch dtype name), not necessarily the serving dtype
+    )
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "vocab_size", "max_position_embeddings"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model config field {name} must be a positive integer, got {value!r}")
@@ -113,23 +123,32 @@ class ModelConfig:
         if self.rope_scaling is not None:
             self._check_rope_scaling(self.rope_scaling)
         if not 0.0 < self.partial_rotary_factor <= 1.0 or int(self.head_dim * self.partial_rotary_factor) < 2:
-            raise ValueError(f"partial_rotary_factor must be in (0, 1] and rotate at least 2 dims of "
-                             f"head_dim {self.head_dim}, got {self.partial_rotary_factor}")
+            raise ValueError(
+                f"partial_rotary_factor must be in (0, 1] and rotate at least 2 dims of "
+                f"head_dim {self.head_dim}, got {self.partial_rotary_factor}"
+            )
         if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; "
-                             f"supported: {list(_ACTIVATIONS)}")
+            raise ValueError(
+                f"hidden_act {self.hidden_act!r} is not supported; supported: {list(_ACTIVATIONS)}"
+            )
         window = self.sliding_window
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
         if self.layer_types:
             bad = [t for t in self.layer_types if t not in LAYER_TYPES]
             if len(self.layer_types) != self.num_layers or bad:
-                raise ValueError(f"layer_types must name one of {list(LAYER_TYPES)} for each of the "
-                                 f"{self.num_layers} layers, got {list(self.layer_types)}")
+                raise ValueError(
+                    f"layer_types must name one of {list(LAYER_TYPES)} for each of the "
+                    f"{self.num_layers} layers, got {list(self.layer_types)}"
+                )
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
-        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-                     "rope_local_theta"):
+        for name in (
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "rope_local_theta",
+        ):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"model config field {name} must be positive or null, got {value!r}")
@@ -145,8 +164,9 @@ class ModelConfig:
             half = int(self.head_dim * self.partial_rotary_factor) // 2
             for key in ("short_factor", "long_factor"):
                 if len(scaling[key]) != half:
-                    raise ValueError(f"rope_scaling {key} has {len(scaling[key])} values; the rotated dims "
-                                     f"need {half}")
+                    raise ValueError(
+                        f"rope_scaling {key} has {len(scaling[key])} values; the rotated dims need {half}"
+                    )
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (None: it attends to every earlier key)."""
@@ -192,8 +212,9 @@ class ModelConfig:
             layer_types = _window_pattern(num_layers, pattern)
         elif is_qwen and not layer_types and _hf_sliding_window(config) is not None:
             first = config.get("max_window_layers", 28)  # the layers from max_window_layers on slide
-            layer_types = tuple("sliding_attention" if i >= first else "full_attention"
-                                for i in range(num_layers))
+            layer_types = tuple(
+                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+            )
         return cls(
             architecture=architecture,
             hidden_size=hidden_size,
@@ -207,8 +228,9 @@ class ModelConfig:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            partial_rotary_factor=float(config.get("partial_rotary_factor")
-                                        or rope_params.get("partial_rotary_factor") or 1.0),
+            partial_rotary_factor=float(
+                config.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
+            ),
             hidden_act=hidden_act,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             attention_bias=is_qwen2 or attention_bias,
@@ -254,10 +276,13 @@ class ModelConfig:
         if self.partial_rotary_factor != 1.0:
             config["partial_rotary_factor"] = self.partial_rotary_factor
         if self.architecture in GEMMA_ARCHITECTURES:
-            config.update(hidden_activation=self.hidden_act, layer_types=list(self.layer_types),
-                          query_pre_attn_scalar=self.query_pre_attn_scalar,
-                          attn_logit_softcapping=self.attn_logit_softcapping,
-                          final_logit_softcapping=self.final_logit_softcapping)
+            config.update(
+                hidden_activation=self.hidden_act,
+                layer_types=list(self.layer_types),
+                query_pre_attn_scalar=self.query_pre_attn_scalar,
+                attn_logit_softcapping=self.attn_logit_softcapping,
+                final_logit_softcapping=self.final_logit_softcapping,
+            )
         if self.rope_local_theta is not None:
             config["rope_local_base_freq"] = self.rope_local_theta
         if self.architecture == "Phi3ForCausalLM":
@@ -270,14 +295,18 @@ class ModelConfig:
         if self.sliding_window is not None:
             config["sliding_window"] = self.sliding_window
         if self.eos_token_ids:
-            config["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+            config["eos_token_id"] = (
+                list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+            )
         if self.bos_token_id is not None:
             config["bos_token_id"] = self.bos_token_id
         return config
 
     @classmethod
     def from_gguf_metadata(
-        cls, metadata: dict[str, Any], tensor_names: set[str],
+        cls,
+        metadata: dict[str, Any],
+        tensor_names: set[str],
         rope_factors: dict[str, list[float]] | None = None,
     ) -> ModelConfig:
         """Build from GGUF key/value metadata (llama.cpp names) and the file's tensor names;
@@ -294,7 +323,9 @@ class ModelConfig:
                 f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
             )
         if "rope_freqs.weight" in tensor_names:
-            raise ValueError("GGUF tensor rope_freqs.weight (llama.cpp's Llama-3.1 rope scaling) is not supported")
+            raise ValueError(
+                "GGUF tensor rope_freqs.weight (llama.cpp's Llama-3.1 rope scaling) is not supported"
+            )
 
         def key(name: str) -> Any:
             full = f"{arch}.{name}"
@@ -340,11 +371,13 @@ class ModelConfig:
             o_proj_bias="blk.0.attn_output.bias" in tensor_names,
             mlp_bias="blk.0.ffn_up.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-            sliding_window=None if optional("attention.sliding_window") is None
+            sliding_window=None
+            if optional("attention.sliding_window") is None
             else int(optional("attention.sliding_window")),
             layer_types=layer_types,
-            rope_local_theta=(float(optional("rope.freq_base_swa", _GEMMA3_LOCAL_THETA)) if arch == "gemma3"
-                              else None),
+            rope_local_theta=(
+                float(optional("rope.freq_base_swa", _GEMMA3_LOCAL_THETA)) if arch == "gemma3" else None
+            ),
             query_pre_attn_scalar=scalar,
             attn_logit_softcapping=optional("attn_logit_softcapping"),
             final_logit_softcapping=optional("final_logit_softcapping"),
@@ -354,24 +387,32 @@ class ModelConfig:
         )
 
 
-def _gguf_rope_scaling(arch: str, metadata: dict[str, Any], rope_factors: dict[str, list[float]]
-                       ) -> dict[str, Any] | None:
+def _gguf_rope_scaling(
+    arch: str, metadata: dict[str, Any], rope_factors: dict[str, list[float]]
+) -> dict[str, Any] | None:
     """llama.cpp's ``rope.scaling.*`` keys as a ``rope_scaling`` dict: ``linear`` with its
     factor, or Phi-3's LongRoPE, whose factors are tensors (``rope_factors_short``/``_long``)."""
     if rope_factors:
         original = metadata.get(f"{arch}.rope.scaling.original_context_length")
         if original is None or set(rope_factors) != {"short_factor", "long_factor"}:
-            raise ValueError(f"GGUF LongRoPE needs rope_factors_short, rope_factors_long and "
-                             f"{arch}.rope.scaling.original_context_length; got {sorted(rope_factors)}, "
-                             f"{original}")
-        return {"rope_type": "longrope", **rope_factors, "original_max_position_embeddings": int(original),
-                "attention_factor": metadata.get(f"{arch}.rope.scaling.attn_factor")}
+            raise ValueError(
+                f"GGUF LongRoPE needs rope_factors_short, rope_factors_long and "
+                f"{arch}.rope.scaling.original_context_length; got {sorted(rope_factors)}, "
+                f"{original}"
+            )
+        return {
+            "rope_type": "longrope",
+            **rope_factors,
+            "original_max_position_embeddings": int(original),
+            "attention_factor": metadata.get(f"{arch}.rope.scaling.attn_factor"),
+        }
     rope_type = metadata.get(f"{arch}.rope.scaling.type", "none")
     if rope_type == "none":
         return None
     if rope_type != "linear":
-        raise ValueError(f"GGUF {arch}.rope.scaling.type {rope_type!r} is not supported; "
-                         "supported: none, linear")
+        raise ValueError(
+            f"GGUF {arch}.rope.scaling.type {rope_type!r} is not supported; supported: none, linear"
+        )
     return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
 
 
@@ -403,8 +444,10 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, floa
     if "full_attention" in params:  # transformers 5's per-layer-type layout
         local = dict(params.get("sliding_attention") or {})
         if local.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_parameters.sliding_attention type {local['rope_type']!r} is not "
-                             "supported; only 'default' is")
+            raise ValueError(
+                f"rope_parameters.sliding_attention type {local['rope_type']!r} is not "
+                "supported; only 'default' is"
+            )
         local_theta = float(local.get("rope_theta", local_theta))
         params = dict(params["full_attention"] or {})
     scaling = dict(config.get("rope_scaling") or params)

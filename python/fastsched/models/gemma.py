@@ -125,11 +125,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         if not config.tie_word_embeddings:
-            raise ValueError(f"{config.architecture} ties its output embedding to the input one; "
-                             "this checkpoint has tie_word_embeddings false")
+            raise ValueError(
+                f"{config.architecture} ties its output embedding to the input one; "
+                "this checkpoint has tie_word_embeddings false"
+            )
         super().__init__(config, tp)
-        self.local_rotary = (None if config.rope_local_theta is None
-                             else RotaryEmbedding(config, config.rope_local_theta, None))
+        self.local_rotary = (
+            None
+            if config.rope_local_theta is None
+            else RotaryEmbedding(config, config.rope_local_theta, None)
+        )
         self.embed_scale = config.hidden_size**0.5
 
     def forward(
@@ -146,14 +151,24 @@ class GemmaForCausalLM(LlamaForCausalLM):
         rotaries = [self.rotary] + ([] if self.local_rotary is None else [self.local_rotary])
         # bfloat16 on the CPU: the Rust kernels for everything but the matmuls (and, where the
         # model and the step allow, for those too: the decoder stack)
-        if hidden.device.type == "cpu" and cpu_ops.AVAILABLE and hidden.dtype == torch.bfloat16 and all(
-                r.full_width for r in rotaries):
+        if (
+            hidden.device.type == "cpu"
+            and cpu_ops.AVAILABLE
+            and hidden.dtype == torch.bfloat16
+            and all(r.full_width for r in rotaries)
+        ):
             ropes = [r.table(positions, hidden.dtype) for r in rotaries]
             return self._forward_cpu_bf16(hidden, ropes, kv_caches, metadata, backend, lora)
         ropes = [Rope(*r(positions, hidden.dtype)) for r in rotaries]
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hidden = layer(hidden, ropes[layer.rope_table], kv_cache, metadata, backend,
-                           None if lora is None else lora.layer(i))
+            hidden = layer(
+                hidden,
+                ropes[layer.rope_table],
+                kv_cache,
+                metadata,
+                backend,
+                None if lora is None else lora.layer(i),
+            )
         return self.norm(hidden)
 
     def _build_cpu_stack(self) -> CpuDecoderStack:

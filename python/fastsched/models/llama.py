@@ -40,8 +40,16 @@ from fastsched.models.quant_linear import QuantEmbedding, QuantLinear, replace_l
 from fastsched.models.rope import Rope, RotaryEmbedding, apply_rope
 from fastsched.models.tp_shard import local_heads, shard_weight, weight_rows
 
-__all__ = ["Attention", "LlamaForCausalLM", "MLP", "RMSNorm", "Rope", "RotaryEmbedding", "apply_rope",
-           "target_parameter"]
+__all__ = [
+    "Attention",
+    "LlamaForCausalLM",
+    "MLP",
+    "RMSNorm",
+    "Rope",
+    "RotaryEmbedding",
+    "apply_rope",
+    "target_parameter",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,22 +84,35 @@ class Attention(nn.Module):
     """Self-attention of layer ``layer``: its sliding window (if any), the config's logit
     soft-cap and attention scale go to the backend; ``norm`` builds the q/k norms."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None, layer: int = 0,
-                 norm: type[nn.Module] = RMSNorm) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TensorParallel | None = None,
+        layer: int = 0,
+        norm: type[nn.Module] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.num_heads, self.num_kv_heads = (
-            (config.num_heads, config.num_kv_heads) if tp is None else local_heads(config, tp))
+            (config.num_heads, config.num_kv_heads) if tp is None else local_heads(config, tp)
+        )
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.attention_scale
         self.sliding_window = config.layer_window(layer)
         # Only what is set goes to the backend, so a layer without either calls it as before.
-        self._backend_options = {k: v for k, v in (("sliding_window", self.sliding_window),
-                                                   ("logits_soft_cap", config.attn_logit_softcapping))
-                                 if v is not None}
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self._backend_options = {
+            k: v
+            for k, v in (
+                ("sliding_window", self.sliding_window),
+                ("logits_soft_cap", config.attn_logit_softcapping),
+            )
+            if v is not None
+        }
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = norm(config.head_dim, config.rms_norm_eps)
@@ -115,9 +136,12 @@ class Attention(nn.Module):
             if self.qk_norm:  # bfloat16 only: the table form comes with q/k norms on that path alone
                 q_norm, k_norm = self.q_norm, self.k_norm
                 cpu_ops.rms_norm_heads_(qkv, self.num_heads, q_norm.kernel_weight(), q_norm.eps)
-                cpu_ops.rms_norm_heads_(qkv[:, self.q_size :], self.num_kv_heads, k_norm.kernel_weight(),
-                                        k_norm.eps)
-            cpu_ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope.positions, rope.cos, rope.sin)
+                cpu_ops.rms_norm_heads_(
+                    qkv[:, self.q_size :], self.num_kv_heads, k_norm.kernel_weight(), k_norm.eps
+                )
+            cpu_ops.rope_(
+                qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope.positions, rope.cos, rope.sin
+            )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -180,7 +204,9 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         lora: LayerLoRA | None = None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata, backend, lora)
+        hidden = hidden + self.self_attn(
+            self.input_layernorm(hidden), rope, kv_cache, metadata, backend, lora
+        )
         return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
     def forward_cpu_bf16(
@@ -227,7 +253,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(config, tp, i) for i in range(config.num_layers))
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
+        )
         # What this rank's KV cache holds per layer (all the model's KV heads without tp).
         self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.rotary = RotaryEmbedding(config)
@@ -251,9 +279,11 @@ class LlamaForCausalLM(nn.Module):
         # norms too), residual adds and SiLU (bfloat16 only, see fastsched-kernels' elementwise docs)
         # in bfloat16.
         cpu_bf16 = cpu_bf16 and self.config.hidden_act == "silu" and self.rotary.full_width
-        rope = (self.rotary.table(positions, hidden.dtype)
-                if self.rotary.full_width and (cpu_bf16 or (cpu and not self.config.qk_norm))
-                else Rope(*self.rotary(positions, hidden.dtype)))
+        rope = (
+            self.rotary.table(positions, hidden.dtype)
+            if self.rotary.full_width and (cpu_bf16 or (cpu and not self.config.qk_norm))
+            else Rope(*self.rotary(positions, hidden.dtype))
+        )
         if cpu_bf16:
             return self._forward_cpu_bf16(hidden, [rope], kv_caches, metadata, backend, lora)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -280,8 +310,15 @@ class LlamaForCausalLM(nn.Module):
             return stack.forward(hidden, positions, [(r.cos, r.sin) for r in ropes], kv_caches, *kernel_step)
         delta = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            delta = layer.forward_cpu_bf16(hidden, delta, ropes[layer.rope_table], kv_cache, metadata,
-                                           backend, None if lora is None else lora.layer(i))
+            delta = layer.forward_cpu_bf16(
+                hidden,
+                delta,
+                ropes[layer.rope_table],
+                kv_cache,
+                metadata,
+                backend,
+                None if lora is None else lora.layer(i),
+            )
         return cpu_ops.add_rms_norm(hidden, delta, self.norm.kernel_weight(), self.norm.eps)
 
     def _build_cpu_stack(self) -> CpuDecoderStack:
@@ -362,8 +399,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {hf_name} has no place in {self.config.architecture}")
             if isinstance(tensor, (Int4Weight, Int8Weight)) and target == "embed_tokens.weight":
                 if tensor.shape != tuple(params[target].shape):
-                    raise ValueError(f"checkpoint tensor {hf_name} has shape {tensor.shape}, "
-                                     f"expected {tuple(params[target].shape)}")
+                    raise ValueError(
+                        f"checkpoint tensor {hf_name} has shape {tensor.shape}, "
+                        f"expected {tuple(params[target].shape)}"
+                    )
                 weight = Int8Weight.from_int4(tensor) if isinstance(tensor, Int4Weight) else tensor
                 self.embed_tokens = QuantEmbedding(weight, params[target].dtype, device)
                 loaded.add(name)
@@ -372,9 +411,13 @@ class LlamaForCausalLM(nn.Module):
                 if target.endswith("proj.weight") or target == "lm_head.weight":
                     expected = params[target].shape if size is None else (size, params[target].shape[1])
                     if tuple(expected) != tensor.shape:
-                        raise ValueError(f"checkpoint tensor {hf_name} has shape {tensor.shape}, "
-                                         f"expected {tuple(expected)}")
-                    quantized_shards.setdefault(target, {})[0 if size is None else _FUSED[parts[1]][1]] = tensor
+                        raise ValueError(
+                            f"checkpoint tensor {hf_name} has shape {tensor.shape}, "
+                            f"expected {tuple(expected)}"
+                        )
+                    quantized_shards.setdefault(target, {})[0 if size is None else _FUSED[parts[1]][1]] = (
+                        tensor
+                    )
                     loaded.add(name)
                     continue
                 tensor = tensor.dequantize()
@@ -389,7 +432,9 @@ class LlamaForCausalLM(nn.Module):
         missing = [_hf_name(n) for n in _checkpoint_names(params) if n not in loaded]
         if missing:
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            raise ValueError(f"checkpoint is missing tensors for {self.config.architecture}: {missing[:8]}{more}")
+            raise ValueError(
+                f"checkpoint is missing tensors for {self.config.architecture}: {missing[:8]}{more}"
+            )
         for target, shards in quantized_shards.items():
             fused = target.rsplit(".", 2)[1]
             num_shards = sum(f == fused for f, _ in _FUSED.values()) or 1
@@ -407,8 +452,10 @@ class LlamaForCausalLM(nn.Module):
         split into the separate projections (by the full model's sizes, before any sharding)."""
         c = self.config
         q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-        splits = {"qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
-                  "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))}
+        splits = {
+            "qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
+            "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter)),
+        }
         for name, tensor in weights:
             prefix, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", name, "")
             if proj not in splits:

@@ -64,8 +64,14 @@ class StackLayer:
 
     def norms(self) -> list[torch.Tensor | None]:
         """In the binding's order: input, post, q, k, attn_out, mlp_out."""
-        return [self.input_norm, self.post_norm, self.q_norm, self.k_norm, self.attn_out_norm,
-                self.mlp_out_norm]
+        return [
+            self.input_norm,
+            self.post_norm,
+            self.q_norm,
+            self.k_norm,
+            self.attn_out_norm,
+            self.mlp_out_norm,
+        ]
 
 
 def layers_unsupported_reason(layers: Sequence[StackLayer], final_norm: torch.Tensor) -> str | None:
@@ -74,7 +80,9 @@ def layers_unsupported_reason(layers: Sequence[StackLayer], final_norm: torch.Te
         return "this CPU lacks the kernels' AVX-512 BF16 GEMM"
     norms = [final_norm] + [n for layer in layers for n in layer.norms() if n is not None]
     if any(w.device.type != "cpu" for w in norms) or {w.dtype for w in norms} not in (
-            {torch.bfloat16}, {torch.float32}):
+        {torch.bfloat16},
+        {torch.float32},
+    ):
         return "norm weights not all bfloat16 or all float32 on the CPU"
     for i, layer in enumerate(layers):
         for name, proj in zip(_PROJECTIONS, layer.projections):
@@ -103,19 +111,28 @@ def _layer(layer: nn.Module, config: ModelConfig, **options: object) -> StackLay
 
 def llama_layers(model: nn.Module) -> list[StackLayer]:
     """The layers of a ``fastsched.models.llama.LlamaForCausalLM`` (Llama, Mistral, Qwen2, Qwen3)."""
-    return [_layer(layer, model.config, post_norm=layer.post_attention_layernorm.kernel_weight())
-            for layer in model.layers]
+    return [
+        _layer(layer, model.config, post_norm=layer.post_attention_layernorm.kernel_weight())
+        for layer in model.layers
+    ]
 
 
 def gemma_layers(model: nn.Module) -> list[StackLayer]:
     """The layers of a ``fastsched.models.gemma.GemmaForCausalLM`` (Gemma 2, Gemma 3): float32
     ``1 + w`` norms, four a layer, GeGLU, and RoPE table 1 (the local RoPE) on Gemma 3's
     sliding layers."""
-    return [_layer(layer, model.config, post_norm=layer.pre_feedforward_layernorm.kernel_weight(),
-                   attn_out_norm=layer.post_attention_layernorm.kernel_weight(),
-                   mlp_out_norm=layer.post_feedforward_layernorm.kernel_weight(),
-                   activation="gelu_tanh", rope_table=layer.rope_table)
-            for layer in model.layers]
+    return [
+        _layer(
+            layer,
+            model.config,
+            post_norm=layer.pre_feedforward_layernorm.kernel_weight(),
+            attn_out_norm=layer.post_attention_layernorm.kernel_weight(),
+            mlp_out_norm=layer.post_feedforward_layernorm.kernel_weight(),
+            activation="gelu_tanh",
+            rope_table=layer.rope_table,
+        )
+        for layer in model.layers
+    ]
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -149,8 +166,14 @@ def gemma_stack(model: nn.Module) -> CpuDecoderStack:
 
 def _stack(model: nn.Module, layers: list[StackLayer]) -> CpuDecoderStack:
     attn = model.layers[0].self_attn
-    return CpuDecoderStack(layers, model.norm.kernel_weight(), model.norm.eps, num_heads=attn.num_heads,
-                           num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
+    return CpuDecoderStack(
+        layers,
+        model.norm.kernel_weight(),
+        model.norm.eps,
+        num_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+    )
 
 
 class CpuDecoderStack:
@@ -158,28 +181,52 @@ class CpuDecoderStack:
     against the model's shape, failing naming the layer and the part. The layers must have
     passed :func:`layers_unsupported_reason`."""
 
-    def __init__(self, layers: Sequence[StackLayer], final_norm: torch.Tensor, eps: float, *, num_heads: int,
-                 num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        layers: Sequence[StackLayer],
+        final_norm: torch.Tensor,
+        eps: float,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> None:
         for i, layer in enumerate(layers):
             if layer.activation not in ACTIVATIONS:
-                raise ValueError(f"layer {i}: activation must be one of {ACTIVATIONS}, "
-                                 f"got {layer.activation!r}")
+                raise ValueError(
+                    f"layer {i}: activation must be one of {ACTIVATIONS}, got {layer.activation!r}"
+                )
         gate_up = layers[0].projections[2].weight_packed.cpu if layers else None
         hidden = final_norm.shape[0]
         self._rust = _core.CpuDecoder(
             [hidden, num_heads, num_kv_heads, head_dim, 0 if gate_up is None else gate_up.n // 2],
-            eps, quant_matmul_cpu.DENSE_MIN_ROWS,
+            eps,
+            quant_matmul_cpu.DENSE_MIN_ROWS,
             [[_dl(n) for n in layer.norms()] for layer in layers],
             [[p.weight_packed.cpu.rust for p in layer.projections] for layer in layers],
             [[_dl(p.bias) for p in layer.projections] for layer in layers],
             _dl(final_norm),
-            [(layer.activation, layer.attention.sliding_window, layer.rope_table,
-              layer.attention.logits_soft_cap, layer.scale) for layer in layers],
+            [
+                (
+                    layer.activation,
+                    layer.attention.sliding_window,
+                    layer.rope_table,
+                    layer.attention.logits_soft_cap,
+                    layer.scale,
+                )
+                for layer in layers
+            ],
         )
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
-                tables: Sequence[tuple[torch.Tensor, torch.Tensor]], kv_caches: list[torch.Tensor],
-                step: tuple[torch.Tensor, ...], num_rows: int) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[torch.Tensor],
+        step: tuple[torch.Tensor, ...],
+        num_rows: int,
+    ) -> torch.Tensor:
         """Every layer and the final norm on ``hidden [T, hidden]`` (bfloat16, the embedded
         tokens, Gemma's scaling applied; used as the residual stream, so overwritten). RoPE:
         ``tables`` holds a ``(cos, sin)`` pair of ``[len, head_dim]`` tables per RoPE the layers
@@ -189,9 +236,13 @@ class CpuDecoderStack:
         out = torch.empty_like(hidden)
         cpu_ops.sync_threads()
         self._rust.forward(
-            to_dlpack(hidden), to_dlpack(out), to_dlpack(positions),
+            to_dlpack(hidden),
+            to_dlpack(out),
+            to_dlpack(positions),
             [(to_dlpack(cos), to_dlpack(sin)) for cos, sin in tables],
-            [to_dlpack(c) for c in kv_caches], *map(to_dlpack, step), num_rows,
+            [to_dlpack(c) for c in kv_caches],
+            *map(to_dlpack, step),
+            num_rows,
         )
         return out
 

@@ -17,7 +17,9 @@ def pack(weight: Int4Weight | Int8Weight, device: torch.device) -> PackedInt4 | 
 class QuantLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` packed for the device's int4 / int8 kernel; ``bias`` stays dense."""
 
-    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, device: torch.device) -> None:
+    def __init__(
+        self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None, device: torch.device
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight_packed = pack(weight, device)
@@ -54,7 +56,9 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, kernel={self.weight_packed.kind}"
 
 
-def replace_linear(model: nn.Module, name: str, weight: Int4Weight | Int8Weight, device: torch.device) -> QuantLinear:
+def replace_linear(
+    model: nn.Module, name: str, weight: Int4Weight | Int8Weight, device: torch.device
+) -> QuantLinear:
     """Puts a :class:`QuantLinear` holding ``weight`` on ``device`` where the ``nn.Linear``
     ``name`` was, keeping its bias; the dense weight it had (if it was ever allocated) is freed."""
     parent_name, _, child = name.rpartition(".")
@@ -79,16 +83,23 @@ def check_weights_fit(model: nn.Module, new: nn.Module) -> None:
     for name, tensor in loaded.items():
         old = served[name]
         if old.shape != tensor.shape or old.dtype != tensor.dtype:
-            raise ValueError(f"{name}: the new tensor is {tuple(tensor.shape)} {tensor.dtype}, "
-                             f"the served one {tuple(old.shape)} {old.dtype}")
+            raise ValueError(
+                f"{name}: the new tensor is {tuple(tensor.shape)} {tensor.dtype}, "
+                f"the served one {tuple(old.shape)} {old.dtype}"
+            )
     for name, module in new.named_modules():
         if isinstance(module, (QuantEmbedding, QuantLinear)):
             old_module = model.get_submodule(name)
             if type(old_module) is not type(module) or _packed_shape(old_module) != _packed_shape(module):
-                new_kind, kind = (("embedding is 8-bit", "one") if isinstance(module, QuantEmbedding)
-                                  else ("weights are quantized", "layer"))
-                raise ValueError(f"{name}: the new {new_kind} of shape {_packed_shape(module)}, "
-                                 f"the served {kind} is {old_module}")
+                new_kind, kind = (
+                    ("embedding is 8-bit", "one")
+                    if isinstance(module, QuantEmbedding)
+                    else ("weights are quantized", "layer")
+                )
+                raise ValueError(
+                    f"{name}: the new {new_kind} of shape {_packed_shape(module)}, "
+                    f"the served {kind} is {old_module}"
+                )
 
 
 def copy_weights(model: nn.Module, new: nn.Module) -> None:

@@ -71,8 +71,9 @@ class RotaryEmbedding:
     valid as a sequence grows past the original context (transformers instead re-rotates
     the whole sequence with the long factors once it is longer)."""
 
-    def __init__(self, config: ModelConfig, theta: float | None = None,
-                 scaling: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, theta: float | None = None, scaling: dict[str, Any] | None = None
+    ) -> None:
         """``theta`` and ``scaling`` default to the config's ``rope_theta`` and ``rope_scaling``
         (a layer with its own base, Gemma 3's sliding ones, passes its own and no scaling)."""
         if theta is None:

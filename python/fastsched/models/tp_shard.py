@@ -44,9 +44,11 @@ def head_ranges(config: ModelConfig, rank: int, size: int) -> tuple[range, range
         return range(first * group, last * group), range(first, last)
     replicas = size // kv
     if size % kv or group < replicas:
-        raise ValueError(f"the model's {heads} attention heads and {kv} KV heads do not split over "
-                         f"tensor_parallel_size {size}: with fewer KV heads than ranks each KV head is replicated "
-                         f"on the same number of ranks (tensor_parallel_size a multiple of {kv}, at most {heads})")
+        raise ValueError(
+            f"the model's {heads} attention heads and {kv} KV heads do not split over "
+            f"tensor_parallel_size {size}: with fewer KV heads than ranks each KV head is replicated "
+            f"on the same number of ranks (tensor_parallel_size a multiple of {kv}, at most {heads})"
+        )
     head = rank // replicas
     start, end = split_range(group, rank % replicas, replicas, uneven=True)
     return range(head * group + start, head * group + end), range(head, head + 1)
@@ -86,12 +88,14 @@ def weight_rows(w: Weight, start: int, end: int) -> Weight:
 def _columns(name: str, w: Weight, start: int, end: int) -> Weight:
     if isinstance(w, (Int4Weight, Int8Weight)):
         if start % GROUP_SIZE or end % GROUP_SIZE:
-            raise ValueError(f"{name}: a row-parallel shard of a quantized weight must be whole groups of "
-                             f"{GROUP_SIZE} columns; this rank's is [{start}, {end})")
+            raise ValueError(
+                f"{name}: a row-parallel shard of a quantized weight must be whole groups of "
+                f"{GROUP_SIZE} columns; this rank's is [{start}, {end})"
+            )
         # a parameter covers K / its columns: scales 32 or 16 columns (Int8Weight), zeros 32
         codes, *groups = _parts(w)
         k = codes.shape[1]
-        sliced = (t[:, start * t.shape[1] // k:end * t.shape[1] // k] for t in groups)
+        sliced = (t[:, start * t.shape[1] // k : end * t.shape[1] // k] for t in groups)
         return type(w)(codes[:, start:end], *sliced)
     return w[:, start:end]
 

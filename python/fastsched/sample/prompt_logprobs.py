@@ -79,12 +79,21 @@ def plan_prompt_logprobs(
     g_counts = counts[groups]
     within = np.arange(int(g_counts.sum())) - np.repeat(np.cumsum(g_counts) - g_counts, g_counts)
     flat = np.repeat(row_starts[groups], g_counts) + within
-    targets = np.concatenate([
-        tokens_of(int(req_handles[g]))[computed[g] + 1 : computed[g] + 1 + counts[g]] for g in groups.tolist()
-    ]).astype(np.int64)
-    return PromptLogprobsPlan(flat_indices=flat, target_ids=targets, num_top=int(k_of[groups].max()),
-                              handles=req_handles[groups], starts=computed[groups], counts=g_counts,
-                              top_k=k_of[groups])
+    targets = np.concatenate(
+        [
+            tokens_of(int(req_handles[g]))[computed[g] + 1 : computed[g] + 1 + counts[g]]
+            for g in groups.tolist()
+        ]
+    ).astype(np.int64)
+    return PromptLogprobsPlan(
+        flat_indices=flat,
+        target_ids=targets,
+        num_top=int(k_of[groups].max()),
+        handles=req_handles[groups],
+        starts=computed[groups],
+        counts=g_counts,
+        top_k=k_of[groups],
+    )
 
 
 @dataclass
@@ -104,8 +113,9 @@ class ScoredPrompts:
         top_values = lp.topk_logprobs.tolist()
         out = []
         lo = 0
-        for h, start, count, k in zip(plan.handles.tolist(), plan.starts.tolist(), plan.counts.tolist(),
-                                      plan.top_k.tolist()):
+        for h, start, count, k in zip(
+            plan.handles.tolist(), plan.starts.tolist(), plan.counts.tolist(), plan.top_k.tolist()
+        ):
             entries = []
             for r in range(lo, lo + count):
                 entry: PromptLogprobsEntry = {tokens[r]: (values[r], ranks[r])}
@@ -118,10 +128,13 @@ class ScoredPrompts:
 
 
 @torch.inference_mode()
-def compute_prompt_logprobs(hidden: torch.Tensor, plan: PromptLogprobsPlan,
-                            compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                            chunk: int = PROMPT_LOGPROBS_CHUNK,
-                            tap: LogprobsTap | None = None) -> ScoredPrompts:
+def compute_prompt_logprobs(
+    hidden: torch.Tensor,
+    plan: PromptLogprobsPlan,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    chunk: int = PROMPT_LOGPROBS_CHUNK,
+    tap: LogprobsTap | None = None,
+) -> ScoredPrompts:
     """Scores the plan's rows of ``hidden`` (the step's flat hidden states)."""
     device = hidden.device
     index = torch.from_numpy(plan.flat_indices).to(device)

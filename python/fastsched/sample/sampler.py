@@ -60,8 +60,9 @@ class PenaltyTensors:
 
     def add_output_tokens(self, penalized: torch.Tensor, tokens: torch.Tensor) -> None:
         """Counts ``tokens[i]`` once more in the output of penalized row ``penalized[i]``."""
-        self.output_counts.index_put_((penalized, tokens), torch.ones_like(tokens, dtype=self.output_counts.dtype),
-                                      accumulate=True)
+        self.output_counts.index_put_(
+            (penalized, tokens), torch.ones_like(tokens, dtype=self.output_counts.dtype), accumulate=True
+        )
         column = self.token_ids[:, 0].clone()  # rows without a new token repeat a pair they have
         column[penalized] = tokens
         self.token_ids = torch.cat((self.token_ids, column[:, None]), dim=1)
@@ -83,7 +84,9 @@ class TokenHistories:
         token_ids = np.zeros((len(ends), max(ends, default=0)), dtype=np.int64)
         for j, (prompt, output) in enumerate(zip(prompts, outputs)):
             token_ids[j, : ends[j]] = [*prompt, *output]
-        return cls(token_ids, np.array([len(p) for p in prompts], dtype=np.int64), np.array(ends, dtype=np.int64))
+        return cls(
+            token_ids, np.array([len(p) for p in prompts], dtype=np.int64), np.array(ends, dtype=np.int64)
+        )
 
 
 @dataclass
@@ -130,14 +133,16 @@ class SamplingMetadata:
         return rows.gather(
             np.arange(len(params)),
             lambda: np.array([len(o) for o in output_token_ids], dtype=np.int64),
-            lambda used: TokenHistories.from_lists([prompt_token_ids[i] for i in used],
-                                                   [output_token_ids[i] for i in used]),
+            lambda used: TokenHistories.from_lists(
+                [prompt_token_ids[i] for i in used], [output_token_ids[i] for i in used]
+            ),
             device,
         )
 
     def to(self, device: torch.device) -> SamplingMetadata:
         """The metadata with its tensors on ``device``, copied without waiting for the device
         (see :func:`to_device`); seeded rows keep their own generators."""
+
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else to_device(t, device)
 
@@ -149,10 +154,12 @@ class SamplingMetadata:
             top_k=move(self.top_k),
             top_p=move(self.top_p),
             min_p=move(self.min_p),
-            penalties=None if p is None else PenaltyTensors(*(to_device(getattr(p, f.name), device)
-                                                              for f in dataclasses.fields(p))),
-            min_tokens_mask=None if self.min_tokens_mask is None else (
-                to_device(self.min_tokens_mask[0], device), to_device(self.min_tokens_mask[1], device)),
+            penalties=None
+            if p is None
+            else PenaltyTensors(*(to_device(getattr(p, f.name), device) for f in dataclasses.fields(p))),
+            min_tokens_mask=None
+            if self.min_tokens_mask is None
+            else (to_device(self.min_tokens_mask[0], device), to_device(self.min_tokens_mask[1], device)),
         )
 
     def add_output_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -270,16 +277,31 @@ class RowSamplingParams:
         """The metadata of ``n`` plain greedy rows. Nothing changes it (it has no penalties),
         so the last one is reused while the batch size stays the same."""
         cached = self._all_greedy_metadata
-        if cached is None or cached.is_greedy.shape[0] != n or cached.is_greedy.device != torch.device(device):
+        if (
+            cached is None
+            or cached.is_greedy.shape[0] != n
+            or cached.is_greedy.device != torch.device(device)
+        ):
             cached = self._all_greedy_metadata = SamplingMetadata(
-                temperature=torch.ones(n, device=device), is_greedy=torch.ones(n, dtype=torch.bool, device=device),
-                all_greedy=True, all_random=n == 0, top_k=None, top_p=None, min_p=None, generators={},
-                penalties=None, min_tokens_mask=None, max_num_logprobs=None,
+                temperature=torch.ones(n, device=device),
+                is_greedy=torch.ones(n, dtype=torch.bool, device=device),
+                all_greedy=True,
+                all_random=n == 0,
+                top_k=None,
+                top_p=None,
+                min_p=None,
+                generators={},
+                penalties=None,
+                min_tokens_mask=None,
+                max_num_logprobs=None,
             )
         return cached
 
     def _penalties(
-        self, rows: np.ndarray, history: Callable[[np.ndarray], TokenHistories], device: torch.device | str,
+        self,
+        rows: np.ndarray,
+        history: Callable[[np.ndarray], TokenHistories],
+        device: torch.device | str,
     ) -> PenaltyTensors | None:
         used = np.flatnonzero(self.penalized[rows])
         if not len(used):
@@ -356,7 +378,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Keep each row's ``k`` largest logits, then its smallest nucleus of mass ``>= p``.
 
     One ascending sort serves both masks; ties at the k-th value are all kept.
@@ -411,7 +435,9 @@ class Sampler:
         """Sample from ``logits`` (``[B, vocab]`` fp32), which is left unchanged for the raw logprobs."""
         # Greedy rows without penalties or bans read the logits as they are: no copy
         # (at a thousand rows of a large vocabulary the copy costs more than the argmax).
-        modifies = not metadata.all_greedy or metadata.min_tokens_mask is not None or metadata.penalties is not None
+        modifies = (
+            not metadata.all_greedy or metadata.min_tokens_mask is not None or metadata.penalties is not None
+        )
         processed = logits.clone() if modifies else logits
         if metadata.min_tokens_mask is not None:
             processed[metadata.min_tokens_mask] = float("-inf")

@@ -23,8 +23,14 @@ from fastsched.attention import AttentionBackend, AttentionMetadata
 
 
 class DraftModelProposer:
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, num_speculative_tokens: int,
-                 block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        num_speculative_tokens: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.backend = backend
         self.k = num_speculative_tokens
@@ -49,8 +55,15 @@ class DraftModelProposer:
         rows = np.repeat(np.arange(len(sequences)), lengths)
         query_start = np.zeros(len(sequences) + 1, dtype=np.int32)
         np.cumsum(lengths, out=query_start[1:])
-        tokens = self._forward(np.concatenate(sequences).astype(np.int64), positions, rows, tables, query_start,
-                               lengths, query_start[1:] - 1)
+        tokens = self._forward(
+            np.concatenate(sequences).astype(np.int64),
+            positions,
+            rows,
+            tables,
+            query_start,
+            lengths,
+            query_start[1:] - 1,
+        )
         drafts = [tokens]
         one_each = np.arange(len(sequences) + 1, dtype=np.int32)
         every_row = np.arange(len(sequences))
@@ -60,8 +73,16 @@ class DraftModelProposer:
             drafts.append(tokens)
         return list(np.stack(drafts, axis=1))
 
-    def _forward(self, input_ids: np.ndarray, positions: np.ndarray, rows: np.ndarray, tables: np.ndarray,
-                 query_start: np.ndarray, seq_lens: np.ndarray, logits_at: np.ndarray | None) -> np.ndarray:
+    def _forward(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        tables: np.ndarray,
+        query_start: np.ndarray,
+        seq_lens: np.ndarray,
+        logits_at: np.ndarray | None,
+    ) -> np.ndarray:
         """One forward pass of the draft model; the argmax token at ``logits_at`` (every token when None)."""
         bs = self.block_size
         slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
@@ -71,12 +92,17 @@ class DraftModelProposer:
             return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
 
         metadata = AttentionMetadata(
-            slot_mapping=put(slots), query_start_loc=put(query_start), seq_lens=put(seq_lens.astype(np.int32)),
-            block_tables=put(tables), max_query_len=int(np.diff(query_start).max()),
+            slot_mapping=put(slots),
+            query_start_loc=put(query_start),
+            seq_lens=put(seq_lens.astype(np.int32)),
+            block_tables=put(tables),
+            max_query_len=int(np.diff(query_start).max()),
             max_seq_len=int(seq_lens.max()),
         )
         self.backend.prepare(metadata)
-        hidden = self.model(put(input_ids), put(positions.astype(np.int64)), self._kv_caches, metadata, self.backend)
+        hidden = self.model(
+            put(input_ids), put(positions.astype(np.int64)), self._kv_caches, metadata, self.backend
+        )
         if logits_at is not None:
             hidden = hidden[put(logits_at.astype(np.int64))]
         return self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
@@ -89,7 +115,14 @@ class DraftModelProposer:
         cfg = self.model.config
         dtype = next(self.model.parameters()).dtype
         self._kv_caches = [
-            torch.empty(2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
-                        device=self.device)
+            torch.empty(
+                2,
+                num_blocks,
+                self.block_size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                dtype=dtype,
+                device=self.device,
+            )
             for _ in range(cfg.num_layers)
         ]

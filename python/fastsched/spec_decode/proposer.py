@@ -22,8 +22,16 @@ class Proposer(Protocol):
         ...
 
 
-def build_proposer(config: SpeculativeConfig, target: ModelConfig, backend: AttentionBackend, *,
-                   block_size: int, max_model_len: int, device: torch.device, dtype: torch.dtype) -> Proposer:
+def build_proposer(
+    config: SpeculativeConfig,
+    target: ModelConfig,
+    backend: AttentionBackend,
+    *,
+    block_size: int,
+    max_model_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Proposer:
     """The drafter of ``config``; a draft model must share the target's vocabulary and
     reach ``max_model_len`` positions (``ValueError`` naming both values otherwise)."""
     k = config.num_speculative_tokens
@@ -31,11 +39,15 @@ def build_proposer(config: SpeculativeConfig, target: ModelConfig, backend: Atte
         return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
     draft = load_model(config.model, dtype=dtype, device=device)
     if draft.config.vocab_size != target.vocab_size:
-        raise ValueError(f"speculative_config.model's vocab_size ({draft.config.vocab_size}) differs from the "
-                         f"target model's ({target.vocab_size}): drafts must use the same token ids")
+        raise ValueError(
+            f"speculative_config.model's vocab_size ({draft.config.vocab_size}) differs from the "
+            f"target model's ({target.vocab_size}): drafts must use the same token ids"
+        )
     if draft.config.max_position_embeddings < max_model_len:
-        raise ValueError(f"speculative_config.model's max_position_embeddings "
-                         f"({draft.config.max_position_embeddings}) is below max_model_len ({max_model_len})")
+        raise ValueError(
+            f"speculative_config.model's max_position_embeddings "
+            f"({draft.config.max_position_embeddings}) is below max_model_len ({max_model_len})"
+        )
     return DraftModelProposer(draft, backend, k, block_size, device)
 
 

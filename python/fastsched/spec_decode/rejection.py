@@ -75,7 +75,9 @@ def rejection_sample(
     if not metadata.all_greedy:
         probs = _random_probs(processed, metadata)
         p_draft = probs[draft_pos, drafts]
-        q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(1, drafts[:, None])[:, 0]
+        q_draft = (
+            torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(1, drafts[:, None])[:, 0]
+        )
         uniform = _uniform(draft_pos, metadata, generator)
         random_accept = uniform * q_draft < p_draft
         accept = torch.where(metadata.is_greedy[draft_pos], accept, random_accept)
@@ -90,14 +92,28 @@ def rejection_sample(
     first_of_row[has_drafts] = rejected_before[first_draft[has_drafts]]
     leading = (rejected_before + rejected - first_of_row[row_of_draft]) == 0
     num_accepted = torch.zeros(num_rows, dtype=torch.int64, device=device).index_add_(
-        0, row_of_draft, leading.to(torch.int64))
+        0, row_of_draft, leading.to(torch.int64)
+    )
 
     emitted = starts + num_accepted
     final = target_argmax[emitted]
     if probs is not None:
-        final = torch.where(metadata.is_greedy[emitted], final,
-                            _recover(probs, emitted, num_accepted < num_drafts.to(device), first_draft + num_accepted,
-                                     drafts, valid, draft_probs, starts, metadata, generator))
+        final = torch.where(
+            metadata.is_greedy[emitted],
+            final,
+            _recover(
+                probs,
+                emitted,
+                num_accepted < num_drafts.to(device),
+                first_draft + num_accepted,
+                drafts,
+                valid,
+                draft_probs,
+                starts,
+                metadata,
+                generator,
+            ),
+        )
 
     # Position j of row i emits when j <= num_accepted[i]: the drafts before, then ``final``.
     tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=device)
@@ -118,8 +134,9 @@ def _random_probs(processed: torch.Tensor, metadata: SamplingMetadata) -> torch.
     return scaled.softmax(dim=-1)
 
 
-def _uniform(positions: torch.Tensor, metadata: SamplingMetadata,
-             generator: torch.Generator | None) -> torch.Tensor:
+def _uniform(
+    positions: torch.Tensor, metadata: SamplingMetadata, generator: torch.Generator | None
+) -> torch.Tensor:
     """One uniform draw per draft; a seeded row draws from its own generator."""
     uniform = torch.rand(positions.shape[0], device=positions.device, generator=generator)
     if metadata.generators:

@@ -61,13 +61,15 @@ class SpecStep:
         return np.repeat(ends - counts, counts) + self.position_in_row
 
 
-def verification_logprobs(logits: torch.Tensor, metadata: SamplingMetadata,
-                          verified: Verified) -> LogprobsTensors | None:
+def verification_logprobs(
+    logits: torch.Tensor, metadata: SamplingMetadata, verified: Verified
+) -> LogprobsTensors | None:
     """Logprobs of each request's last emitted token, at its own position (the engine gives
     no drafts to requests that ask for logprobs, so that token is their only one)."""
     if metadata.max_num_logprobs is None:
         return None
     emitted = verified.emitted_positions
     last = torch.cumsum(verified.num_accepted + 1, 0) - 1
-    return gather_logprobs(logits[emitted].log_softmax(dim=-1), verified.token_ids[last],
-                            metadata.max_num_logprobs)
+    return gather_logprobs(
+        logits[emitted].log_softmax(dim=-1), verified.token_ids[last], metadata.max_num_logprobs
+    )

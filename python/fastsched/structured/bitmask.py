@@ -25,7 +25,9 @@ def _forbidden(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
     """A boolean (rows, vocab) tensor on the logits' device: True where a token is not allowed."""
     vocab = logits.shape[1]
     if logits.device.type == "cpu":
-        bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")[
+            :, :vocab
+        ]
         return torch.from_numpy(bits) == 0
     mask = torch.from_numpy(np.ascontiguousarray(bitmask)).to(logits.device, non_blocking=True)
     return (((mask.unsqueeze(-1) >> _bit_positions(logits.device)) & 1) == 0).flatten(1)[:, :vocab]
@@ -39,7 +41,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: np.ndar
     forbidden = _forbidden(logits, bitmask[:n])
     rows = np.asarray(rows, dtype=np.int64)
     if rows[-1] - rows[0] == n - 1 and np.all(np.diff(rows) == 1):  # a contiguous block: fill in place
-        logits[rows[0]:rows[-1] + 1].masked_fill_(forbidden, float("-inf"))
+        logits[rows[0] : rows[-1] + 1].masked_fill_(forbidden, float("-inf"))
         return
     index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
     logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
@@ -64,7 +66,9 @@ class StepBitmask:
     def abandon(self) -> None:
         """The step will never be sampled (a step before it failed): release the forward thread."""
         if not self._filled.done():
-            self._filled.set_exception(RuntimeError("the step was abandoned before its token bitmask was filled"))
+            self._filled.set_exception(
+                RuntimeError("the step was abandoned before its token bitmask was filled")
+            )
 
     def apply(self, logits: torch.Tensor) -> None:
         bitmask, rows = self._filled.result()

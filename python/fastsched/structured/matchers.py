@@ -30,8 +30,9 @@ class StructuredOutputManager:
         ``vocab_size``: the model's logits width (may exceed the tokenizer's);
         ``eos_token_ids``: what a finished grammar allows the model to end with."""
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
-                                                eos_token=list(eos_token_ids) or None)
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+        )
         # What a request whose grammar gave up may still produce: the end of its output.
         self._eos_only = np.zeros(llg_numpy.allocate_token_bitmask(1, vocab_size).shape[1], dtype=np.uint32)
         for t in eos_token_ids:
@@ -39,7 +40,9 @@ class StructuredOutputManager:
         self._executor = llguidance.LLExecutor()
         self._matchers: dict[Hashable, llguidance.LLMatcher] = {}
         self._gave_up: set[Hashable] = set()  # keys whose matcher hit a resource limit (_give_up)
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar text -> fresh matcher
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = (
+            OrderedDict()
+        )  # grammar text -> fresh matcher
         self._bitmask = llg_numpy.allocate_token_bitmask(1, vocab_size)
 
     def __contains__(self, key: Hashable) -> bool:
@@ -99,8 +102,12 @@ class StructuredOutputManager:
         if not _RESOURCE_LIMIT.search(error.split("\n", 1)[0]):
             raise RuntimeError(f"structured output of {key!r} took a token its grammar forbids: {error}")
         self._gave_up.add(key)
-        logger.warning("structured output of request %r: its grammar exceeds the grammar engine's limits (%s); "
-                       "ending the request", key, error.splitlines()[0])
+        logger.warning(
+            "structured output of request %r: its grammar exceeds the grammar engine's limits (%s); "
+            "ending the request",
+            key,
+            error.splitlines()[0],
+        )
 
     def rollback(self, key: Hashable, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""
@@ -116,7 +123,9 @@ class StructuredOutputManager:
         rows computed in parallel. The array is reused by the next call."""
         rows = len(keys)
         if self._bitmask.shape[0] < rows:
-            self._bitmask = llg_numpy.allocate_token_bitmask(max(rows, 2 * self._bitmask.shape[0]), self.vocab_size)
+            self._bitmask = llg_numpy.allocate_token_bitmask(
+                max(rows, 2 * self._bitmask.shape[0]), self.vocab_size
+            )
         mask = self._bitmask[:rows]
         matchers = [self._matchers[k] for k in keys]
         llg_numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], mask)
@@ -133,6 +142,9 @@ class StructuredOutputManager:
         mask_row.view(np.uint32)[:] = self._eos_only
         if key not in self._gave_up:
             self._gave_up.add(key)
-            logger.warning("structured output of request %r: its grammar exceeds the grammar engine's limits (%s); "
-                           "ending the request", key, matcher.get_error().splitlines()[0])
-
+            logger.warning(
+                "structured output of request %r: its grammar exceeds the grammar engine's limits (%s); "
+                "ending the request",
+                key,
+                matcher.get_error().splitlines()[0],
+            )

@@ -43,25 +43,41 @@ class StructuredOutputsParams:
             object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
 
     @classmethod
-    def from_value(cls, value: StructuredOutputsParams | dict[str, Any] | None) -> StructuredOutputsParams | None:
+    def from_value(
+        cls, value: StructuredOutputsParams | dict[str, Any] | None
+    ) -> StructuredOutputsParams | None:
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, dict):
             raise ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
         unknown = set(value) - {*KINDS, "whitespace_flexible"}
         if unknown:
-            raise ValueError(f"structured_outputs has unknown field(s) {sorted(unknown)}; known: {list(KINDS)}")
+            raise ValueError(
+                f"structured_outputs has unknown field(s) {sorted(unknown)}; known: {list(KINDS)}"
+            )
         return cls(**value)
 
     def grammar_text(self) -> str:
         """The llguidance grammar for this constraint (cached by its text)."""
-        return _grammar_text(self.json, self.json_object, self.regex, tuple(self.choice or ()), self.grammar,
-                             self.whitespace_flexible)
+        return _grammar_text(
+            self.json,
+            self.json_object,
+            self.regex,
+            tuple(self.choice or ()),
+            self.grammar,
+            self.whitespace_flexible,
+        )
 
 
 @functools.lru_cache(maxsize=256)
-def _grammar_text(schema: str | None, json_object: bool, regex: str | None, choice: tuple[str, ...],
-                  grammar: str | None, whitespace_flexible: bool) -> str:
+def _grammar_text(
+    schema: str | None,
+    json_object: bool,
+    regex: str | None,
+    choice: tuple[str, ...],
+    grammar: str | None,
+    whitespace_flexible: bool,
+) -> str:
     import llguidance
 
     options = {"whitespace_flexible": whitespace_flexible}

@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any
 
 PERCENTILES = (50, 90, 99)  # the default --metric-percentiles
-PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")  # the default --percentile-metrics (vLLM's: ttft,tpot,itl)
+PERCENTILE_METRICS = (
+    "ttft",
+    "tpot",
+    "itl",
+    "e2el",
+)  # the default --percentile-metrics (vLLM's: ttft,tpot,itl)
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
 
@@ -53,8 +58,12 @@ def _stats_ms(values: Sequence[float], percentiles: Sequence[float] = PERCENTILE
     if not values:
         return dict.fromkeys(names)
     arr = np.asarray(values, dtype=float) * 1000.0
-    return {"mean": float(arr.mean()), "median": float(np.median(arr)), "std": float(arr.std()),
-            **{f"p{_percentile_name(p)}": float(np.percentile(arr, p)) for p in percentiles}}
+    return {
+        "mean": float(arr.mean()),
+        "median": float(np.median(arr)),
+        "std": float(arr.std()),
+        **{f"p{_percentile_name(p)}": float(np.percentile(arr, p)) for p in percentiles},
+    }
 
 
 def _tpot(r: RequestResult) -> float | None:
@@ -73,8 +82,10 @@ def parse_goodput(pairs: Sequence[str] | None) -> dict[str, float]:
         except ValueError:
             sep = ""
         if not sep or name not in GOODPUT_METRICS or slos[name] < 0:
-            raise ValueError(f"--goodput takes METRIC:MILLISECONDS with METRIC one of {', '.join(GOODPUT_METRICS)} "
-                             f"and a value >= 0, got {pair!r}")
+            raise ValueError(
+                f"--goodput takes METRIC:MILLISECONDS with METRIC one of {', '.join(GOODPUT_METRICS)} "
+                f"and a value >= 0, got {pair!r}"
+            )
     return slos
 
 
@@ -106,9 +117,15 @@ def _peaks(ok: Sequence[RequestResult]) -> tuple[float, int]:
     return float(max(per_second.values(), default=0)), peak
 
 
-def summarize(qps: float, results: Sequence[RequestResult], duration: float, *,
-              percentiles: Sequence[float] = PERCENTILES, percentile_metrics: Sequence[str] = PERCENTILE_METRICS,
-              goodput: dict[str, float] | None = None) -> dict[str, Any]:
+def summarize(
+    qps: float,
+    results: Sequence[RequestResult],
+    duration: float,
+    *,
+    percentiles: Sequence[float] = PERCENTILES,
+    percentile_metrics: Sequence[str] = PERCENTILE_METRICS,
+    goodput: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """One rate's result: vLLM's keys for what vLLM measures too, then fastsched's own."""
     ok = [r for r in results if r.ok]
     rejected = Counter(r.reason for r in results if r.status == 503)
@@ -141,18 +158,22 @@ def summarize(qps: float, results: Sequence[RequestResult], duration: float, *,
     for metric in percentile_metrics:
         for stat, value in _stats_ms(values[metric], percentiles).items():
             summary[f"{stat}_{metric}_ms"] = value
-    summary.update({
-        # fastsched's own
-        "qps": qps if not math.isinf(qps) else "inf",
-        "num_requests": len(results),
-        "offered_qps": len(results) / max(sends) if sends and max(sends) > 0 else None,
-        "num_rejected": sum(rejected.values()),
-        "rejected": dict(sorted(rejected.items())),
-        "num_errors": len(errors),
-        "errors": sorted({r.error or r.reason or f"http_{r.status}" for r in errors})[:5],
-        "rejection_latency_ms": _stats_ms([r.e2e for r in results if r.status == 503 and r.e2e is not None]),
-        "e2e_latencies_s": sorted(values["e2el"]),
-    })
+    summary.update(
+        {
+            # fastsched's own
+            "qps": qps if not math.isinf(qps) else "inf",
+            "num_requests": len(results),
+            "offered_qps": len(results) / max(sends) if sends and max(sends) > 0 else None,
+            "num_rejected": sum(rejected.values()),
+            "rejected": dict(sorted(rejected.items())),
+            "num_errors": len(errors),
+            "errors": sorted({r.error or r.reason or f"http_{r.status}" for r in errors})[:5],
+            "rejection_latency_ms": _stats_ms(
+                [r.e2e for r in results if r.status == 503 and r.e2e is not None]
+            ),
+            "e2e_latencies_s": sorted(values["e2el"]),
+        }
+    )
     return summary
 
 
@@ -160,32 +181,56 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.1f}")
 
 
-def format_table(summaries: Sequence[dict[str, Any]], percentiles: Sequence[float] = PERCENTILES,
-                 percentile_metrics: Sequence[str] = PERCENTILE_METRICS) -> str:
+def format_table(
+    summaries: Sequence[dict[str, Any]],
+    percentiles: Sequence[float] = PERCENTILES,
+    percentile_metrics: Sequence[str] = PERCENTILE_METRICS,
+) -> str:
     """A Markdown table: one row per rate; TTFT, ITL and E2E latency at each percentile, in ms."""
     names = [f"p{_percentile_name(p)}" for p in percentiles]
-    shown = [(m, label) for m, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2el", "E2E")) if m in percentile_metrics]
+    shown = [
+        (m, label)
+        for m, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2el", "E2E"))
+        if m in percentile_metrics
+    ]
     goodput = any(s.get("request_goodput") is not None for s in summaries)
-    header = ["QPS", "sent", "ok", "503 (reason: n)", "req/s", *(["goodput req/s"] * goodput), "out tok/s",
-              *(f"{label} {'/'.join(names)} ms" for _, label in shown), "503 latency p50/p99 ms",
-              "prefix cache hits"]
+    header = [
+        "QPS",
+        "sent",
+        "ok",
+        "503 (reason: n)",
+        "req/s",
+        *(["goodput req/s"] * goodput),
+        "out tok/s",
+        *(f"{label} {'/'.join(names)} ms" for _, label in shown),
+        "503 latency p50/p99 ms",
+        "prefix cache hits",
+    ]
     rows = []
     for s in summaries:
         reasons = ", ".join(f"{k}: {v}" for k, v in s["rejected"].items()) or "0"
         if s["num_errors"]:
             reasons += f"; other errors: {s['num_errors']}"
         rej = s["rejection_latency_ms"]
-        rows.append([
-            str(s["qps"]), str(s["num_requests"]), str(s["completed"]), reasons, f"{s['request_throughput']:.2f}",
-            *([f"{s['request_goodput']:.2f}" if s.get("request_goodput") is not None else "-"] * goodput),
-            f"{s['output_throughput']:.1f}",
-            *("/".join(_ms(s.get(f"{n}_{m}_ms")) for n in names) for m, _ in shown),
-            "-" if rej["p50"] is None else f"{_ms(rej['p50'])}/{_ms(rej['p99'])}",
-            "-" if s.get("prefix_cache_hit_rate") is None else f"{s['prefix_cache_hit_rate']:.1%}",
-        ])
+        rows.append(
+            [
+                str(s["qps"]),
+                str(s["num_requests"]),
+                str(s["completed"]),
+                reasons,
+                f"{s['request_throughput']:.2f}",
+                *([f"{s['request_goodput']:.2f}" if s.get("request_goodput") is not None else "-"] * goodput),
+                f"{s['output_throughput']:.1f}",
+                *("/".join(_ms(s.get(f"{n}_{m}_ms")) for n in names) for m, _ in shown),
+                "-" if rej["p50"] is None else f"{_ms(rej['p50'])}/{_ms(rej['p99'])}",
+                "-" if s.get("prefix_cache_hit_rate") is None else f"{s['prefix_cache_hit_rate']:.1%}",
+            ]
+        )
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
     lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -226,8 +271,16 @@ def plot_latency_cdf(summaries: Sequence[dict[str, Any]], path: str | Path) -> b
 DETAIL_KEYS = ("e2e_latencies_s",)  # per-request lists: in --save-result files only with --save-detailed
 
 
-def vllm_result(report: dict[str, Any], summary: dict[str, Any], *, backend: str, label: str | None,
-                tokenizer_id: str | None, date: str, detailed: bool = False) -> dict[str, Any]:
+def vllm_result(
+    report: dict[str, Any],
+    summary: dict[str, Any],
+    *,
+    backend: str,
+    label: str | None,
+    tokenizer_id: str | None,
+    date: str,
+    detailed: bool = False,
+) -> dict[str, Any]:
     """One rate as ``vllm bench serve --save-result`` writes a run: its setup keys, then the
     result (vLLM's keys and fastsched's own)."""
     qps = summary["qps"]
@@ -249,8 +302,17 @@ def vllm_result(report: dict[str, Any], summary: dict[str, Any], *, backend: str
     return {**setup, **{k: v for k, v in summary.items() if detailed or k not in DETAIL_KEYS}}
 
 
-def result_path(*, label: str, qps: float | str, max_concurrency: int | None, model: str, date: str,
-                result_dir: str | None, result_filename: str | None, num_rates: int) -> Path:
+def result_path(
+    *,
+    label: str,
+    qps: float | str,
+    max_concurrency: int | None,
+    model: str,
+    date: str,
+    result_dir: str | None,
+    result_filename: str | None,
+    num_rates: int,
+) -> Path:
     """vLLM's ``{label}-{rate}qps[-concurrency{N}]-{model}-{date}.json`` in ``result_dir``,
     or ``result_filename`` there (with ``-{rate}qps`` before its suffix when several rates run)."""
     rate = f"{float(qps)}qps" if qps != "inf" else "infqps"

@@ -41,33 +41,48 @@ def add_bench_steps_parsers(bench_sub: argparse._SubParsersAction) -> None:  # t
     from fastsched.config import add_engine_args
 
     fit = bench_sub.add_parser(
-        "fit-step-cost", help="fit the step-cost model of `fastsched simulate` on --step-trace files",
+        "fit-step-cost",
+        help="fit the step-cost model of `fastsched simulate` on --step-trace files",
         description="Fit t_step = a + b*batched_tokens + c*running_reqs (non-negative least squares) on the "
-                    "steps of one or more --step-trace files; print a, b, c, R^2, the number of steps and the "
-                    "spread of the residuals, and write them as JSON for `fastsched simulate --cost-model`.",
+        "steps of one or more --step-trace files; print a, b, c, R^2, the number of steps and the "
+        "spread of the residuals, and write them as JSON for `fastsched simulate --cost-model`.",
     )
-    fit.add_argument("traces", nargs="+", metavar="TRACE", help="JSONL step traces (an engine's --step-trace)")
+    fit.add_argument(
+        "traces", nargs="+", metavar="TRACE", help="JSONL step traces (an engine's --step-trace)"
+    )
     fit.add_argument("--out", default=None, metavar="FILE", help="write the fitted model as JSON to FILE")
     fit.set_defaults(func=run_fit_step_cost)
 
     steps = bench_sub.add_parser(
-        "steps", help="measure and fit the step cost of a model in this process (no server)",
+        "steps",
+        help="measure and fit the step cost of a model in this process (no server)",
         description="Load the model in this process and run a sweep of batch shapes through a real EngineCore "
-                    "(decode-only batches of 1, 2, 4, ... requests; prefill chunks of 16, 32, ... tokens; "
-                    "decodes with a prefill chunk beside them), record every step (--step-trace, or a temporary "
-                    "file) and fit the step-cost model of `fastsched simulate` on it. Steps are timed as the "
-                    "EngineCore.step() call: the model and the scheduler, not a server's HTTP/gRPC/ZMQ path "
-                    "(fit a served engine's --step-trace for that).",
+        "(decode-only batches of 1, 2, 4, ... requests; prefill chunks of 16, 32, ... tokens; "
+        "decodes with a prefill chunk beside them), record every step (--step-trace, or a temporary "
+        "file) and fit the step-cost model of `fastsched simulate` on it. Steps are timed as the "
+        "EngineCore.step() call: the model and the scheduler, not a server's HTTP/gRPC/ZMQ path "
+        "(fit a served engine's --step-trace for that).",
     )
     sweep = steps.add_argument_group("sweep")
     sweep.add_argument("--repeats", type=int, default=4, help="steps measured per batch shape")
-    sweep.add_argument("--max-batch", type=int, default=None,
-                       help="largest decode batch, in requests (default: --max-num-seqs)")
-    sweep.add_argument("--max-prefill", type=int, default=None,
-                       help="longest prefill chunk, in tokens (default: --max-num-batched-tokens, within "
-                            "--max-model-len)")
-    sweep.add_argument("--decode-context", type=int, default=128,
-                       help="prompt length of the decoding requests, in tokens (attention reads it each step)")
+    sweep.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="largest decode batch, in requests (default: --max-num-seqs)",
+    )
+    sweep.add_argument(
+        "--max-prefill",
+        type=int,
+        default=None,
+        help="longest prefill chunk, in tokens (default: --max-num-batched-tokens, within --max-model-len)",
+    )
+    sweep.add_argument(
+        "--decode-context",
+        type=int,
+        default=128,
+        help="prompt length of the decoding requests, in tokens (attention reads it each step)",
+    )
     steps.add_argument("--out", default=None, metavar="FILE", help="write the fitted model as JSON to FILE")
     steps.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(steps)
@@ -137,21 +152,28 @@ def run_bench_steps(args: argparse.Namespace) -> int:
     usable_tokens = (sc.num_gpu_blocks - 1) * sc.block_size
     per_decode = args.decode_context + args.repeats + 1
     if per_decode >= core.max_model_len:
-        raise ValueError(f"--decode-context ({args.decode_context}) + --repeats ({args.repeats}) must be below "
-                         f"max_model_len ({core.max_model_len})")
+        raise ValueError(
+            f"--decode-context ({args.decode_context}) + --repeats ({args.repeats}) must be below "
+            f"max_model_len ({core.max_model_len})"
+        )
     max_batch = min(args.max_batch or sc.max_num_seqs, sc.max_num_seqs, usable_tokens // (2 * per_decode))
-    max_prefill = min(args.max_prefill or sc.max_num_batched_tokens, sc.max_num_batched_tokens,
-                      core.max_model_len - 2)
+    max_prefill = min(
+        args.max_prefill or sc.max_num_batched_tokens, sc.max_num_batched_tokens, core.max_model_len - 2
+    )
     if max_batch < 1:
-        raise ValueError(f"the KV pool ({usable_tokens} tokens) cannot hold one decoding request of "
-                         f"{per_decode} tokens with room to spare; lower --decode-context")
+        raise ValueError(
+            f"the KV pool ({usable_tokens} tokens) cannot hold one decoding request of "
+            f"{per_decode} tokens with room to spare; lower --decode-context"
+        )
     shapes = sweep_shapes(max_batch, max_prefill, sc.max_num_batched_tokens)
     bench = _SweepRunner(core, args.decode_context, args.repeats)
     bench.run(Shape(1, min(MIN_PREFILL, max_prefill)))  # warm-up, not recorded
     with tempfile.TemporaryDirectory() as tmp:
         path = args.step_trace or os.path.join(tmp, "steps.jsonl")
         core.step_tracer = StepTracer(path)
-        for shape in tqdm(shapes, desc="step shapes", unit="shape", disable=args.no_progress, file=sys.stderr):
+        for shape in tqdm(
+            shapes, desc="step shapes", unit="shape", disable=args.no_progress, file=sys.stderr
+        ):
             bench.run(shape)
         core.step_tracer.close()
         fit = fit_step_cost(read_step_trace([path]), source=f"fastsched bench steps ({len(shapes)} shapes)")

@@ -54,8 +54,10 @@ def write_gguf(checkpoint: str | Path, out_file: str | Path, *, q8_0: bool = Fal
             continue
         writer.add_tensor(_gguf_name(name, to_gguf, globals_), tensor)
     if config.rope_scaling is not None and config.rope_scaling["rope_type"] == "longrope":
-        for key, tensor_name in (("short_factor", "rope_factors_short.weight"),
-                                 ("long_factor", "rope_factors_long.weight")):
+        for key, tensor_name in (
+            ("short_factor", "rope_factors_short.weight"),
+            ("long_factor", "rope_factors_long.weight"),
+        ):
             writer.add_tensor(tensor_name, np.asarray(config.rope_scaling[key], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -68,12 +70,16 @@ def _check_expressible(config: ModelConfig, arch: str) -> None:
     if arch == "phi3":
         return
     if config.query_pre_attn_scalar != config.head_dim:
-        raise ValueError(f"GGUF {arch} files carry no query_pre_attn_scalar; it must equal head_dim "
-                         f"({config.head_dim}), got {config.query_pre_attn_scalar}")
+        raise ValueError(
+            f"GGUF {arch} files carry no query_pre_attn_scalar; it must equal head_dim "
+            f"({config.head_dim}), got {config.query_pre_attn_scalar}"
+        )
     pattern = gemma_layer_types(config.architecture, config.num_layers)
     if pattern != config.layer_types:
-        raise ValueError(f"GGUF {arch} files carry llama.cpp's fixed layer pattern {list(pattern)}; "
-                         f"the checkpoint has {list(config.layer_types)}")
+        raise ValueError(
+            f"GGUF {arch} files carry llama.cpp's fixed layer pattern {list(pattern)}; "
+            f"the checkpoint has {list(config.layer_types)}"
+        )
 
 
 def _write_hyperparameters(writer: object, config: ModelConfig, arch: str) -> None:
@@ -108,8 +114,9 @@ def _write_hyperparameters(writer: object, config: ModelConfig, arch: str) -> No
         import gguf
 
         if scaling["rope_type"] != "linear":
-            raise ValueError(f"GGUF {arch} files carry linear RoPE scaling only, "
-                             f"not {scaling['rope_type']!r}")
+            raise ValueError(
+                f"GGUF {arch} files carry linear RoPE scaling only, not {scaling['rope_type']!r}"
+            )
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(scaling["factor"])
 

@@ -25,7 +25,8 @@ class HttpClient:
         self.ssl = parts.scheme == "https"
         self.base_path = parts.path.rstrip("/")
         self.head = f"Host: {parts.netloc}\r\nAccept: */*\r\n" + "".join(
-            f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+            f"{k}: {v}\r\n" for k, v in (headers or {}).items()
+        )
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def open(self, method: str, path: str, payload: Any = None) -> tuple[int, dict[str, str], Any, Any]:
@@ -38,8 +39,11 @@ class HttpClient:
         request = head.encode("latin-1") + b"\r\n" + body
         while True:
             reused = bool(self._idle)
-            reader, writer = self._idle.pop() if reused else await asyncio.open_connection(
-                self.host, self.port, ssl=self.ssl or None)
+            reader, writer = (
+                self._idle.pop()
+                if reused
+                else await asyncio.open_connection(self.host, self.port, ssl=self.ssl or None)
+            )
             try:
                 writer.write(request)
                 status_line = await reader.readline()

@@ -59,8 +59,10 @@ class PerplexityReport:
 
     def table(self) -> str:
         """The figures as llama-perplexity names them, one a line."""
-        head = (f"model {self.model}  text {self.text}  ctx {self.ctx}  mode {self.mode}  "
-                f"{self.num_windows} windows, {self.num_scored} tokens scored")
+        head = (
+            f"model {self.model}  text {self.text}  ctx {self.ctx}  mode {self.mode}  "
+            f"{self.num_windows} windows, {self.num_scored} tokens scored"
+        )
         rows = [("PPL", f"{self.ppl:.4f} ± {self.ppl_stderr:.4f}")]
         if self.mean_kld is not None:
             assert self.reference_ppl is not None and self.delta_ppl is not None
@@ -73,8 +75,7 @@ class PerplexityReport:
                 ("Mean ln(PPL/PPL(base))", f"{self.mean_ln_ppl_ratio:+.6f}"),
                 ("Mean KLD", f"{self.mean_kld:.6f} ± {self.mean_kld_stderr:.6f}"),
                 ("99.0% KLD", f"{self.kld_p99:.6f}"),
-                ("Same top p",
-                 f"{100 * self.top1_agreement:.3f} ± {100 * self.top1_agreement_stderr:.3f} %"),
+                ("Same top p", f"{100 * self.top1_agreement:.3f} ± {100 * self.top1_agreement_stderr:.3f} %"),
             ]
         width = max(len(name) for name, _ in rows)
         return "\n".join([head, *(f"{name:<{width}}  {value}" for name, value in rows)])
@@ -123,8 +124,9 @@ class _Runner:
         from fastsched.engine.core import EngineCore
 
         budget: dict[str, Any] = dict(max_num_seqs=1, max_num_batched_tokens=1) if decode else {}
-        self.engine = EngineCore(EngineConfig(**engine_kwargs, max_model_len=ctx + 1, log_stats_interval=0,
-                                              **budget))
+        self.engine = EngineCore(
+            EngineConfig(**engine_kwargs, max_model_len=ctx + 1, log_stats_interval=0, **budget)
+        )
         self.recorder = _WindowRecorder(ctx // 2)
         self.engine.runner.prompt_logprobs_tap = self.recorder
         self.num_windows = 0
@@ -146,8 +148,15 @@ def _stderr(values: np.ndarray) -> float:
     return float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
 
 
-def measure(text_path: str, ctx: int, engine_kwargs: dict[str, Any], reference_kwargs: dict[str, Any] | None,
-            decode: bool = False, progress: bool = True, max_windows: int | None = None) -> PerplexityReport:
+def measure(
+    text_path: str,
+    ctx: int,
+    engine_kwargs: dict[str, Any],
+    reference_kwargs: dict[str, Any] | None,
+    decode: bool = False,
+    progress: bool = True,
+    max_windows: int | None = None,
+) -> PerplexityReport:
     """Runs the model (and the reference, when given) over the text's windows (the first
     ``max_windows`` of them, when given: llama-perplexity's ``--chunks``)."""
     from tqdm.auto import tqdm
@@ -175,9 +184,16 @@ def measure(text_path: str, ctx: int, engine_kwargs: dict[str, Any], reference_k
             same.append(ref.argmax(dim=1) == rows.argmax(dim=1))
     nll_all = torch.cat(nll).double().numpy()
     ppl = math.exp(nll_all.mean())
-    report = PerplexityReport(model=model or "SmolLM2-135M-Instruct (embedded)", text=text_path, ctx=ctx,
-                              mode="decode" if decode else "prefill", num_windows=len(chunks),
-                              num_scored=len(nll_all), ppl=ppl, ppl_stderr=ppl * _stderr(nll_all))
+    report = PerplexityReport(
+        model=model or "SmolLM2-135M-Instruct (embedded)",
+        text=text_path,
+        ctx=ctx,
+        mode="decode" if decode else "prefill",
+        num_windows=len(chunks),
+        num_scored=len(nll_all),
+        ppl=ppl,
+        ppl_stderr=ppl * _stderr(nll_all),
+    )
     if reference_kwargs is not None:
         ref_all = torch.cat(ref_nll).double().numpy()
         kld_all = torch.cat(kld).double().numpy()
@@ -206,25 +222,36 @@ def add_perplexity_parser(
         "perplexity",
         help="perplexity over a text file; with --kl-divergence, KL divergence to an fp32 reference",
         description="Score a text in windows of --ctx tokens (the second half of each window scored, as "
-                    "llama-perplexity does) through the engine, and print perplexity; with --kl-divergence "
-                    "also the KL divergence, its 99th percentile, top-1 agreement and Δppl against a "
-                    "reference run of the same model (default: the same weights dequantized to fp32).")
+        "llama-perplexity does) through the engine, and print perplexity; with --kl-divergence "
+        "also the KL divergence, its 99th percentile, top-1 agreement and Δppl against a "
+        "reference run of the same model (default: the same weights dequantized to fp32).",
+    )
     p.add_argument("file", help="the text file (UTF-8)")
     p.add_argument("--model", default=None, help="the model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per window (default: 512)")
-    p.add_argument("--chunks", type=int, default=None, metavar="N",
-                   help="score only the first N windows (llama-perplexity's --chunks; default: all)")
-    p.add_argument("--decode", action="store_true",
-                   help="one token per step through the decode path instead of prefill chunks")
+    p.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="score only the first N windows (llama-perplexity's --chunks; default: all)",
+    )
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="one token per step through the decode path instead of prefill chunks",
+    )
     p.add_argument("--kl-divergence", action="store_true", help="compare with the reference run")
     p.add_argument("--reference-model", default=None, help="the reference's model (default: --model)")
-    p.add_argument("--reference-quantization", default="none",
-                   help="the reference's --quantization (default: none)")
+    p.add_argument(
+        "--reference-quantization", default="none", help="the reference's --quantization (default: none)"
+    )
     p.add_argument("--reference-dtype", default="float32", help="the reference's --dtype (default: float32)")
     p.add_argument("--quantization", "-q", default=None, help="as fastsched serve's")
     p.add_argument("--dtype", default="auto", help="as fastsched serve's (default: auto)")
-    p.add_argument("--device", default="auto",
-                   help="cpu, cuda or cuda:N (default: auto, as fastsched serve's)")
+    p.add_argument(
+        "--device", default="auto", help="cpu, cuda or cuda:N (default: auto, as fastsched serve's)"
+    )
     p.add_argument("--attention-backend", default=None, help="as fastsched serve's")
     p.add_argument("--num-threads", type=int, default=None, help="CPU intra-op threads")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
@@ -236,12 +263,23 @@ def run_perplexity(args: argparse.Namespace) -> int:
     engine = {"model": args.model, **{name: getattr(args, name) for name in MODEL_FLAGS}}
     reference = None
     if args.kl_divergence:
-        reference = {**engine, "model": args.reference_model or args.model,
-                     "quantization": args.reference_quantization, "dtype": args.reference_dtype}
+        reference = {
+            **engine,
+            "model": args.reference_model or args.model,
+            "quantization": args.reference_quantization,
+            "dtype": args.reference_dtype,
+        }
     torch.manual_seed(0)
     if args.chunks is not None and args.chunks < 1:
         raise ValueError(f"chunks must be at least 1, got {args.chunks}")
-    report = measure(args.file, args.ctx, engine, reference, decode=args.decode, progress=not args.json,
-                     max_windows=args.chunks)
+    report = measure(
+        args.file,
+        args.ctx,
+        engine,
+        reference,
+        decode=args.decode,
+        progress=not args.json,
+        max_windows=args.chunks,
+    )
     print(json.dumps(asdict(report)) if args.json else report.table(), file=sys.stdout)
     return 0

@@ -36,45 +36,88 @@ from fastsched.units import parse_bytes
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Add the ``plan`` subcommand to ``subparsers`` (with ``func=run_plan``) and return it."""
     p = subparsers.add_parser(
-        "plan", help="size max_num_seqs and the admission limits for a load (no server needed)",
+        "plan",
+        help="size max_num_seqs and the admission limits for a load (no server needed)",
         description="From an arrival rate, mean prompt/output lengths, measured step time and prefill "
-                    "throughput, a TTFT target and the KV memory, compute the concurrency a replica needs "
-                    "(Little's law) and the concurrency its KV pool allows, and recommend --max-num-seqs, "
-                    "--max-num-active-seqs, --max-num-queued-tokens and --max-num-queued-reqs. Exits 1 when "
-                    "no setting can serve the load.",
+        "throughput, a TTFT target and the KV memory, compute the concurrency a replica needs "
+        "(Little's law) and the concurrency its KV pool allows, and recommend --max-num-seqs, "
+        "--max-num-active-seqs, --max-num-queued-tokens and --max-num-queued-reqs. Exits 1 when "
+        "no setting can serve the load.",
     )
     load = p.add_argument_group("load")
-    load.add_argument("--arrival-rate", type=float, required=True,
-                      help="requests per second arriving at the whole server (λ)")
+    load.add_argument(
+        "--arrival-rate",
+        type=float,
+        required=True,
+        help="requests per second arriving at the whole server (λ)",
+    )
     load.add_argument("--prompt-len", type=float, required=True, help="mean prompt length in tokens")
     load.add_argument("--output-len", type=float, required=True, help="mean output length in tokens")
-    load.add_argument("--ttft-slo", type=float, required=True,
-                      help="time-to-first-token target in seconds; sizes the two admission limits")
+    load.add_argument(
+        "--ttft-slo",
+        type=float,
+        required=True,
+        help="time-to-first-token target in seconds; sizes the two admission limits",
+    )
     meas = p.add_argument_group("measured on one replica")
-    meas.add_argument("--decode-step-time", type=float, required=True,
-                      help="seconds per decode step at the expected batch size (t_d; e.g. the mean "
-                           "inter-token latency from `fastsched bench serve`)")
-    meas.add_argument("--prefill-throughput", type=float, required=True,
-                      help="prompt tokens per second one replica prefills under mixed load (T_p; the "
-                           "engine's logged prompt throughput, not an isolated-prefill figure)")
+    meas.add_argument(
+        "--decode-step-time",
+        type=float,
+        required=True,
+        help="seconds per decode step at the expected batch size (t_d; e.g. the mean "
+        "inter-token latency from `fastsched bench serve`)",
+    )
+    meas.add_argument(
+        "--prefill-throughput",
+        type=float,
+        required=True,
+        help="prompt tokens per second one replica prefills under mixed load (T_p; the "
+        "engine's logged prompt throughput, not an isolated-prefill figure)",
+    )
     model = p.add_argument_group("model and KV cache")
-    model.add_argument("--model", default=None,
-                       help="HF checkpoint directory or .gguf file whose config gives layers, KV heads and "
-                            "head dim (default: the embedded SmolLM2-135M-Instruct)")
-    model.add_argument("--dtype", default="bfloat16", choices=list(KV_DTYPE_BYTES),
-                       help="KV cache element type (default: bfloat16, what serve uses on CUDA)")
-    model.add_argument("--kv-memory", type=parse_bytes, required=True,
-                       help="bytes for the KV pool of one replica, after weights and activations; "
-                            "units allowed: 40GiB, 512MiB, 80GB (binary: KiB..TiB, K..T; decimal: KB..TB)")
-    model.add_argument("--block-size", type=int, default=16, help="tokens per KV block (as serve's --block-size)")
+    model.add_argument(
+        "--model",
+        default=None,
+        help="HF checkpoint directory or .gguf file whose config gives layers, KV heads and "
+        "head dim (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    model.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=list(KV_DTYPE_BYTES),
+        help="KV cache element type (default: bfloat16, what serve uses on CUDA)",
+    )
+    model.add_argument(
+        "--kv-memory",
+        type=parse_bytes,
+        required=True,
+        help="bytes for the KV pool of one replica, after weights and activations; "
+        "units allowed: 40GiB, 512MiB, 80GB (binary: KiB..TiB, K..T; decimal: KB..TB)",
+    )
+    model.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV block (as serve's --block-size)"
+    )
     dep = p.add_argument_group("deployment")
-    dep.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                     help="engine replicas (D); each gets λ/D of the load and its own KV pool")
-    dep.add_argument("--api-server-count", type=int, default=1,
-                     help="gRPC frontends (K); max_num_queued_tokens is counted per frontend, so it is split over K")
-    dep.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
-                     help=f"max_num_seqs target as a multiple of the concurrency lower bound "
-                          f"(default: {DEFAULT_HEADROOM})")
+    dep.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine replicas (D); each gets λ/D of the load and its own KV pool",
+    )
+    dep.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="gRPC frontends (K); max_num_queued_tokens is counted per frontend, so it is split over K",
+    )
+    dep.add_argument(
+        "--headroom",
+        type=float,
+        default=DEFAULT_HEADROOM,
+        help=f"max_num_seqs target as a multiple of the concurrency lower bound "
+        f"(default: {DEFAULT_HEADROOM})",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON only (no table)")
     p.set_defaults(func=run_plan)
     return p
@@ -125,40 +168,87 @@ def format_plan(p: Plan) -> str:
     i = p.inputs
     d = i.data_parallel_size
     sections: list[tuple[str, list[tuple[str, str, str]]]] = [
-        (f"load (per replica, D = {d})", [
-            ("arrival rate", f"{p.arrival_rate_per_replica:.4g} req/s", f"λ / D = {i.arrival_rate:g} / {d}"),
-            ("prefill time", f"{p.prefill_time:.4g} s",
-             f"L_prompt / T_p = {i.prompt_len:g} / {i.prefill_throughput:g}"),
-            ("decode time", f"{p.decode_time:.4g} s", f"L_out · t_d = {i.output_len:g} × {i.decode_step_time:g}"),
-            ("service time", f"{p.service_time:.4g} s", "S = prefill + decode"),
-        ]),
-        ("concurrency per replica (Little's law)", [
-            ("decode", f"{p.decode_concurrency:.2f}", "λ/D · L_out · t_d"),
-            ("prefill", f"{p.prefill_concurrency:.2f}", "λ/D · L_prompt / T_p"),
-            ("lower bound", f"{p.concurrency_lower_bound:.2f} → {p.required_seqs}", "decode + prefill, rounded up"),
-        ]),
-        (f"KV cache per replica ({i.dtype}, block size {i.block_size})", [
-            ("per token", format_bytes(p.kv_bytes_per_token),
-             f"2 × {i.num_layers} layers × {i.num_kv_heads} KV heads × {i.head_dim} head dim × {i.dtype_bytes} B"),
-            ("per request", format_bytes(p.kv_bytes_per_request),
-             f"{p.blocks_per_request} blocks for {p.tokens_per_request} tokens (prompt + output)"),
-            ("pool", f"{p.num_kv_blocks} blocks",
-             f"{format_bytes(i.kv_memory)} / {format_bytes(p.kv_bytes_per_block)}"),
-            ("upper bound", f"{p.kv_upper_bound} requests", "pool blocks / blocks per request"),
-        ]),
-        ("recommended settings", [
-            ("--max-num-seqs", _opt(p.max_num_seqs),
-             f"{i.headroom:g} × lower bound, multiple of 8, at most the KV bound"),
-            ("--max-num-active-seqs", _opt(p.max_num_active_seqs), "max_num_seqs, at most the KV bound"),
-            ("--max-num-queued-tokens", str(p.max_num_queued_tokens),
-             f"TTFT × D × T_p / K = {i.ttft_slo:g} × {d} × {i.prefill_throughput:g} / {i.api_server_count}"),
-            ("--max-num-queued-reqs", _opt(p.max_num_queued_reqs),
-             f"D × max_num_active_seqs + λ · TTFT = {d} × {_opt(p.max_num_active_seqs)} + {p.queue_headroom}"),
-        ]),
+        (
+            f"load (per replica, D = {d})",
+            [
+                (
+                    "arrival rate",
+                    f"{p.arrival_rate_per_replica:.4g} req/s",
+                    f"λ / D = {i.arrival_rate:g} / {d}",
+                ),
+                (
+                    "prefill time",
+                    f"{p.prefill_time:.4g} s",
+                    f"L_prompt / T_p = {i.prompt_len:g} / {i.prefill_throughput:g}",
+                ),
+                (
+                    "decode time",
+                    f"{p.decode_time:.4g} s",
+                    f"L_out · t_d = {i.output_len:g} × {i.decode_step_time:g}",
+                ),
+                ("service time", f"{p.service_time:.4g} s", "S = prefill + decode"),
+            ],
+        ),
+        (
+            "concurrency per replica (Little's law)",
+            [
+                ("decode", f"{p.decode_concurrency:.2f}", "λ/D · L_out · t_d"),
+                ("prefill", f"{p.prefill_concurrency:.2f}", "λ/D · L_prompt / T_p"),
+                (
+                    "lower bound",
+                    f"{p.concurrency_lower_bound:.2f} → {p.required_seqs}",
+                    "decode + prefill, rounded up",
+                ),
+            ],
+        ),
+        (
+            f"KV cache per replica ({i.dtype}, block size {i.block_size})",
+            [
+                (
+                    "per token",
+                    format_bytes(p.kv_bytes_per_token),
+                    f"2 × {i.num_layers} layers × {i.num_kv_heads} KV heads × {i.head_dim} head dim × {i.dtype_bytes} B",
+                ),
+                (
+                    "per request",
+                    format_bytes(p.kv_bytes_per_request),
+                    f"{p.blocks_per_request} blocks for {p.tokens_per_request} tokens (prompt + output)",
+                ),
+                (
+                    "pool",
+                    f"{p.num_kv_blocks} blocks",
+                    f"{format_bytes(i.kv_memory)} / {format_bytes(p.kv_bytes_per_block)}",
+                ),
+                ("upper bound", f"{p.kv_upper_bound} requests", "pool blocks / blocks per request"),
+            ],
+        ),
+        (
+            "recommended settings",
+            [
+                (
+                    "--max-num-seqs",
+                    _opt(p.max_num_seqs),
+                    f"{i.headroom:g} × lower bound, multiple of 8, at most the KV bound",
+                ),
+                ("--max-num-active-seqs", _opt(p.max_num_active_seqs), "max_num_seqs, at most the KV bound"),
+                (
+                    "--max-num-queued-tokens",
+                    str(p.max_num_queued_tokens),
+                    f"TTFT × D × T_p / K = {i.ttft_slo:g} × {d} × {i.prefill_throughput:g} / {i.api_server_count}",
+                ),
+                (
+                    "--max-num-queued-reqs",
+                    _opt(p.max_num_queued_reqs),
+                    f"D × max_num_active_seqs + λ · TTFT = {d} × {_opt(p.max_num_active_seqs)} + {p.queue_headroom}",
+                ),
+            ],
+        ),
     ]
     label_w = max(len(r[0]) for _, rows in sections for r in rows) + 4
     value_w = max(len(r[1]) for _, rows in sections for r in rows) + 2
-    lines = [f"fastsched plan: λ = {i.arrival_rate:g} req/s over {d} replica(s), TTFT target {i.ttft_slo:g} s"]
+    lines = [
+        f"fastsched plan: λ = {i.arrival_rate:g} req/s over {d} replica(s), TTFT target {i.ttft_slo:g} s"
+    ]
     for title, rows in sections:
         lines.append("")
         lines.append(title)

@@ -75,10 +75,15 @@ class PlanInputs:
 
     def __post_init__(self) -> None:
         positive = {
-            "arrival_rate": "--arrival-rate", "prompt_len": "--prompt-len", "output_len": "--output-len",
-            "decode_step_time": "--decode-step-time", "prefill_throughput": "--prefill-throughput",
-            "ttft_slo": "--ttft-slo", "kv_memory": "--kv-memory",
-            "num_layers": "--model (num_layers)", "num_kv_heads": "--model (num_kv_heads)",
+            "arrival_rate": "--arrival-rate",
+            "prompt_len": "--prompt-len",
+            "output_len": "--output-len",
+            "decode_step_time": "--decode-step-time",
+            "prefill_throughput": "--prefill-throughput",
+            "ttft_slo": "--ttft-slo",
+            "kv_memory": "--kv-memory",
+            "num_layers": "--model (num_layers)",
+            "num_kv_heads": "--model (num_kv_heads)",
             "head_dim": "--model (head_dim)",
         }
         for name, flag in positive.items():
@@ -87,7 +92,8 @@ class PlanInputs:
             if not number or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{flag} must be a positive number, got {value!r}")
         at_least_one = {
-            "data_parallel_size": "--data-parallel-size", "block_size": "--block-size",
+            "data_parallel_size": "--data-parallel-size",
+            "block_size": "--block-size",
             "api_server_count": "--api-server-count",
         }
         for name, flag in at_least_one.items():
@@ -96,7 +102,9 @@ class PlanInputs:
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}")
         if self.dtype not in KV_DTYPE_BYTES:
             raise ValueError(f"--dtype must be one of {', '.join(KV_DTYPE_BYTES)}, got {self.dtype!r}")
-        if not (isinstance(self.headroom, (int, float)) and math.isfinite(self.headroom) and self.headroom >= 1):
+        if not (
+            isinstance(self.headroom, (int, float)) and math.isfinite(self.headroom) and self.headroom >= 1
+        ):
             raise ValueError(f"--headroom must be at least 1, got {self.headroom!r}")
         if self.max_model_len is not None and self.prompt_len + self.output_len > self.max_model_len:
             raise ValueError(
@@ -135,7 +143,9 @@ class Plan:
     # Verdict.
     status: str  # ok | tight | not servable
     servable: bool
-    min_data_parallel_size: int | None  # fewest replicas whose lower bound fits; None if one request never fits
+    min_data_parallel_size: (
+        int | None
+    )  # fewest replicas whose lower bound fits; None if one request never fits
     max_context_tokens: int  # longest request (prompt + output) whose KV bound still covers required_seqs
     # Recommendations (None when not even one request fits in the KV pool).
     max_num_seqs: int | None
@@ -243,8 +253,17 @@ def plan(inputs: PlanInputs) -> Plan:
             "A3 will admit about one prefill at a time per frontend"
         )
 
-    verdict = _verdict(status, i, lower, required, upper, min_dp, max_context_tokens, with_headroom,
-                       required * blocks_per_req * per_block)
+    verdict = _verdict(
+        status,
+        i,
+        lower,
+        required,
+        upper,
+        min_dp,
+        max_context_tokens,
+        with_headroom,
+        required * blocks_per_req * per_block,
+    )
     return Plan(
         inputs=i,
         arrival_rate_per_replica=rate,
@@ -284,8 +303,17 @@ def format_bytes(n: float) -> str:
     return f"{n:g} B"
 
 
-def _verdict(status: str, i: PlanInputs, lower: float, required: int, upper: int,
-             min_dp: int | None, max_context_tokens: int, with_headroom: int, needed_kv_bytes: int) -> str:
+def _verdict(
+    status: str,
+    i: PlanInputs,
+    lower: float,
+    required: int,
+    upper: int,
+    min_dp: int | None,
+    max_context_tokens: int,
+    with_headroom: int,
+    needed_kv_bytes: int,
+) -> str:
     where = f"per replica (D = {i.data_parallel_size})"
     if status == STATUS_OK:
         return (
@@ -302,7 +330,9 @@ def _verdict(status: str, i: PlanInputs, lower: float, required: int, upper: int
     if min_dp is not None:
         fixes.append(f"add replicas (--data-parallel-size {min_dp} or more)")
     if max_context_tokens >= i.block_size:
-        fixes.append(f"shorten the context to at most {max_context_tokens} tokens per request (prompt + output)")
+        fixes.append(
+            f"shorten the context to at most {max_context_tokens} tokens per request (prompt + output)"
+        )
     fixes.append(f"give each replica at least {format_bytes(needed_kv_bytes)} of KV memory")
     return (
         f"not servable: the concurrency lower bound {lower:.1f} (Little's law) exceeds the KV upper bound "

@@ -37,42 +37,67 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     from fastsched.frontend.cli_args import add_admission_limit_args
 
     p = subparsers.add_parser(
-        "simulate", help="replay a request trace through the real scheduler with a step-cost model (no model run)",
+        "simulate",
+        help="replay a request trace through the real scheduler with a step-cost model (no model run)",
         description="Replay a request trace (a JSONL file, or the Poisson trace `fastsched bench serve` sends) "
-                    "through the real Rust scheduler and the frontend's admission control, on a virtual clock "
-                    "advanced by a step-cost model t_step = a + b*batched_tokens + c*running_reqs (fitted by "
-                    "`fastsched bench fit-step-cost` or `fastsched bench steps`). Reports what bench serve would: "
-                    "TTFT/ITL/TPOT/E2E percentiles, throughput and 503s by reason, plus steps and preemptions. "
-                    "Simulates one engine and one frontend. Engine flags are serve's; those that change only how "
-                    "the model runs (--attention-backend, --gpu-memory-utilization) do not change the result.",
+        "through the real Rust scheduler and the frontend's admission control, on a virtual clock "
+        "advanced by a step-cost model t_step = a + b*batched_tokens + c*running_reqs (fitted by "
+        "`fastsched bench fit-step-cost` or `fastsched bench steps`). Reports what bench serve would: "
+        "TTFT/ITL/TPOT/E2E percentiles, throughput and 503s by reason, plus steps and preemptions. "
+        "Simulates one engine and one frontend. Engine flags are serve's; those that change only how "
+        "the model runs (--attention-backend, --gpu-memory-utilization) do not change the result.",
     )
     # The groups are made first so that --help lists them before the engine's.
     trace = p.add_argument_group("requests (a --trace file, or bench serve's generator)")
     cost = p.add_argument_group("step cost (one of)")
     adm = p.add_argument_group(
         "admission control, as `fastsched serve` (one frontend; --ttft-slo measures the modelled steps, "
-        "and the limit at each run's end is in the engine table)")
+        "and the limit at each run's end is in the engine table)"
+    )
     out = p.add_argument_group("output")
     add_engine_args(p, exclude=SIMULATE_OWN_FLAGS)
-    trace.add_argument("--trace", default=None, metavar="FILE",
-                       help='JSONL, one request a line: {"arrival_time": seconds, "prompt_len": tokens, '
-                            '"output_len": tokens, "priority": int (optional)}; excludes --qps, and --seed then '
-                            'seeds the prompt token ids')
+    trace.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help='JSONL, one request a line: {"arrival_time": seconds, "prompt_len": tokens, '
+        '"output_len": tokens, "priority": int (optional)}; excludes --qps, and --seed then '
+        "seeds the prompt token ids",
+    )
     add_workload_args(trace)
     p.set_defaults(qps=None)  # None: no rate given, so a --trace may be used (1 req/s otherwise)
-    cost.add_argument("--cost-model", default=None, metavar="FILE",
-                      help="JSON with a, b, c in seconds, as `fastsched bench fit-step-cost --out` writes")
-    cost.add_argument("--step-cost", type=float, nargs=3, default=None, metavar=("A", "B", "C"),
-                      help="the coefficients given directly: seconds per step, per batched token, per running request")
+    cost.add_argument(
+        "--cost-model",
+        default=None,
+        metavar="FILE",
+        help="JSON with a, b, c in seconds, as `fastsched bench fit-step-cost --out` writes",
+    )
+    cost.add_argument(
+        "--step-cost",
+        type=float,
+        nargs=3,
+        default=None,
+        metavar=("A", "B", "C"),
+        help="the coefficients given directly: seconds per step, per batched token, per running request",
+    )
     add_admission_limit_args(adm)
-    adm.add_argument("--frontend-latency", type=float, default=0.0, metavar="SECONDS",
-                     help="constant added to every answer's TTFT and E2E: the HTTP/gRPC/ZMQ path that engine steps "
-                          "do not include; measure it as bench serve's p50 TTFT at a load where requests do not "
-                          "queue, minus one prefill step (default: 0)")
+    adm.add_argument(
+        "--frontend-latency",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="constant added to every answer's TTFT and E2E: the HTTP/gRPC/ZMQ path that engine steps "
+        "do not include; measure it as bench serve's p50 TTFT at a load where requests do not "
+        "queue, minus one prefill step (default: 0)",
+    )
     out.add_argument("--out", default=None, metavar="FILE", help="write the report as JSON to FILE")
-    out.add_argument("--step-trace", default=None, metavar="FILE",
-                     help="append one JSON line per simulated step (shape and modelled duration, times on the "
-                          "virtual clock) to FILE, in the engine's --step-trace format")
+    out.add_argument(
+        "--step-trace",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per simulated step (shape and modelled duration, times on the "
+        "virtual clock) to FILE, in the engine's --step-trace format",
+    )
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_simulate)
     return p
@@ -90,9 +115,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     engine = simulated_engine(config)
     tracer = StepTracer(args.step_trace) if args.step_trace else None
     sim = Simulator(
-        engine.scheduler_config, cost,
-        max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
-        ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, frontend_latency=args.frontend_latency, step_tracer=tracer,
+        engine.scheduler_config,
+        cost,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        max_num_queued_tokens=args.max_num_queued_tokens,
+        ttft_slo=args.ttft_slo,
+        tpot_slo=args.tpot_slo,
+        frontend_latency=args.frontend_latency,
+        step_tracer=tracer,
     )
     summaries = []
     for label, qps, trace in traces:
@@ -100,20 +130,27 @@ def run_simulate(args: argparse.Namespace) -> int:
         summary = summarize(qps, run.results, run.duration_s)
         if args.trace is not None:
             summary["qps"] = label  # a trace file has no rate of its own
-        summary.update(num_steps=run.num_steps, num_preemptions=run.num_preemptions,
-                       num_preempted_requests=run.num_preempted_requests, wall_time_s=run.wall_time_s,
-                       prefill_tokens_per_s=run.prefill_tokens_per_s, queued_tokens_limit=run.queued_tokens_limit)
+        summary.update(
+            num_steps=run.num_steps,
+            num_preemptions=run.num_preemptions,
+            num_preempted_requests=run.num_preempted_requests,
+            wall_time_s=run.wall_time_s,
+            prefill_tokens_per_s=run.prefill_tokens_per_s,
+            queued_tokens_limit=run.queued_tokens_limit,
+        )
         summaries.append(summary)
     if tracer is not None:
         tracer.close()
     sc = engine.scheduler_config
-    print(f"\nfastsched simulate: model={config.model or 'SmolLM2-135M-Instruct (embedded)'} "
-          f"num_gpu_blocks={engine.num_gpu_blocks} max_model_len={engine.max_model_len} "
-          f"max_num_seqs={sc.max_num_seqs} max_num_batched_tokens={sc.max_num_batched_tokens}; "
-          f"step cost a={cost.a * 1e3:.4g} ms b={cost.b * 1e6:.4g} us/token c={cost.c * 1e6:.4g} us/request; "
-          f"frontend latency {args.frontend_latency * 1e3:.4g} ms"
-          + (f"; ttft_slo {args.ttft_slo:g} s" if args.ttft_slo is not None else "")
-          + (f"; tpot_slo {args.tpot_slo:g} s" if args.tpot_slo is not None else ""))
+    print(
+        f"\nfastsched simulate: model={config.model or 'SmolLM2-135M-Instruct (embedded)'} "
+        f"num_gpu_blocks={engine.num_gpu_blocks} max_model_len={engine.max_model_len} "
+        f"max_num_seqs={sc.max_num_seqs} max_num_batched_tokens={sc.max_num_batched_tokens}; "
+        f"step cost a={cost.a * 1e3:.4g} ms b={cost.b * 1e6:.4g} us/token c={cost.c * 1e6:.4g} us/request; "
+        f"frontend latency {args.frontend_latency * 1e3:.4g} ms"
+        + (f"; ttft_slo {args.ttft_slo:g} s" if args.ttft_slo is not None else "")
+        + (f"; tpot_slo {args.tpot_slo:g} s" if args.tpot_slo is not None else "")
+    )
     print(format_table(summaries))
     print(format_engine_table(summaries))
     if args.out:
@@ -159,15 +196,34 @@ def format_engine_table(summaries: list[dict[str, Any]]) -> str:
     """The engine's side of each run, which a client cannot see; the prefill throughput
     its meter held at the end, and the TTFT-SLO limit then when --ttft-slo is on."""
     slo = any(s.get("queued_tokens_limit") is not None for s in summaries)
-    header = ["QPS", "steps", "preemptions", "preempted reqs", "prefill tok/s", *(["ttft_slo limit"] * slo),
-              "simulated s", "wall s"]
-    rows = [[str(s["qps"]), str(s["num_steps"]), str(s["num_preemptions"]), str(s["num_preempted_requests"]),
-             "-" if s.get("prefill_tokens_per_s") is None else f"{s['prefill_tokens_per_s']:.0f}",
-             *([str(s.get("queued_tokens_limit"))] * slo),
-             f"{s['duration']:.2f}", f"{s['wall_time_s']:.2f}"] for s in summaries]
+    header = [
+        "QPS",
+        "steps",
+        "preemptions",
+        "preempted reqs",
+        "prefill tok/s",
+        *(["ttft_slo limit"] * slo),
+        "simulated s",
+        "wall s",
+    ]
+    rows = [
+        [
+            str(s["qps"]),
+            str(s["num_steps"]),
+            str(s["num_preemptions"]),
+            str(s["num_preempted_requests"]),
+            "-" if s.get("prefill_tokens_per_s") is None else f"{s['prefill_tokens_per_s']:.0f}",
+            *([str(s.get("queued_tokens_limit"))] * slo),
+            f"{s['duration']:.2f}",
+            f"{s['wall_time_s']:.2f}",
+        ]
+        for s in summaries
+    ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
     lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -198,7 +254,12 @@ def _traces_from_args(args: argparse.Namespace) -> list[tuple[str, float, list[T
         raise ValueError(f"--qps values must be positive, got {rates}")
     ratio = check_range_ratio(args.range_ratio)
     return [
-        (f"qps {q:g}", q, bench_trace(args.num_requests, q, args.prompt_len, args.output_len, args.seed, i,
-                                      token_id_range, ratio))
+        (
+            f"qps {q:g}",
+            q,
+            bench_trace(
+                args.num_requests, q, args.prompt_len, args.output_len, args.seed, i, token_id_range, ratio
+            ),
+        )
         for i, q in enumerate(rates)
     ]

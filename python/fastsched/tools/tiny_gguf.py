@@ -71,8 +71,9 @@ def make_tiny_gguf(
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(add_space_prefix)
-    for name, weights in _random_weights(len(tokens), num_layers, hidden_size, intermediate_size,
-                                         hidden_size // num_heads * num_kv_heads, seed).items():
+    for name, weights in _random_weights(
+        len(tokens), num_layers, hidden_size, intermediate_size, hidden_size // num_heads * num_kv_heads, seed
+    ).items():
         writer.add_tensor(name, weights)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -93,9 +94,13 @@ def _sentencepiece_vocab(num_pieces: int) -> tuple[list[str], list[float], list[
     pieces = merged + characters
     tokens = [UNK, BOS, EOS, *_BYTE_TOKENS, *CONTROL_TOKENS, *USER_DEFINED_TOKENS, *pieces]
     scores = [0.0] * (len(tokens) - len(pieces)) + [-float(rank) for rank in range(len(pieces))]
-    types = ([TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * len(_BYTE_TOKENS)
-             + [TokenType.CONTROL] * len(CONTROL_TOKENS) + [TokenType.USER_DEFINED] * len(USER_DEFINED_TOKENS)
-             + [TokenType.NORMAL] * len(pieces))
+    types = (
+        [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
+        + [TokenType.BYTE] * len(_BYTE_TOKENS)
+        + [TokenType.CONTROL] * len(CONTROL_TOKENS)
+        + [TokenType.USER_DEFINED] * len(USER_DEFINED_TOKENS)
+        + [TokenType.NORMAL] * len(pieces)
+    )
     return tokens, scores, [int(t) for t in types]
 
 

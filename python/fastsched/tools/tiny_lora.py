@@ -36,7 +36,9 @@ def make_tiny_lora(
     (created if needed) for the model in ``base_dir``; same arguments, same bytes."""
     unknown = sorted(set(target_modules) - set(TARGET_MODULES))
     if unknown or not target_modules:
-        raise ValueError(f"target_modules must be a non-empty subset of {list(TARGET_MODULES)}, got {unknown}")
+        raise ValueError(
+            f"target_modules must be a non-empty subset of {list(TARGET_MODULES)}, got {unknown}"
+        )
     if rank < 1:
         raise ValueError(f"rank must be at least 1, got {rank}")
     config = load_model_config(base_dir)
@@ -47,9 +49,12 @@ def make_tiny_lora(
         for module in target_modules:
             in_features, out_features = shapes[module]
             prefix = f"base_model.model.model.layers.{layer}.{'self_attn' if module in _ATTENTION else 'mlp'}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) / math.sqrt(
-                in_features)
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) / math.sqrt(rank)
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(
+                rank, in_features, generator=generator
+            ) / math.sqrt(in_features)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(
+                out_features, rank, generator=generator
+            ) / math.sqrt(rank)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE))

@@ -36,9 +36,22 @@ CHAT_TEMPLATE = (
 
 # Long-lived standard-library modules: a mix of prose (docstrings) and code.
 _CORPUS_FILES = (
-    "argparse.py", "bisect.py", "calendar.py", "dataclasses.py", "difflib.py", "enum.py",
-    "fractions.py", "functools.py", "heapq.py", "json/decoder.py", "json/encoder.py",
-    "queue.py", "random.py", "statistics.py", "string.py", "textwrap.py",
+    "argparse.py",
+    "bisect.py",
+    "calendar.py",
+    "dataclasses.py",
+    "difflib.py",
+    "enum.py",
+    "fractions.py",
+    "functools.py",
+    "heapq.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "queue.py",
+    "random.py",
+    "statistics.py",
+    "string.py",
+    "textwrap.py",
 )
 _CORPUS_BYTES = 400_000
 
@@ -103,14 +116,17 @@ def make_tiny_model(
     config.update(_family_config(architecture, config, sliding_window))
     _write_json(path / "config.json", config)
     _write_json(path / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_ids})
-    _write_json(path / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "model_max_length": max_position_embeddings,
-        "chat_template": CHAT_TEMPLATE,
-    })
+    _write_json(
+        path / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "model_max_length": max_position_embeddings,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
     save_file(_random_weights(config, seed), str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
@@ -120,21 +136,46 @@ def _family_config(architecture: str, base: dict, sliding_window: int) -> dict:
     head_dim = base["head_dim"]
     if architecture == "phi3":
         half = head_dim // 2
-        return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": sliding_window,
-                "original_max_position_embeddings": 1024, "pad_token_id": base["bos_token_id"],
-                "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.25 * i for i in range(half)],
-                                 "long_factor": [2.0 + 0.5 * i for i in range(half)]}}
+        return {
+            "architectures": ["Phi3ForCausalLM"],
+            "model_type": "phi3",
+            "sliding_window": sliding_window,
+            "original_max_position_embeddings": 1024,
+            "pad_token_id": base["bos_token_id"],
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0 + 0.25 * i for i in range(half)],
+                "long_factor": [2.0 + 0.5 * i for i in range(half)],
+            },
+        }
     if architecture == "llama":
         return {}
-    gemma = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
-             "query_pre_attn_scalar": head_dim, "sliding_window": sliding_window, "tie_word_embeddings": True,
-             "rms_norm_eps": 1e-6, "pad_token_id": base["bos_token_id"]}
+    gemma = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": sliding_window,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "pad_token_id": base["bos_token_id"],
+    }
     if architecture == "gemma2":
-        return {**gemma, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
-                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 30.0}
-    return {**gemma, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-            "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-            "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "sliding_window_pattern": 6}
+        return {
+            **gemma,
+            "architectures": ["Gemma2ForCausalLM"],
+            "model_type": "gemma2",
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 30.0,
+        }
+    return {
+        **gemma,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "sliding_window_pattern": 6,
+    }
 
 
 def _train_tokenizer(vocab_size: int) -> tokenizers.Tokenizer:
@@ -195,8 +236,13 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
         if fused:
             weights[prefix + "self_attn.qkv_proj.weight"] = torch.cat([q, k, v])
         else:
-            weights.update({prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
-                            prefix + "self_attn.v_proj.weight": v})
+            weights.update(
+                {
+                    prefix + "self_attn.q_proj.weight": q,
+                    prefix + "self_attn.k_proj.weight": k,
+                    prefix + "self_attn.v_proj.weight": v,
+                }
+            )
         if config["model_type"] == "gemma3_text":
             weights[prefix + "self_attn.q_norm.weight"] = norm(config["head_dim"])
             weights[prefix + "self_attn.k_norm.weight"] = norm(config["head_dim"])

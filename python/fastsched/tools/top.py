@@ -32,20 +32,33 @@ def run_top(args: argparse.Namespace) -> int:
 def add_top_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Add the ``top`` subcommand to ``subparsers`` (with ``func=run_top``) and return it."""
     p = subparsers.add_parser(
-        "top", help="live view of a running server's load, latency and scheduler gates (from /metrics)",
+        "top",
+        help="live view of a running server's load, latency and scheduler gates (from /metrics)",
         description="Poll a running gateway's /metrics and redraw: requests running and waiting, KV cache "
-                    "usage, preemptions, prompt and generation tokens/s, TTFT / queue time / end-to-end "
-                    "p50 and p99 over the last interval, admission rejections/s by reason, and per engine "
-                    "the scheduler gate that stopped its last scan (red when it held requests back). "
-                    "Metrics the server does not export show as '–'. Ctrl-C exits.",
+        "usage, preemptions, prompt and generation tokens/s, TTFT / queue time / end-to-end "
+        "p50 and p99 over the last interval, admission rejections/s by reason, and per engine "
+        "the scheduler gate that stopped its last scan (red when it held requests back). "
+        "Metrics the server does not export show as '–'. Ctrl-C exits.",
     )
     p.add_argument("--url", default=DEFAULT_URL, help=f"the gateway's base URL (default: {DEFAULT_URL})")
-    p.add_argument("--interval", type=float, default=1.0,
-                   help="seconds between scrapes; rates and quantiles cover this window (default: 1.0)")
-    p.add_argument("--once", action="store_true",
-                   help="print one frame (two scrapes --interval apart) and exit; exit 1 if the server "
-                        "cannot be read. Also what happens when stdout is not a terminal")
-    p.add_argument("--iterations", type=int, default=None, metavar="N",
-                   help="on a terminal, stop after N scrapes (default: run until Ctrl-C)")
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        help="seconds between scrapes; rates and quantiles cover this window (default: 1.0)",
+    )
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="print one frame (two scrapes --interval apart) and exit; exit 1 if the server "
+        "cannot be read. Also what happens when stdout is not a terminal",
+    )
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="on a terminal, stop after N scrapes (default: run until Ctrl-C)",
+    )
     p.set_defaults(func=run_top)
     return p

@@ -73,12 +73,15 @@ def _engines(view: TopView) -> Table:
     table.add_column("prefix hits", justify="right")
     for engine, e in view.engines.items():
         prefill = _number(e.prefill_tokens_per_s, ",.0f")
-        hits = _number(None if e.prefix_cache_hit_rate is None else e.prefix_cache_hit_rate * 100, ".1f", " %")
+        hits = _number(
+            None if e.prefix_cache_hit_rate is None else e.prefix_cache_hit_rate * 100, ".1f", " %"
+        )
         if e.last_scan_stop is None:
             table.add_row(engine, MISSING, "no step yet", prefill, hits)
         elif is_limiting(e.last_scan_stop):
-            table.add_row(engine, Text(e.last_scan_stop, style="bold red"), Text("limiting", style="red"), prefill,
-                          hits)
+            table.add_row(
+                engine, Text(e.last_scan_stop, style="bold red"), Text("limiting", style="red"), prefill, hits
+            )
         else:
             table.add_row(engine, Text(e.last_scan_stop, style="green"), "idle", prefill, hits)
     if not view.engines:
@@ -99,22 +102,33 @@ def render_view(url: str, interval: float, view: TopView | None, error: str | No
     table.add_column(style="bold")
     table.add_column()
     kv = None if view.kv_cache_usage is None else view.kv_cache_usage * 100
-    table.add_row("requests", f"running {_number(view.num_requests_running)} · "
-                              f"waiting {_number(view.num_requests_waiting)}")
+    table.add_row(
+        "requests",
+        f"running {_number(view.num_requests_running)} · waiting {_number(view.num_requests_waiting)}",
+    )
     table.add_row("KV cache usage", _number(kv, ".1f", " %"))
-    table.add_row("preemptions", f"{_number(view.num_preemptions)} total · "
-                                 f"{_number(view.preemptions_per_s, ',.1f', '/s')}")
-    table.add_row("throughput", f"prompt {_number(view.prompt_tokens_per_s, ',.1f')} tok/s · "
-                                f"generation {_number(view.generation_tokens_per_s, ',.1f')} tok/s")
+    table.add_row(
+        "preemptions",
+        f"{_number(view.num_preemptions)} total · {_number(view.preemptions_per_s, ',.1f', '/s')}",
+    )
+    table.add_row(
+        "throughput",
+        f"prompt {_number(view.prompt_tokens_per_s, ',.1f')} tok/s · "
+        f"generation {_number(view.generation_tokens_per_s, ',.1f')} tok/s",
+    )
     table.add_row("TTFT", _latency(view.ttft))
     table.add_row("queue time", _latency(view.queue_time))
     table.add_row("e2e latency", _latency(view.e2e_latency))
     table.add_row("rejections/s", _per_second(view.rejections_per_s))
     table.add_row("queued-tokens limit", _number(view.queued_tokens_limit, ",.0f", " tokens"))
     if view.slo_prediction_error_s:  # the goodput valve (--tpot-slo)
-        table.add_row("SLO prediction error", " · ".join(
-            f"{target} {error:.3f} s" for target, error in sorted(view.slo_prediction_error_s.items())
-        ) + " (mean |predicted − measured|)")
+        table.add_row(
+            "SLO prediction error",
+            " · ".join(
+                f"{target} {error:.3f} s" for target, error in sorted(view.slo_prediction_error_s.items())
+            )
+            + " (mean |predicted − measured|)",
+        )
     table.add_row("scan stops/s", _per_second(view.scan_stops_per_s))
     table.add_row("routing/s", _per_second(view.routing_per_s))
     parts += [table, _engines(view)]
@@ -135,7 +149,9 @@ def print_once(client: httpx.Client, url: str, interval: float, console: Console
     return 0
 
 
-def watch(client: httpx.Client, url: str, interval: float, console: Console, iterations: int | None = None) -> None:
+def watch(
+    client: httpx.Client, url: str, interval: float, console: Console, iterations: int | None = None
+) -> None:
     """Redraws a frame after every scrape, ``iterations`` times (None: until interrupted).
     A failed scrape keeps the last view on screen under the error and is retried."""
     metrics_url = url + "/metrics"

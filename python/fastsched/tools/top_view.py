@@ -31,7 +31,9 @@ SCAN_STOPS = PREFIX + "scheduler_scan_stops_total"
 LAST_SCAN_STOP = PREFIX + "scheduler_last_scan_stop"
 QUEUED_TOKENS_LIMIT = PREFIX + "admission_queued_tokens_limit"
 PREFILL_THROUGHPUT = PREFIX + "prefill_throughput_tokens_per_second"
-PREFILL_THROUGHPUT_OLD = PREFIX + "prefill_throughput_tokens_per_s"  # its name before the vLLM-compatible names
+PREFILL_THROUGHPUT_OLD = (
+    PREFIX + "prefill_throughput_tokens_per_s"
+)  # its name before the vLLM-compatible names
 SLO_PREDICTION_ERROR = PREFIX + "slo_prediction_error_seconds"  # the goodput valve's (--tpot-slo)
 ROUTING = PREFIX + "routing_decisions_total"
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"
@@ -163,10 +165,14 @@ def engine_views(snapshot: Snapshot) -> dict[str, EngineView]:
         stops.setdefault(engine, None)
         if s.value == 1:
             stops[engine] = s.labels.get("gate")
-    throughput = snapshot.by_label(PREFILL_THROUGHPUT, "engine") or snapshot.by_label(PREFILL_THROUGHPUT_OLD, "engine")
+    throughput = snapshot.by_label(PREFILL_THROUGHPUT, "engine") or snapshot.by_label(
+        PREFILL_THROUGHPUT_OLD, "engine"
+    )
     queries = snapshot.by_label(PREFIX_CACHE_QUERIES, "engine")
     hits = snapshot.by_label(PREFIX_CACHE_HITS, "engine")
     hit_rates = {engine: hits.get(engine, 0.0) / q for engine, q in queries.items() if q}
     engines = sorted(stops.keys() | throughput.keys(), key=lambda engine: (len(engine), engine))
-    return {engine: EngineView(stops.get(engine), throughput.get(engine), hit_rates.get(engine))
-            for engine in engines}
+    return {
+        engine: EngineView(stops.get(engine), throughput.get(engine), hit_rates.get(engine))
+        for engine in engines
+    }

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from fastsched.sampling_params import SamplingParams
 
 
-
 @dataclass
 class RowState:
     """What the runner needs of a request when it takes a row (the engine keeps it per request)."""

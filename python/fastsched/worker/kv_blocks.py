@@ -30,8 +30,9 @@ def read_blocks(kv_caches: list[torch.Tensor], block_ids: np.ndarray) -> torch.T
     """Blocks of this rank's cache, copied to the CPU: [n, layers, 2 (K, V), block_size, kv_heads, head_dim]."""
     first = kv_caches[0]
     index = torch.from_numpy(block_ids.astype(np.int64)).to(first.device)
-    blocks = torch.empty((len(block_ids), len(kv_caches), 2, *first.shape[2:]), dtype=first.dtype,
-                         device=first.device)
+    blocks = torch.empty(
+        (len(block_ids), len(kv_caches), 2, *first.shape[2:]), dtype=first.dtype, device=first.device
+    )
     for layer, kv in enumerate(kv_caches):
         # Gather, then one strided copy: ~5x faster on CPU than stacking and permuting.
         blocks[:, layer].copy_(kv[:, index].transpose(0, 1))
@@ -63,7 +64,9 @@ class BlockShards:
         self.tp = tp
         self.num_kv_heads = config.num_kv_heads
         self.heads = [kv_heads_of(config, r, tp.size) for r in range(tp.size)]
-        self.width = max(map(len, self.heads))  # every rank's part is padded to it (collectives need one shape)
+        self.width = max(
+            map(len, self.heads)
+        )  # every rank's part is padded to it (collectives need one shape)
         self.dtype = dtype
         self.part_shape = (config.num_layers, 2, block_size, self.width, config.head_dim)  # one block's part
         self.bytes_moved = 0  # bytes that crossed the group to or from rank 0

@@ -36,8 +36,10 @@ def profile_peak_bytes(
     lens = [min(max_model_len, total - start) for start in range(0, total, max_model_len)]
     blocks_per_req = [-(-n // bs) for n in lens]
     num_blocks = sum(blocks_per_req) + 1
-    kv = [torch.empty(2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-          for _ in range(cfg.num_layers)]
+    kv = [
+        torch.empty(2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        for _ in range(cfg.num_layers)
+    ]
     width = max(blocks_per_req)
     tables = torch.zeros(len(lens), width, dtype=torch.int32)
     slots, positions, first = [], [], 1
@@ -59,8 +61,13 @@ def profile_peak_bytes(
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     backend.prepare(metadata)
-    hidden = model(torch.zeros(total, dtype=torch.long, device=device), torch.cat(positions).to(device),
-                   kv, metadata, backend)
+    hidden = model(
+        torch.zeros(total, dtype=torch.long, device=device),
+        torch.cat(positions).to(device),
+        kv,
+        metadata,
+        backend,
+    )
     model.compute_logits(hidden[: min(config.max_num_seqs, total)]).float()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
@@ -70,8 +77,15 @@ def profile_peak_bytes(
     return peak - kv_bytes
 
 
-def kv_pool_blocks(model: torch.nn.Module, backend: AttentionBackend, config: EngineConfig, model_config: ModelConfig,
-                   dtype: torch.dtype, device: torch.device, max_model_len: int) -> int:
+def kv_pool_blocks(
+    model: torch.nn.Module,
+    backend: AttentionBackend,
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> int:
     """The blocks of one rank's KV cache (all of it without tensor parallelism): each rank holds
     every block with its share of the KV heads, so the scheduler sees one pool; where the KV
     heads split unevenly rank 0 holds the most of them, so the pool it sizes fits every rank. On CUDA a
@@ -79,11 +93,16 @@ def kv_pool_blocks(model: torch.nn.Module, backend: AttentionBackend, config: En
     need every rank), so there the memory its weights take stands for the peak."""
     peak = 0
     if device.type == "cuda" and config.num_gpu_blocks is None:
-        peak = profile_peak_bytes(model, backend, config, dtype, device, max_model_len) \
-            if getattr(model, "tp", None) is None else torch.cuda.memory_allocated(device)
+        peak = (
+            profile_peak_bytes(model, backend, config, dtype, device, max_model_len)
+            if getattr(model, "tp", None) is None
+            else torch.cuda.memory_allocated(device)
+        )
     if getattr(model, "tp", None) is not None:
         attn = model.layers[0].self_attn
-        model_config = dataclasses.replace(model_config, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
+        model_config = dataclasses.replace(
+            model_config, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads
+        )
     return determine_num_blocks(config, model_config, dtype, device, max_model_len, peak)
 
 
@@ -153,14 +172,17 @@ def fit_max_model_len(config: EngineConfig, model_max: int, num_blocks: int) -> 
         max_model_len, bound = config.max_model_len, "--max-model-len"
     elif usable_tokens < model_max:
         max_model_len = usable_tokens
-        bound = (f"the KV cache's {usable_tokens} tokens, below the model's context length {model_max}; "
-                 "give the cache more memory for longer requests")
+        bound = (
+            f"the KV cache's {usable_tokens} tokens, below the model's context length {model_max}; "
+            "give the cache more memory for longer requests"
+        )
     else:
         max_model_len = model_max
         bound = f"the model's context length (the KV cache holds {usable_tokens} tokens)"
     logger.info("max_model_len %d: %s", max_model_len, bound)
-    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len,
-                usable_tokens / max_model_len)
+    logger.info(
+        "Maximum concurrency for %d tokens per request: %.2fx", max_model_len, usable_tokens / max_model_len
+    )
     return max_model_len
 
 
@@ -170,5 +192,7 @@ def _warn_gpu_memory_utilization_on_cpu(config: EngineConfig, budget: int) -> No
     if config.gpu_memory_utilization != default:
         logger.warning(
             "--gpu-memory-utilization %g has no effect on CPU: the KV cache takes --kv-cache-memory-bytes "
-            "(%.2f GiB now), as vLLM's CPU backend takes VLLM_CPU_KVCACHE_SPACE", config.gpu_memory_utilization,
-            budget / 2**30)
+            "(%.2f GiB now), as vLLM's CPU backend takes VLLM_CPU_KVCACHE_SPACE",
+            config.gpu_memory_utilization,
+            budget / 2**30,
+        )

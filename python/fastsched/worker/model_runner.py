@@ -24,8 +24,12 @@ from fastsched.distributed.step_channel import READ_BLOCKS, WRITE_BLOCKS, StepCh
 from fastsched.lora.slots import LoRAManager, LoRAMapping
 from fastsched.models.config import ModelConfig
 from fastsched.sample import LogprobsTensors, Sampler, SamplingMetadata, TokenHistories, to_device
-from fastsched.sample.prompt_logprobs import (LogprobsTap, PromptLogprobsPlan, ScoredPrompts,
-                                              compute_prompt_logprobs)
+from fastsched.sample.prompt_logprobs import (
+    LogprobsTap,
+    PromptLogprobsPlan,
+    ScoredPrompts,
+    compute_prompt_logprobs,
+)
 from fastsched.spec_decode import SpecStep, rejection_sample, verification_logprobs
 from fastsched.structured.bitmask import StepBitmask
 from fastsched.worker.input_batch import InputBatch, Reservation, RowState
@@ -144,16 +148,24 @@ class ModelRunner:
         self.step_channel = step_channel
         self.lora = lora
         self.config: ModelConfig = model.config
-        self.block_shards = None if step_channel is None else BlockShards(step_channel.tp, self.config, block_size,
-                                                                         dtype)
+        self.block_shards = (
+            None if step_channel is None else BlockShards(step_channel.tp, self.config, block_size, dtype)
+        )
         self.backend = backend
         self.device = device
         self.block_size = block_size
         cfg = self.config
         # Uninitialised on purpose: attention only reads slots it has written.
         self.kv_caches = [
-            torch.empty(2, num_blocks, block_size, getattr(model, "num_local_kv_heads", cfg.num_kv_heads), cfg.head_dim,
-                        dtype=dtype, device=device)
+            torch.empty(
+                2,
+                num_blocks,
+                block_size,
+                getattr(model, "num_local_kv_heads", cfg.num_kv_heads),
+                cfg.head_dim,
+                dtype=dtype,
+                device=device,
+            )
             for _ in range(cfg.num_layers)
         ]
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, cfg.vocab_size)
@@ -298,10 +310,13 @@ class ModelRunner:
 
         def history(used: np.ndarray) -> TokenHistories:
             end = num_tokens[used] + within[used]
-            return TokenHistories(batch.token_ids[rows[used], : int(end.max())], batch.num_prompt_tokens[rows[used]],
-                                  end)
+            return TokenHistories(
+                batch.token_ids[rows[used], : int(end.max())], batch.num_prompt_tokens[rows[used]], end
+            )
 
-        return batch.sampling.gather(rows, lambda: num_tokens - batch.num_prompt_tokens[rows] + within, history)
+        return batch.sampling.gather(
+            rows, lambda: num_tokens - batch.num_prompt_tokens[rows] + within, history
+        )
 
     def _history(self, sampled_rows: np.ndarray) -> Callable[[np.ndarray], TokenHistories]:
         """The token ids of sampled rows ``used`` for the penalties, written ones only: the
@@ -337,13 +352,26 @@ class ModelRunner:
             input_ids[on_device(step.placeholder_dst)] = self._last_sampled[on_device(step.placeholder_src)]
         metadata = AttentionMetadata.from_host(step, on_device)
         if self.step_channel is not None:
-            self.step_channel.send(StepInputs(input_ids, step.positions, step.slot_mapping, step.query_start_loc,
-                                              step.seq_lens, step.block_tables, step.max_query_len, step.max_seq_len,
-                                              step.logits_indices, step.sampling is not None,
-                                              None if step.lora is None else step.lora.wire))
+            self.step_channel.send(
+                StepInputs(
+                    input_ids,
+                    step.positions,
+                    step.slot_mapping,
+                    step.query_start_loc,
+                    step.seq_lens,
+                    step.block_tables,
+                    step.max_query_len,
+                    step.max_seq_len,
+                    step.logits_indices,
+                    step.sampling is not None,
+                    None if step.lora is None else step.lora.wire,
+                )
+            )
         self.backend.prepare(metadata)
         lora = None if step.lora is None or self.lora is None else self.lora.activate(step.lora)
-        hidden = self.model(input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend, lora)
+        hidden = self.model(
+            input_ids, on_device(step.positions), self.kv_caches, metadata, self.backend, lora
+        )
         pooled = None
         if step.pool_tokens is not None:
             # vLLM's pooling of a generative model served for embeddings: the last token's, L2-normalised.
@@ -351,8 +379,9 @@ class ModelRunner:
             pooled = torch.nn.functional.normalize(last, dim=-1).to("cpu", non_blocking=True)
         prompt_lp = None
         if step.prompt_logprobs is not None:
-            prompt_lp = compute_prompt_logprobs(hidden, step.prompt_logprobs, self.model.compute_logits,
-                                                tap=self.prompt_logprobs_tap)
+            prompt_lp = compute_prompt_logprobs(
+                hidden, step.prompt_logprobs, self.model.compute_logits, tap=self.prompt_logprobs_tap
+            )
         executed = self._sample(step, hidden)
         executed.pooled, executed.prompt_logprobs = pooled, prompt_lp
         if pooled is not None and executed.ready is None and self.device.type != "cpu":
@@ -369,7 +398,9 @@ class ModelRunner:
             return ExecutedStep(step, None, None, None)
         sampling = step.sampling if dev.type == "cpu" else step.sampling.to(dev)
         if len(step.penalty_rows):
-            sampling.add_output_tokens(on_device(step.penalty_rows), self._last_sampled[on_device(step.penalty_src)])
+            sampling.add_output_tokens(
+                on_device(step.penalty_rows), self._last_sampled[on_device(step.penalty_src)]
+            )
         if step.logits_indices is not None:
             hidden = hidden[on_device(step.logits_indices.astype(np.int64))]
         logits = self.model.compute_logits(hidden).float()
@@ -386,7 +417,10 @@ class ModelRunner:
         logprobs = out.logprobs
         if logprobs is not None:
             logprobs = LogprobsTensors(
-                *(getattr(logprobs, f.name).to("cpu", non_blocking=True) for f in dataclasses.fields(logprobs))
+                *(
+                    getattr(logprobs, f.name).to("cpu", non_blocking=True)
+                    for f in dataclasses.fields(logprobs)
+                )
             )
         ready = torch.cuda.Event()
         ready.record()
@@ -404,8 +438,13 @@ class ModelRunner:
             masked = logits[first]
             step.bitmask.apply(masked)
             logits[first] = masked
-        verified = rejection_sample(logits, sampling, on_device(spec.num_drafts), on_device(spec.draft_token_ids),
-                                    generator=self.sampler.generator)
+        verified = rejection_sample(
+            logits,
+            sampling,
+            on_device(spec.num_drafts),
+            on_device(spec.draft_token_ids),
+            generator=self.sampler.generator,
+        )
         logprobs = verification_logprobs(logits, sampling, verified)
         num_sampled = verified.num_accepted + 1
         if self.device.type == "cpu":
@@ -414,7 +453,10 @@ class ModelRunner:
         num_sampled = num_sampled.to("cpu", non_blocking=True)
         if logprobs is not None:
             logprobs = LogprobsTensors(
-                *(getattr(logprobs, f.name).to("cpu", non_blocking=True) for f in dataclasses.fields(logprobs))
+                *(
+                    getattr(logprobs, f.name).to("cpu", non_blocking=True)
+                    for f in dataclasses.fields(logprobs)
+                )
             )
         ready = torch.cuda.Event()
         ready.record()
@@ -434,8 +476,9 @@ class ModelRunner:
     def _fetch(self, executed: ExecutedStep) -> StepResult:
         step = executed.step
         if executed.sampled is None:
-            return StepResult(tokens=np.full(step.num_reqs, -1, dtype=np.int64), sampled_positions=_EMPTY,
-                              logprobs=None)
+            return StepResult(
+                tokens=np.full(step.num_reqs, -1, dtype=np.int64), sampled_positions=_EMPTY, logprobs=None
+            )
         if executed.ready is not None:
             executed.ready.synchronize()
         sampled = executed.sampled.numpy()
@@ -445,8 +488,13 @@ class ModelRunner:
             per_request[step.sampled_positions] = counts
             offsets = np.zeros(step.num_reqs + 1, dtype=np.int64)
             np.cumsum(per_request, out=offsets[1:])
-            return StepResult(tokens=sampled, sampled_positions=step.sampled_positions, logprobs=executed.logprobs,
-                              token_offsets=offsets, num_accepted=counts - 1)
+            return StepResult(
+                tokens=sampled,
+                sampled_positions=step.sampled_positions,
+                logprobs=executed.logprobs,
+                token_offsets=offsets,
+                num_accepted=counts - 1,
+            )
         if len(sampled) == step.num_reqs:  # every request sampled (decodes): the common step
             tokens = sampled
         else:
@@ -464,7 +512,9 @@ class ModelRunner:
         if result.num_accepted is not None:
             self.batch.write_accepted(step.reservation, result.num_accepted + 1, result.tokens)
             return
-        self.batch.write_sampled(step.sampled_handles, step.reservation, result.tokens[step.sampled_positions])
+        self.batch.write_sampled(
+            step.sampled_handles, step.reservation, result.tokens[step.sampled_positions]
+        )
 
     def token_sequences(self, handles: np.ndarray) -> list[np.ndarray]:
         """The tokens (prompt and outputs, all written) of requests holding a row: what a drafter reads."""

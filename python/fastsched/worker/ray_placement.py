@@ -42,8 +42,11 @@ def place_ranks(size: int, use_gpu: bool, strategy: str) -> Placement:
     own_node = ray.get_runtime_context().get_node_id()
     with_rank_0 = strategy.endswith("SPREAD")
     if with_rank_0:
-        group = placement_group([bundle] * size, strategy=strategy,
-                                bundle_label_selector=[{NODE_ID_LABEL_KEY: own_node}] + [{}] * (size - 1))
+        group = placement_group(
+            [bundle] * size,
+            strategy=strategy,
+            bundle_label_selector=[{NODE_ID_LABEL_KEY: own_node}] + [{}] * (size - 1),
+        )
     else:
         group = placement_group([bundle] * (size - 1), strategy=strategy)
     try:
@@ -53,8 +56,10 @@ def place_ranks(size: int, use_gpu: bool, strategy: str) -> Placement:
         if not with_rank_0:
             return Placement(group, list(range(size - 1)), [own_node, *bundle_nodes])
         if bundle_nodes[0] != own_node:  # the label selector is Ray's to honour
-            raise ValueError(f"the {strategy} placement group put rank 0's bundle on node {bundle_nodes[0]}, "
-                             f"not on the engine's node {own_node}")
+            raise ValueError(
+                f"the {strategy} placement group put rank 0's bundle on node {bundle_nodes[0]}, "
+                f"not on the engine's node {own_node}"
+            )
         return Placement(group, list(range(1, size)), bundle_nodes)
     except BaseException:
         remove_placement_group(group)

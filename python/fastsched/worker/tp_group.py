@@ -46,9 +46,15 @@ def _node_ip() -> str:
 class TensorParallelGroup:
     """Ranks 1..N-1 of an engine, and rank 0's :class:`TensorParallel` and :class:`StepChannel`."""
 
-    def __init__(self, spec: Callable[[int, Rendezvous], WorkerSpec], size: int, device: torch.device,
-                 backend: str, execute_model_timeout: float = 0.0,
-                 ray_placement_strategy: str = "PACK") -> None:
+    def __init__(
+        self,
+        spec: Callable[[int, Rendezvous], WorkerSpec],
+        size: int,
+        device: torch.device,
+        backend: str,
+        execute_model_timeout: float = 0.0,
+        ray_placement_strategy: str = "PACK",
+    ) -> None:
         self.size = size
         self.backend = backend
         self.failure: str | None = None
@@ -61,20 +67,29 @@ class TensorParallelGroup:
             self._start_ray(spec, rendezvous, ray_placement_strategy)
         else:
             for rank in range(1, size):
-                proc = subprocess.Popen([sys.executable, "-m", "fastsched.worker.tp_worker"],
-                                        stdin=subprocess.PIPE)
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "fastsched.worker.tp_worker"], stdin=subprocess.PIPE
+                )
                 assert proc.stdin is not None
                 with proc.stdin:
                     proc.stdin.write(spec(rank, rendezvous).to_json().encode())
                 self._procs.append(proc)
             for rank, proc in enumerate(self._procs, start=1):
-                threading.Thread(target=self._watch_process, args=(rank, proc), daemon=True,
-                                 name=f"fastsched-tp-watch-{rank}").start()
+                threading.Thread(
+                    target=self._watch_process,
+                    args=(rank, proc),
+                    daemon=True,
+                    name=f"fastsched-tp-watch-{rank}",
+                ).start()
         self.tp = TensorParallel.join(store, 0, size, device)
         self.channel = StepChannel(self.tp)
         if execute_model_timeout > 0:
-            threading.Thread(target=self._watch_steps, args=(execute_model_timeout,), daemon=True,
-                             name="fastsched-tp-step-watch").start()
+            threading.Thread(
+                target=self._watch_steps,
+                args=(execute_model_timeout,),
+                daemon=True,
+                name="fastsched-tp-step-watch",
+            ).start()
 
     @property
     def pids(self) -> list[int]:
@@ -102,9 +117,11 @@ class TensorParallelGroup:
             since = self.channel.waiting_since
             if since is not None and time.monotonic() - since > timeout:
                 stopped = [pid for pid in self.pids if _stopped(pid)]
-                self.failure = (f"a tensor parallel step waited more than {timeout:g}s for its workers "
-                                f"(--execute-model-timeout): a worker hangs"
-                                + (f"; stopped worker pids {stopped}" if stopped else ""))
+                self.failure = (
+                    f"a tensor parallel step waited more than {timeout:g}s for its workers "
+                    f"(--execute-model-timeout): a worker hangs"
+                    + (f"; stopped worker pids {stopped}" if stopped else "")
+                )
                 logger.error("%s; killing the workers", self.failure)
                 for proc in self._procs:
                     proc.kill()  # rank 0's collective then fails at once
@@ -122,8 +139,9 @@ class TensorParallelGroup:
             self.failure = f"tensor parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
             logger.error("%s", self.failure)
 
-    def _start_ray(self, spec: Callable[[int, Rendezvous], WorkerSpec], rendezvous: Rendezvous,
-                   strategy: str) -> None:
+    def _start_ray(
+        self, spec: Callable[[int, Rendezvous], WorkerSpec], rendezvous: Rendezvous, strategy: str
+    ) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -138,13 +156,15 @@ class TensorParallelGroup:
             worker = spec(rank, rendezvous)
             if use_gpu:
                 worker.device = "cuda:0"  # the actor sees only its own GPU
-            where = PlacementGroupSchedulingStrategy(placement_group=placement.group,
-                                                     placement_group_bundle_index=bundle)
+            where = PlacementGroupSchedulingStrategy(
+                placement_group=placement.group, placement_group_bundle_index=bundle
+            )
             actor = remote.options(scheduling_strategy=where).remote()
             self._actors.append(actor)
             ref = actor.serve.remote(worker)
-            threading.Thread(target=self._watch_actor, args=(rank, ref), daemon=True,
-                             name=f"fastsched-tp-watch-{rank}").start()
+            threading.Thread(
+                target=self._watch_actor, args=(rank, ref), daemon=True, name=f"fastsched-tp-watch-{rank}"
+            ).start()
 
     def _watch_actor(self, rank: int, ref: object) -> None:
         import ray
@@ -188,7 +208,9 @@ class TensorParallelGroup:
         self.tp.leave()
 
 
-def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> TensorParallelGroup:
+def start_tensor_parallel(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> TensorParallelGroup:
     """Starts ranks 1..N-1 of ``config.tensor_parallel_size`` and joins the group as rank 0.
     On CUDA rank ``r`` takes the device ``r`` places after the engine's."""
     base = device.index or 0
@@ -207,11 +229,19 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: tor
             host=rendezvous.host,  # local workers: rank 0's (loopback); Ray actors set their node's
             block_size=config.block_size,
             parent_pid=os.getpid() if config.distributed_executor_backend == "mp" else 0,
-            lora=(config.max_loras, config.max_lora_rank, config.lora_cpu_capacity) if config.enable_lora else None,
+            lora=(config.max_loras, config.max_lora_rank, config.lora_cpu_capacity)
+            if config.enable_lora
+            else None,
         )
 
-    return TensorParallelGroup(spec, config.tensor_parallel_size, device, config.distributed_executor_backend,
-                               config.execute_model_timeout, config.ray_placement_strategy)
+    return TensorParallelGroup(
+        spec,
+        config.tensor_parallel_size,
+        device,
+        config.distributed_executor_backend,
+        config.execute_model_timeout,
+        config.ray_placement_strategy,
+    )
 
 
 def _stopped(pid: int) -> bool:

@@ -28,9 +28,9 @@ from fastsched.distributed.parallel import COLLECTIVE_TIMEOUT, TensorParallel
 from fastsched.distributed.rendezvous import Rendezvous
 from fastsched.distributed.step_channel import READ_BLOCKS, RELOAD, WRITE_BLOCKS, Command, StepChannel
 from fastsched.lora.slots import LoRAManager
-from fastsched.worker.weight_reload import load_checked, swap_in
 from fastsched.model_loader.weights import load_model
 from fastsched.worker.kv_blocks import BlockShards, read_blocks, write_blocks
+from fastsched.worker.weight_reload import load_checked, swap_in
 
 logger = logging.getLogger(__name__)
 
@@ -77,19 +77,44 @@ def serve_rank(spec: WorkerSpec) -> None:
     num_blocks = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(num_blocks, src=0, group=tp.cpu_group)  # rank 0 sizes the one pool the scheduler sees
     cfg = model.config
-    kv_caches = [torch.empty(2, int(num_blocks.item()), spec.block_size, model.num_local_kv_heads, cfg.head_dim,
-                             dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+    kv_caches = [
+        torch.empty(
+            2,
+            int(num_blocks.item()),
+            spec.block_size,
+            model.num_local_kv_heads,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        for _ in range(cfg.num_layers)
+    ]
     lora = None
     if spec.lora is not None:
         max_loras, max_lora_rank, max_cpu_loras = spec.lora
-        lora = LoRAManager(cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-                           device=device, dtype=dtype, kernel="triton" if device.type == "cuda" else "torch", tp=tp)
+        lora = LoRAManager(
+            cfg,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
+            device=device,
+            dtype=dtype,
+            kernel="triton" if device.type == "cuda" else "torch",
+            tp=tp,
+        )
     shards = BlockShards(tp, cfg, spec.block_size, dtype)
     channel = StepChannel(tp)
-    on_device = (lambda a: torch.from_numpy(a).to(device, non_blocking=True)) if device.type == "cuda" \
+    on_device = (
+        (lambda a: torch.from_numpy(a).to(device, non_blocking=True))
+        if device.type == "cuda"
         else torch.from_numpy
-    logger.info("tensor parallel rank %d ready: %d KV blocks of %d KV heads", spec.rank, num_blocks.item(),
-                model.num_local_kv_heads)
+    )
+    logger.info(
+        "tensor parallel rank %d ready: %d KV blocks of %d KV heads",
+        spec.rank,
+        num_blocks.item(),
+        model.num_local_kv_heads,
+    )
     with torch.inference_mode():
         while (step := channel.receive()) is not None:
             if isinstance(step, Command):
@@ -107,17 +132,31 @@ def serve_rank(spec: WorkerSpec) -> None:
     tp.leave()
 
 
-def _run_command(command: Command, spec: WorkerSpec, tp: TensorParallel, channel: StepChannel,
-                 model: torch.nn.Module, kv_caches: list[torch.Tensor], shards: BlockShards) -> None:
+def _run_command(
+    command: Command,
+    spec: WorkerSpec,
+    tp: TensorParallel,
+    channel: StepChannel,
+    model: torch.nn.Module,
+    kv_caches: list[torch.Tensor],
+    shards: BlockShards,
+) -> None:
     """A weight reload (this rank's shards of the new checkpoint, swapped in when every rank
     has its own: ``fastsched.worker.weight_reload``) or the KV connector's gather (save) or
     scatter (load) of whole blocks."""
     if command.kind == RELOAD:
-        new, error = load_checked(command.path, model, dtype=getattr(torch, spec.dtype), device=spec.device,
-                                  quantization=spec.quantization, tp=tp)
+        new, error = load_checked(
+            command.path,
+            model,
+            dtype=getattr(torch, spec.dtype),
+            device=spec.device,
+            quantization=spec.quantization,
+            tp=tp,
+        )
         if error is not None:
-            logger.warning("tensor parallel rank %d: weights from %s not loaded: %s", spec.rank, command.path,
-                           error)
+            logger.warning(
+                "tensor parallel rank %d: weights from %s not loaded: %s", spec.rank, command.path, error
+            )
         if swap_in(model, new, error, channel) is None:
             logger.info("tensor parallel rank %d reloaded weights from %s", spec.rank, command.path)
         return
@@ -142,7 +181,9 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def main() -> int:
     spec = WorkerSpec.from_json(sys.stdin.read())
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {spec.rank}] %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {spec.rank}] %(message)s"
+    )
     if spec.parent_pid:
         _die_with_parent(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C goes to the engine, which stops us

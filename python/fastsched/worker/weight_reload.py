@@ -19,8 +19,15 @@ from fastsched.model_loader.weights import load_model
 from fastsched.models.quant_linear import check_weights_fit, copy_weights
 
 
-def load_checked(path: str, served: nn.Module, *, dtype: torch.dtype, device: torch.device | str,
-                 quantization: str | None, tp: TensorParallel | None) -> tuple[nn.Module | None, str | None]:
+def load_checked(
+    path: str,
+    served: nn.Module,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quantization: str | None,
+    tp: TensorParallel | None,
+) -> tuple[nn.Module | None, str | None]:
     """This rank's shards of checkpoint ``path``, checked to fit ``served``; or (None, why not)."""
     try:
         new = load_model(path, dtype=dtype, device=device, quantization=quantization, tp=tp)
@@ -30,14 +37,18 @@ def load_checked(path: str, served: nn.Module, *, dtype: torch.dtype, device: to
     return new, None
 
 
-def swap_in(served: nn.Module, new: nn.Module | None, error: str | None,
-            channel: StepChannel | None) -> str | None:
+def swap_in(
+    served: nn.Module, new: nn.Module | None, error: str | None, channel: StepChannel | None
+) -> str | None:
     """Copies ``new`` into ``served`` if every rank loaded its shards (``error`` is this rank's
     reason why not); returns None then, else each failed rank's reason. Every rank calls it
     once per reload, after :meth:`StepChannel.send_reload` reached it."""
     errors = [error] if channel is None else channel.reload_vote(error)
-    failed = [e if channel is None else f"tensor parallel rank {rank}: {e}"
-              for rank, e in enumerate(errors) if e is not None]
+    failed = [
+        e if channel is None else f"tensor parallel rank {rank}: {e}"
+        for rank, e in enumerate(errors)
+        if e is not None
+    ]
     if not failed:
         assert new is not None
         copy_weights(served, new)

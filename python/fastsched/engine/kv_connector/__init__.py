@@ -7,10 +7,25 @@
   scheduler starts, reports them back before the next step, saves newly full blocks.
 """
 
-from fastsched.engine.kv_connector.base import BlockContents, BlockLoad, KVConnector, KVConnectorStats, StoreIdentity
+from fastsched.engine.kv_connector.base import (
+    BlockContents,
+    BlockLoad,
+    KVConnector,
+    KVConnectorStats,
+    StoreIdentity,
+)
 from fastsched.engine.kv_connector.identity import store_identity, weights_fingerprint
 from fastsched.engine.kv_connector.shared_storage import SharedStorageConnector
 from fastsched.engine.kv_connector.transfer import KVTransfer
 
-__all__ = ["BlockContents", "BlockLoad", "KVConnector", "KVConnectorStats", "KVTransfer", "SharedStorageConnector",
-           "StoreIdentity", "store_identity", "weights_fingerprint"]
+__all__ = [
+    "BlockContents",
+    "BlockLoad",
+    "KVConnector",
+    "KVConnectorStats",
+    "KVTransfer",
+    "SharedStorageConnector",
+    "StoreIdentity",
+    "store_identity",
+    "weights_fingerprint",
+]

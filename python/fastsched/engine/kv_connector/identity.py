@@ -38,8 +38,11 @@ def weights_fingerprint(path: str | os.PathLike[str]) -> str:
     if root.is_file():
         files = [root]
     else:
-        files = sorted(p for p in root.iterdir()
-                       if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in CONFIG_FILES))
+        files = sorted(
+            p
+            for p in root.iterdir()
+            if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in CONFIG_FILES)
+        )
     if not files:
         raise ValueError(f"no weight files in {root} to fingerprint for the KV store's identity")
     digest = hashlib.sha256()
@@ -62,12 +65,19 @@ def _sample_offsets(size: int) -> list[int]:
     return [round(i * last / (NUM_SAMPLES - 1)) for i in range(NUM_SAMPLES)]
 
 
-def store_identity(model: str | None, model_config: ModelConfig, block_size: int, dtype: torch.dtype,
-                   hash_algo: str) -> StoreIdentity:
+def store_identity(
+    model: str | None, model_config: ModelConfig, block_size: int, dtype: torch.dtype, hash_algo: str
+) -> StoreIdentity:
     """The identity of the served model's blocks. ``model`` (a path, a cached hub id or None
     for the embedded model) names it for people; the fingerprint decides."""
     path = resolve_model_path(model)
-    return StoreIdentity(model=str(path.absolute()), weights=weights_fingerprint(path), block_size=block_size,
-                         dtype=str(dtype).removeprefix("torch."), num_layers=model_config.num_layers,
-                         num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-                         hash_algo=hash_algo)
+    return StoreIdentity(
+        model=str(path.absolute()),
+        weights=weights_fingerprint(path),
+        block_size=block_size,
+        dtype=str(dtype).removeprefix("torch."),
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        hash_algo=hash_algo,
+    )

@@ -84,8 +84,15 @@ class _Pending:
 
 
 class SharedStorageConnector(KVConnector):
-    def __init__(self, identity: StoreIdentity, shared_storage_path: str | os.PathLike[str], *,
-                 max_size: int, load_timeout_s: float, lookup_timeout_s: float) -> None:
+    def __init__(
+        self,
+        identity: StoreIdentity,
+        shared_storage_path: str | os.PathLike[str],
+        *,
+        max_size: int,
+        load_timeout_s: float,
+        lookup_timeout_s: float,
+    ) -> None:
         super().__init__(identity)
         base = Path(shared_storage_path)
         if not base.exists():
@@ -98,7 +105,9 @@ class SharedStorageConnector(KVConnector):
         self.lookup_timeout_s = lookup_timeout_s
         self._key = identity.key.encode()
         self._num_tokens = identity.block_size
-        self._block_bytes = int(np.prod(identity.block_shape)) * torch.empty((), dtype=identity.torch_dtype).element_size()
+        self._block_bytes = (
+            int(np.prod(identity.block_shape)) * torch.empty((), dtype=identity.torch_dtype).element_size()
+        )
         self.file_bytes = _HEADER.size + 4 * self._num_tokens + self._block_bytes
         self._loads = ThreadPoolExecutor(NUM_LOAD_THREADS, thread_name_prefix="fastsched-kv-load")
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="fastsched-kv-lookup")
@@ -129,8 +138,10 @@ class SharedStorageConnector(KVConnector):
             try:
                 n = self._lookup.result(timeout=self.lookup_timeout_s)
             except FutureTimeout:
-                logger.warning("KV store lookup took more than %.3gs (lookup_timeout_s); computing the prompt",
-                               self.lookup_timeout_s)
+                logger.warning(
+                    "KV store lookup took more than %.3gs (lookup_timeout_s); computing the prompt",
+                    self.lookup_timeout_s,
+                )
                 with self._lock:
                     self.stats.lookup_timeouts += 1
         with self._lock:
@@ -175,13 +186,19 @@ class SharedStorageConnector(KVConnector):
             expired = [(load_id, self._pending.pop(load_id)) for load_id in late]
             self.stats.load_timeouts += len(expired)
         if expired:
-            logger.warning("KV store loads %s took more than %.3gs (load_timeout_s); computing their blocks",
-                           late, self.load_timeout_s)
+            logger.warning(
+                "KV store loads %s took more than %.3gs (load_timeout_s); computing their blocks",
+                late,
+                self.load_timeout_s,
+            )
         empty = torch.empty((0, *self.identity.block_shape), dtype=self.identity.torch_dtype)
-        return [BlockLoad(load_id, p.handle, p.block_ids, empty, self.load_timeout_s) for load_id, p in expired]
+        return [
+            BlockLoad(load_id, p.handle, p.block_ids, empty, self.load_timeout_s) for load_id, p in expired
+        ]
 
-    def _load(self, load_id: int, handle: int, block_ids: np.ndarray, expected: BlockContents,
-              deadline: float) -> None:
+    def _load(
+        self, load_id: int, handle: int, block_ids: np.ndarray, expected: BlockContents, deadline: float
+    ) -> None:
         start = time.perf_counter()
         blocks: list[torch.Tensor] = []
         mismatched = 0
@@ -228,8 +245,10 @@ class SharedStorageConnector(KVConnector):
         if key != self._key or stored_hash != block_hash:
             raise CorruptBlockError(f"holds block {stored_hash:016x} of store {key!r}, not {block_hash:016x}")
         if num_tokens != self._num_tokens or nbytes != self._block_bytes:
-            raise CorruptBlockError(f"holds {num_tokens} tokens and {nbytes} bytes of KV, expected "
-                                    f"{self._num_tokens} and {self._block_bytes}")
+            raise CorruptBlockError(
+                f"holds {num_tokens} tokens and {nbytes} bytes of KV, expected "
+                f"{self._num_tokens} and {self._block_bytes}"
+            )
         if zlib.crc32(body) != crc:
             raise CorruptBlockError("checksum mismatch")
         stored_tokens = np.frombuffer(body[: 4 * num_tokens], dtype="<u4")
@@ -279,7 +298,9 @@ class SharedStorageConnector(KVConnector):
             self.stats.blocks_evicted += evicted
             self.stats.save_seconds += time.perf_counter() - start
 
-    def _write_block(self, path: Path, block_hash: int, parent: int, tokens: np.ndarray, block: torch.Tensor) -> None:
+    def _write_block(
+        self, path: Path, block_hash: int, parent: int, tokens: np.ndarray, block: torch.Tensor
+    ) -> None:
         token_bytes = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
         payload = block.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         crc = zlib.crc32(payload, zlib.crc32(token_bytes))
@@ -326,8 +347,11 @@ class SharedStorageConnector(KVConnector):
             evicted += 1
         self._size = total
         if evicted:
-            logger.info("KV store over max_size (%d bytes): deleted the %d least recently used blocks",
-                        self.max_size, evicted)
+            logger.info(
+                "KV store over max_size (%d bytes): deleted the %d least recently used blocks",
+                self.max_size,
+                evicted,
+            )
         return evicted
 
     def close(self) -> None:
@@ -347,8 +371,10 @@ def _private_dir(path: Path) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise ValueError(f"KV store directory {path} is not a directory (a symlink or a file)")
     if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
-        raise ValueError(f"KV store directory {path} belongs to user {st.st_uid}, not to this one "
-                         f"({os.geteuid()}): its blocks cannot be trusted")
+        raise ValueError(
+            f"KV store directory {path} belongs to user {st.st_uid}, not to this one "
+            f"({os.geteuid()}): its blocks cannot be trusted"
+        )
     if stat.S_IMODE(st.st_mode) != DIR_MODE:
         os.chmod(path, DIR_MODE)
 

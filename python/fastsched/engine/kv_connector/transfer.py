@@ -44,15 +44,25 @@ Ordered = Callable[[Callable[[], Any]], "Future[Any] | None"]
 
 def make_connector(config: KVTransferConfig, identity: StoreIdentity) -> KVConnector:
     if config.kv_connector == "SharedStorageConnector":
-        return SharedStorageConnector(identity, config.shared_storage_path, max_size=config.max_size,
-                                      load_timeout_s=config.load_timeout_s,
-                                      lookup_timeout_s=config.lookup_timeout_s)
+        return SharedStorageConnector(
+            identity,
+            config.shared_storage_path,
+            max_size=config.max_size,
+            load_timeout_s=config.load_timeout_s,
+            lookup_timeout_s=config.lookup_timeout_s,
+        )
     raise ValueError(f"kv_transfer_config.kv_connector {config.kv_connector!r} is not implemented")
 
 
 class KVTransfer:
-    def __init__(self, config: KVTransferConfig, connector: KVConnector, scheduler: _core.Scheduler,
-                 runner: ModelRunner, ordered: Ordered) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        connector: KVConnector,
+        scheduler: _core.Scheduler,
+        runner: ModelRunner,
+        ordered: Ordered,
+    ) -> None:
         self.config = config
         self.connector = connector
         self._scheduler = scheduler
@@ -101,8 +111,9 @@ class KVTransfer:
         if not len(block_ids) or not self.config.is_producer:
             return None
         parents, tokens = self._scheduler.cached_block_contents(block_ids)
-        return block_ids, BlockContents(block_hashes.tolist(), parents.tolist(),
-                                       tokens.reshape(len(block_ids), self._block_size))
+        return block_ids, BlockContents(
+            block_hashes.tolist(), parents.tolist(), tokens.reshape(len(block_ids), self._block_size)
+        )
 
     def _expected(self, handle: int, load_hashes: np.ndarray) -> BlockContents:
         """What the blocks of a load must hold: the request's tokens of those blocks, and the

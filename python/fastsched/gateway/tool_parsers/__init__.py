@@ -9,7 +9,9 @@ from fastsched.gateway.tool_parsers.llama3_json import Llama3JsonParser
 from fastsched.gateway.tool_parsers.mistral import MistralParser
 from fastsched.gateway.tool_parsers.pythonic import PythonicParser
 
-PARSERS: dict[str, type] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
+PARSERS: dict[str, type] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+}
 
 
 def get_parser(name: str) -> ToolParser:

@@ -19,7 +19,9 @@ from typing import Protocol
 _DECODER = json.JSONDecoder()
 # A call object whose name comes first, up to the opening brace of its arguments: enough
 # to stream the name and then the arguments as they are written.
-_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+_CALL_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
 ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes/Mistral write the first, Llama 3.x the second
 
 

@@ -88,7 +88,12 @@ def _parse_step(record: dict[str, Any], where: str) -> tuple[float, float, float
     values = []
     for name in STEP_TRACE_FIELDS:
         value = record.get(name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not np.isfinite(value)
+            or value < 0
+        ):
             raise ValueError(f"{where}: field {name!r} must be a number >= 0, got {value!r}")
         values.append(float(value))
     return values[0], values[1], values[2]
@@ -135,11 +140,13 @@ def _subsets(items: Iterable[int]) -> Iterable[tuple[int, ...]]:
 def format_fit(fit: StepCostFit) -> str:
     """Human-readable: the coefficients in the units one reasons in, and the fit's quality."""
     c = fit.cost
-    return "\n".join([
-        f"steps: {fit.num_steps} (mean {fit.mean_duration_s * 1e3:.3f} ms)",
-        f"a = {c.a * 1e3:.4f} ms per step",
-        f"b = {c.b * 1e6:.4f} us per batched token",
-        f"c = {c.c * 1e6:.4f} us per running request",
-        f"R^2 = {fit.r2:.4f}; residuals: std {fit.residual_std_s * 1e3:.4f} ms, "
-        f"p10 {fit.residual_p10_s * 1e3:+.4f} ms, p90 {fit.residual_p90_s * 1e3:+.4f} ms",
-    ])
+    return "\n".join(
+        [
+            f"steps: {fit.num_steps} (mean {fit.mean_duration_s * 1e3:.3f} ms)",
+            f"a = {c.a * 1e3:.4f} ms per step",
+            f"b = {c.b * 1e6:.4f} us per batched token",
+            f"c = {c.c * 1e6:.4f} us per running request",
+            f"R^2 = {fit.r2:.4f}; residuals: std {fit.residual_std_s * 1e3:.4f} ms, "
+            f"p10 {fit.residual_p10_s * 1e3:+.4f} ms, p90 {fit.residual_p90_s * 1e3:+.4f} ms",
+        ]
+    )

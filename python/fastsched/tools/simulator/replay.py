@@ -102,10 +102,15 @@ class Simulator:
         self.max_model_len = scheduler_config.max_model_len
         self.cost = cost
         self.clock = 0.0
-        self.admission = AdmissionController(FrontendSettings(
-            max_num_queued_reqs=max_num_queued_reqs, max_num_queued_tokens=max_num_queued_tokens, ttft_slo=ttft_slo,
-            tpot_slo=tpot_slo,
-        ), clock=lambda: self.clock)
+        self.admission = AdmissionController(
+            FrontendSettings(
+                max_num_queued_reqs=max_num_queued_reqs,
+                max_num_queued_tokens=max_num_queued_tokens,
+                ttft_slo=ttft_slo,
+                tpot_slo=tpot_slo,
+            ),
+            clock=lambda: self.clock,
+        )
         self.prefill_meter = PrefillThroughputMeter()  # the engine's, as EngineCore keeps it
         self.step_time_meter = StepTimeMeter()
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -114,13 +119,16 @@ class Simulator:
         self.step_tracer = step_tracer
         self.num_steps = 0
 
-    def run(self, trace: Sequence[TraceRequest], label: str = "trace", progress: bool = False) -> ReplayResult:
+    def run(
+        self, trace: Sequence[TraceRequest], label: str = "trace", progress: bool = False
+    ) -> ReplayResult:
         """Replays ``trace`` from the current clock until every request is answered; its
         times are relative to the clock when it starts, as bench serve's are to its first send."""
         started = time.perf_counter()
         steps_before = self.num_steps
-        with tqdm(total=len(trace), desc=f"simulating {label}", unit="req", disable=not progress,
-                  file=sys.stderr) as bar:
+        with tqdm(
+            total=len(trace), desc=f"simulating {label}", unit="req", disable=not progress, file=sys.stderr
+        ) as bar:
             replay = _Replay(self, trace, label, bar)
             replay.run()
         preempted = [n for n in replay.preemptions if n > 0]
@@ -184,7 +192,9 @@ class _Replay:
                 continue
             for h in so.preempted.tolist():
                 self.live[h].num_preemptions += 1
-            end = sim.clock + (sim.cost.step_time(so.total_num_scheduled_tokens, so.num_reqs) if so.num_reqs else 0.0)
+            end = sim.clock + (
+                sim.cost.step_time(so.total_num_scheduled_tokens, so.num_reqs) if so.num_reqs else 0.0
+            )
             if sim.step_tracer is not None:
                 self.trace_step(sim.step_tracer, so, end)
             self.arrive(until=end)  # admission sees them before this step's outputs
@@ -197,7 +207,10 @@ class _Replay:
         """One token for each row whose prompt (and recomputed outputs) are now all computed, -1 for a chunk."""
         computed = (so.num_computed_tokens.astype(np.int64) + so.num_scheduled_tokens).tolist()
         return np.array(
-            [SAMPLED_TOKEN if n >= self.live[h].num_tokens else -1 for h, n in zip(so.req_handles.tolist(), computed)],
+            [
+                SAMPLED_TOKEN if n >= self.live[h].num_tokens else -1
+                for h, n in zip(so.req_handles.tolist(), computed)
+            ],
             dtype=np.int64,
         )
 
@@ -211,8 +224,9 @@ class _Replay:
         self.sim.update_ttft_slo_limit()
 
     def trace_step(self, tracer: StepTracer, so: _core.SchedulerOutput, end: float) -> None:
-        prompt_lens = np.array([self.trace[self.live[h].index].prompt_len for h in so.req_handles.tolist()],
-                               dtype=np.int64)
+        prompt_lens = np.array(
+            [self.trace[self.live[h].index].prompt_len for h in so.req_handles.tolist()], dtype=np.int64
+        )
         tracer.on_step(StepShape.of(so, prompt_lens), self.sim.clock, end)
 
     def arrival_clock(self, index: int) -> float:
@@ -225,12 +239,18 @@ class _Replay:
             i = self.arrivals.popleft()
             req, result = self.trace[i], self.results[i]
             if req.prompt_len + req.output_len > sim.max_model_len:
-                self.answer_error(i, 400, "invalid_request",
-                                  f"the prompt ({req.prompt_len} tokens) plus max_tokens ({req.output_len}) is "
-                                  f"longer than max_model_len ({sim.max_model_len})")
+                self.answer_error(
+                    i,
+                    400,
+                    "invalid_request",
+                    f"the prompt ({req.prompt_len} tokens) plus max_tokens ({req.output_len}) is "
+                    f"longer than max_model_len ({sim.max_model_len})",
+                )
                 continue
             try:
-                sim.admission.check_and_charge(self.request_id(i), 1, req.prompt_len, max_tokens=req.output_len)
+                sim.admission.check_and_charge(
+                    self.request_id(i), 1, req.prompt_len, max_tokens=req.output_len
+                )
             except LimitError as e:  # A4: a prompt longer than max_num_queued_tokens
                 self.answer_error(i, 400, "invalid_request", str(e))
                 continue
@@ -247,8 +267,13 @@ class _Replay:
             request_id = self.request_id(i)
             arrival = self.arrival_clock(i)
             handle = sim.scheduler.add_request(
-                request_id, req.prompt_token_ids, req.output_len, eos_token_id=None, ignore_eos=True,
-                priority=req.priority, arrival_time=arrival,
+                request_id,
+                req.prompt_token_ids,
+                req.output_len,
+                eos_token_id=None,
+                ignore_eos=True,
+                priority=req.priority,
+                arrival_time=arrival,
             )
             self.live[handle] = _Live(i, request_id, arrival, req.prompt_len)
         self.admitted.clear()
@@ -286,7 +311,12 @@ class _Replay:
 
     def answer_error(self, index: int, status: int, reason: str, error: str) -> None:
         result = self.results[index]
-        result.status, result.reason, result.error, result.e2e = status, reason, error, self.sim.frontend_latency
+        result.status, result.reason, result.error, result.e2e = (
+            status,
+            reason,
+            error,
+            self.sim.frontend_latency,
+        )
         self.bar.update(1)
 
     def request_id(self, index: int) -> str:

@@ -37,8 +37,9 @@ class TraceRequest:
         return len(self.prompt_token_ids)
 
 
-def load_trace(path: str | os.PathLike[str], seed: int = 0,
-               token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE) -> list[TraceRequest]:
+def load_trace(
+    path: str | os.PathLike[str], seed: int = 0, token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE
+) -> list[TraceRequest]:
     """Reads a JSONL trace; prompts get random token ids (seeded) from ``token_id_range``.
     A bad line is a ``ValueError`` naming the file, the line and the field."""
     rng = random.Random(seed)
@@ -57,7 +58,12 @@ def _parse_request(record: dict[str, Any], where: str) -> tuple[float, int, int,
         if name not in record:
             raise ValueError(f"{where}: missing field {name!r}")
     arrival = record["arrival_time"]
-    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival) or arrival < 0:
+    if (
+        isinstance(arrival, bool)
+        or not isinstance(arrival, (int, float))
+        or not math.isfinite(arrival)
+        or arrival < 0
+    ):
         raise ValueError(f"{where}: field 'arrival_time' must be a number of seconds >= 0, got {arrival!r}")
     for name in ("prompt_len", "output_len"):
         value = record[name]
@@ -69,9 +75,16 @@ def _parse_request(record: dict[str, Any], where: str) -> tuple[float, int, int,
     return float(arrival), record["prompt_len"], record["output_len"], priority
 
 
-def bench_trace(num_requests: int, qps: float, prompt_len: int, output_len: int, seed: int = 0,
-                rate_index: int = 0, token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE,
-                range_ratio: float = DEFAULT_RANGE_RATIO) -> list[TraceRequest]:
+def bench_trace(
+    num_requests: int,
+    qps: float,
+    prompt_len: int,
+    output_len: int,
+    seed: int = 0,
+    rate_index: int = 0,
+    token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE,
+    range_ratio: float = DEFAULT_RANGE_RATIO,
+) -> list[TraceRequest]:
     """The requests ``fastsched bench serve`` sends at its ``rate_index``-th ``--qps`` value."""
     requests = make_requests(num_requests, prompt_len, output_len, seed, token_id_range, range_ratio)
     times = arrival_times(num_requests, qps, seed + 1 + rate_index)  # run_bench's seed per rate
